@@ -1,0 +1,1 @@
+"""The terminal: parse arguments, call the engine/formats/evals, render with rich."""

@@ -1,0 +1,46 @@
+"""The ``cortiq`` console script: one typer app, one module per command."""
+
+from __future__ import annotations
+
+import importlib
+
+import typer
+
+app = typer.Typer(
+    name="cortiq",
+    help="Convert, run and evaluate large language models on the CPU.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode="rich",
+)
+
+# (command name, module in cortiq_cli, function). Each module keeps its own options.
+COMMANDS = [
+    ("convert", "cmd_convert", "convert"),
+    ("import-gguf", "cmd_import_gguf", "import_gguf"),
+    ("inspect", "cmd_inspect", "inspect"),
+    ("verify", "cmd_inspect", "verify"),
+    ("generate", "cmd_generate", "generate"),
+    ("ppl", "cmd_ppl", "ppl"),
+    ("calibrate", "cmd_calibrate", "calibrate"),
+    ("mtp-probe", "cmd_mtp_probe", "mtp_probe"),
+    ("mtp-train", "cmd_mtp_train", "mtp_train"),
+]
+
+for _name, _module, _func in COMMANDS:
+    try:
+        _mod = importlib.import_module(f"cortiq_cli.{_module}")
+    except ModuleNotFoundError as _e:
+        if _e.name != f"cortiq_cli.{_module}":
+            raise
+        continue  # command not built yet
+    app.command(_name)(getattr(_mod, _func))
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

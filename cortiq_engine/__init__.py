@@ -1,0 +1,1 @@
+"""The mmap CPU engine: numbers in, numbers out."""

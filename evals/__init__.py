@@ -1,0 +1,1 @@
+"""Metrics: perplexity, calibration, draft acceptance; and the text sources they read."""

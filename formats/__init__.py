@@ -1,0 +1,1 @@
+"""Bytes on disk: the CMF container, its dtypes, and the checkpoint readers that feed it."""

@@ -1,0 +1,229 @@
+"""Tensor dtypes of CMF and their byte layouts.
+
+Every dtype knows three things: how many bytes a tensor of a shape takes, how to
+encode a float array into those bytes, and how to view the bytes in place (numpy
+arrays over the memory map, no copy). Quantized dtypes are *planar*: each part of
+a block (scales, mins, quants) is stored as its own contiguous array, each part
+starting on a 64-byte boundary, so numpy and numba read them without unpacking.
+
+Layouts (rows = shape[0], cols = product of the rest, nb = cols / 32):
+
+- ``f32``, ``f16``: IEEE little-endian, row-major.
+- ``bf16``: the upper 16 bits of an f32, little-endian uint16, row-major.
+- ``q8`` (llama.cpp Q8_0 semantics): ``d`` f16[rows, nb], then ``qs`` int8[rows, cols];
+  value = d * q. d = max|x| / 127 per block of 32.
+- ``q4`` (llama.cpp Q4_1 semantics): ``d`` f16[rows, nb], ``m`` f16[rows, nb], then
+  ``qs`` uint8[rows, cols/2]; within a block of 32, byte j holds element j in its low
+  nibble and element j+16 in its high nibble; value = d * q + m, q in 0..15.
+- ``u8``: raw bytes (embedded files such as tokenizer.json).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from formats.errors import CortiqError
+
+ALIGN = 64
+QBLOCK = 32
+
+
+def align_up(n: int, a: int = ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+def _rows_cols(shape: tuple[int, ...]) -> tuple[int, int]:
+    if len(shape) == 0:
+        return 1, 1
+    rows = int(shape[0])
+    cols = int(np.prod(shape[1:])) if len(shape) > 1 else 1
+    return rows, cols
+
+
+# ---------------------------------------------------------------- bf16 helpers
+
+def bf16_to_f32(u16: np.ndarray) -> np.ndarray:
+    return (u16.astype(np.uint32) << 16).view(np.float32)
+
+
+def f32_to_bf16(x: np.ndarray) -> np.ndarray:
+    """Round-to-nearest-even, as torch does; NaN stays NaN."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounding = ((u >> 16) & 1) + np.uint32(0x7FFF)
+    out = ((u + rounding) >> 16).astype(np.uint16)
+    nan = np.isnan(x)
+    if nan.any():
+        out[nan] = 0x7FC0
+    return out
+
+
+# ---------------------------------------------------------------- quantizers
+
+def quantize_q8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x: f32[rows, cols] -> (d f16[rows, nb], qs int8[rows, cols])."""
+    rows, cols = x.shape
+    b = x.reshape(rows, cols // QBLOCK, QBLOCK).astype(np.float32)
+    amax = np.abs(b).max(axis=2)
+    d = (amax / 127.0).astype(np.float16)
+    d32 = d.astype(np.float32)
+    inv = np.divide(1.0, d32, out=np.zeros_like(d32), where=d32 != 0)
+    q = np.rint(b * inv[:, :, None]).clip(-127, 127).astype(np.int8)
+    return d, q.reshape(rows, cols)
+
+
+def dequantize_q8(d: np.ndarray, qs: np.ndarray) -> np.ndarray:
+    rows, cols = qs.shape
+    b = qs.reshape(rows, cols // QBLOCK, QBLOCK).astype(np.float32)
+    return (b * d.astype(np.float32)[:, :, None]).reshape(rows, cols)
+
+
+def quantize_q4(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """x: f32[rows, cols] -> (d f16[rows, nb], m f16[rows, nb], qs uint8[rows, cols/2])."""
+    rows, cols = x.shape
+    nb = cols // QBLOCK
+    b = x.reshape(rows, nb, QBLOCK).astype(np.float32)
+    lo = b.min(axis=2)
+    hi = b.max(axis=2)
+    d = ((hi - lo) / 15.0).astype(np.float16)
+    m = lo.astype(np.float16)
+    d32 = d.astype(np.float32)
+    inv = np.divide(1.0, d32, out=np.zeros_like(d32), where=d32 != 0)
+    # Quantize against the f16-rounded min/scale so dequantization sees the same grid.
+    q = np.rint((b - m.astype(np.float32)[:, :, None]) * inv[:, :, None]).clip(0, 15).astype(np.uint8)
+    packed = (q[:, :, :16] | (q[:, :, 16:] << 4)).astype(np.uint8)
+    return d, m, packed.reshape(rows, cols // 2)
+
+
+def dequantize_q4(d: np.ndarray, m: np.ndarray, qs: np.ndarray) -> np.ndarray:
+    rows = qs.shape[0]
+    nb = d.shape[1]
+    p = qs.reshape(rows, nb, 16)
+    q = np.concatenate([p & 0x0F, p >> 4], axis=2).astype(np.float32)
+    out = q * d.astype(np.float32)[:, :, None] + m.astype(np.float32)[:, :, None]
+    return out.reshape(rows, nb * QBLOCK)
+
+
+# ---------------------------------------------------------------- dtype registry
+
+@dataclass(frozen=True)
+class Part:
+    """One planar array inside a tensor blob."""
+
+    name: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape)) * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class DType:
+    name: str
+    quantized: bool
+
+    def parts(self, shape: tuple[int, ...]) -> list[Part]:
+        rows, cols = _rows_cols(shape)
+        n = int(np.prod(shape)) if shape else 1
+        if self.name == "f32":
+            return [Part("data", np.dtype("<f4"), (n,))]
+        if self.name == "f16":
+            return [Part("data", np.dtype("<f2"), (n,))]
+        if self.name == "bf16":
+            return [Part("data", np.dtype("<u2"), (n,))]
+        if self.name == "u8":
+            return [Part("data", np.dtype("u1"), (n,))]
+        nb = cols // QBLOCK
+        if self.name == "q8":
+            return [Part("d", np.dtype("<f2"), (rows, nb)), Part("qs", np.dtype("i1"), (rows, cols))]
+        if self.name == "q4":
+            return [
+                Part("d", np.dtype("<f2"), (rows, nb)),
+                Part("m", np.dtype("<f2"), (rows, nb)),
+                Part("qs", np.dtype("u1"), (rows, cols // 2)),
+            ]
+        raise AssertionError(self.name)
+
+    def nbytes(self, shape: tuple[int, ...]) -> int:
+        """Blob size: parts laid end to end, each padded to ALIGN except the last."""
+        parts = self.parts(shape)
+        total = 0
+        for i, p in enumerate(parts):
+            total += p.nbytes if i == len(parts) - 1 else align_up(p.nbytes)
+        return total
+
+    def supports(self, shape: tuple[int, ...]) -> bool:
+        if not self.quantized:
+            return True
+        rows, cols = _rows_cols(shape)
+        return len(shape) >= 2 and cols % QBLOCK == 0
+
+    def encode(self, x: np.ndarray) -> list[np.ndarray]:
+        """Float array -> the planar arrays to write, in order."""
+        shape = tuple(x.shape)
+        if self.name == "u8":
+            return [np.ascontiguousarray(x, dtype=np.uint8).reshape(-1)]
+        x32 = np.ascontiguousarray(x, dtype=np.float32)
+        if self.name == "f32":
+            return [x32.reshape(-1)]
+        if self.name == "f16":
+            return [x32.astype(np.float16).reshape(-1)]
+        if self.name == "bf16":
+            return [f32_to_bf16(x32).reshape(-1)]
+        if not self.supports(shape):
+            raise CortiqError(f"{self.name} needs a 2-D tensor with columns divisible by {QBLOCK}, got shape {list(shape)}")
+        rows, cols = _rows_cols(shape)
+        x2 = x32.reshape(rows, cols)
+        if self.name == "q8":
+            return list(quantize_q8(x2))
+        return list(quantize_q4(x2))
+
+    def named(self, parts: list[np.ndarray], shape: tuple[int, ...]) -> dict[str, np.ndarray]:
+        """The encoder's ordered parts as the name -> array dict ``decode`` takes."""
+        out = {p.name: a.reshape(p.shape) for p, a in zip(self.parts(shape), parts)}
+        if not self.quantized:
+            out["data"] = out["data"].reshape(shape)
+        return out
+
+    def view(self, buf: memoryview | np.ndarray, offset: int, shape: tuple[int, ...]) -> dict[str, np.ndarray]:
+        """Zero-copy planar arrays over ``buf`` (a uint8 array) starting at ``offset``."""
+        out = {}
+        pos = offset
+        for p in self.parts(shape):
+            count = int(np.prod(p.shape))
+            arr = np.frombuffer(buf, dtype=p.dtype, count=count, offset=pos).reshape(p.shape)
+            out[p.name] = arr
+            pos += align_up(p.nbytes)
+        if not self.quantized:
+            out["data"] = out["data"].reshape(shape)
+        return out
+
+    def decode(self, parts: dict[str, np.ndarray], shape: tuple[int, ...]) -> np.ndarray:
+        """Planar arrays -> f32 array of ``shape`` (a copy)."""
+        if self.name == "f32":
+            return np.array(parts["data"], dtype=np.float32).reshape(shape)
+        if self.name == "f16":
+            return parts["data"].astype(np.float32).reshape(shape)
+        if self.name == "bf16":
+            return bf16_to_f32(parts["data"]).reshape(shape)
+        if self.name == "u8":
+            return np.array(parts["data"]).reshape(shape)
+        if self.name == "q8":
+            return dequantize_q8(parts["d"], parts["qs"]).reshape(shape)
+        return dequantize_q4(parts["d"], parts["m"], parts["qs"]).reshape(shape)
+
+
+DTYPES: dict[str, DType] = {
+    name: DType(name, quantized=name in ("q8", "q4")) for name in ("f32", "f16", "bf16", "q8", "q4", "u8")
+}
+QUANT_CHOICES = ("q8", "q4", "f16", "bf16", "f32")
+
+
+def get_dtype(name: str) -> DType:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise CortiqError(f"unknown dtype {name!r}; known: {', '.join(DTYPES)}") from None
