@@ -11,11 +11,12 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
 from formats.errors import CortiqError
+from formats.quants import bf16_to_f32
 from formats.safetensors_reader import SafetensorsFile
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json", "chat_template.jinja")
@@ -26,6 +27,7 @@ class HFCheckpoint:
     root: Path
     config: dict[str, Any]
     shards: list[Path]
+    origin: str = ""  # what the user named: a folder, a hub repo id
     weight_map: dict[str, Path] = field(default_factory=dict)
     _open: dict[Path, SafetensorsFile] = field(default_factory=dict)
 
@@ -48,6 +50,37 @@ class HFCheckpoint:
         if name not in self.weight_map:
             raise CortiqError(f"{self.root}: missing tensor {name}")
         return self._file(self.weight_map[name]).f32(name)
+
+    def iter_f32_rows(self, name: str, max_elems: int = 1 << 20) -> Iterator[np.ndarray]:
+        """f32[rows, cols] slices of a tensor, releasing consumed pages (see SafetensorsFile)."""
+        if name not in self.weight_map:
+            raise CortiqError(f"{self.root}: missing tensor {name}")
+        return self._file(self.weight_map[name]).iter_f32_rows(name, max_elems)
+
+    def raw(self, name: str) -> np.ndarray:
+        """The tensor in its stored dtype (bf16 as uint16), a view into the map."""
+        if name not in self.weight_map:
+            raise CortiqError(f"{self.root}: missing tensor {name}")
+        return self._file(self.weight_map[name]).raw(name)
+
+    def sample_f32(self, name: str, count: int = 64) -> np.ndarray:
+        """``count`` evenly spaced elements of a tensor as f32 (a cheap content probe)."""
+        flat = self._file(self.weight_map[name]).raw(name).reshape(-1)
+        if flat.size == 0:
+            return np.zeros(0, np.float32)
+        idx = np.linspace(0, flat.size - 1, num=min(count, flat.size)).astype(np.int64)
+        vals = flat[idx]  # a copy
+        # The kernel maps whole neighbourhoods around each touched page: drop them now.
+        self._file(self.weight_map[name]).release(name)
+        if self.source_dtype(name) == "BF16":
+            return bf16_to_f32(vals)
+        return vals.astype(np.float32)
+
+    def release_pages(self) -> None:
+        """Unmap the pages scattered reads (sampling, planning) faulted in, so they do
+        not count against the conversion's memory."""
+        for f in self._open.values():
+            f.release_all()
 
     def close(self) -> None:
         for f in self._open.values():
@@ -79,10 +112,15 @@ def _resolve_hub(repo_id: str) -> Path:
             snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.jinja", "tokenizer*"])
         )
     except Exception as e:  # network errors, missing repos, offline mode: one line for the user
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CortiqError(
-            f"{repo_id!r} is not a local folder and could not be fetched from the hub ({type(e).__name__}: {msg})"
-        ) from None
+        kind = type(e).__name__
+        if kind in ("LocalEntryNotFoundError", "OfflineModeIsEnabled") or "connect" in str(e).lower():
+            reason = "the Hugging Face hub is unreachable (offline?) and it is not in the local cache"
+        elif kind in ("RepositoryNotFoundError", "GatedRepoError", "RevisionNotFoundError"):
+            reason = f"the hub refused it ({kind})"
+        else:
+            lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+            reason = f"{kind}: {lines[0] if lines else 'no details'}"
+        raise CortiqError(f"{repo_id!r} is not a local folder and could not be fetched from the hub: {reason}") from None
 
 
 def looks_like_repo_id(src: str) -> bool:
@@ -91,6 +129,7 @@ def looks_like_repo_id(src: str) -> bool:
 
 
 def open_checkpoint(src: str | os.PathLike) -> HFCheckpoint:
+    origin = str(src)
     root = Path(src)
     if not root.exists():
         if looks_like_repo_id(str(src)):
@@ -98,7 +137,7 @@ def open_checkpoint(src: str | os.PathLike) -> HFCheckpoint:
         else:
             raise CortiqError(f"{src}: no such checkpoint folder")
     if not root.is_dir():
-        raise CortiqError(f"{src}: not a checkpoint folder")
+        raise CortiqError(f"{src}: not a checkpoint folder (expected a folder with config.json, a hub repo id, or a .gguf file)")
     cfg_path = root / "config.json"
     if not cfg_path.is_file():
         raise CortiqError(f"{root}: missing config.json")
@@ -106,6 +145,8 @@ def open_checkpoint(src: str | os.PathLike) -> HFCheckpoint:
         config = json.loads(cfg_path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise CortiqError(f"{cfg_path}: invalid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise CortiqError(f"{cfg_path}: not a JSON object")
     # Multimodal wrappers (Qwen3.5, some MoE releases) nest the LM config.
     if "text_config" in config and "hidden_size" not in config:
         config = {**config["text_config"], "_wrapper_model_type": config.get("model_type")}
@@ -114,7 +155,9 @@ def open_checkpoint(src: str | os.PathLike) -> HFCheckpoint:
     if index.is_file():
         try:
             idx = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
+            if not isinstance(idx, dict):
+                raise TypeError("weight_map is not an object")
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise CortiqError(f"{index}: invalid index ({e})") from None
         for name, shard in idx.items():
             p = root / shard
@@ -126,10 +169,18 @@ def open_checkpoint(src: str | os.PathLike) -> HFCheckpoint:
         shards = sorted(root.glob("*.safetensors"))
     if not shards:
         raise CortiqError(f"{root}: no *.safetensors weights")
-    ck = HFCheckpoint(root=root, config=config, shards=shards)
+    ck = HFCheckpoint(root=root, config=config, shards=shards, origin=origin)
     if not weight_map:
         for s in shards:
             for name in ck._file(s).entries:
+                if name in weight_map:
+                    ck.close()
+                    raise CortiqError(f"{root}: tensor {name} is in both {weight_map[name].name} and {s.name}")
                 weight_map[name] = s
+    else:
+        for name, s in weight_map.items():
+            if name not in ck._file(s).entries:
+                ck.close()
+                raise CortiqError(f"{root}: the index puts {name} in {s.name}, which does not hold it")
     ck.weight_map = weight_map
     return ck

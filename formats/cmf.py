@@ -1,9 +1,10 @@
 """The CMF container: one mmap-able file, a JSON header, tensor blobs, a directory.
 
-Byte layout (all integers little-endian; spec in docs/cmf.md):
+Byte layout (all integers little-endian; the full spec is docs/cmf.md):
 
     0   8  magic  b"CORTIQMF"
-    8   4  u32    format version (FORMAT_VERSION)
+    8   2  u16    format major version (FORMAT_VERSION)
+    10  2  u16    format minor version (FORMAT_MINOR)
     12  4  u32    flags (0; reserved)
     16  8  u64    header offset (always PREAMBLE = 64)
     24  8  u64    header length (bytes of UTF-8 JSON)
@@ -29,7 +30,7 @@ import tempfile
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 
@@ -37,12 +38,16 @@ from formats.errors import CortiqError
 from formats.quants import ALIGN, align_up, get_dtype
 
 MAGIC = b"CORTIQMF"
+# Readers reject a newer major version; a newer minor version only adds things an
+# older reader may ignore (new header keys). See docs/cmf.md, "Versioning".
 FORMAT_VERSION = 1
+FORMAT_MINOR = 0
 PREAMBLE = 64
-_PREAMBLE_FMT = "<8sIIQQQQQQ"
+_PREAMBLE_FMT = "<8sHHIQQQQQQ"
 assert struct.calcsize(_PREAMBLE_FMT) == PREAMBLE
 # Room left after the header JSON for later in-place edits (a calibration temperature).
 HEADER_SLACK = 4096
+_ZEROS = bytes(ALIGN)
 
 
 @dataclass(frozen=True)
@@ -65,19 +70,55 @@ class TensorInfo:
         }
 
 
-def _pack_preamble(hlen: int, data_off: int, dir_off: int, dir_len: int) -> bytes:
-    return struct.pack(_PREAMBLE_FMT, MAGIC, FORMAT_VERSION, 0, PREAMBLE, hlen, data_off, dir_off, dir_len, 0)
+@dataclass(frozen=True)
+class Preamble:
+    major: int
+    minor: int
+    header_offset: int
+    header_length: int
+    data_offset: int
+    dir_offset: int
+    dir_length: int
+
+    def pack(self) -> bytes:
+        return struct.pack(
+            _PREAMBLE_FMT, MAGIC, self.major, self.minor, 0, self.header_offset, self.header_length,
+            self.data_offset, self.dir_offset, self.dir_length, 0,
+        )
+
+
+def _preamble(hlen: int, data_off: int, dir_off: int, dir_len: int) -> bytes:
+    return Preamble(FORMAT_VERSION, FORMAT_MINOR, PREAMBLE, hlen, data_off, dir_off, dir_len).pack()
+
+
+def _header_bytes(header: dict[str, Any]) -> bytes:
+    if not isinstance(header, dict):
+        raise TypeError("a CMF header is a JSON object (dict)")
+    return json.dumps(header, ensure_ascii=False, sort_keys=True).encode("utf-8")
+
+
+def _new_temp(path: Path) -> tuple[int, Path]:
+    """A temporary file beside ``path`` with the permissions a plain ``open`` would give."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    umask = os.umask(0o022)
+    os.umask(umask)
+    os.fchmod(fd, 0o666 & ~umask)  # mkstemp makes 0600 files
+    return fd, Path(tmp)
 
 
 class CmfWriter:
     """Streams tensors into ``path`` through a temporary file in the same folder.
 
     Use as a context manager: on a clean exit the file is renamed into place; on an
-    exception the temporary file is removed and nothing appears under ``path``.
+    exception (Ctrl-C included) the temporary file is removed and nothing appears
+    under ``path``. To publish several files together, call ``seal()`` on each and
+    then ``publish()``.
     """
 
     def __init__(self, path: str | os.PathLike, header: dict[str, Any], *, force: bool = False):
         self.path = Path(path)
+        if self.path.is_dir():
+            raise CortiqError(f"{self.path} is a folder; give a file name such as model.cmf")
         if self.path.exists() and not force:
             raise CortiqError(f"{self.path} exists (use --force to overwrite)")
         if not self.path.parent.is_dir():
@@ -85,45 +126,63 @@ class CmfWriter:
         self.header = header
         self._dir: list[TensorInfo] = []
         self._names: set[str] = set()
-        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
-        self._tmp = Path(tmp)
-        self._f = os.fdopen(fd, "wb")
-        hjson = self._header_bytes(header)
+        self._sealed = False
+        hjson = _header_bytes(header)
         self._data_off = align_up(PREAMBLE + len(hjson) + HEADER_SLACK)
-        self._f.write(b"\0" * self._data_off)
+        fd, self._tmp = _new_temp(self.path)
+        self._f = os.fdopen(fd, "wb")
+        try:
+            self._f.write(b"\0" * self._data_off)
+        except BaseException:
+            self.abort()
+            raise
         self._pos = self._data_off
 
-    @staticmethod
-    def _header_bytes(header: dict[str, Any]) -> bytes:
-        return json.dumps(header, ensure_ascii=False, sort_keys=True).encode("utf-8")
+    @property
+    def tensors(self) -> list[TensorInfo]:
+        return list(self._dir)
 
     def add(self, name: str, dtype: str, array: np.ndarray) -> TensorInfo:
         """Encode ``array`` as ``dtype`` and append it; returns its directory entry."""
         return self.add_encoded(name, dtype, tuple(array.shape), get_dtype(dtype).encode(array))
 
-    def add_encoded(self, name: str, dtype: str, shape: tuple[int, ...], parts: list[np.ndarray]) -> TensorInfo:
-        """Append a tensor already encoded by ``formats.quants`` (its planar parts, in order)."""
+    def add_encoded(
+        self, name: str, dtype: str, shape: tuple[int, ...], parts: list[np.ndarray | Iterable[np.ndarray]]
+    ) -> TensorInfo:
+        """Append a tensor already encoded by ``formats.quants``: its planar parts, in order.
+
+        Each part is an array, or an iterable of arrays whose bytes, concatenated,
+        make the part (so a single-part tensor can be streamed slice by slice).
+        """
+        if self._sealed:
+            raise AssertionError("writer already sealed")
         if name in self._names:
             raise CortiqError(f"duplicate tensor {name!r}")
         dt = get_dtype(dtype)
         shape = tuple(int(s) for s in shape)
+        layout = dt.parts(shape)
+        if len(parts) != len(layout):
+            raise AssertionError(f"{name}: {dtype} has {len(layout)} parts, got {len(parts)}")
         crc = 0
         start = self._pos
-        for i, p in enumerate(parts):
-            raw = memoryview(np.ascontiguousarray(p)).cast("B")
-            self._f.write(raw)
-            crc = zlib.crc32(raw, crc)
-            n = raw.nbytes
-            if i < len(parts) - 1:
-                pad = align_up(n) - n
-                self._f.write(b"\0" * pad)
-                crc = zlib.crc32(b"\0" * pad, crc)
-                n += pad
+        for i, (spec, part) in enumerate(zip(layout, parts)):
+            n = 0
+            for chunk in [part] if isinstance(part, np.ndarray) else part:
+                raw = memoryview(np.ascontiguousarray(chunk)).cast("B")
+                self._f.write(raw)
+                crc = zlib.crc32(raw, crc)
+                n += raw.nbytes
+            if n != spec.nbytes:
+                raise AssertionError(f"{name}: part {spec.name} has {n} bytes, {dtype}{list(shape)} needs {spec.nbytes}")
+            if i < len(layout) - 1:  # parts after the first start aligned too
+                pad = _ZEROS[: align_up(n) - n]
+                self._f.write(pad)
+                crc = zlib.crc32(pad, crc)
+                n += len(pad)
             self._pos += n
         nbytes = self._pos - start
-        assert nbytes == dt.nbytes(shape), (name, nbytes, dt.nbytes(shape))
         pad = align_up(self._pos) - self._pos
-        self._f.write(b"\0" * pad)
+        self._f.write(_ZEROS[:pad])
         self._pos += pad
         info = TensorInfo(name, dtype, shape, start, nbytes, crc)
         self._dir.append(info)
@@ -133,21 +192,35 @@ class CmfWriter:
     def add_bytes(self, name: str, data: bytes) -> TensorInfo:
         return self.add(name, "u8", np.frombuffer(data, dtype=np.uint8))
 
-    def _finish(self) -> None:
+    # ------------------------------------------------------------ finishing
+    def seal(self) -> None:
+        """Write the directory and the final header, flush to disk; not yet visible."""
+        if self._sealed:
+            return
         dir_json = json.dumps([t.to_json() for t in self._dir]).encode("utf-8")
         dir_off = self._pos
         self._f.write(dir_json)
-        hjson = self._header_bytes(self.header)
+        hjson = _header_bytes(self.header)
         if PREAMBLE + len(hjson) > self._data_off:
             raise AssertionError("header grew past its reserved area during conversion")
         self._f.seek(0)
-        self._f.write(_pack_preamble(len(hjson), self._data_off, dir_off, len(dir_json)))
+        self._f.write(_preamble(len(hjson), self._data_off, dir_off, len(dir_json)))
         self._f.write(hjson)
         self._f.write(b" " * (self._data_off - PREAMBLE - len(hjson)))
         self._f.flush()
         os.fsync(self._f.fileno())
         self._f.close()
+        self._sealed = True
+
+    def publish(self) -> None:
+        """Rename the sealed file into place (atomic on one filesystem)."""
+        if not self._sealed:
+            raise AssertionError("seal() before publish()")
         os.replace(self._tmp, self.path)
+
+    def commit(self) -> None:
+        self.seal()
+        self.publish()
 
     def abort(self) -> None:
         if not self._f.closed:
@@ -160,12 +233,46 @@ class CmfWriter:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is None:
             try:
-                self._finish()
+                self.commit()
             except BaseException:
                 self.abort()
                 raise
         else:
             self.abort()
+
+
+def read_preamble(path: Path, f, size: int) -> Preamble:
+    """Parse and sanity-check the fixed 64 bytes; every failure is a one-line CortiqError."""
+    if size < PREAMBLE:
+        raise CortiqError(f"{path}: not a CMF file (only {size} bytes)")
+    magic, major, minor, _flags, hoff, hlen, data_off, dir_off, dir_len, _ = struct.unpack(_PREAMBLE_FMT, f.read(PREAMBLE))
+    if magic != MAGIC:
+        raise CortiqError(f"{path}: not a CMF file (magic {magic!r}, expected {MAGIC!r})")
+    if major > FORMAT_VERSION:
+        raise CortiqError(
+            f"{path}: CMF format version {major}.{minor} is newer than this cortiq reads ({FORMAT_VERSION}.x); upgrade cortiq"
+        )
+    if major < 1:
+        raise CortiqError(f"{path}: bad CMF format version {major}.{minor}")
+    if hoff != PREAMBLE or hoff + hlen > data_off or data_off % ALIGN or dir_off < data_off:
+        raise CortiqError(f"{path}: corrupt CMF preamble")
+    if data_off > size or dir_off + dir_len > size:
+        end = max(data_off, dir_off + dir_len)
+        raise CortiqError(f"{path}: truncated CMF file (needs {end} bytes, has {size})")
+    return Preamble(major, minor, hoff, hlen, data_off, dir_off, dir_len)
+
+
+def _parse_entry(path: Path, e: Any) -> TensorInfo:
+    try:
+        info = TensorInfo(
+            str(e["name"]), str(e["dtype"]), tuple(int(s) for s in e["shape"]),
+            int(e["offset"]), int(e["nbytes"]), int(e["crc32"]),
+        )
+    except (KeyError, TypeError, ValueError):
+        raise CortiqError(f"{path}: corrupt CMF directory entry {str(e)[:80]}") from None
+    if any(s < 0 for s in info.shape):
+        raise CortiqError(f"{path}: tensor {info.name} has a negative dimension")
+    return info
 
 
 class CmfFile:
@@ -180,48 +287,47 @@ class CmfFile:
         if not self.path.is_file():
             raise CortiqError(f"{self.path}: no such file")
         size = self.path.stat().st_size
-        if size < PREAMBLE:
-            raise CortiqError(f"{self.path}: not a CMF file (only {size} bytes)")
         with open(self.path, "rb") as f:
-            pre = f.read(PREAMBLE)
-            magic, version, _flags, hoff, hlen, data_off, dir_off, dir_len, _ = struct.unpack(_PREAMBLE_FMT, pre)
-            if magic != MAGIC:
-                raise CortiqError(f"{self.path}: not a CMF file (magic {magic[:8]!r})")
-            if version > FORMAT_VERSION:
-                raise CortiqError(
-                    f"{self.path}: CMF format version {version} is newer than this cortiq reads ({FORMAT_VERSION}); upgrade cortiq"
-                )
-            if version < 1:
-                raise CortiqError(f"{self.path}: bad CMF format version {version}")
-            if hoff != PREAMBLE or hoff + hlen > data_off or data_off % ALIGN:
-                raise CortiqError(f"{self.path}: corrupt CMF preamble")
-            if dir_off + dir_len > size:
-                raise CortiqError(
-                    f"{self.path}: truncated CMF file (directory ends at byte {dir_off + dir_len}, file has {size})"
-                )
-            f.seek(hoff)
+            pre = read_preamble(self.path, f, size)
+            f.seek(pre.header_offset)
             try:
-                self.header: dict[str, Any] = json.loads(f.read(hlen).decode("utf-8"))
-                f.seek(dir_off)
-                entries = json.loads(f.read(dir_len).decode("utf-8"))
+                header = json.loads(f.read(pre.header_length).decode("utf-8"))
+                f.seek(pre.dir_offset)
+                entries = json.loads(f.read(pre.dir_length).decode("utf-8"))
             except (UnicodeDecodeError, json.JSONDecodeError) as e:
                 raise CortiqError(f"{self.path}: corrupt CMF header or directory ({e})") from None
-        self.version = version
+        if not isinstance(header, dict) or not isinstance(entries, list):
+            raise CortiqError(f"{self.path}: corrupt CMF header or directory (wrong JSON types)")
+        self.header: dict[str, Any] = header
+        self.preamble = pre
+        self.version = pre.major
+        self.minor_version = pre.minor
         self.size = size
-        self.data_offset = data_off
-        self.header_capacity = data_off - PREAMBLE
+        self.data_offset = pre.data_offset
+        self.header_capacity = pre.data_offset - PREAMBLE
         self.tensors: dict[str, TensorInfo] = {}
         for e in entries:
-            info = TensorInfo(e["name"], e["dtype"], tuple(e["shape"]), int(e["offset"]), int(e["nbytes"]), int(e["crc32"]))
+            info = _parse_entry(self.path, e)
             dt = get_dtype(info.dtype)
-            if info.offset < data_off or info.offset + info.nbytes > dir_off:
+            if info.name in self.tensors:
+                raise CortiqError(f"{self.path}: tensor {info.name} appears twice in the directory")
+            if info.offset < pre.data_offset or info.offset + info.nbytes > pre.dir_offset:
                 raise CortiqError(f"{self.path}: tensor {info.name} lies past the end of the data (truncated or corrupt file)")
+            if info.offset % ALIGN:
+                raise CortiqError(f"{self.path}: tensor {info.name} is not {ALIGN}-byte aligned (corrupt file)")
             if info.nbytes != dt.nbytes(info.shape):
                 raise CortiqError(f"{self.path}: tensor {info.name} has {info.nbytes} bytes, its shape needs {dt.nbytes(info.shape)}")
             self.tensors[info.name] = info
+        spans = sorted((t.offset, t.offset + t.nbytes, t.name) for t in self.tensors.values())
+        for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
+            if start < end:
+                raise CortiqError(f"{self.path}: tensors {a} and {b} overlap (corrupt file)")
         with open(self.path, "rb") as f:
             self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         self._buf = np.frombuffer(self._mmap, dtype=np.uint8)
+
+    def __repr__(self) -> str:
+        return f"CmfFile({str(self.path)!r}, {len(self.tensors)} tensors)"
 
     # ------------------------------------------------------------- access
     def __contains__(self, name: str) -> bool:
@@ -252,8 +358,8 @@ class CmfFile:
         return bytes(self._buf[info.offset : info.offset + info.nbytes])
 
     def verify(self) -> Iterator[tuple[TensorInfo, bool]]:
-        """Yield (tensor, checksum ok) for every tensor."""
-        for info in self.tensors.values():
+        """Yield (tensor, checksum ok) for every tensor, in file order."""
+        for info in sorted(self.tensors.values(), key=lambda t: t.offset):
             crc = zlib.crc32(self._buf[info.offset : info.offset + info.nbytes])
             yield info, crc == info.crc32
 
@@ -272,49 +378,60 @@ class CmfFile:
         self.close()
 
 
+def read_header(path: str | os.PathLike) -> dict[str, Any]:
+    """The header of a CMF file (validated like ``CmfFile`` does, without mapping it)."""
+    with CmfFile(path) as f:
+        return f.header
+
+
 def rewrite_header(path: str | os.PathLike, header: dict[str, Any]) -> None:
     """Replace the header JSON of an existing file.
 
     In place when it fits the reserved area (the usual case: a calibration
     temperature); otherwise the whole file is rewritten through a temporary file.
+    Tensor blobs and checksums are untouched either way.
     """
     path = Path(path)
-    old = CmfFile(path)
-    hjson = json.dumps(header, ensure_ascii=False, sort_keys=True).encode("utf-8")
-    data_off, cap = old.data_offset, old.header_capacity
-    with open(path, "rb") as f:
-        pre = struct.unpack(_PREAMBLE_FMT, f.read(PREAMBLE))
-    dir_off, dir_len = pre[6], pre[7]
-    old.close()
+    hjson = _header_bytes(header)
+    with CmfFile(path) as old:
+        pre = old.preamble
+        cap = old.header_capacity
     if len(hjson) <= cap:
         with open(path, "r+b") as f:
-            f.write(_pack_preamble(len(hjson), data_off, dir_off, dir_len))
+            f.write(_preamble(len(hjson), pre.data_offset, pre.dir_offset, pre.dir_length))
             f.write(hjson)
             f.write(b" " * (cap - len(hjson)))
+            f.flush()
+            os.fsync(f.fileno())
         return
     # Grow: shift every blob by a multiple of ALIGN so alignment is kept.
     new_data_off = align_up(PREAMBLE + len(hjson) + HEADER_SLACK)
-    shift = new_data_off - data_off
+    shift = new_data_off - pre.data_offset
     with open(path, "rb") as src:
-        src.seek(dir_off)
-        entries = json.loads(src.read(dir_len))
+        src.seek(pre.dir_offset)
+        entries = json.loads(src.read(pre.dir_length))
         for e in entries:
             e["offset"] += shift
         dir_json = json.dumps(entries).encode("utf-8")
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        fd, tmp = _new_temp(path)
         try:
+            os.fchmod(fd, os.stat(path).st_mode & 0o7777)
             with os.fdopen(fd, "wb") as dst:
-                dst.write(_pack_preamble(len(hjson), new_data_off, dir_off + shift, len(dir_json)))
+                dst.write(_preamble(len(hjson), new_data_off, pre.dir_offset + shift, len(dir_json)))
                 dst.write(hjson)
                 dst.write(b" " * (new_data_off - PREAMBLE - len(hjson)))
-                src.seek(data_off)
-                remaining = dir_off - data_off
+                src.seek(pre.data_offset)
+                remaining = pre.dir_offset - pre.data_offset
                 while remaining:
                     chunk = src.read(min(remaining, 1 << 24))
+                    if not chunk:
+                        raise CortiqError(f"{path}: truncated while rewriting its header")
                     dst.write(chunk)
                     remaining -= len(chunk)
                 dst.write(dir_json)
+                dst.flush()
+                os.fsync(dst.fileno())
             os.replace(tmp, path)
         except BaseException:
-            Path(tmp).unlink(missing_ok=True)
+            tmp.unlink(missing_ok=True)
             raise

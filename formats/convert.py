@@ -1,90 +1,54 @@
 """Checkpoint -> CMF, one tensor at a time.
 
-The converter reads a tensor from the memory-mapped source, picks its dtype from
-the policy, encodes it, measures the quantization error against the source, and
-appends it to the output, so peak memory stays near the largest tensor. MTP draft
-layers go to a sidecar ``OUT.mtp.cmf`` (or stay inline, or are dropped).
+The converter plans the whole conversion first (names, shapes, dtypes, all
+checked against config.json, so bad input fails before a byte is written), then
+streams each tensor from the memory-mapped source in row slices: decode to f32,
+encode to its dtype, measure the error against the source, append to the output.
+Peak memory stays near the largest encoded tensor, not the model. MTP draft layers
+go to a sidecar ``OUT.mtp.cmf`` (or stay inline, or are dropped). Outputs appear
+only when everything succeeded (see ``CmfWriter``).
 """
 
 from __future__ import annotations
 
-import fnmatch
 import hashlib
 import json
+import re
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from formats.arch import ArchConfig, MtpConfig, from_hf_config
-from formats.cmf import CmfWriter
+from formats.arch import LAYER_LINEAR, LAYER_SLIDING, ArchConfig, MtpConfig, from_hf_config
+from formats.cmf import FORMAT_MINOR, FORMAT_VERSION, CmfWriter
 from formats.errors import CortiqError
-from formats.mtp_names import mtp_layer_count, normalize
-from formats.quants import QUANT_CHOICES, get_dtype
+from formats.mtp_names import MTP_PREFIX, mtp_layer_count, normalize
+from formats.policy import QuantPolicy
+from formats.quants import f32_to_bf16, get_dtype, rows_cols
+from formats.safetensors_reader import FLOAT_DTYPES
+from formats.sanitize import sanitize_checkpoint
+from formats.sidecar import ROLE_MODEL, ROLE_SIDECAR, backbone_identity, check_sidecar, sidecar_path
+from formats.tokenizer_header import TOKENIZER_TENSOR, tokenizer_header
+
+__all__ = [
+    "CONVERTER_VERSION", "TOKENIZER_TENSOR", "MTP_MODES", "QuantPolicy", "ConvertReport", "DtypeStats",
+    "convert_checkpoint", "sidecar_path", "check_sidecar", "fingerprint",
+]
 
 CONVERTER_VERSION = "0.1.0"
-TOKENIZER_TENSOR = "__tokenizer__/tokenizer.json"
 MTP_MODES = ("sidecar", "inline", "drop")
-_EMBED_NAMES = ("model.embed_tokens.weight", "lm_head.weight")
+# Elements per streamed slice: bounds the f32 temporaries of one slice to a few MB.
+SLICE_ELEMS = 1 << 20
+_ST_ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}
+_LOSSLESS = {("f32", "F32"), ("f32", "F16"), ("f32", "BF16"), ("f16", "F16"), ("bf16", "BF16")}
+# config.json keys that vary between exports of the same weights.
+_VOLATILE_KEYS = ("transformers_version", "_name_or_path", "torch_dtype", "dtype", "architectures", "_commit_hash")
 
-
-def sidecar_path(out: str | Path) -> Path:
-    out = Path(out)
-    stem = out.name[: -len(".cmf")] if out.name.endswith(".cmf") else out.name
-    return out.with_name(f"{stem}.mtp.cmf")
-
-
-@dataclass
-class QuantPolicy:
-    """Which dtype each tensor gets.
-
-    1-D tensors (norms, biases, sinks) and anything that is not a matrix stay f32;
-    ``keep`` patterns (fnmatch on the CMF name, first match wins) override the
-    default; a quantized dtype that does not fit the shape falls back to f16.
-    With ``q4`` the embeddings and lm_head default to q8, as llama.cpp keeps its
-    output tensor at higher precision.
-    """
-
-    quant: str
-    keep: list[tuple[str, str]] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        if self.quant not in QUANT_CHOICES:
-            raise CortiqError(f"unknown --quant {self.quant!r}; choose one of {', '.join(QUANT_CHOICES)}")
-        for pat, dt in self.keep:
-            if dt not in QUANT_CHOICES:
-                raise CortiqError(f"--keep {pat}={dt}: unknown dtype {dt!r}; choose one of {', '.join(QUANT_CHOICES)}")
-
-    @staticmethod
-    def parse_keep(specs: list[str]) -> list[tuple[str, str]]:
-        out = []
-        for s in specs:
-            if "=" not in s:
-                raise CortiqError(f"--keep {s!r}: expected PATTERN=DTYPE, e.g. 'lm_head.weight=q8'")
-            pat, dt = s.rsplit("=", 1)
-            out.append((pat.strip(), dt.strip()))
-        return out
-
-    def dtype_for(self, name: str, shape: tuple[int, ...]) -> str:
-        if len(shape) < 2:
-            return "f32"
-        chosen = None
-        for pat, dt in self.keep:
-            if fnmatch.fnmatchcase(name, pat):
-                chosen = dt
-                break
-        if chosen is None:
-            chosen = self.quant
-            if self.quant == "q4" and name in _EMBED_NAMES:
-                chosen = "q8"
-            # Routers and gates are tiny and decide discrete choices: keep them exact.
-            if name.endswith((".mlp.gate.weight", ".shared_expert_gate.weight")) or len(shape) > 2:
-                chosen = "f32"
-        if not get_dtype(chosen).supports(shape):
-            chosen = "f16"
-        return chosen
+ProgressFn = Callable[[str, int, int], None]  # (tensor name, source bytes done, source bytes total)
 
 
 @dataclass
@@ -101,6 +65,16 @@ class DtypeStats:
 
 
 @dataclass
+class TensorReport:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    rms_rel_error: float
+    file: str  # "main" | "sidecar"
+
+
+@dataclass
 class ConvertReport:
     output: Path
     sidecar: Path | None
@@ -111,22 +85,36 @@ class ConvertReport:
     seconds: float
     mtp_tensors: int
     fallbacks: list[str]
+    source: str = ""
+    tensors: list[TensorReport] = field(default_factory=list)
+    unused_keep: list[str] = field(default_factory=list)
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.source_bytes / 1e6 / max(self.seconds, 1e-9)
 
     def to_json(self) -> dict[str, Any]:
         return {
             "output": str(self.output),
             "sidecar": str(self.sidecar) if self.sidecar else None,
+            "source": self.source,
             "arch": self.arch.arch,
             "source_bytes": self.source_bytes,
             "output_bytes": self.output_bytes,
             "seconds": self.seconds,
-            "mb_per_s": self.source_bytes / 1e6 / max(self.seconds, 1e-9),
+            "mb_per_s": self.mb_per_s,
             "mtp_tensors": self.mtp_tensors,
             "fallbacks": self.fallbacks,
+            "unused_keep": self.unused_keep,
             "dtypes": {
                 k: {"tensors": v.tensors, "params": v.params, "bytes": v.bytes, "rms_rel_error": v.rms_rel_error}
                 for k, v in self.by_dtype.items()
             },
+            "tensors": [
+                {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "bytes": t.nbytes,
+                 "rms_rel_error": t.rms_rel_error, "file": t.file}
+                for t in self.tensors
+            ],
         }
 
 
@@ -140,49 +128,143 @@ class PlannedTensor:
     mtp: bool
 
 
-def _expected_shapes(arch: ArchConfig) -> dict[str, tuple[int, ...]]:
-    """Shapes the engine relies on, checked before a byte is written."""
-    h, hd, vd = arch.hidden_size, arch.head_dim, arch.v_head_dim
+def _block_shapes(
+    arch: ArchConfig, p: str, layer_type: str, dense_mlp: bool, routed: bool = True
+) -> dict[str, tuple[int, ...]]:
+    """Shapes of one transformer block's tensors that the engine relies on
+    (``routed``: check the MoE tensors of a block without a dense MLP)."""
+    h = arch.hidden_size
+    exp: dict[str, tuple[int, ...]] = {p + "input_layernorm.weight": (h,)}
+    if layer_type == LAYER_LINEAR:
+        if arch.linear_attn is None:
+            return exp
+        exp.update(_linear_attn_shapes(arch, p))
+    else:
+        nh, nkv, d, v = arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.v_head_dim
+        sinks = arch.attention_sinks
+        if layer_type == LAYER_SLIDING and arch.sliding is not None:
+            s = arch.sliding
+            nh, nkv, d, v, sinks = s.num_heads, s.num_kv_heads, s.head_dim, s.v_head_dim, s.sinks
+        exp[p + "self_attn.q_proj.weight"] = (nh * d * (2 if arch.attn_output_gate else 1), h)
+        exp[p + "self_attn.k_proj.weight"] = (nkv * d, h)
+        exp[p + "self_attn.v_proj.weight"] = (nkv * v, h)
+        exp[p + "self_attn.o_proj.weight"] = (h, nh * v)
+        if sinks:
+            exp[p + "self_attn.sinks"] = (nh,)
+    exp[p + "post_attention_layernorm.weight"] = (h,)
+    if routed and not dense_mlp and arch.moe is not None:
+        exp.update(_moe_shapes(arch, p))
+    if dense_mlp:
+        exp[p + "mlp.gate_proj.weight"] = (arch.intermediate_size, h)
+        exp[p + "mlp.up_proj.weight"] = (arch.intermediate_size, h)
+        exp[p + "mlp.down_proj.weight"] = (h, arch.intermediate_size)
+    return exp
+
+
+def _linear_attn_shapes(arch: ArchConfig, p: str) -> dict[str, tuple[int, ...]]:
+    """A Gated DeltaNet token mixer (Qwen3-Next fused projections, Qwen3.5 split ones)."""
+    la, h = arch.linear_attn, arch.hidden_size
+    kd, vd = la.num_key_heads * la.key_head_dim, la.num_value_heads * la.value_head_dim
+    conv = 2 * kd + vd
+    q = p + "linear_attn."
+    exp: dict[str, tuple[int, ...]] = {
+        q + "conv1d.weight": (conv, la.conv_kernel),
+        q + "dt_bias": (la.num_value_heads,),
+        q + "A_log": (la.num_value_heads,),
+        q + "norm.weight": (la.value_head_dim,),
+        q + "out_proj.weight": (h, vd),
+    }
+    if la.fused_projection:
+        exp[q + "in_proj_qkvz.weight"] = (2 * kd + 2 * vd, h)
+        exp[q + "in_proj_ba.weight"] = (2 * la.num_value_heads, h)
+    else:
+        exp[q + "in_proj_qkv.weight"] = (conv, h)
+        exp[q + "in_proj_z.weight"] = (vd, h)
+        exp[q + "in_proj_b.weight"] = (la.num_value_heads, h)
+        exp[q + "in_proj_a.weight"] = (la.num_value_heads, h)
+    return exp
+
+
+def _moe_shapes(arch: ArchConfig, p: str) -> dict[str, tuple[int, ...]]:
+    """A routed-experts FFN: router, per-expert gated MLPs, optional shared expert and bias."""
+    m, h = arch.moe, arch.hidden_size
+    i = m.expert_intermediate_size
+    exp: dict[str, tuple[int, ...]] = {p + "mlp.gate.weight": (m.num_experts, h)}
+    for e in range(m.num_experts):
+        q = f"{p}mlp.experts.{e}."
+        exp[q + "gate_proj.weight"] = (i, h)
+        exp[q + "up_proj.weight"] = (i, h)
+        exp[q + "down_proj.weight"] = (h, i)
+    if m.shared_expert_intermediate_size:
+        si = m.shared_expert_intermediate_size
+        exp[p + "mlp.shared_expert.gate_proj.weight"] = (si, h)
+        exp[p + "mlp.shared_expert.up_proj.weight"] = (si, h)
+        exp[p + "mlp.shared_expert.down_proj.weight"] = (h, si)
+    if m.shared_expert_gate:
+        exp[p + "mlp.shared_expert_gate.weight"] = (1, h)
+    if m.score_bias:
+        exp[p + "mlp.gate.e_score_correction_bias"] = (m.num_experts,)
+    return exp
+
+
+def _expected_shapes(arch: ArchConfig, mtp_layers: list[int]) -> dict[str, tuple[int, ...]]:
+    """Every tensor the engine needs, with its shape, checked before a byte is written."""
+    h = arch.hidden_size
     exp: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (arch.vocab_size, h), "model.norm.weight": (h,)}
     if not arch.tie_word_embeddings:
         exp["lm_head.weight"] = (arch.vocab_size, h)
     for i, lt in enumerate(arch.layer_types):
-        p = f"model.layers.{i}."
-        exp[p + "input_layernorm.weight"] = (h,)
-        if lt == "linear":
+        dense = arch.moe is None or i not in arch.moe.moe_layers
+        exp.update(_block_shapes(arch, f"model.layers.{i}.", lt, dense))
+    for k in mtp_layers:
+        p = f"{MTP_PREFIX}{k}."
+        exp[p + "enorm.weight"] = (h,)
+        exp[p + "hnorm.weight"] = (h,)
+        exp[p + "eh_proj.weight"] = (h, 2 * h)
+        exp[p + "final_layernorm.weight"] = (h,)
+        if arch.arch == "mimo_v2":
+            # MiMo-V2's draft blocks are sliding-window blocks (the trunk's SWA geometry,
+            # sinks) with a dense MLP whose width the engine reads from the tensors.
+            exp.update(_block_shapes(arch, p, LAYER_SLIDING, False, routed=False))
             continue
-        nh, nkv, d, v = arch.num_heads, arch.num_kv_heads, hd, vd
-        if lt == "sliding" and arch.sliding is not None:
-            s = arch.sliding
-            nh, nkv, d, v = s.num_heads, s.num_kv_heads, s.head_dim, s.v_head_dim
-        q_rows = nh * d * (2 if arch.attn_output_gate else 1)
-        exp[p + "self_attn.q_proj.weight"] = (q_rows, h)
-        exp[p + "self_attn.k_proj.weight"] = (nkv * d, h)
-        exp[p + "self_attn.v_proj.weight"] = (nkv * v, h)
-        exp[p + "self_attn.o_proj.weight"] = (h, nh * v)
-        if arch.moe is None or i not in arch.moe.moe_layers:
-            exp[p + "mlp.gate_proj.weight"] = (arch.intermediate_size, h)
-            exp[p + "mlp.up_proj.weight"] = (arch.intermediate_size, h)
-            exp[p + "mlp.down_proj.weight"] = (h, arch.intermediate_size)
+        # The draft block is a full-attention block of the trunk's geometry.
+        exp.update(_block_shapes(arch, p, "full", arch.moe is None, routed=False))
     return exp
 
 
-def _plan(ck_names: list[str], shapes: Callable[[str], tuple[int, ...]], config: dict[str, Any], arch: ArchConfig) -> list[PlannedTensor]:
-    plan = []
-    for src in ck_names:
+def _plan(ck, arch: ArchConfig, check_mtp: bool = True) -> list[PlannedTensor]:
+    plan: list[PlannedTensor] = []
+    for src in ck.names():
         if src.endswith("rotary_emb.inv_freq"):
             continue  # a cache, recomputed by the engine
-        name, is_mtp = normalize(src, config)
+        name, is_mtp = normalize(src, ck.config)
         if name is None:
             continue
-        plan.append(PlannedTensor(src, name, tuple(shapes(src)), is_mtp))
+        plan.append(PlannedTensor(src, name, tuple(ck.shape(src)), is_mtp))
+    names = [p.name for p in plan]
+    if len(set(names)) != len(names):
+        dup = next(n for n in names if names.count(n) > 1)
+        raise CortiqError(f"two checkpoint tensors map to {dup}")
     have = {p.name: p.shape for p in plan}
     if arch.tie_word_embeddings and "lm_head.weight" in have:
         # Some tied checkpoints still ship a copy of the embedding as lm_head.
         plan = [p for p in plan if p.name != "lm_head.weight"]
     if not arch.tie_word_embeddings and "lm_head.weight" not in have and "model.embed_tokens.weight" in have:
         arch.tie_word_embeddings = True  # no lm_head in the checkpoint: it is tied
-    for name, shape in _expected_shapes(arch).items():
+    for p in plan:
+        m = re.match(r"model\.layers\.(\d+)\.", p.name)
+        if m and int(m.group(1)) >= arch.num_layers:
+            raise CortiqError(
+                f"checkpoint has tensor {p.source} but config.json says num_hidden_layers={arch.num_layers} "
+                "(MTP layers need num_nextn_predict_layers)"
+            )
+        dt = ck.source_dtype(p.source)
+        if dt not in FLOAT_DTYPES:
+            raise CortiqError(f"tensor {p.source} has dtype {dt}; cortiq reads F32, F16 and BF16 checkpoints")
+    mtp_layers = sorted({int(p.name.split(".")[3]) for p in plan if p.mtp})
+    if check_mtp and mtp_layers and mtp_layers != list(range(len(mtp_layers))):
+        raise CortiqError(f"MTP layers {mtp_layers} are not numbered 0..{len(mtp_layers) - 1}")
+    for name, shape in _expected_shapes(arch, mtp_layers if check_mtp else []).items():
         if name not in have:
             raise CortiqError(f"checkpoint is missing tensor {name}")
         if tuple(have[name]) != tuple(shape):
@@ -190,66 +272,28 @@ def _plan(ck_names: list[str], shapes: Callable[[str], tuple[int, ...]], config:
     return plan
 
 
-def fingerprint(config: dict[str, Any], plan: list[PlannedTensor]) -> str:
-    """Identity of a backbone: its config and the names/shapes of its trunk tensors."""
-    h = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
-    for p in plan:
-        if not p.mtp:
-            h.update(f"{p.name}:{p.shape}".encode())
+def _mtp_style(config: dict[str, Any], plan: list[PlannedTensor]) -> str:
+    mt = str(config.get("_wrapper_model_type") or config.get("model_type", ""))
+    if mt.startswith("mimo") or any(p.source.startswith(MTP_PREFIX) for p in plan):
+        return "mimo"
+    if mt.startswith(("qwen3_next", "qwen3_5")) or any(p.source.startswith("mtp.") for p in plan):
+        return "qwen3_next"
+    return "deepseek"
+
+
+def fingerprint(ck, plan: list[PlannedTensor]) -> str:
+    """Identity of a backbone: its config, its trunk tensors' names and shapes, and a
+    sample of their values (so two fine-tunes of one base differ). Independent of the
+    output dtype and of whether the source was saved as f32 or bf16."""
+    cfg = {k: v for k, v in ck.config.items() if k not in _VOLATILE_KEYS}
+    h = hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode())
+    for p in sorted((p for p in plan if not p.mtp), key=lambda p: p.name):
+        h.update(f"{p.name}:{list(p.shape)};".encode())
+        h.update(f32_to_bf16(ck.sample_f32(p.source)).tobytes())
     return h.hexdigest()[:16]
 
 
-def _tokenizer_header(ck) -> tuple[dict[str, Any], bytes]:
-    tok_json = ck.read_text("tokenizer.json")
-    if tok_json is None:
-        raise CortiqError(f"{ck.root}: missing tokenizer.json (cortiq embeds the tokenizer in the CMF file)")
-    tcfg = ck.read_json("tokenizer_config.json") or {}
-    gen = ck.read_json("generation_config.json") or {}
-    vocab = json.loads(tok_json)
-    added = {t["content"]: t["id"] for t in vocab.get("added_tokens", [])}
-    model_vocab = (vocab.get("model") or {}).get("vocab") or {}
-
-    def tid(tok: Any) -> int | None:
-        if isinstance(tok, dict):
-            tok = tok.get("content")
-        if tok is None:
-            return None
-        if tok in added:
-            return added[tok]
-        if isinstance(model_vocab, dict):
-            return model_vocab.get(tok)
-        return None
-
-    eos: list[int] = []
-    for src in (gen.get("eos_token_id"), ck.config.get("eos_token_id"), tid(tcfg.get("eos_token"))):
-        for e in src if isinstance(src, list) else [src]:
-            if isinstance(e, int) and e not in eos:
-                eos.append(e)
-    bos = gen.get("bos_token_id", ck.config.get("bos_token_id"))
-    if bos is None:
-        bos = tid(tcfg.get("bos_token"))
-    chat = tcfg.get("chat_template")
-    if chat is None:
-        chat = ck.read_text("chat_template.jinja")
-    if isinstance(chat, list):  # named templates: keep the default
-        chat = next((c["template"] for c in chat if c.get("name") == "default"), chat[0]["template"])
-    header = {
-        "tensor": TOKENIZER_TENSOR,
-        "bos_token_id": bos,
-        "eos_token_ids": eos,
-        "pad_token_id": gen.get("pad_token_id", ck.config.get("pad_token_id")),
-        "add_bos_token": bool(tcfg.get("add_bos_token", False)),
-        "chat_template": chat,
-        "bos_token": tcfg.get("bos_token") if isinstance(tcfg.get("bos_token"), str) else None,
-        "eos_token": tcfg.get("eos_token") if isinstance(tcfg.get("eos_token"), str) else None,
-    }
-    return header, tok_json.encode("utf-8")
-
-
 # ------------------------------------------------------------------ convert
-
-ProgressFn = Callable[[str, int, int], None]  # (tensor name, bytes done, bytes total)
-
 
 def convert_checkpoint(
     src: str | Path,
@@ -261,40 +305,187 @@ def convert_checkpoint(
     force: bool = False,
     progress: ProgressFn | None = None,
 ) -> ConvertReport:
-    """Convert an HF checkpoint folder (or hub id) into ``out``; see the module doc."""
+    """Convert an HF checkpoint folder, a hub repo id or a .gguf file into ``out``."""
     from formats.checkpoint import open_checkpoint
 
     if mtp not in MTP_MODES:
         raise CortiqError(f"unknown --mtp {mtp!r}; choose one of {', '.join(MTP_MODES)}")
     policy = QuantPolicy(quant, keep or [])
     out = Path(out)
+    _check_output(out, force)
+    src_path = Path(src)
+    if _is_gguf(src_path):
+        return _convert_gguf(src_path, out, policy, mtp, force, progress)
     ck = open_checkpoint(src)
     try:
-        return _convert(ck, out, policy, mtp, force, progress)
+        return _convert(ck, out, policy, mtp, force, progress, source_format="safetensors")
     finally:
         ck.close()
 
 
-def _convert(ck, out: Path, policy: QuantPolicy, mtp_mode: str, force: bool, progress: ProgressFn | None) -> ConvertReport:
+def _check_output(out: Path, force: bool) -> None:
+    if out.is_dir():
+        raise CortiqError(f"{out} is a folder; give a file name such as model.cmf")
+    if out.exists() and not force:
+        raise CortiqError(f"{out} exists (use --force to overwrite)")
+    if not out.parent.is_dir():
+        raise CortiqError(f"output folder {out.parent} does not exist")
+
+
+def _is_gguf(path: Path) -> bool:
+    if path.suffix.lower() == ".gguf":
+        return True
+    if path.is_file():
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    return False
+
+
+def _convert_gguf(path: Path, out: Path, policy: QuantPolicy, mtp: str, force: bool, progress: ProgressFn | None) -> ConvertReport:
+    """GGUF -> a temporary HF checkpoint beside ``out`` -> CMF; the temporary folder always goes."""
+    from formats.checkpoint import open_checkpoint
+
+    if not path.is_file():
+        raise CortiqError(f"{path}: no such file")
+    try:
+        from formats.gguf_import import gguf_to_checkpoint
+    except ImportError:
+        raise CortiqError("reading .gguf files needs formats.gguf_import, which this build lacks") from None
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.gguf-", dir=out.parent))
+    try:
+        staged = None if progress is None else (lambda name, done, total: progress(f"gguf: {name}", done, total))
+        ck_dir = gguf_to_checkpoint(path, tmp / "checkpoint", progress=staged)
+        ck = open_checkpoint(ck_dir)
+        ck.origin = str(path)
+        try:
+            return _convert(ck, out, policy, mtp, force, progress, source_format="gguf")
+        finally:
+            ck.close()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _source_identity(ck, plan: list[PlannedTensor], fp: str, source_format: str) -> dict[str, Any]:
+    dtypes: dict[str, int] = {}
+    for p in plan:
+        dt = ck.source_dtype(p.source)
+        dtypes[dt] = dtypes.get(dt, 0) + 1
+    origin = ck.origin or str(ck.root)
+    ident = {
+        # A local path is recorded absolute; a hub repo id as given.
+        "path": str(Path(origin).resolve()) if Path(origin).exists() else origin,
+        "format": source_format,
+        "model_type": ck.config.get("_wrapper_model_type") or ck.config.get("model_type"),
+        "name_or_path": ck.config.get("_name_or_path"),
+        "fingerprint": fp,
+        "dtypes": dtypes,
+        "parameters": int(sum(int(np.prod(p.shape)) for p in plan)),
+    }
+    if ck.root.parent.name == "snapshots":  # a hub cache folder is named for its commit
+        ident["revision"] = ck.root.name
+    return ident
+
+
+class _Streamer:
+    """Encodes one planned tensor slice by slice into a writer, keeping the stats."""
+
+    def __init__(self, ck, policy: QuantPolicy, total: int, progress: ProgressFn | None):
+        self.ck, self.policy, self.total, self.progress = ck, policy, total, progress
+        self.done = 0
+        self.stats: dict[str, DtypeStats] = {}
+        self.tensors: list[TensorReport] = []
+        self.fallbacks: list[str] = []
+        self.used_keep: set[str] = set()
+
+    def write(self, w: CmfWriter, p: PlannedTensor, file: str) -> None:
+        dtype, fell_back = self.policy.choose(p.name, p.shape)
+        kept = self.policy.matching_keep(p.name)
+        if kept is not None and len(p.shape) >= 2:
+            self.used_keep.add(kept[0])
+        if fell_back:
+            self.fallbacks.append(p.name)
+        dt = get_dtype(dtype)
+        src_dtype = self.ck.source_dtype(p.source)
+        itemsize = _ST_ITEMSIZE[src_dtype]
+        measure = (dtype, src_dtype) not in _LOSSLESS
+        rows, cols = rows_cols(p.shape)
+        err = [0.0, 0.0]
+
+        def slices() -> Iterator[tuple[int, list[np.ndarray]]]:
+            r0 = 0
+            for x in self.ck.iter_f32_rows(p.source, SLICE_ELEMS):
+                enc = dt.encode(x)
+                if measure:
+                    e, ref = dt.error(x, enc)
+                    finite_src = np.isfinite(ref)
+                else:
+                    e, ref = 0.0, 0.0
+                    flat = x.reshape(-1)
+                    # a dot product is NaN/inf for any NaN/inf input: one fast pass in the usual case
+                    finite_src = np.isfinite(np.dot(flat, flat)) or bool(np.isfinite(flat).all())
+                if not finite_src:
+                    raise CortiqError(f"tensor {p.source} contains NaN or Inf")
+                if not np.isfinite(e):
+                    raise CortiqError(
+                        f"tensor {p.source} does not fit {dtype} (values up to {float(np.abs(x).max()):.4g}); "
+                        f"use --keep '{p.name}=bf16' or --quant bf16"
+                    )
+                err[0] += e
+                err[1] += ref
+                yield r0, enc
+                r0 += x.shape[0]
+                self.done += x.size * itemsize
+                if self.progress:
+                    self.progress(p.name, self.done, self.total)
+
+        layout = dt.parts(p.shape)
+        if len(layout) == 1:
+            # One part: the bytes stream straight to the file.
+            info = w.add_encoded(p.name, dtype, p.shape, [(enc[0] for _, enc in slices())])
+        else:
+            # Planar parts: gather each part whole (it is smaller than the source).
+            bufs = [np.empty(s.shape, s.dtype) for s in layout]
+            for r0, enc in slices():
+                for buf, part in zip(bufs, enc):
+                    buf[r0 : r0 + part.shape[0]] = part
+            info = w.add_encoded(p.name, dtype, p.shape, bufs)
+        if rows * cols == 0 and self.progress:
+            self.progress(p.name, self.done, self.total)
+        s = self.stats.setdefault(dtype, DtypeStats())
+        s.tensors += 1
+        s.params += rows * cols
+        s.bytes += info.nbytes
+        s.err_sq += err[0]
+        s.ref_sq += err[1]
+        rel = float(np.sqrt(err[0] / err[1])) if err[1] > 0 else 0.0
+        self.tensors.append(TensorReport(p.name, dtype, p.shape, info.nbytes, rel, file))
+
+
+def _convert(
+    ck, out: Path, policy: QuantPolicy, mtp_mode: str, force: bool, progress: ProgressFn | None, source_format: str
+) -> ConvertReport:
     t0 = time.perf_counter()
     arch = from_hf_config(ck.config)
-    plan = _plan(ck.names(), ck.shape, ck.config, arch)
+    ck = sanitize_checkpoint(ck)  # MoE / hybrid exporters' names -> the engine's
+    plan = _plan(ck, arch, check_mtp=mtp_mode != "drop")
     mtp_plan = [p for p in plan if p.mtp]
-    n_mtp_layers = len({p.name.split(".")[3] for p in mtp_plan})
     if mtp_plan:
-        arch.mtp = MtpConfig(num_layers=n_mtp_layers or mtp_layer_count(ck.config), style=_mtp_style(ck.config, plan))
-    tok_header, tok_bytes = _tokenizer_header(ck)
-    fp = fingerprint(ck.config, plan)
+        n_layers = len({p.name.split(".")[3] for p in mtp_plan}) or mtp_layer_count(ck.config)
+        arch.mtp = MtpConfig(num_layers=n_layers, style=_mtp_style(ck.config, plan))
+    tok_header, tok_bytes = tokenizer_header(ck)
+    fp = fingerprint(ck, plan)
+    ck.release_pages()  # sampling faulted in pages all over the source
     side = sidecar_path(out) if (mtp_plan and mtp_mode == "sidecar") else None
     if side is not None and side.exists() and not force:
         raise CortiqError(f"{side} exists (use --force to overwrite)")
     header: dict[str, Any] = {
         "format": "cmf",
-        "role": "model",
+        "format_version": f"{FORMAT_VERSION}.{FORMAT_MINOR}",
+        "role": ROLE_MODEL,
         "arch": arch.to_json(),
         "tokenizer": tok_header,
         "generation_config": ck.read_json("generation_config.json") or {},
-        "source": {"path": str(ck.root), "model_type": ck.config.get("model_type"), "fingerprint": fp},
+        "source": _source_identity(ck, plan, fp, source_format),
         "converter": {"name": "cortiq", "version": CONVERTER_VERSION},
         "quant": {"default": policy.quant, "keep": [f"{p}={d}" for p, d in policy.keep]},
         "calibration": {"temperature": None},
@@ -304,99 +495,62 @@ def _convert(ck, out: Path, policy: QuantPolicy, mtp_mode: str, force: bool, pro
         header["mtp"] = {
             "num_layers": arch.mtp.num_layers,
             "style": arch.mtp.style,
-            "location": mtp_mode if mtp_mode != "sidecar" else "sidecar",
+            "location": mtp_mode,
             "sidecar": side.name if side else None,
         }
     main_plan = [p for p in plan if not p.mtp or mtp_mode == "inline"]
-    side_plan = [p for p in plan if p.mtp] if side else []
-    total = sum(int(np.prod(p.shape)) for p in main_plan + side_plan)
-    done = 0
-    stats: dict[str, DtypeStats] = {}
-    fallbacks: list[str] = []
-    source_bytes = 0
+    side_plan = mtp_plan if side else []
+    total = sum(int(np.prod(p.shape)) * _ST_ITEMSIZE[ck.source_dtype(p.source)] for p in main_plan + side_plan)
+    streamer = _Streamer(ck, policy, total, progress)
 
-    def write_one(w: CmfWriter, p: PlannedTensor) -> None:
-        nonlocal done, source_bytes
-        x = ck.tensor(p.source)
-        dt = policy.dtype_for(p.name, p.shape)
-        if dt == "f16" and policy.quant in ("q8", "q4") and len(p.shape) == 2 and not any(
-            fnmatch.fnmatchcase(p.name, pat) for pat, _ in policy.keep
-        ):
-            fallbacks.append(p.name)
-        if not np.all(np.isfinite(x)):
-            raise CortiqError(f"tensor {p.source} contains NaN or Inf")
-        d = get_dtype(dt)
-        parts = d.encode(x)
-        info = w.add_encoded(p.name, dt, p.shape, parts)
-        s = stats.setdefault(dt, DtypeStats())
-        s.tensors += 1
-        s.params += x.size
-        s.bytes += info.nbytes
-        source_bytes += x.size * np.dtype(_ST_ITEMSIZE.get(ck.source_dtype(p.source), "f4")).itemsize
-        if dt != "f32":
-            back = d.decode(d.named(parts, p.shape), p.shape)
-            err = back.astype(np.float64) - x
-            s.err_sq += float(np.dot(err.ravel(), err.ravel()))
-            s.ref_sq += float(np.dot(x.ravel().astype(np.float64), x.ravel().astype(np.float64)))
-        done += x.size
-        if progress:
-            progress(p.name, done, total)
-
-    side_header = None
-    if side:
-        side_header = {
-            "format": "cmf",
-            "role": "mtp_sidecar",
-            "arch": arch.to_json(),
-            "mtp": header["mtp"],
-            "backbone": _backbone_identity(arch, fp, out.name),
-            "source": header["source"],
-            "converter": header["converter"],
-            "quant": header["quant"],
-        }
-    with CmfWriter(out, header, force=force) as w:
-        w.add_bytes(TOKENIZER_TENSOR, tok_bytes)
+    main_w = CmfWriter(out, header, force=force)
+    side_w: CmfWriter | None = None
+    side_published = False
+    try:
+        main_w.add_bytes(TOKENIZER_TENSOR, tok_bytes)
         for p in main_plan:
-            write_one(w, p)
+            streamer.write(main_w, p, "main")
         if side:
-            with CmfWriter(side, side_header, force=force) as sw:
-                for p in side_plan:
-                    write_one(sw, p)
+            side_header = {
+                "format": "cmf",
+                "format_version": header["format_version"],
+                "role": ROLE_SIDECAR,
+                "arch": header["arch"],
+                "mtp": header["mtp"],
+                "backbone": backbone_identity(header, out.name),
+                "source": header["source"],
+                "converter": header["converter"],
+                "quant": header["quant"],
+            }
+            side_w = CmfWriter(side, side_header, force=force)
+            for p in side_plan:
+                streamer.write(side_w, p, "sidecar")
+        # Both files complete on disk before either becomes visible.
+        main_w.seal()
+        if side_w:
+            side_w.seal()
+            side_w.publish()
+            side_published = True
+        main_w.publish()
+    except BaseException:
+        main_w.abort()
+        if side_w:
+            side_w.abort()
+            if side_published:
+                side.unlink(missing_ok=True)
+        raise
     out_bytes = out.stat().st_size + (side.stat().st_size if side else 0)
     return ConvertReport(
         output=out,
         sidecar=side,
         arch=arch,
-        by_dtype=stats,
-        source_bytes=source_bytes,
+        by_dtype=streamer.stats,
+        source_bytes=streamer.done,
         output_bytes=out_bytes,
         seconds=time.perf_counter() - t0,
         mtp_tensors=len(mtp_plan),
-        fallbacks=fallbacks,
+        fallbacks=streamer.fallbacks,
+        source=header["source"]["path"],
+        tensors=streamer.tensors,
+        unused_keep=[f"{p}={d}" for p, d in policy.keep if p not in streamer.used_keep],
     )
-
-
-_ST_ITEMSIZE = {"F32": "f4", "F16": "f2", "BF16": "u2", "F64": "f8"}
-
-
-def _mtp_style(config: dict[str, Any], plan: list[PlannedTensor]) -> str:
-    mt = str(config.get("model_type", ""))
-    if mt.startswith("mimo"):
-        return "mimo"
-    if mt.startswith("qwen3_next") or mt.startswith("qwen3_5") or any(p.source.startswith("mtp.") for p in plan):
-        return "qwen3_next"
-    return "deepseek"
-
-
-def _backbone_identity(arch: ArchConfig, fp: str, main_name: str) -> dict[str, Any]:
-    return {
-        "file": main_name,
-        "fingerprint": fp,
-        "arch": arch.arch,
-        "hidden_size": arch.hidden_size,
-        "vocab_size": arch.vocab_size,
-        "num_layers": arch.num_layers,
-        "num_heads": arch.num_heads,
-        "num_kv_heads": arch.num_kv_heads,
-        "head_dim": arch.head_dim,
-    }

@@ -5,7 +5,8 @@ Every MTP naming scheme is normalized to ``model.mtp.layers.{k}.*``:
 - DeepSeek-V3 style: ``model.layers.{num_hidden_layers + k}.*`` with ``num_nextn_predict_layers``;
   the per-layer ``embed_tokens`` / ``shared_head.head`` copies duplicate the trunk's and are dropped,
   ``shared_head.norm`` becomes ``final_layernorm``.
-- MiMo-V2: ``model.mtp.layers.{k}.*`` (already normalized).
+- MiMo-V2: ``model.mtp.layers.{k}.*`` (its ``pre_mlp_layernorm`` and ``self_attn.attention_sink_bias``
+  become ``post_attention_layernorm`` and ``self_attn.sinks``).
 - Qwen3-Next / Qwen3.5: ``mtp.layers.{k}.*``, ``mtp.fc`` (eh_proj), ``mtp.pre_fc_norm_embedding``
   (enorm), ``mtp.pre_fc_norm_hidden`` (hnorm), ``mtp.norm`` (final_layernorm).
 """
@@ -26,6 +27,16 @@ def mtp_layer_count(config: dict[str, Any]) -> int:
     return 0
 
 
+# MiMo-V2 release names inside its MTP layers -> the names every other family uses.
+_MIMO_ALIASES = {".pre_mlp_layernorm.": ".post_attention_layernorm.", ".self_attn.attention_sink_bias": ".self_attn.sinks"}
+
+
+def _mimo_alias(name: str) -> str:
+    for old, new in _MIMO_ALIASES.items():
+        name = name.replace(old, new)
+    return name
+
+
 def normalize(name: str, config: dict[str, Any]) -> tuple[str | None, bool]:
     """(CMF name or None to drop, is an MTP tensor)."""
     n_main = int(config.get("num_hidden_layers", 0))
@@ -39,7 +50,7 @@ def normalize(name: str, config: dict[str, Any]) -> tuple[str | None, bool]:
             rest = "final_layernorm." + rest[len("shared_head.norm.") :]
         return f"{MTP_PREFIX}{k}.{rest}", True
     if name.startswith(MTP_PREFIX):
-        return name, True
+        return _mimo_alias(name), True
     if name.startswith("mtp."):
         rest = name[len("mtp.") :]
         m = re.match(r"layers\.(\d+)\.(.*)", rest)

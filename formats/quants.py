@@ -6,16 +6,21 @@ arrays over the memory map, no copy). Quantized dtypes are *planar*: each part o
 a block (scales, mins, quants) is stored as its own contiguous array, each part
 starting on a 64-byte boundary, so numpy and numba read them without unpacking.
 
-Layouts (rows = shape[0], cols = product of the rest, nb = cols / 32):
+Layouts (rows = product of all dims but the last, cols = the last dim, nb = cols / 32;
+for a 2-D weight [out, in] that is rows = out, cols = in). Full spec: docs/cmf.md.
 
 - ``f32``, ``f16``: IEEE little-endian, row-major.
-- ``bf16``: the upper 16 bits of an f32, little-endian uint16, row-major.
+- ``bf16``: the upper 16 bits of an f32 (round to nearest even), little-endian uint16, row-major.
 - ``q8`` (llama.cpp Q8_0 semantics): ``d`` f16[rows, nb], then ``qs`` int8[rows, cols];
-  value = d * q. d = max|x| / 127 per block of 32.
+  value = d * q; d = max|x| / 127 per block of 32, q = round-half-away(x / d).
 - ``q4`` (llama.cpp Q4_1 semantics): ``d`` f16[rows, nb], ``m`` f16[rows, nb], then
   ``qs`` uint8[rows, cols/2]; within a block of 32, byte j holds element j in its low
   nibble and element j+16 in its high nibble; value = d * q + m, q in 0..15.
 - ``u8``: raw bytes (embedded files such as tokenizer.json).
+
+The quantizers reproduce ggml's reference quantizers (``quantize_row_q8_0_ref``,
+``quantize_row_q4_1_ref``, as mirrored by ``gguf.quants``) bit for bit: the same f32
+arithmetic, the same rounding, scales rounded to f16 only when stored.
 """
 
 from __future__ import annotations
@@ -34,12 +39,16 @@ def align_up(n: int, a: int = ALIGN) -> int:
     return (n + a - 1) // a * a
 
 
-def _rows_cols(shape: tuple[int, ...]) -> tuple[int, int]:
+def rows_cols(shape: tuple[int, ...]) -> tuple[int, int]:
+    """(rows, cols) of a tensor seen as a matrix whose rows are its last dimension."""
     if len(shape) == 0:
         return 1, 1
-    rows = int(shape[0])
-    cols = int(np.prod(shape[1:])) if len(shape) > 1 else 1
+    cols = int(shape[-1])
+    rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
     return rows, cols
+
+
+_rows_cols = rows_cols  # old private name
 
 
 # ---------------------------------------------------------------- bf16 helpers
@@ -61,16 +70,28 @@ def f32_to_bf16(x: np.ndarray) -> np.ndarray:
 
 # ---------------------------------------------------------------- quantizers
 
+def _round_half_away(v: np.ndarray) -> np.ndarray:
+    """C ``roundf`` in f32: exact (no ``trunc(v + 0.5)`` double rounding)."""
+    a = np.abs(v)
+    fl = np.floor(a)
+    a -= fl  # exact: the fractional part
+    a *= 2
+    np.floor(a, out=a)
+    a += fl
+    return np.copysign(a, v, out=a)
+
+
+def _inverse(d: np.ndarray) -> np.ndarray:
+    return np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
+
+
 def quantize_q8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """x: f32[rows, cols] -> (d f16[rows, nb], qs int8[rows, cols])."""
     rows, cols = x.shape
-    b = x.reshape(rows, cols // QBLOCK, QBLOCK).astype(np.float32)
-    amax = np.abs(b).max(axis=2)
-    d = (amax / 127.0).astype(np.float16)
-    d32 = d.astype(np.float32)
-    inv = np.divide(1.0, d32, out=np.zeros_like(d32), where=d32 != 0)
-    q = np.rint(b * inv[:, :, None]).clip(-127, 127).astype(np.int8)
-    return d, q.reshape(rows, cols)
+    b = np.asarray(x, dtype=np.float32).reshape(rows, cols // QBLOCK, QBLOCK)
+    d = np.abs(b).max(axis=2) / np.float32(127)
+    q = _round_half_away(b * _inverse(d)[:, :, None])
+    return d.astype(np.float16), q.astype(np.int8).reshape(rows, cols)
 
 
 def dequantize_q8(d: np.ndarray, qs: np.ndarray) -> np.ndarray:
@@ -83,17 +104,15 @@ def quantize_q4(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """x: f32[rows, cols] -> (d f16[rows, nb], m f16[rows, nb], qs uint8[rows, cols/2])."""
     rows, cols = x.shape
     nb = cols // QBLOCK
-    b = x.reshape(rows, nb, QBLOCK).astype(np.float32)
+    b = np.asarray(x, dtype=np.float32).reshape(rows, nb, QBLOCK)
     lo = b.min(axis=2)
-    hi = b.max(axis=2)
-    d = ((hi - lo) / 15.0).astype(np.float16)
-    m = lo.astype(np.float16)
-    d32 = d.astype(np.float32)
-    inv = np.divide(1.0, d32, out=np.zeros_like(d32), where=d32 != 0)
-    # Quantize against the f16-rounded min/scale so dequantization sees the same grid.
-    q = np.rint((b - m.astype(np.float32)[:, :, None]) * inv[:, :, None]).clip(0, 15).astype(np.uint8)
-    packed = (q[:, :, :16] | (q[:, :, 16:] << 4)).astype(np.uint8)
-    return d, m, packed.reshape(rows, cols // 2)
+    d = (b.max(axis=2) - lo) / np.float32(15)
+    v = b - lo[:, :, None]
+    v *= _inverse(d)[:, :, None]
+    v += np.float32(0.5)
+    q = np.trunc(v).astype(np.uint8).clip(0, 15)
+    packed = q[:, :, :16] | (q[:, :, 16:] << np.uint8(4))
+    return d.astype(np.float16), lo.astype(np.float16), packed.reshape(rows, cols // 2)
 
 
 def dequantize_q4(d: np.ndarray, m: np.ndarray, qs: np.ndarray) -> np.ndarray:
@@ -126,7 +145,7 @@ class DType:
     quantized: bool
 
     def parts(self, shape: tuple[int, ...]) -> list[Part]:
-        rows, cols = _rows_cols(shape)
+        rows, cols = rows_cols(shape)
         n = int(np.prod(shape)) if shape else 1
         if self.name == "f32":
             return [Part("data", np.dtype("<f4"), (n,))]
@@ -158,15 +177,22 @@ class DType:
     def supports(self, shape: tuple[int, ...]) -> bool:
         if not self.quantized:
             return True
-        rows, cols = _rows_cols(shape)
-        return len(shape) >= 2 and cols % QBLOCK == 0
+        return len(shape) >= 2 and int(shape[-1]) % QBLOCK == 0
 
     def encode(self, x: np.ndarray) -> list[np.ndarray]:
-        """Float array -> the planar arrays to write, in order."""
+        """Float array -> the planar arrays to write, in order.
+
+        Rows are independent, so encoding a tensor's rows in slices and
+        concatenating each part gives the same bytes (the converter streams so).
+        """
         shape = tuple(x.shape)
         if self.name == "u8":
             return [np.ascontiguousarray(x, dtype=np.uint8).reshape(-1)]
-        x32 = np.ascontiguousarray(x, dtype=np.float32)
+        # Values beyond f16's range become inf here; the converter checks and names them.
+        with np.errstate(over="ignore"):
+            return self._encode_float(np.ascontiguousarray(x, dtype=np.float32), shape)
+
+    def _encode_float(self, x32: np.ndarray, shape: tuple[int, ...]) -> list[np.ndarray]:
         if self.name == "f32":
             return [x32.reshape(-1)]
         if self.name == "f16":
@@ -174,12 +200,33 @@ class DType:
         if self.name == "bf16":
             return [f32_to_bf16(x32).reshape(-1)]
         if not self.supports(shape):
-            raise CortiqError(f"{self.name} needs a 2-D tensor with columns divisible by {QBLOCK}, got shape {list(shape)}")
-        rows, cols = _rows_cols(shape)
-        x2 = x32.reshape(rows, cols)
+            raise CortiqError(
+                f"{self.name} needs a tensor of 2 or more dims whose last dim is divisible by {QBLOCK}, got shape {list(shape)}"
+            )
+        x2 = x32.reshape(rows_cols(shape))
+        fast = _kernels()
         if self.name == "q8":
-            return list(quantize_q8(x2))
-        return list(quantize_q4(x2))
+            return list((fast or _reference).quantize_q8(x2))
+        return list((fast or _reference).quantize_q4(x2))
+
+    def error(self, x: np.ndarray, parts: list[np.ndarray]) -> tuple[float, float]:
+        """(sum of squared errors, sum of squared values), in f64, of ``x`` encoded as ``parts``.
+
+        Either sum is inf or NaN when ``x`` or its decoding is not finite.
+        """
+        shape = tuple(x.shape)
+        x32 = np.ascontiguousarray(x, dtype=np.float32)
+        fast = _kernels()
+        if fast is not None and self.quantized:
+            x2 = x32.reshape(rows_cols(shape))
+            named = self.named(parts, shape)
+            if self.name == "q8":
+                return fast.q8_error(x2, named["d"], named["qs"])
+            return fast.q4_error(x2, named["d"], named["m"], named["qs"])
+        with np.errstate(over="ignore", invalid="ignore"):
+            e = (self.decode(self.named(parts, shape), shape) - x32).astype(np.float64).ravel()
+            ref = x32.astype(np.float64).ravel()
+            return float(e @ e), float(ref @ ref)
 
     def named(self, parts: list[np.ndarray], shape: tuple[int, ...]) -> dict[str, np.ndarray]:
         """The encoder's ordered parts as the name -> array dict ``decode`` takes."""
@@ -214,6 +261,23 @@ class DType:
         if self.name == "q8":
             return dequantize_q8(parts["d"], parts["qs"]).reshape(shape)
         return dequantize_q4(parts["d"], parts["m"], parts["qs"]).reshape(shape)
+
+
+class _Reference:
+    quantize_q8 = staticmethod(quantize_q8)
+    quantize_q4 = staticmethod(quantize_q4)
+
+
+_reference = _Reference()
+
+
+def _kernels():
+    """The compiled quantizers (formats.quant_kernels), or None without numba."""
+    try:
+        from formats import quant_kernels
+    except ImportError:  # pragma: no cover - numba is a dependency
+        return None
+    return quant_kernels
 
 
 DTYPES: dict[str, DType] = {

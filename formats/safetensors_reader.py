@@ -11,11 +11,12 @@ import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 
 from formats.errors import CortiqError
-from formats.quants import bf16_to_f32
+from formats.quants import bf16_to_f32, rows_cols
 
 _ST_DTYPES = {
     "F32": np.dtype("<f4"),
@@ -29,6 +30,8 @@ _ST_DTYPES = {
     "U8": np.dtype("u1"),
     "BOOL": np.dtype("?"),
 }
+FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
+_PAGE = mmap.PAGESIZE
 
 
 @dataclass(frozen=True)
@@ -39,27 +42,44 @@ class StEntry:
     begin: int
     end: int
 
+    @property
+    def itemsize(self) -> int:
+        dt = _ST_DTYPES.get(self.dtype)
+        return dt.itemsize if dt is not None else 0
+
 
 class SafetensorsFile:
     def __init__(self, path: str | Path):
         self.path = Path(path)
+        size = self.path.stat().st_size
         try:
             with open(self.path, "rb") as f:
                 n = struct.unpack("<Q", f.read(8))[0]
-                size = self.path.stat().st_size
                 if n > size - 8:
                     raise CortiqError(f"{self.path}: truncated safetensors file")
                 meta = json.loads(f.read(n))
-        except (struct.error, json.JSONDecodeError, UnicodeDecodeError):
+            if not isinstance(meta, dict):
+                raise ValueError
+        except (struct.error, json.JSONDecodeError, UnicodeDecodeError, ValueError):
             raise CortiqError(f"{self.path}: not a safetensors file") from None
         self._base = 8 + n
         self.metadata = meta.pop("__metadata__", {}) or {}
         self.entries: dict[str, StEntry] = {}
         for name, e in meta.items():
-            b, en = e["data_offsets"]
-            if self._base + en > size:
+            try:
+                b, en = (int(v) for v in e["data_offsets"])
+                entry = StEntry(name, str(e["dtype"]), tuple(int(s) for s in e["shape"]), b, en)
+            except (KeyError, TypeError, ValueError):
+                raise CortiqError(f"{self.path}: corrupt safetensors entry for {name}") from None
+            if not 0 <= b <= en or self._base + en > size:
                 raise CortiqError(f"{self.path}: tensor {name} lies past the end of the file (truncated)")
-            self.entries[name] = StEntry(name, e["dtype"], tuple(e["shape"]), b, en)
+            dt = _ST_DTYPES.get(entry.dtype)
+            count = int(np.prod(entry.shape)) if entry.shape else 1
+            if dt is not None and count * dt.itemsize != en - b:
+                raise CortiqError(
+                    f"{self.path}: tensor {name} has {en - b} bytes for shape {list(entry.shape)} {entry.dtype}"
+                )
+            self.entries[name] = entry
         with open(self.path, "rb") as f:
             self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
         self._buf = np.frombuffer(self._mmap, dtype=np.uint8) if self._mmap else np.zeros(0, np.uint8)
@@ -71,8 +91,6 @@ class SafetensorsFile:
         if dt is None:
             raise CortiqError(f"{self.path}: tensor {name} has unsupported dtype {e.dtype}")
         count = int(np.prod(e.shape)) if e.shape else 1
-        if count * dt.itemsize != e.end - e.begin:
-            raise CortiqError(f"{self.path}: tensor {name} has {e.end - e.begin} bytes for shape {list(e.shape)} {e.dtype}")
         return np.frombuffer(self._buf, dtype=dt, count=count, offset=self._base + e.begin).reshape(e.shape)
 
     def f32(self, name: str) -> np.ndarray:
@@ -82,6 +100,43 @@ class SafetensorsFile:
         if e.dtype == "BF16":
             return bf16_to_f32(a)
         return a.astype(np.float32, copy=False)
+
+    def iter_f32_rows(self, name: str, max_elems: int = 1 << 20) -> Iterator[np.ndarray]:
+        """The tensor as f32[rows, cols] slices (rows = all dims but the last), in order.
+
+        Pages already consumed are handed back to the OS, so reading a large
+        tensor this way keeps only one slice resident.
+        """
+        e = self.entries[name]
+        a = self.raw(name)
+        rows, cols = rows_cols(e.shape)
+        a2 = a.reshape(rows, cols)
+        step = max(1, max_elems // max(cols, 1))
+        row_bytes = cols * a.dtype.itemsize
+        for r0 in range(0, rows, step):
+            r1 = min(rows, r0 + step)
+            chunk = a2[r0:r1]
+            yield bf16_to_f32(chunk) if e.dtype == "BF16" else chunk.astype(np.float32, copy=False)
+            self._release(self._base + e.begin + r0 * row_bytes, self._base + e.begin + r1 * row_bytes)
+
+    def release(self, name: str) -> None:
+        """Hand the pages of one tensor back to the OS."""
+        e = self.entries[name]
+        self._release(self._base + e.begin, self._base + e.end)
+
+    def release_all(self) -> None:
+        """Hand every mapped page back to the OS (reads fault them in again)."""
+        if self._mmap is not None:
+            self._release(0, len(self._mmap))
+
+    def _release(self, start: int, end: int) -> None:
+        if self._mmap is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        lo = start // _PAGE * _PAGE
+        if end > lo:
+            # File-backed and read-only: dropping the pages only unmaps them; a later
+            # read faults them back in from the page cache.
+            self._mmap.madvise(mmap.MADV_DONTNEED, lo, end - lo)
 
     def close(self) -> None:
         self._buf = None  # type: ignore[assignment]

@@ -1,0 +1,284 @@
+"""``cortiq calibrate``: how well a model's top-1 confidence matches its accuracy, and the temperature that fixes it."""
+
+from __future__ import annotations
+
+import datetime as _dt
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+from rich.text import Text
+
+from cortiq_cli import text_options as opt
+from cortiq_cli.cmd_ppl import load_engines, model_label
+from cortiq_cli.common import console, err_console, handle_errors, print_json
+from evals.calibrate import DEFAULT_FIT_FRACTION, CalibrationReport, calibration_report, collect_features
+from evals.calibration import DEFAULT_BINS, Bin, CalibrationMetrics
+from evals.temperature import DEFAULT_T_MAX, DEFAULT_T_MIN, TemperatureGrid
+from evals.text_source import LoadedText, load_text
+from evals.tokens import tokenize_for
+from evals.windows import sliding_windows
+from formats.errors import CortiqError
+
+CAL_PANEL = "Calibration"
+_BAR_WIDTH = 40
+
+
+@handle_errors
+def calibrate(
+    model: Annotated[Path, typer.Argument(help="CMF model file.", show_default=False)],
+    text: opt.TextFile = None,
+    dataset: opt.Dataset = None,
+    config: opt.Config = None,
+    split: opt.Split = None,
+    column: opt.Column = None,
+    data_files: opt.DataFiles = None,
+    max_tokens: opt.MaxTokens = None,
+    ctx: opt.Ctx = 512,
+    stride: opt.Stride = None,
+    bins: Annotated[int, typer.Option("--bins", min=1, help="Reliability bins (equal-width and equal-mass).", rich_help_panel=CAL_PANEL)] = DEFAULT_BINS,
+    fit_fraction: Annotated[float, typer.Option("--fit-fraction", help="Leading share of the scored tokens used to fit the temperature; the rest evaluates it.", rich_help_panel=CAL_PANEL)] = DEFAULT_FIT_FRACTION,
+    t_min: Annotated[float, typer.Option("--t-min", help="Lowest temperature of the grid.", rich_help_panel=CAL_PANEL)] = DEFAULT_T_MIN,
+    t_max: Annotated[float, typer.Option("--t-max", help="Highest temperature of the grid.", rich_help_panel=CAL_PANEL)] = DEFAULT_T_MAX,
+    plot: Annotated[Path | None, typer.Option("--plot", help="Also draw the reliability diagram to this PNG (needs matplotlib).", rich_help_panel=CAL_PANEL)] = None,
+    write: Annotated[bool, typer.Option("--write", help="Store the fitted temperature in the model's CMF header.", rich_help_panel=CAL_PANEL)] = False,
+    batch: opt.BlockRows = 128,
+    threads: opt.Threads = None,
+    json_out: opt.Json = False,
+) -> None:
+    """Reliability table and diagram, ECE (equal-width and equal-mass), MCE, Brier, NLL, and a fitted temperature."""
+    if plot is not None:
+        _require_matplotlib()
+    grid = TemperatureGrid.make(t_min, t_max)
+    source = load_text(opt.text_spec(text, dataset, config, split, column, data_files))
+    (engine,) = load_engines([model], threads, ctx)
+    name = model_label(model, engine)
+    tokens = tokenize_for([engine], [name], source.text)
+    step = stride if stride is not None else max(1, ctx // 2)
+    windows = sliding_windows(len(tokens), ctx, step, max_tokens)
+    total = sum(w.n_scored for w in windows)
+
+    if json_out:
+        features = collect_features(engine, tokens, windows, grid, chunk=batch)
+    else:
+        with Progress(
+            TextColumn("[bold]scoring[/]"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("tokens  top-1 acc [cyan]{task.fields[acc]}[/]"),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            console=err_console,
+            transient=True,
+        ) as bar:
+            task = bar.add_task("calibrate", total=total, acc="-")
+
+            def progress(done: int, _total: int, acc: float) -> None:
+                bar.update(task, completed=done, acc=f"{acc:.3f}")
+
+            features = collect_features(engine, tokens, windows, grid, chunk=batch, progress=progress)
+
+    report = calibration_report(name, features, grid, bins, fit_fraction)
+    settings = {"ctx": ctx, "stride": step, "windows": len(windows), "max_tokens": max_tokens, "text_tokens": int(len(tokens)),
+                "t_min": float(grid.temperatures.min()), "t_max": float(grid.temperatures.max()), "grid_points": grid.n,
+                "fit_fraction": fit_fraction}
+    written = None
+    if write:
+        close = getattr(engine, "close", None)
+        if callable(close):
+            close()  # release the map before the header changes under it
+        written = write_temperature(model, report, source, settings)
+    if plot is not None:
+        draw_png(report, plot)
+
+    if json_out:
+        print_json({
+            "text": {"source": source.source, "documents": source.documents, "bytes": source.n_bytes},
+            "settings": settings,
+            "path": str(model),
+            **report.to_json(),
+            "written": written,
+            "plot": str(plot) if plot else None,
+        })
+        return
+    render(report, source, settings)
+    if written:
+        console.print(f"[green]wrote[/] calibration.temperature = {report.temperature:.4f} into {model}")
+    if plot is not None:
+        console.print(f"[green]wrote[/] {plot}")
+
+
+# ------------------------------------------------------------------ header
+
+def calibration_header(report: CalibrationReport, source: LoadedText, settings: dict[str, Any]) -> dict[str, Any]:
+    """``header["calibration"]``: the temperature plus what it was fitted on (read by generate and inspect)."""
+    from formats.convert import CONVERTER_VERSION
+
+    return {
+        "temperature": round(report.temperature, 6),
+        "method": "temperature scaling: T minimising the NLL of the next token",
+        "text": source.source,
+        "fit_tokens": report.fit_tokens,
+        "eval_tokens": report.eval_tokens,
+        "ctx": settings["ctx"],
+        "stride": settings["stride"],
+        "nll_before": report.before.nll,
+        "nll_after": report.after.nll,
+        "ece_before": report.before.ece,
+        "ece_after": report.after.ece,
+        "bins": report.n_bins,
+        "fitted_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "tool": f"cortiq calibrate {CONVERTER_VERSION}",
+    }
+
+
+def write_temperature(path: Path, report: CalibrationReport, source: LoadedText, settings: dict[str, Any]) -> dict[str, Any]:
+    from formats.cmf import CmfFile, rewrite_header
+
+    if report.fit.at_edge:
+        raise CortiqError(
+            f"the fitted temperature {report.temperature:.4g} lies at the edge of the grid "
+            f"[{settings['t_min']:.4g}, {settings['t_max']:.4g}]; widen --t-min/--t-max before --write"
+        )
+    with CmfFile(path) as f:
+        header = dict(f.header)
+    header["calibration"] = calibration_header(report, source, settings)
+    rewrite_header(path, header)
+    return header["calibration"]
+
+
+# ------------------------------------------------------------------ terminal
+
+def render(report: CalibrationReport, source: LoadedText, settings: dict[str, Any]) -> None:
+    console.print(
+        f"[bold]text[/] {source.source}: {settings['text_tokens']:,} tokens  [bold]scored[/] {report.overall.n:,} "
+        f"(ctx {settings['ctx']}, stride {settings['stride']})  [bold]model[/] {report.model}",
+        highlight=False,
+    )
+    console.print(reliability_table(report.reliability, "Reliability at T = 1 (equal-width bins, all scored tokens)"))
+    console.print(reliability_diagram(report.reliability))
+    console.print(summary_table(report))
+    if report.fit.at_edge:
+        console.print(
+            f"[yellow]warning:[/] the NLL is lowest at the edge of the temperature grid (T = {report.temperature:.4g}); "
+            "widen --t-min/--t-max", highlight=False)
+
+
+def reliability_table(bins: list[Bin], title: str) -> Table:
+    t = Table(title=title, title_justify="left")
+    t.add_column("confidence", justify="left")
+    t.add_column("count", justify="right")
+    t.add_column("mean conf", justify="right")
+    t.add_column("accuracy", justify="right")
+    t.add_column("gap", justify="right")
+    for b in bins:
+        if b.count == 0:
+            t.add_row(f"({b.lo:.2f}, {b.hi:.2f}]", "0", "–", "–", "–", style="dim")
+            continue
+        t.add_row(f"({b.lo:.2f}, {b.hi:.2f}]", f"{b.count:,}", f"{b.confidence:.4f}", f"{b.accuracy:.4f}",
+                  Text(f"{b.gap:+.4f}", style=_gap_style(b.gap)))
+    return t
+
+
+def _gap_style(gap: float) -> str:
+    g = abs(gap)
+    return "green" if g < 0.05 else "yellow" if g < 0.15 else "red"
+
+
+def reliability_diagram(bins: list[Bin], width: int = _BAR_WIDTH) -> Text:
+    """One row per bin: a bar as long as the accuracy, a ┃ where the mean confidence is."""
+    out = Text()
+    out.append("Reliability diagram: bar = accuracy, ┃ = mean confidence (a calibrated model's bar ends at its ┃)\n", style="bold")
+    for b in reversed(bins):
+        out.append(f" {b.lo:.2f}–{b.hi:.2f} │", style="dim")
+        if b.count == 0:
+            out.append(" " * width + "│\n")
+            continue
+        cells = [" "] * width
+        filled = b.accuracy * width
+        full = int(filled)
+        for i in range(full):
+            cells[i] = "█"
+        if full < width and filled - full >= 0.5:
+            cells[full] = "▌"
+        mark = min(int(b.confidence * width), width - 1)
+        style = _gap_style(b.gap)
+        for i, c in enumerate(cells):
+            if i == mark:
+                out.append("┃", style="bold white")
+            else:
+                out.append(c, style=style)
+        out.append(f"│ n={b.count:<7,} acc {b.accuracy:.3f}  conf {b.confidence:.3f}\n", style="dim")
+    return out
+
+
+def summary_table(report: CalibrationReport) -> Table:
+    t = Table(
+        title=f"Temperature scaling: T = {report.temperature:.4f} (fitted on the first {report.fit_tokens:,} tokens, "
+              f"evaluated on the last {report.eval_tokens:,})",
+        title_justify="left",
+    )
+    t.add_column("metric")
+    t.add_column("all, T = 1", justify="right")
+    t.add_column("held-out, T = 1", justify="right")
+    t.add_column(f"held-out, T = {report.temperature:.3f}", justify="right", style="cyan")
+    rows: list[tuple[str, str]] = [
+        ("accuracy (top-1)", "accuracy"),
+        ("mean confidence", "confidence"),
+        ("ECE (equal-width)", "ece"),
+        ("ECE (equal-mass)", "ece_mass"),
+        ("MCE", "mce"),
+        ("Brier (top-1)", "brier"),
+        ("NLL (nats/token)", "nll"),
+    ]
+    for label, key in rows:
+        t.add_row(label, *(f"{getattr(m, key):.4f}" for m in (report.overall, report.before, report.after)))
+    return t
+
+
+# ------------------------------------------------------------------ png
+
+def _require_matplotlib() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise CortiqError("--plot needs matplotlib (pip install matplotlib)") from None
+
+
+def draw_png(report: CalibrationReport, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not path.parent.is_dir():
+        raise CortiqError(f"--plot: folder {path.parent} does not exist")
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.6), sharey=True)
+    panels: list[tuple[Any, list[Bin], CalibrationMetrics, str]] = [
+        (axes[0], report.reliability, report.overall, "T = 1, all scored tokens"),
+        (axes[1], report.reliability_after, report.after, f"T = {report.temperature:.3f}, held-out tokens"),
+    ]
+    for ax, bins, m, title in panels:
+        width = bins[0].hi - bins[0].lo
+        full = [b for b in bins if b.count]
+        ax.bar([b.lo for b in full], [b.accuracy for b in full], width=width, align="edge",
+               color="#4c72b0", edgecolor="white", label="accuracy")
+        ax.bar([b.lo for b in full], [b.confidence - b.accuracy for b in full], bottom=[b.accuracy for b in full],
+               width=width, align="edge", color="#dd8452", alpha=0.45, edgecolor="#dd8452", label="gap to confidence")
+        ax.plot([0, 1], [0, 1], "k--", lw=1, label="calibrated")
+        ax.set_xlim(0, 1)
+        ax.set_ylim(0, 1)
+        ax.set_xlabel("top-1 confidence")
+        ax.set_title(f"{title}\nECE {m.ece:.4f}  MCE {m.mce:.4f}  NLL {m.nll:.4f}", fontsize=10)
+    axes[0].set_ylabel("accuracy")
+    axes[0].legend(loc="upper left", fontsize=8)
+    fig.suptitle(f"Reliability: {report.model}", fontsize=11)
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=120)
+    except OSError as e:
+        raise CortiqError(f"--plot: cannot write {path} ({e.strerror})") from None
+    finally:
+        plt.close(fig)

@@ -1,0 +1,82 @@
+"""``cortiq convert``: an HF checkpoint, hub repo id or GGUF file -> one CMF file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+from rich.table import Table
+
+from cortiq_cli.common import console, err_console, handle_errors, human_bytes, print_json
+from formats.convert import MTP_MODES, ConvertReport, QuantPolicy, convert_checkpoint
+from formats.quants import QUANT_CHOICES
+
+
+@handle_errors
+def convert(
+    src: str = typer.Argument(..., help="HF checkpoint folder, hub repo id (org/name) or .gguf file."),
+    out: Path = typer.Argument(..., help="Output .cmf file."),
+    quant: str = typer.Option("q8", "--quant", "-q", help=f"Default dtype of matrices: {', '.join(QUANT_CHOICES)}."),
+    keep: list[str] = typer.Option(
+        [], "--keep", help="PATTERN=DTYPE override on CMF tensor names (fnmatch; repeatable), e.g. 'lm_head.weight=f16'."
+    ),
+    mtp: str = typer.Option("sidecar", "--mtp", help=f"MTP draft layers: {', '.join(MTP_MODES)} (sidecar = OUT.mtp.cmf)."),
+    force: bool = typer.Option(False, "--force", "-f", help="Overwrite OUT (and its sidecar) if they exist."),
+    json_out: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+) -> None:
+    """Convert a checkpoint into a CMF file, one tensor at a time."""
+    keep_pairs = QuantPolicy.parse_keep(keep)
+    if json_out:
+        report = convert_checkpoint(src, out, quant=quant, keep=keep_pairs, mtp=mtp, force=force)
+        print_json(report.to_json())
+        return
+    with Progress(
+        TextColumn("[bold]{task.description}", justify="left"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        TextColumn("{task.fields[tensor]}", style="dim"),
+        console=err_console,
+        transient=True,
+    ) as bar:
+        task = bar.add_task("converting", total=None, tensor="")
+
+        def on_progress(name: str, done: int, total: int) -> None:
+            # A .gguf source is first imported into a temporary HF folder (counted in values).
+            stage = "importing GGUF" if name.startswith("gguf: ") else "converting"
+            bar.update(task, completed=done, total=total, tensor=name.removeprefix("gguf: "), description=stage)
+
+        report = convert_checkpoint(src, out, quant=quant, keep=keep_pairs, mtp=mtp, force=force, progress=on_progress)
+    _render(report)
+
+
+def _render(r: ConvertReport) -> None:
+    t = Table(title=f"{r.output}  ({r.arch.arch}, {human_bytes(r.output_bytes)})", title_justify="left")
+    t.add_column("dtype")
+    t.add_column("tensors", justify="right")
+    t.add_column("params", justify="right")
+    t.add_column("bytes", justify="right")
+    t.add_column("RMS rel. error", justify="right")
+    for name in sorted(r.by_dtype, key=lambda k: -r.by_dtype[k].bytes):
+        s = r.by_dtype[name]
+        t.add_row(name, str(s.tensors), f"{s.params:,}", human_bytes(s.bytes), f"{100 * s.rms_rel_error:.3f}%")
+    console.print(t)
+    console.print(
+        f"{human_bytes(r.source_bytes)} read in {r.seconds:.1f} s ({r.mb_per_s:.0f} MB/s) from {r.source}",
+        highlight=False,
+    )
+    if r.sidecar:
+        console.print(f"MTP sidecar: {r.sidecar} ({r.mtp_tensors} tensors)", highlight=False)
+    elif r.mtp_tensors and r.arch.mtp is not None:
+        where = "kept inline" if any(t.file == "main" and ".mtp." in t.name for t in r.tensors) else "dropped"
+        console.print(f"MTP layers: {r.mtp_tensors} tensors {where}", highlight=False)
+    if r.fallbacks:
+        console.print(
+            f"[yellow]{len(r.fallbacks)} tensor(s) could not take the quantized dtype (last dim not a multiple of 32) "
+            f"and are f16:[/] {', '.join(r.fallbacks[:5])}{' ...' if len(r.fallbacks) > 5 else ''}",
+            highlight=False,
+        )
+    for spec in r.unused_keep:
+        console.print(f"[yellow]--keep {spec} matched no matrix[/]", highlight=False)

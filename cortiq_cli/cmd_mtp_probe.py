@@ -1,0 +1,102 @@
+"""``cortiq mtp-probe``: teacher-forced acceptance of a model's MTP draft layers on a text."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from cortiq_cli import text_options as opt
+from cortiq_cli.common import console, err_console, handle_errors, print_json
+from formats.errors import CortiqError
+
+MTP_PANEL = "MTP"
+MtpPath = Annotated[
+    Optional[Path],
+    typer.Option("--mtp", help="Draft layers from this sidecar (default: inline, else MODEL.mtp.cmf beside the model).", rich_help_panel=MTP_PANEL),
+]
+MtpDepth = Annotated[Optional[int], typer.Option("--mtp-depth", min=1, help="Drafts per round (default: every draft layer).", rich_help_panel=MTP_PANEL)]
+
+
+def _choices(value: str, allowed: tuple[str, ...], flag: str) -> list[str]:
+    if value == "all":
+        return list(allowed)
+    if value not in allowed:
+        raise CortiqError(f"unknown {flag} {value!r}; choose all or one of {', '.join(allowed)}")
+    return [value]
+
+
+@handle_errors
+def mtp_probe(
+    model: Annotated[Path, typer.Argument(help="CMF model file.", show_default=False)],
+    text: opt.TextFile = None,
+    dataset: opt.Dataset = None,
+    config: opt.Config = None,
+    split: opt.Split = None,
+    column: opt.Column = None,
+    data_files: opt.DataFiles = None,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", min=3, help="Probe the first N tokens of the text.", rich_help_panel=opt.TEXT_PANEL)] = 512,
+    mtp: MtpPath = None,
+    depth: MtpDepth = None,
+    chain: Annotated[str, typer.Option("--mtp-chain", help="all, independent (layer k drafts depth k+1) or recursive (layer 0 on its own output).", rich_help_panel=MTP_PANEL)] = "all",
+    hidden: Annotated[str, typer.Option("--mtp-hidden", help="all, pre or post: the backbone hidden before or after its final norm.", rich_help_panel=MTP_PANEL)] = "all",
+    threads: opt.Threads = None,
+    json_out: opt.Json = False,
+) -> None:
+    """What each draft depth would propose at every position of a text, given the true
+    previous tokens, against the true next tokens (per depth alone and chained)."""
+    from cortiq_engine import Engine
+    from cortiq_engine.mtp import CHAINS, HIDDENS, load_draft_stack
+    from evals.mtp_probe import Variant, default_variants, probe
+    from evals.text_source import load_text
+
+    loaded = load_text(opt.text_spec(text, dataset, config, split, column, data_files))
+    eng = Engine.load(model, threads=threads)
+    stack = load_draft_stack(eng.cmf, eng.arch, eng.kernels, path=mtp)
+    if stack is None:
+        raise CortiqError(f"{model}: no MTP draft layers (none inline, no sidecar beside it); give --mtp PATH")
+    ids = eng.tokenizer.encode(loaded.text, add_bos=True)[:max_tokens]
+    k = depth or stack.num_layers
+    chains, hiddens = _choices(chain, CHAINS, "--mtp-chain"), _choices(hidden, HIDDENS, "--mtp-hidden")
+    variants = [v for v in default_variants(stack.num_layers, k) if v.chain in chains and v.hidden in hiddens]
+    if not variants:
+        raise CortiqError(f"--mtp-chain independent needs a draft layer per depth: depth {k}, {stack.num_layers} layers")
+
+    steps = max(len(ids) - k - 1, 0) * len(variants)
+    if json_out:
+        results = probe(eng.model, stack, ids, k, variants)
+    else:
+        with Progress(
+            TextColumn("[bold]probing"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=err_console, transient=True
+        ) as bar:
+            task = bar.add_task("probe", total=steps)
+            results = probe(eng.model, stack, ids, k, variants, progress=lambda n: bar.advance(task, n))
+
+    doc = {
+        "model": str(model),
+        "mtp": stack.source,
+        "style": stack.style,
+        "draft_layers": stack.num_layers,
+        "depth": k,
+        "text": loaded.source,
+        "tokens": len(ids),
+        "variants": [r.to_json() for r in results],
+    }
+    if json_out:
+        print_json(doc)
+        return
+    # One column per variant, side by side; one row per measure.
+    table = Table(title=f"MTP teacher-forced acceptance ({len(ids)} tokens of {loaded.source}; {stack.num_layers} draft layer(s): {stack.source})")
+    table.add_column("chain/hidden", style="bold")
+    for r in results:
+        table.add_column(f"{r.variant.chain}\n{r.variant.hidden} norm", justify="right")
+    for d in range(k):
+        table.add_row(f"d{d + 1} alone", *(f"{r.alone[d]:.1%}" for r in results))
+    for d in range(k):
+        table.add_row("&".join(f"d{i + 1}" for i in range(d + 1)), *(f"{r.chained[d]:.1%}" for r in results))
+    table.add_row("tokens/round", *(f"{r.tokens_per_round:.3f}" for r in results), style="bold")
+    table.add_row("positions", *(str(r.positions) for r in results), style="dim")
+    console.print(table)

@@ -1,0 +1,119 @@
+"""``cortiq mtp-train``: train MTP draft layers for a frozen backbone and write them as its sidecar."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from cortiq_cli import text_options as opt
+from cortiq_cli.common import console, err_console, handle_errors, print_json
+from evals.text_source import load_text
+
+TRAIN_PANEL = "Training"
+
+
+@handle_errors
+def mtp_train(
+    model: Annotated[Path, typer.Argument(help="The backbone CMF file (frozen).", show_default=False)],
+    text: opt.TextFile = None,
+    dataset: opt.Dataset = None,
+    config: opt.Config = None,
+    split: opt.Split = None,
+    column: opt.Column = None,
+    data_files: opt.DataFiles = None,
+    max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", help="Use at most this many tokens of the text (training + held out).", rich_help_panel=opt.TEXT_PANEL)] = None,
+    holdout: Annotated[float, typer.Option("--holdout", help="Fraction of the windows (the last ones) held out for the acceptance report.", rich_help_panel=opt.TEXT_PANEL)] = 0.1,
+    layers: Annotated[int, typer.Option("--layers", "-k", help="Draft layers K: depth k predicts k+1 tokens past the next.", rich_help_panel=TRAIN_PANEL)] = 1,
+    steps: Annotated[int, typer.Option("--steps", "-n", help="Optimizer steps (total, a resumed run included).", rich_help_panel=TRAIN_PANEL)] = 200,
+    seq: Annotated[int, typer.Option("--seq", help="Tokens per window (backbone context and draft sequence).", rich_help_panel=TRAIN_PANEL)] = 256,
+    batch: Annotated[int, typer.Option("--batch", help="Windows per step.", rich_help_panel=TRAIN_PANEL)] = 2,
+    lr: Annotated[float, typer.Option("--lr", help="Peak learning rate (AdamW, warm-up then cosine to lr/10).", rich_help_panel=TRAIN_PANEL)] = 5e-4,
+    warmup: Annotated[int, typer.Option("--warmup", help="Warm-up steps.", rich_help_panel=TRAIN_PANEL)] = 10,
+    intermediate: Annotated[Optional[int], typer.Option("--intermediate", help="Draft MLP width (default: the backbone's).", rich_help_panel=TRAIN_PANEL)] = None,
+    init_layer: Annotated[int, typer.Option("--init-layer", help="Backbone layer the draft blocks start from (negative counts from the end).", rich_help_panel=TRAIN_PANEL)] = -1,
+    mtp_hidden: Annotated[str, typer.Option("--mtp-hidden", help="Backbone hidden the drafts read: pre or post its final norm.", rich_help_panel=TRAIN_PANEL)] = "pre",
+    topk: Annotated[int, typer.Option("--topk", help="Teacher probabilities kept per position.", rich_help_panel=TRAIN_PANEL)] = 32,
+    vocab: Annotated[str, typer.Option("--vocab", help="Draft softmax during training: active (tokens the teacher uses, + random negatives) or full.", rich_help_panel=TRAIN_PANEL)] = "active",
+    backbone: Annotated[str, typer.Option("--backbone", help="Who runs the frozen backbone to collect its hidden rows: torch (fast on CPU) or engine (the decode path's exact numbers).", rich_help_panel=TRAIN_PANEL)] = "torch",
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the window choice and negatives.", rich_help_panel=TRAIN_PANEL)] = 0,
+    checkpoint_every: Annotated[int, typer.Option("--checkpoint-every", help="Save a checkpoint (OUT stem + .train.pt) every N steps; 0 = never.", rich_help_panel=TRAIN_PANEL)] = 50,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue from the checkpoint beside the output.", rich_help_panel=TRAIN_PANEL)] = False,
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Sidecar to write (default: MODEL.mtp.cmf beside MODEL.cmf).")] = None,
+    quant: Annotated[Optional[str], typer.Option("--quant", help="Sidecar matrices' dtype (default: the backbone's).")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite an existing sidecar.")] = False,
+    threads: opt.Threads = None,
+    json_out: opt.Json = False,
+) -> None:
+    """Train K MTP draft layers on a frozen backbone by distillation, write them as its sidecar, report held-out acceptance."""
+    from cortiq_engine.mtp_train.config import TrainConfig
+    from cortiq_engine.mtp_train.run import Callbacks, train_mtp
+
+    cfg = TrainConfig(
+        layers=layers, steps=steps, seq=seq, batch=batch, lr=lr, warmup=warmup, topk=topk,
+        intermediate=intermediate, init_layer=init_layer, hidden=mtp_hidden, vocab=vocab, holdout=holdout,
+        max_tokens=max_tokens, seed=seed, checkpoint_every=checkpoint_every,
+    )
+    if layers < 1 or steps < 0 or holdout < 0 or holdout >= 1:
+        cfg.check(10**9)  # the one-line messages, before a model is opened
+    source = load_text(opt.text_spec(text, dataset, config, split, column, data_files))
+    if json_out:
+        result = train_mtp(model, source.text, source.source, cfg, out=out, quant=quant, resume=resume,
+                           force=force, threads=threads, backend=backbone)
+        print_json(result.to_json())
+        return
+    with Progress(
+        TextColumn("[bold]{task.description}[/]"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=err_console,
+        transient=True,
+    ) as bar:
+        tasks: dict[str, Any] = {}
+
+        def collect(done: int, total: int) -> None:
+            if "collect" not in tasks:
+                tasks["collect"] = bar.add_task("backbone", total=total, info="windows")
+            bar.update(tasks["collect"], completed=done)
+
+        def step(done: int, total: int, loss: float, agree: list[float]) -> None:
+            if "train" not in tasks:
+                tasks["train"] = bar.add_task("training", total=total, completed=done - 1, info="")
+            acc = " ".join(f"d{i + 1} {a:.0%}" for i, a in enumerate(agree))
+            bar.update(tasks["train"], completed=done, info=f"loss [cyan]{loss:.4f}[/]  top-1 {acc}")
+
+        result = train_mtp(model, source.text, source.source, cfg, out=out, quant=quant, resume=resume,
+                           force=force, threads=threads, backend=backbone, callbacks=Callbacks(collect=collect, step=step))
+    render(result)
+
+
+def render(r) -> None:
+    first = r.losses[r.start_step] if len(r.losses) > r.start_step else None
+    last = r.losses[-1] if r.losses else None
+    resumed = f", resumed at step {r.start_step}" if r.start_step else ""
+    loss = f"loss {first:.4f} -> {last:.4f}" if first is not None and last is not None else "no steps run"
+    console.print(
+        f"[bold]{r.config.layers}[/] draft layer(s), {r.steps} steps{resumed}: {loss} "
+        f"({r.train_seconds:.1f} s training, {r.collect_seconds:.1f} s backbone); "
+        f"{r.tokens} tokens, {r.train_windows} training / {r.held_windows} held-out windows of {r.config.seq}; "
+        f"text: {r.source}",
+        highlight=False,
+    )
+    acc = r.held_engine
+    if acc is not None:
+        t = Table(title="held-out acceptance (teacher-forced, vs the backbone's greedy token)")
+        t.add_column("depth", justify="right")
+        t.add_column("alone", justify="right")
+        t.add_column("chained", justify="right")
+        t.add_column("rows", justify="right")
+        for d, (a, c, n) in enumerate(zip(acc.alone, acc.chained, acc.rows)):
+            t.add_row(f"d{d + 1}", f"{a:.1%}", f"{c:.1%}", str(n))
+        console.print(t)
+        console.print(f"expected tokens per round: [bold]{acc.tokens_per_round:.3f}[/]", highlight=False)
+    console.print(f"wrote [bold]{r.sidecar}[/]" + (f"  (checkpoint {r.checkpoint})" if r.checkpoint else ""), highlight=False)

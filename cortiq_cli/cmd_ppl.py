@@ -1,0 +1,180 @@
+"""``cortiq ppl``: perplexity of one or more models on one text, and how the others drift from the first."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich import box
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from cortiq_cli import text_options as opt
+from cortiq_cli.common import console, err_console, handle_errors, print_json
+from evals.perplexity import Comparison, PerplexityReport, PerplexityResult, run_perplexity
+from evals.text_source import LoadedText, load_text
+from evals.tokens import chunk_bos, tokenize_for
+from evals.windows import Window, chunk_windows, sliding_windows
+from formats.errors import CortiqError
+
+MODES = ("sliding", "chunks")
+
+
+def load_engines(paths: list[Path], threads: int | None, ctx: int) -> list[Any]:
+    from cortiq_engine import Engine
+
+    return [Engine.load(p, threads=threads, ctx=ctx) for p in paths]
+
+
+def model_label(path: Path, engine: Any) -> str:
+    quant = ((getattr(engine, "header", None) or {}).get("quant") or {}).get("default")
+    return f"{path.name} ({quant})" if quant else path.name
+
+
+def plan_windows(mode: str, n_tokens: int, ctx: int, stride: int | None, max_tokens: int | None,
+                 chunks: int | None, bos: int | None) -> list[Window]:
+    if mode == "sliding":
+        if chunks is not None:
+            raise CortiqError("--chunks applies to --mode chunks")
+        return sliding_windows(n_tokens, ctx, stride if stride is not None else max(1, ctx // 2), max_tokens)
+    if mode == "chunks":
+        if stride is not None:
+            raise CortiqError("--stride applies to --mode sliding; chunks never overlap")
+        return chunk_windows(n_tokens, ctx, bos=bos, max_scored=max_tokens, max_chunks=chunks)
+    raise CortiqError(f"unknown --mode {mode!r}; choose one of {', '.join(MODES)}")
+
+
+@handle_errors
+def ppl(
+    models: Annotated[list[Path], typer.Argument(help="CMF model files; the first is the reference for comparisons.", show_default=False)],
+    text: opt.TextFile = None,
+    dataset: opt.Dataset = None,
+    config: opt.Config = None,
+    split: opt.Split = None,
+    column: opt.Column = None,
+    data_files: opt.DataFiles = None,
+    max_tokens: opt.MaxTokens = None,
+    ctx: opt.Ctx = 512,
+    stride: opt.Stride = None,
+    mode: Annotated[str, typer.Option("--mode", help="sliding (HF guide) or chunks (llama.cpp: disjoint ctx windows, second half scored).", rich_help_panel=opt.WINDOW_PANEL)] = "sliding",
+    chunks: Annotated[int | None, typer.Option("--chunks", min=1, help="chunks mode: score at most this many chunks (llama.cpp --chunks).", rich_help_panel=opt.WINDOW_PANEL)] = None,
+    batch: opt.BlockRows = 128,
+    threads: opt.Threads = None,
+    json_out: opt.Json = False,
+) -> None:
+    """Perplexity, NLL with its standard error, bits per byte; with several models, KL and top-1 agreement against the first."""
+    source = load_text(opt.text_spec(text, dataset, config, split, column, data_files))
+    engines = load_engines(models, threads, ctx)
+    names = [model_label(p, e) for p, e in zip(models, engines)]
+    tokens = tokenize_for(engines, names, source.text)
+    windows = plan_windows(mode, len(tokens), ctx, stride, max_tokens, chunks, chunk_bos(engines[0].tokenizer))
+    if not windows:
+        raise CortiqError("nothing to score: the window plan is empty")
+    total = sum(w.n_scored for w in windows)
+
+    if json_out:
+        result = run_perplexity(engines, names, tokens, windows, engines[0].tokenizer, chunk=batch)
+    else:
+        with Progress(
+            TextColumn("[bold]scoring[/]"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("tokens  ppl [cyan]{task.fields[ppl]}[/]"),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            console=err_console,
+            transient=True,
+        ) as bar:
+            task = bar.add_task("ppl", total=total, ppl="-")
+
+            def progress(done: int, _total: int, running: float) -> None:
+                bar.update(task, completed=done, ppl=f"{running:.4f}")
+
+            result = run_perplexity(engines, names, tokens, windows, engines[0].tokenizer, chunk=batch, progress=progress)
+
+    settings = {
+        "mode": mode,
+        "ctx": ctx,
+        "stride": (stride if stride is not None else max(1, ctx // 2)) if mode == "sliding" else None,
+        "windows": len(windows),
+        "chunk_bos": windows[0].bos if mode == "chunks" else None,
+        "max_tokens": max_tokens,
+        "text_tokens": int(len(tokens)),
+    }
+    if json_out:
+        print_json(to_json(source, settings, result, models))
+    else:
+        render(source, settings, result)
+
+
+def to_json(source: LoadedText, settings: dict[str, Any], result: PerplexityResult, paths: list[Path]) -> dict[str, Any]:
+    return {
+        "text": {"source": source.source, "documents": source.documents, "bytes": source.n_bytes},
+        "settings": settings,
+        "models": [dict(r.to_json(), path=str(p)) for r, p in zip(result.reports, paths)],
+        "comparisons": [c.to_json() for c in result.comparisons],
+    }
+
+
+def render(source: LoadedText, settings: dict[str, Any], result: PerplexityResult) -> None:
+    how = f"{settings['mode']}, ctx {settings['ctx']}"
+    if settings["stride"] is not None:
+        how += f", stride {settings['stride']}"
+    r0 = result.reports[0]
+    console.print(
+        f"[bold]text[/] {source.source}\n"
+        f"  {source.n_bytes:,} bytes, {settings['text_tokens']:,} tokens; scored {r0.tokens_scored:,} tokens "
+        f"({r0.bytes_scored:,} bytes) in {settings['windows']} windows ({how})",
+        highlight=False,
+    )
+    console.print(_ppl_table(result.reports))
+    if result.comparisons:
+        console.print(_comparison_table(result.comparisons))
+
+
+def _num(x: float, digits: int = 4) -> str:
+    """Fixed point, or scientific for values too small to show that way (KL of near-identical models)."""
+    if x != 0 and abs(x) < 10 ** -(digits - 1):
+        return f"{x:.2e}"
+    return f"{x:.{digits}f}"
+
+
+def _ppl_table(reports: list[PerplexityReport]) -> Table:
+    t = Table(title="Perplexity", title_justify="left", box=box.SIMPLE_HEAD)
+    t.add_column("model", style="bold", overflow="fold", min_width=12)
+    t.add_column("ppl", justify="right", style="cyan", no_wrap=True)
+    t.add_column("95% CI", justify="right", no_wrap=True)
+    t.add_column("NLL ± SE", justify="right", no_wrap=True)
+    t.add_column("bits/byte", justify="right", no_wrap=True)
+    for r in reports:
+        lo, hi = r.ppl_ci95
+        t.add_row(
+            r.model,
+            f"{r.ppl:.4f}",
+            f"{lo:.3f}–{hi:.3f}",
+            f"{r.nll.mean:.4f} ± {r.nll.se:.4f}",
+            f"{r.bits_per_byte:.4f}",
+        )
+    return t
+
+
+def _comparison_table(comps: list[Comparison]) -> Table:
+    t = Table(title=f"Against {comps[0].reference}", title_justify="left", box=box.SIMPLE_HEAD)
+    t.add_column("model", style="bold", overflow="fold", min_width=12)
+    t.add_column("ppl ratio", justify="right", style="cyan", no_wrap=True)
+    t.add_column("95% CI", justify="right", no_wrap=True)
+    t.add_column("mean KL", justify="right", no_wrap=True)
+    t.add_column("KL max", justify="right", no_wrap=True)
+    t.add_column("top-1 agree", justify="right", no_wrap=True)
+    for c in comps:
+        lo, hi = c.ppl_ratio_ci95
+        t.add_row(
+            c.model,
+            f"{c.ppl_ratio:.4f}",
+            f"{lo:.4f}–{hi:.4f}",
+            _num(c.kl.mean),
+            _num(c.kl_quantiles.get("max", float("nan"))),
+            f"{100 * c.top1.mean:.2f}%",
+        )
+    return t

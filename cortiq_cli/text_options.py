@@ -1,0 +1,52 @@
+"""The text-source and window options every eval command shares (``ppl``, ``calibrate``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from evals.text_source import TextSpec
+
+TEXT_PANEL = "Text"
+WINDOW_PANEL = "Windows"
+
+TextFile = Annotated[
+    Optional[Path],
+    typer.Option("--text", "-f", help="Text to score: plain text, or .jsonl/.json/.csv/.tsv/.parquet with --column. Default: the bundled public-domain text (Alice in Wonderland).", rich_help_panel=TEXT_PANEL),
+]
+Dataset = Annotated[
+    Optional[str],
+    typer.Option("--dataset", help="A `datasets` name, a folder saved with save_to_disk, or json|csv|parquet|text with --data-files.", rich_help_panel=TEXT_PANEL),
+]
+Config = Annotated[Optional[str], typer.Option("--config", help="Data-set configuration (e.g. wikitext-2-raw-v1).", rich_help_panel=TEXT_PANEL)]
+Split = Annotated[Optional[str], typer.Option("--split", help="Data-set split (default: the only one).", rich_help_panel=TEXT_PANEL)]
+Column = Annotated[Optional[str], typer.Option("--column", help="Column holding the text (default: text).", rich_help_panel=TEXT_PANEL)]
+DataFiles = Annotated[
+    Optional[list[str]],
+    typer.Option("--data-files", help="Local data files for --dataset json|csv|parquet|text (repeatable).", rich_help_panel=TEXT_PANEL),
+]
+MaxTokens = Annotated[Optional[int], typer.Option("--max-tokens", min=1, help="Score at most this many tokens.", rich_help_panel=TEXT_PANEL)]
+
+Ctx = Annotated[int, typer.Option("--ctx", "-c", min=2, help="Tokens per forward window.", rich_help_panel=WINDOW_PANEL)]
+Stride = Annotated[
+    Optional[int],
+    typer.Option("--stride", min=1, help="Sliding-window step (default ctx/2): each token is scored once with >= ctx-stride tokens of context.", rich_help_panel=WINDOW_PANEL),
+]
+Threads = Annotated[Optional[int], typer.Option("--threads", "-t", min=1, help="Engine threads (default: all cores).")]
+BlockRows = Annotated[int, typer.Option("--batch", min=1, help="Logit rows per forward block (bounds memory).", rich_help_panel=WINDOW_PANEL)]
+Json = Annotated[bool, typer.Option("--json", help="Print one JSON document instead of tables.")]
+
+
+def text_spec(
+    text: Path | None, dataset: str | None, config: str | None, split: str | None, column: str | None, data_files: list[str] | None
+) -> TextSpec:
+    return TextSpec(
+        path=str(text) if text is not None else None,
+        dataset=dataset,
+        config=config,
+        split=split,
+        column=column,
+        data_files=tuple(data_files or ()),
+    )

@@ -1,0 +1,180 @@
+"""``Engine``: the Python API the CLI, the evals and the tests use.
+
+It opens a CMF file (weights stay in its memory map), builds the model for the
+file's architecture, loads the embedded tokenizer, and compiles the kernels up
+front so the first token's timing is not JIT time.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Iterator, Sequence
+
+import numpy as np
+
+from formats.arch import ArchConfig
+from formats.cmf import CmfFile
+from formats.convert import TOKENIZER_TENSOR
+from formats.errors import CortiqError
+from cortiq_engine.generate import GenerationResult, TokenEvent, generate
+from cortiq_engine.kernels import get_kernels
+from cortiq_engine.memory import release_free_heap
+from cortiq_engine.model import Model, State, forward
+from cortiq_engine.models import build_model
+from cortiq_engine.sampling import SamplingConfig
+from cortiq_engine.threads import set_threads
+from cortiq_engine.tokenizer import Tokenizer
+
+DEFAULT_CTX = 4096
+
+
+class Engine:
+    def __init__(self, cmf: CmfFile, model: Model, tokenizer: Tokenizer | None, ctx: int, threads: int):
+        self.cmf = cmf
+        self.path = cmf.path
+        self.model = model
+        self.header = cmf.header
+        self.arch: ArchConfig = model.arch
+        self.ctx = ctx
+        self.threads = threads
+        self.kernels = model.kernels
+        self._tokenizer = tokenizer
+
+    # ---------------------------------------------------------------- loading
+    @classmethod
+    def load(
+        cls,
+        path: str | os.PathLike,
+        threads: int | None = None,
+        ctx: int | None = None,
+        kernels: str | None = None,
+        warmup: bool = True,
+    ) -> "Engine":
+        """Open ``path``; ``ctx`` defaults to min(max_position_embeddings, 4096);
+        ``kernels`` "numba"|"numpy" (default: $CORTIQ_KERNELS, else numba)."""
+        n_threads = set_threads(threads)
+        ks = get_kernels(kernels)
+        cmf = CmfFile(path)
+        header = cmf.header
+        if header.get("role", "model") != "model" or "arch" not in header:
+            raise CortiqError(f"{path}: not a model file (role {header.get('role')!r}); an MTP sidecar is loaded with its model")
+        try:
+            arch = ArchConfig.from_json(header["arch"])
+        except (TypeError, ValueError) as e:
+            raise CortiqError(f"{path}: bad arch header ({e})") from None
+        model = build_model(cmf, arch, ks)
+        if ctx is None:
+            ctx = min(arch.max_position_embeddings, DEFAULT_CTX)
+        if ctx < 1:
+            raise CortiqError(f"--ctx must be >= 1, got {ctx}")
+        tok = None
+        if TOKENIZER_TENSOR in cmf:
+            tok = Tokenizer(cmf.raw_bytes(TOKENIZER_TENSOR), header.get("tokenizer") or {})
+        eng = cls(cmf, model, tok, int(ctx), n_threads)
+        if warmup:
+            eng.warmup()
+        release_free_heap()
+        return eng
+
+    def warmup(self) -> None:
+        """Run each kernel once on tiny inputs (compiles, or loads numba's cache)."""
+        self.kernels.warmup(self.model.weights())
+        st = self.model.new_state(3)
+        forward(st, [0, 0])
+        h = forward(st, [0])
+        self.model.lm_head(self.model.final_norm(h))
+
+    # ---------------------------------------------------------------- properties
+    @property
+    def tokenizer(self) -> Tokenizer:
+        if self._tokenizer is None:
+            raise CortiqError(f"{self.path}: no embedded tokenizer (tensor {TOKENIZER_TENSOR}); reconvert the model")
+        return self._tokenizer
+
+    @property
+    def has_tokenizer(self) -> bool:
+        return self._tokenizer is not None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.vocab_size
+
+    @property
+    def calibration_temperature(self) -> float | None:
+        t = (self.header.get("calibration") or {}).get("temperature")
+        return float(t) if t else None
+
+    @property
+    def eos_ids(self) -> list[int]:
+        return [int(e) for e in ((self.header.get("tokenizer") or {}).get("eos_token_ids") or [])]
+
+    def new_state(self, capacity: int | None = None) -> State:
+        return self.model.new_state(capacity or self.ctx)
+
+    # ---------------------------------------------------------------- teacher forcing
+    def _check_ids(self, ids: Sequence[int]) -> np.ndarray:
+        arr = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if arr.size == 0:
+            raise CortiqError("no tokens to score")
+        if arr.size > self.ctx:
+            raise CortiqError(f"{arr.size} tokens exceed the context of {self.ctx} (load with a larger ctx)")
+        if arr.min() < 0 or arr.max() >= self.vocab_size:
+            raise CortiqError(f"token id outside the vocabulary (0..{self.vocab_size - 1})")
+        return arr
+
+    def iter_logits(self, ids: Sequence[int], chunk: int = 128, sub: int = 32) -> Iterator[tuple[int, np.ndarray]]:
+        """Teacher-forced logits of a fresh sequence, ``(start, block)`` at a time:
+        block row j predicts ids[start + j + 1]. Memory stays bounded by the chunk."""
+        arr = self._check_ids(ids)
+        if chunk < 1 or sub < 1:
+            raise CortiqError("chunk and sub must be >= 1")
+        state = self.model.new_state(int(arr.size))
+        for s in range(0, arr.size, chunk):
+            hn = self.model.final_norm(forward(state, arr[s : s + chunk]))
+            for j in range(0, hn.shape[0], sub):
+                yield s + j, self.model.lm_head(hn[j : j + sub])
+
+    def logits(self, ids: Sequence[int]) -> np.ndarray:
+        """f32 [len(ids), vocab]: row i is the next-token logits after ids[:i+1]."""
+        arr = self._check_ids(ids)
+        out = np.empty((arr.size, self.vocab_size), np.float32)
+        for s, block in self.iter_logits(arr, chunk=256, sub=64):
+            out[s : s + block.shape[0]] = block
+        return out
+
+    # ---------------------------------------------------------------- generation
+    def generate(
+        self,
+        prompt_ids: Sequence[int],
+        config: SamplingConfig | None = None,
+        max_tokens: int = 256,
+        stop: Sequence[str] = (),
+        on_token: Callable[[TokenEvent], bool | None] | None = None,
+        *,
+        on_text: Callable[[str], None] | None = None,
+        evict: bool = False,
+        ignore_eos: bool = False,
+    ) -> GenerationResult:
+        return generate(
+            self.model,
+            self._tokenizer,
+            prompt_ids,
+            config or SamplingConfig(),
+            capacity=self.ctx,
+            max_tokens=max_tokens,
+            stop=stop,
+            eos_ids=() if ignore_eos else self.eos_ids,
+            evict=evict,
+            calibration_temperature=self.calibration_temperature,
+            on_token=on_token,
+            on_text=on_text,
+        )
+
+    def close(self) -> None:
+        self.cmf.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

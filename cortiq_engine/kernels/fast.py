@@ -1,0 +1,178 @@
+"""The fast kernel set: numba kernels for quantized/half matrices, BLAS for f32.
+
+Strategy per matmul of n input rows:
+- f32 weights: numpy BLAS directly (zero copy from the map).
+- n <= ``small_n`` (decode, short verify batches): the weights are read once,
+  block by block, straight from the map (``jit.*_matmul_small``), all fused
+  matrices in one parallel launch.
+- larger n (prefill): a tile of rows is dequantized into a reused f32 buffer and
+  multiplied with BLAS, so the dequantization cost is shared by all n rows.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from cortiq_engine.kernels import jit
+from cortiq_engine.kernels.reference import TILE_ELEMS, NumpyKernels, tile_rows
+from cortiq_engine.weights import Weight
+
+# Above this many rows a matmul dequantizes tiles and uses BLAS (measured crossover).
+SMALL_N = 8
+# Above this many new queries attention goes through BLAS (reference code path).
+SMALL_ATTN = 16
+# Matrices one small-batch kernel call can fuse (q|k|v).
+FUSE_MAX = 3
+
+
+def _runs(ws: Sequence[Weight], most: int) -> list[list[Weight]]:
+    """Consecutive weights of one dtype and width (at most ``most``), fused into one kernel call."""
+    runs: list[list[Weight]] = []
+    for w in ws:
+        if runs and len(runs[-1]) < most and runs[-1][0].dtype == w.dtype and runs[-1][0].cols == w.cols:
+            runs[-1].append(w)
+        else:
+            runs.append([w])
+    return runs
+
+
+def _readonly(a: np.ndarray) -> np.ndarray:
+    v = np.ascontiguousarray(a).view()
+    v.flags.writeable = False
+    return v
+
+
+class NumbaKernels(NumpyKernels):
+    name = "numba"
+
+    def __init__(self, small_n: int = SMALL_N):
+        self.small_n = small_n
+        # Scratch for dequantized tiles, reused so large prefill matmuls do not
+        # page-fault a fresh buffer per call. One per engine; not thread-safe.
+        self._tile = np.empty(0, np.float32)
+        # Kernel arguments of each fused run, keyed by the weights' identities
+        # (the weights live as long as the model that owns this kernel set).
+        self._args: dict[tuple[int, ...], tuple] = {}
+
+    def _tile_buf(self, rows: int, cols: int) -> np.ndarray:
+        if self._tile.size < rows * cols:
+            self._tile = np.empty(max(rows * cols, TILE_ELEMS), np.float32)
+        return self._tile[: rows * cols].reshape(rows, cols)
+
+    # ------------------------------------------------------------ matmul
+    def matmul(self, ws: Sequence[Weight], X: np.ndarray) -> np.ndarray:
+        X = np.ascontiguousarray(X, dtype=np.float32)
+        n = X.shape[0]
+        out = np.empty((n, sum(w.rows for w in ws)), np.float32)
+        runs = _runs(ws, FUSE_MAX)
+        c0 = 0
+        for run in runs:
+            width = sum(w.rows for w in run)
+            dst = out[:, c0 : c0 + width]
+            if run[0].dtype == "f32":
+                r = 0
+                for w in run:
+                    np.matmul(X, w.parts["data"].T, out=dst[:, r : r + w.rows])
+                    r += w.rows
+            elif n <= self.small_n:
+                # The kernel writes a contiguous [n, width] block.
+                tgt = out if len(runs) == 1 else np.empty((n, width), np.float32)
+                self._small(run, X, tgt)
+                if tgt is not out:
+                    dst[:] = tgt
+            else:
+                r = 0
+                for w in run:
+                    self._tiled(w, X, dst[:, r : r + w.rows])
+                    r += w.rows
+            c0 += width
+        return out
+
+    def _small(self, run: list[Weight], X: np.ndarray, out: np.ndarray) -> None:
+        count, offs, parts = self._small_args(run)
+        dt = run[0].dtype
+        if dt == "q8":
+            jit.q8_matmul_small(parts[0], parts[1], count, offs, X, out)
+        elif dt == "q4":
+            xsum = X.reshape(X.shape[0], -1, jit.QB).sum(axis=2, dtype=np.float32)
+            jit.q4_matmul_small(parts[0], parts[1], parts[2], count, offs, X, xsum, out)
+        else:
+            jit.half_matmul_small(parts[0], dt == "bf16", count, offs, X, out)
+
+    def _small_args(self, run: list[Weight]) -> tuple[int, np.ndarray, list[tuple[np.ndarray, ...]]]:
+        """(count, row offsets, part 3-tuples) for a fused run, built once per run."""
+        key = tuple(id(w) for w in run)
+        hit = self._args.get(key)
+        if hit is not None:
+            return hit
+        if len(run) > FUSE_MAX:
+            raise ValueError(f"at most {FUSE_MAX} matrices fuse into one kernel call")
+        names = {"q8": ("d", "qs"), "q4": ("d", "m", "qs"), "f16": ("data",), "bf16": ("data",)}[run[0].dtype]
+        parts = []
+        for name in names:
+            real = [w.parts[name] for w in run]
+            pad = np.zeros((0,) + real[0].shape[1:], real[0].dtype)
+            # Map views are read-only; make every member read-only so a tuple has one numba type.
+            parts.append(tuple(_readonly(a) for a in real + [pad] * (FUSE_MAX - len(real))))
+        offs = np.zeros(FUSE_MAX + 1, np.int64)
+        np.cumsum([w.rows for w in run], out=offs[1 : len(run) + 1])
+        offs[len(run) + 1 :] = offs[len(run)]
+        hit = (len(run), offs, parts)
+        self._args[key] = hit
+        return hit
+
+    def _tiled(self, w: Weight, X: np.ndarray, dst: np.ndarray) -> None:
+        step = tile_rows(w)
+        for r0 in range(0, w.rows, step):
+            r1 = min(w.rows, r0 + step)
+            buf = self._tile_buf(r1 - r0, w.cols)
+            self._dequant(w, r0, r1, buf)
+            dst[:, r0:r1] = X @ buf.T
+
+    @staticmethod
+    def _dequant(w: Weight, r0: int, r1: int, buf: np.ndarray) -> None:
+        p = w.parts
+        if w.dtype == "q8":
+            jit.q8_dequant(p["d"], p["qs"], r0, r1, buf)
+        elif w.dtype == "q4":
+            jit.q4_dequant(p["d"], p["m"], p["qs"], r0, r1, buf)
+        else:
+            jit.half_dequant(p["data"], w.dtype == "bf16", r0, r1, buf)
+
+    # ------------------------------------------------------------ elementwise
+    def rms_norm(self, x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+        out = np.empty_like(x)
+        jit.rms_norm(x, w, np.float32(eps), out)
+        return out
+
+    def add_rms_norm(self, x: np.ndarray, delta: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+        out = np.empty_like(x)
+        jit.add_rms_norm(x, delta, w, np.float32(eps), out)
+        return out
+
+    def silu_mul(self, gu: np.ndarray) -> np.ndarray:
+        out = np.empty((gu.shape[0], gu.shape[1] // 2), np.float32)
+        jit.silu_mul(gu, out)
+        return out
+
+    def rope(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> None:
+        jit.rope(x, cos, sin)
+
+    def attend(self, q: np.ndarray, kc: np.ndarray, vc: np.ndarray, start: int, window: int, scale: float) -> np.ndarray:
+        if q.shape[0] > SMALL_ATTN:
+            return super().attend(q, kc, vc, start, window, scale)
+        out = np.empty((q.shape[0], q.shape[1], vc.shape[2]), np.float32)
+        jit.attend(np.ascontiguousarray(q), kc, vc, start, window, np.float32(scale), out)
+        return out
+
+    # ------------------------------------------------------------ compile ahead
+    def warmup(self, ws: Sequence[Weight]) -> None:
+        """Compile (or load from numba's cache) the tile kernels for these dtypes."""
+        seen = set()
+        for w in ws:
+            if w.dtype in seen or w.dtype == "f32":
+                continue
+            seen.add(w.dtype)
+            self._dequant(w, 0, 1, self._tile_buf(1, w.cols))

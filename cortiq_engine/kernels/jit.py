@@ -1,0 +1,283 @@
+"""Compiled (numba) kernels for the hot loops. Numbers only: no weights, no models.
+
+Every kernel writes into an ``out`` array the caller owns, takes C-contiguous
+arrays, and is compiled with ``cache=True`` so a second process loads machine
+code instead of recompiling. Half-precision values arrive as ``uint16`` bit
+patterns (numba has no float16 on the CPU); two LLVM intrinsics widen them.
+
+Quantized layouts are the planar ones of ``formats.quants`` (blocks of 32):
+q8 ``d`` f16[rows, nb] + ``qs`` i8[rows, cols]; q4 ``d``, ``m`` f16[rows, nb] +
+``qs`` u8[rows, cols/2] (byte j of a block: element j low nibble, j+16 high).
+
+The "small-batch" matmuls read each weight row once for all ``n`` input rows,
+accumulating 32 lanes per input row so LLVM vectorizes the block loop (a
+scalar accumulator per block is several times slower).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
+
+QB = 32  # quantization block (formats.quants.QBLOCK)
+
+
+@intrinsic
+def f16_to_f32(typingctx, bits):
+    """IEEE half (as uint16 bits) -> float32; compiles to vcvtph2ps with F16C."""
+    sig = types.float32(types.uint16)
+
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+    return sig, codegen
+
+
+@intrinsic
+def bf16_to_f32(typingctx, bits):
+    """bfloat16 (as uint16 bits) -> float32: the bits are the upper half of an f32."""
+    sig = types.float32(types.uint16)
+
+    def codegen(context, builder, signature, args):
+        wide = builder.shl(builder.zext(args[0], ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
+        return builder.bitcast(wide, ir.FloatType())
+
+    return sig, codegen
+
+
+# ------------------------------------------------------------ small-batch matmul
+# out[i, offs[m] + r] = sum_c W_m[r, c] * X[i, c] for the first ``count`` matrices of
+# the tuples: fused projections (q|k|v, gate|up) in one call. Callers always pass
+# 3-tuples (padded with empty arrays) so each kernel compiles, and loads, once: every
+# specialization costs several MB of resident machine code. Each weight row is loaded once
+# and stays in L1 while the n input rows pass over it; one 32-lane accumulator
+# per (row, input) keeps the block loop vectorized.
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def q8_matmul_small(ds, qss, count, offs, X, out):
+    n, cols = X.shape
+    nb = cols // QB
+    for m in range(count):
+        d = ds[m]
+        q = qss[m]
+        base = offs[m]
+        for r in prange(q.shape[0]):
+            for i in range(n):
+                acc = np.zeros(QB, np.float32)
+                for b in range(nb):
+                    sc = f16_to_f32(d[r, b])
+                    o = b * QB
+                    for j in range(QB):
+                        acc[j] += sc * (np.float32(q[r, o + j]) * X[i, o + j])
+                out[i, base + r] = acc.sum()
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def q4_matmul_small(ds, mins, qss, count, offs, X, xsum, out):
+    """xsum[i, b] = sum of X[i] over block b: the Q4_1 min term factors out of the dot."""
+    n, cols = X.shape
+    nb = cols // QB
+    half = QB // 2
+    for m in range(count):
+        d = ds[m]
+        mn = mins[m]
+        q = qss[m]
+        base = offs[m]
+        for r in prange(q.shape[0]):
+            for i in range(n):
+                acc = np.zeros(QB, np.float32)
+                macc = np.float32(0.0)
+                for b in range(nb):
+                    sc = f16_to_f32(d[r, b])
+                    o = b * QB
+                    ob = b * half
+                    for j in range(half):
+                        byte = q[r, ob + j]
+                        acc[j] += sc * (np.float32(byte & 15) * X[i, o + j])
+                        acc[j + half] += sc * (np.float32(byte >> 4) * X[i, o + j + half])
+                    macc += f16_to_f32(mn[r, b]) * xsum[i, b]
+                out[i, base + r] = acc.sum() + macc
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def half_matmul_small(ws, bf16, count, offs, X, out):
+    """f16 (bf16=False) or bf16 (bf16=True) weights stored as uint16 bits; any width."""
+    n, cols = X.shape
+    full = cols // QB * QB
+    for m in range(count):
+        W = ws[m]
+        base = offs[m]
+        for r in prange(W.shape[0]):
+            for i in range(n):
+                acc = np.zeros(QB, np.float32)
+                if bf16:
+                    for o in range(0, full, QB):
+                        for j in range(QB):
+                            acc[j] += bf16_to_f32(W[r, o + j]) * X[i, o + j]
+                else:
+                    for o in range(0, full, QB):
+                        for j in range(QB):
+                            acc[j] += f16_to_f32(W[r, o + j]) * X[i, o + j]
+                tail = np.float32(0.0)
+                for c in range(full, cols):
+                    wc = bf16_to_f32(W[r, c]) if bf16 else f16_to_f32(W[r, c])
+                    tail += wc * X[i, c]
+                out[i, base + r] = acc.sum() + tail
+
+
+# ------------------------------------------------------------ dequantize row tiles
+# For large batches: rows r0..r1 of a matrix -> f32 ``out[:r1-r0]``, then BLAS.
+
+
+@njit(parallel=True, cache=True)
+def q8_dequant(d, q, r0, r1, out):
+    cols = q.shape[1]
+    nb = cols // QB
+    for r in prange(r0, r1):
+        for b in range(nb):
+            sc = f16_to_f32(d[r, b])
+            o = b * QB
+            for j in range(QB):
+                out[r - r0, o + j] = sc * np.float32(q[r, o + j])
+
+
+@njit(parallel=True, cache=True)
+def q4_dequant(d, mn, q, r0, r1, out):
+    cols = q.shape[1] * 2
+    nb = cols // QB
+    half = QB // 2
+    for r in prange(r0, r1):
+        for b in range(nb):
+            sc = f16_to_f32(d[r, b])
+            lo = f16_to_f32(mn[r, b])
+            o = b * QB
+            ob = b * half
+            for j in range(half):
+                byte = q[r, ob + j]
+                out[r - r0, o + j] = sc * np.float32(byte & 15) + lo
+                out[r - r0, o + j + half] = sc * np.float32(byte >> 4) + lo
+
+
+@njit(parallel=True, cache=True)
+def half_dequant(w, bf16, r0, r1, out):
+    cols = w.shape[1]
+    for r in prange(r0, r1):
+        if bf16:
+            for c in range(cols):
+                out[r - r0, c] = bf16_to_f32(w[r, c])
+        else:
+            for c in range(cols):
+                out[r - r0, c] = f16_to_f32(w[r, c])
+
+
+# ------------------------------------------------------------ elementwise / norms
+
+
+@njit(fastmath=True, cache=True)
+def rms_norm(x, w, eps, out):
+    """out[i] = x[i] / sqrt(mean(x[i]^2) + eps) * w, rows of a 2-D array."""
+    n, h = x.shape
+    for i in range(n):
+        ss = np.float32(0.0)
+        for c in range(h):
+            ss += x[i, c] * x[i, c]
+        inv = np.float32(1.0) / np.sqrt(ss / np.float32(h) + np.float32(eps))
+        for c in range(h):
+            out[i, c] = w[c] * (x[i, c] * inv)
+
+
+@njit(fastmath=True, cache=True)
+def add_rms_norm(x, delta, w, eps, out):
+    """x += delta (the residual stream, in place), then out = rms_norm(x) * w."""
+    n, h = x.shape
+    for i in range(n):
+        ss = np.float32(0.0)
+        for c in range(h):
+            v = x[i, c] + delta[i, c]
+            x[i, c] = v
+            ss += v * v
+        inv = np.float32(1.0) / np.sqrt(ss / np.float32(h) + np.float32(eps))
+        for c in range(h):
+            out[i, c] = w[c] * (x[i, c] * inv)
+
+
+@njit(fastmath=True, cache=True)
+def silu_mul(gu, out):
+    """gu = [gate | up] per row -> silu(gate) * up."""
+    n, two = gu.shape
+    k = two // 2
+    for i in range(n):
+        for c in range(k):
+            g = gu[i, c]
+            out[i, c] = g / (np.float32(1.0) + np.exp(-g)) * gu[i, k + c]
+
+
+@njit(fastmath=True, cache=True)
+def rope(x, cos, sin):
+    """Rotate the first 2*len(cos[0]) dims of every head, HF's rotate_half layout.
+
+    x: [n, heads, head_dim] in place; cos/sin: [n, rotary_dim/2].
+    """
+    n, heads, _ = x.shape
+    half = cos.shape[1]
+    for i in range(n):
+        for h in range(heads):
+            for j in range(half):
+                a = x[i, h, j]
+                b = x[i, h, j + half]
+                c = cos[i, j]
+                s = sin[i, j]
+                x[i, h, j] = a * c - b * s
+                x[i, h, j + half] = b * c + a * s
+
+
+# ------------------------------------------------------------ attention over a cache
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def attend(q, kc, vc, start, window, scale, out):
+    """Causal GQA attention of n new queries over a KV cache.
+
+    q: [n, heads, d]; kc: [kv_heads, cap, d]; vc: [kv_heads, cap, dv]; the new
+    keys already sit at cache rows start..start+n-1. Query i sees rows
+    lo..start+i, lo = start+i-window+1 for a sliding window (window > 0).
+    out: [n, heads, dv].
+    """
+    n, heads, d = q.shape
+    kvh = kc.shape[0]
+    dv = vc.shape[2]
+    group = heads // kvh
+    for t in prange(n * heads):
+        i = t // heads
+        h = t % heads
+        g = h // group
+        hi = start + i + 1
+        lo = 0
+        if window > 0 and hi - window > 0:
+            lo = hi - window
+        s = np.empty(hi - lo, np.float32)
+        mx = np.float32(-np.inf)
+        for j in range(lo, hi):
+            acc = np.float32(0.0)
+            for c in range(d):
+                acc += q[i, h, c] * kc[g, j, c]
+            acc *= scale
+            s[j - lo] = acc
+            if acc > mx:
+                mx = acc
+        tot = np.float32(0.0)
+        for j in range(hi - lo):
+            e = np.exp(s[j] - mx)
+            s[j] = e
+            tot += e
+        o = np.zeros(dv, np.float32)
+        for j in range(lo, hi):
+            p = s[j - lo]
+            for c in range(dv):
+                o[c] += p * vc[g, j, c]
+        inv = np.float32(1.0) / tot
+        for c in range(dv):
+            out[i, h, c] = o[c] * inv

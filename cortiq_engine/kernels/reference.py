@@ -1,0 +1,97 @@
+"""The reference kernel set: plain numpy, easy to read, the oracle for the fast one.
+
+Every operation of the engine's forward pass goes through a kernel set; the fast
+set (``fast.py``) overrides the hot ones with compiled code and must agree with
+this one to float rounding (tests/test_engine_kernels.py).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from cortiq_engine.weights import Weight
+
+# Rows of a weight dequantized at once: bounds the scratch tile (~4 MB of f32).
+TILE_ELEMS = 1 << 20
+
+
+def tile_rows(w: Weight) -> int:
+    return max(16, min(w.rows, TILE_ELEMS // max(w.cols, 1)))
+
+
+class NumpyKernels:
+    name = "numpy"
+
+    # ------------------------------------------------------------ matmul
+    def matmul(self, ws: Sequence[Weight], X: np.ndarray) -> np.ndarray:
+        """X [n, cols] times each W^T, outputs side by side: [n, sum(rows)]."""
+        n = X.shape[0]
+        out = np.empty((n, sum(w.rows for w in ws)), np.float32)
+        c0 = 0
+        for w in ws:
+            if w.dtype == "f32":
+                np.matmul(X, w.parts["data"].T, out=out[:, c0 : c0 + w.rows])
+            else:
+                step = tile_rows(w)
+                for r0 in range(0, w.rows, step):
+                    r1 = min(w.rows, r0 + step)
+                    out[:, c0 + r0 : c0 + r1] = X @ w.dequantize(r0, r1).T
+            c0 += w.rows
+        return out
+
+    # ------------------------------------------------------------ elementwise
+    def rms_norm(self, x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+        var = np.mean(np.square(x), axis=-1, keepdims=True)
+        return (w * (x / np.sqrt(var + np.float32(eps)))).astype(np.float32)
+
+    def add_rms_norm(self, x: np.ndarray, delta: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+        """x += delta in place (the residual stream), then rms_norm(x)."""
+        x += delta
+        return self.rms_norm(x, w, eps)
+
+    def silu_mul(self, gu: np.ndarray) -> np.ndarray:
+        k = gu.shape[1] // 2
+        g, u = gu[:, :k], gu[:, k:]
+        return (g / (np.float32(1.0) + np.exp(-g)) * u).astype(np.float32)
+
+    def rope(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> None:
+        """In place on x [n, heads, d]: rotate dims 0..2*half (HF rotate_half layout)."""
+        half = cos.shape[1]
+        a = x[:, :, :half].copy()
+        b = x[:, :, half : 2 * half].copy()
+        c = cos[:, None, :]
+        s = sin[:, None, :]
+        x[:, :, :half] = a * c - b * s
+        x[:, :, half : 2 * half] = b * c + a * s
+
+    # ------------------------------------------------------------ attention
+    def attend(self, q: np.ndarray, kc: np.ndarray, vc: np.ndarray, start: int, window: int, scale: float) -> np.ndarray:
+        """Causal GQA attention of n new queries over cache rows 0..start+n-1.
+
+        q [n, heads, d]; kc [kv_heads, cap, d]; vc [kv_heads, cap, dv] -> [n, heads, dv].
+        Query i sees rows lo..start+i (lo > 0 only with a sliding window).
+        """
+        n, heads, _ = q.shape
+        kvh = kc.shape[0]
+        group = heads // kvh
+        L = start + n
+        rows = np.arange(n)[:, None] + start
+        cols = np.arange(L)[None, :]
+        masked = cols > rows
+        if window > 0:
+            masked |= cols <= rows - window
+        out = np.empty((n, heads, vc.shape[2]), np.float32)
+        for g in range(kvh):
+            qg = q[:, g * group : (g + 1) * group, :].transpose(1, 0, 2)  # [group, n, d]
+            s = np.matmul(qg, kc[g, :L].T) * np.float32(scale)  # [group, n, L]
+            s[:, masked] = -np.inf
+            s -= s.max(axis=-1, keepdims=True)
+            p = np.exp(s)
+            p /= p.sum(axis=-1, keepdims=True)
+            out[:, g * group : (g + 1) * group, :] = np.matmul(p, vc[g, :L]).transpose(1, 0, 2)
+        return out
+
+    def warmup(self, ws: Sequence[Weight]) -> None:
+        """Compile whatever needs compiling (nothing here)."""

@@ -1,0 +1,206 @@
+"""Shared building blocks of decoder layers: norms, rotary embeddings, attention,
+MLP, and the pre-norm residual block. Architecture files (``models/``) assemble
+them; a new kind of layer (MoE, linear attention, a rotating cache) is a new
+class with the same call signature, not an edit here.
+
+Every module computes on [n, hidden] f32 rows through a kernel set, so the same
+code serves decode (n = 1), batched verification (small n) and prefill chunks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from cortiq_engine.cache import KVCache
+from cortiq_engine.weights import Weight
+
+
+# ------------------------------------------------------------------ per-forward context
+@dataclass
+class Step:
+    """What every layer of one forward call shares: the absolute positions of the
+    new tokens, and the rotary tables for them (computed once per RoPE, not per layer)."""
+
+    positions: np.ndarray  # int64 [n]
+    _tables: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+    # The sequence's expert-choice counts (layer -> [experts]); MoE blocks add to it.
+    expert_usage: dict[int, np.ndarray] | None = None
+
+    @property
+    def n(self) -> int:
+        return int(self.positions.shape[0])
+
+    def rope_tables(self, rope: "RoPE") -> tuple[np.ndarray, np.ndarray]:
+        key = id(rope)
+        if key not in self._tables:
+            self._tables[key] = rope.tables(self.positions)
+        return self._tables[key]
+
+
+# ------------------------------------------------------------------ norms
+class RMSNorm:
+    """x / rms(x) * w. ``style="rms_one"`` (Qwen3-Next) scales by (1 + w)."""
+
+    def __init__(self, kernels, weight: np.ndarray, eps: float, style: str = "rms"):
+        self.ks = kernels
+        self.weight = np.ascontiguousarray(weight + 1.0 if style == "rms_one" else weight, dtype=np.float32)
+        self.eps = float(eps)
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        return self.ks.rms_norm(x, self.weight, self.eps)
+
+    def add_then_norm(self, x: np.ndarray, delta: np.ndarray) -> np.ndarray:
+        """x += delta in place (the residual), then the norm of the new x."""
+        return self.ks.add_rms_norm(x, delta, self.weight, self.eps)
+
+
+# ------------------------------------------------------------------ rotary embeddings
+class RoPE:
+    """Rotary position embedding, HF layout (rotate_half over the first ``rotary_dim`` dims).
+
+    Tables are computed in float32 exactly as transformers does (angle = pos * inv_freq
+    rounded to f32), so long positions round the same way as the oracle.
+    """
+
+    def __init__(self, rotary_dim: int, theta: float, scaling: dict[str, Any] | None = None):
+        self.rotary_dim = int(rotary_dim)
+        exps = np.arange(0, self.rotary_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(self.rotary_dim)
+        inv = (np.float32(1.0) / (np.float32(theta) ** exps)).astype(np.float32)
+        self.inv_freq = _scale_inv_freq(inv, scaling)
+
+    def tables(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        ang = positions.astype(np.float32)[:, None] * self.inv_freq[None, :]
+        return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+
+
+def _scale_inv_freq(inv: np.ndarray, scaling: dict[str, Any] | None) -> np.ndarray:
+    if not scaling:
+        return inv
+    kind = scaling.get("rope_type", scaling.get("type"))
+    factor = float(scaling.get("factor", 1.0))
+    if kind == "linear":
+        return (inv / np.float32(factor)).astype(np.float32)
+    if kind == "llama3":
+        low = float(scaling.get("low_freq_factor", 1.0))
+        high = float(scaling.get("high_freq_factor", 4.0))
+        old = float(scaling.get("original_max_position_embeddings", 8192))
+        low_wl, high_wl = old / low, old / high
+        wavelen = np.float32(2 * math.pi) / inv
+        scaled = np.where(wavelen > low_wl, inv / np.float32(factor), inv).astype(np.float32)
+        smooth = (old / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / np.float32(factor) + smooth * scaled
+        medium = ~(wavelen < high_wl) & ~(wavelen > low_wl)
+        return np.where(medium, smoothed, scaled).astype(np.float32)
+    raise ValueError(f"rope scaling {kind!r}")  # arch.py rejects these first
+
+
+# ------------------------------------------------------------------ attention
+@dataclass(frozen=True, eq=False)
+class AttentionWeights:
+    q: Weight
+    k: Weight
+    v: Weight
+    o: Weight
+    qkv_bias: np.ndarray | None = None  # [q|k|v] concatenated; zeros where a part has none
+    o_bias: np.ndarray | None = None
+    q_norm: np.ndarray | None = None  # per-head RMS norm over head_dim (Qwen3)
+    k_norm: np.ndarray | None = None
+
+
+class Attention:
+    """Softmax attention with grouped KV heads, RoPE and an optional sliding window,
+    over a preallocated ``KVCache``. ``window = 0`` means full causal attention."""
+
+    def __init__(
+        self,
+        kernels,
+        w: AttentionWeights,
+        *,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        v_head_dim: int,
+        rope: RoPE,
+        norm_eps: float,
+        window: int = 0,
+    ):
+        self.ks = kernels
+        self.w = w
+        self.nh, self.nkv, self.hd, self.vd = num_heads, num_kv_heads, head_dim, v_head_dim
+        self.rope = rope
+        self.eps = norm_eps
+        self.window = int(window)
+        self.scale = head_dim**-0.5
+        self._qkv = (w.q, w.k, w.v)
+        self._o = (w.o,)
+
+    def make_cache(self, capacity: int) -> KVCache:
+        return KVCache(self.nkv, self.hd, self.vd, capacity)
+
+    def weights(self) -> list[Weight]:
+        return [*self._qkv, *self._o]
+
+    def __call__(self, x: np.ndarray, cache: KVCache, step: Step) -> np.ndarray:
+        ks, n = self.ks, x.shape[0]
+        qkv = ks.matmul(self._qkv, x)
+        if self.w.qkv_bias is not None:
+            qkv += self.w.qkv_bias
+        nq, nk = self.nh * self.hd, self.nkv * self.hd
+        q = np.ascontiguousarray(qkv[:, :nq]).reshape(n, self.nh, self.hd)
+        k = np.ascontiguousarray(qkv[:, nq : nq + nk]).reshape(n, self.nkv, self.hd)
+        v = qkv[:, nq + nk :].reshape(n, self.nkv, self.vd)
+        if self.w.q_norm is not None:
+            q = ks.rms_norm(q.reshape(n * self.nh, self.hd), self.w.q_norm, self.eps).reshape(n, self.nh, self.hd)
+            k = ks.rms_norm(k.reshape(n * self.nkv, self.hd), self.w.k_norm, self.eps).reshape(n, self.nkv, self.hd)
+        cos, sin = step.rope_tables(self.rope)
+        ks.rope(q, cos, sin)
+        ks.rope(k, cos, sin)
+        start = cache.append(k, v)
+        o = ks.attend(q, cache.keys, cache.values, start, self.window, self.scale)
+        out = ks.matmul(self._o, o.reshape(n, self.nh * self.vd))
+        if self.w.o_bias is not None:
+            out += self.w.o_bias
+        return out
+
+
+# ------------------------------------------------------------------ feed-forward
+class GatedMLP:
+    """down(silu(gate(x)) * up(x)); gate and up run as one fused matmul."""
+
+    def __init__(self, kernels, gate: Weight, up: Weight, down: Weight):
+        self.ks = kernels
+        self._gu = (gate, up)
+        self._down = (down,)
+
+    def weights(self) -> list[Weight]:
+        return [*self._gu, *self._down]
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        return self.ks.matmul(self._down, self.ks.silu_mul(self.ks.matmul(self._gu, x)))
+
+
+# ------------------------------------------------------------------ the residual block
+class Block:
+    """Pre-norm decoder block: h = x + attn(norm(x)); x = h + mlp(norm(h))."""
+
+    def __init__(self, attn_norm: RMSNorm, attn, mlp_norm: RMSNorm, mlp):
+        self.attn_norm = attn_norm
+        self.attn = attn
+        self.mlp_norm = mlp_norm
+        self.mlp = mlp
+
+    def make_cache(self, capacity: int):
+        return self.attn.make_cache(capacity)
+
+    def __call__(self, x: np.ndarray, cache, step: Step) -> None:
+        """Advance the residual stream ``x`` [n, hidden] in place."""
+        a = self.attn(self.attn_norm(x), cache, step)
+        h = self.mlp_norm.add_then_norm(x, a)
+        x += self.mlp(h)
+
+    def weights(self) -> list[Weight]:
+        return self.attn.weights() + self.mlp.weights()

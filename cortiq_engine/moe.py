@@ -1,0 +1,141 @@
+"""Mixture-of-experts feed-forward: a router picks top-k experts per position.
+
+Routing (``route``) follows the published models:
+
+- ``softmax`` (Qwen2-MoE, Qwen3-MoE, Mixtral, Qwen3-Next): softmax over all
+  experts, top-k, renormalized over the k when ``norm_topk_prob``;
+- ``sigmoid`` (MiMo-V2, DeepSeek-V3 style): per-expert sigmoid scores; the choice
+  adds a learned bias and may be restricted to the best ``topk_group`` of
+  ``n_group`` expert groups; the weights are the unbiased scores of the chosen
+  experts, renormalized when ``norm_topk_prob``, times ``routed_scaling_factor``.
+
+Ties go to the lower expert index. The block then groups the positions of a
+batch by expert, so each chosen expert's weights are read once per call and the
+pages of experts nobody chose are never touched. Qwen2-MoE / Qwen3-Next add a
+shared expert scaled by a sigmoid gate.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from formats.arch import MoeConfig
+from cortiq_engine.layers import Block, GatedMLP, Step
+from cortiq_engine.weights import Weight
+
+
+def _top_k(scores: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the k largest scores per row, best first; equal scores: lower index first."""
+    return np.argsort(-scores, axis=-1, kind="stable")[:, :k]
+
+
+def route(logits: np.ndarray, cfg: MoeConfig, bias: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Router logits [n, experts] -> (expert ids [n, k] int64, weights [n, k] f32)."""
+    logits = logits.astype(np.float32, copy=False)
+    if cfg.scoring == "softmax":
+        z = np.exp(logits - logits.max(axis=-1, keepdims=True))
+        probs = z / z.sum(axis=-1, keepdims=True)
+        idx = _top_k(probs, cfg.top_k)
+        w = np.take_along_axis(probs, idx, axis=-1)
+        if cfg.norm_topk_prob:
+            w = w / w.sum(axis=-1, keepdims=True)
+        return idx, w.astype(np.float32)
+    if cfg.scoring == "sigmoid":
+        scores = (np.float32(1.0) / (np.float32(1.0) + np.exp(-logits))).astype(np.float32)
+        choice = scores + bias if bias is not None else scores.copy()
+        if cfg.n_group > 1:
+            n, e = choice.shape
+            grouped = choice.reshape(n, cfg.n_group, e // cfg.n_group)
+            # A group's score is the sum of its two best experts.
+            best2 = -np.sort(-grouped, axis=-1)[:, :, :2].sum(axis=-1)
+            keep = _top_k(best2, cfg.topk_group)
+            mask = np.zeros((n, cfg.n_group), bool)
+            np.put_along_axis(mask, keep, True, axis=-1)
+            choice = np.where(np.repeat(mask, e // cfg.n_group, axis=-1), choice, -np.inf)
+        idx = _top_k(choice, cfg.top_k)
+        w = np.take_along_axis(scores, idx, axis=-1)
+        if cfg.norm_topk_prob:
+            w = w / (w.sum(axis=-1, keepdims=True) + np.float32(1e-20))
+        return idx, (w * np.float32(cfg.routed_scaling_factor)).astype(np.float32)
+    raise ValueError(f"unknown MoE scoring {cfg.scoring!r}")  # arch.py only writes the two above
+
+
+class MoE:
+    """Routed experts (+ optional gated shared expert) over [n, hidden] rows."""
+
+    def __init__(
+        self,
+        kernels,
+        cfg: MoeConfig,
+        router: Weight,
+        experts: list[GatedMLP],
+        *,
+        score_bias: np.ndarray | None = None,
+        shared: GatedMLP | None = None,
+        shared_gate: Weight | None = None,
+    ):
+        self.ks = kernels
+        self.cfg = cfg
+        self.router = router
+        self.experts = experts
+        self.score_bias = score_bias
+        self.shared = shared
+        self.shared_gate = shared_gate
+
+    @property
+    def num_experts(self) -> int:
+        return len(self.experts)
+
+    def weights(self) -> list[Weight]:
+        out = [self.router]
+        for e in self.experts:
+            out.extend(e.weights())
+        if self.shared is not None:
+            out.extend(self.shared.weights())
+        if self.shared_gate is not None:
+            out.append(self.shared_gate)
+        return out
+
+    def __call__(self, x: np.ndarray, usage: np.ndarray | None = None) -> np.ndarray:
+        """The FFN output for rows ``x``; adds each row's chosen experts to ``usage`` [experts]."""
+        ks = self.ks
+        idx, w = route(ks.matmul((self.router,), x), self.cfg, self.score_bias)
+        if usage is not None:
+            np.add.at(usage, idx.reshape(-1), 1)
+        out = np.zeros_like(x)
+        # Experts in ascending order: a row's sum has the same order whatever the batch.
+        for e in np.unique(idx):
+            rows, slot = np.nonzero(idx == e)
+            y = self.experts[int(e)](np.ascontiguousarray(x[rows]))
+            out[rows] += y * w[rows, slot][:, None]
+        if self.shared is not None:
+            s = self.shared(x)
+            if self.shared_gate is not None:
+                g = ks.matmul((self.shared_gate,), x)
+                s *= np.float32(1.0) / (np.float32(1.0) + np.exp(-g))
+            out += s
+        return out
+
+
+class MoeBlock(Block):
+    """A pre-norm block whose FFN is an ``MoE``; counts expert choices per layer in
+    the sequence's ``State`` (through ``Step.expert_usage``)."""
+
+    def __init__(self, attn_norm, attn, mlp_norm, mlp: MoE, layer: int):
+        super().__init__(attn_norm, attn, mlp_norm, mlp)
+        self.layer = int(layer)
+
+    def __call__(self, x: np.ndarray, cache, step: Step) -> None:
+        a = self.attn(self.attn_norm(x), cache, step)
+        h = self.mlp_norm.add_then_norm(x, a)
+        x += self.mlp(h, step_usage(step, self.layer, self.mlp.num_experts))
+
+
+def step_usage(step: Step, layer: int, experts: int) -> np.ndarray | None:
+    """The expert-count row of ``layer`` in the sequence's usage table (None if not kept)."""
+    table = step.expert_usage
+    if table is None:
+        return None
+    if layer not in table:
+        table[layer] = np.zeros(experts, np.int64)
+    return table[layer]

@@ -1,0 +1,341 @@
+"""Multi-token-prediction draft layers: loading them, and drafting with them.
+
+One draft layer (DeepSeek-V3 / Qwen3-Next / MiMo-V2 all agree, embedding first):
+
+    u      = eh_proj · [enorm(embed(token)) ; hnorm(hidden)]
+    u      = block(u)                          one decoder block over its own KV cache
+    logits = lm_head(final_layernorm(u))       the backbone's lm_head, shared
+
+``hidden`` is the backbone's last-layer output before its final norm (``pre``,
+the default: measured better in the reference design) or after it (``post``,
+what vLLM/SGLang feed).
+
+Chaining to depth K, for a round that starts after the backbone processed
+position t (hidden h_t) with the next token x_{t+1} already chosen:
+
+- ``independent`` (MiMo-V2's three layers, as SGLang runs them): layer k drafts
+  depth k+1; its row j reads (embed(x_{j+k+1}), h_j) at RoPE position j, always
+  the backbone's hidden, never another draft layer's output; the draft is the
+  argmax of its row t. Tokens past x_{t+1} are this round's earlier drafts.
+- ``recursive`` (vLLM): layer 0 drafts depth 1 from (x_{t+1}, h_t); depth d+1
+  feeds layer 0 its own output u with the token just drafted, one position on.
+
+Every layer keeps its own KV cache. A row is *final* once its token and hidden
+are committed (row j of layer k: j <= t - k); later rows are provisional and are
+truncated and recomputed at the next round. So drafting costs one catch-up row
+per accepted token per layer, and every committed row enters a cache once.
+
+``Drafter.draft`` is the one draft path: speculative decoding calls it with the
+committed tokens, the teacher-forced probe (evals/mtp_probe.py) with the true
+text, whose later tokens then stand in for the drafts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from formats.arch import ArchConfig
+from formats.cmf import CmfFile
+from formats.errors import CortiqError
+from formats.mtp_names import MTP_PREFIX
+from formats.sidecar import check_sidecar, sidecar_path
+from cortiq_engine.cache import KVCache
+from cortiq_engine.layers import Attention, AttentionWeights, Block, GatedMLP, RMSNorm, RoPE, Step
+from cortiq_engine.model import Model
+from cortiq_engine.sink_attention import SinkAttention
+from cortiq_engine.weights import Weight, load_vector, load_weight
+
+CHAINS = ("independent", "recursive")
+HIDDENS = ("pre", "post")
+NO_MTP_HINT = "--no-mtp runs without it"
+
+
+# ------------------------------------------------------------------ the layers
+@dataclass(frozen=True, eq=False)
+class DraftLayer:
+    enorm: RMSNorm
+    hnorm: RMSNorm
+    eh_proj: Weight
+    block: Block
+    final_norm: RMSNorm
+
+    def make_cache(self, capacity: int) -> KVCache:
+        return self.block.make_cache(capacity)
+
+    def __call__(self, kernels, emb: np.ndarray, hidden: np.ndarray, cache: KVCache, step: Step) -> np.ndarray:
+        """(embedding rows, backbone hidden rows) -> the block's output rows (before final_layernorm)."""
+        cat = np.concatenate([self.enorm(emb), self.hnorm(np.ascontiguousarray(hidden, dtype=np.float32))], axis=1)
+        x = kernels.matmul((self.eh_proj,), cat)
+        self.block(x, cache, step)
+        return x
+
+    def weights(self) -> list[Weight]:
+        return [self.eh_proj, *self.block.weights()]
+
+
+@dataclass(frozen=True, eq=False)
+class DraftStack:
+    """The loaded draft layers of one backbone (immutable; per-sequence state is ``Drafter``)."""
+
+    layers: tuple[DraftLayer, ...]
+    style: str
+    source: str  # where they came from: the sidecar path, or "inline"
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def weights(self) -> list[Weight]:
+        return [w for layer in self.layers for w in layer.weights()]
+
+    def default_chain(self, depth: int) -> str:
+        return "independent" if depth <= self.num_layers else "recursive"
+
+
+def count_mtp_layers(cmf: CmfFile) -> int:
+    k = 0
+    while f"{MTP_PREFIX}{k}.eh_proj.weight" in cmf:
+        k += 1
+    return k
+
+
+def _shape_check(cmf: CmfFile, w: Weight, rows: int, cols: int) -> Weight:
+    if (w.rows, w.cols) != (rows, cols):
+        raise CortiqError(f"{cmf.path}: tensor {w.name} is [{w.rows}, {w.cols}], the backbone implies [{rows}, {cols}]")
+    return w
+
+
+def _draft_geometry(arch: ArchConfig) -> dict[str, Any]:
+    """Attention geometry of a draft block: MiMo's drafts use the backbone's sliding-window
+    layers' geometry (heads, head widths, window, theta); the others the full layers'."""
+    style = arch.mtp.style if arch.mtp else "deepseek"
+    s = arch.sliding
+    if style == "mimo" and s is not None:
+        rotary = arch.rotary_dim * s.head_dim // arch.head_dim if arch.head_dim else s.head_dim
+        return dict(nh=s.num_heads, nkv=s.num_kv_heads, hd=s.head_dim, vd=s.v_head_dim, window=s.window,
+                    rope=RoPE(rotary, s.rope_theta, arch.rope_scaling))
+    return dict(nh=arch.num_heads, nkv=arch.num_kv_heads, hd=arch.head_dim, vd=arch.v_head_dim, window=0,
+                rope=RoPE(arch.rotary_dim, arch.rope_theta, arch.rope_scaling))
+
+
+def build_draft_layer(cmf: CmfFile, k: int, arch: ArchConfig, kernels) -> DraftLayer:
+    if arch.attn_output_gate:
+        raise CortiqError(f"{cmf.path}: draft layers with gated attention output (Qwen3-Next) are not supported yet")
+    p = f"{MTP_PREFIX}{k}."
+    h, eps, style = arch.hidden_size, arch.norm_eps, arch.norm_style
+    g = _draft_geometry(arch)
+    nh, nkv, hd, vd = g["nh"], g["nkv"], g["hd"], g["vd"]
+
+    def vec(name: str, n: int = h) -> np.ndarray:
+        return load_vector(cmf, p + name, n)
+
+    def mat(name: str, rows: int, cols: int) -> Weight:
+        return _shape_check(cmf, load_weight(cmf, p + name), rows, cols)
+
+    aw = AttentionWeights(
+        mat("self_attn.q_proj.weight", nh * hd, h),
+        mat("self_attn.k_proj.weight", nkv * hd, h),
+        mat("self_attn.v_proj.weight", nkv * vd, h),
+        mat("self_attn.o_proj.weight", h, nh * vd),
+    )
+    if p + "self_attn.q_norm.weight" in cmf:
+        qn, kn = vec("self_attn.q_norm.weight", hd), vec("self_attn.k_norm.weight", hd)
+        if style == "rms_one":
+            qn, kn = qn + 1.0, kn + 1.0
+        aw = AttentionWeights(aw.q, aw.k, aw.v, aw.o, q_norm=qn, k_norm=kn)
+    common = dict(num_heads=nh, num_kv_heads=nkv, head_dim=hd, v_head_dim=vd, rope=g["rope"], norm_eps=eps, window=g["window"])
+    if p + "self_attn.sinks" in cmf:
+        sinks = vec("self_attn.sinks", nh)
+        if not np.isfinite(sinks).all():
+            raise CortiqError(f"{cmf.path}: tensor {p}self_attn.sinks has non-finite values")
+        v_scale = float(getattr(arch, "attention_value_scale", None) or 1.0)
+        attn = SinkAttention(kernels, aw, sinks=sinks, v_scale=v_scale, **common)
+    else:
+        attn = Attention(kernels, aw, **common)
+    gate = load_weight(cmf, p + "mlp.gate_proj.weight")
+    inter = gate.rows  # a draft MLP may be narrower than the trunk's (mtp-train --intermediate)
+    _shape_check(cmf, gate, inter, h)
+    mlp = GatedMLP(kernels, gate, mat("mlp.up_proj.weight", inter, h), mat("mlp.down_proj.weight", h, inter))
+    block = Block(
+        RMSNorm(kernels, vec("input_layernorm.weight"), eps, style),
+        attn,
+        RMSNorm(kernels, vec("post_attention_layernorm.weight"), eps, style),
+        mlp,
+    )
+    return DraftLayer(
+        enorm=RMSNorm(kernels, vec("enorm.weight"), eps, style),
+        hnorm=RMSNorm(kernels, vec("hnorm.weight"), eps, style),
+        eh_proj=mat("eh_proj.weight", h, 2 * h),
+        block=block,
+        final_norm=RMSNorm(kernels, vec("final_layernorm.weight"), eps, style),
+    )
+
+
+def _open_sidecar(path: Path, main_header: dict[str, Any]) -> CmfFile:
+    side = CmfFile(path)
+    try:
+        check_sidecar(main_header, side.header)
+        declared = (side.header.get("mtp") or {}).get("num_layers")
+        have = count_mtp_layers(side)
+        if not have:
+            raise CortiqError("it holds no draft layers (no model.mtp.layers.0.eh_proj.weight)")
+        if declared is not None and int(declared) != have:
+            raise CortiqError(f"MTP layer count {declared} in its header, {have} layers of tensors")
+        backbone_mtp = main_header.get("mtp") or {}
+        if backbone_mtp.get("location") == "sidecar" and backbone_mtp.get("num_layers") not in (None, have):
+            raise CortiqError(f"MTP layer count {backbone_mtp['num_layers']} in the backbone, {have} in the sidecar")
+    except CortiqError as e:
+        side.close()
+        raise CortiqError(f"MTP sidecar {path}: {e} ({NO_MTP_HINT})") from None
+    return side
+
+
+def load_draft_stack(main: CmfFile, arch: ArchConfig, kernels, path: str | Path | None = None) -> DraftStack | None:
+    """The draft layers for the backbone in ``main``: from ``path`` when given, else inline
+    in ``main``, else the sidecar ``<stem>.mtp.cmf`` beside it; None when there are none.
+
+    A sidecar that exists but does not match the backbone is an error, never a
+    silent fallback to plain decoding.
+    """
+    if path is None and count_mtp_layers(main):
+        src, source = main, "inline"
+    else:
+        side = Path(path) if path is not None else sidecar_path(main.path)
+        if path is None and not side.is_file():
+            return None
+        if not side.is_file():
+            raise CortiqError(f"MTP sidecar {side}: no such file")
+        src, source = _open_sidecar(side, main.header), str(side)
+        # The sidecar's own arch carries the MTP style the converter recorded.
+        side_arch = ArchConfig.from_json(src.header["arch"])
+        if side_arch.mtp is not None and arch.mtp is None:
+            arch = ArchConfig.from_json({**arch.to_json(), "mtp": side_arch.mtp.__dict__})
+    n = count_mtp_layers(src)
+    try:
+        layers = tuple(build_draft_layer(src, k, arch, kernels) for k in range(n))
+    except CortiqError as e:
+        raise CortiqError(f"{e} ({NO_MTP_HINT})") from None
+    return DraftStack(layers, arch.mtp.style if arch.mtp else "deepseek", source)
+
+
+# ------------------------------------------------------------------ per-sequence state
+@dataclass
+class Drafter:
+    """The draft state of one sequence: each used layer's KV cache and how many of its
+    rows are final, and the backbone hidden rows (by position) the layers read."""
+
+    model: Model
+    stack: DraftStack
+    depth: int
+    chain: str
+    hidden: str
+    capacity: int
+    # Test hook: draft from this function of (t, ids, depth) instead of the layers.
+    override: Callable[[int, Sequence[int], int], list[int]] | None = None
+    caches: list[KVCache] = field(init=False)
+    committed: list[int] = field(init=False)
+    hist: np.ndarray = field(init=False)
+    hist_len: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        if self.chain not in CHAINS:
+            raise CortiqError(f"unknown MTP chain {self.chain!r}; choose one of {', '.join(CHAINS)}")
+        if self.hidden not in HIDDENS:
+            raise CortiqError(f"unknown MTP hidden {self.hidden!r}; choose one of {', '.join(HIDDENS)}")
+        if self.depth < 1:
+            raise CortiqError(f"MTP depth must be >= 1, got {self.depth}")
+        if self.chain == "independent" and self.depth > self.stack.num_layers:
+            raise CortiqError(
+                f"MTP depth {self.depth} with independent layers needs {self.depth} draft layers, "
+                f"the sidecar has {self.stack.num_layers} (use --mtp-chain recursive)"
+            )
+        used = self.depth if self.chain == "independent" else 1
+        # Recursive drafts add depth-1 provisional rows past the committed ones.
+        self.caches = [self.stack.layers[k].make_cache(self.capacity + self.depth) for k in range(used)]
+        self.committed = [0] * used
+        self.hist = np.zeros((self.capacity, self.model.hidden_size), np.float32)
+
+    # -------------------------------------------------------------- backbone rows
+    def note(self, first_pos: int, rows: np.ndarray) -> None:
+        """Record the backbone's pre-norm hidden rows of positions first_pos.. (in order)."""
+        n = rows.shape[0]
+        if first_pos != self.hist_len:
+            raise ValueError(f"hidden rows from position {first_pos}, expected {self.hist_len}")
+        if first_pos + n > self.capacity:
+            raise CortiqError(f"draft history full at {self.capacity} positions")
+        if self.hidden == "post":
+            rows = self.model.final_norm(rows)
+        self.hist[first_pos : first_pos + n] = rows
+        self.hist_len += n
+
+    def rollback(self, n: int) -> None:
+        """Forget backbone rows from position n on (they were never committed)."""
+        self.hist_len = min(self.hist_len, n)
+
+    # -------------------------------------------------------------- drafting
+    def _logits(self, layer: DraftLayer, out_row: np.ndarray) -> np.ndarray:
+        return self.model.lm_head(layer.final_norm(out_row))[0]
+
+    def draft(self, t: int, ids: Sequence[int], depth: int | None = None) -> list[int]:
+        """Up to ``depth`` drafts for positions t+2, t+3, ... after the backbone processed
+        position t; ``ids[:t+2]`` are known (committed tokens and the next one). When
+        ``ids`` goes further (the teacher-forced probe) its tokens replace the drafts."""
+        k_max = min(depth or self.depth, self.depth)
+        if len(ids) < t + 2 or t >= self.hist_len:
+            raise ValueError(f"draft at t={t} needs {t + 2} ids and hidden rows through t")
+        if self.override is not None:
+            return [int(d) for d in self.override(t, ids, k_max)][:k_max]
+        if self.chain == "independent":
+            return self._draft_independent(t, ids, k_max)
+        return self._draft_recursive(t, ids, k_max)
+
+    def _catch_up(self, k: int, t: int, ids: Sequence[int], drafts: list[int], shift: int) -> np.ndarray:
+        """Run layer ``k``'s cache from its last final row through row t; returns row t's output.
+        Row j reads token ids[j + shift] (a draft when past the known ids) and hidden h_j."""
+        layer = self.stack.layers[k] if self.chain == "independent" else self.stack.layers[0]
+        cache = self.caches[k]
+        c = self.committed[k]
+        cache.truncate(c)  # drop last round's provisional rows
+        toks = [ids[j + shift] if j + shift < len(ids) else drafts[j + shift - len(ids)] for j in range(c, t + 1)]
+        out = layer(self.model.kernels, self.model.embed_ids(toks), self.hist[c : t + 1], cache, Step(np.arange(c, t + 1)))
+        self.committed[k] = max(c, min(t + 1, len(ids) - shift))
+        return out[-1:]
+
+    def _draft_independent(self, t: int, ids: Sequence[int], k_max: int) -> list[int]:
+        drafts: list[int] = []
+        for k in range(k_max):
+            u = self._catch_up(k, t, ids, drafts, shift=k + 1)
+            drafts.append(int(np.argmax(self._logits(self.stack.layers[k], u))))
+        return drafts
+
+    def _draft_recursive(self, t: int, ids: Sequence[int], k_max: int) -> list[int]:
+        layer = self.stack.layers[0]
+        u = self._catch_up(0, t, ids, [], shift=1)
+        drafts = [int(np.argmax(self._logits(layer, u)))]
+        for d in range(1, k_max):
+            pos = t + d  # depth d+1 sits one position past depth d, provisional
+            tok = ids[pos + 1] if pos + 1 < len(ids) else drafts[-1]
+            u = layer(self.model.kernels, self.model.embed_ids([tok]), u, self.caches[0], Step(np.array([pos])))
+            drafts.append(int(np.argmax(self._logits(layer, u))))
+        return drafts
+
+
+def make_drafter(
+    model: Model,
+    stack: DraftStack,
+    capacity: int,
+    *,
+    depth: int | None = None,
+    chain: str | None = None,
+    hidden: str = "pre",
+    override: Callable[[int, Sequence[int], int], list[int]] | None = None,
+) -> Drafter:
+    """A fresh per-sequence drafter; depth defaults to every layer, the chain to
+    independent when there are enough layers for the depth, else recursive."""
+    depth = stack.num_layers if depth is None else int(depth)
+    chain = chain or stack.default_chain(depth)
+    return Drafter(model, stack, depth, chain, hidden, capacity, override)

@@ -1,0 +1,154 @@
+"""One ``mtp-train`` run end to end: text -> features -> training -> sidecar -> held-out acceptance."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from formats.errors import CortiqError
+from formats.sidecar import sidecar_path
+from cortiq_engine.mtp_train.acceptance import Acceptance, acceptance
+from cortiq_engine.mtp_train.config import TrainConfig
+
+
+@dataclass
+class Callbacks:
+    phase: Callable[[str], None] | None = None
+    collect: Callable[[int, int], None] | None = None
+    step: Callable[[int, int, float, list[float]], None] | None = None
+
+
+@dataclass
+class RunResult:
+    sidecar: Path
+    checkpoint: Path | None
+    config: TrainConfig
+    source: str
+    tokens: int
+    train_windows: int
+    held_windows: int
+    active_vocab: int
+    start_step: int
+    steps: int
+    losses: list[float]
+    train_seconds: float
+    collect_seconds: float
+    held_torch: Acceptance | None = None
+    held_engine: Acceptance | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "sidecar": str(self.sidecar),
+            "checkpoint": str(self.checkpoint) if self.checkpoint else None,
+            "config": self.config.to_json(),
+            "text": self.source,
+            "tokens": self.tokens,
+            "train_windows": self.train_windows,
+            "held_windows": self.held_windows,
+            "active_vocab": self.active_vocab,
+            "start_step": self.start_step,
+            "steps": self.steps,
+            "first_loss": self.losses[self.start_step] if len(self.losses) > self.start_step else None,
+            "last_loss": self.losses[-1] if self.losses else None,
+            "losses": self.losses,
+            "train_seconds": self.train_seconds,
+            "collect_seconds": self.collect_seconds,
+            "held_out": self.held_engine.to_json() if self.held_engine else None,
+            "held_out_torch": self.held_torch.to_json() if self.held_torch else None,
+        }
+
+
+def train_mtp(
+    model_path: str | Path,
+    text: str,
+    source: str,
+    cfg: TrainConfig,
+    *,
+    out: str | Path | None = None,
+    quant: str | None = None,
+    resume: bool = False,
+    force: bool = False,
+    threads: int | None = None,
+    kernels: str | None = None,
+    backend: str = "torch",
+    callbacks: Callbacks | None = None,
+) -> RunResult:
+    from cortiq_engine.mtp_train.backbone import open_backbone
+    from cortiq_engine.mtp_train.export import write_sidecar
+    from cortiq_engine.mtp_train.features import EngineRunner, collect
+    from cortiq_engine.mtp_train.trainer import Trainer, checkpoint_path, require_torch
+
+    cb = callbacks or Callbacks()
+    require_torch()  # before any slow work
+    model_path = Path(model_path)
+    out = Path(out) if out else sidecar_path(model_path)
+    if out.resolve() == model_path.resolve():
+        raise CortiqError("--out would overwrite the backbone; give another file name")
+    if out.exists() and not (force or resume):
+        raise CortiqError(f"{out} exists (use --force to overwrite)")
+    if not out.parent.is_dir():
+        raise CortiqError(f"output folder {out.parent} does not exist")
+    ckpt = checkpoint_path(out)
+    backbone = open_backbone(model_path, kernels)
+    cfg.check(backbone.arch.num_layers)
+    if resume and not ckpt.is_file():
+        raise CortiqError(f"--resume: no checkpoint at {ckpt}")
+    quant = quant or (backbone.header.get("quant") or {}).get("default") or "f32"
+
+    ids = backbone.tokenizer.encode(text, add_bos=True)
+    if cfg.max_tokens is not None:
+        ids = ids[: cfg.max_tokens]
+    if len(ids) < 2:
+        raise CortiqError(f"{source}: too little text ({len(ids)} token)")
+    if cb.phase:
+        cb.phase("collect")
+    t0 = time.perf_counter()
+    if backend == "torch":
+        from cortiq_engine.mtp_train.draft_torch import TorchBackbone
+
+        runner = TorchBackbone(backbone, cfg.seq)
+    elif backend == "engine":
+        runner = EngineRunner(backbone)
+    else:
+        raise CortiqError(f"--backbone {backend!r}: choose torch or engine")
+    feats = collect(runner, ids, seq=cfg.seq, topk=cfg.topk, hidden=cfg.hidden, holdout=cfg.holdout,
+                    min_len=cfg.layers + 2, progress=cb.collect)
+    collect_s = time.perf_counter() - t0
+    del runner  # the f32 backbone copy is not needed for training
+
+    trainer = Trainer(backbone, feats, cfg, threads=threads)
+    if resume:
+        trainer.load(ckpt)
+    if cb.phase:
+        cb.phase("train")
+    res = trainer.run(ckpt if cfg.checkpoint_every else None, cb.step)
+
+    result = RunResult(
+        sidecar=out, checkpoint=ckpt if ckpt.is_file() else None, config=cfg, source=source,
+        tokens=len(ids), train_windows=len(feats.train), held_windows=len(feats.held),
+        active_vocab=len(trainer.active), start_step=res.start_step, steps=res.steps_done,
+        losses=res.losses, train_seconds=res.seconds, collect_seconds=collect_s,
+    )
+    if cb.phase:
+        cb.phase("evaluate")
+    if len(feats.held):
+        result.held_torch = trainer.evaluate(feats.held)
+    trained = {
+        "text": source, "tokens": len(ids), "train_windows": len(feats.train), "held_windows": len(feats.held),
+        "steps": res.steps_done, "loss": res.last_loss, "config": cfg.to_json(),
+        "held_out": result.held_torch.to_json() if result.held_torch else None,
+    }
+    write_sidecar(out, backbone.header, model_path.name, res.stack.tensors(), quant=quant, hidden=cfg.hidden,
+                  trained=trained, force=force or resume)
+    if len(feats.held):
+        from cortiq_engine.mtp_train.engine_drafts import engine_drafts, load_draft_layers
+
+        layers = load_draft_layers(out, backbone)
+        drafts = engine_drafts(backbone, layers, feats.tokens[feats.held], feats.hidden[feats.held])
+        result.held_engine = acceptance(drafts, feats.greedy[feats.held])
+    return result

@@ -1,0 +1,209 @@
+"""The training loop: distill the backbone's next-token distribution into K draft
+layers, with checkpoints a later run resumes from.
+
+Loss of depth k at row j: cross-entropy from the teacher's top-k distribution at
+position j+k+1 (renormalized) to the draft's softmax, i.e. KL(teacher || draft)
+up to the teacher's entropy. With ``vocab="active"`` the draft softmax runs over
+the tokens the teacher ever ranks in its top-k on the training windows plus the
+text's own tokens, plus ``negatives`` random others per step (a draft vocabulary,
+as EAGLE-3 uses): the shared lm_head is the costliest product by far on a CPU.
+
+Every random choice is a function of (seed, step), and the checkpoint holds the
+weights, the optimizer and the step, so a resumed run equals an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from formats.errors import CortiqError
+from cortiq_engine.mtp_train.acceptance import Acceptance, acceptance
+from cortiq_engine.mtp_train.config import TrainConfig
+from cortiq_engine.mtp_train.features import Features
+
+CHECKPOINT_VERSION = 1
+StepFn = Callable[[int, int, float, list[float]], None]  # (step, total, loss, per-depth top-1 agreement)
+
+
+def require_torch():
+    try:
+        import torch
+    except ImportError:
+        raise CortiqError("mtp-train needs torch: pip install 'cortiq[train]'") from None
+    return torch
+
+
+def checkpoint_path(out: str | Path) -> Path:
+    out = Path(out)
+    stem = out.name[: -len(".cmf")] if out.name.endswith(".cmf") else out.name
+    return out.with_name(f"{stem}.train.pt")
+
+
+@dataclass
+class TrainResult:
+    stack: Any  # draft_torch.DraftStack
+    steps_done: int
+    start_step: int
+    losses: list[float] = field(default_factory=list)  # every step, resumed runs included
+    seconds: float = 0.0
+    hnorm_scale: float = 1.0
+
+    @property
+    def first_loss(self) -> float | None:
+        return self.losses[0] if self.losses else None
+
+    @property
+    def last_loss(self) -> float | None:
+        return self.losses[-1] if self.losses else None
+
+
+def lr_at(cfg: TrainConfig, step: int) -> float:
+    """Linear warm-up, then cosine down to a tenth of ``lr`` at ``steps``."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    span = max(cfg.steps - cfg.warmup, 1)
+    frac = min((step - cfg.warmup) / span, 1.0)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+class Trainer:
+    def __init__(self, backbone, feats: Features, cfg: TrainConfig, threads: int | None = None):
+        self.torch = torch = require_torch()
+        from cortiq_engine.mtp_train.draft_torch import build_stack
+
+        if threads:
+            torch.set_num_threads(int(threads))
+        elif backbone.arch.hidden_size < 256:
+            torch.set_num_threads(1)  # tiny matrices: thread hand-offs cost more than they save
+        self.backbone, self.f, self.cfg = backbone, feats, cfg
+        tr = feats.hidden[feats.train]
+        self.hnorm_scale = float(np.sqrt((tr.astype(np.float64) ** 2).mean(-1)).mean())
+        torch.manual_seed(cfg.seed)
+        self.stack = build_stack(backbone, cfg.layers, cfg.intermediate, cfg.init_layer, self.hnorm_scale, feats.seq, cfg.seed)
+        self.head = torch.tensor(backbone.head_f32())  # frozen, shared
+        self.vocab = self.head.shape[0]
+        # Embedding rows of every token the windows hold, looked up per step.
+        self.emb = torch.tensor(backbone.embed_f32(feats.tokens.reshape(-1)).reshape(*feats.tokens.shape, -1))
+        self.hidden = torch.tensor(feats.hidden)
+        if cfg.vocab == "active":
+            used = np.concatenate([feats.top_idx[feats.train].ravel(), feats.tokens[feats.train].ravel()])
+            self.active = np.unique(used).astype(np.int64)
+        else:
+            self.active = np.arange(self.vocab, dtype=np.int64)
+        self.params = [p for p in self.stack.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+        self.step = 0
+        self.losses: list[float] = []
+
+    # ------------------------------------------------------------ checkpoints
+    def save(self, path: Path) -> None:
+        state = {
+            "version": CHECKPOINT_VERSION,
+            "step": self.step,
+            "model": self.stack.state_dict(),
+            "optim": self.opt.state_dict(),
+            "config": self.cfg.to_json(),
+            "fingerprint": self.backbone.fingerprint,
+            "losses": self.losses,
+        }
+        tmp = path.with_name(f".{path.name}.tmp")
+        self.torch.save(state, tmp)
+        os.replace(tmp, path)
+
+    def load(self, path: Path) -> None:
+        if not path.is_file():
+            raise CortiqError(f"--resume: no checkpoint at {path}")
+        try:
+            state = self.torch.load(path, map_location="cpu", weights_only=False)
+        except Exception as e:  # a torn or foreign file
+            raise CortiqError(f"{path}: not a readable mtp-train checkpoint ({type(e).__name__})") from None
+        if not isinstance(state, dict) or state.get("version") != CHECKPOINT_VERSION:
+            raise CortiqError(f"{path}: not an mtp-train checkpoint of version {CHECKPOINT_VERSION}")
+        if state.get("fingerprint") != self.backbone.fingerprint:
+            raise CortiqError(f"{path}: the checkpoint was trained on another backbone (fingerprint {state.get('fingerprint')})")
+        diffs = self.cfg.resume_mismatch(state.get("config") or {})
+        if diffs:
+            raise CortiqError(f"{path}: settings differ from the checkpoint: " + "; ".join(diffs))
+        self.stack.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["optim"])
+        self.step = int(state["step"])
+        self.losses = list(state.get("losses") or [])
+
+    # ------------------------------------------------------------ one step
+    def _vocab_for(self, rng: np.random.Generator) -> np.ndarray:
+        if self.cfg.vocab != "active" or self.cfg.negatives <= 0 or len(self.active) >= self.vocab:
+            return self.active
+        rest = np.setdiff1d(np.arange(self.vocab, dtype=np.int64), self.active, assume_unique=True)
+        neg = rng.choice(rest, size=min(self.cfg.negatives, len(rest)), replace=False)
+        return np.concatenate([self.active, np.sort(neg)])
+
+    def train_step(self) -> tuple[float, list[float]]:
+        torch, cfg, f = self.torch, self.cfg, self.f
+        rng = np.random.default_rng([cfg.seed, self.step])
+        wins = rng.choice(f.train, size=cfg.batch, replace=len(f.train) < cfg.batch)
+        cand = self._vocab_for(rng)
+        lut = np.full(self.vocab, -1, np.int64)
+        lut[cand] = np.arange(len(cand))
+        w_c = self.head[torch.from_numpy(cand)]
+        t = f.seq
+        for g in self.opt.param_groups:
+            g["lr"] = lr_at(cfg, self.step)
+        self.opt.zero_grad(set_to_none=True)
+        wi = torch.from_numpy(wins)
+        total = torch.zeros(())
+        agree = []
+        for k in range(cfg.layers):
+            n = t - k - 1
+            emb = self.emb[wi, k + 1 : t]
+            hid = self.hidden[wi, :n]
+            out = self.stack.layer_out(k, emb, hid)
+            logq = torch.log_softmax(out @ w_c.T, dim=-1)
+            tgt = torch.from_numpy(lut[f.top_idx[wins, k + 1 : t]])
+            p = torch.softmax(torch.from_numpy(f.top_logp[wins, k + 1 : t]), dim=-1)
+            loss_k = -(p * logq.gather(-1, tgt)).sum(-1).mean()
+            total = total + loss_k / cfg.layers
+            with torch.no_grad():
+                agree.append(float((logq.argmax(-1) == tgt[..., 0]).float().mean()))
+        total.backward()
+        self.opt.step()
+        self.step += 1
+        loss = float(total.detach())
+        self.losses.append(loss)
+        return loss, agree
+
+    def run(self, ckpt: Path | None, on_step: StepFn | None = None) -> TrainResult:
+        start = self.step
+        t0 = time.perf_counter()
+        while self.step < self.cfg.steps:
+            loss, agree = self.train_step()
+            if on_step:
+                on_step(self.step, self.cfg.steps, loss, agree)
+            if ckpt is not None and self.cfg.checkpoint_every and self.step % self.cfg.checkpoint_every == 0:
+                self.save(ckpt)
+        if ckpt is not None and self.cfg.checkpoint_every and self.step > start:
+            self.save(ckpt)
+        return TrainResult(self.stack, self.step, start, list(self.losses), time.perf_counter() - t0, self.hnorm_scale)
+
+    # ------------------------------------------------------------ evaluation
+    def drafts(self, windows: np.ndarray) -> list[np.ndarray]:
+        """Full-vocabulary argmax drafts [W, T] per depth (torch weights, f32)."""
+        torch, f = self.torch, self.f
+        t = f.seq
+        out = [np.full((len(windows), t), -1, np.int64) for _ in range(self.cfg.layers)]
+        with torch.no_grad():
+            for i, w in enumerate(windows):
+                for k in range(self.cfg.layers):
+                    n = t - k - 1
+                    y = self.stack.layer_out(k, self.emb[w, k + 1 : t][None], self.hidden[w, :n][None])[0]
+                    out[k][i, :n] = (y @ self.head.T).argmax(-1).numpy()
+        return out
+
+    def evaluate(self, windows: np.ndarray) -> Acceptance:
+        return acceptance(self.drafts(windows), self.f.greedy[windows])

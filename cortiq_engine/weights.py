@@ -1,0 +1,83 @@
+"""Weight matrices as zero-copy views into a CMF memory map.
+
+A ``Weight`` is data only (dtype, shape, planar parts); the kernel sets in
+``cortiq_engine.kernels`` know how to multiply by it. Half-precision parts are
+re-viewed as ``uint16`` bit patterns so compiled kernels can read them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from formats.cmf import CmfFile
+from formats.errors import CortiqError
+from formats.quants import get_dtype
+
+MATRIX_DTYPES = ("f32", "f16", "bf16", "q8", "q4")
+
+
+@dataclass(frozen=True, eq=False)
+class Weight:
+    name: str
+    dtype: str
+    rows: int
+    cols: int
+    parts: dict[str, np.ndarray]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.rows, self.cols)
+
+    def dequantize(self, r0: int = 0, r1: int | None = None) -> np.ndarray:
+        """f32 copy of rows r0..r1 (numpy; tests and the reference path)."""
+        r1 = self.rows if r1 is None else r1
+        p = self.parts
+        if self.dtype == "f32":
+            return np.array(p["data"][r0:r1], dtype=np.float32)
+        if self.dtype == "f16":
+            return p["data"][r0:r1].view(np.float16).astype(np.float32)
+        if self.dtype == "bf16":
+            return (p["data"][r0:r1].astype(np.uint32) << 16).view(np.float32)
+        dt = get_dtype(self.dtype)
+        sub = {k: v[r0:r1].view(np.float16) if v.dtype == np.uint16 else v[r0:r1] for k, v in p.items()}
+        return dt.decode(sub, (r1 - r0, self.cols))
+
+    def rows_f32(self, ids: np.ndarray) -> np.ndarray:
+        """f32 copy of the rows ``ids`` (embedding lookup)."""
+        ids = np.asarray(ids, dtype=np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.rows):
+            raise CortiqError(f"token id out of range 0..{self.rows - 1}")
+        p = self.parts
+        if self.dtype == "f32":
+            return p["data"][ids].astype(np.float32, copy=True)
+        if self.dtype == "f16":
+            return p["data"][ids].view(np.float16).astype(np.float32)
+        if self.dtype == "bf16":
+            return (p["data"][ids].astype(np.uint32) << 16).view(np.float32)
+        dt = get_dtype(self.dtype)
+        sub = {k: v[ids].view(np.float16) if v.dtype == np.uint16 else v[ids] for k, v in p.items()}
+        return dt.decode(sub, (len(ids), self.cols))
+
+
+def load_weight(cmf: CmfFile, name: str) -> Weight:
+    info = cmf.info(name)
+    if info.dtype not in MATRIX_DTYPES or len(info.shape) != 2:
+        raise CortiqError(f"{cmf.path}: tensor {name} is {info.dtype}{list(info.shape)}, expected a 2-D matrix")
+    parts = {}
+    for k, v in cmf.tensor_parts(name).items():
+        if v.dtype == np.float16:
+            v = v.view(np.uint16)
+        parts[k] = v
+    if info.dtype in ("f32", "f16", "bf16"):
+        parts["data"] = parts["data"].reshape(info.shape)
+    return Weight(name, info.dtype, int(info.shape[0]), int(info.shape[1]), parts)
+
+
+def load_vector(cmf: CmfFile, name: str, size: int | None = None) -> np.ndarray:
+    """A small 1-D tensor (norm weight, bias) as contiguous f32."""
+    v = np.ascontiguousarray(cmf.tensor_f32(name).reshape(-1), dtype=np.float32)
+    if size is not None and v.size != size:
+        raise CortiqError(f"{cmf.path}: tensor {name} has {v.size} values, expected {size}")
+    return v

@@ -1,0 +1,221 @@
+"""A GGUF's tokenizer metadata -> HF ``tokenizer.json`` + ``tokenizer_config.json``.
+
+A GGUF carries no tokenizer.json: llama.cpp keeps the vocabulary, merges, token
+types and special ids as ``tokenizer.ggml.*`` metadata and picks its splitting
+regex from the ``tokenizer.ggml.pre`` name. This module rebuilds the equivalent
+``tokenizers`` pipeline. Only byte-level BPE (``tokenizer.ggml.model == "gpt2"``)
+is supported; SentencePiece vocabularies are refused with a clear message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from formats.errors import CortiqError
+
+# llama.cpp token types (llama_token_type): 3 = control, 4 = user-defined.
+CONTROL, USER_DEFINED = 3, 4
+
+# How llama.cpp splits text before BPE, by ``tokenizer.ggml.pre`` (llama-vocab.cpp): each
+# regex in turn cuts every piece so far into matches and the text between them.
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+@dataclass(frozen=True)
+class PreTokenizer:
+    regexes: tuple[str, ...]
+    ignore_merges: bool = False  # look a whole piece up in the vocabulary before merging
+    add_bos: bool = False  # llama.cpp's default when the GGUF has no add_bos_token key
+    clean_spaces: bool = True  # llama.cpp's detokenizer cleanup == HF clean_up_tokenization_spaces
+
+
+_FAMILIES: list[tuple[tuple[str, ...], PreTokenizer]] = [
+    (("default",), PreTokenizer((r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"))),
+    (("gpt-2", "phi-2", "mpt", "olmo", "jais", "exaone4"), PreTokenizer((_GPT2,))),
+    (("falcon",), PreTokenizer((r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, r"[0-9][0-9][0-9]"))),
+    (("starcoder", "refact", "codeshell", "exaone", "minerva-7b"), PreTokenizer((r"\p{N}", _GPT2))),
+    (("smollm", "command-r"), PreTokenizer((r"\p{N}", _GPT2), clean_spaces=False)),
+    (
+        ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2"),
+        PreTokenizer((_LLAMA3,), ignore_merges=True, add_bos=True),
+    ),
+    (("dbrx", "smaug-bpe"), PreTokenizer((_LLAMA3,))),
+    (("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "hunyuan"), PreTokenizer((_QWEN2,), clean_spaces=False)),
+    (("megrez", "stablelm2"), PreTokenizer((_QWEN2,))),
+]
+PRE_TOKENIZERS: dict[str, PreTokenizer] = {name: pre for names, pre in _FAMILIES for name in names}
+
+
+@dataclass
+class TokenizerFiles:
+    tokenizer_json: str
+    tokenizer_config: dict[str, Any]
+    bos_token_id: int | None
+    eos_token_ids: list[int]
+    pad_token_id: int | None
+    vocab_size: int
+    merges: int
+    special_tokens: int
+    pre: str
+    warnings: list[str] = field(default_factory=list)
+
+
+def byte_alphabet() -> dict[int, str]:
+    """GPT-2's byte -> character table: printable Latin-1 bytes spell themselves, the
+    other 68 are moved to U+0100 onwards, in byte order."""
+    keep = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    table = {b: chr(b) for b in keep}
+    moved = [b for b in range(256) if b not in table]
+    for n, b in enumerate(moved):
+        table[b] = chr(256 + n)
+    return dict(sorted(table.items()))
+
+
+def build_tokenizer(meta: dict[str, Any], n_embd_rows: int) -> TokenizerFiles:
+    """The tokenizer files for the ``tokenizer.*`` entries of ``meta`` (a GGUF's metadata)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models
+
+    kind = meta.get("tokenizer.ggml.model")
+    if kind is None:
+        raise CortiqError("GGUF has no tokenizer (tokenizer.ggml.model is missing)")
+    if kind != "gpt2":
+        raise CortiqError(f"tokenizer model {kind!r} is not supported (supported: gpt2, i.e. byte-level BPE)")
+    tokens: list[str] = meta.get("tokenizer.ggml.tokens") or []
+    types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    if not tokens:
+        raise CortiqError("GGUF tokenizer has no tokens")
+    if len(types) != len(tokens):
+        raise CortiqError(f"GGUF tokenizer has {len(tokens)} tokens but {len(types)} token types")
+    if len(tokens) > n_embd_rows:
+        raise CortiqError(f"GGUF tokenizer has {len(tokens)} tokens, more than the {n_embd_rows} embedding rows")
+    pre_name = meta.get("tokenizer.ggml.pre")
+    warnings: list[str] = []
+    if not pre_name:
+        warnings.append("GGUF names no tokenizer.ggml.pre; using llama.cpp's 'default' splitting as llama.cpp does")
+        pre_name = "default"
+    pre = PRE_TOKENIZERS.get(str(pre_name))
+    if pre is None:
+        raise CortiqError(
+            f"tokenizer.ggml.pre {pre_name!r} is not supported (supported: {', '.join(sorted(PRE_TOKENIZERS))})"
+        )
+
+    merges = _merges(meta.get("tokenizer.ggml.merges") or [])
+    tok = Tokenizer(models.BPE(vocab=_vocab(tokens, types), merges=merges, ignore_merges=pre.ignore_merges))
+    tok.pre_tokenizer = _pre_tokenizer(pre.regexes)
+    tok.decoder = decoders.ByteLevel()
+    added = [
+        AddedToken(text, special=(typ == CONTROL), normalized=False)
+        for text, typ in zip(tokens, types)
+        if typ in (CONTROL, USER_DEFINED)
+    ]
+    tok.add_special_tokens([a for a in added if a.special])
+    tok.add_tokens([a for a in added if not a.special])
+    if tok.get_vocab_size(with_added_tokens=True) != len(tokens):
+        raise CortiqError("GGUF tokenizer: control/user-defined tokens did not keep their own ids")
+
+    def token_id(key: str) -> int | None:
+        v = meta.get(f"tokenizer.ggml.{key}")
+        if v is None:
+            return None
+        if not 0 <= int(v) < len(tokens):
+            raise CortiqError(f"GGUF tokenizer.ggml.{key} = {v} is outside the vocabulary of {len(tokens)}")
+        return int(v)
+
+    def text(i: int | None) -> str | None:
+        return tokens[i] if i is not None else None
+
+    bos, eos, pad, unk = (token_id(k) for k in ("bos_token_id", "eos_token_id", "padding_token_id", "unknown_token_id"))
+    # End-of-turn / end-of-message ids also stop generation (llama-3 style chat models).
+    eos_ids = list(dict.fromkeys(i for i in (eos, token_id("eot_token_id"), token_id("eom_token_id")) if i is not None))
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", pre.add_bos))
+    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
+    tok.post_processor = _post_processor(tokens, bos if add_bos else None, eos if add_eos else None)
+    tcfg: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": text(bos),
+        "eos_token": text(eos),
+        "unk_token": text(unk),
+        "pad_token": text(pad),
+        "add_bos_token": add_bos,
+        "add_eos_token": add_eos,
+        "clean_up_tokenization_spaces": pre.clean_spaces,
+    }
+    template = meta.get("tokenizer.chat_template")
+    if template:
+        tcfg["chat_template"] = template
+    return TokenizerFiles(
+        tokenizer_json=tok.to_str(pretty=False),
+        tokenizer_config=tcfg,
+        bos_token_id=bos,
+        eos_token_ids=eos_ids,
+        pad_token_id=pad,
+        vocab_size=len(tokens),
+        merges=len(merges),
+        special_tokens=sum(a.special for a in added),
+        pre=str(pre_name),
+        warnings=warnings,
+    )
+
+
+def _vocab(tokens: list[str], types: list[int]) -> dict[str, int]:
+    """Normal tokens spelled in the byte alphabet (a few files store raw text); control
+    and user-defined tokens keep their text, so the added tokens land on their ids."""
+    alphabet = byte_alphabet()
+    letters = set(alphabet.values())
+    vocab: dict[str, int] = {}
+    for i, (text, typ) in enumerate(zip(tokens, types)):
+        if typ not in (CONTROL, USER_DEFINED) and not set(text) <= letters:
+            text = "".join(alphabet[b] for b in text.encode("utf-8"))
+        if text in vocab:
+            raise CortiqError(f"GGUF tokenizer lists token {text!r} twice (ids {vocab[text]} and {i})")
+        vocab[text] = i
+    return vocab
+
+
+def _merges(lines: list[str]) -> list[tuple[str, str]]:
+    out = []
+    for m in lines:
+        parts = m.split(" ")
+        if len(parts) != 2:
+            raise CortiqError(f"GGUF tokenizer merge {m!r} is not two tokens separated by a space")
+        out.append((parts[0], parts[1]))
+    return out
+
+
+def _pre_tokenizer(regexes: tuple[str, ...]):
+    from tokenizers import Regex, pre_tokenizers
+
+    splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in regexes]
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False)
+    return pre_tokenizers.Sequence([*splits, byte_level])
+
+
+def _post_processor(tokens: list[str], bos: int | None, eos: int | None):
+    """ByteLevel offsets, plus BOS/EOS around each sequence when the GGUF asks for them."""
+    from tokenizers import processors
+
+    byte_level = processors.ByteLevel(trim_offsets=False)
+    if bos is None and eos is None:
+        return byte_level
+    ends = [(i, tokens[i]) for i in (bos, eos) if i is not None]
+
+    def seq(piece: str, type_id: int) -> list[str]:
+        out = [f"{tokens[bos]}:{type_id}"] if bos is not None else []
+        out.append(f"{piece}:{type_id}")
+        return out + ([f"{tokens[eos]}:{type_id}"] if eos is not None else [])
+
+    template = processors.TemplateProcessing(
+        single=seq("$A", 0),
+        pair=seq("$A", 0) + seq("$B", 1),
+        special_tokens=list({t: i for i, t in ends}.items()),
+    )
+    return processors.Sequence([byte_level, template])

@@ -1,0 +1,80 @@
+"""The ``tokenizer`` section of a CMF header, read from an HF checkpoint's files.
+
+tokenizer.json itself is embedded verbatim as the u8 tensor TOKENIZER_TENSOR; the
+header keeps what a runtime needs without parsing it: special ids, the chat
+template, and a summary for ``cortiq inspect``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from formats.errors import CortiqError
+
+TOKENIZER_TENSOR = "__tokenizer__/tokenizer.json"
+
+
+def _token_text(tok: Any) -> str | None:
+    if isinstance(tok, dict):
+        tok = tok.get("content")
+    return tok if isinstance(tok, str) else None
+
+
+def tokenizer_header(ck) -> tuple[dict[str, Any], bytes]:
+    """(header section, tokenizer.json bytes) for an ``HFCheckpoint``."""
+    tok_json = ck.read_text("tokenizer.json")
+    if tok_json is None:
+        raise CortiqError(f"{ck.root}: missing tokenizer.json (cortiq embeds the tokenizer in the CMF file)")
+    try:
+        tok = json.loads(tok_json)
+    except json.JSONDecodeError as e:
+        raise CortiqError(f"{ck.root / 'tokenizer.json'}: invalid JSON ({e})") from None
+    tcfg = ck.read_json("tokenizer_config.json") or {}
+    special = ck.read_json("special_tokens_map.json") or {}
+    gen = ck.read_json("generation_config.json") or {}
+    added = {t["content"]: t["id"] for t in tok.get("added_tokens", []) if "content" in t and "id" in t}
+    model = tok.get("model") or {}
+    vocab = model.get("vocab") or {}
+
+    def tid(tok_text: str | None) -> int | None:
+        if tok_text is None:
+            return None
+        if tok_text in added:
+            return added[tok_text]
+        return vocab.get(tok_text) if isinstance(vocab, dict) else None
+
+    bos_text = _token_text(tcfg.get("bos_token")) or _token_text(special.get("bos_token"))
+    eos_text = _token_text(tcfg.get("eos_token")) or _token_text(special.get("eos_token"))
+    eos: list[int] = []
+    for src in (gen.get("eos_token_id"), ck.config.get("eos_token_id"), tid(eos_text)):
+        for e in src if isinstance(src, list) else [src]:
+            if isinstance(e, int) and e not in eos:
+                eos.append(e)
+    bos = gen.get("bos_token_id", ck.config.get("bos_token_id"))
+    if bos is None:
+        bos = tid(bos_text)
+    pad = gen.get("pad_token_id", ck.config.get("pad_token_id"))
+    chat = tcfg.get("chat_template")
+    if chat is None:
+        chat = ck.read_text("chat_template.jinja")
+    if chat is None:
+        cj = ck.read_json("chat_template.json") or {}
+        chat = cj.get("chat_template")
+    if isinstance(chat, list):  # named templates: keep the default
+        chat = next((c["template"] for c in chat if c.get("name") == "default"), chat[0]["template"] if chat else None)
+    n_vocab = len(vocab) if isinstance(vocab, (dict, list)) else 0
+    n_vocab += sum(1 for t in added if t not in vocab) if isinstance(vocab, dict) else 0
+    header = {
+        "tensor": TOKENIZER_TENSOR,
+        "model": model.get("type"),
+        "vocab_size": n_vocab,
+        "bos_token_id": bos,
+        "eos_token_ids": eos,
+        "pad_token_id": pad if isinstance(pad, int) else None,
+        "add_bos_token": bool(tcfg.get("add_bos_token", False)),
+        "chat_template": chat,
+        "bos_token": bos_text,
+        "eos_token": eos_text,
+    }
+    return header, tok_json.encode("utf-8")

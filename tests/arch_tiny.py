@@ -1,0 +1,91 @@
+"""Tiny random checkpoints of the MoE / hybrid families, and the oracle checks they share.
+
+Each family's config overrides (``CONFIGS``) keep the models a few hundred KB while
+exercising what differs: dense and MoE layers side by side, shared experts,
+linear and full layers, sliding layers with sinks. ``build`` returns the
+transformers model (the oracle), ``save`` writes it as an HF folder with the
+byte-level tokenizer of ``tests.tiny``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tests.tiny import build_tiny, write_byte_tokenizer
+
+_LINEAR = dict(
+    num_hidden_layers=4,
+    head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+)
+
+CONFIGS: dict[str, dict[str, Any]] = {
+    # Layer 1 stays dense (mlp_only_layers) to check the per-layer FFN choice.
+    "qwen2_moe": dict(
+        num_hidden_layers=3, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=64, mlp_only_layers=[1],
+    ),
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "qwen3_next": dict(
+        **_LINEAR, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64
+    ),
+    "qwen3_5_text": dict(_LINEAR),
+    "qwen3_5_moe_text": dict(
+        **_LINEAR, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64
+    ),
+    "mimo_v2_flash": dict(
+        num_hidden_layers=4,
+        layer_types=["full_attention", "sliding_attention", "sliding_attention", "full_attention"],
+        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_group=2, topk_group=1,
+        head_dim=24, v_head_dim=16, sliding_window=5,
+    ),
+}
+
+
+def build(model_type: str, seed: int = 0, **extra: Any):
+    """The transformers model of ``CONFIGS[model_type]``; MiMo's routing bias and sinks
+    are randomized (the init leaves them near zero, where a test could not see them)."""
+    import torch
+
+    model = build_tiny(model_type, seed=seed, **{**CONFIGS[model_type], **extra})
+    if model_type == "mimo_v2_flash":
+        g = torch.Generator().manual_seed(seed + 7)
+        with torch.no_grad():
+            for name, buf in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    buf.copy_(torch.randn(buf.shape, generator=g) * 0.2)
+            for name, p in model.named_parameters():
+                if name.endswith("self_attn.sinks"):
+                    p.copy_(torch.randn(p.shape, generator=g) * 2.0)
+    return model
+
+
+def save(model, folder: str | Path) -> Path:
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    write_byte_tokenizer(folder)
+    return folder
+
+
+def torch_logits(model, ids: list[int]) -> np.ndarray:
+    import torch
+
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float().numpy()
+
+
+def rel_err(got: np.ndarray, ref: np.ndarray) -> float:
+    """max |got - ref| / max |ref| (the project's logit tolerance measure)."""
+    return float(np.abs(got - ref).max() / np.abs(ref).max())
+
+
+def sample_ids(n: int = 40, seed: int = 0, vocab: int = 256) -> list[int]:
+    return [int(i) for i in np.random.default_rng(seed).integers(0, vocab, n)]

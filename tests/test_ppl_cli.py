@@ -1,0 +1,187 @@
+"""``cortiq ppl`` end to end on real CMF files: transformers is the oracle."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+torch = pytest.importorskip("torch")
+
+from cortiq_cli.main import app  # noqa: E402
+from evals.text_source import BUNDLED_TEXT  # noqa: E402
+from tests.tiny import save_tiny  # noqa: E402
+
+try:
+    from cortiq_engine import Engine  # noqa: F401
+except ImportError:  # the engine lands separately
+    pytest.skip("cortiq_engine.Engine is not available yet", allow_module_level=True)
+
+runner = CliRunner()
+ALICE = BUNDLED_TEXT.read_text(encoding="utf-8")
+
+
+def cli(*args: str) -> dict:
+    r = runner.invoke(app, [*args, "--json"])
+    assert r.exit_code == 0, r.stderr or r.output
+    return json.loads(r.stdout)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny llama (byte tokenizer) as HF folder, f32 CMF and q8 CMF, and its transformers model."""
+    from formats.convert import convert_checkpoint
+    from tests.tiny import build_tiny
+
+    d = tmp_path_factory.mktemp("tiny")
+    hf = save_tiny("llama", d / "hf", max_position_embeddings=512)
+    out = {}
+    for q in ("f32", "q8"):
+        out[q] = d / f"tiny-{q}.cmf"
+        convert_checkpoint(hf, out[q], quant=q)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield out, build_tiny("llama", max_position_embeddings=512)
+    torch.set_num_threads(threads)
+
+
+    return Tokenizer.from_file(str(Path(__file__).with_name("_tiny_tok.json"))).encode(text).ids if False else None  # noqa
+
+
+def torch_windows_nll(model, ids: list[int], ctx: int, stride: int) -> tuple[float, int]:
+    """The HF perplexity guide's loop."""
+    input_ids = torch.tensor([ids])
+    nll_sum, n_tok, prev_end = 0.0, 0, 0
+    for begin in range(0, len(ids), stride):
+        end = min(begin + ctx, len(ids))
+        trg_len = end - prev_end
+        inp = input_ids[:, begin:end]
+        tgt = inp.clone()
+        tgt[:, :-trg_len] = -100
+        with torch.no_grad():
+            loss = model(inp, labels=tgt).loss
+        n = int((tgt[:, 1:] != -100).sum())
+        nll_sum += float(loss) * n
+        n_tok += n
+        prev_end = end
+        if end == len(ids):
+            break
+    return nll_sum / n_tok, n_tok
+
+
+def engine_tokens(path: Path, text: str) -> list[int]:
+    from cortiq_engine import Engine
+
+    with Engine.load(path, ctx=8, warmup=False) as e:
+        return e.tokenizer.encode(text, add_bos=True)
+
+
+def test_tiny_sliding_equals_transformers(tiny, tmp_path):
+    paths, model = tiny
+    text = ALICE[:1500]
+    f = tmp_path / "t.txt"
+    f.write_text(text)
+    ids = engine_tokens(paths["f32"], text)
+    want, n = torch_windows_nll(model, ids, 96, 40)
+    out = cli("ppl", str(paths["f32"]), "--text", str(f), "--ctx", "96", "--stride", "40")
+    (m,) = out["models"]
+    assert m["tokens_scored"] == n == len(ids) - 1
+    assert m["nll_mean"] == pytest.approx(want, rel=1e-5)
+    assert m["ppl"] == pytest.approx(math.exp(want), rel=1e-5)
+    assert m["bytes_scored"] == len(text[1:].encode())  # one token per byte, all but the first scored
+    assert m["bits_per_byte"] == pytest.approx(m["nll_mean"] * n / math.log(2) / m["bytes_scored"], rel=1e-12)
+    assert m["nll_ci95"][0] < m["nll_mean"] < m["nll_ci95"][1]
+    assert out["settings"] == {"mode": "sliding", "ctx": 96, "stride": 40, "windows": out["settings"]["windows"],
+                               "chunk_bos": None, "max_tokens": None, "text_tokens": len(ids)}
+
+
+def test_tiny_chunks_and_comparison(tiny, tmp_path):
+    paths, model = tiny
+    text = ALICE[:1200]
+    f = tmp_path / "t.txt"
+    f.write_text(text)
+    ids = engine_tokens(paths["f32"], text)
+    ctx = 96
+    # llama.cpp's loop on transformers logits: no BOS for this vocabulary, second half of each chunk
+    nll0 = []
+    for i in range(len(ids) // ctx):
+        with torch.no_grad():
+            lp = torch.log_softmax(model(torch.tensor([ids[i * ctx : (i + 1) * ctx]])).logits[0].double(), -1)
+        nll0 += [-float(lp[j, ids[i * ctx + j + 1]]) for j in range(ctx // 2, ctx - 1)]
+    out = cli("ppl", str(paths["f32"]), str(paths["q8"]), "--text", str(f), "--ctx", str(ctx), "--mode", "chunks")
+    m0, m1 = out["models"]
+    assert m0["tokens_scored"] == len(nll0) == (len(ids) // ctx) * (ctx // 2 - 1)
+    assert m0["nll_mean"] == pytest.approx(np.mean(nll0), rel=1e-5)
+    (c,) = out["comparisons"]
+    assert c["ppl_ratio"] == pytest.approx(m1["ppl"] / m0["ppl"], rel=1e-9)
+    assert 0 < c["kl_mean"] < 1e-3  # q8 of the same weights: close, not identical
+    assert 0.9 < c["top1_agreement"] <= 1.0
+    assert abs(m1["nll_mean"] - m0["nll_mean"]) < 0.01
+
+
+def test_max_tokens_and_dataset_sources(tiny, tmp_path):
+    paths, _ = tiny
+    rows = [{"body": ALICE[i * 400 : (i + 1) * 400]} for i in range(4)]
+    jl = tmp_path / "d.jsonl"
+    jl.write_text("\n".join(json.dumps(r) for r in rows))
+    a = cli("ppl", str(paths["f32"]), "--text", str(jl), "--column", "body", "--ctx", "64", "--max-tokens", "300")
+    assert a["models"][0]["tokens_scored"] == 300
+    b = cli("ppl", str(paths["f32"]), "--dataset", "json", "--data-files", str(jl), "--column", "body",
+            "--ctx", "64", "--max-tokens", "300")
+    assert b["models"][0]["nll_mean"] == pytest.approx(a["models"][0]["nll_mean"], rel=1e-9)
+    assert a["text"]["documents"] == 4
+
+
+@pytest.mark.parametrize(
+    "args,msg",
+    [
+        (["/nonexistent/m.cmf"], "no such file"),
+        (["{bad}"], "not a CMF file"),
+        (["{f32}", "--text", "{one}"], "scoring needs at least 2"),
+        (["{f32}", "--text", "{jsonl}", "--column", "nope"], "no column 'nope'"),
+        (["{f32}", "--mode", "windows"], "unknown --mode"),
+        (["{f32}", "--ctx", "64", "--stride", "65"], "--stride"),
+        (["{f32}", "--mode", "chunks", "--stride", "8"], "--stride applies to --mode sliding"),
+        (["{f32}", "--dataset", "{missing}"], "could not load"),
+    ],
+)
+def test_one_line_errors(tiny, tmp_path, args, msg):
+    paths, _ = tiny
+    (tmp_path / "bad.cmf").write_bytes(b"definitely not a model" * 10)
+    (tmp_path / "one.txt").write_text("a")
+    (tmp_path / "d.jsonl").write_text('{"text": "hello there"}\n')
+    subs = {"{f32}": str(paths["f32"]), "{bad}": str(tmp_path / "bad.cmf"), "{one}": str(tmp_path / "one.txt"),
+            "{jsonl}": str(tmp_path / "d.jsonl"), "{missing}": str(tmp_path / "no_such_dataset_dir")}
+    r = runner.invoke(app, ["ppl", *[subs.get(a, a) for a in args], "--max-tokens", "50"])
+    assert r.exit_code == 1
+    assert r.stderr.startswith("error: ") and msg in r.stderr
+    assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+
+
+def test_tables_render(tiny):
+    paths, _ = tiny
+    r = runner.invoke(app, ["ppl", str(paths["f32"]), str(paths["q8"]), "--ctx", "64", "--max-tokens", "200"])
+    assert r.exit_code == 0, r.stderr
+    assert "Perplexity" in r.stdout and "top-1 agree" in r.stdout and "bits/byte" in r.stdout
+
+
+# ------------------------------------------------------------------ the real model
+
+@pytest.mark.slow
+def test_smollm2_f32_equals_transformers(smollm2_hf, smollm2_cmf):
+    """SmolLM2-135M f32: our ppl equals transformers' on the same windows to 0.1%."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(smollm2_hf, dtype=torch.float32).eval()
+    path = smollm2_cmf("f32")
+    ids = engine_tokens(path, ALICE)[:1025]
+    want, n = torch_windows_nll(model, ids, 256, 128)
+    out = cli("ppl", str(path), "--ctx", "256", "--stride", "128", "--max-tokens", "1024")
+    m = out["models"][0]
+    assert m["tokens_scored"] == n == 1024
+    assert m["ppl"] == pytest.approx(math.exp(want), rel=1e-3)
+    assert 5 < m["ppl"] < 60  # a trained model on English prose
