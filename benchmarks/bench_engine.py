@@ -54,6 +54,7 @@ SYSTEMS = [
     System(LLAMA_Q8, "llama.cpp", "gguf:q8_0"),
     System("llama.cpp-q4_0", "llama.cpp", "gguf:q4_0"),
     System("llama.cpp-q4_0-repack", "llama.cpp", "gguf:q4_0", llama_bufts="repack", default=False),
+    System("llama.cpp-q4_1", "llama.cpp", "gguf:q4_1", default=False),
     System("cortiq-q8", "cortiq", "cmf:q8"),
     System("cortiq-q4", "cortiq", "cmf:q4"),
     System("cortiq-f32", "cortiq", "cmf:f32"),
@@ -301,6 +302,9 @@ def render(report: dict[str, Any]) -> None:
         tt.add_row(t["name"], val, f"{t['threshold']:.2f}", met)
     console.print(tt)
     la = report["load_average"]
+    if max(la["before"][0], la["after"][0]) > cfg["threads"]:
+        console.print("[bold yellow]warning:[/] the machine was busy (load average above the thread count): "
+                      "these figures are noisy; rerun on a quiet machine")
     console.print(
         f"load average before {la['before'][0]:.2f}, after {la['after'][0]:.2f} on {report['machine']['logical_cpus']} "
         f"CPUs ({report['machine']['cpu']}); agree = leading greedy decode tokens equal to {TF32}'s",
@@ -314,6 +318,16 @@ def render(report: dict[str, Any]) -> None:
 # --- main --------------------------------------------------------------------------
 
 
+def build_report(head: dict[str, Any], rows: list[Row], load_before: tuple[float, ...]) -> dict[str, Any]:
+    add_comparisons(rows)
+    return {
+        **head,
+        "load_average": {"before": list(load_before), "after": list(os.getloadavg())},
+        "systems": [asdict(r) for r in rows],
+        "targets": [asdict(t) for t in targets(rows)],
+    }
+
+
 def parse_systems(spec: str | None) -> list[System]:
     if not spec:
         return [s for s in SYSTEMS if s.default]
@@ -323,6 +337,8 @@ def parse_systems(spec: str | None) -> list[System]:
         if name not in by_name:
             sys.exit(f"error: unknown system {name!r}; choose from {', '.join(SYSTEM_NAMES)}")
         out.append(by_name[name])
+    if not out:
+        sys.exit("error: --systems names no system")
     return out
 
 
@@ -330,7 +346,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description="Measure prompt and decode speed and memory of cortiq, transformers and llama.cpp on "
         "SmolLM2-135M, each system in its own process. Makes its inputs on first use (see make_gguf.py).",
-        epilog=f"systems: {', '.join(SYSTEM_NAMES)} (all but llama.cpp-q4_0-repack by default)",
+        epilog=f"systems: {', '.join(SYSTEM_NAMES)} (by default all but "
+        f"{', '.join(s.name for s in SYSTEMS if not s.default)})",
     )
     ap.add_argument("--systems", help="comma-separated subset, in run order (default: all default systems)")
     ap.add_argument("--threads", type=int, default=2, help="threads for every system (default: 2)")
@@ -347,8 +364,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reconvert", action="store_true", help="re-run `cortiq convert` even if the CMFs are fresh")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds allowed per system (default: 1800)")
     ap.add_argument("--json", action="store_true", help="print only the JSON report on stdout")
-    ap.add_argument("--out", type=Path, help="also write the JSON report to this file")
+    ap.add_argument("--out", type=Path, help="also write the JSON report to this file (rewritten after every system)")
+    ap.add_argument("--show", type=Path, metavar="REPORT", help="render a saved JSON report and exit")
     args = ap.parse_args(argv)
+    if args.show:
+        render(json.loads(args.show.read_text()))
+        return 0
     if args.reps < 1 or args.prompt_tokens < 1 or args.decode_tokens < 2 or args.threads < 1:
         sys.exit("error: --reps, --prompt-tokens and --threads must be >= 1, --decode-tokens >= 2")
     systems = parse_systems(args.systems)
@@ -362,6 +383,15 @@ def main(argv: list[str] | None = None) -> int:
                decode_tokens=args.decode_tokens, warmup=args.warmup, reps=args.reps)
 
     load_before = os.getloadavg()
+    head = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]) if argv is None else None,
+        "config": {"threads": args.threads, "reps": args.reps, "warmup": args.warmup,
+                   "prompt_tokens": args.prompt_tokens, "decode_tokens": args.decode_tokens,
+                   "llama_bufts": args.llama_bufts, "hf_dir": str(hf_dir), "prompt_file": str(PROMPT_FILE),
+                   "decode_prompt_tokens": len(decode_prompt)},
+        "machine": machine_info(),
+        "inputs": json.loads(inputs.manifest.read_text()),
+    }
     rows: list[Row] = []
     for system in systems:
         model = artifact_path(system, inputs, hf_dir, args.cache_dir)
@@ -378,23 +408,10 @@ def main(argv: list[str] | None = None) -> int:
             log(f"{system.name}: {error}")
             res = error
         rows.append(row_from(system, model, res))
-    add_comparisons(rows)
-
-    report = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]) if argv is None else None,
-        "config": {"threads": args.threads, "reps": args.reps, "warmup": args.warmup,
-                   "prompt_tokens": args.prompt_tokens, "decode_tokens": args.decode_tokens,
-                   "llama_bufts": args.llama_bufts, "hf_dir": str(hf_dir), "prompt_file": str(PROMPT_FILE),
-                   "decode_prompt_tokens": len(decode_prompt)},
-        "machine": machine_info(),
-        "load_average": {"before": load_before, "after": os.getloadavg()},
-        "inputs": json.loads(inputs.manifest.read_text()),
-        "systems": [asdict(r) for r in rows],
-        "targets": [asdict(t) for t in targets(rows)],
-    }
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
+        report = build_report(head, rows, load_before)
+        if args.out:  # after every system, so a long run that dies still leaves its figures
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(report, indent=2) + "\n")
     if args.json:
         sys.stdout.write(json.dumps(report) + "\n")
     else:

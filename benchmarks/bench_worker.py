@@ -81,7 +81,18 @@ def rss_now() -> int:
 
 
 def rss_peak() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    """This process's RSS high-water mark.
+
+    VmHWM belongs to the address space exec made; ru_maxrss would not do, as Linux
+    carries it over from the parent at fork/exec, so a big parent inflates it.
+    """
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # not Linux: the best there is
 
 
 # --- transformers on torch CPU ---------------------------------------------------

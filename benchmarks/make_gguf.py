@@ -47,7 +47,8 @@ class BenchInputs:
     manifest: Path
 
     def gguf(self, quant: str) -> Path:
-        return {"f32": self.f32_gguf, "q8_0": self.q8_0_gguf, "q4_0": self.q4_0_gguf}[quant]
+        # q4_1 is the shipped file itself: the layout cortiq q4 shares.
+        return {"f32": self.f32_gguf, "q8_0": self.q8_0_gguf, "q4_0": self.q4_0_gguf, "q4_1": self.source}[quant]
 
 
 def bundled_gguf() -> Path:

@@ -14,7 +14,7 @@ from rich.text import Text
 from cortiq_cli import text_options as opt
 from cortiq_cli.cmd_ppl import load_engines, model_label
 from cortiq_cli.common import console, err_console, handle_errors, print_json
-from evals.calibrate import DEFAULT_FIT_FRACTION, CalibrationReport, calibration_report, collect_features
+from evals.calibrate import DEFAULT_FIT_FRACTION, CalibrationReport, calibration_report, collect_features, split_rows
 from evals.calibration import DEFAULT_BINS, Bin, CalibrationMetrics
 from evals.temperature import DEFAULT_T_MAX, DEFAULT_T_MIN, TemperatureGrid
 from evals.text_source import LoadedText, load_text
@@ -49,8 +49,12 @@ def calibrate(
     json_out: opt.Json = False,
 ) -> None:
     """Reliability table and diagram, ECE (equal-width and equal-mass), MCE, Brier, NLL, and a fitted temperature."""
+    if not 0 < fit_fraction < 1:  # checked before the (long) pass
+        raise CortiqError(f"--fit-fraction must be between 0 and 1 (got {fit_fraction})")
     if plot is not None:
         _require_matplotlib()
+        if not plot.parent.is_dir():
+            raise CortiqError(f"--plot: folder {plot.parent} does not exist")
     grid = TemperatureGrid.make(t_min, t_max)
     source = load_text(opt.text_spec(text, dataset, config, split, column, data_files))
     (engine,) = load_engines([model], threads, ctx)
@@ -59,6 +63,7 @@ def calibrate(
     step = stride if stride is not None else max(1, ctx // 2)
     windows = sliding_windows(len(tokens), ctx, step, max_tokens)
     total = sum(w.n_scored for w in windows)
+    split_rows(total, fit_fraction)  # too few tokens: say so before the pass
 
     if json_out:
         features = collect_features(engine, tokens, windows, grid, chunk=batch)
@@ -72,6 +77,7 @@ def calibrate(
             TimeRemainingColumn(),
             console=err_console,
             transient=True,
+            disable=not err_console.is_terminal,  # no stray output into logs or captured stderr
         ) as bar:
             task = bar.add_task("calibrate", total=total, acc="-")
 
@@ -84,6 +90,8 @@ def calibrate(
     settings = {"ctx": ctx, "stride": step, "windows": len(windows), "max_tokens": max_tokens, "text_tokens": int(len(tokens)),
                 "t_min": float(grid.temperatures.min()), "t_max": float(grid.temperatures.max()), "grid_points": grid.n,
                 "fit_fraction": fit_fraction}
+    if not json_out:
+        render(report, source, settings)  # before --write, which may refuse the fit
     written = None
     if write:
         close = getattr(engine, "close", None)
@@ -103,7 +111,6 @@ def calibrate(
             "plot": str(plot) if plot else None,
         })
         return
-    render(report, source, settings)
     if written:
         console.print(f"[green]wrote[/] calibration.temperature = {report.temperature:.4f} into {model}")
     if plot is not None:
@@ -114,8 +121,6 @@ def calibrate(
 
 def calibration_header(report: CalibrationReport, source: LoadedText, settings: dict[str, Any]) -> dict[str, Any]:
     """``header["calibration"]``: the temperature plus what it was fitted on (read by generate and inspect)."""
-    from formats.convert import CONVERTER_VERSION
-
     return {
         "temperature": round(report.temperature, 6),
         "method": "temperature scaling: T minimising the NLL of the next token",
@@ -130,8 +135,17 @@ def calibration_header(report: CalibrationReport, source: LoadedText, settings: 
         "ece_after": report.after.ece,
         "bins": report.n_bins,
         "fitted_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "tool": f"cortiq calibrate {CONVERTER_VERSION}",
+        "tool": f"cortiq calibrate {_version()}",
     }
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("cortiq")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 def write_temperature(path: Path, report: CalibrationReport, source: LoadedText, settings: dict[str, Any]) -> dict[str, Any]:
@@ -157,8 +171,8 @@ def render(report: CalibrationReport, source: LoadedText, settings: dict[str, An
         f"(ctx {settings['ctx']}, stride {settings['stride']})  [bold]model[/] {report.model}",
         highlight=False,
     )
-    console.print(reliability_table(report.reliability, "Reliability at T = 1 (equal-width bins, all scored tokens)"))
-    console.print(reliability_diagram(report.reliability))
+    console.print(reliability_table(report.reliability, "Reliability (T = 1, all scored tokens)"))
+    console.print(reliability_diagram(report.reliability, width=max(10, min(_BAR_WIDTH, console.width - 48))))
     console.print(summary_table(report))
     if report.fit.at_edge:
         console.print(
@@ -190,7 +204,7 @@ def _gap_style(gap: float) -> str:
 def reliability_diagram(bins: list[Bin], width: int = _BAR_WIDTH) -> Text:
     """One row per bin: a bar as long as the accuracy, a ┃ where the mean confidence is."""
     out = Text()
-    out.append("Reliability diagram: bar = accuracy, ┃ = mean confidence (a calibrated model's bar ends at its ┃)\n", style="bold")
+    out.append("Reliability diagram: bar = accuracy, ┃ = mean confidence (calibrated: the bar ends at ┃)\n", style="bold")
     for b in reversed(bins):
         out.append(f" {b.lo:.2f}–{b.hi:.2f} │", style="dim")
         if b.count == 0:
@@ -210,15 +224,16 @@ def reliability_diagram(bins: list[Bin], width: int = _BAR_WIDTH) -> Text:
                 out.append("┃", style="bold white")
             else:
                 out.append(c, style=style)
-        out.append(f"│ n={b.count:<7,} acc {b.accuracy:.3f}  conf {b.confidence:.3f}\n", style="dim")
+        out.append(f"│ n={b.count:<7,} acc {b.accuracy:.3f} conf {b.confidence:.3f}\n", style="dim")
     return out
 
 
 def summary_table(report: CalibrationReport) -> Table:
     t = Table(
-        title=f"Temperature scaling: T = {report.temperature:.4f} (fitted on the first {report.fit_tokens:,} tokens, "
-              f"evaluated on the last {report.eval_tokens:,})",
+        title=f"Temperature scaling: T = {report.temperature:.4f}",
+        caption=f"fitted on the first {report.fit_tokens:,} scored tokens, held out: the last {report.eval_tokens:,}",
         title_justify="left",
+        caption_justify="left",
     )
     t.add_column("metric")
     t.add_column("all, T = 1", justify="right")
@@ -264,16 +279,32 @@ def draw_png(report: CalibrationReport, path: Path) -> None:
         width = bins[0].hi - bins[0].lo
         full = [b for b in bins if b.count]
         ax.bar([b.lo for b in full], [b.accuracy for b in full], width=width, align="edge",
-               color="#4c72b0", edgecolor="white", label="accuracy")
-        ax.bar([b.lo for b in full], [b.confidence - b.accuracy for b in full], bottom=[b.accuracy for b in full],
-               width=width, align="edge", color="#dd8452", alpha=0.45, edgecolor="#dd8452", label="gap to confidence")
-        ax.plot([0, 1], [0, 1], "k--", lw=1, label="calibrated")
+               color="#4c72b0", edgecolor="white")
+        over = [b for b in full if b.gap > 0]
+        under = [b for b in full if b.gap <= 0]
+        ax.bar([b.lo for b in over], [b.gap for b in over], bottom=[b.accuracy for b in over], width=width, align="edge",
+               color="#dd8452", alpha=0.5, edgecolor="#dd8452")
+        ax.bar([b.lo for b in under], [-b.gap for b in under], bottom=[b.confidence for b in under], width=width,
+               align="edge", facecolor="none", hatch="///", edgecolor="#55a868")
+        ax.plot([0, 1], [0, 1], "k--", lw=1)
         ax.set_xlim(0, 1)
         ax.set_ylim(0, 1)
         ax.set_xlabel("top-1 confidence")
         ax.set_title(f"{title}\nECE {m.ece:.4f}  MCE {m.mce:.4f}  NLL {m.nll:.4f}", fontsize=10)
     axes[0].set_ylabel("accuracy")
-    axes[0].legend(loc="upper left", fontsize=8)
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    axes[0].legend(
+        handles=[
+            Patch(facecolor="#4c72b0", label="accuracy"),
+            Patch(facecolor="#dd8452", alpha=0.5, edgecolor="#dd8452", label="over-confident by"),
+            Patch(facecolor="none", hatch="///", edgecolor="#55a868", label="under-confident by"),
+            Line2D([0], [0], color="k", ls="--", lw=1, label="calibrated"),
+        ],
+        loc="upper left",
+        fontsize=8,
+    )
     fig.suptitle(f"Reliability: {report.model}", fontsize=11)
     fig.tight_layout()
     try:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -11,14 +11,8 @@ from rich.table import Table
 
 from cortiq_cli import text_options as opt
 from cortiq_cli.common import console, err_console, handle_errors, print_json
+from cortiq_cli.mtp_options import MTP_PANEL, MtpDepth, MtpPath
 from formats.errors import CortiqError
-
-MTP_PANEL = "MTP"
-MtpPath = Annotated[
-    Optional[Path],
-    typer.Option("--mtp", help="Draft layers from this sidecar (default: inline, else MODEL.mtp.cmf beside the model).", rich_help_panel=MTP_PANEL),
-]
-MtpDepth = Annotated[Optional[int], typer.Option("--mtp-depth", min=1, help="Drafts per round (default: every draft layer).", rich_help_panel=MTP_PANEL)]
 
 
 def _choices(value: str, allowed: tuple[str, ...], flag: str) -> list[str]:
@@ -50,7 +44,7 @@ def mtp_probe(
     previous tokens, against the true next tokens (per depth alone and chained)."""
     from cortiq_engine import Engine
     from cortiq_engine.mtp import CHAINS, HIDDENS, load_draft_stack
-    from evals.mtp_probe import Variant, default_variants, probe
+    from evals.mtp_probe import default_variants, probe
     from evals.text_source import load_text
 
     loaded = load_text(opt.text_spec(text, dataset, config, split, column, data_files))

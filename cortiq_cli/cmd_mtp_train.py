@@ -57,8 +57,7 @@ def mtp_train(
         intermediate=intermediate, init_layer=init_layer, hidden=mtp_hidden, vocab=vocab, holdout=holdout,
         max_tokens=max_tokens, seed=seed, checkpoint_every=checkpoint_every,
     )
-    if layers < 1 or steps < 0 or holdout < 0 or holdout >= 1:
-        cfg.check(10**9)  # the one-line messages, before a model is opened
+    cfg.check(num_layers=1 << 30)  # the one-line messages before any file is read; layers are checked again
     source = load_text(opt.text_spec(text, dataset, config, split, column, data_files))
     if json_out:
         result = train_mtp(model, source.text, source.source, cfg, out=out, quant=quant, resume=resume,

@@ -85,6 +85,7 @@ def ppl(
             TimeRemainingColumn(),
             console=err_console,
             transient=True,
+            disable=not err_console.is_terminal,  # no stray output into logs or captured stderr
         ) as bar:
             task = bar.add_task("ppl", total=total, ppl="-")
 

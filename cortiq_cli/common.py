@@ -9,6 +9,7 @@ from typing import Any, Callable, TypeVar
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from formats.errors import CortiqError
 
@@ -20,7 +21,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 def fail(message: str, code: int = 1) -> None:
     """Print a one-line error and exit non-zero."""
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 

@@ -29,13 +29,7 @@ COMMANDS = [
 ]
 
 for _name, _module, _func in COMMANDS:
-    try:
-        _mod = importlib.import_module(f"cortiq_cli.{_module}")
-    except ModuleNotFoundError as _e:
-        if _e.name != f"cortiq_cli.{_module}":
-            raise
-        continue  # command not built yet
-    app.command(_name)(getattr(_mod, _func))
+    app.command(_name)(getattr(importlib.import_module(f"cortiq_cli.{_module}"), _func))
 
 
 def main() -> None:

@@ -16,7 +16,7 @@ from formats.arch import ArchConfig
 from formats.cmf import CmfFile
 from formats.convert import TOKENIZER_TENSOR
 from formats.errors import CortiqError
-from cortiq_engine.generate import GenerationResult, TokenEvent, generate
+from cortiq_engine.generate import PREFILL_CHUNK, GenerationResult, TokenEvent, generate
 from cortiq_engine.kernels import get_kernels
 from cortiq_engine.memory import release_free_heap
 from cortiq_engine.model import Model, State, forward
@@ -138,7 +138,7 @@ class Engine:
         """f32 [len(ids), vocab]: row i is the next-token logits after ids[:i+1]."""
         arr = self._check_ids(ids)
         out = np.empty((arr.size, self.vocab_size), np.float32)
-        for s, block in self.iter_logits(arr, chunk=256, sub=64):
+        for s, block in self.iter_logits(arr, chunk=PREFILL_CHUNK, sub=64):
             out[s : s + block.shape[0]] = block
         return out
 

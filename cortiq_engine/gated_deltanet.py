@@ -13,9 +13,9 @@ Per layer and position t (heads of width dk / dv; each key head serves
 
 as transformers' ``torch_recurrent_gated_delta_rule`` computes it
 (``gated_delta_rule`` in numpy, ``gated_delta_rule_fast`` compiled; the numba kernel
-set uses the latter). Prefill runs
-the projections batched and the recurrence sequentially, position by position,
-so a batch gives the numbers one-at-a-time decoding gives.
+set uses the latter). Prefill runs the projections batched and the recurrence
+sequentially, position by position, so a batch gives the numbers one-at-a-time
+decoding gives.
 
 ``LinearAttnCache`` holds the conv window (the last K-1 conv inputs) and the
 recurrent state. For speculative rollback it keeps the inputs of the last forward
@@ -53,7 +53,8 @@ def causal_conv1d(x: np.ndarray, window: np.ndarray, w: np.ndarray) -> tuple[np.
     for j in range(kern):  # a fixed order: each row's sum is the same whatever n is
         y += full[j : j + n] * w[:, j]
     y = y / (np.float32(1.0) + np.exp(-y))
-    return y.astype(np.float32), np.ascontiguousarray(full[n:]) if kern > 1 else window
+    new_window = np.ascontiguousarray(full[n:]) if kern > 1 else window
+    return y.astype(np.float32), new_window
 
 
 def l2norm(x: np.ndarray, eps: float = L2_EPS) -> np.ndarray:

@@ -26,7 +26,7 @@ from cortiq_engine.model import Model, State, forward
 from cortiq_engine.sampling import Sampler, SamplingConfig, token_probability
 from cortiq_engine.tokenizer import StreamDecoder, Tokenizer
 
-PREFILL_CHUNK = 256
+PREFILL_CHUNK = 512
 
 
 @dataclass
@@ -95,7 +95,7 @@ def prefill(state: State, ids: Sequence[int], chunk: int = PREFILL_CHUNK) -> np.
     return last[-1:]
 
 
-class _StopStrings:
+class StopStrings:
     """Finds stop strings in the growing text and holds back a possible prefix of one,
     so streamed output never shows part of a stop string."""
 
@@ -173,7 +173,7 @@ def generate(
     state = state or model.new_state(capacity)
     sampler = Sampler(config)
     decoder = StreamDecoder(tokenizer) if tokenizer is not None else None
-    stops = _StopStrings(stop)
+    stops = StopStrings(stop)
     eos = set(int(e) for e in eos_ids)
     seen = list(prompt_ids)
 
@@ -219,9 +219,16 @@ def generate(
     t2 = time.perf_counter()
 
     if decoder is not None and finish != "stop_string":
-        shown, _ = stops.feed(decoder.flush())
-        if shown and on_text is not None:
-            on_text(shown)
+        tail = decoder.flush()
+        if tail:
+            # Bytes of an unfinished character: they belong to the last text token, so
+            # the token texts still concatenate to the result text.
+            carrier = next((e for e in reversed(events) if e.id not in eos), None)
+            if carrier is not None:
+                carrier.text += tail
+            shown, _ = stops.feed(tail)
+            if shown and on_text is not None:
+                on_text(shown)
     rest = stops.finish()
     if rest and on_text is not None:
         on_text(rest)

@@ -102,18 +102,40 @@ class MoE:
         idx, w = route(ks.matmul((self.router,), x), self.cfg, self.score_bias)
         if usage is not None:
             np.add.at(usage, idx.reshape(-1), 1)
-        out = np.zeros_like(x)
-        # Experts in ascending order: a row's sum has the same order whatever the batch.
-        for e in np.unique(idx):
-            rows, slot = np.nonzero(idx == e)
-            y = self.experts[int(e)](np.ascontiguousarray(x[rows]))
-            out[rows] += y * w[rows, slot][:, None]
+        if x.shape[0] == 1:
+            out = self._one_row(x, idx[0], w[0])
+        else:
+            out = self._grouped(x, idx, w)
         if self.shared is not None:
             s = self.shared(x)
             if self.shared_gate is not None:
                 g = ks.matmul((self.shared_gate,), x)
                 s *= np.float32(1.0) / (np.float32(1.0) + np.exp(-g))
             out += s
+        return out
+
+    def _one_row(self, x: np.ndarray, idx: np.ndarray, w: np.ndarray) -> np.ndarray:
+        """Decode: the chosen experts' gate|up products in one kernel call."""
+        ks = self.ks
+        order = [int(e) for e in np.sort(idx)]
+        mats = [self.experts[e].weights() for e in order]  # [gate, up, down] each
+        gu = ks.matmul([m for gate, up, _ in mats for m in (gate, up)], x)
+        out = np.zeros_like(x)
+        wide = gu.shape[1] // len(order)
+        weight = dict(zip(idx.tolist(), w.tolist()))
+        # The same per-row operations, in the same expert order, as ``_grouped``.
+        for j, (e, (_, _, down)) in enumerate(zip(order, mats)):
+            a = ks.silu_mul(np.ascontiguousarray(gu[:, j * wide : (j + 1) * wide]))
+            out += ks.matmul((down,), a) * np.float32(weight[e])
+        return out
+
+    def _grouped(self, x: np.ndarray, idx: np.ndarray, w: np.ndarray) -> np.ndarray:
+        out = np.zeros_like(x)
+        # Experts in ascending order: a row's sum has the same order whatever the batch.
+        for e in np.unique(idx):
+            rows, slot = np.nonzero(idx == e)
+            y = self.experts[int(e)](np.ascontiguousarray(x[rows]))
+            out[rows] += y * w[rows, slot][:, None]
         return out
 
 

@@ -32,7 +32,7 @@ text, whose later tokens then stand in for the drafts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -46,6 +46,8 @@ from formats.sidecar import check_sidecar, sidecar_path
 from cortiq_engine.cache import KVCache
 from cortiq_engine.layers import Attention, AttentionWeights, Block, GatedMLP, RMSNorm, RoPE, Step
 from cortiq_engine.model import Model
+from cortiq_engine.models.moe_family import load_moe
+from cortiq_engine.models.qwen3_next import GatedAttention
 from cortiq_engine.sink_attention import SinkAttention
 from cortiq_engine.weights import Weight, load_vector, load_weight
 
@@ -115,16 +117,13 @@ def _draft_geometry(arch: ArchConfig) -> dict[str, Any]:
     style = arch.mtp.style if arch.mtp else "deepseek"
     s = arch.sliding
     if style == "mimo" and s is not None:
-        rotary = arch.rotary_dim * s.head_dim // arch.head_dim if arch.head_dim else s.head_dim
         return dict(nh=s.num_heads, nkv=s.num_kv_heads, hd=s.head_dim, vd=s.v_head_dim, window=s.window,
-                    rope=RoPE(rotary, s.rope_theta, arch.rope_scaling))
+                    rope=RoPE(s.rotary_dim or s.head_dim, s.rope_theta))
     return dict(nh=arch.num_heads, nkv=arch.num_kv_heads, hd=arch.head_dim, vd=arch.v_head_dim, window=0,
                 rope=RoPE(arch.rotary_dim, arch.rope_theta, arch.rope_scaling))
 
 
 def build_draft_layer(cmf: CmfFile, k: int, arch: ArchConfig, kernels) -> DraftLayer:
-    if arch.attn_output_gate:
-        raise CortiqError(f"{cmf.path}: draft layers with gated attention output (Qwen3-Next) are not supported yet")
     p = f"{MTP_PREFIX}{k}."
     h, eps, style = arch.hidden_size, arch.norm_eps, arch.norm_style
     g = _draft_geometry(arch)
@@ -136,30 +135,45 @@ def build_draft_layer(cmf: CmfFile, k: int, arch: ArchConfig, kernels) -> DraftL
     def mat(name: str, rows: int, cols: int) -> Weight:
         return _shape_check(cmf, load_weight(cmf, p + name), rows, cols)
 
+    gated = arch.attn_output_gate  # Qwen3-Next: q_proj emits [query | gate] per head
     aw = AttentionWeights(
-        mat("self_attn.q_proj.weight", nh * hd, h),
+        mat("self_attn.q_proj.weight", nh * hd * (2 if gated else 1), h),
         mat("self_attn.k_proj.weight", nkv * hd, h),
         mat("self_attn.v_proj.weight", nkv * vd, h),
         mat("self_attn.o_proj.weight", h, nh * vd),
     )
+    # Qwen2-style draft layers carry q/k/v (and possibly o) projection biases.
+    biases = [f"self_attn.{x}_proj.bias" for x in "qkv"]
+    if any(p + b in cmf for b in biases):
+        aw = replace(aw, qkv_bias=np.concatenate(
+            [vec(b, w.rows) if p + b in cmf else np.zeros(w.rows, np.float32) for b, w in zip(biases, (aw.q, aw.k, aw.v))]))
+    if p + "self_attn.o_proj.bias" in cmf:
+        aw = replace(aw, o_bias=vec("self_attn.o_proj.bias", h))
     if p + "self_attn.q_norm.weight" in cmf:
         qn, kn = vec("self_attn.q_norm.weight", hd), vec("self_attn.k_norm.weight", hd)
         if style == "rms_one":
             qn, kn = qn + 1.0, kn + 1.0
-        aw = AttentionWeights(aw.q, aw.k, aw.v, aw.o, q_norm=qn, k_norm=kn)
+        aw = replace(aw, q_norm=qn, k_norm=kn)
     common = dict(num_heads=nh, num_kv_heads=nkv, head_dim=hd, v_head_dim=vd, rope=g["rope"], norm_eps=eps, window=g["window"])
     if p + "self_attn.sinks" in cmf:
         sinks = vec("self_attn.sinks", nh)
         if not np.isfinite(sinks).all():
             raise CortiqError(f"{cmf.path}: tensor {p}self_attn.sinks has non-finite values")
-        v_scale = float(getattr(arch, "attention_value_scale", None) or 1.0)
-        attn = SinkAttention(kernels, aw, sinks=sinks, v_scale=v_scale, **common)
+        attn = SinkAttention(kernels, aw, sinks=sinks, v_scale=arch.attention_value_scale, **common)
+    elif gated:
+        if aw.q_norm is None:
+            raise CortiqError(f"{cmf.path}: gated draft attention needs {p}self_attn.q_norm.weight")
+        attn = GatedAttention(kernels, aw, **common)
     else:
         attn = Attention(kernels, aw, **common)
-    gate = load_weight(cmf, p + "mlp.gate_proj.weight")
-    inter = gate.rows  # a draft MLP may be narrower than the trunk's (mtp-train --intermediate)
-    _shape_check(cmf, gate, inter, h)
-    mlp = GatedMLP(kernels, gate, mat("mlp.up_proj.weight", inter, h), mat("mlp.down_proj.weight", h, inter))
+    if p + "mlp.gate.weight" in cmf and arch.moe is not None:
+        # Qwen3-Next's draft block routes to experts like the trunk's MoE layers.
+        mlp = load_moe(cmf, arch, kernels, p)
+    else:
+        gate = load_weight(cmf, p + "mlp.gate_proj.weight")
+        inter = gate.rows  # a draft MLP may be narrower than the trunk's (mtp-train --intermediate)
+        _shape_check(cmf, gate, inter, h)
+        mlp = GatedMLP(kernels, gate, mat("mlp.up_proj.weight", inter, h), mat("mlp.down_proj.weight", h, inter))
     block = Block(
         RMSNorm(kernels, vec("input_layernorm.weight"), eps, style),
         attn,
@@ -258,6 +272,13 @@ class Drafter:
         self.caches = [self.stack.layers[k].make_cache(self.capacity + self.depth) for k in range(used)]
         self.committed = [0] * used
         self.hist = np.zeros((self.capacity, self.model.hidden_size), np.float32)
+
+    def reset(self) -> None:
+        """Forget the sequence: empty caches and history (a new generation)."""
+        for c in self.caches:
+            c.truncate(0)
+        self.committed = [0] * len(self.caches)
+        self.hist_len = 0
 
     # -------------------------------------------------------------- backbone rows
     def note(self, first_pos: int, rows: np.ndarray) -> None:

@@ -28,7 +28,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from formats.errors import CortiqError
-from cortiq_engine.generate import PREFILL_CHUNK, GenerationResult, TokenEvent, _StopStrings
+from cortiq_engine.generate import PREFILL_CHUNK, GenerationResult, TokenEvent, StopStrings
 from cortiq_engine.model import Model, State, forward
 from cortiq_engine.mtp import Drafter
 from cortiq_engine.sampling import Sampler, SamplingConfig, token_probability
@@ -178,9 +178,10 @@ def generate_speculative(
         raise CortiqError(f"prompt token id {bad[0]} outside the vocabulary (0..{model.vocab_size - 1})")
 
     state = state or model.new_state(capacity)
+    drafter.reset()
     sampler = Sampler(config)
     decoder = StreamDecoder(tokenizer) if tokenizer is not None else None
-    stops = _StopStrings(stop)
+    stops = StopStrings(stop)
     eos = set(int(e) for e in eos_ids)
     seen = list(prompt_ids)
     ids: list[int] = []
@@ -216,21 +217,28 @@ def generate_speculative(
     logits = model.lm_head(model.final_norm(h[-1:]))[0]
     t1 = time.perf_counter()
 
+    max_verify = int(getattr(model.kernels, "small_n", 0)) or 8
     finish = emit(sampler(logits, seen), logits)
     while finish is None:
         if state.free() == 0:
             finish = "length"
             break
-        k = min(drafter.depth, max_tokens - len(ids) - 1, state.free() - 1)
+        # A verify batch stays within the kernels' small-batch path (row-exact by construction).
+        k = min(drafter.depth, max_tokens - len(ids) - 1, state.free() - 1, max_verify - 1)
         t = state.position - 1
         ta = time.perf_counter()
         drafts = drafter.draft(t, prompt_ids + ids, k) if k > 0 else []
         tb = time.perf_counter()
         with row_exact(model.kernels):
             hb = forward(state, [ids[-1], *drafts])
-            rows = model.lm_head(model.final_norm(hb))
+            normed = model.final_norm(hb)
+            # The head of row 0 first: the rest is needed only once d1 is accepted.
+            rows = model.lm_head(normed[:1])
         used = 0
         for i in range(len(drafts) + 1):
+            if i == 1:
+                with row_exact(model.kernels):
+                    rows = np.concatenate([rows, model.lm_head(normed[1:])])
             tok = sampler(rows[i], seen)
             used = i + 1
             finish = emit(tok, rows[i])
@@ -260,6 +268,7 @@ def generate_speculative(
         seed=None,
         cache_length=state.length,
         extra={"mtp": stats.to_json()},
+        expert_usage={int(k): v.tolist() for k, v in sorted(state.expert_usage.items())} or None,
     )
 
 

@@ -346,6 +346,8 @@ def _mimo_v2(cfg: dict[str, Any]) -> ArchConfig:
     if full_rp.get("rope_type", "default") not in (None, "default"):
         raise CortiqError(f"rope type {full_rp.get('rope_type')!r} is not supported for mimo_v2_flash")
     flat["partial_rotary_factor"] = prf
+    if flat.get("rms_norm_eps") is None and flat.get("layernorm_epsilon") is not None:
+        flat["rms_norm_eps"] = flat["layernorm_epsilon"]  # the release's name for it
     d = _dense_common(flat, "mimo_v2")
     d["attention_bias"] = bool(cfg.get("attention_bias", False))
     d["v_head_dim"] = int(cfg.get("v_head_dim") or d["head_dim"])
@@ -387,14 +389,17 @@ def _mimo_v2(cfg: dict[str, Any]) -> ArchConfig:
     if experts and sparse:
         if cfg.get("n_shared_experts"):
             raise CortiqError("mimo_v2_flash with shared experts is not supported")
+        scoring = str(cfg.get("scoring_func") or "sigmoid")
+        if scoring not in ("sigmoid", "softmax"):
+            raise CortiqError(f"MoE scoring_func {scoring!r} is not supported (supported: sigmoid, softmax)")
         d["moe"] = MoeConfig(
             num_experts=experts,
             top_k=int(_req(cfg, "num_experts_per_tok")),
             expert_intermediate_size=int(_req(cfg, "moe_intermediate_size")),
             norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
             moe_layers=sparse,
-            scoring="sigmoid",
-            score_bias=True,
+            scoring=scoring,
+            score_bias=scoring == "sigmoid",
             n_group=int(cfg.get("n_group") or 1),
             topk_group=int(cfg.get("topk_group") or 1),
             routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),

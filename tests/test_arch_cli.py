@@ -13,11 +13,7 @@ from cortiq_cli.main import app
 from tests import arch_tiny
 
 runner = CliRunner()
-FAMILIES = ["qwen2_moe", "qwen3_moe", "mixtral", "qwen3_next", "qwen3_5_text", "mimo_v2_flash"]
-
-
-def _commands() -> set[str]:
-    return {c.name for c in app.registered_commands}
+FAMILIES = ["qwen2_moe", "qwen3_moe", "mixtral", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "mimo_v2_flash"]
 
 
 def _run(args: list[str]) -> dict:
@@ -31,8 +27,9 @@ def test_convert_ppl_calibrate_generate(tmp_path, mt):
     model = arch_tiny.build(mt)
     src = arch_tiny.save(model, tmp_path / "hf")
     out = tmp_path / "m.cmf"
-    conv = _run(["convert", str(src), str(out), "--quant", "q8", "--json"])
-    assert conv["output"] == str(out) and conv["dtypes"]["q8"]["tensors"] > 0
+    # f32, so generate can be held to transformers' greedy tokens (q8 is tested per family).
+    conv = _run(["convert", str(src), str(out), "--quant", "f32", "--json"])
+    assert conv["output"] == str(out) and conv["dtypes"]["f32"]["tensors"] > 0
 
     ppl = _run(["ppl", str(out), "--ctx", "32", "--max-tokens", "48", "--json"])
     m = ppl["models"][0]
@@ -43,14 +40,17 @@ def test_convert_ppl_calibrate_generate(tmp_path, mt):
     cal = _run(["calibrate", str(out), "--ctx", "32", "--max-tokens", "64", "--json"])
     assert cal["tokens_scored"] == 64 and math.isfinite(cal["overall"]["nll"])
 
-    if "generate" not in _commands():
-        pytest.skip("cortiq generate is not built yet")
     args = ["generate", str(out), "Hello", "--max-tokens", "6", "--json"]
-    moe = mt in ("qwen2_moe", "qwen3_moe", "mixtral", "qwen3_next", "mimo_v2_flash")
+    moe = mt != "qwen3_5_text"
     gen = _run(args + (["--moe-stats"] if moe else []))
     assert len(gen["token_ids"]) == 6
     # Greedy by default: the same tokens transformers picks.
-    ids = list(b"Hello")
+    from cortiq_engine import Engine
+
+    with Engine.load(out, warmup=False) as eng:
+        ids = eng.tokenizer.encode("Hello")
+    assert gen["prompt_tokens"] == len(ids)
+    prompt_len = len(ids)
     for tok in gen["token_ids"]:
         nxt = int(np.argmax(arch_tiny.torch_logits(model, ids)[-1]))
         assert tok == nxt
@@ -58,5 +58,21 @@ def test_convert_ppl_calibrate_generate(tmp_path, mt):
     if moe:
         usage = gen["moe_stats"]["layers"]
         k = gen["moe_stats"]["top_k"]
-        forwarded = len(b"Hello") + 6 - 1  # the last token is never forwarded
+        forwarded = prompt_len + 6 - 1  # the last token is never forwarded
         assert usage and all(sum(row["counts"]) == forwarded * k for row in usage)
+
+
+def test_moe_stats_table_and_dense_model(tmp_path):
+    from rich.console import Console
+
+    from cortiq_cli.moe_stats import moe_stats_json, print_moe_stats
+    from formats.arch import ArchConfig, MoeConfig
+
+    arch = ArchConfig("x", 8, 2, 2, 2, 4, 16, 32, 64, moe=MoeConfig(num_experts=40, top_k=2, expert_intermediate_size=8))
+    stats = moe_stats_json({1: [0] * 38 + [3, 5]}, arch)
+    con = Console(record=True, width=120)
+    print_moe_stats(con, stats)
+    text = con.export_text()
+    assert "2/40" in text and "39×5 38×3" in text and "62.5%" in text  # experts used, busiest first, share
+    dense = ArchConfig("x", 8, 2, 2, 2, 4, 16, 32, 64)
+    assert moe_stats_json({}, dense) is None

@@ -50,8 +50,10 @@ def test_release_style_config_keys():
         sliding_window_size=128, swa_num_attention_heads=4, swa_num_key_value_heads=8, swa_head_dim=24,
         swa_v_head_dim=16, swa_rope_theta=10000, rope_theta=5000000, partial_rotary_factor=0.334,
         moe_layer_freq=[0, 1, 1], n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        layernorm_epsilon=1e-5, scoring_func="sigmoid", add_swa_attention_sink_bias=True,
     )
     arch = from_hf_config(cfg)
+    assert arch.norm_eps == 1e-5 and arch.moe.scoring == "sigmoid" and arch.sliding.sinks
     assert arch.layer_types == [LAYER_FULL, LAYER_SLIDING, LAYER_SLIDING]
     assert arch.sliding.window == 129 and arch.sliding.num_kv_heads == 8
     assert arch.moe.moe_layers == [1, 2]
@@ -174,3 +176,40 @@ def test_mtp_layer_with_wrong_geometry_is_refused(mimo, tmp_path):
     save_file(t, str(folder / "mtp.safetensors"))
     with pytest.raises(CortiqError, match="k_proj"):
         convert_checkpoint(folder, tmp_path / "bad.cmf", quant="f32")
+
+
+def test_q8_stays_close(mimo, tmp_path):
+    model, src, _ = mimo
+    out = tmp_path / "q8.cmf"
+    convert_checkpoint(src, out, quant="q8")
+    ids = arch_tiny.sample_ids(30)
+    with Engine.load(out) as eng:
+        err = arch_tiny.rel_err(eng.logits(ids), arch_tiny.torch_logits(model, ids))
+    assert 1e-5 < err < 0.05
+
+
+def test_speculative_with_the_mimo_sidecar_equals_greedy(mimo, tmp_path):
+    """The MiMo backbone with its three draft layers (sliding geometry, sinks) from the
+    sidecar decodes exactly the plain greedy tokens."""
+    from cortiq_engine.mtp import load_draft_stack, make_drafter
+    from cortiq_engine.speculative import generate_with_engine
+
+    _, src, _ = mimo
+    folder = tmp_path / "with_mtp"
+    folder.mkdir()
+    for name in ("model.safetensors", "tokenizer.json"):
+        (folder / name).write_bytes((src / name).read_bytes())
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["num_nextn_predict_layers"] = 3
+    (folder / "config.json").write_text(json.dumps(cfg))
+    save_file(_mtp_tensors(cfg, 3), str(folder / "mtp.safetensors"))
+    out = tmp_path / "m.cmf"
+    convert_checkpoint(folder, out, quant="q8")
+    with Engine.load(out) as eng:
+        stack = load_draft_stack(eng.cmf, eng.arch, eng.kernels)
+        assert stack is not None and stack.num_layers == 3 and stack.style == "mimo"
+        prompt = arch_tiny.sample_ids(12, seed=3)
+        plain = eng.generate(prompt, max_tokens=20, ignore_eos=True).token_ids
+        res = generate_with_engine(eng, prompt, make_drafter(eng.model, stack, eng.ctx), max_tokens=20, eos_ids=())
+    assert res.token_ids == plain
+    assert res.extra["mtp"]["rounds"] > 0 and res.expert_usage

@@ -227,3 +227,22 @@ def test_q8_conversion_stays_close(checkpoints, tmp_path):
     ids = arch_tiny.sample_ids(30)
     with Engine.load(out) as eng:
         assert arch_tiny.rel_err(eng.logits(ids), arch_tiny.torch_logits(model, ids)) < 0.05
+
+
+def test_sanitize_names():
+    from formats.sanitize import rename, split_fused_experts
+
+    assert rename("model.layers.3.block_sparse_moe.experts.7.w1.weight") == "model.layers.3.mlp.experts.7.gate_proj.weight"
+    assert rename("model.layers.3.block_sparse_moe.experts.7.w3.weight") == "model.layers.3.mlp.experts.7.up_proj.weight"
+    assert rename("model.layers.3.block_sparse_moe.experts.7.w2.weight") == "model.layers.3.mlp.experts.7.down_proj.weight"
+    assert rename("model.layers.3.block_sparse_moe.gate.weight") == "model.layers.3.mlp.gate.weight"
+    assert rename("model.language_model.layers.0.linear_attn.A_log") == "model.layers.0.linear_attn.A_log"
+    assert rename("model.layers.1.self_attn.attention_sink_bias") == "model.layers.1.self_attn.sinks"
+    assert rename("model.visual.blocks.0.norm1.weight") is None
+    assert rename("mtp.layers.0.mlp.gate.weight") == "mtp.layers.0.mlp.gate.weight"  # MTP names are mtp_names' job
+    parts = split_fused_experts("model.language_model.layers.2.mlp.experts.gate_up_proj", (3, 8, 5))
+    assert parts["model.layers.2.mlp.experts.1.up_proj.weight"].r0 == 12
+    assert parts["model.layers.2.mlp.experts.1.up_proj.weight"].shape == (4, 5)
+    down = split_fused_experts("model.layers.2.mlp.experts.down_proj.weight", (3, 5, 4))
+    assert down["model.layers.2.mlp.experts.2.down_proj.weight"].r0 == 10 and len(down) == 3
+    assert split_fused_experts("model.layers.2.mlp.experts.0.down_proj.weight", (5, 4)) == {}

@@ -250,3 +250,28 @@ def test_speculative_rollback_keeps_greedy_exact(checkpoints, mt, accept):
     assert res.token_ids == plain
     mtp = res.extra["mtp"]
     assert mtp["accepted"] > 0 if accept else mtp["accepted"] == 0
+
+
+@pytest.mark.parametrize("quant, tol", [("q8", 0.05), ("q4", 0.25)])
+def test_quantized_stays_close(checkpoints, tmp_path, quant, tol):
+    model, src, _ = checkpoints["qwen3_next"]
+    out = tmp_path / f"{quant}.cmf"
+    convert_checkpoint(src, out, quant=quant)
+    with CmfFile(out) as f:
+        assert f.info("model.layers.0.linear_attn.conv1d.weight").dtype == "f32"
+        assert f.info("model.layers.0.linear_attn.in_proj_qkvz.weight").dtype == quant
+    ids = arch_tiny.sample_ids(30)
+    with Engine.load(out) as eng:
+        err = arch_tiny.rel_err(eng.logits(ids), arch_tiny.torch_logits(model, ids))
+    assert 1e-5 < err < tol  # quantized, so not exact; but close
+
+
+def test_generation_with_eviction_keeps_going(checkpoints):
+    """--evict: attention rows are dropped, the recurrent state is kept; lengths stay in step."""
+    _, _, cmf = checkpoints["qwen3_next"]
+    with Engine.load(cmf, ctx=16) as eng:
+        res = eng.generate(arch_tiny.sample_ids(6), max_tokens=30, evict=True, ignore_eos=True)
+        short = eng.generate(arch_tiny.sample_ids(6), max_tokens=30, ignore_eos=True)
+    assert len(res.token_ids) == 30 and res.evictions >= 2
+    assert short.finish_reason == "length" and len(short.token_ids) < 30
+    assert res.token_ids[: len(short.token_ids)] == short.token_ids  # identical until the first eviction

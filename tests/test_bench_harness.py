@@ -79,6 +79,16 @@ def test_prompts_are_real_text_of_the_asked_length(tmp_path):
     assert "lighthouse keeper" in tok.decode(decode)
 
 
+def test_peak_rss_is_the_workers_own_not_its_parents():
+    """Linux carries ru_maxrss over fork/exec; a big parent must not inflate a worker's peak."""
+    import subprocess
+
+    ballast = b"\x01" * (300 * MIB)  # written, so the parent's RSS really grows
+    code = f"import sys; sys.path.insert(0, {str(REPO / 'benchmarks')!r}); import bench_worker; print(bench_worker.rss_peak())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert len(ballast) and int(out.stdout) < 150 * MIB
+
+
 def _tiny_job(folder, **kw):
     base = dict(backend="transformers", model=str(folder), threads=2, prefill_ids=list(range(3, 40)),
                 decode_prompt_ids=[7, 8, 9, 10], decode_tokens=12, warmup=1, reps=2)

@@ -157,6 +157,7 @@ def test_plot_without_matplotlib(tiny, tmp_path, monkeypatch):
         (["{model}", "--text", "{one}"], "scoring needs at least 2"),
         (["{model}", "--text", "{csv}", "--column", "nope"], "no column 'nope' (available: text, n)"),
         (["{model}", "--fit-fraction", "1.5"], "--fit-fraction"),
+        (["{model}", "--plot", "/nonexistent/dir/x.png"], "does not exist"),
         (["{model}", "--t-min", "2", "--t-max", "3"], "temperature range"),
         (["{model}", "--max-tokens", "1"], "at least 2"),
         (["{model}", "--max-tokens", "50", "--write"], "edge of the grid"),

@@ -106,7 +106,8 @@ def test_iter_logits_blocks_cover_every_row(tiny_models):
         seen.append(start)
         np.testing.assert_allclose(block, ref[start : start + block.shape[0]], rtol=0, atol=1e-5 * np.abs(ref).max())
     assert seen == sorted(seen) and seen[0] == 0
-    assert sum(b for b in [min(5, 16 - (s % 16)) for s in seen]) >= 45
+    rows = np.concatenate([b for _, b in eng.iter_logits(ids, chunk=16, sub=5)])
+    assert rows.shape == ref.shape
 
 
 def test_truncate_rolls_back_a_draft(tiny_models):
@@ -140,6 +141,8 @@ def test_quantized_fast_equals_reference(tmp_path, quant):
     for k in ("numba", "numpy"):
         eng = Engine.load(cmf, kernels=k)
         st = eng.new_state(64)
-        h = np.concatenate([forward(st, ids[:36])] + [forward(st, ids[i : i + 1]) for i in range(36, 40)])
+        # n = 30 (dequantized tiles + BLAS), n = 3 (small-batch kernel), n = 1 (decode)
+        h = np.concatenate([forward(st, ids[:30]), forward(st, ids[30:33]), forward(st, ids[33:36])]
+                           + [forward(st, ids[i : i + 1]) for i in range(36, 40)])
         out[k] = eng.model.lm_head(eng.model.final_norm(h))
     assert _rel(out["numba"], out["numpy"]) <= 1e-5

@@ -21,11 +21,12 @@ from tests.mtp_tiny import save_tiny_mtp
 def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("mtp_layers")
     out = {}
-    for family, n in (("deepseek", 1), ("mimo", 3), ("qwen3_next", 1)):
-        src = save_tiny_mtp(family, root / family, n_layers=n)
-        path = root / f"{family}.cmf"
+    for name, family, n, trunk in (("deepseek", "deepseek", 1, None), ("mimo", "mimo", 3, None),
+                                   ("qwen3_next", "qwen3_next", 1, None), ("deepseek_qwen2", "deepseek", 2, "qwen2")):
+        src = save_tiny_mtp(family, root / name, n_layers=n, trunk=trunk)
+        path = root / f"{name}.cmf"
         convert_checkpoint(src, path, quant="f32")
-        out[family] = (src, path)
+        out[name] = (src, path)
     return root, out
 
 
@@ -56,6 +57,10 @@ def reference_draft_rows(cmf: CmfFile, k: int, arch, embed, toks, hidden):
     q = (x @ T("self_attn.q_proj.weight").T).reshape(n, nh, hd)
     kk = (x @ T("self_attn.k_proj.weight").T).reshape(n, nkv, hd)
     v = (x @ T("self_attn.v_proj.weight").T).reshape(n, nkv, hd)
+    if p + "self_attn.q_proj.bias" in cmf:  # Qwen2
+        q = q + T("self_attn.q_proj.bias").reshape(nh, hd)
+        kk = kk + T("self_attn.k_proj.bias").reshape(nkv, hd)
+        v = v + T("self_attn.v_proj.bias").reshape(nkv, hd)
     if p + "self_attn.q_norm.weight" in cmf:
         q, kk = _rms(q, T("self_attn.q_norm.weight")), _rms(kk, T("self_attn.k_norm.weight"))
     pos = np.arange(n, dtype=np.float64)
@@ -77,7 +82,7 @@ def reference_draft_rows(cmf: CmfFile, k: int, arch, embed, toks, hidden):
     return u + (g_ / (1 + np.exp(-g_)) * up) @ T("mlp.down_proj.weight").T
 
 
-@pytest.mark.parametrize("family", ["deepseek", "mimo", "qwen3_next"])
+@pytest.mark.parametrize("family", ["deepseek", "mimo", "qwen3_next", "deepseek_qwen2"])
 def test_teacher_forced_drafts_match_from_scratch_reference(tiny, family):
     _, models = tiny
     eng = Engine.load(models[family][1], threads=1)
@@ -192,3 +197,63 @@ def test_sidecar_layer_count_mismatch(tiny, tmp_path):
     eng = Engine.load(main, threads=1)
     with pytest.raises(CortiqError, match="MTP layer count 2 in its header, 3"):
         load_draft_stack(eng.cmf, eng.arch, eng.kernels)
+
+
+def test_qwen3_next_draft_against_transformers_decoder_layer(tmp_path):
+    """The Qwen3-Next draft block (gated attention, q/k norm, partial rotary, (1 + w) norms,
+    MoE with a gated shared expert) against transformers' own ``Qwen3NextDecoderLayer``
+    loaded with the draft weights; the backbone hidden rows come from the engine."""
+    torch = pytest.importorskip("torch")
+    from safetensors.numpy import load_file
+    from transformers import AutoConfig
+    from transformers.models.qwen3_next import modeling_qwen3_next as qn
+
+    src = save_tiny_mtp("qwen3_next", tmp_path / "src", n_layers=1, trunk="qwen3_next")
+    path = tmp_path / "q.cmf"
+    convert_checkpoint(src, path, quant="f32")
+    eng = Engine.load(path, threads=1)
+    stack = load_draft_stack(eng.cmf, eng.arch, eng.kernels)
+    ids = [int(i) for i in np.random.default_rng(4).integers(0, 256, size=24)]
+    hidden = forward(eng.new_state(), ids)
+    d = make_drafter(eng.model, stack, eng.ctx, depth=1)
+    d.note(0, hidden)
+    got = [d.draft(t, ids, 1)[0] for t in range(len(ids) - 2)]
+
+    cfg = AutoConfig.from_pretrained(src)
+    cfg._attn_implementation = "eager"
+    full = cfg.layer_types.index("full_attention")
+    w = {k: torch.from_numpy(v) for k, v in load_file(str(src / "mtp.safetensors")).items()}
+    layer = qn.Qwen3NextDecoderLayer(cfg, full).eval()
+    sd = {k[len("mtp.layers.0."):]: v for k, v in w.items() if k.startswith("mtp.layers.0.")}
+    # The module keeps its experts fused; the checkpoint names them one by one.
+    E = cfg.num_experts
+    ex = lambda e, x: sd.pop(f"mlp.experts.{e}.{x}_proj.weight")  # noqa: E731
+    gate_up = [torch.cat([ex(e, "gate"), ex(e, "up")]) for e in range(E)]
+    sd["mlp.experts.gate_up_proj"] = torch.stack(gate_up)
+    sd["mlp.experts.down_proj"] = torch.stack([ex(e, "down") for e in range(E)])
+    layer.load_state_dict(sd)
+    norms = {}
+    for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        norms[n] = qn.Qwen3NextRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        norms[n].load_state_dict({"weight": w[f"mtp.{n}.weight"]})
+    trunk = load_file(str(src / "model.safetensors"))
+    embed = torch.from_numpy(trunk["model.embed_tokens.weight"])
+    head = torch.from_numpy(trunk.get("lm_head.weight", trunk["model.embed_tokens.weight"]))
+    n = len(ids) - 1
+    with torch.no_grad():
+        e = embed[torch.tensor(ids[1:])][None]
+        h = torch.from_numpy(hidden[:n])[None]
+        u = torch.cat([norms["pre_fc_norm_embedding"](e), norms["pre_fc_norm_hidden"](h)], -1) @ w["mtp.fc.weight"].T
+        pos = torch.arange(n)[None]
+        pe = qn.Qwen3NextRotaryEmbedding(cfg)(u, pos)
+        mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
+        out = layer(u, position_embeddings=pe, attention_mask=mask, position_ids=pos)
+        out = out[0] if isinstance(out, tuple) else out
+        logits = (norms["norm"](out) @ head.T)[0].numpy()
+    top2 = np.sort(logits, 1)[:, -2:]
+    clear = (top2[:, 1] - top2[:, 0]) > 1e-3
+    want = logits.argmax(1)
+    assert clear[: len(got)].sum() > len(got) // 2
+    for t in range(len(got)):
+        if clear[t]:
+            assert got[t] == want[t], t

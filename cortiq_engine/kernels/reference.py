@@ -54,7 +54,11 @@ class NumpyKernels:
     def silu_mul(self, gu: np.ndarray) -> np.ndarray:
         k = gu.shape[1] // 2
         g, u = gu[:, :k], gu[:, k:]
-        return (g / (np.float32(1.0) + np.exp(-g)) * u).astype(np.float32)
+        den = np.exp(-g)
+        den += np.float32(1.0)
+        out = g / den
+        out *= u
+        return out
 
     def rope(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> None:
         """In place on x [n, heads, d]: rotate dims 0..2*half (HF rotate_half layout)."""
@@ -82,15 +86,17 @@ class NumpyKernels:
         masked = cols > rows
         if window > 0:
             masked |= cols <= rows - window
+        bias = np.where(masked, np.float32(-np.inf), np.float32(0.0)).astype(np.float32)  # [n, L]
         out = np.empty((n, heads, vc.shape[2]), np.float32)
         for g in range(kvh):
             qg = q[:, g * group : (g + 1) * group, :].transpose(1, 0, 2)  # [group, n, d]
-            s = np.matmul(qg, kc[g, :L].T) * np.float32(scale)  # [group, n, L]
-            s[:, masked] = -np.inf
+            s = np.matmul(qg, kc[g, :L].T)  # [group, n, L]
+            s *= np.float32(scale)
+            s += bias
             s -= s.max(axis=-1, keepdims=True)
-            p = np.exp(s)
-            p /= p.sum(axis=-1, keepdims=True)
-            out[:, g * group : (g + 1) * group, :] = np.matmul(p, vc[g, :L]).transpose(1, 0, 2)
+            np.exp(s, out=s)
+            s /= s.sum(axis=-1, keepdims=True)
+            out[:, g * group : (g + 1) * group, :] = np.matmul(s, vc[g, :L]).transpose(1, 0, 2)
         return out
 
     def warmup(self, ws: Sequence[Weight]) -> None:

@@ -26,7 +26,7 @@ def _check(cmf: CmfFile, arch: ArchConfig) -> None:
         raise CortiqError(f"{cmf.path}: gated/sink/split-geometry attention is not supported by the engine yet")
 
 
-def _attention_weights(cmf: CmfFile, p: str, arch: ArchConfig) -> AttentionWeights:
+def attention_weights(cmf: CmfFile, p: str, arch: ArchConfig) -> AttentionWeights:
     q, k, v, o = (load_weight(cmf, f"{p}self_attn.{x}_proj.weight") for x in "qkvo")
     biases = [f"{p}self_attn.{x}_proj.bias" for x in "qkv"]
     qkv_bias = None
@@ -56,7 +56,7 @@ def build(cmf: CmfFile, arch: ArchConfig, kernels) -> Model:
                 raise CortiqError(f"{cmf.path}: MLP biases are not supported by the engine yet")
         attn = Attention(
             kernels,
-            _attention_weights(cmf, p, arch),
+            attention_weights(cmf, p, arch),
             num_heads=arch.num_heads,
             num_kv_heads=arch.num_kv_heads,
             head_dim=arch.head_dim,

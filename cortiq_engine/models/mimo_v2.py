@@ -15,7 +15,7 @@ from formats.cmf import CmfFile
 from formats.errors import CortiqError
 from cortiq_engine.layers import RoPE
 from cortiq_engine.model import Model
-from cortiq_engine.models.llama import _attention_weights
+from cortiq_engine.models.llama import attention_weights
 from cortiq_engine.models.moe_family import ffn_block, head_and_norm
 from cortiq_engine.sink_attention import SinkAttention
 from cortiq_engine.weights import load_vector
@@ -36,7 +36,7 @@ def attention(cmf: CmfFile, arch: ArchConfig, kernels, p: str, kind: str, rope: 
         has_sinks = arch.attention_sinks
     return SinkAttention(
         kernels,
-        _attention_weights(cmf, p, arch),
+        attention_weights(cmf, p, arch),
         num_heads=nh,
         num_kv_heads=nkv,
         head_dim=hd,

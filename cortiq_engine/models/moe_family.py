@@ -11,7 +11,7 @@ from formats.cmf import CmfFile
 from formats.errors import CortiqError
 from cortiq_engine.layers import Attention, Block, GatedMLP, RMSNorm, RoPE
 from cortiq_engine.model import Model
-from cortiq_engine.models.llama import _attention_weights
+from cortiq_engine.models.llama import attention_weights
 from cortiq_engine.moe import MoE, MoeBlock
 from cortiq_engine.weights import load_vector, load_weight
 
@@ -24,6 +24,8 @@ def gated_mlp(cmf: CmfFile, kernels, p: str) -> GatedMLP:
 def load_moe(cmf: CmfFile, arch: ArchConfig, kernels, p: str) -> MoE:
     """The routed-experts FFN of the layer whose prefix is ``p`` (``model.layers.{i}.``)."""
     m = arch.moe
+    if m.scoring not in ("softmax", "sigmoid"):
+        raise CortiqError(f"{cmf.path}: MoE scoring {m.scoring!r} is not supported (supported: softmax, sigmoid)")
     experts = [gated_mlp(cmf, kernels, f"{p}mlp.experts.{e}.") for e in range(m.num_experts)]
     shared = gated_mlp(cmf, kernels, f"{p}mlp.shared_expert.") if m.shared_expert_intermediate_size else None
     shared_gate = load_weight(cmf, f"{p}mlp.shared_expert_gate.weight") if m.shared_expert_gate else None
@@ -61,7 +63,7 @@ def build(cmf: CmfFile, arch: ArchConfig, kernels) -> Model:
     for i, kind in enumerate(arch.layer_types):
         attn = Attention(
             kernels,
-            _attention_weights(cmf, f"model.layers.{i}.", arch),
+            attention_weights(cmf, f"model.layers.{i}.", arch),
             num_heads=arch.num_heads,
             num_kv_heads=arch.num_kv_heads,
             head_dim=arch.head_dim,

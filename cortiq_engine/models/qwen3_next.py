@@ -19,7 +19,7 @@ from cortiq_engine.cache import KVCache
 from cortiq_engine.gated_deltanet import GatedDeltaNet, LinearAttnWeights
 from cortiq_engine.layers import Attention, RoPE, Step
 from cortiq_engine.model import Model
-from cortiq_engine.models.llama import _attention_weights
+from cortiq_engine.models.llama import attention_weights
 from cortiq_engine.models.moe_family import ffn_block, head_and_norm
 from cortiq_engine.weights import load_vector, load_weight
 
@@ -85,7 +85,7 @@ def build(cmf: CmfFile, arch: ArchConfig, kernels) -> Model:
             cls = GatedAttention if arch.attn_output_gate else Attention
             mixer = cls(
                 kernels,
-                _attention_weights(cmf, p, arch),
+                attention_weights(cmf, p, arch),
                 num_heads=arch.num_heads,
                 num_kv_heads=arch.num_kv_heads,
                 head_dim=arch.head_dim,

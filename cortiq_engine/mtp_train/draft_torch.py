@@ -136,16 +136,19 @@ class DraftLayer(nn.Module):
         u = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(hid)], -1))
         return self.final_layernorm(self.block(u, cos, sin))
 
-    def tensors(self) -> dict[str, np.ndarray]:
-        """f32 arrays under their sidecar names (relative to ``model.mtp.layers.{k}.``)."""
-        out = {
+    def named_arrays(self) -> dict[str, torch.Tensor]:
+        """The trainable tensors under their sidecar names (relative to ``model.mtp.layers.{k}.``)."""
+        return {
             "enorm.weight": self.enorm.weight,
             "hnorm.weight": self.hnorm.weight,
             "eh_proj.weight": self.eh_proj.weight,
             "final_layernorm.weight": self.final_layernorm.weight,
             **self.block.named_arrays(),
         }
-        arrays = {n: t.detach().cpu().numpy().astype(np.float32, copy=True) for n, t in out.items()}
+
+    def tensors(self) -> dict[str, np.ndarray]:
+        """f32 copies for the sidecar (norms in the backbone's stored convention)."""
+        arrays = {n: t.detach().cpu().numpy().astype(np.float32, copy=True) for n, t in self.named_arrays().items()}
         if self.norm_offset:
             for n, a in arrays.items():
                 if n.endswith("norm.weight"):
@@ -172,13 +175,11 @@ def _resize_mlp(block: dict[str, np.ndarray], inter: int, seed: int) -> tuple[np
 class DraftStack(nn.Module):
     """K independent layers (MiMo form): layer k drafts depth k+1 from the backbone hidden."""
 
-    def __init__(self, layers: list[DraftLayer], inv_freq: np.ndarray, max_len: int):
+    def __init__(self, layers: list[DraftLayer], cos: torch.Tensor, sin: torch.Tensor):
         super().__init__()
         self.layers = nn.ModuleList(layers)
-        pos = torch.arange(max_len, dtype=torch.float32)[:, None]
-        ang = pos * torch.tensor(inv_freq, dtype=torch.float32)[None, :]
-        self.register_buffer("cos", torch.cos(ang), persistent=False)
-        self.register_buffer("sin", torch.sin(ang), persistent=False)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
     def layer_out(self, k: int, emb: torch.Tensor, hid: torch.Tensor) -> torch.Tensor:
         return self.layers[k](emb, hid, self.cos, self.sin)
@@ -191,16 +192,12 @@ class DraftStack(nn.Module):
 
 
 def build_stack(backbone, k: int, inter: int | None, init_layer: int, hnorm_scale: float, seq: int, seed: int) -> DraftStack:
-    from cortiq_engine.layers import RoPE
-
     arch = backbone.arch
-    li = init_layer % arch.num_layers
-    block = backbone.block_f32(li)
+    block = backbone.block_f32(init_layer % arch.num_layers)
     width = inter or block["mlp.gate_proj.weight"].shape[0]
     final = backbone.final_norm_weight()
     layers = [DraftLayer(arch, block, width, hnorm_scale, final, seed + i) for i in range(k)]
-    rope = RoPE(arch.rotary_dim, arch.rope_theta, arch.rope_scaling)
-    return DraftStack(layers, rope.inv_freq, seq)
+    return DraftStack(layers, *rope_tables(arch, seq))
 
 
 def rope_tables(arch: ArchConfig, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:

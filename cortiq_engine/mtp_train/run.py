@@ -7,8 +7,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
-
 from formats.errors import CortiqError
 from formats.sidecar import sidecar_path
 from cortiq_engine.mtp_train.acceptance import Acceptance, acceptance

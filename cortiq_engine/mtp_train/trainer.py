@@ -183,10 +183,10 @@ class Trainer:
         t0 = time.perf_counter()
         while self.step < self.cfg.steps:
             loss, agree = self.train_step()
-            if on_step:
-                on_step(self.step, self.cfg.steps, loss, agree)
             if ckpt is not None and self.cfg.checkpoint_every and self.step % self.cfg.checkpoint_every == 0:
                 self.save(ckpt)
+            if on_step:
+                on_step(self.step, self.cfg.steps, loss, agree)
         if ckpt is not None and self.cfg.checkpoint_every and self.step > start:
             self.save(ckpt)
         return TrainResult(self.stack, self.step, start, list(self.losses), time.perf_counter() - t0, self.hnorm_scale)

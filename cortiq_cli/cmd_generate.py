@@ -1,0 +1,145 @@
+"""``cortiq generate MODEL.cmf PROMPT``: stream a continuation to the terminal.
+
+Greedy decoding is the default (``--temperature 0``) so the same command gives the
+same text every time; any temperature > 0 samples (seeded by ``--seed``). The text
+streams to stdout as it is produced; the closing statistics line goes to stderr, so
+``cortiq generate ... > out.txt`` keeps only the text. ``--json`` prints one JSON
+object instead (text, per-token id/text/confidence, timings, finish reason).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from cortiq_cli import mtp_options as mtp_opt
+from cortiq_cli.common import err_console, handle_errors, print_json
+from cortiq_cli.moe_stats import moe_stats_json, print_moe_stats
+from formats.errors import CortiqError
+
+SAMPLING = "Sampling"
+CONTEXT = "Context"
+
+
+@handle_errors
+def generate(
+    model: Annotated[Path, typer.Argument(help="Model file (.cmf).", show_default=False)],
+    prompt: Annotated[str, typer.Argument(help="Prompt text; '-' reads it from stdin.", show_default=False)],
+    max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", min=1, help="Generate at most this many tokens.")] = 256,
+    temperature: Annotated[
+        float, typer.Option("--temperature", "--temp", min=0.0, help="0 = greedy (the default, reproducible); > 0 samples.", rich_help_panel=SAMPLING)
+    ] = 0.0,
+    top_k: Annotated[int, typer.Option("--top-k", min=0, help="Keep the k most likely tokens (0 = off).", rich_help_panel=SAMPLING)] = 0,
+    top_p: Annotated[float, typer.Option("--top-p", help="Nucleus: keep the smallest set with this mass (1 = off).", rich_help_panel=SAMPLING)] = 1.0,
+    min_p: Annotated[float, typer.Option("--min-p", help="Drop tokens below min_p x the top probability (0 = off).", rich_help_panel=SAMPLING)] = 0.0,
+    repetition_penalty: Annotated[
+        float,
+        typer.Option("--repetition-penalty", "--repeat-penalty", help="Divide positive / multiply negative logits of seen tokens (1 = off).", rich_help_panel=SAMPLING),
+    ] = 1.0,
+    seed: Annotated[Optional[int], typer.Option("--seed", help="Sampling seed: same seed, same output.", rich_help_panel=SAMPLING)] = None,
+    stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop when this string appears (repeatable); it is not printed.")] = None,
+    chat: Annotated[bool, typer.Option("--chat", help="Wrap the prompt in the model's chat template as a user message.")] = False,
+    system: Annotated[Optional[str], typer.Option("--system", help="System message (implies --chat).")] = None,
+    ctx: Annotated[
+        Optional[int], typer.Option("--ctx", min=1, help="Context length (default: min(max_position_embeddings, 4096)).", rich_help_panel=CONTEXT)
+    ] = None,
+    evict: Annotated[
+        bool,
+        typer.Option("--evict", help="When the context is full, drop its oldest half and go on (positions keep increasing) instead of stopping.", rich_help_panel=CONTEXT),
+    ] = False,
+    ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Do not stop at end-of-sequence tokens (benchmarks).")] = False,
+    threads: Annotated[Optional[int], typer.Option("--threads", min=1, help="Compute threads (default: all cores).")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of streaming text.")] = False,
+    moe_stats: Annotated[
+        bool, typer.Option("--moe-stats", help="MoE models: show how often each expert of each layer was chosen (and in --json).")
+    ] = False,
+    mtp: mtp_opt.MtpPath = None,
+    no_mtp: mtp_opt.NoMtp = False,
+    mtp_depth: mtp_opt.MtpDepth = None,
+    mtp_chain: mtp_opt.MtpChain = None,
+    mtp_hidden: mtp_opt.MtpHidden = "pre",
+    mtp_compare: mtp_opt.MtpCompare = False,
+) -> None:
+    """Generate text from a prompt with a CMF model (greedy by default)."""
+    from cortiq_engine import Engine, SamplingConfig
+
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    if not prompt:
+        raise CortiqError("empty prompt: nothing to generate from")
+    config = SamplingConfig(
+        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty, seed=seed
+    )
+    if json_out:
+        eng = Engine.load(model, threads=threads, ctx=ctx)
+    else:
+        with err_console.status(f"loading {model.name}", spinner="dots"):
+            eng = Engine.load(model, threads=threads, ctx=ctx)
+    tok = eng.tokenizer
+    if chat or system is not None:
+        messages = ([{"role": "system", "content": system}] if system is not None else []) + [{"role": "user", "content": prompt}]
+        ids = tok.encode(tok.apply_chat_template(messages), add_bos=False)
+    else:
+        ids = tok.encode(prompt)
+    if not ids:
+        raise CortiqError("empty prompt: it encodes to no tokens")
+
+    def stream(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    # MTP draft layers (sidecar beside the model, inline, or --mtp): exact speculative greedy decoding.
+    spec, mtp_note = mtp_opt.resolve(
+        eng, mtp=mtp, no_mtp=no_mtp, depth=mtp_depth, chain=mtp_chain, hidden=mtp_hidden, greedy=config.greedy, evict=evict
+    )
+    if spec is not None:
+        res = mtp_opt.generate(
+            eng, ids, spec, config, max_tokens=max_tokens, stop=stop or [], compare=mtp_compare,
+            ignore_eos=ignore_eos, on_text=None if json_out else stream,
+        )
+    else:
+        res = eng.generate(
+            ids, config, max_tokens=max_tokens, stop=stop or [], on_text=None if json_out else stream, evict=evict, ignore_eos=ignore_eos
+        )
+    if json_out:
+        print_json(
+            {
+                "model": str(model),
+                "prompt": prompt,
+                "chat": bool(chat or system is not None),
+                "ctx": eng.ctx,
+                "threads": eng.threads,
+                "calibration_temperature": eng.calibration_temperature,
+                "sampling": {
+                    "temperature": temperature,
+                    "top_k": top_k,
+                    "top_p": top_p,
+                    "min_p": min_p,
+                    "repetition_penalty": repetition_penalty,
+                    "seed": seed,
+                },
+                **res.to_json(),
+                **({"mtp_note": mtp_note} if mtp_note else {}),
+                **({"moe_stats": moe_stats_json(res.expert_usage, eng.arch)} if moe_stats else {}),
+            }
+        )
+        return
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    mean_conf = sum(t.confidence for t in res.tokens) / max(len(res.tokens), 1)
+    calib = f" (calibrated, T={eng.calibration_temperature:.3g})" if eng.calibration_temperature else ""
+    err_console.print(
+        f"[dim]prompt[/] {res.prompt_tokens} tok · [dim]prefill[/] {res.prefill_tok_s:.1f} tok/s · "
+        f"[dim]decode[/] {len(res.token_ids)} tok, {res.decode_tok_s:.1f} tok/s · "
+        f"[dim]mean confidence[/] {mean_conf:.2f}{calib} · [dim]finish[/] [bold]{res.finish_reason}[/]",
+        highlight=False,
+    )
+    if moe_stats:
+        print_moe_stats(err_console, moe_stats_json(res.expert_usage, eng.arch))
+    if spec is not None:
+        mtp_opt.render(err_console, res.extra["mtp"])
+    elif mtp_note:
+        err_console.print(f"[dim]{mtp_note}[/]", highlight=False)
