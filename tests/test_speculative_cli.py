@@ -34,7 +34,7 @@ def _gen(*args):
 
 def test_sidecar_is_picked_up_and_exact(pair):
     _, path = pair
-    r = _gen(path, "Hello there", "-n", "20", "--json")
+    r = _gen(path, "Hello there", "-n", "20", "--json", "--mtp-compare")
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
     m = doc["mtp"]
@@ -45,14 +45,14 @@ def test_sidecar_is_picked_up_and_exact(pair):
     plain = json.loads(_gen(path, "Hello there", "-n", "20", "--json", "--no-mtp").stdout)
     assert "mtp" not in plain and plain["token_ids"] == doc["token_ids"]
     r = _gen(path, "Hello there", "-n", "12", "--json", "--mtp-depth", "2", "--mtp-chain", "recursive",
-             "--mtp-hidden", "post", "--no-mtp-compare")
+             "--mtp-hidden", "post")  # no --mtp-compare: no second, plain run
     m = json.loads(r.stdout)["mtp"]
     assert (m["depth"], m["chain"], m["hidden"]) == (2, "recursive", "post") and "speedup" not in m
 
 
 def test_closing_table(pair):
     _, path = pair
-    r = _gen(path, "Hi", "-n", "6")
+    r = _gen(path, "Hi", "-n", "6", "--mtp-compare")
     assert r.exit_code == 0, r.output
     for words in ("speculative decoding", "tokens / round", "acceptance per depth", "vs plain decoding", "same tokens"):
         assert words in r.output
