@@ -48,6 +48,44 @@ def bf16_to_f32(typingctx, bits):
     return sig, codegen
 
 
+@intrinsic
+def prefetch(typingctx, arr, index):
+    """Hint the CPU to fetch the cache line holding element ``index`` (flat) of ``arr``."""
+    sig = types.void(arr, index)
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        i8p = ir.IntType(8).as_pointer()
+        i32 = ir.IntType(32)
+        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+        try:
+            fn = builder.module.get_global("llvm.prefetch.p0i8")
+        except KeyError:
+            fn = ir.Function(builder.module, fnty, name="llvm.prefetch.p0i8")
+        ptr = builder.bitcast(builder.gep(data, [args[1]]), i8p)
+        # read, high temporal locality, data cache
+        builder.call(fn, [ptr, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+# Rows ahead of the one being multiplied whose cache lines are requested up front.
+# Decode streams the weights from DRAM; the CPU's own prefetcher stops at every 4 KB
+# page and fetches a row's lines one after another, so asking for a whole row a few
+# rows early keeps many misses in flight: the q8 matvec went from 9.6 to 20-25 GB/s
+# on 2 threads (streaming 115 MB, 8 rows ahead).
+PREFETCH_ROWS = 8
+
+
+@njit(inline="always")
+def prefetch_row(a, r):
+    if r < a.shape[0]:
+        base = r * a.shape[1]
+        for c in range(0, a.shape[1], 64 // a.itemsize):
+            prefetch(a, base + c)
+
+
 # ------------------------------------------------------------ small-batch matmul
 # out[i, offs[m] + r] = sum_c W_m[r, c] * X[i, c] for the first ``count`` matrices of
 # the tuples: fused projections (q|k|v, gate|up) in one call. Callers always pass
@@ -66,6 +104,7 @@ def q8_matmul_small(ds, qss, count, offs, X, out):
         q = qss[m]
         base = offs[m]
         for r in prange(q.shape[0]):
+            prefetch_row(q, r + PREFETCH_ROWS)
             for i in range(n):
                 acc = np.zeros(QB, np.float32)
                 for b in range(nb):
@@ -88,6 +127,7 @@ def q4_matmul_small(ds, mins, qss, count, offs, X, xsum, out):
         q = qss[m]
         base = offs[m]
         for r in prange(q.shape[0]):
+            prefetch_row(q, r + PREFETCH_ROWS)
             for i in range(n):
                 acc = np.zeros(QB, np.float32)
                 macc = np.float32(0.0)
@@ -112,6 +152,7 @@ def half_matmul_small(ws, bf16, count, offs, X, out):
         W = ws[m]
         base = offs[m]
         for r in prange(W.shape[0]):
+            prefetch_row(W, r + PREFETCH_ROWS)
             for i in range(n):
                 acc = np.zeros(QB, np.float32)
                 if bf16:
@@ -139,6 +180,7 @@ def f32_matmul_small(ws, count, offs, X, out):
         W = ws[m]
         base = offs[m]
         for r in prange(W.shape[0]):
+            prefetch_row(W, r + PREFETCH_ROWS)
             for i in range(n):
                 acc = np.zeros(QB, np.float32)
                 for o in range(0, full, QB):

@@ -15,6 +15,10 @@ from cortiq_engine.weights import Weight
 
 # Rows of a weight dequantized at once: bounds the scratch tile (~4 MB of f32).
 TILE_ELEMS = 1 << 20
+# f32 elements an elementwise pass works on at once (256 KB: stays in L2).
+BLOCK_ELEMS = 1 << 16
+# Query rows per attention block: [group, block, keys] scores stay in cache.
+ATTN_BLOCK = 128
 
 
 def tile_rows(w: Weight) -> int:
@@ -52,12 +56,17 @@ class NumpyKernels:
         return self.rms_norm(x, w, eps)
 
     def silu_mul(self, gu: np.ndarray) -> np.ndarray:
-        k = gu.shape[1] // 2
-        g, u = gu[:, :k], gu[:, k:]
-        den = np.exp(-g)
-        den += np.float32(1.0)
-        out = g / den
-        out *= u
+        """silu(gate) * up for gu = [gate | up]; in row blocks that stay in cache."""
+        n, k = gu.shape[0], gu.shape[1] // 2
+        out = np.empty((n, k), np.float32)
+        step = max(1, BLOCK_ELEMS // max(k, 1))
+        for r0 in range(0, n, step):
+            g, u, o = gu[r0 : r0 + step, :k], gu[r0 : r0 + step, k:], out[r0 : r0 + step]
+            np.negative(g, out=o)
+            np.exp(o, out=o)
+            o += np.float32(1.0)
+            np.divide(g, o, out=o)
+            o *= u
         return out
 
     def rope(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> None:
@@ -76,27 +85,33 @@ class NumpyKernels:
 
         q [n, heads, d]; kc [kv_heads, cap, d]; vc [kv_heads, cap, dv] -> [n, heads, dv].
         Query i sees rows lo..start+i (lo > 0 only with a sliding window).
+        Queries go in blocks, each against only the keys it can see: causal prefill
+        then computes about half the scores, and a block's scores stay in cache.
         """
         n, heads, _ = q.shape
         kvh = kc.shape[0]
         group = heads // kvh
-        L = start + n
-        rows = np.arange(n)[:, None] + start
-        cols = np.arange(L)[None, :]
-        masked = cols > rows
-        if window > 0:
-            masked |= cols <= rows - window
-        bias = np.where(masked, np.float32(-np.inf), np.float32(0.0)).astype(np.float32)  # [n, L]
         out = np.empty((n, heads, vc.shape[2]), np.float32)
-        for g in range(kvh):
-            qg = q[:, g * group : (g + 1) * group, :].transpose(1, 0, 2)  # [group, n, d]
-            s = np.matmul(qg, kc[g, :L].T)  # [group, n, L]
-            s *= np.float32(scale)
-            s += bias
-            s -= s.max(axis=-1, keepdims=True)
-            np.exp(s, out=s)
-            s /= s.sum(axis=-1, keepdims=True)
-            out[:, g * group : (g + 1) * group, :] = np.matmul(s, vc[g, :L]).transpose(1, 0, 2)
+        qs = q * np.float32(scale)  # n*d multiplies instead of n*keys
+        for i0 in range(0, n, ATTN_BLOCK):
+            i1 = min(n, i0 + ATTN_BLOCK)
+            hi = start + i1  # the block's last query sees keys < hi
+            lo = max(0, start + i0 - window + 1) if window > 0 else 0  # its first sees keys >= lo
+            rows = np.arange(start + i0, start + i1)[:, None]
+            cols = np.arange(lo, hi)[None, :]
+            masked = cols > rows
+            if window > 0:
+                masked |= cols <= rows - window
+            bias = np.where(masked, np.float32(-np.inf), np.float32(0.0)).astype(np.float32)  # [b, keys]
+            for g in range(kvh):
+                qg = qs[i0:i1, g * group : (g + 1) * group, :].transpose(1, 0, 2)  # [group, b, d]
+                s = np.matmul(qg, kc[g, lo:hi].T)  # [group, b, keys]
+                s += bias
+                s -= s.max(axis=-1, keepdims=True)
+                np.exp(s, out=s)
+                o = np.matmul(s, vc[g, lo:hi])  # unnormalized: divide the [b, dv] rows, not the scores
+                o /= s.sum(axis=-1, keepdims=True)
+                out[i0:i1, g * group : (g + 1) * group, :] = o.transpose(1, 0, 2)
         return out
 
     def warmup(self, ws: Sequence[Weight]) -> None:
