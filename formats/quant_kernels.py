@@ -10,7 +10,9 @@ The reference needs ~10 passes over a tensor; these need one.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
 
 QB = 32  # formats.quants.QBLOCK
 _F0 = np.float32(0.0)
@@ -41,6 +43,58 @@ def _q8_rows(x, d, qs):  # pragma: no cover - compiled
                 fl = np.floor(a)
                 q = fl + np.floor(_F2 * (a - fl))  # C roundf: half away from zero, exactly
                 qs[r, o + j] = np.int8(-q if v < _F0 else q)
+
+
+@intrinsic
+def _f16_round(typingctx, x):
+    """f32 -> nearest f16 -> f32: the scale as it will be stored."""
+    sig = types.float32(types.float32)
+
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.fptrunc(args[0], ir.HalfType()), ir.FloatType())
+
+    return sig, codegen
+
+
+@njit(inline="always")
+def _roundf(v):
+    a = abs(v)
+    fl = np.floor(a)
+    q = fl + np.floor(_F2 * (a - fl))
+    return -q if v < _F0 else q
+
+
+# Rows in parallel: each row's result is independent of the thread count.
+@njit(cache=True, nogil=True, parallel=True)
+def _q8_rows_search(x, divs, d, qs):  # pragma: no cover - compiled
+    rows, cols = x.shape
+    for r in prange(rows):
+        for b in range(cols // QB):
+            o = b * QB
+            amax = _F0
+            for j in range(QB):
+                a = abs(x[r, o + j])
+                if a > amax:
+                    amax = a
+            best = _F0
+            best_err = np.inf
+            for k in range(divs.shape[0]):
+                dd = _f16_round(amax / divs[k])
+                if dd == _F0:
+                    continue
+                inv = _F1 / dd
+                err = 0.0
+                for j in range(QB):
+                    q = min(max(_roundf(x[r, o + j] * inv), -_F127), _F127)
+                    e = np.float64(x[r, o + j] - q * dd)
+                    err += e * e
+                if err < best_err:
+                    best_err = err
+                    best = dd
+            d[r, b] = best
+            inv = _F1 / best if best != _F0 else _F0
+            for j in range(QB):
+                qs[r, o + j] = np.int8(min(max(_roundf(x[r, o + j] * inv), -_F127), _F127))
 
 
 @njit(cache=True, nogil=True)
@@ -105,7 +159,19 @@ def _q4_error(x, d, m, qs):  # pragma: no cover - compiled
 
 
 def quantize_q8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Same contract and bytes as ``formats.quants.quantize_q8``."""
+    """Same contract and bytes as ``formats.quants.quantize_q8`` (the searched scale)."""
+    from formats.quants import Q8_DIVISORS
+
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    rows, cols = x.shape
+    d = np.empty((rows, cols // QB), np.float32)
+    qs = np.empty((rows, cols), np.int8)
+    _q8_rows_search(x, Q8_DIVISORS, d, qs)
+    return d.astype(np.float16), qs
+
+
+def quantize_q8_ggml(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Same contract and bytes as ``formats.quants.quantize_q8_ggml``."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     rows, cols = x.shape
     d = np.empty((rows, cols // QB), np.float32)

@@ -12,15 +12,17 @@ for a 2-D weight [out, in] that is rows = out, cols = in). Full spec: docs/cmf.m
 - ``f32``, ``f16``: IEEE little-endian, row-major.
 - ``bf16``: the upper 16 bits of an f32 (round to nearest even), little-endian uint16, row-major.
 - ``q8`` (llama.cpp Q8_0 semantics): ``d`` f16[rows, nb], then ``qs`` int8[rows, cols];
-  value = d * q; d = max|x| / 127 per block of 32, q = round-half-away(x / d).
+  value = d * q; per block of 32 the encoder picks d = f16(max|x| / k), k from
+  ``Q8_DIVISORS``, with the least squared error, q = clip(round-half-away(x / d), +-127).
 - ``q4`` (llama.cpp Q4_1 semantics): ``d`` f16[rows, nb], ``m`` f16[rows, nb], then
   ``qs`` uint8[rows, cols/2]; within a block of 32, byte j holds element j in its low
   nibble and element j+16 in its high nibble; value = d * q + m, q in 0..15.
 - ``u8``: raw bytes (embedded files such as tokenizer.json).
 
-The quantizers reproduce ggml's reference quantizers (``quantize_row_q8_0_ref``,
-``quantize_row_q4_1_ref``, as mirrored by ``gguf.quants``) bit for bit: the same f32
-arithmetic, the same rounding, scales rounded to f16 only when stored.
+The q4 quantizer reproduces ggml's ``quantize_row_q4_1_ref`` (as mirrored by
+``gguf.quants``) bit for bit; ``quantize_q8_ggml`` does the same for Q8_0, and the
+default q8 encoder searches the scale (see ``Q8_DIVISORS``). Either q8 encoding
+decodes with ggml's Q8_0 formula.
 """
 
 from __future__ import annotations
@@ -85,8 +87,39 @@ def _inverse(d: np.ndarray) -> np.ndarray:
     return np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
 
 
+# The q8 encoder tries these divisors of max|x| per block (133, 132.75, ..., 121) and
+# keeps the f16 scale whose encoding has the least squared error; below 127 the
+# largest values clip to +-127. ggml's choice is the single divisor 127. Measured on
+# N(0, 1): RMS relative error 0.535% -> 0.47%; on SmolLM2, teacher-forced top-1
+# agreement with f32 97.8% -> 98.3% (seven 2,000-token spans). Same bytes layout,
+# same decoding: only the encoder's choice of scale differs.
+Q8_DIVISORS = np.float32(127) + np.arange(24, -25, -1, dtype=np.float32) * np.float32(0.25)
+
+
 def quantize_q8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """x: f32[rows, cols] -> (d f16[rows, nb], qs int8[rows, cols])."""
+    """x: f32[rows, cols] -> (d f16[rows, nb], qs int8[rows, cols]); the searched scale."""
+    rows, cols = x.shape
+    b = np.asarray(x, dtype=np.float32).reshape(rows, cols // QBLOCK, QBLOCK)
+    amax = np.abs(b).max(axis=2)
+    best = np.zeros_like(amax)
+    best_err = np.full(amax.shape, np.inf)
+    for div in Q8_DIVISORS:
+        dd = (amax / div).astype(np.float16).astype(np.float32)  # the scale as stored
+        q = np.clip(_round_half_away(b * _inverse(dd)[:, :, None]), -127, 127)
+        e = b - q * dd[:, :, None]  # f32, as the compiled kernel computes it
+        err = np.zeros(amax.shape)
+        for j in range(QBLOCK):  # summed in order, in f64: the compiled kernel's order
+            ej = e[:, :, j].astype(np.float64)
+            err += ej * ej
+        better = (err < best_err) & (dd != 0)
+        best = np.where(better, dd, best)
+        best_err = np.where(better, err, best_err)
+    q = np.clip(_round_half_away(b * _inverse(best)[:, :, None]), -127, 127)
+    return best.astype(np.float16), q.astype(np.int8).reshape(rows, cols)
+
+
+def quantize_q8_ggml(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """ggml's ``quantize_row_q8_0_ref`` bit for bit: d = max|x| / 127."""
     rows, cols = x.shape
     b = np.asarray(x, dtype=np.float32).reshape(rows, cols // QBLOCK, QBLOCK)
     d = np.abs(b).max(axis=2) / np.float32(127)

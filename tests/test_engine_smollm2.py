@@ -98,13 +98,13 @@ def f32_top(f32_engine, english_ids):
     return lg.argmax(axis=1), top2[:, 1] - top2[:, 0]
 
 
-# The issue asks 98% for q8. This SmolLM2 is dequantized from a Q4_1 GGUF, and Q8_0
-# requantization of those weights measures 97.6-98.4% over seven 2,000-token spans of
-# the text (97.8% on the first); nearly every disagreement is a near-tie of the f32
-# model (top-2 margin < 0.1). So the overall bar is 97.5% and the confident positions
-# (margin >= 0.5) must agree at 99.5%. q4 (Q4_1) re-encodes these weights almost exactly.
+# q8 searches each block's scale (formats.quants.Q8_DIVISORS): 98.0-98.6% over seven
+# 2,000-token spans of the text, against 97.2-98.4% for ggml's max/127 scale on these
+# weights (SmolLM2 dequantized from a Q4_1 GGUF). Disagreements are near-ties of the
+# f32 model (top-2 margin < 0.1); confident positions (margin >= 0.5) must agree at
+# 99.5%. q4 (Q4_1) re-encodes these weights almost exactly.
 @pytest.mark.slow
-@pytest.mark.parametrize("quant,overall", [("q8", 0.975), ("q4", 0.90)])
+@pytest.mark.parametrize("quant,overall", [("q8", 0.98), ("q4", 0.90)])
 def test_quantized_top1_agreement(smollm2_cmf, english_ids, f32_top, quant, overall):
     from cortiq_engine import Engine
 
