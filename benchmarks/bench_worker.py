@@ -289,7 +289,7 @@ class CortiqBackend:
     def __init__(self, path: str, threads: int) -> None:
         from cortiq_engine import Engine, SamplingConfig
 
-        self.engine = Engine.load(path, threads=threads)
+        self.engine = Engine.load(path, threads=threads or None)  # 0: the default, as a user runs it
         self.greedy = SamplingConfig(temperature=0.0)
 
     def _generate(self, ids: list[int], n: int):
