@@ -11,6 +11,9 @@ tok/s where one thread decoded 31.
 
 What keeps the default (every usable core) fast there:
 
+* BLAS runs single-threaded: prefill is split into row slices that the
+  threads of the engine's own pool pull one at a time (kernels/fast.py), so a
+  thread that loses its core delays one slice, not half of every call.
 * OpenMP workers wait passively (``OMP_WAIT_POLICY=PASSIVE``, set before the
   runtime starts unless the user set it): a worker that sleeps between calls is
   woken with priority over a CPU hog by the kernel scheduler, where a spinning
@@ -74,7 +77,10 @@ def set_threads(n: int | None) -> int:
     if not 1 <= n <= top:
         raise CortiqError(f"--threads {n}: choose 1..{top} (numba was started with {top}; set NUMBA_NUM_THREADS for more)")
     _start_layer(n)
-    _set_blas_threads(n)
+    # BLAS runs single-threaded inside the engine's own prefill pool (kernels/fast.py),
+    # whose threads pull row slices: OpenBLAS's static split collapsed 4-5x beside a
+    # busy process.
+    _set_blas_threads(1)
     return n
 
 

@@ -4,19 +4,24 @@ Strategy per matmul of n input rows:
 - n <= ``small_n`` (decode, short verify batches): the weights are read once,
   block by block, straight from the map (``jit.*_matmul_small``), all fused
   matrices in one parallel launch; f32 too, so decode never leaves numba's pool.
-- larger n (prefill): f32 weights go to numpy BLAS directly (zero copy from the
-  map); others have a tile of rows dequantized into a reused f32 buffer and
-  multiplied with BLAS, so the dequantization cost is shared by all n rows.
+- larger n (prefill): the weights are cut into row slices that the threads of a
+  small pool pull one at a time; each slice is dequantized into that thread's
+  reused f32 tile (f32 weights are used in place) and multiplied by BLAS running
+  single-threaded, so the dequantization cost is shared by all n rows and a thread
+  delayed by another process holds up one slice, not half the call.
 """
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
+import numba
 import numpy as np
 
 from cortiq_engine.kernels import jit
-from cortiq_engine.kernels.reference import NumpyKernels
+from cortiq_engine.kernels.reference import NumpyKernels, attend_block, attention_jobs
 from cortiq_engine.weights import Weight
 
 # Above this many rows a matmul dequantizes tiles and uses BLAS. Measured on
@@ -30,6 +35,15 @@ FUSE_MAX = 3
 # f32 elements of the reused dequantization tile (8 MB): a fused q|k|v or gate|up
 # of a small model fits whole; bigger matrices go through in row tiles.
 TILE_ELEMS = 1 << 21
+
+
+def _slice_rows(w: Weight, threads: int) -> int:
+    """Rows per prefill slice: a tile of at most TILE_ELEMS / 4 f32 (2 MB, stays in
+    L2/L3 while BLAS reads it), at least 4 slices per thread so a late thread
+    leaves little for the others to wait on, and a multiple of 16 rows."""
+    by_size = max(16, (TILE_ELEMS // 4) // max(w.cols, 1))
+    by_count = max(16, -(-w.rows // (4 * threads)))
+    return max(16, min(by_size, by_count) // 16 * 16)
 
 
 def _runs(ws: Sequence[Weight], most: int) -> list[list[Weight]]:
@@ -54,57 +68,79 @@ class NumbaKernels(NumpyKernels):
 
     def __init__(self, small_n: int = SMALL_N):
         self.small_n = small_n
-        # Scratch for dequantized tiles, reused so large prefill matmuls do not
-        # page-fault a fresh buffer per call. One per engine; not thread-safe.
-        self._tile = np.empty(0, np.float32)
+        # Per-thread scratch for dequantized tiles, reused so prefill matmuls do not
+        # page-fault a fresh buffer per call.
+        self._tiles = threading.local()
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_size = 0
         # Read-only part views per weight (the entry keeps the weight, so an id is never reused).
         self._view_cache: dict[int, tuple[Weight, tuple[np.ndarray, ...]]] = {}
         self._pads: dict[tuple, np.ndarray] = {}
-
-    def _tile_buf(self, rows: int, cols: int) -> np.ndarray:
-        if self._tile.size < rows * cols:
-            self._tile = np.empty(max(rows * cols, TILE_ELEMS), np.float32)
-        return self._tile[: rows * cols].reshape(rows, cols)
 
     # ------------------------------------------------------------ matmul
     def matmul(self, ws: Sequence[Weight], X: np.ndarray) -> np.ndarray:
         X = np.ascontiguousarray(X, dtype=np.float32)
         n = X.shape[0]
         out = np.empty((n, sum(w.rows for w in ws)), np.float32)
+        if n > self.small_n:
+            self._large(ws, X, out)
+            return out
         runs = _runs(ws, FUSE_MAX)
         c0 = 0
         for run in runs:
             width = sum(w.rows for w in run)
-            dst = out[:, c0 : c0 + width]
-            if run[0].dtype == "f32" and n > self.small_n:
-                r = 0
-                for w in run:
-                    np.matmul(X, w.parts["data"].T, out=dst[:, r : r + w.rows])
-                    r += w.rows
-            elif n <= self.small_n:
-                # The kernel writes a contiguous [n, width] block.
-                tgt = out if len(runs) == 1 else np.empty((n, width), np.float32)
-                self._small(run, X, tgt)
-                if tgt is not out:
-                    dst[:] = tgt
-            elif width * run[0].cols <= TILE_ELEMS:
-                # The whole run fits one tile: dequantize it once, one BLAS call.
-                buf = self._tile_buf(width, run[0].cols)
-                r = 0
-                for w in run:
-                    self._dequant(w, 0, w.rows, buf[r : r + w.rows])
-                    r += w.rows
-                if len(runs) == 1:
-                    np.matmul(X, buf.T, out=out)
-                else:
-                    dst[:] = X @ buf.T
-            else:
-                r = 0
-                for w in run:
-                    self._tiled(w, X, dst[:, r : r + w.rows])
-                    r += w.rows
+            # The kernel writes a contiguous [n, width] block.
+            tgt = out if len(runs) == 1 else np.empty((n, width), np.float32)
+            self._small(run, X, tgt)
+            if tgt is not out:
+                out[:, c0 : c0 + width] = tgt
             c0 += width
         return out
+
+    def _large(self, ws: Sequence[Weight], X: np.ndarray, out: np.ndarray) -> None:
+        """Prefill: row slices of the weights, each dequantized into a per-thread tile
+        and multiplied by single-threaded BLAS, pulled one at a time by the pool's
+        threads. A thread that another process holds off its core delays only the
+        slice it has, not a fixed half of every call (BLAS's own static split did:
+        prefill fell 4-5x beside a busy process)."""
+        threads = numba.get_num_threads()
+        jobs = []
+        c0 = 0
+        for w in ws:
+            step = _slice_rows(w, threads)
+            jobs.extend((w, r0, min(w.rows, r0 + step), c0) for r0 in range(0, w.rows, step))
+            c0 += w.rows
+
+        def work(job: tuple[Weight, int, int, int]) -> None:
+            w, r0, r1, col = job
+            if w.dtype == "f32":
+                np.matmul(X, w.parts["data"][r0:r1].T, out=out[:, col + r0 : col + r1])
+                return
+            buf = self._tile_buf(r1 - r0, w.cols)
+            self._dequant(w, r0, r1, buf)
+            np.matmul(X, buf.T, out=out[:, col + r0 : col + r1])
+
+        if threads <= 1 or len(jobs) == 1:
+            for job in jobs:
+                work(job)
+            return
+        for _ in self._executor(threads).map(work, jobs):
+            pass
+
+    def _executor(self, threads: int) -> ThreadPoolExecutor:
+        if self._pool is None or self._pool_size != threads:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+            self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="cortiq-prefill")
+            self._pool_size = threads
+        return self._pool
+
+    def _tile_buf(self, rows: int, cols: int) -> np.ndarray:
+        """This thread's reused dequantization scratch (no page faults per call)."""
+        tile = getattr(self._tiles, "buf", None)
+        if tile is None or tile.size < rows * cols:
+            tile = self._tiles.buf = np.empty(max(rows * cols, TILE_ELEMS // 4), np.float32)
+        return tile[: rows * cols].reshape(rows, cols)
 
     def _small(self, run: list[Weight], X: np.ndarray, out: np.ndarray) -> None:
         count, offs, parts = self._small_args(run)
@@ -152,14 +188,6 @@ class NumbaKernels(NumpyKernels):
             pad = self._pads[key] = _readonly(np.zeros((0,) + like.shape[1:], like.dtype))
         return pad
 
-    def _tiled(self, w: Weight, X: np.ndarray, dst: np.ndarray) -> None:
-        step = max(16, TILE_ELEMS // w.cols)
-        for r0 in range(0, w.rows, step):
-            r1 = min(w.rows, r0 + step)
-            buf = self._tile_buf(r1 - r0, w.cols)
-            self._dequant(w, r0, r1, buf)
-            dst[:, r0:r1] = X @ buf.T
-
     @staticmethod
     def _dequant(w: Weight, r0: int, r1: int, buf: np.ndarray) -> None:
         p = w.parts
@@ -194,7 +222,18 @@ class NumbaKernels(NumpyKernels):
 
     def attend(self, q: np.ndarray, kc: np.ndarray, vc: np.ndarray, start: int, window: int, scale: float) -> np.ndarray:
         if q.shape[0] > SMALL_ATTN:
-            return super().attend(q, kc, vc, start, window, scale)
+            # Prefill: the reference blocks (query block x KV head), pulled by the pool's threads.
+            out = np.empty((q.shape[0], q.shape[1], vc.shape[2]), np.float32)
+            qs = q * np.float32(scale)
+            jobs = attention_jobs(q.shape[0], kc.shape[0])
+            threads = numba.get_num_threads()
+            if threads <= 1 or len(jobs) == 1:
+                for job in jobs:
+                    attend_block(qs, kc, vc, start, window, out, *job)
+            else:
+                for _ in self._executor(threads).map(lambda job: attend_block(qs, kc, vc, start, window, out, *job), jobs):
+                    pass
+            return out
         out = np.empty((q.shape[0], q.shape[1], vc.shape[2]), np.float32)
         jit.attend(np.ascontiguousarray(q), kc, vc, start, window, np.float32(scale), out)
         return out

@@ -200,11 +200,11 @@ def f32_matmul_small(ws, count, offs, X, out):
 
 # ------------------------------------------------------------ dequantize row tiles
 # For large batches: rows r0..r1 of a matrix -> f32 ``out[:r1-r0]``, then BLAS.
-# Serial on purpose: a parallel region here wakes numba's worker, which then spins
-# against BLAS's own threads; measured on 2 cores, serial tiles nearly double prefill.
+# Serial and without the GIL: the prefill pool (fast.py) runs one per thread on
+# different row slices.
 
 
-@njit(parallel=False, cache=True)
+@njit(parallel=False, nogil=True, cache=True)
 def q8_dequant(d, q, r0, r1, out):
     cols = q.shape[1]
     nb = cols // QB
@@ -216,7 +216,7 @@ def q8_dequant(d, q, r0, r1, out):
                 out[r - r0, o + j] = sc * np.float32(q[r, o + j])
 
 
-@njit(parallel=False, cache=True)
+@njit(parallel=False, nogil=True, cache=True)
 def q4_dequant(d, mn, q, r0, r1, out):
     cols = q.shape[1] * 2
     nb = cols // QB
@@ -233,7 +233,7 @@ def q4_dequant(d, mn, q, r0, r1, out):
                 out[r - r0, o + j + half] = sc * np.float32(byte >> 4) + lo
 
 
-@njit(parallel=False, cache=True)
+@njit(parallel=False, nogil=True, cache=True)
 def half_dequant(w, bf16, r0, r1, out):
     cols = w.shape[1]
     for r in range(r0, r1):

@@ -88,31 +88,37 @@ class NumpyKernels:
         Queries go in blocks, each against only the keys it can see: causal prefill
         then computes about half the scores, and a block's scores stay in cache.
         """
-        n, heads, _ = q.shape
-        kvh = kc.shape[0]
-        group = heads // kvh
-        out = np.empty((n, heads, vc.shape[2]), np.float32)
+        out = np.empty((q.shape[0], q.shape[1], vc.shape[2]), np.float32)
         qs = q * np.float32(scale)  # n*d multiplies instead of n*keys
-        for i0 in range(0, n, ATTN_BLOCK):
-            i1 = min(n, i0 + ATTN_BLOCK)
-            hi = start + i1  # the block's last query sees keys < hi
-            lo = max(0, start + i0 - window + 1) if window > 0 else 0  # its first sees keys >= lo
-            rows = np.arange(start + i0, start + i1)[:, None]
-            cols = np.arange(lo, hi)[None, :]
-            masked = cols > rows
-            if window > 0:
-                masked |= cols <= rows - window
-            bias = np.where(masked, np.float32(-np.inf), np.float32(0.0)).astype(np.float32)  # [b, keys]
-            for g in range(kvh):
-                qg = qs[i0:i1, g * group : (g + 1) * group, :].transpose(1, 0, 2)  # [group, b, d]
-                s = np.matmul(qg, kc[g, lo:hi].T)  # [group, b, keys]
-                s += bias
-                s -= s.max(axis=-1, keepdims=True)
-                np.exp(s, out=s)
-                o = np.matmul(s, vc[g, lo:hi])  # unnormalized: divide the [b, dv] rows, not the scores
-                o /= s.sum(axis=-1, keepdims=True)
-                out[i0:i1, g * group : (g + 1) * group, :] = o.transpose(1, 0, 2)
+        for job in attention_jobs(q.shape[0], kc.shape[0]):
+            attend_block(qs, kc, vc, start, window, out, *job)
         return out
 
     def warmup(self, ws: Sequence[Weight]) -> None:
         """Compile whatever needs compiling (nothing here)."""
+
+
+def attention_jobs(n: int, kv_heads: int) -> list[tuple[int, int, int]]:
+    """(first query, end query, KV head) blocks: independent pieces of one attention call."""
+    return [(i0, min(n, i0 + ATTN_BLOCK), g) for i0 in range(0, n, ATTN_BLOCK) for g in range(kv_heads)]
+
+
+def attend_block(qs: np.ndarray, kc: np.ndarray, vc: np.ndarray, start: int, window: int, out: np.ndarray,
+                 i0: int, i1: int, g: int) -> None:
+    """Queries i0..i1 of KV head g's group (``qs`` already scaled) into ``out``."""
+    group = qs.shape[1] // kc.shape[0]
+    hi = start + i1  # the block's last query sees keys < hi
+    lo = max(0, start + i0 - window + 1) if window > 0 else 0  # its first sees keys >= lo
+    rows = np.arange(start + i0, start + i1)[:, None]
+    cols = np.arange(lo, hi)[None, :]
+    masked = cols > rows
+    if window > 0:
+        masked |= cols <= rows - window
+    qg = qs[i0:i1, g * group : (g + 1) * group, :].transpose(1, 0, 2)  # [group, b, d]
+    s = np.matmul(qg, kc[g, lo:hi].T)  # [group, b, keys]
+    s[:, masked] = -np.inf
+    s -= s.max(axis=-1, keepdims=True)
+    np.exp(s, out=s)
+    o = np.matmul(s, vc[g, lo:hi])  # unnormalized: divide the [b, dv] rows, not the scores
+    o /= s.sum(axis=-1, keepdims=True)
+    out[i0:i1, g * group : (g + 1) * group, :] = o.transpose(1, 0, 2)
