@@ -40,6 +40,7 @@ def convert(
         TextColumn("{task.fields[tensor]}", style="dim"),
         console=err_console,
         transient=True,
+        disable=not err_console.is_terminal,  # redirected, rich would leave a blank line
     ) as bar:
         task = bar.add_task("converting", total=None, tensor="")
 

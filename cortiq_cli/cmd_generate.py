@@ -16,7 +16,7 @@ from typing import Annotated, Optional
 import typer
 
 from cortiq_cli import mtp_options as mtp_opt
-from cortiq_cli.common import err_console, handle_errors, print_json
+from cortiq_cli.common import err_console, handle_errors, load_engine, print_json
 from cortiq_cli.moe_stats import moe_stats_json, print_moe_stats
 from formats.errors import CortiqError
 
@@ -64,7 +64,7 @@ def generate(
     mtp_compare: mtp_opt.MtpCompare = False,
 ) -> None:
     """Generate text from a prompt with a CMF model (greedy by default)."""
-    from cortiq_engine import Engine, SamplingConfig
+    from cortiq_engine import SamplingConfig
 
     if prompt == "-":
         prompt = sys.stdin.read()
@@ -73,11 +73,7 @@ def generate(
     config = SamplingConfig(
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty, seed=seed
     )
-    if json_out:
-        eng = Engine.load(model, threads=threads, ctx=ctx)
-    else:
-        with err_console.status(f"loading {model.name}", spinner="dots"):
-            eng = Engine.load(model, threads=threads, ctx=ctx)
+    eng = load_engine(model, threads=threads, ctx=ctx, quiet=json_out)
     tok = eng.tokenizer
     if chat or system is not None:
         messages = ([{"role": "system", "content": system}] if system is not None else []) + [{"role": "user", "content": prompt}]

@@ -33,6 +33,7 @@ def import_gguf(
         TextColumn("{task.description}"),
         console=err_console,
         transient=True,
+        disable=not err_console.is_terminal,  # redirected, rich would leave a blank line
     )
     task = bar.add_task("", total=None)
 

@@ -64,7 +64,8 @@ def mtp_probe(
         results = probe(eng.model, stack, ids, k, variants)
     else:
         with Progress(
-            TextColumn("[bold]probing"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=err_console, transient=True
+            TextColumn("[bold]probing"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=err_console, transient=True,
+            disable=not err_console.is_terminal,
         ) as bar:
             task = bar.add_task("probe", total=steps)
             results = probe(eng.model, stack, ids, k, variants, progress=lambda n: bar.advance(task, n))

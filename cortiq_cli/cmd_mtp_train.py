@@ -73,6 +73,7 @@ def mtp_train(
         TimeRemainingColumn(),
         console=err_console,
         transient=True,
+        disable=not err_console.is_terminal,
     ) as bar:
         tasks: dict[str, Any] = {}
 

@@ -8,13 +8,33 @@ import sys
 from typing import Any, Callable, TypeVar
 
 import typer
-from rich.console import Console
+from rich.console import Console, ConsoleDimensions
 from rich.markup import escape
 
 from formats.errors import CortiqError
 
-console = Console()
-err_console = Console(stderr=True)
+# Width when the output is not a terminal: wide enough that no line, path or table
+# cell is ever wrapped (tables still render at their natural width).
+UNWRAPPED_WIDTH = 100_000
+
+
+class OutputConsole(Console):
+    """A rich console that wraps to the terminal, and not at all when redirected:
+    ``cortiq inspect m.cmf > out.txt`` keeps every path and table cell on one line."""
+
+    @property
+    def size(self) -> ConsoleDimensions:
+        size = Console.size.fget(self)
+        return size if self.is_terminal else ConsoleDimensions(UNWRAPPED_WIDTH, size.height)
+
+    @size.setter
+    def size(self, new_size: tuple[int, int]) -> None:
+        Console.size.fset(self, new_size)
+
+
+console = OutputConsole()
+err_console = OutputConsole(stderr=True)
+
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -68,3 +88,14 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} TB"
+
+
+def load_engine(model: Any, *, threads: int | None, ctx: int | None, quiet: bool = False) -> Any:
+    """``Engine.load`` with a spinner on a terminal (redirected, none: rich's live
+    display would leave a blank line in the output)."""
+    from cortiq_engine import Engine
+
+    if quiet or not err_console.is_terminal:
+        return Engine.load(model, threads=threads, ctx=ctx)
+    with err_console.status(f"loading {getattr(model, 'name', model)}", spinner="dots"):
+        return Engine.load(model, threads=threads, ctx=ctx)

@@ -1,0 +1,3 @@
+"""placeholder"""
+def bench() -> None:
+    """Chat."""

@@ -1,0 +1,3 @@
+"""placeholder"""
+def chat() -> None:
+    """Chat."""
