@@ -99,3 +99,27 @@ def load_engine(model: Any, *, threads: int | None, ctx: int | None, quiet: bool
         return Engine.load(model, threads=threads, ctx=ctx)
     with err_console.status(f"loading {getattr(model, 'name', model)}", spinner="dots"):
         return Engine.load(model, threads=threads, ctx=ctx)
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size so far (what mlx_lm prints as peak memory)."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)  # bytes on macOS, KiB on Linux
+
+
+def read_prompt(prompt: str | None, prompt_file: Any) -> str:
+    """The prompt from the argument, stdin ('-') or ``--prompt-file``."""
+    if prompt_file is not None:
+        if prompt is not None:
+            raise CortiqError("give a PROMPT or --prompt-file, not both")
+        try:
+            return prompt_file.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise CortiqError(f"{prompt_file}: no such file") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise CortiqError(f"{prompt_file}: cannot read the prompt ({e})") from None
+    if prompt is None:
+        raise CortiqError("no prompt: give PROMPT, '-' for stdin, or --prompt-file PATH")
+    return sys.stdin.read() if prompt == "-" else prompt

@@ -65,14 +65,14 @@ def resolve(engine, *, mtp: Path | None, no_mtp: bool, depth: int | None, chain:
 
 
 def generate(engine, prompt_ids, spec: Speculation, config, *, max_tokens: int, stop=(), compare: bool = False,
-             ignore_eos: bool = False, on_token=None, on_text=None):
+             ignore_eos: bool = False, on_token=None, on_text=None, logprobs: int = 0, state=None):
     """Speculative generation; with ``compare`` also plain decoding of the same prompt,
     so ``result.extra["mtp"]`` carries the speedup and whether the tokens are the same."""
     from cortiq_engine.speculative import generate_with_engine
 
     eos = () if ignore_eos else engine.eos_ids
     res = generate_with_engine(engine, prompt_ids, spec.drafter, max_tokens=max_tokens, stop=stop, eos_ids=eos,
-                               config=config, on_token=on_token, on_text=on_text)
+                               config=config, on_token=on_token, on_text=on_text, logprobs=logprobs, state=state)
     mtp = res.extra["mtp"]
     mtp["decode_tok_s"] = res.decode_tok_s
     if compare:

@@ -34,9 +34,45 @@ class TokenEvent:
     id: int
     text: str  # this token's piece of the output text ("" while a character is incomplete)
     confidence: float  # softmax probability of this token (calibrated if the file has a temperature)
+    # With ``logprobs=N``: log-softmax of the raw logits (T = 1, before any penalty)
+    # for this token and the N most likely ones, as OpenAI-style APIs report them.
+    logprob: float | None = None
+    top_logprobs: list[TopLogprob] | None = None
 
     def to_json(self) -> dict:
-        return {"id": self.id, "text": self.text, "confidence": self.confidence}
+        d = {"id": self.id, "text": self.text, "confidence": self.confidence}
+        if self.top_logprobs is not None:
+            d["logprob"] = self.logprob
+            d["top_logprobs"] = [t.to_json() for t in self.top_logprobs]
+        return d
+
+
+@dataclass(frozen=True)
+class TopLogprob:
+    id: int
+    text: str  # the token's own text (special tokens spelled out)
+    logprob: float
+
+    def to_json(self) -> dict:
+        return {"id": self.id, "text": self.text, "logprob": self.logprob}
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    z = logits.astype(np.float64)
+    z = z - z.max()
+    return z - np.log(np.exp(z).sum())
+
+
+def add_logprobs(ev: TokenEvent, logits: np.ndarray, n: int, tokenizer: Tokenizer | None) -> None:
+    """Fill ``ev.logprob`` and its ``n`` most likely alternatives (ties: lower id first)."""
+    lp = log_softmax(logits)
+    ev.logprob = float(lp[ev.id])
+    n = min(n, lp.size)
+    top = np.argpartition(-lp, n - 1)[:n] if n < lp.size else np.arange(lp.size)
+    top = top[np.lexsort((top, -lp[top]))]
+    ev.top_logprobs = [
+        TopLogprob(int(i), tokenizer.decode([int(i)]) if tokenizer is not None else "", float(lp[i])) for i in top
+    ]
 
 
 @dataclass
@@ -153,12 +189,14 @@ def generate(
     on_token: Callable[[TokenEvent], bool | None] | None = None,
     on_text: Callable[[str], None] | None = None,
     state: State | None = None,
+    logprobs: int = 0,
 ) -> GenerationResult:
     """Generate up to ``max_tokens`` tokens after ``prompt_ids`` (see the module doc).
 
     ``on_token`` sees every token as it is chosen (return False to stop);
     ``on_text`` receives printable text as it becomes final (UTF-8 completed,
-    stop strings held back), for streaming to a terminal.
+    stop strings held back), for streaming to a terminal. ``logprobs`` > 0 adds each
+    step's top-``logprobs`` log-probabilities to the token events.
     """
     prompt_ids = [int(i) for i in prompt_ids]
     if not prompt_ids:
@@ -194,6 +232,8 @@ def generate(
         is_eos = tok in eos
         piece = decoder.push(tok) if (decoder is not None and not is_eos) else ""
         ev = TokenEvent(tok, piece, conf)
+        if logprobs > 0:
+            add_logprobs(ev, logits, logprobs, tokenizer)
         events.append(ev)
         shown, hit = stops.feed(piece)
         if shown and on_text is not None:

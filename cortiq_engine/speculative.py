@@ -28,7 +28,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from formats.errors import CortiqError
-from cortiq_engine.generate import PREFILL_CHUNK, GenerationResult, TokenEvent, StopStrings
+from cortiq_engine.generate import PREFILL_CHUNK, GenerationResult, TokenEvent, StopStrings, add_logprobs
 from cortiq_engine.model import Model, State, forward
 from cortiq_engine.mtp import Drafter
 from cortiq_engine.sampling import Sampler, SamplingConfig, token_probability
@@ -158,6 +158,7 @@ def generate_speculative(
     on_token: Callable[[TokenEvent], bool | None] | None = None,
     on_text: Callable[[str], None] | None = None,
     state: State | None = None,
+    logprobs: int = 0,
 ) -> GenerationResult:
     """Greedy generation with MTP drafts; the same tokens, events and finish reasons as
     ``cortiq_engine.generate.generate`` (without eviction: a full context ends with
@@ -195,6 +196,8 @@ def generate_speculative(
         is_eos = tok in eos
         piece = decoder.push(tok) if (decoder is not None and not is_eos) else ""
         ev = TokenEvent(tok, piece, token_probability(logits, tok, calibration_temperature))
+        if logprobs > 0:
+            add_logprobs(ev, logits, logprobs, tokenizer)
         events.append(ev)
         shown, hit = stops.feed(piece)
         if shown and on_text is not None:

@@ -44,7 +44,7 @@ def test_short_help_on_every_command_without_type_tags(name):
 
 def test_generate_usage_reads_model_prompt():
     first = _run("generate", "-h").stdout.splitlines()[0]
-    assert first.endswith("generate [OPTIONS] MODEL PROMPT")
+    assert first.endswith("generate [OPTIONS] MODEL [PROMPT]")  # PROMPT may come from --prompt-file
     out = _run("generate", "-h").stdout
     assert re.search(r"^  -n, --max-tokens N +Generate at most this many tokens\. \[default: 256\]", out, re.M)
     assert re.search(r"^  --json +Print one JSON object", out, re.M)  # a flag: no metavar
