@@ -123,6 +123,13 @@ class GenerationResult:
         }
 
 
+def check_history(state: State | None, history: Sequence[int]) -> None:
+    """A cached prefix needs the state that holds exactly it."""
+    if history and (state is None or state.length != len(history) or state.position != len(history)):
+        have = "no state" if state is None else f"a state of {state.length} rows at position {state.position}"
+        raise ValueError(f"history of {len(history)} tokens given with {have}")
+
+
 def prefill(state: State, ids: Sequence[int], chunk: int = PREFILL_CHUNK) -> np.ndarray:
     """Forward the prompt in chunks; returns the hidden row of its last token [1, hidden]."""
     last = None
@@ -190,8 +197,13 @@ def generate(
     on_text: Callable[[str], None] | None = None,
     state: State | None = None,
     logprobs: int = 0,
+    history: Sequence[int] = (),
 ) -> GenerationResult:
     """Generate up to ``max_tokens`` tokens after ``prompt_ids`` (see the module doc).
+
+    ``history``: the tokens ``state`` already holds (a conversation's cached prefix,
+    see ``cortiq_engine.session``); only ``prompt_ids`` are forwarded, and the
+    repetition penalty and the context check see history + prompt.
 
     ``on_token`` sees every token as it is chosen (return False to stop);
     ``on_text`` receives printable text as it becomes final (UTF-8 completed,
@@ -199,10 +211,12 @@ def generate(
     step's top-``logprobs`` log-probabilities to the token events.
     """
     prompt_ids = [int(i) for i in prompt_ids]
+    history = [int(i) for i in history]
     if not prompt_ids:
         raise CortiqError("empty prompt: nothing to generate from")
-    if len(prompt_ids) > capacity:
-        raise CortiqError(f"prompt has {len(prompt_ids)} tokens, longer than the context of {capacity} (raise --ctx)")
+    check_history(state, history)
+    if len(history) + len(prompt_ids) > capacity:
+        raise CortiqError(f"prompt has {len(history) + len(prompt_ids)} tokens, longer than the context of {capacity} (raise --ctx)")
     if max_tokens < 1:
         raise CortiqError(f"max tokens must be >= 1, got {max_tokens}")
     bad = [i for i in prompt_ids if not 0 <= i < model.vocab_size]
@@ -213,7 +227,7 @@ def generate(
     decoder = StreamDecoder(tokenizer) if tokenizer is not None else None
     stops = StopStrings(stop)
     eos = set(int(e) for e in eos_ids)
-    seen = list(prompt_ids)
+    seen = history + prompt_ids
 
     t0 = time.perf_counter()
     h = prefill(state, prompt_ids)
