@@ -173,3 +173,30 @@ def test_bad_load_file(tiny, tmp_path):
     bad.write_text('{"role": "user"}')
     r = runner.invoke(app, ["chat", str(tiny["chat"]), "--load", str(bad)], input="hi\n")
     assert r.exit_code == 1 and "expected a JSON list" in r.stderr and "Traceback" not in r.output
+
+
+# ------------------------------------------------------------------ speculative
+@pytest.fixture(scope="module")
+def mtp_chat(tmp_path_factory):
+    import shutil
+
+    from tests.mtp_tiny import save_tiny_mtp
+
+    root = tmp_path_factory.mktemp("chat_mtp")
+    convert_checkpoint(save_tiny_mtp("mimo", root / "src", n_layers=3), root / "m.cmf", quant="q8")
+    _with_template(root / "m.cmf", root / "c.cmf", TEMPLATE)
+    shutil.copy(root / "m.mtp.cmf", root / "c.mtp.cmf")
+    return root / "c.cmf"
+
+
+def test_speculative_chat_equals_plain_chat(mtp_chat):
+    turns = "Hello there\nAnd then?\nThanks\n"
+    spec = runner.invoke(app, ["chat", str(mtp_chat), "-n", "10", "--json", "-t", "1"], input=turns)
+    plain = runner.invoke(app, ["chat", str(mtp_chat), "-n", "10", "--json", "-t", "1", "--no-mtp"], input=turns)
+    assert spec.exit_code == 0 and plain.exit_code == 0, spec.output + plain.output
+    s = [json.loads(ln) for ln in spec.stdout.splitlines()]
+    p = [json.loads(ln) for ln in plain.stdout.splitlines()]
+    assert len(s) == 3 and all("mtp" in d for d in s) and not any("mtp" in d for d in p)
+    assert [d["token_ids"] for d in s] == [d["token_ids"] for d in p]
+    assert [d["reused_tokens"] for d in s] == [d["reused_tokens"] for d in p]
+    assert s[1]["reused_tokens"] > 0 and s[1]["mtp"]["rounds"] > 0
