@@ -51,7 +51,10 @@ def mtp_probe(
     eng = Engine.load(model, threads=threads)
     stack = load_draft_stack(eng.cmf, eng.arch, eng.kernels, path=mtp)
     if stack is None:
-        raise CortiqError(f"{model}: no MTP draft layers (none inline, no sidecar beside it); give --mtp PATH")
+        raise CortiqError(
+            f"{model}: no MTP draft layers (none inline, no sidecar beside it); train them with "
+            f"`cortiq mtp-train {model}` (it writes the sidecar beside the model), or give --mtp PATH"
+        )
     ids = eng.tokenizer.encode(loaded.text, add_bos=True)[:max_tokens]
     k = depth or stack.num_layers
     chains, hiddens = _choices(chain, CHAINS, "--mtp-chain"), _choices(hidden, HIDDENS, "--mtp-hidden")

@@ -55,7 +55,10 @@ def resolve(engine, *, mtp: Path | None, no_mtp: bool, depth: int | None, chain:
     stack = load_draft_stack(engine.cmf, engine.arch, engine.kernels, path=mtp)
     if stack is None:
         if depth is not None or chain is not None:
-            raise CortiqError(f"{engine.path}: no MTP draft layers (none inline, no sidecar beside it); give --mtp PATH")
+            raise CortiqError(
+                f"{engine.path}: no MTP draft layers (none inline, no sidecar beside it); train them with "
+                f"`cortiq mtp-train {engine.path}`, or give --mtp PATH"
+            )
         return None, ""
     if not greedy:
         return None, "speculative decoding is off: it is exact for greedy decoding only (temperature 0)"
