@@ -87,7 +87,7 @@ def bench(
     n_gen: Annotated[int, typer.Option("--n-gen", "-n", min=0, help="Decode test: this many generated tokens (0 = skip).")] = 128,
     reps: Annotated[int, typer.Option("--repetitions", "-r", min=1, help="Timed repetitions of each test (after one warm-up).")] = 3,
     threads: Annotated[
-        Optional[str], typer.Option("--threads", "-t", help="Thread counts to sweep, comma-separated (default: all cores).")
+        Optional[str], typer.Option("--threads", "-t", metavar="N,...", help="Thread counts to sweep, comma-separated (default: all cores).")
     ] = None,
     mtp: Annotated[bool, typer.Option("--mtp/--no-mtp", help="Speculative rows (verify, tg+mtp) for models with MTP draft layers.")] = True,
     json_out: Annotated[bool, typer.Option("--json", help="One JSON document (every sample) instead of the table.")] = False,

@@ -71,6 +71,10 @@ class Conversation:
 def _turns(interactive: bool) -> Iterator[str]:
     """The user's lines: typed at a prompt, else read from stdin."""
     if interactive:
+        try:
+            import readline  # noqa: F401  (line editing and history for input())
+        except ImportError:
+            pass
         while True:
             try:
                 yield input(">>> ")
@@ -133,7 +137,11 @@ def chat(
     mtp_chain: mtp_opt.MtpChain = None,
     mtp_hidden: mtp_opt.MtpHidden = "pre",
 ) -> None:
-    """Chat with a model: multi-turn, streaming, the KV cache kept across turns."""
+    """Chat with a model: multi-turn, streaming, the KV cache kept across turns.
+
+    Commands: /reset, /system TEXT, /save FILE, /load FILE, /help, /exit. When stdin is
+    not a terminal, each of its lines is a turn (or a command). Ctrl-C stops an answer.
+    """
     from cortiq_engine import SamplingConfig
     from cortiq_engine.session import ChatSession
 
