@@ -23,7 +23,7 @@ from rich.markup import escape
 
 from cortiq_cli import mtp_options as mtp_opt
 from cortiq_cli.common import err_console, handle_errors, human_bytes, load_engine, peak_rss_bytes, print_json
-from cortiq_cli.cmd_generate import MAX_LOGPROBS
+from cortiq_cli.cmd_generate import MAX_LOGPROBS, print_logprobs
 from formats.errors import CortiqError
 
 SAMPLING = "Sampling"
@@ -130,7 +130,7 @@ def chat(
     ] = False,
     threads: Annotated[Optional[int], typer.Option("--threads", "-t", min=1, help="Compute threads (default: all cores).")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="One JSON object per turn (JSON lines) instead of streamed text.")] = False,
-    logprobs: Annotated[int, typer.Option("--logprobs", min=0, max=MAX_LOGPROBS, help="With --json: each step's N most likely tokens and log-probabilities.")] = 0,
+    logprobs: Annotated[int, typer.Option("--logprobs", min=0, max=MAX_LOGPROBS, help="Each step's N most likely tokens and log-probabilities (in --json; else listed after each answer).")] = 0,
     mtp: mtp_opt.MtpPath = None,
     no_mtp: mtp_opt.NoMtp = False,
     mtp_depth: mtp_opt.MtpDepth = None,
@@ -255,5 +255,7 @@ def chat(
             f"[dim]context[/] {session.state.length}/{eng.ctx} · [dim]peak RSS[/] {human_bytes(peak_rss_bytes())} · {ended}",
             highlight=False,
         )
+        if logprobs:
+            print_logprobs(err_console, res.tokens)
     if failed and not interactive:
         raise typer.Exit(1)

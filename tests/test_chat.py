@@ -147,11 +147,12 @@ def test_cli_commands_and_json_turns(tiny, tmp_path):
 
 
 def test_cli_streams_text_and_reports_the_cache(tiny):
-    r = runner.invoke(app, ["chat", str(tiny["chat"]), "-n", "5"], input="Hello there\nAnd then?\n")
+    r = runner.invoke(app, ["chat", str(tiny["chat"]), "-n", "5", "--logprobs", "2"], input="Hello there\nAnd then?\n")
     assert r.exit_code == 0, r.output
     stats = [ln for ln in r.stderr.splitlines() if ln.startswith("cached")]
     assert len(stats) == 2 and stats[0].startswith("cached 0 ·") and "tok/s" in stats[1]
     assert int(stats[1].split()[1]) > 0
+    assert len([ln for ln in r.stderr.splitlines() if " | " in ln]) == 2 * 5  # a logprob line per answer token
 
 
 @pytest.mark.parametrize(
