@@ -10,7 +10,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from cortiq_cli import text_options as opt
-from cortiq_cli.common import console, err_console, handle_errors, print_json
+from cortiq_cli.common import console, err_console, handle_errors, print_json, print_table
 from cortiq_cli.mtp_options import MTP_PANEL, MtpDepth, MtpPath
 from formats.errors import CortiqError
 
@@ -97,4 +97,4 @@ def mtp_probe(
         table.add_row("&".join(f"d{i + 1}" for i in range(d + 1)), *(f"{r.chained[d]:.1%}" for r in results))
     table.add_row("tokens/round", *(f"{r.tokens_per_round:.3f}" for r in results), style="bold")
     table.add_row("positions", *(str(r.positions) for r in results), style="dim")
-    console.print(table)
+    print_table(console, table)

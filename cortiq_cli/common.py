@@ -10,6 +10,7 @@ from typing import Any, Callable, TypeVar
 import typer
 from rich.console import Console, ConsoleDimensions
 from rich.markup import escape
+from rich.table import Table
 
 from formats.errors import CortiqError
 
@@ -34,6 +35,18 @@ class OutputConsole(Console):
 
 console = OutputConsole()
 err_console = OutputConsole(stderr=True)
+
+
+def print_table(out: Console, table: Table) -> None:
+    """Print ``table``; a title wider than the table (a long path) goes on its own line
+    above it, where rich would wrap it at the table's width."""
+    title = table.title
+    if isinstance(title, str):
+        text = out.render_str(title, style="table.title")
+        if text.cell_len > out.measure(table).maximum:
+            table.title = None
+            out.print(text, highlight=False)
+    out.print(table)
 
 
 F = TypeVar("F", bound=Callable[..., Any])

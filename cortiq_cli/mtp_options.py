@@ -14,6 +14,7 @@ from typing import Annotated, Any, Optional
 import typer
 from rich.table import Table
 
+from cortiq_cli.common import print_table
 from formats.errors import CortiqError
 
 MTP_PANEL = "Speculative decoding (MTP)"
@@ -109,4 +110,4 @@ def render(console, mtp: dict[str, Any]) -> None:
             f"{mtp['speedup']:.2f}x end to end, {mtp['decode_speedup']:.2f}x decode "
             f"({mtp['decode_tok_s']:.1f} vs {mtp['plain_decode_tok_s']:.1f} tok/s), {same}",
         )
-    console.print(t)
+    print_table(console, t)

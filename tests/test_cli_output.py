@@ -82,6 +82,20 @@ def test_unwrapped_console_when_not_a_terminal():
     assert lines[-1].strip().endswith("end") and lines[-1].startswith("word")
 
 
+def test_convert_and_verify_start_with_their_first_line(tmp_path):
+    from tests.tiny import save_tiny
+
+    src = save_tiny("llama", tmp_path / "hf")
+    out = tmp_path / LONG_NAME
+    r = _run("convert", str(src), str(out), "--quant", "q8")
+    assert r.exit_code == 0, r.output
+    first = r.output.splitlines()[0]
+    assert first.strip() and first.startswith(f"{out}  (llama, ")  # the table title: the path whole
+    r = _run("verify", str(out))
+    assert r.exit_code == 0, r.output
+    assert r.output.startswith(f"{out}: ") and r.output.endswith(" OK\n") and r.output.count("\n") == 1
+
+
 # ------------------------------------------------------------------ real model
 @pytest.fixture(scope="module")
 def long_named(smollm2_cmf, tmp_path_factory):
@@ -111,11 +125,15 @@ def test_piped_inspect_and_verify(long_named):
 
 
 @pytest.mark.slow
-def test_piped_ppl_and_calibrate(long_named):
-    r = _run("ppl", str(long_named), "--max-tokens", "160", "-c", "128", "-t", "1")
+def test_piped_ppl_and_calibrate(long_named, smollm2_cmf):
+    short = smollm2_cmf("q8")
+    r = _run("ppl", str(long_named), str(short), "--max-tokens", "160", "-c", "128", "-t", "1")
     assert r.exit_code == 0, r.output
-    row = [ln for ln in r.output.splitlines() if f"{LONG_NAME} (q8)" in ln]
+    lines = r.output.splitlines()
+    row = [ln for ln in lines if f"{LONG_NAME} (q8)" in ln and "Against" not in ln]
     assert len(row) == 1 and re.search(r"\d+\.\d{4} +\d+\.\d+–\d+\.\d+", row[0]), r.output
+    # The comparison table is narrower than its title: the title still stays whole.
+    assert f"Against {LONG_NAME} (q8)" in [ln.strip() for ln in lines]
     assert r.output.strip().splitlines()[0].startswith("text ")  # no blank line first
     r = _run("calibrate", str(long_named), "--max-tokens", "160", "-c", "128", "-t", "1")
     assert r.exit_code == 0, r.output
