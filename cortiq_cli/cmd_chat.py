@@ -88,6 +88,19 @@ def _turns(interactive: bool) -> Iterator[str]:
             yield line.rstrip("\n")
 
 
+def _drop_oldest_turns(conv: Conversation, ids: list[int], render, *, room: int, ctx: int, note) -> list[int]:
+    """--evict before a turn: drop the oldest messages (the system prompt stays) until the
+    conversation leaves ``room`` tokens of the context for the answer."""
+    dropped = 0
+    while len(ids) > ctx - room and len(conv.messages) > 1:
+        del conv.messages[: min(2, len(conv.messages) - 1)]
+        dropped += 1
+        ids = render()
+    if dropped:
+        note(f"context full: dropped the {dropped} oldest turn(s)")
+    return ids
+
+
 class _Interrupt:
     """Ctrl-C during an answer sets a flag the token callback reads: the answer stops
     after the current token, the cache stays consistent and the chat goes on."""
@@ -126,7 +139,7 @@ def chat(
     seed: Annotated[Optional[int], typer.Option("--seed", help="Sampling seed.", rich_help_panel=SAMPLING)] = None,
     ctx: Annotated[Optional[int], typer.Option("--ctx", min=1, help="Context length (default: min(max_position_embeddings, 4096)).", rich_help_panel=CONTEXT)] = None,
     evict: Annotated[
-        bool, typer.Option("--evict", help="When the context fills during an answer, drop its oldest half and go on (then the cache starts over next turn).", rich_help_panel=CONTEXT)
+        bool, typer.Option("--evict", help="When the context is full: drop the oldest turns before a turn, the oldest half of the cache during an answer.", rich_help_panel=CONTEXT)
     ] = False,
     threads: Annotated[Optional[int], typer.Option("--threads", "-t", min=1, help="Compute threads (default: all cores).")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="One JSON object per turn (JSON lines) instead of streamed text.")] = False,
@@ -219,6 +232,9 @@ def chat(
         conv.messages.append({"role": "user", "content": line})
         try:
             ids = tok.encode(tok.apply_chat_template(conv.rendered()), add_bos=False)
+            if evict:
+                ids = _drop_oldest_turns(conv, ids, lambda: tok.encode(tok.apply_chat_template(conv.rendered()), add_bos=False),
+                                         room=min(max_tokens, eng.ctx // 2), ctx=eng.ctx, note=note)
             with _Interrupt() as stop:
                 turn = session.generate(
                     ids, config, max_tokens=max_tokens, evict=evict, logprobs=logprobs,

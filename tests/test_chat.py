@@ -124,6 +124,18 @@ def test_context_full_is_a_turn_error_and_the_chat_goes_on(tiny):
     assert docs[1]["reused_tokens"] > 0  # the failed turn did not spoil the cache
 
 
+def test_evict_drops_the_oldest_turns(tiny):
+    turns = "".join(f"turn {k} " + "y" * 20 + "\n" for k in range(4))
+    r = runner.invoke(app, ["chat", str(tiny["chat"]), "--ctx", "96", "-n", "8", "--json", "--evict"], input=turns)
+    assert r.exit_code == 0, r.output
+    docs = [json.loads(ln) for ln in r.stdout.splitlines()]
+    assert len(docs) == 4 and all(d["conversation_tokens"] <= 96 - 8 for d in docs)
+    assert "dropped the" in r.stderr
+    # Without --evict the same script runs out of context.
+    r = runner.invoke(app, ["chat", str(tiny["chat"]), "--ctx", "96", "-n", "8", "--json"], input=turns)
+    assert r.exit_code == 1 and "longer than the context" in r.stderr
+
+
 def test_cli_commands_and_json_turns(tiny, tmp_path):
     saved = tmp_path / "conv.json"
     script = "\n".join(["Hello there", f"/save {saved}", "/reset", "Hello there", "/system Be kind.", "Again", "/help", "/exit", "never"])
