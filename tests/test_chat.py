@@ -204,8 +204,8 @@ def mtp_chat(tmp_path_factory):
 
 def test_speculative_chat_equals_plain_chat(mtp_chat):
     turns = "Hello there\nAnd then?\nThanks\n"
-    spec = runner.invoke(app, ["chat", str(mtp_chat), "-n", "10", "--json", "-t", "1"], input=turns)
-    plain = runner.invoke(app, ["chat", str(mtp_chat), "-n", "10", "--json", "-t", "1", "--no-mtp"], input=turns)
+    spec = runner.invoke(app, ["chat", str(mtp_chat), "-n", "10", "--json", "-t", "1", "--logprobs", "3"], input=turns)
+    plain = runner.invoke(app, ["chat", str(mtp_chat), "-n", "10", "--json", "-t", "1", "--logprobs", "3", "--no-mtp"], input=turns)
     assert spec.exit_code == 0 and plain.exit_code == 0, spec.output + plain.output
     s = [json.loads(ln) for ln in spec.stdout.splitlines()]
     p = [json.loads(ln) for ln in plain.stdout.splitlines()]
@@ -213,3 +213,8 @@ def test_speculative_chat_equals_plain_chat(mtp_chat):
     assert [d["token_ids"] for d in s] == [d["token_ids"] for d in p]
     assert [d["reused_tokens"] for d in s] == [d["reused_tokens"] for d in p]
     assert s[1]["reused_tokens"] > 0 and s[1]["mtp"]["rounds"] > 0
+    # Verified rows carry the log-probabilities a plain decode step gives (row-exact verify).
+    for ds, dp in zip(s, p):
+        for ts, tp in zip(ds["tokens"], dp["tokens"]):
+            assert [x["id"] for x in ts["top_logprobs"]] == [x["id"] for x in tp["top_logprobs"]]
+            assert ts["logprob"] == pytest.approx(tp["logprob"], abs=1e-5)
