@@ -195,6 +195,12 @@ def _option_sections(ctx: Any, cmd: Any) -> list[Any]:
 class CortiqCommand(TyperCommand):
     """A command with ``--version``, llama.cpp-style usage and plain help."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        for p in self.params:
+            if isinstance(p, TyperArgument) and p.metavar is None and p.name:
+                p.metavar = p.name.upper()  # MODEL in usage, help and "Missing argument 'MODEL'"
+
     def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
         if _wants_version(args, before_first_positional=False):
             _print_version(ctx)

@@ -50,6 +50,11 @@ def test_generate_usage_reads_model_prompt():
     assert re.search(r"^  --json +Print one JSON object", out, re.M)  # a flag: no metavar
 
 
+def test_usage_errors_name_arguments_in_upper_case():
+    r = _run("generate")
+    assert r.exit_code == 2 and "Missing argument 'MODEL'" in r.output
+
+
 def test_group_help_lists_each_command_on_one_line():
     r = _run("-h")
     assert r.exit_code == 0
