@@ -259,7 +259,7 @@ def _require_matplotlib() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise CortiqError("--plot needs matplotlib (pip install matplotlib)") from None
+        raise CortiqError("--plot needs matplotlib: pip install 'cortiq[plot]'") from None
 
 
 def draw_png(report: CalibrationReport, path: Path) -> None:

@@ -8,7 +8,7 @@ import typer
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 
-from cortiq_cli.common import console, err_console, handle_errors, human_bytes, print_json
+from cortiq_cli.common import console, err_console, handle_errors, human_bytes, print_json, print_table
 from formats.convert import MTP_MODES, ConvertReport, QuantPolicy, convert_checkpoint
 from formats.quants import QUANT_CHOICES
 
@@ -40,6 +40,7 @@ def convert(
         TextColumn("{task.fields[tensor]}", style="dim"),
         console=err_console,
         transient=True,
+        disable=not err_console.is_terminal,  # redirected, rich would leave a blank line
     ) as bar:
         task = bar.add_task("converting", total=None, tensor="")
 
@@ -62,7 +63,7 @@ def _render(r: ConvertReport) -> None:
     for name in sorted(r.by_dtype, key=lambda k: -r.by_dtype[k].bytes):
         s = r.by_dtype[name]
         t.add_row(name, str(s.tensors), f"{s.params:,}", human_bytes(s.bytes), f"{100 * s.rms_rel_error:.3f}%")
-    console.print(t)
+    print_table(console, t)
     console.print(
         f"{human_bytes(r.source_bytes)} read in {r.seconds:.1f} s ({r.mb_per_s:.0f} MB/s) from {r.source}",
         highlight=False,

@@ -4,7 +4,8 @@ Greedy decoding is the default (``--temperature 0``) so the same command gives t
 same text every time; any temperature > 0 samples (seeded by ``--seed``). The text
 streams to stdout as it is produced; the closing statistics line goes to stderr, so
 ``cortiq generate ... > out.txt`` keeps only the text. ``--json`` prints one JSON
-object instead (text, per-token id/text/confidence, timings, finish reason).
+object instead (text, per-token id/text/confidence, with ``--logprobs N`` the top-N
+log-probabilities per step, timings, peak RSS, finish reason).
 """
 
 from __future__ import annotations
@@ -16,18 +17,22 @@ from typing import Annotated, Optional
 import typer
 
 from cortiq_cli import mtp_options as mtp_opt
-from cortiq_cli.common import err_console, handle_errors, print_json
+from cortiq_cli.common import err_console, handle_errors, human_bytes, load_engine, peak_rss_bytes, print_json, read_prompt
 from cortiq_cli.moe_stats import moe_stats_json, print_moe_stats
 from formats.errors import CortiqError
 
 SAMPLING = "Sampling"
+MAX_LOGPROBS = 20  # OpenAI's bound; more is a different question (use the engine's logits)
 CONTEXT = "Context"
 
 
 @handle_errors
 def generate(
     model: Annotated[Path, typer.Argument(help="Model file (.cmf).", show_default=False)],
-    prompt: Annotated[str, typer.Argument(help="Prompt text; '-' reads it from stdin.", show_default=False)],
+    prompt: Annotated[
+        Optional[str], typer.Argument(help="Prompt text; '-' reads it from stdin (or give --prompt-file).", show_default=False)
+    ] = None,
+    prompt_file: Annotated[Optional[Path], typer.Option("--prompt-file", "-f", help="Read the prompt from this file (UTF-8).")] = None,
     max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", min=1, help="Generate at most this many tokens.")] = 256,
     temperature: Annotated[
         float, typer.Option("--temperature", "--temp", min=0.0, help="0 = greedy (the default, reproducible); > 0 samples.", rich_help_panel=SAMPLING)
@@ -51,8 +56,11 @@ def generate(
         typer.Option("--evict", help="When the context is full, drop its oldest half and go on (positions keep increasing) instead of stopping.", rich_help_panel=CONTEXT),
     ] = False,
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Do not stop at end-of-sequence tokens (benchmarks).")] = False,
-    threads: Annotated[Optional[int], typer.Option("--threads", min=1, help="Compute threads (default: all cores).")] = None,
+    threads: Annotated[Optional[int], typer.Option("--threads", "-t", min=1, help="Compute threads (default: all cores).")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of streaming text.")] = False,
+    logprobs: Annotated[
+        int, typer.Option("--logprobs", min=0, max=MAX_LOGPROBS, help="Each step's N most likely tokens with their log-probabilities (in --json; else listed after the text).")
+    ] = 0,
     moe_stats: Annotated[
         bool, typer.Option("--moe-stats", help="MoE models: show how often each expert of each layer was chosen (and in --json).")
     ] = False,
@@ -64,20 +72,15 @@ def generate(
     mtp_compare: mtp_opt.MtpCompare = False,
 ) -> None:
     """Generate text from a prompt with a CMF model (greedy by default)."""
-    from cortiq_engine import Engine, SamplingConfig
+    from cortiq_engine import SamplingConfig
 
-    if prompt == "-":
-        prompt = sys.stdin.read()
+    prompt = read_prompt(prompt, prompt_file)
     if not prompt:
         raise CortiqError("empty prompt: nothing to generate from")
     config = SamplingConfig(
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty, seed=seed
     )
-    if json_out:
-        eng = Engine.load(model, threads=threads, ctx=ctx)
-    else:
-        with err_console.status(f"loading {model.name}", spinner="dots"):
-            eng = Engine.load(model, threads=threads, ctx=ctx)
+    eng = load_engine(model, threads=threads, ctx=ctx, quiet=json_out)
     tok = eng.tokenizer
     if chat or system is not None:
         messages = ([{"role": "system", "content": system}] if system is not None else []) + [{"role": "user", "content": prompt}]
@@ -98,11 +101,12 @@ def generate(
     if spec is not None:
         res = mtp_opt.generate(
             eng, ids, spec, config, max_tokens=max_tokens, stop=stop or [], compare=mtp_compare,
-            ignore_eos=ignore_eos, on_text=None if json_out else stream,
+            ignore_eos=ignore_eos, on_text=None if json_out else stream, logprobs=logprobs,
         )
     else:
         res = eng.generate(
-            ids, config, max_tokens=max_tokens, stop=stop or [], on_text=None if json_out else stream, evict=evict, ignore_eos=ignore_eos
+            ids, config, max_tokens=max_tokens, stop=stop or [], on_text=None if json_out else stream, evict=evict,
+            ignore_eos=ignore_eos, logprobs=logprobs,
         )
     if json_out:
         print_json(
@@ -122,6 +126,7 @@ def generate(
                     "seed": seed,
                 },
                 **res.to_json(),
+                "peak_rss_bytes": peak_rss_bytes(),
                 **({"mtp_note": mtp_note} if mtp_note else {}),
                 **({"moe_stats": moe_stats_json(res.expert_usage, eng.arch)} if moe_stats else {}),
             }
@@ -134,12 +139,24 @@ def generate(
     err_console.print(
         f"[dim]prompt[/] {res.prompt_tokens} tok · [dim]prefill[/] {res.prefill_tok_s:.1f} tok/s · "
         f"[dim]decode[/] {len(res.token_ids)} tok, {res.decode_tok_s:.1f} tok/s · "
-        f"[dim]mean confidence[/] {mean_conf:.2f}{calib} · [dim]finish[/] [bold]{res.finish_reason}[/]",
+        f"[dim]mean confidence[/] {mean_conf:.2f}{calib} · [dim]peak RSS[/] {human_bytes(peak_rss_bytes())} · "
+        f"[dim]finish[/] [bold]{res.finish_reason}[/]",
         highlight=False,
     )
+    if logprobs:
+        print_logprobs(err_console, res.tokens)
     if moe_stats:
         print_moe_stats(err_console, moe_stats_json(res.expert_usage, eng.arch))
     if spec is not None:
         mtp_opt.render(err_console, res.extra["mtp"])
     elif mtp_note:
         err_console.print(f"[dim]{mtp_note}[/]", highlight=False)
+
+
+def print_logprobs(console, tokens) -> None:
+    """One line per step: the chosen token, then the most likely ones, with log-probabilities."""
+    from rich.markup import escape
+
+    for k, ev in enumerate(tokens):
+        alts = "  ".join(f"{escape(repr(t.text))} {t.logprob:.3f}" for t in ev.top_logprobs or [])
+        console.print(f"[dim]{k:>4}[/] {escape(repr(ev.text))} [bold]{ev.logprob:.3f}[/]  [dim]|[/] {alts}", highlight=False)

@@ -8,7 +8,7 @@ import typer
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from cortiq_cli.common import console, err_console, handle_errors, human_bytes, print_json
+from cortiq_cli.common import console, err_console, handle_errors, human_bytes, print_json, print_table
 from formats.gguf_import import OUT_DTYPES, ImportReport, import_gguf as run_import
 
 
@@ -33,6 +33,7 @@ def import_gguf(
         TextColumn("{task.description}"),
         console=err_console,
         transient=True,
+        disable=not err_console.is_terminal,  # redirected, rich would leave a blank line
     )
     task = bar.add_task("", total=None)
 
@@ -63,6 +64,6 @@ def _render(r: ImportReport) -> None:
     t.add_row("chat template", "yes" if r.chat_template else "no")
     t.add_row("size", f"{human_bytes(r.source_bytes)} -> {human_bytes(r.output_bytes)}")
     t.add_row("time", f"{r.seconds:.1f} s")
-    console.print(t)
+    print_table(console, t)
     for w in r.warnings:
         err_console.print(f"[yellow]warning:[/] {w}", highlight=False)

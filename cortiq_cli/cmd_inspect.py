@@ -190,7 +190,7 @@ def verify(
     results: list[dict[str, Any]] = []
     with Progress(
         TextColumn("[bold]verifying"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-        console=err_console, transient=True, disable=json_out,
+        console=err_console, transient=True, disable=json_out or not err_console.is_terminal,
     ) as bar:
         task = bar.add_task("verify", total=total)
         for f in files:

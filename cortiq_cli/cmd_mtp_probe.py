@@ -10,7 +10,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from cortiq_cli import text_options as opt
-from cortiq_cli.common import console, err_console, handle_errors, print_json
+from cortiq_cli.common import console, err_console, handle_errors, print_json, print_table
 from cortiq_cli.mtp_options import MTP_PANEL, MtpDepth, MtpPath
 from formats.errors import CortiqError
 
@@ -51,7 +51,10 @@ def mtp_probe(
     eng = Engine.load(model, threads=threads)
     stack = load_draft_stack(eng.cmf, eng.arch, eng.kernels, path=mtp)
     if stack is None:
-        raise CortiqError(f"{model}: no MTP draft layers (none inline, no sidecar beside it); give --mtp PATH")
+        raise CortiqError(
+            f"{model}: no MTP draft layers (none inline, no sidecar beside it); train them with "
+            f"`cortiq mtp-train {model}` (it writes the sidecar beside the model), or give --mtp PATH"
+        )
     ids = eng.tokenizer.encode(loaded.text, add_bos=True)[:max_tokens]
     k = depth or stack.num_layers
     chains, hiddens = _choices(chain, CHAINS, "--mtp-chain"), _choices(hidden, HIDDENS, "--mtp-hidden")
@@ -64,7 +67,8 @@ def mtp_probe(
         results = probe(eng.model, stack, ids, k, variants)
     else:
         with Progress(
-            TextColumn("[bold]probing"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=err_console, transient=True
+            TextColumn("[bold]probing"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=err_console, transient=True,
+            disable=not err_console.is_terminal,
         ) as bar:
             task = bar.add_task("probe", total=steps)
             results = probe(eng.model, stack, ids, k, variants, progress=lambda n: bar.advance(task, n))
@@ -93,4 +97,4 @@ def mtp_probe(
         table.add_row("&".join(f"d{i + 1}" for i in range(d + 1)), *(f"{r.chained[d]:.1%}" for r in results))
     table.add_row("tokens/round", *(f"{r.tokens_per_round:.3f}" for r in results), style="bold")
     table.add_row("positions", *(str(r.positions) for r in results), style="dim")
-    console.print(table)
+    print_table(console, table)

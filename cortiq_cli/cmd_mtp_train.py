@@ -10,7 +10,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from cortiq_cli import text_options as opt
-from cortiq_cli.common import console, err_console, handle_errors, print_json
+from cortiq_cli.common import console, err_console, handle_errors, print_json, print_table
 from evals.text_source import load_text
 
 TRAIN_PANEL = "Training"
@@ -73,6 +73,7 @@ def mtp_train(
         TimeRemainingColumn(),
         console=err_console,
         transient=True,
+        disable=not err_console.is_terminal,
     ) as bar:
         tasks: dict[str, Any] = {}
 
@@ -113,6 +114,6 @@ def render(r) -> None:
         t.add_column("rows", justify="right")
         for d, (a, c, n) in enumerate(zip(acc.alone, acc.chained, acc.rows)):
             t.add_row(f"d{d + 1}", f"{a:.1%}", f"{c:.1%}", str(n))
-        console.print(t)
+        print_table(console, t)
         console.print(f"expected tokens per round: [bold]{acc.tokens_per_round:.3f}[/]", highlight=False)
     console.print(f"wrote [bold]{r.sidecar}[/]" + (f"  (checkpoint {r.checkpoint})" if r.checkpoint else ""), highlight=False)

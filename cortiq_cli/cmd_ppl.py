@@ -11,7 +11,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from cortiq_cli import text_options as opt
-from cortiq_cli.common import console, err_console, handle_errors, print_json
+from cortiq_cli.common import console, err_console, handle_errors, print_json, print_table
 from evals.perplexity import Comparison, PerplexityReport, PerplexityResult, run_perplexity
 from evals.text_source import LoadedText, load_text
 from evals.tokens import chunk_bos, tokenize_for
@@ -129,9 +129,9 @@ def render(source: LoadedText, settings: dict[str, Any], result: PerplexityResul
         f"({r0.bytes_scored:,} bytes) in {settings['windows']} windows ({how})",
         highlight=False,
     )
-    console.print(_ppl_table(result.reports))
+    print_table(console, _ppl_table(result.reports))
     if result.comparisons:
-        console.print(_comparison_table(result.comparisons))
+        print_table(console, _comparison_table(result.comparisons))
 
 
 def _num(x: float, digits: int = 4) -> str:

@@ -8,13 +8,46 @@ import sys
 from typing import Any, Callable, TypeVar
 
 import typer
-from rich.console import Console
+from rich.console import Console, ConsoleDimensions
 from rich.markup import escape
+from rich.table import Table
 
 from formats.errors import CortiqError
 
-console = Console()
-err_console = Console(stderr=True)
+# Width when the output is not a terminal: wide enough that no line, path or table
+# cell is ever wrapped (tables still render at their natural width).
+UNWRAPPED_WIDTH = 100_000
+
+
+class OutputConsole(Console):
+    """A rich console that wraps to the terminal, and not at all when redirected:
+    ``cortiq inspect m.cmf > out.txt`` keeps every path and table cell on one line."""
+
+    @property
+    def size(self) -> ConsoleDimensions:
+        size = Console.size.fget(self)
+        return size if self.is_terminal else ConsoleDimensions(UNWRAPPED_WIDTH, size.height)
+
+    @size.setter
+    def size(self, new_size: tuple[int, int]) -> None:
+        Console.size.fset(self, new_size)
+
+
+console = OutputConsole()
+err_console = OutputConsole(stderr=True)
+
+
+def print_table(out: Console, table: Table) -> None:
+    """Print ``table``; a title wider than the table (a long path) goes on its own line
+    above it, where rich would wrap it at the table's width."""
+    title = table.title
+    if isinstance(title, str):
+        text = out.render_str(title, style="table.title")
+        if text.cell_len > out.measure(table).maximum:
+            table.title = None
+            out.print(text, highlight=False)
+    out.print(table)
+
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -68,3 +101,38 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} TB"
+
+
+def load_engine(model: Any, *, threads: int | None, ctx: int | None, quiet: bool = False) -> Any:
+    """``Engine.load`` with a spinner on a terminal (redirected, none: rich's live
+    display would leave a blank line in the output)."""
+    from cortiq_engine import Engine
+
+    if quiet or not err_console.is_terminal:
+        return Engine.load(model, threads=threads, ctx=ctx)
+    with err_console.status(f"loading {getattr(model, 'name', model)}", spinner="dots"):
+        return Engine.load(model, threads=threads, ctx=ctx)
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size so far (what mlx_lm prints as peak memory)."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)  # bytes on macOS, KiB on Linux
+
+
+def read_prompt(prompt: str | None, prompt_file: Any) -> str:
+    """The prompt from the argument, stdin ('-') or ``--prompt-file``."""
+    if prompt_file is not None:
+        if prompt is not None:
+            raise CortiqError("give a PROMPT or --prompt-file, not both")
+        try:
+            return prompt_file.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise CortiqError(f"{prompt_file}: no such file") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise CortiqError(f"{prompt_file}: cannot read the prompt ({e})") from None
+    if prompt is None:
+        raise CortiqError("no prompt: give PROMPT, '-' for stdin, or --prompt-file PATH")
+    return sys.stdin.read() if prompt == "-" else prompt

@@ -6,6 +6,8 @@ import importlib
 
 import typer
 
+from cortiq_cli.help import CortiqCommand, CortiqGroup
+
 app = typer.Typer(
     name="cortiq",
     help="Convert, run and evaluate large language models on the CPU.",
@@ -13,6 +15,8 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
     rich_markup_mode="rich",
+    cls=CortiqGroup,  # --version, llama.cpp-style help (cortiq_cli/help.py)
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
 
 # (command name, module in cortiq_cli, function). Each module keeps its own options.
@@ -26,10 +30,12 @@ COMMANDS = [
     ("calibrate", "cmd_calibrate", "calibrate"),
     ("mtp-probe", "cmd_mtp_probe", "mtp_probe"),
     ("mtp-train", "cmd_mtp_train", "mtp_train"),
+    ("chat", "cmd_chat", "chat"),
+    ("bench", "cmd_bench", "bench"),
 ]
 
 for _name, _module, _func in COMMANDS:
-    app.command(_name)(getattr(importlib.import_module(f"cortiq_cli.{_module}"), _func))
+    app.command(_name, cls=CortiqCommand)(getattr(importlib.import_module(f"cortiq_cli.{_module}"), _func))
 
 
 def main() -> None:

@@ -7,6 +7,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from cortiq_cli.common import print_table
 from formats.arch import ArchConfig
 
 # Up to this many experts the table has one column per expert; beyond, a summary.
@@ -56,4 +57,4 @@ def print_moe_stats(console: Console, stats: dict[str, Any] | None) -> None:
                 f"{max(counts) / total:.1%}" if total else "-",
                 " ".join(f"{e}×{counts[e]}" for e in top if counts[e]),
             )
-    console.print(table)
+    print_table(console, table)

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Optional
 import typer
 from rich.table import Table
 
+from cortiq_cli.common import print_table
 from formats.errors import CortiqError
 
 MTP_PANEL = "Speculative decoding (MTP)"
@@ -55,7 +56,10 @@ def resolve(engine, *, mtp: Path | None, no_mtp: bool, depth: int | None, chain:
     stack = load_draft_stack(engine.cmf, engine.arch, engine.kernels, path=mtp)
     if stack is None:
         if depth is not None or chain is not None:
-            raise CortiqError(f"{engine.path}: no MTP draft layers (none inline, no sidecar beside it); give --mtp PATH")
+            raise CortiqError(
+                f"{engine.path}: no MTP draft layers (none inline, no sidecar beside it); train them with "
+                f"`cortiq mtp-train {engine.path}`, or give --mtp PATH"
+            )
         return None, ""
     if not greedy:
         return None, "speculative decoding is off: it is exact for greedy decoding only (temperature 0)"
@@ -65,14 +69,14 @@ def resolve(engine, *, mtp: Path | None, no_mtp: bool, depth: int | None, chain:
 
 
 def generate(engine, prompt_ids, spec: Speculation, config, *, max_tokens: int, stop=(), compare: bool = False,
-             ignore_eos: bool = False, on_token=None, on_text=None):
+             ignore_eos: bool = False, on_token=None, on_text=None, logprobs: int = 0, state=None):
     """Speculative generation; with ``compare`` also plain decoding of the same prompt,
     so ``result.extra["mtp"]`` carries the speedup and whether the tokens are the same."""
     from cortiq_engine.speculative import generate_with_engine
 
     eos = () if ignore_eos else engine.eos_ids
     res = generate_with_engine(engine, prompt_ids, spec.drafter, max_tokens=max_tokens, stop=stop, eos_ids=eos,
-                               config=config, on_token=on_token, on_text=on_text)
+                               config=config, on_token=on_token, on_text=on_text, logprobs=logprobs, state=state)
     mtp = res.extra["mtp"]
     mtp["decode_tok_s"] = res.decode_tok_s
     if compare:
@@ -106,4 +110,4 @@ def render(console, mtp: dict[str, Any]) -> None:
             f"{mtp['speedup']:.2f}x end to end, {mtp['decode_speedup']:.2f}x decode "
             f"({mtp['decode_tok_s']:.1f} vs {mtp['plain_decode_tok_s']:.1f} tok/s), {same}",
         )
-    console.print(t)
+    print_table(console, t)

@@ -154,6 +154,7 @@ class Engine:
         on_text: Callable[[str], None] | None = None,
         evict: bool = False,
         ignore_eos: bool = False,
+        logprobs: int = 0,
     ) -> GenerationResult:
         return generate(
             self.model,
@@ -168,6 +169,7 @@ class Engine:
             calibration_temperature=self.calibration_temperature,
             on_token=on_token,
             on_text=on_text,
+            logprobs=logprobs,
         )
 
     def close(self) -> None:

@@ -34,9 +34,45 @@ class TokenEvent:
     id: int
     text: str  # this token's piece of the output text ("" while a character is incomplete)
     confidence: float  # softmax probability of this token (calibrated if the file has a temperature)
+    # With ``logprobs=N``: log-softmax of the raw logits (T = 1, before any penalty)
+    # for this token and the N most likely ones, as OpenAI-style APIs report them.
+    logprob: float | None = None
+    top_logprobs: list[TopLogprob] | None = None
 
     def to_json(self) -> dict:
-        return {"id": self.id, "text": self.text, "confidence": self.confidence}
+        d = {"id": self.id, "text": self.text, "confidence": self.confidence}
+        if self.top_logprobs is not None:
+            d["logprob"] = self.logprob
+            d["top_logprobs"] = [t.to_json() for t in self.top_logprobs]
+        return d
+
+
+@dataclass(frozen=True)
+class TopLogprob:
+    id: int
+    text: str  # the token's own text (special tokens spelled out)
+    logprob: float
+
+    def to_json(self) -> dict:
+        return {"id": self.id, "text": self.text, "logprob": self.logprob}
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    z = logits.astype(np.float64)
+    z = z - z.max()
+    return z - np.log(np.exp(z).sum())
+
+
+def add_logprobs(ev: TokenEvent, logits: np.ndarray, n: int, tokenizer: Tokenizer | None) -> None:
+    """Fill ``ev.logprob`` and its ``n`` most likely alternatives (ties: lower id first)."""
+    lp = log_softmax(logits)
+    ev.logprob = float(lp[ev.id])
+    n = min(n, lp.size)
+    top = np.argpartition(-lp, n - 1)[:n] if n < lp.size else np.arange(lp.size)
+    top = top[np.lexsort((top, -lp[top]))]
+    ev.top_logprobs = [
+        TopLogprob(int(i), tokenizer.decode([int(i)]) if tokenizer is not None else "", float(lp[i])) for i in top
+    ]
 
 
 @dataclass
@@ -85,6 +121,13 @@ class GenerationResult:
             "evictions": self.evictions,
             **self.extra,
         }
+
+
+def check_history(state: State | None, history: Sequence[int]) -> None:
+    """A cached prefix needs the state that holds exactly it."""
+    if history and (state is None or state.length != len(history) or state.position != len(history)):
+        have = "no state" if state is None else f"a state of {state.length} rows at position {state.position}"
+        raise ValueError(f"history of {len(history)} tokens given with {have}")
 
 
 def prefill(state: State, ids: Sequence[int], chunk: int = PREFILL_CHUNK) -> np.ndarray:
@@ -153,18 +196,27 @@ def generate(
     on_token: Callable[[TokenEvent], bool | None] | None = None,
     on_text: Callable[[str], None] | None = None,
     state: State | None = None,
+    logprobs: int = 0,
+    history: Sequence[int] = (),
 ) -> GenerationResult:
     """Generate up to ``max_tokens`` tokens after ``prompt_ids`` (see the module doc).
 
+    ``history``: the tokens ``state`` already holds (a conversation's cached prefix,
+    see ``cortiq_engine.session``); only ``prompt_ids`` are forwarded, and the
+    repetition penalty and the context check see history + prompt.
+
     ``on_token`` sees every token as it is chosen (return False to stop);
     ``on_text`` receives printable text as it becomes final (UTF-8 completed,
-    stop strings held back), for streaming to a terminal.
+    stop strings held back), for streaming to a terminal. ``logprobs`` > 0 adds each
+    step's top-``logprobs`` log-probabilities to the token events.
     """
     prompt_ids = [int(i) for i in prompt_ids]
+    history = [int(i) for i in history]
     if not prompt_ids:
         raise CortiqError("empty prompt: nothing to generate from")
-    if len(prompt_ids) > capacity:
-        raise CortiqError(f"prompt has {len(prompt_ids)} tokens, longer than the context of {capacity} (raise --ctx)")
+    check_history(state, history)
+    if len(history) + len(prompt_ids) > capacity:
+        raise CortiqError(f"prompt has {len(history) + len(prompt_ids)} tokens, longer than the context of {capacity} (raise --ctx)")
     if max_tokens < 1:
         raise CortiqError(f"max tokens must be >= 1, got {max_tokens}")
     bad = [i for i in prompt_ids if not 0 <= i < model.vocab_size]
@@ -175,7 +227,7 @@ def generate(
     decoder = StreamDecoder(tokenizer) if tokenizer is not None else None
     stops = StopStrings(stop)
     eos = set(int(e) for e in eos_ids)
-    seen = list(prompt_ids)
+    seen = history + prompt_ids
 
     t0 = time.perf_counter()
     h = prefill(state, prompt_ids)
@@ -194,6 +246,8 @@ def generate(
         is_eos = tok in eos
         piece = decoder.push(tok) if (decoder is not None and not is_eos) else ""
         ev = TokenEvent(tok, piece, conf)
+        if logprobs > 0:
+            add_logprobs(ev, logits, logprobs, tokenizer)
         events.append(ev)
         shown, hit = stops.feed(piece)
         if shown and on_text is not None:

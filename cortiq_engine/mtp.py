@@ -280,6 +280,16 @@ class Drafter:
         self.committed = [0] * len(self.caches)
         self.hist_len = 0
 
+    def keep(self, n: int) -> None:
+        """Keep the backbone rows of positions < n (a conversation's cached prefix); the
+        draft layers' caches are rebuilt from them at the next draft."""
+        if n > self.hist_len:
+            raise ValueError(f"keep({n}): the drafter holds {self.hist_len} backbone rows")
+        self.hist_len = n
+        for c in self.caches:
+            c.truncate(0)
+        self.committed = [0] * len(self.caches)
+
     # -------------------------------------------------------------- backbone rows
     def note(self, first_pos: int, rows: np.ndarray) -> None:
         """Record the backbone's pre-norm hidden rows of positions first_pos.. (in order)."""

@@ -28,7 +28,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from formats.errors import CortiqError
-from cortiq_engine.generate import PREFILL_CHUNK, GenerationResult, TokenEvent, StopStrings
+from cortiq_engine.generate import PREFILL_CHUNK, GenerationResult, TokenEvent, StopStrings, add_logprobs, check_history
 from cortiq_engine.model import Model, State, forward
 from cortiq_engine.mtp import Drafter
 from cortiq_engine.sampling import Sampler, SamplingConfig, token_probability
@@ -158,19 +158,24 @@ def generate_speculative(
     on_token: Callable[[TokenEvent], bool | None] | None = None,
     on_text: Callable[[str], None] | None = None,
     state: State | None = None,
+    logprobs: int = 0,
+    history: Sequence[int] = (),
 ) -> GenerationResult:
     """Greedy generation with MTP drafts; the same tokens, events and finish reasons as
     ``cortiq_engine.generate.generate`` (without eviction: a full context ends with
-    ``length``). ``result.extra["mtp"]`` holds the ``SpecStats``."""
+    ``length``). ``result.extra["mtp"]`` holds the ``SpecStats``. ``history`` as there:
+    the drafter must still hold the backbone rows of those positions."""
     config = config or SamplingConfig()
     if not config.greedy:
         raise CortiqError("speculative decoding is exact for greedy decoding only (temperature 0)")
     prompt_ids = [int(i) for i in prompt_ids]
+    history = [int(i) for i in history]
     capacity = drafter.capacity
     if not prompt_ids:
         raise CortiqError("empty prompt: nothing to generate from")
-    if len(prompt_ids) > capacity:
-        raise CortiqError(f"prompt has {len(prompt_ids)} tokens, longer than the context of {capacity} (raise --ctx)")
+    check_history(state, history)
+    if len(history) + len(prompt_ids) > capacity:
+        raise CortiqError(f"prompt has {len(history) + len(prompt_ids)} tokens, longer than the context of {capacity} (raise --ctx)")
     if max_tokens < 1:
         raise CortiqError(f"max tokens must be >= 1, got {max_tokens}")
     bad = [i for i in prompt_ids if not 0 <= i < model.vocab_size]
@@ -178,12 +183,15 @@ def generate_speculative(
         raise CortiqError(f"prompt token id {bad[0]} outside the vocabulary (0..{model.vocab_size - 1})")
 
     state = state or model.new_state(capacity)
-    drafter.reset()
+    if history:
+        drafter.keep(len(history))
+    else:
+        drafter.reset()
     sampler = Sampler(config)
     decoder = StreamDecoder(tokenizer) if tokenizer is not None else None
     stops = StopStrings(stop)
     eos = set(int(e) for e in eos_ids)
-    seen = list(prompt_ids)
+    seen = history + prompt_ids
     ids: list[int] = []
     events: list[TokenEvent] = []
     stats = SpecStats(drafter.depth, chain=drafter.chain, hidden=drafter.hidden, source=drafter.stack.source)
@@ -195,6 +203,8 @@ def generate_speculative(
         is_eos = tok in eos
         piece = decoder.push(tok) if (decoder is not None and not is_eos) else ""
         ev = TokenEvent(tok, piece, token_probability(logits, tok, calibration_temperature))
+        if logprobs > 0:
+            add_logprobs(ev, logits, logprobs, tokenizer)
         events.append(ev)
         shown, hit = stops.feed(piece)
         if shown and on_text is not None:
@@ -213,7 +223,7 @@ def generate_speculative(
     h = None
     for s in range(0, len(prompt_ids), PREFILL_CHUNK):  # the plain loop's chunks: same last row
         h = forward(state, prompt_ids[s : s + PREFILL_CHUNK])
-        drafter.note(s, h)
+        drafter.note(len(history) + s, h)
     logits = model.lm_head(model.final_norm(h[-1:]))[0]
     t1 = time.perf_counter()
 
@@ -227,7 +237,7 @@ def generate_speculative(
         k = min(drafter.depth, max_tokens - len(ids) - 1, state.free() - 1, max_verify - 1)
         t = state.position - 1
         ta = time.perf_counter()
-        drafts = drafter.draft(t, prompt_ids + ids, k) if k > 0 else []
+        drafts = drafter.draft(t, history + prompt_ids + ids, k) if k > 0 else []
         tb = time.perf_counter()
         with row_exact(model.kernels):
             hb = forward(state, [ids[-1], *drafts])

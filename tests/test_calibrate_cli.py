@@ -146,7 +146,7 @@ def test_plot_without_matplotlib(tiny, tmp_path, monkeypatch):
     path, _, _ = tiny
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
     r = runner.invoke(app, ["calibrate", str(path), "--max-tokens", "50", "--plot", str(tmp_path / "x.png")])
-    assert r.exit_code == 1 and r.stderr.strip() == "error: --plot needs matplotlib (pip install matplotlib)"
+    assert r.exit_code == 1 and r.stderr.strip() == "error: --plot needs matplotlib: pip install 'cortiq[plot]'"
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,277 @@
+"""``cortiq chat MODEL.cmf``: a multi-turn conversation through the model's chat template.
+
+The KV cache stays across turns (``cortiq_engine.session``): a turn forwards only
+the tokens its conversation does not share with the cache, and the stats line says
+how many. Turns come from the keyboard on a terminal, else one per line of stdin
+(``printf 'Hi\\nAnd then?\\n' | cortiq chat m.cmf``). Lines starting with ``/`` are
+commands (``/help``). Ctrl-C stops the current answer and keeps the chat; Ctrl-D
+(or ``/exit``) leaves. ``--json`` prints one JSON object per turn instead of text.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, Iterator, Optional
+
+import typer
+from rich.markup import escape
+
+from cortiq_cli import mtp_options as mtp_opt
+from cortiq_cli.common import err_console, handle_errors, human_bytes, load_engine, peak_rss_bytes, print_json
+from cortiq_cli.cmd_generate import MAX_LOGPROBS, print_logprobs
+from formats.errors import CortiqError
+
+SAMPLING = "Sampling"
+CONTEXT = "Context"
+COMMANDS_HELP = (
+    "/reset  forget the conversation (the system prompt stays)\n"
+    "/system TEXT  set the system prompt\n"
+    "/save FILE  write the messages as JSON\n"
+    "/load FILE  read messages from JSON (a list of {role, content})\n"
+    "/exit  leave (or Ctrl-D)"
+)
+
+
+@dataclass
+class Conversation:
+    system: str | None
+    messages: list[dict[str, str]] = field(default_factory=list)  # user/assistant turns
+
+    def rendered(self) -> list[dict[str, str]]:
+        return ([{"role": "system", "content": self.system}] if self.system else []) + self.messages
+
+    def load(self, path: Path) -> None:
+        try:
+            doc = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise CortiqError(f"{path}: no such file") from None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CortiqError(f"{path}: not a JSON message list ({e})") from None
+        if not isinstance(doc, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in doc
+        ):
+            raise CortiqError(f"{path}: expected a JSON list of {{\"role\": ..., \"content\": ...}} objects")
+        msgs = [{"role": m["role"], "content": m["content"]} for m in doc]
+        systems = [m for m in msgs if m["role"] == "system"]
+        self.system = systems[0]["content"] if systems else self.system
+        self.messages = [m for m in msgs if m["role"] != "system"]
+
+    def save(self, path: Path) -> None:
+        try:
+            path.write_text(json.dumps(self.rendered(), ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
+        except OSError as e:
+            raise CortiqError(f"{path}: cannot write ({e})") from None
+
+
+def _turns(interactive: bool) -> Iterator[str]:
+    """The user's lines: typed at a prompt, else read from stdin."""
+    if interactive:
+        try:
+            import readline  # noqa: F401  (line editing and history for input())
+        except ImportError:
+            pass
+        while True:
+            try:
+                yield input(">>> ")
+            except EOFError:
+                sys.stdout.write("\n")
+                return
+            except KeyboardInterrupt:  # Ctrl-C at the prompt: a fresh line, still chatting
+                sys.stdout.write("\n")
+    else:
+        for line in sys.stdin:
+            yield line.rstrip("\n")
+
+
+def _drop_oldest_turns(conv: Conversation, ids: list[int], render, *, room: int, ctx: int, note) -> list[int]:
+    """--evict before a turn: drop the oldest messages (the system prompt stays) until the
+    conversation leaves ``room`` tokens of the context for the answer."""
+    dropped = 0
+    while len(ids) > ctx - room and len(conv.messages) > 1:
+        del conv.messages[: min(2, len(conv.messages) - 1)]
+        dropped += 1
+        ids = render()
+    if dropped:
+        note(f"context full: dropped the {dropped} oldest turn(s)")
+    return ids
+
+
+class _Interrupt:
+    """Ctrl-C during an answer sets a flag the token callback reads: the answer stops
+    after the current token, the cache stays consistent and the chat goes on."""
+
+    def __init__(self) -> None:
+        self.flag = threading.Event()
+        self.previous: Any = None
+
+    def __enter__(self) -> "_Interrupt":
+        self.flag.clear()
+        if threading.current_thread() is threading.main_thread():
+            self.previous = signal.signal(signal.SIGINT, lambda *_: self.flag.set())
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
+            self.previous = None
+
+
+@handle_errors
+def chat(
+    model: Annotated[Path, typer.Argument(help="Model file (.cmf) with a chat template.", show_default=False)],
+    system: Annotated[Optional[str], typer.Option("--system", "-s", help="System prompt.")] = None,
+    load: Annotated[Optional[Path], typer.Option("--load", help="Start from the messages in this JSON file (as /load).")] = None,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", min=1, help="At most this many tokens per answer.")] = 512,
+    temperature: Annotated[
+        float, typer.Option("--temperature", "--temp", min=0.0, help="0 = greedy (the default); > 0 samples.", rich_help_panel=SAMPLING)
+    ] = 0.0,
+    top_k: Annotated[int, typer.Option("--top-k", min=0, help="Keep the k most likely tokens (0 = off).", rich_help_panel=SAMPLING)] = 0,
+    top_p: Annotated[float, typer.Option("--top-p", help="Nucleus mass to keep (1 = off).", rich_help_panel=SAMPLING)] = 1.0,
+    min_p: Annotated[float, typer.Option("--min-p", help="Drop tokens below min_p x the top probability (0 = off).", rich_help_panel=SAMPLING)] = 0.0,
+    repetition_penalty: Annotated[
+        float, typer.Option("--repetition-penalty", "--repeat-penalty", help="Penalty on seen tokens (1 = off).", rich_help_panel=SAMPLING)
+    ] = 1.0,
+    seed: Annotated[Optional[int], typer.Option("--seed", help="Sampling seed.", rich_help_panel=SAMPLING)] = None,
+    ctx: Annotated[Optional[int], typer.Option("--ctx", min=1, help="Context length (default: min(max_position_embeddings, 4096)).", rich_help_panel=CONTEXT)] = None,
+    evict: Annotated[
+        bool, typer.Option("--evict", help="When the context is full: drop the oldest turns before a turn, the oldest half of the cache during an answer.", rich_help_panel=CONTEXT)
+    ] = False,
+    threads: Annotated[Optional[int], typer.Option("--threads", "-t", min=1, help="Compute threads (default: all cores).")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="One JSON object per turn (JSON lines) instead of streamed text.")] = False,
+    logprobs: Annotated[int, typer.Option("--logprobs", min=0, max=MAX_LOGPROBS, help="Each step's N most likely tokens and log-probabilities (in --json; else listed after each answer).")] = 0,
+    mtp: mtp_opt.MtpPath = None,
+    no_mtp: mtp_opt.NoMtp = False,
+    mtp_depth: mtp_opt.MtpDepth = None,
+    mtp_chain: mtp_opt.MtpChain = None,
+    mtp_hidden: mtp_opt.MtpHidden = "pre",
+) -> None:
+    """Chat with a model: multi-turn, streaming, the KV cache kept across turns.
+
+    Commands: /reset, /system TEXT, /save FILE, /load FILE, /help, /exit. When stdin is
+    not a terminal, each of its lines is a turn (or a command). Ctrl-C stops an answer.
+    """
+    from cortiq_engine import SamplingConfig
+    from cortiq_engine.session import ChatSession
+
+    config = SamplingConfig(
+        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty, seed=seed
+    )
+    conv = Conversation(system)
+    if load is not None:
+        conv.load(load)
+    eng = load_engine(model, threads=threads, ctx=ctx, quiet=json_out)
+    tok = eng.tokenizer
+    if not tok.chat_template:
+        raise CortiqError(f"{model}: no chat template in the header; use cortiq generate for plain text")
+    spec, mtp_note = mtp_opt.resolve(
+        eng, mtp=mtp, no_mtp=no_mtp, depth=mtp_depth, chain=mtp_chain, hidden=mtp_hidden, greedy=config.greedy, evict=evict
+    )
+    session = ChatSession(eng, spec.drafter if spec is not None else None)
+    interactive = sys.stdin.isatty() and not json_out
+    if interactive:
+        how = f"speculative decoding ({spec.drafter.stack.source})" if spec is not None else (mtp_note or "")
+        err_console.print(
+            f"[dim]{escape(model.name)} · ctx {eng.ctx} · {eng.threads} threads{' · ' + escape(how) if how else ''} · "
+            f"/help for commands, Ctrl-C stops an answer, Ctrl-D leaves[/]",
+            highlight=False,
+        )
+    elif mtp_note and not json_out:
+        err_console.print(f"[dim]{escape(mtp_note)}[/]", highlight=False)
+
+    def note(message: str) -> None:
+        err_console.print(f"[dim]{escape(message)}[/]", highlight=False)
+
+    def error(message: str) -> None:
+        err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False)
+
+    def stream(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    failed = 0
+    turn_no = 0
+    for line in _turns(interactive):
+        text = line.strip()
+        if not text:
+            continue
+        if text.startswith("/"):
+            cmd, _, arg = text.partition(" ")
+            arg = arg.strip()
+            try:
+                if cmd in ("/exit", "/quit", "/bye"):
+                    break
+                elif cmd == "/help":
+                    note(COMMANDS_HELP)
+                elif cmd == "/reset":
+                    conv.messages.clear()
+                    session.reset()
+                    note("conversation cleared")
+                elif cmd == "/system":
+                    conv.system = arg or None
+                    note(f"system prompt {'set' if arg else 'cleared'}")
+                elif cmd in ("/save", "/load") and not arg:
+                    raise CortiqError(f"{cmd} needs a FILE")
+                elif cmd == "/save":
+                    conv.save(Path(arg))
+                    note(f"saved {len(conv.rendered())} messages to {arg}")
+                elif cmd == "/load":
+                    conv.load(Path(arg))
+                    note(f"loaded {len(conv.rendered())} messages from {arg}")
+                else:
+                    raise CortiqError(f"unknown command {cmd} (/help lists them)")
+            except CortiqError as e:
+                error(str(e))
+                failed += 1
+            continue
+
+        conv.messages.append({"role": "user", "content": line})
+        try:
+            ids = tok.encode(tok.apply_chat_template(conv.rendered()), add_bos=False)
+            if evict:
+                ids = _drop_oldest_turns(conv, ids, lambda: tok.encode(tok.apply_chat_template(conv.rendered()), add_bos=False),
+                                         room=min(max_tokens, eng.ctx // 2), ctx=eng.ctx, note=note)
+            with _Interrupt() as stop:
+                turn = session.generate(
+                    ids, config, max_tokens=max_tokens, evict=evict, logprobs=logprobs,
+                    on_token=lambda _ev: not stop.flag.is_set(), on_text=None if json_out else stream,
+                )
+        except CortiqError as e:
+            conv.messages.pop()  # the turn did not happen: the conversation stays as it was
+            error(f"{e}" + ("; /reset starts a fresh conversation" if "context" in str(e) else ""))
+            failed += 1
+            continue
+        turn_no += 1
+        res = turn.result
+        conv.messages.append({"role": "assistant", "content": res.text})
+        if json_out:
+            print_json(
+                {
+                    "turn": turn_no,
+                    "user": line,
+                    **turn.to_json(),
+                    "peak_rss_bytes": peak_rss_bytes(),
+                    **({"mtp_note": mtp_note} if mtp_note else {}),
+                }
+            )
+            continue
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        spec_part = ""
+        if "mtp" in res.extra:
+            spec_part = f" · [dim]drafts accepted[/] {res.extra['mtp']['acceptance']:.0%}"
+        ended = {"length": "[bold yellow]context full[/] (/reset)", "cancelled": "[yellow]stopped[/]"}.get(res.finish_reason, res.finish_reason)
+        err_console.print(
+            f"[dim]cached[/] {turn.reused_tokens} · [dim]new[/] {turn.forwarded_tokens} tok, {res.prefill_tok_s:.1f} tok/s · "
+            f"[dim]answer[/] {len(res.token_ids)} tok, {res.decode_tok_s:.1f} tok/s{spec_part} · "
+            f"[dim]context[/] {session.state.length}/{eng.ctx} · [dim]peak RSS[/] {human_bytes(peak_rss_bytes())} · {ended}",
+            highlight=False,
+        )
+        if logprobs:
+            print_logprobs(err_console, res.tokens)
+    if failed and not interactive:
+        raise typer.Exit(1)
