@@ -13,6 +13,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from formats.arch import ArchConfig
+from formats.arch_check import model_arch
 from formats.cmf import CmfFile
 from formats.convert import TOKENIZER_TENSOR
 from formats.errors import CortiqError
@@ -58,10 +59,7 @@ class Engine:
         header = cmf.header
         if header.get("role", "model") != "model" or "arch" not in header:
             raise CortiqError(f"{path}: not a model file (role {header.get('role')!r}); an MTP sidecar is loaded with its model")
-        try:
-            arch = ArchConfig.from_json(header["arch"])
-        except (TypeError, ValueError) as e:
-            raise CortiqError(f"{path}: bad arch header ({e})") from None
+        arch = model_arch(cmf)
         model = build_model(cmf, arch, ks)
         if ctx is None:
             ctx = min(arch.max_position_embeddings, DEFAULT_CTX)

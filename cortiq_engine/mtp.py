@@ -39,6 +39,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from formats.arch import ArchConfig
+from formats.arch_check import model_arch
 from formats.cmf import CmfFile
 from formats.errors import CortiqError
 from formats.mtp_names import MTP_PREFIX
@@ -197,7 +198,7 @@ def _open_sidecar(path: Path, main_header: dict[str, Any]) -> CmfFile:
         have = count_mtp_layers(side)
         if not have:
             raise CortiqError("it holds no draft layers (no model.mtp.layers.0.eh_proj.weight)")
-        if declared is not None and int(declared) != have:
+        if declared is not None and declared != have:
             raise CortiqError(f"MTP layer count {declared} in its header, {have} layers of tensors")
         backbone_mtp = main_header.get("mtp") or {}
         if backbone_mtp.get("location") == "sidecar" and backbone_mtp.get("num_layers") not in (None, have):
@@ -225,7 +226,7 @@ def load_draft_stack(main: CmfFile, arch: ArchConfig, kernels, path: str | Path 
             raise CortiqError(f"MTP sidecar {side}: no such file")
         src, source = _open_sidecar(side, main.header), str(side)
         # The sidecar's own arch carries the MTP style the converter recorded.
-        side_arch = ArchConfig.from_json(src.header["arch"])
+        side_arch = model_arch(src, trunk=False)
         if side_arch.mtp is not None and arch.mtp is None:
             arch = ArchConfig.from_json({**arch.to_json(), "mtp": side_arch.mtp.__dict__})
     n = count_mtp_layers(src)

@@ -433,7 +433,13 @@ def from_hf_config(cfg: dict[str, Any]) -> ArchConfig:
         raise CortiqError(
             f"unsupported architecture {mt!r} (model_type in config.json); supported: {', '.join(supported_model_types())}"
         )
-    arch = PARSERS[mt](cfg)
+    try:
+        arch = PARSERS[mt](cfg)
+    except (TypeError, ValueError, AttributeError, KeyError, ArithmeticError) as e:
+        # config.json is untrusted: a wrong-typed or zero value is bad input, not a bug.
+        raise CortiqError(f"config.json ({mt}): bad value ({type(e).__name__}: {str(e)[:160]})") from None
     if arch.hidden_act not in ("silu", "swish"):
         raise CortiqError(f"activation {arch.hidden_act!r} is not supported (supported: silu)")
-    return arch
+    from formats.arch_check import validate_arch  # imports this module
+
+    return validate_arch(arch, "config.json")

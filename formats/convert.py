@@ -19,7 +19,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -264,12 +264,32 @@ def _plan(ck, arch: ArchConfig, check_mtp: bool = True) -> list[PlannedTensor]:
     mtp_layers = sorted({int(p.name.split(".")[3]) for p in plan if p.mtp})
     if check_mtp and mtp_layers and mtp_layers != list(range(len(mtp_layers))):
         raise CortiqError(f"MTP layers {mtp_layers} are not numbered 0..{len(mtp_layers) - 1}")
-    for name, shape in _expected_shapes(arch, mtp_layers if check_mtp else []).items():
-        if name not in have:
-            raise CortiqError(f"checkpoint is missing tensor {name}")
-        if tuple(have[name]) != tuple(shape):
-            raise CortiqError(f"tensor {name} has shape {list(have[name])}, config.json implies {list(shape)}")
+    check_manifest(arch, have, mtp_layers if check_mtp else [])
     return plan
+
+
+def check_manifest(
+    arch: ArchConfig, have: dict[str, tuple[int, ...]], mtp_layers: list[int], *,
+    holder: str = "checkpoint", implied_by: str = "config.json", trunk: bool = True,
+) -> None:
+    """Every tensor the family's manifest expects is in ``have`` with exactly its shape.
+
+    The one shape check: on a checkpoint at convert time, on a CMF file (or only the
+    draft layers of a sidecar, ``trunk=False``) at load time.
+    """
+    for name, shape in _expected_shapes(arch, mtp_layers).items():
+        if not trunk and not name.startswith(MTP_PREFIX):
+            continue
+        if name not in have:
+            raise CortiqError(f"{holder} is missing tensor {name}")
+        if tuple(have[name]) != tuple(shape):
+            raise CortiqError(f"tensor {name} has shape {list(have[name])}, {implied_by} implies {list(shape)}")
+
+
+def mtp_layer_indices(names: Iterable[str]) -> list[int]:
+    """The draft-layer indices present among tensor ``names`` (normalized names)."""
+    pat = re.compile(re.escape(MTP_PREFIX) + r"(\d+)\.")
+    return sorted({int(m.group(1)) for n in names if (m := pat.match(n))})
 
 
 def _mtp_style(config: dict[str, Any], plan: list[PlannedTensor]) -> str:

@@ -47,7 +47,7 @@ def test_release_style_config_keys():
     cfg = dict(
         model_type=MT, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
         intermediate_size=128, vocab_size=256, head_dim=24, v_head_dim=16, hybrid_layer_pattern=[0, 1, 1],
-        sliding_window_size=128, swa_num_attention_heads=4, swa_num_key_value_heads=8, swa_head_dim=24,
+        sliding_window_size=128, swa_num_attention_heads=8, swa_num_key_value_heads=8, swa_head_dim=24,
         swa_v_head_dim=16, swa_rope_theta=10000, rope_theta=5000000, partial_rotary_factor=0.334,
         moe_layer_freq=[0, 1, 1], n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
         layernorm_epsilon=1e-5, scoring_func="sigmoid", add_swa_attention_sink_bias=True,

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from formats.arch import ArchConfig
+from formats.arch_check import model_arch
 from formats.cmf import CmfFile
 from formats.errors import CortiqError
 from formats.sidecar import ROLE_MODEL
@@ -91,7 +92,11 @@ def open_backbone(path: str | Path, kernels: str | None = None) -> Backbone:
     if not isinstance(header.get("arch"), dict):
         cmf.close()
         raise CortiqError(f"{path}: the header has no arch section")
-    arch = ArchConfig.from_json(header["arch"])
+    try:
+        arch = model_arch(cmf)
+    except CortiqError:
+        cmf.close()
+        raise
     model = build_model(cmf, arch, get_kernels(kernels))
     tok = Tokenizer(cmf.raw_bytes(TOKENIZER_TENSOR), header.get("tokenizer") or {})
     return Backbone(path, cmf, header, arch, model, tok)

@@ -1,0 +1,100 @@
+"""The one parser for JSON that comes from a file: CMF headers and directories,
+sidecars, safetensors headers, config.json and the tokenizer files.
+
+Python's ``json`` recurses once per nesting level (a header nested 100,000 deep is a
+RecursionError), turns a 5,000-digit integer into a ValueError about digit limits,
+and accepts ``NaN``/``Infinity`` and ``1e999``. Here every failure is a one-line
+``CortiqError`` naming the file: the size and the nesting depth are bounded before
+``json`` sees the text, integers are bounded to 64 bits, and non-finite numbers are
+refused.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from formats.errors import CortiqError
+
+MAX_DEPTH = 64
+# Larger than any real config/tokenizer file (tokenizer.json of a 256k vocabulary is ~30 MB).
+MAX_BYTES = 256 << 20
+_INT_DIGITS = 20  # a u64 has 20 digits; anything longer cannot be a size, offset or id
+_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_OPEN = np.frombuffer(b"[{", np.uint8)
+_CLOSE = np.frombuffer(b"]}", np.uint8)
+
+
+def _parse_int(s: str) -> int:
+    if len(s.lstrip("-")) > _INT_DIGITS:
+        raise ValueError(f"integer with {len(s)} digits")
+    return int(s)
+
+
+def _parse_float(s: str) -> float:
+    v = float(s)
+    if v in (float("inf"), float("-inf")):
+        raise ValueError(f"number {s[:20]} overflows a double")
+    return v
+
+
+def _parse_constant(s: str) -> Any:
+    raise ValueError(f"{s} is not a JSON number")
+
+
+def nesting_depth(raw: bytes) -> int:
+    """The deepest bracket nesting of JSON text, strings excluded (linear, no recursion)."""
+    stripped = _STRING.sub(b'""', raw)
+    b = np.frombuffer(stripped, np.uint8)
+    step = np.isin(b, _OPEN).astype(np.int64) - np.isin(b, _CLOSE).astype(np.int64)
+    return int(np.cumsum(step).max()) if step.size else 0
+
+
+def loads(data: bytes | str, what: str, *, max_bytes: int = MAX_BYTES, max_depth: int = MAX_DEPTH) -> Any:
+    """Parse ``data`` (UTF-8 JSON from ``what``, a file name for messages) or raise one CortiqError."""
+    raw = data.encode("utf-8") if isinstance(data, str) else bytes(data)
+    if len(raw) > max_bytes:
+        raise CortiqError(f"{what}: JSON of {len(raw)} bytes exceeds the limit of {max_bytes}")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise CortiqError(f"{what}: not UTF-8 text (byte {e.start})") from None
+    depth = nesting_depth(raw)
+    if depth > max_depth:
+        raise CortiqError(f"{what}: JSON nested {depth} deep (limit {max_depth})")
+    try:
+        return json.loads(text, parse_int=_parse_int, parse_float=_parse_float, parse_constant=_parse_constant)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
+        raise CortiqError(f"{what}: invalid JSON ({str(e).splitlines()[0][:200]})") from None
+
+
+def load_object(data: bytes | str, what: str, **limits: int) -> dict[str, Any]:
+    """``loads`` that also requires a JSON object at the top."""
+    obj = loads(data, what, **limits)
+    if not isinstance(obj, dict):
+        raise CortiqError(f"{what}: expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def read_text(path: Path, max_bytes: int = MAX_BYTES) -> str:
+    """A UTF-8 text file, bounded in size, as one CortiqError on anything unreadable."""
+    try:
+        size = path.stat().st_size
+        if size > max_bytes:
+            raise CortiqError(f"{path}: {size} bytes exceeds the limit of {max_bytes} for a text file")
+        raw = path.read_bytes()
+    except IsADirectoryError:
+        raise CortiqError(f"{path}: is a folder, expected a file") from None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise CortiqError(f"{path}: not UTF-8 text (byte {e.start})") from None
+
+
+def read_object(path: Path, max_bytes: int = MAX_BYTES) -> dict[str, Any]:
+    """A JSON file that must hold an object (config.json, tokenizer_config.json, ...)."""
+    return load_object(read_text(path, max_bytes), str(path), max_bytes=max_bytes)
