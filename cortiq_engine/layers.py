@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from formats.errors import CortiqError
 from cortiq_engine.cache import KVCache
 from cortiq_engine.weights import Weight
 
@@ -48,6 +49,8 @@ class RMSNorm:
     def __init__(self, kernels, weight: np.ndarray, eps: float, style: str = "rms"):
         self.ks = kernels
         self.weight = np.ascontiguousarray(weight + 1.0 if style == "rms_one" else weight, dtype=np.float32)
+        if self.weight.ndim != 1:
+            raise CortiqError(f"a norm weight must be a vector, got shape {list(self.weight.shape)}")
         self.eps = float(eps)
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
@@ -131,12 +134,41 @@ class Attention:
         self.ks = kernels
         self.w = w
         self.nh, self.nkv, self.hd, self.vd = num_heads, num_kv_heads, head_dim, v_head_dim
+        self._check_geometry(rope)
         self.rope = rope
         self.eps = norm_eps
         self.window = int(window)
         self.scale = head_dim**-0.5
         self._qkv = (w.q, w.k, w.v)
         self._o = (w.o,)
+
+    # Rows of q_proj per head and head_dim: 2 when q_proj also holds an output gate.
+    q_factor = 1
+
+    def _check_geometry(self, rope: RoPE) -> None:
+        """The kernels index by these sizes without bounds checks: refuse any weight or
+        rotary table that disagrees with them (a corrupt or hostile file) up front."""
+        w, nh, nkv, hd, vd = self.w, self.nh, self.nkv, self.hd, self.vd
+        want = {
+            "q": (nh * hd * self.q_factor, w.q.cols), "k": (nkv * hd, w.q.cols),
+            "v": (nkv * vd, w.q.cols), "o": (w.o.rows, nh * vd),
+        }
+        for name, shape in want.items():
+            have = getattr(w, name).shape
+            if have != shape:
+                raise CortiqError(f"tensor {getattr(w, name).name} is {list(have)}, the attention geometry needs {list(shape)}")
+        if min(nh, nkv, hd, vd) < 1 or nh % nkv:
+            raise CortiqError(f"attention with {nh} heads, {nkv} KV heads, head_dim {hd}: not a valid geometry")
+        if not 0 < rope.rotary_dim <= hd or rope.rotary_dim % 2:
+            raise CortiqError(f"rotary_dim {rope.rotary_dim} does not fit head_dim {hd}")
+        norms = {"q_norm": w.q_norm, "k_norm": w.k_norm}
+        for name, v in norms.items():
+            if v is not None and v.shape != (hd,):
+                raise CortiqError(f"{name} has {v.size} values for head_dim {hd}")
+        if w.qkv_bias is not None and w.qkv_bias.shape != (w.q.rows + w.k.rows + w.v.rows,):
+            raise CortiqError("q/k/v biases do not match their projections")
+        if w.o_bias is not None and w.o_bias.shape != (w.o.rows,):
+            raise CortiqError("o_proj bias does not match its projection")
 
     def make_cache(self, capacity: int) -> KVCache:
         return KVCache(self.nkv, self.hd, self.vd, capacity)
@@ -172,6 +204,10 @@ class GatedMLP:
     """down(silu(gate(x)) * up(x)); gate and up run as one fused matmul."""
 
     def __init__(self, kernels, gate: Weight, up: Weight, down: Weight):
+        if not (gate.shape == up.shape == (down.cols, down.rows)):
+            raise CortiqError(
+                f"MLP tensors {gate.name} {list(gate.shape)}, {up.name} {list(up.shape)}, {down.name} {list(down.shape)} disagree"
+            )
         self.ks = kernels
         self._gu = (gate, up)
         self._down = (down,)

@@ -26,6 +26,20 @@ class Weight:
     cols: int
     parts: dict[str, np.ndarray]
 
+    def __post_init__(self) -> None:
+        # The matmul kernels trust these shapes: check them once, here.
+        rows, cols = self.rows, self.cols
+        want = {
+            "f32": {"data": (rows, cols)}, "f16": {"data": (rows, cols)}, "bf16": {"data": (rows, cols)},
+            "q8": {"d": (rows, cols // 32), "qs": (rows, cols)},
+            "q4": {"d": (rows, cols // 32), "m": (rows, cols // 32), "qs": (rows, cols // 2)},
+        }.get(self.dtype)
+        if want is None or rows < 1 or cols < 1 or (self.dtype in ("q8", "q4") and cols % 32):
+            raise CortiqError(f"tensor {self.name}: {self.dtype}[{rows}, {cols}] is not a matrix the kernels can use")
+        for k, shape in want.items():
+            if k not in self.parts or tuple(self.parts[k].shape) != shape:
+                raise CortiqError(f"tensor {self.name}: part {k} does not have shape {list(shape)}")
+
     @property
     def shape(self) -> tuple[int, int]:
         return (self.rows, self.cols)

@@ -27,6 +27,8 @@ from cortiq_engine.weights import load_vector, load_weight
 class GatedAttention(Attention):
     """Attention whose q_proj rows are [query(head_dim) | gate(head_dim)] per head."""
 
+    q_factor = 2
+
     def __call__(self, x: np.ndarray, cache: KVCache, step: Step) -> np.ndarray:
         ks, n = self.ks, x.shape[0]
         qkv = ks.matmul(self._qkv, x)
