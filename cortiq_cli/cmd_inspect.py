@@ -194,6 +194,7 @@ def verify(
     ) as bar:
         task = bar.add_task("verify", total=total)
         for f in files:
+            problems += [f"{f.path}: {where} was changed" for where in f.padding_problems()]
             bad = []
             for info, ok in f.verify():
                 if not ok:

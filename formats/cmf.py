@@ -11,18 +11,26 @@ Byte layout (all integers little-endian; the full spec is docs/cmf.md):
     32  8  u64    data offset (first blob, multiple of 64)
     40  8  u64    directory offset (after the last blob)
     48  8  u64    directory length (bytes of UTF-8 JSON)
-    56  8  u64    reserved (0)
+    56  8  u64    checksum: CRC-32 of bytes 0..56, the header JSON and the directory JSON
+                  (format 2; 0 in format 1, which this reader refuses)
     64  .  header JSON, padded with spaces up to the data offset (slack for in-place edits)
     ... blobs, each starting on a 64-byte boundary
     ... directory JSON: [{"name", "dtype", "shape", "offset", "nbytes", "crc32"}, ...]
 
 The directory sits at the end so the writer can stream tensors one at a time and
 only then record offsets and checksums.
+
+Every byte is covered by a checksum: the preamble, header and directory by the
+preamble's CRC (checked on open), each tensor blob by its directory CRC and the
+padding between blobs by ``verify`` (zeros, spaces after the header). Files are
+untrusted: lengths are bounded, JSON goes through ``formats.untrusted_json`` and every
+directory field is type- and range-checked before a byte of data is mapped.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
 import struct
@@ -35,13 +43,20 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 
 from formats.errors import CortiqError
-from formats.quants import ALIGN, align_up, get_dtype
+from formats.quants import ALIGN, DTYPES, align_up, get_dtype
+from formats.untrusted_json import loads as untrusted_loads
 
 MAGIC = b"CORTIQMF"
 # Readers reject a newer major version; a newer minor version only adds things an
 # older reader may ignore (new header keys). See docs/cmf.md, "Versioning".
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 FORMAT_MINOR = 0
+# Bounds on what a reader accepts (the largest real headers are ~1 MB with a chat
+# template, the largest directories ~15 MB for 512-expert MoE models).
+MAX_HEADER = 16 << 20
+MAX_DIRECTORY = 256 << 20
+MAX_ELEMENTS = 1 << 48  # per tensor: past any real model, far from 64-bit overflow
+MAX_NAME = 1024
 PREAMBLE = 64
 _PREAMBLE_FMT = "<8sHHIQQQQQQ"
 assert struct.calcsize(_PREAMBLE_FMT) == PREAMBLE
@@ -87,8 +102,14 @@ class Preamble:
         )
 
 
-def _preamble(hlen: int, data_off: int, dir_off: int, dir_len: int) -> bytes:
-    return Preamble(FORMAT_VERSION, FORMAT_MINOR, PREAMBLE, hlen, data_off, dir_off, dir_len).pack()
+def _preamble(hlen: int, data_off: int, dir_off: int, dir_len: int, hjson: bytes, dir_json: bytes) -> bytes:
+    """The 64 preamble bytes with the checksum over themselves, the header and the directory."""
+    head = Preamble(FORMAT_VERSION, FORMAT_MINOR, PREAMBLE, hlen, data_off, dir_off, dir_len).pack()[:56]
+    return head + struct.pack("<Q", _checksum(head, hjson, dir_json))
+
+
+def _checksum(head: bytes, hjson: bytes, dir_json: bytes) -> int:
+    return zlib.crc32(dir_json, zlib.crc32(hjson, zlib.crc32(head)))
 
 
 def _header_bytes(header: dict[str, Any]) -> bytes:
@@ -204,7 +225,7 @@ class CmfWriter:
         if PREAMBLE + len(hjson) > self._data_off:
             raise AssertionError("header grew past its reserved area during conversion")
         self._f.seek(0)
-        self._f.write(_preamble(len(hjson), self._data_off, dir_off, len(dir_json)))
+        self._f.write(_preamble(len(hjson), self._data_off, dir_off, len(dir_json), hjson, dir_json))
         self._f.write(hjson)
         self._f.write(b" " * (self._data_off - PREAMBLE - len(hjson)))
         self._f.flush()
@@ -245,34 +266,56 @@ def read_preamble(path: Path, f, size: int) -> Preamble:
     """Parse and sanity-check the fixed 64 bytes; every failure is a one-line CortiqError."""
     if size < PREAMBLE:
         raise CortiqError(f"{path}: not a CMF file (only {size} bytes)")
-    magic, major, minor, _flags, hoff, hlen, data_off, dir_off, dir_len, _ = struct.unpack(_PREAMBLE_FMT, f.read(PREAMBLE))
+    magic, major, minor, flags, hoff, hlen, data_off, dir_off, dir_len, _ = struct.unpack(_PREAMBLE_FMT, f.read(PREAMBLE))
     if magic != MAGIC:
         raise CortiqError(f"{path}: not a CMF file (magic {magic!r}, expected {MAGIC!r})")
     if major > FORMAT_VERSION:
         raise CortiqError(
             f"{path}: CMF format version {major}.{minor} is newer than this cortiq reads ({FORMAT_VERSION}.x); upgrade cortiq"
         )
+    if major == 1:
+        raise CortiqError(
+            f"{path}: CMF format 1.{minor} has no header checksum and is no longer read; reconvert it with this cortiq"
+        )
     if major < 1:
         raise CortiqError(f"{path}: bad CMF format version {major}.{minor}")
+    if flags:
+        raise CortiqError(f"{path}: unknown CMF flags {flags:#x} (corrupt file)")
+    if hlen > MAX_HEADER or dir_len > MAX_DIRECTORY:
+        raise CortiqError(f"{path}: CMF header ({hlen} bytes) or directory ({dir_len} bytes) exceeds its limit (corrupt file)")
     if hoff != PREAMBLE or hoff + hlen > data_off or data_off % ALIGN or dir_off < data_off:
         raise CortiqError(f"{path}: corrupt CMF preamble")
     if data_off > size or dir_off + dir_len > size:
         end = max(data_off, dir_off + dir_len)
         raise CortiqError(f"{path}: truncated CMF file (needs {end} bytes, has {size})")
+    if dir_off + dir_len != size:
+        raise CortiqError(f"{path}: {size - dir_off - dir_len} bytes after the CMF directory (corrupt file)")
     return Preamble(major, minor, hoff, hlen, data_off, dir_off, dir_len)
 
 
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def _parse_entry(path: Path, e: Any) -> TensorInfo:
-    try:
-        info = TensorInfo(
-            str(e["name"]), str(e["dtype"]), tuple(int(s) for s in e["shape"]),
-            int(e["offset"]), int(e["nbytes"]), int(e["crc32"]),
-        )
-    except (KeyError, TypeError, ValueError):
-        raise CortiqError(f"{path}: corrupt CMF directory entry {str(e)[:80]}") from None
-    if any(s < 0 for s in info.shape):
-        raise CortiqError(f"{path}: tensor {info.name} has a negative dimension")
-    return info
+    keys = ("name", "dtype", "shape", "offset", "nbytes", "crc32")
+    if not isinstance(e, dict) or any(k not in e for k in keys):
+        raise CortiqError(f"{path}: corrupt CMF directory entry {str(e)[:80]}")
+    name, dtype, shape = e["name"], e["dtype"], e["shape"]
+    if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME:
+        raise CortiqError(f"{path}: corrupt CMF directory entry (tensor name {str(name)[:80]!r})")
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise CortiqError(f"{path}: tensor {name} has unknown dtype {str(dtype)[:20]!r}")
+    if not isinstance(shape, list) or len(shape) > 8 or not all(_is_int(s) and 0 <= s <= MAX_ELEMENTS for s in shape):
+        raise CortiqError(f"{path}: tensor {name} has a bad shape {str(shape)[:80]}")
+    if math.prod(shape) > MAX_ELEMENTS:
+        raise CortiqError(f"{path}: tensor {name} has shape {shape}, over {MAX_ELEMENTS} elements (corrupt file)")
+    if not all(_is_int(e[k]) for k in ("offset", "nbytes", "crc32")) or not 0 <= e["crc32"] < 1 << 32:
+        raise CortiqError(f"{path}: tensor {name} has a bad offset, size or checksum in the directory")
+    dt = get_dtype(dtype)
+    if dt.quantized and not dt.supports(tuple(shape)):
+        raise CortiqError(f"{path}: tensor {name} is {dtype}{shape}; {dtype} needs 2+ dims, the last divisible by 32")
+    return TensorInfo(name, dtype, tuple(shape), e["offset"], e["nbytes"], e["crc32"])
 
 
 class CmfFile:
@@ -288,14 +331,18 @@ class CmfFile:
             raise CortiqError(f"{self.path}: no such file")
         size = self.path.stat().st_size
         with open(self.path, "rb") as f:
+            raw_pre = f.read(PREAMBLE)
+            f.seek(0)
             pre = read_preamble(self.path, f, size)
             f.seek(pre.header_offset)
-            try:
-                header = json.loads(f.read(pre.header_length).decode("utf-8"))
-                f.seek(pre.dir_offset)
-                entries = json.loads(f.read(pre.dir_length).decode("utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise CortiqError(f"{self.path}: corrupt CMF header or directory ({e})") from None
+            hjson = f.read(pre.header_length)
+            f.seek(pre.dir_offset)
+            dir_json = f.read(pre.dir_length)
+        (stored,) = struct.unpack("<Q", raw_pre[56:64])
+        if stored != _checksum(raw_pre[:56], hjson, dir_json):
+            raise CortiqError(f"{self.path}: CMF header checksum mismatch (the header or directory was changed or is corrupt)")
+        header = untrusted_loads(hjson, f"{self.path} (header)", max_bytes=MAX_HEADER)
+        entries = untrusted_loads(dir_json, f"{self.path} (directory)", max_bytes=MAX_DIRECTORY)
         if not isinstance(header, dict) or not isinstance(entries, list):
             raise CortiqError(f"{self.path}: corrupt CMF header or directory (wrong JSON types)")
         self.header: dict[str, Any] = header
@@ -363,6 +410,23 @@ class CmfFile:
             crc = zlib.crc32(self._buf[info.offset : info.offset + info.nbytes])
             yield info, crc == info.crc32
 
+    def padding_problems(self) -> list[str]:
+        """The bytes no checksum covers must hold what the writer put there: spaces after
+        the header JSON, zeros between blobs. Returns where they do not (``verify`` uses it)."""
+        pre, buf = self.preamble, self._buf
+        out = []
+        slack = buf[pre.header_offset + pre.header_length : pre.data_offset]
+        if slack.size and not (slack == 0x20).all():
+            out.append("header padding")
+        pos = pre.data_offset
+        for info in sorted(self.tensors.values(), key=lambda t: t.offset):
+            if info.offset > pos and buf[pos : info.offset].any():
+                out.append(f"padding before {info.name}")
+            pos = info.offset + info.nbytes
+        if pre.dir_offset > pos and buf[pos : pre.dir_offset].any():
+            out.append("padding before the directory")
+        return out
+
     def close(self) -> None:
         self._buf = None  # type: ignore[assignment]
         try:
@@ -396,9 +460,14 @@ def rewrite_header(path: str | os.PathLike, header: dict[str, Any]) -> None:
     with CmfFile(path) as old:
         pre = old.preamble
         cap = old.header_capacity
+    if len(hjson) > MAX_HEADER:
+        raise CortiqError(f"{path}: a header of {len(hjson)} bytes exceeds the limit of {MAX_HEADER}")
+    with open(path, "rb") as src:
+        src.seek(pre.dir_offset)
+        old_dir = src.read(pre.dir_length)
     if len(hjson) <= cap:
         with open(path, "r+b") as f:
-            f.write(_preamble(len(hjson), pre.data_offset, pre.dir_offset, pre.dir_length))
+            f.write(_preamble(len(hjson), pre.data_offset, pre.dir_offset, pre.dir_length, hjson, old_dir))
             f.write(hjson)
             f.write(b" " * (cap - len(hjson)))
             f.flush()
@@ -407,17 +476,16 @@ def rewrite_header(path: str | os.PathLike, header: dict[str, Any]) -> None:
     # Grow: shift every blob by a multiple of ALIGN so alignment is kept.
     new_data_off = align_up(PREAMBLE + len(hjson) + HEADER_SLACK)
     shift = new_data_off - pre.data_offset
+    entries = untrusted_loads(old_dir, f"{path} (directory)", max_bytes=MAX_DIRECTORY)
+    for e in entries:
+        e["offset"] += shift
+    dir_json = json.dumps(entries).encode("utf-8")
     with open(path, "rb") as src:
-        src.seek(pre.dir_offset)
-        entries = json.loads(src.read(pre.dir_length))
-        for e in entries:
-            e["offset"] += shift
-        dir_json = json.dumps(entries).encode("utf-8")
         fd, tmp = _new_temp(path)
         try:
             os.fchmod(fd, os.stat(path).st_mode & 0o7777)
             with os.fdopen(fd, "wb") as dst:
-                dst.write(_preamble(len(hjson), new_data_off, pre.dir_offset + shift, len(dir_json)))
+                dst.write(_preamble(len(hjson), new_data_off, pre.dir_offset + shift, len(dir_json), hjson, dir_json))
                 dst.write(hjson)
                 dst.write(b" " * (new_data_off - PREAMBLE - len(hjson)))
                 src.seek(pre.data_offset)

@@ -13,6 +13,7 @@ import pytest
 from formats.cmf import FORMAT_VERSION, HEADER_SLACK, MAGIC, PREAMBLE, CmfFile, CmfWriter, read_header, rewrite_header
 from formats.errors import CortiqError
 from formats.quants import get_dtype
+from tests.cmf_edit import edit_file, reseal, rewrite_directory
 
 SHAPES = {"f32": (5, 64), "f16": (7, 32), "bf16": (3, 96), "q8": (9, 64), "q4": (6, 128)}
 
@@ -61,8 +62,10 @@ def test_preamble_layout_is_as_documented(tmp_path):
     path = tmp_path / "m.cmf"
     _write(path)
     raw = path.read_bytes()
-    magic, major, minor, flags, hoff, hlen, doff, diroff, dirlen, res = struct.unpack("<8sHHIQQQQQQ", raw[:64])
-    assert (magic, major, minor, flags, hoff, res) == (MAGIC, 1, 0, 0, 64, 0)
+    magic, major, minor, flags, hoff, hlen, doff, diroff, dirlen, crc = struct.unpack("<8sHHIQQQQQQ", raw[:64])
+    assert (magic, major, minor, flags, hoff) == (MAGIC, 2, 0, 0, 64)
+    # format 2: the last preamble field is the CRC-32 of preamble[:56] + header JSON + directory JSON
+    assert crc == zlib.crc32(raw[:56] + raw[hoff : hoff + hlen] + raw[diroff : diroff + dirlen])
     assert json.loads(raw[hoff : hoff + hlen]) == {"hello": "world"}
     assert raw[hoff + hlen : doff].strip(b" ") == b""
     entries = json.loads(raw[diroff : diroff + dirlen])
@@ -182,20 +185,13 @@ def test_bad_files_are_one_line_errors(tmp_path, mutate, message):
 def test_newer_minor_version_is_read(tmp_path):
     path = tmp_path / "m.cmf"
     _write(path)
-    _mutate(path, lambda d: d.__setitem__(slice(10, 12), struct.pack("<H", 7)))
+    _mutate(path, lambda d: reseal(d.__setitem__(slice(10, 12), struct.pack("<H", 7)) or d))
     with CmfFile(path) as f:
         assert f.minor_version == 7 and all(ok for _, ok in f.verify())
 
 
 def _rewrite_directory(path, fn):
-    raw = bytearray(path.read_bytes())
-    pre = list(struct.unpack("<8sHHIQQQQQQ", raw[:64]))
-    diroff, dirlen = pre[7], pre[8]
-    entries = json.loads(raw[diroff : diroff + dirlen])
-    fn(entries)
-    new = json.dumps(entries).encode()
-    pre[8] = len(new)
-    path.write_bytes(struct.pack("<8sHHIQQQQQQ", *pre) + bytes(raw[64:diroff]) + new)
+    edit_file(path, lambda raw: rewrite_directory(raw, fn))
 
 
 @pytest.mark.parametrize(

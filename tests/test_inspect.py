@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 
 from cortiq_cli.main import app
 from formats.cmf import CmfFile, rewrite_header
+from tests.cmf_edit import reseal
 from formats.convert import TOKENIZER_TENSOR, convert_checkpoint, sidecar_path
 from tests.test_convert_mtp import add_mtp
 from tests.tiny import save_tiny
@@ -146,6 +147,7 @@ def _corrupt(path: Path, how: str) -> None:
         new = json.dumps(entries).encode()
         data = data[:diroff] + new
         data[48:56] = struct.pack("<Q", len(new))
+        reseal(data)
     path.write_bytes(bytes(data))
 
 
