@@ -35,7 +35,9 @@ def _partner(f: CmfFile) -> tuple[Path | None, str | None, dict[str, Any]]:
     reason they do not match (None if they match), and a summary of its tensors."""
     if f.header.get("role") == ROLE_SIDECAR:
         name = (f.header.get("backbone") or {}).get("file")
-        other = f.path.with_name(name) if isinstance(name, str) else None
+        # a plain file name beside the sidecar; anything else ("../x", "a/b", "") is ignored
+        plain = isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\0" not in name
+        other = f.path.with_name(name) if plain else None
         if other is None or not other.is_file() or other == f.path:
             return None, None, {}
     else:
@@ -101,7 +103,7 @@ def _kv_table(title: str, rows: list[tuple[str, Any]]) -> Table:
 
 def _render(d: dict[str, Any]) -> None:
     h = d["header"]
-    arch = h.get("arch") or {}
+    arch = h.get("arch") if isinstance(h.get("arch"), dict) else {}
     console.print(
         f"[bold]{d['path']}[/]  {human_bytes(d['size'])}  CMF {d['format_version']}  role={h.get('role', '-')}",
         highlight=False,
@@ -116,19 +118,21 @@ def _render(d: dict[str, Any]) -> None:
             ("bos", f"{tok.get('bos_token_id')} {tok.get('bos_token') or ''}".strip()),
             ("eos", f"{_fmt(tok.get('eos_token_ids'))} {tok.get('eos_token') or ''}".strip()),
             ("add bos", tok.get("add_bos_token")),
-            ("chat template", f"yes ({len(chat)} chars)" if chat else "no"),
+            ("chat template", f"yes ({len(chat)} chars)" if isinstance(chat, str) and chat else "no"),
         ]))
-    if "calibration" in h:
-        cal = h.get("calibration") or {}
+    if isinstance(h.get("calibration"), dict):
+        cal = h["calibration"]
         temp = cal.get("temperature")
         extra = {k: v for k, v in cal.items() if k != "temperature"}
-        console.print(_kv_table("calibration", [("temperature", "not calibrated" if temp is None else f"{temp:.4f}")]
+        shown = f"{temp:.4f}" if isinstance(temp, (int, float)) and not isinstance(temp, bool) else _fmt(temp)
+        console.print(_kv_table("calibration", [("temperature", "not calibrated" if temp is None else shown)]
                                 + [(k, v) for k, v in extra.items()]))
     if isinstance(h.get("mtp"), dict):
         console.print(_kv_table("MTP", list(h["mtp"].items())))
     if isinstance(h.get("backbone"), dict):
         console.print(_kv_table("backbone", list(h["backbone"].items())))
-    console.print(_kv_table("source", list((h.get("source") or {}).items())))
+    if isinstance(h.get("source"), dict):
+        console.print(_kv_table("source", list(h["source"].items())))
     console.print(_kv_table("converter", [("converter", h.get("converter")), ("quant", h.get("quant"))]))
 
     t = Table(title="tensors", title_justify="left")

@@ -16,6 +16,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from formats.errors import CortiqError
+from formats.untrusted_json import read_object, read_text
 from formats.quants import bf16_to_f32
 from formats.safetensors_reader import SafetensorsFile
 
@@ -90,16 +91,12 @@ class HFCheckpoint:
     # --------------------------------------------------------------- files
     def read_text(self, name: str) -> str | None:
         p = self.root / name
-        return p.read_text(encoding="utf-8") if p.is_file() else None
+        return read_text(p) if p.is_file() else None
 
     def read_json(self, name: str) -> dict[str, Any] | None:
-        t = self.read_text(name)
-        if t is None:
-            return None
-        try:
-            return json.loads(t)
-        except json.JSONDecodeError as e:
-            raise CortiqError(f"{self.root / name}: invalid JSON ({e})") from None
+        """A JSON object file of the checkpoint (untrusted: bounded, one-line errors)."""
+        p = self.root / name
+        return read_object(p) if p.is_file() else None
 
 
 def _resolve_hub(repo_id: str) -> Path:
@@ -141,25 +138,21 @@ def open_checkpoint(src: str | os.PathLike) -> HFCheckpoint:
     cfg_path = root / "config.json"
     if not cfg_path.is_file():
         raise CortiqError(f"{root}: missing config.json")
-    try:
-        config = json.loads(cfg_path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise CortiqError(f"{cfg_path}: invalid JSON ({e})") from None
-    if not isinstance(config, dict):
-        raise CortiqError(f"{cfg_path}: not a JSON object")
+    config = read_object(cfg_path)
     # Multimodal wrappers (Qwen3.5, some MoE releases) nest the LM config.
     if "text_config" in config and "hidden_size" not in config:
+        if not isinstance(config["text_config"], dict):
+            raise CortiqError(f"{cfg_path}: text_config is not a JSON object")
         config = {**config["text_config"], "_wrapper_model_type": config.get("model_type")}
     index = root / "model.safetensors.index.json"
     weight_map: dict[str, Path] = {}
     if index.is_file():
-        try:
-            idx = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-            if not isinstance(idx, dict):
-                raise TypeError("weight_map is not an object")
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise CortiqError(f"{index}: invalid index ({e})") from None
+        idx = read_object(index).get("weight_map")
+        if not isinstance(idx, dict):
+            raise CortiqError(f"{index}: invalid index (no weight_map object)")
         for name, shard in idx.items():
+            if not isinstance(shard, str) or Path(shard).name != shard:
+                raise CortiqError(f"{index}: shard {str(shard)[:80]!r} for {name} is not a file name in the folder")
             p = root / shard
             if not p.is_file():
                 raise CortiqError(f"{root}: shard {shard} named in the index is missing")

@@ -6,7 +6,7 @@ directly: u64 header length, a JSON header, then raw little-endian data.)
 
 from __future__ import annotations
 
-import json
+import math
 import mmap
 import struct
 from dataclasses import dataclass
@@ -17,6 +17,7 @@ import numpy as np
 
 from formats.errors import CortiqError
 from formats.quants import bf16_to_f32, rows_cols
+from formats.untrusted_json import load_object
 
 _ST_DTYPES = {
     "F32": np.dtype("<f4"),
@@ -32,6 +33,13 @@ _ST_DTYPES = {
 }
 FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
 _PAGE = mmap.PAGESIZE
+MAX_HEADER = 100_000_000
+
+
+def _uint(v: object) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        raise ValueError(v)
+    return v
 
 
 @dataclass(frozen=True)
@@ -52,23 +60,27 @@ class SafetensorsFile:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         size = self.path.stat().st_size
-        try:
-            with open(self.path, "rb") as f:
-                n = struct.unpack("<Q", f.read(8))[0]
-                if n > size - 8:
-                    raise CortiqError(f"{self.path}: truncated safetensors file")
-                meta = json.loads(f.read(n))
-            if not isinstance(meta, dict):
-                raise ValueError
-        except (struct.error, json.JSONDecodeError, UnicodeDecodeError, ValueError):
-            raise CortiqError(f"{self.path}: not a safetensors file") from None
+        with open(self.path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise CortiqError(f"{self.path}: not a safetensors file")
+            n = struct.unpack("<Q", head)[0]
+            if n > size - 8:
+                raise CortiqError(f"{self.path}: truncated safetensors file")
+            if n > MAX_HEADER:  # the limit safetensors itself applies
+                raise CortiqError(f"{self.path}: safetensors header of {n} bytes exceeds {MAX_HEADER}")
+            meta = load_object(f.read(n), f"{self.path} (safetensors header)")
         self._base = 8 + n
-        self.metadata = meta.pop("__metadata__", {}) or {}
+        md = meta.pop("__metadata__", {}) or {}
+        self.metadata = md if isinstance(md, dict) else {}
         self.entries: dict[str, StEntry] = {}
         for name, e in meta.items():
             try:
-                b, en = (int(v) for v in e["data_offsets"])
-                entry = StEntry(name, str(e["dtype"]), tuple(int(s) for s in e["shape"]), b, en)
+                b, en = (_uint(v) for v in e["data_offsets"])
+                shape = tuple(_uint(s) for s in e["shape"])
+                if len(shape) > 8 or math.prod(shape) > 1 << 48:
+                    raise ValueError
+                entry = StEntry(name, str(e["dtype"]), shape, b, en)
             except (KeyError, TypeError, ValueError):
                 raise CortiqError(f"{self.path}: corrupt safetensors entry for {name}") from None
             if not 0 <= b <= en or self._base + en > size:

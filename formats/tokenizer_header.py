@@ -7,10 +7,10 @@ template, and a summary for ``cortiq inspect``.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from formats.errors import CortiqError
+from formats.untrusted_json import load_object
 
 TOKENIZER_TENSOR = "__tokenizer__/tokenizer.json"
 
@@ -21,20 +21,36 @@ def _token_text(tok: Any) -> str | None:
     return tok if isinstance(tok, str) else None
 
 
+def _is_id(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 31
+
+
+def _check_loads(tok_json: str, where: Any) -> None:
+    """Refuse a tokenizer.json the tokenizers library cannot load now, not at first use."""
+    from tokenizers import Tokenizer
+
+    try:
+        Tokenizer.from_str(tok_json)
+    except Exception as e:  # the tokenizers library raises plain Exceptions
+        raise CortiqError(f"{where}: the tokenizers library cannot load it ({str(e).splitlines()[0][:160]})") from None
+
+
 def tokenizer_header(ck) -> tuple[dict[str, Any], bytes]:
     """(header section, tokenizer.json bytes) for an ``HFCheckpoint``."""
     tok_json = ck.read_text("tokenizer.json")
     if tok_json is None:
         raise CortiqError(f"{ck.root}: missing tokenizer.json (cortiq embeds the tokenizer in the CMF file)")
-    try:
-        tok = json.loads(tok_json)
-    except json.JSONDecodeError as e:
-        raise CortiqError(f"{ck.root / 'tokenizer.json'}: invalid JSON ({e})") from None
+    tok = load_object(tok_json, str(ck.root / "tokenizer.json"))
     tcfg = ck.read_json("tokenizer_config.json") or {}
     special = ck.read_json("special_tokens_map.json") or {}
     gen = ck.read_json("generation_config.json") or {}
-    added = {t["content"]: t["id"] for t in tok.get("added_tokens", []) if "content" in t and "id" in t}
-    model = tok.get("model") or {}
+    _check_loads(tok_json, ck.root / "tokenizer.json")
+    added_list = tok.get("added_tokens")
+    added = {
+        t["content"]: t["id"] for t in (added_list if isinstance(added_list, list) else [])
+        if isinstance(t, dict) and isinstance(t.get("content"), str) and _is_id(t.get("id"))
+    }
+    model = tok.get("model") if isinstance(tok.get("model"), dict) else {}
     vocab = model.get("vocab") or {}
 
     def tid(tok_text: str | None) -> int | None:
@@ -49,11 +65,12 @@ def tokenizer_header(ck) -> tuple[dict[str, Any], bytes]:
     eos: list[int] = []
     for src in (gen.get("eos_token_id"), ck.config.get("eos_token_id"), tid(eos_text)):
         for e in src if isinstance(src, list) else [src]:
-            if isinstance(e, int) and e not in eos:
+            if _is_id(e) and e not in eos:
                 eos.append(e)
     bos = gen.get("bos_token_id", ck.config.get("bos_token_id"))
     if bos is None:
         bos = tid(bos_text)
+    bos = bos if _is_id(bos) else None
     pad = gen.get("pad_token_id", ck.config.get("pad_token_id"))
     chat = tcfg.get("chat_template")
     if chat is None:
@@ -62,7 +79,10 @@ def tokenizer_header(ck) -> tuple[dict[str, Any], bytes]:
         cj = ck.read_json("chat_template.json") or {}
         chat = cj.get("chat_template")
     if isinstance(chat, list):  # named templates: keep the default
-        chat = next((c["template"] for c in chat if c.get("name") == "default"), chat[0]["template"] if chat else None)
+        named = [c for c in chat if isinstance(c, dict) and isinstance(c.get("template"), str)]
+        chat = next((c["template"] for c in named if c.get("name") == "default"), named[0]["template"] if named else None)
+    if chat is not None and not isinstance(chat, str):
+        raise CortiqError(f"{ck.root}: chat_template is {type(chat).__name__}, expected a string")
     n_vocab = len(vocab) if isinstance(vocab, (dict, list)) else 0
     n_vocab += sum(1 for t in added if t not in vocab) if isinstance(vocab, dict) else 0
     header = {
@@ -71,7 +91,7 @@ def tokenizer_header(ck) -> tuple[dict[str, Any], bytes]:
         "vocab_size": n_vocab,
         "bos_token_id": bos,
         "eos_token_ids": eos,
-        "pad_token_id": pad if isinstance(pad, int) else None,
+        "pad_token_id": pad if _is_id(pad) else None,
         "add_bos_token": bool(tcfg.get("add_bos_token", False)),
         "chat_template": chat,
         "bos_token": bos_text,
