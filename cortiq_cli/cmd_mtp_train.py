@@ -40,7 +40,7 @@ def mtp_train(
     vocab: Annotated[str, typer.Option("--vocab", help="Draft softmax during training: active (tokens the teacher uses, + random negatives) or full.", rich_help_panel=TRAIN_PANEL)] = "active",
     backbone: Annotated[str, typer.Option("--backbone", help="Who runs the frozen backbone to collect its hidden rows: torch (fast on CPU) or engine (the decode path's exact numbers).", rich_help_panel=TRAIN_PANEL)] = "torch",
     seed: Annotated[int, typer.Option("--seed", help="Seed of the window choice and negatives.", rich_help_panel=TRAIN_PANEL)] = 0,
-    checkpoint_every: Annotated[int, typer.Option("--checkpoint-every", help="Save a checkpoint (OUT stem + .train.pt) every N steps; 0 = never.", rich_help_panel=TRAIN_PANEL)] = 50,
+    checkpoint_every: Annotated[int, typer.Option("--checkpoint-every", help="Save a checkpoint (OUT stem + .train.safetensors; no pickle) every N steps; 0 = never.", rich_help_panel=TRAIN_PANEL)] = 50,
     resume: Annotated[bool, typer.Option("--resume", help="Continue from the checkpoint beside the output.", rich_help_panel=TRAIN_PANEL)] = False,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Sidecar to write (default: MODEL.mtp.cmf beside MODEL.cmf).")] = None,
     quant: Annotated[Optional[str], typer.Option("--quant", help="Sidecar matrices' dtype (default: the backbone's).")] = None,

@@ -24,7 +24,7 @@ from cortiq_engine.model import Model, State, forward
 from cortiq_engine.models import build_model
 from cortiq_engine.sampling import SamplingConfig
 from cortiq_engine.threads import set_threads
-from cortiq_engine.tokenizer import Tokenizer
+from cortiq_engine.tokenizer import Tokenizer, header_eos_ids
 
 DEFAULT_CTX = 4096
 
@@ -67,7 +67,10 @@ class Engine:
             raise CortiqError(f"--ctx must be >= 1, got {ctx}")
         tok = None
         if TOKENIZER_TENSOR in cmf:
-            tok = Tokenizer(cmf.raw_bytes(TOKENIZER_TENSOR), header.get("tokenizer") or {})
+            tok_header = header.get("tokenizer") or {}
+            if not isinstance(tok_header, dict):
+                raise CortiqError(f"{path}: header tokenizer section is not an object")
+            tok = Tokenizer(cmf.raw_bytes(TOKENIZER_TENSOR), tok_header)
         eng = cls(cmf, model, tok, int(ctx), n_threads)
         if warmup:
             eng.warmup()
@@ -99,12 +102,18 @@ class Engine:
 
     @property
     def calibration_temperature(self) -> float | None:
-        t = (self.header.get("calibration") or {}).get("temperature")
-        return float(t) if t else None
+        cal = self.header.get("calibration")
+        t = cal.get("temperature") if isinstance(cal, dict) else None
+        if t is None:
+            return None
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < 1e6:
+            raise CortiqError(f"{self.path}: header calibration.temperature is {str(t)[:40]!r}, expected a number > 0")
+        return float(t)
 
     @property
     def eos_ids(self) -> list[int]:
-        return [int(e) for e in ((self.header.get("tokenizer") or {}).get("eos_token_ids") or [])]
+        tok = self.header.get("tokenizer")
+        return header_eos_ids(tok) if isinstance(tok, dict) else []
 
     def new_state(self, capacity: int | None = None) -> State:
         return self.model.new_state(capacity or self.ctx)

@@ -17,6 +17,18 @@ from formats.errors import CortiqError
 REPLACEMENT = "\ufffd"
 
 
+def _is_id(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 31
+
+
+def header_eos_ids(header: dict[str, Any]) -> list[int]:
+    """``tokenizer.eos_token_ids`` of a CMF header, checked (the header is untrusted)."""
+    eos = header.get("eos_token_ids") or []
+    if not isinstance(eos, list) or not all(_is_id(e) for e in eos):
+        raise CortiqError(f"header tokenizer.eos_token_ids is {str(eos)[:60]}, expected a list of token ids")
+    return list(eos)
+
+
 class Tokenizer:
     def __init__(self, tokenizer_json: bytes, header: dict[str, Any]):
         from tokenizers import Tokenizer as HFTokenizer
@@ -28,8 +40,15 @@ class Tokenizer:
         self.header = header
         self.bos_id: int | None = header.get("bos_token_id")
         self.add_bos: bool = bool(header.get("add_bos_token", False))
-        self.eos_ids: list[int] = [int(e) for e in (header.get("eos_token_ids") or [])]
+        self.eos_ids: list[int] = header_eos_ids(header)
         self.chat_template: str | None = header.get("chat_template")
+        if self.bos_id is not None and not _is_id(self.bos_id):
+            raise CortiqError(f"header tokenizer.bos_token_id is {str(self.bos_id)[:40]!r}, expected a token id")
+        if self.chat_template is not None and not isinstance(self.chat_template, str):
+            raise CortiqError("header tokenizer.chat_template is not a string")
+        for key in ("bos_token", "eos_token"):
+            if header.get(key) is not None and not isinstance(header.get(key), str):
+                raise CortiqError(f"header tokenizer.{key} is not a string")
 
     @property
     def vocab_size(self) -> int:

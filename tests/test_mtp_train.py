@@ -149,7 +149,7 @@ def test_resume_continues_at_the_saved_step(tiny, tmp_path):
 
     with pytest.raises(Stop):
         train_mtp(cmf, TEXT, "alice", cfg, out=tmp_path / "b.mtp.cmf", kernels="numpy", callbacks=Callbacks(step=interrupt))
-    assert not (tmp_path / "b.mtp.cmf").exists() and (tmp_path / "b.mtp.train.pt").is_file()
+    assert not (tmp_path / "b.mtp.cmf").exists() and (tmp_path / "b.mtp.train.safetensors").is_file()
     resumed = train_mtp(cmf, TEXT, "alice", cfg, out=tmp_path / "b.mtp.cmf", kernels="numpy", resume=True)
     assert resumed.start_step == 3 and resumed.steps == 6
     assert resumed.losses == pytest.approx(full.losses, rel=1e-6)
@@ -179,7 +179,7 @@ def test_cli_trains_and_reports_json(tiny, tmp_path):
     doc = json.loads(output)
     assert doc["steps"] == 4 and len(doc["losses"]) == 4 and doc["sidecar"] == str(out)
     assert len(doc["held_out"]["alone"]) == 2 and doc["held_out"]["tokens_per_round"] >= 1.0
-    assert out.is_file() and (tmp_path / "x.mtp.train.pt").is_file()
+    assert out.is_file() and (tmp_path / "x.mtp.train.safetensors").is_file()
     # Without --force the sidecar is not overwritten.
     code, output = run_cli(str(cmf), "--text", str(text), "--steps", "1", "--seq", "32", "--out", str(out))
     assert code == 1 and "exists" in output

@@ -79,7 +79,7 @@ def train_mtp(
     from cortiq_engine.mtp_train.backbone import open_backbone
     from cortiq_engine.mtp_train.export import write_sidecar
     from cortiq_engine.mtp_train.features import EngineRunner, collect
-    from cortiq_engine.mtp_train.trainer import Trainer, checkpoint_path, require_torch
+    from cortiq_engine.mtp_train.trainer import Trainer, checkpoint_path, missing_checkpoint, require_torch
 
     cb = callbacks or Callbacks()
     require_torch()  # before any slow work
@@ -95,7 +95,7 @@ def train_mtp(
     backbone = open_backbone(model_path, kernels)
     cfg.check(backbone.arch.num_layers)
     if resume and not ckpt.is_file():
-        raise CortiqError(f"--resume: no checkpoint at {ckpt}")
+        raise missing_checkpoint(ckpt)
     quant = quant or (backbone.header.get("quant") or {}).get("default") or "f32"
 
     ids = backbone.tokenizer.encode(text, add_bos=True)

@@ -14,6 +14,7 @@ weights, the optimizer and the step, so a resumed run equals an uninterrupted on
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import time
@@ -24,11 +25,13 @@ from typing import Any, Callable
 import numpy as np
 
 from formats.errors import CortiqError
+from formats.untrusted_json import load_object
 from cortiq_engine.mtp_train.acceptance import Acceptance, acceptance
 from cortiq_engine.mtp_train.config import TrainConfig
 from cortiq_engine.mtp_train.features import Features
 
-CHECKPOINT_VERSION = 1
+CHECKPOINT_VERSION = 2  # 2: safetensors + JSON metadata (1 was a torch pickle, no longer read)
+CHECKPOINT_KEY = "cortiq_mtp_train"
 StepFn = Callable[[int, int, float, list[float]], None]  # (step, total, loss, per-depth top-1 agreement)
 
 
@@ -40,10 +43,23 @@ def require_torch():
     return torch
 
 
+def _json_scalar(v: Any) -> Any:
+    """Optimizer settings JSON cannot hold as they are (tuples are fine; tensors, numpy scalars not)."""
+    if hasattr(v, "item"):
+        return v.item()
+    raise TypeError(f"{type(v).__name__} in the optimizer settings")
+
+
+def missing_checkpoint(path: Path) -> CortiqError:
+    legacy = path.with_name(path.name[: -len(".safetensors")] + ".pt")
+    hint = f" ({legacy.name} is an old pickle checkpoint, which cortiq never opens)" if legacy.is_file() else ""
+    return CortiqError(f"--resume: no checkpoint at {path}{hint}")
+
+
 def checkpoint_path(out: str | Path) -> Path:
     out = Path(out)
     stem = out.name[: -len(".cmf")] if out.name.endswith(".cmf") else out.name
-    return out.with_name(f"{stem}.train.pt")
+    return out.with_name(f"{stem}.train.safetensors")
 
 
 @dataclass
@@ -104,37 +120,92 @@ class Trainer:
 
     # ------------------------------------------------------------ checkpoints
     def save(self, path: Path) -> None:
-        state = {
+        """Tensors in safetensors, everything else as JSON in its metadata: no pickle,
+        so a checkpoint someone left beside a model can never run code."""
+        tensors = {f"model.{k}": v for k, v in self.stack.state_dict().items()}
+        opt = self.opt.state_dict()
+        for idx, st in opt["state"].items():
+            for key, v in st.items():
+                tensors[f"optim.{idx}.{key}"] = v if self.torch.is_tensor(v) else self.torch.tensor(v)
+        meta = {
             "version": CHECKPOINT_VERSION,
             "step": self.step,
-            "model": self.stack.state_dict(),
-            "optim": self.opt.state_dict(),
             "config": self.cfg.to_json(),
             "fingerprint": self.backbone.fingerprint,
             "losses": self.losses,
+            "param_groups": opt["param_groups"],
         }
+        tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
         tmp = path.with_name(f".{path.name}.tmp")
-        self.torch.save(state, tmp)
-        os.replace(tmp, path)
+        try:
+            from safetensors.torch import save_file
+
+            save_file(tensors, str(tmp), metadata={CHECKPOINT_KEY: json.dumps(meta, default=_json_scalar)})
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
 
     def load(self, path: Path) -> None:
+        """Resume from ``path``: its metadata (version, fingerprint, settings) is checked
+        before a tensor is read; the tensors then must match the draft stack exactly."""
+        from formats.safetensors_reader import SafetensorsFile
+
         if not path.is_file():
-            raise CortiqError(f"--resume: no checkpoint at {path}")
+            raise missing_checkpoint(path)
+        st = SafetensorsFile(path)
         try:
-            state = self.torch.load(path, map_location="cpu", weights_only=False)
-        except Exception as e:  # a torn or foreign file
-            raise CortiqError(f"{path}: not a readable mtp-train checkpoint ({type(e).__name__})") from None
-        if not isinstance(state, dict) or state.get("version") != CHECKPOINT_VERSION:
-            raise CortiqError(f"{path}: not an mtp-train checkpoint of version {CHECKPOINT_VERSION}")
-        if state.get("fingerprint") != self.backbone.fingerprint:
-            raise CortiqError(f"{path}: the checkpoint was trained on another backbone (fingerprint {state.get('fingerprint')})")
-        diffs = self.cfg.resume_mismatch(state.get("config") or {})
-        if diffs:
-            raise CortiqError(f"{path}: settings differ from the checkpoint: " + "; ".join(diffs))
-        self.stack.load_state_dict(state["model"])
-        self.opt.load_state_dict(state["optim"])
-        self.step = int(state["step"])
-        self.losses = list(state.get("losses") or [])
+            raw_meta = st.metadata.get(CHECKPOINT_KEY)
+            if not isinstance(raw_meta, str):
+                raise CortiqError(f"{path}: not an mtp-train checkpoint (no {CHECKPOINT_KEY} metadata)")
+            meta = load_object(raw_meta, f"{path} (checkpoint metadata)")
+            if meta.get("version") != CHECKPOINT_VERSION:
+                raise CortiqError(f"{path}: not an mtp-train checkpoint of version {CHECKPOINT_VERSION}")
+            if meta.get("fingerprint") != self.backbone.fingerprint:
+                raise CortiqError(f"{path}: the checkpoint was trained on another backbone (fingerprint {str(meta.get('fingerprint'))[:40]})")
+            saved_cfg = meta.get("config")
+            diffs = self.cfg.resume_mismatch(saved_cfg if isinstance(saved_cfg, dict) else {})
+            if diffs:
+                raise CortiqError(f"{path}: settings differ from the checkpoint: " + "; ".join(diffs))
+            step, losses, groups = meta.get("step"), meta.get("losses"), meta.get("param_groups")
+            if not (isinstance(step, int) and 0 <= step <= self.cfg.steps * 10 + 10**6):
+                raise CortiqError(f"{path}: bad step {str(step)[:20]} in the checkpoint")
+            if not (isinstance(losses, list) and all(isinstance(x, (int, float)) for x in losses)):
+                raise CortiqError(f"{path}: bad losses in the checkpoint")
+            if not (isinstance(groups, list) and all(isinstance(g, dict) for g in groups)):
+                raise CortiqError(f"{path}: bad optimizer settings in the checkpoint")
+            want = self.stack.state_dict()
+            model_names = {n[len("model."):] for n in st.entries if n.startswith("model.")}
+            if model_names != set(want):
+                raise CortiqError(f"{path}: the checkpoint's tensors do not match the draft layers")
+            model = {}
+            for k, ref in want.items():
+                t = self._tensor(st, f"model.{k}")
+                if tuple(t.shape) != tuple(ref.shape):
+                    raise CortiqError(f"{path}: tensor {k} is {list(t.shape)} in the checkpoint, {list(ref.shape)} here")
+                model[k] = t
+            state: dict[int, dict[str, Any]] = {}
+            for n in st.entries:
+                if n.startswith("optim."):
+                    _, idx, key = n.split(".", 2)
+                    if not idx.isdigit():
+                        raise CortiqError(f"{path}: bad optimizer tensor {n[:80]}")
+                    state.setdefault(int(idx), {})[key] = self._tensor(st, n)
+            self.stack.load_state_dict(model)
+            try:
+                self.opt.load_state_dict({"state": state, "param_groups": groups})
+            except (ValueError, KeyError, TypeError, RuntimeError) as e:
+                raise CortiqError(f"{path}: optimizer state does not fit ({str(e)[:120]})") from None
+            self.step = step
+            self.losses = [float(x) for x in losses]
+        finally:
+            st.close()
+
+    def _tensor(self, st, name: str):
+        try:
+            return self.torch.from_numpy(np.array(st.raw(name)))
+        except KeyError:
+            raise CortiqError(f"{st.path}: tensor {name} is missing") from None
 
     # ------------------------------------------------------------ one step
     def _vocab_for(self, rng: np.random.Generator) -> np.ndarray:
