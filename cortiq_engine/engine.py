@@ -8,6 +8,7 @@ front so the first token's timing is not JIT time.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
@@ -70,7 +71,7 @@ class Engine:
             tok_header = header.get("tokenizer") or {}
             if not isinstance(tok_header, dict):
                 raise CortiqError(f"{path}: header tokenizer section is not an object")
-            tok = Tokenizer(cmf.raw_bytes(TOKENIZER_TENSOR), tok_header)
+            tok = Tokenizer(cmf.raw_bytes(TOKENIZER_TENSOR), tok_header, name=Path(path).name)
         eng = cls(cmf, model, tok, int(ctx), n_threads)
         if warmup:
             eng.warmup()

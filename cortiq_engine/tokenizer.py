@@ -9,6 +9,8 @@ prepends BOS itself, so one rule holds for every model.
 from __future__ import annotations
 
 import json
+import time
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Sequence
 
@@ -29,8 +31,94 @@ def header_eos_ids(header: dict[str, Any]) -> list[int]:
     return list(eos)
 
 
+TEMPLATE_SECONDS = 2.0
+TEMPLATE_MIN_OUTPUT = 1 << 20  # characters
+TEMPLATE_MAX_ITEMS = 1_000_000  # range() items over a whole render
+TEMPLATE_MAX_SEQUENCE = 1 << 20  # the longest string or list `*` may build
+
+
+@dataclass
+class TemplateLimits:
+    seconds: float = TEMPLATE_SECONDS
+    max_output: int = TEMPLATE_MIN_OUTPUT
+    max_items: int = TEMPLATE_MAX_ITEMS
+
+
+def render_template(source: str, limits: TemplateLimits, **context: Any) -> str:
+    """Render a jinja2 chat template in a sandbox bounded in time, loop items and output."""
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    deadline = time.monotonic() + limits.seconds
+    items = [0]
+
+    def check_time() -> None:
+        if time.monotonic() > deadline:
+            raise CortiqError(f"rendering took longer than {limits.seconds:g} s (a runaway loop?)")
+
+    def counted_range(*args: int) -> Any:
+        for i in range(*args):
+            items[0] += 1
+            if items[0] > limits.max_items:
+                raise CortiqError(f"loops ran over {limits.max_items} range() items")
+            if not items[0] & 1023:
+                check_time()
+            yield i
+
+    class Env(ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset(["*", "**", "+"])
+
+        def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+            if operator == "**" and isinstance(right, (int, float)) and abs(right) > 64:
+                raise CortiqError("an exponent over 64")
+            if operator == "*":
+                seq, n = (left, right) if isinstance(left, (str, list, tuple)) else (right, left)
+                if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > TEMPLATE_MAX_SEQUENCE:
+                    raise CortiqError(f"a repeated string or list longer than {TEMPLATE_MAX_SEQUENCE}")
+            if operator == "+" and isinstance(left, (str, list, tuple)) and isinstance(right, (str, list, tuple)):
+                if len(left) + len(right) > limits.max_output:
+                    raise CortiqError(f"a string or list longer than {limits.max_output}")
+            return super().call_binop(context, operator, left, right)
+
+        def call(self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:
+            check_time()
+            return super().call(__context, __obj, *args, **kwargs)
+
+        def getattr(self, obj: Any, attribute: str) -> Any:
+            check_time()
+            return super().getattr(obj, attribute)
+
+    def raise_exception(message: str) -> None:
+        raise CortiqError(f"raised: {str(message)[:200]}")
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False) -> str:
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    def strftime_now(fmt: str) -> str:
+        return datetime.now().strftime(fmt)
+
+    env = Env(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    env.globals["range"] = counted_range
+    try:
+        template = env.from_string(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise CortiqError(f"syntax error line {e.lineno}: {e.message}") from None
+    out: list[str] = []
+    size = 0
+    for chunk in template.generate(**context):
+        size += len(chunk)
+        if size > limits.max_output:
+            raise CortiqError(f"output over {limits.max_output} characters")
+        check_time()
+        out.append(chunk)
+    return "".join(out)
+
+
 class Tokenizer:
-    def __init__(self, tokenizer_json: bytes, header: dict[str, Any]):
+    def __init__(self, tokenizer_json: bytes, header: dict[str, Any], name: str = "the model"):
         from tokenizers import Tokenizer as HFTokenizer
 
         try:
@@ -38,6 +126,7 @@ class Tokenizer:
         except Exception as e:  # the tokenizers library raises plain Exceptions
             raise CortiqError(f"embedded tokenizer.json does not load ({e})") from None
         self.header = header
+        self.template_name = f"chat template of {name}"
         self.bos_id: int | None = header.get("bos_token_id")
         self.add_bos: bool = bool(header.get("add_bos_token", False))
         self.eos_ids: list[int] = header_eos_ids(header)
@@ -68,28 +157,20 @@ class Tokenizer:
 
     # ---------------------------------------------------------------- chat
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """Render the header's chat template as transformers does (sandboxed jinja2)."""
+        """Render the header's chat template as transformers does (sandboxed jinja2).
+
+        The template is untrusted code: it runs in jinja2's sandbox with a time limit
+        (TEMPLATE_SECONDS), a bound on loop iterations and repeated strings, and a bound
+        on its output; any failure is one CortiqError naming the template.
+        """
         if not self.chat_template:
             raise CortiqError("this model has no chat template (header tokenizer.chat_template is empty)")
-        import jinja2
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        def raise_exception(message: str) -> None:
-            raise CortiqError(f"chat template error: {message}")
-
-        def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False) -> str:
-            return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-        def strftime_now(fmt: str) -> str:
-            return datetime.now().strftime(fmt)
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-        env.filters["tojson"] = tojson
-        env.globals["raise_exception"] = raise_exception
-        env.globals["strftime_now"] = strftime_now
+        prompt_chars = sum(len(str(m.get("content", ""))) for m in messages if isinstance(m, dict))
+        limits = TemplateLimits(max_output=max(TEMPLATE_MIN_OUTPUT, 4 * prompt_chars + TEMPLATE_MIN_OUTPUT))
         try:
-            template = env.from_string(self.chat_template)
-            return template.render(
+            return render_template(
+                self.chat_template,
+                limits,
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self._special_text(self.header.get("bos_token"), self.bos_id),
@@ -97,8 +178,11 @@ class Tokenizer:
                 tools=None,
                 documents=None,
             )
-        except jinja2.TemplateError as e:
-            raise CortiqError(f"chat template error: {e}") from None
+        except CortiqError as e:
+            raise CortiqError(f"{self.template_name}: {e}") from None
+        except Exception as e:  # the template is untrusted code: whatever it raises is bad input
+            detail = str(e).splitlines()[0][:200] if str(e) else ""
+            raise CortiqError(f"{self.template_name} failed: {type(e).__name__}: {detail}") from None
 
     def _special_text(self, text: str | None, tid: int | None) -> str:
         if text:
