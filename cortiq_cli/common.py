@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import sys
@@ -11,6 +12,9 @@ import typer
 from rich.console import Console, ConsoleDimensions
 from rich.markup import escape
 from rich.table import Table
+
+from typer._click import exceptions as click_exc  # typer vendors click; its errors live here
+from typer.core import TyperGroup
 
 from formats.errors import CortiqError
 
@@ -55,6 +59,54 @@ F = TypeVar("F", bound=Callable[..., Any])
 def fail(message: str, code: int = 1) -> None:
     """Print a one-line error and exit non-zero."""
     err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+def _os_error_line(e: OSError) -> str:
+    """Disk full, read-only folder, permission denied, ...: what failed and where."""
+    reason = {errno.ENOSPC: "no space left on the device", errno.EROFS: "the file system is read-only",
+              errno.EACCES: "permission denied", errno.EDQUOT: "disk quota exceeded"}.get(e.errno or -1)
+    where = e.filename if e.filename is not None else None
+    text = reason or e.strerror or str(e)
+    return f"{where}: {text}" if where else text
+
+
+class OneLineErrors(TyperGroup):
+    """The CLI's top-level error boundary: usage errors (a bad option value) and the
+    failures no command can turn into a ``CortiqError`` itself (the OS refusing a write,
+    a recursion or memory limit) become one line on stderr and a non-zero exit."""
+
+    def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
+        try:
+            rv = super().main(*args, standalone_mode=False, **kwargs)
+        except click_exc.NoArgsIsHelpError as e:
+            typer.echo(e.ctx.get_help())
+            if standalone_mode:
+                sys.exit(0)
+            raise typer.Exit(0)
+        except click_exc.UsageError as e:
+            where = f" (see {e.ctx.command_path} --help)" if e.ctx is not None else ""
+            _one_line(f"{e.format_message()}{where}", e.exit_code, standalone_mode)
+        except click_exc.ClickException as e:
+            _one_line(e.format_message(), e.exit_code, standalone_mode)
+        except typer.Abort:
+            _one_line("interrupted", 130, standalone_mode)
+        except OSError as e:
+            _one_line(_os_error_line(e), 1, standalone_mode)
+        except RecursionError:
+            _one_line("input nested too deeply to process (recursion limit)", 1, standalone_mode)
+        except MemoryError:
+            _one_line("out of memory", 1, standalone_mode)
+        else:
+            if not standalone_mode:
+                return rv
+            sys.exit(rv if isinstance(rv, int) else 0)
+
+
+def _one_line(message: str, code: int, standalone_mode: bool) -> None:
+    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    if standalone_mode:
+        sys.exit(code)
     raise typer.Exit(code)
 
 

@@ -6,7 +6,14 @@ import importlib
 
 import typer
 
+from cortiq_cli.common import OneLineErrors
 from cortiq_cli.help import CortiqCommand, CortiqGroup
+
+
+class CliGroup(OneLineErrors, CortiqGroup):
+    """llama.cpp-style help and --version (cortiq_cli/help.py); bad option values and OS
+    failures as one line, not a box or a traceback (cortiq_cli/common.py)."""
+
 
 app = typer.Typer(
     name="cortiq",
@@ -15,7 +22,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
     rich_markup_mode="rich",
-    cls=CortiqGroup,  # --version, llama.cpp-style help (cortiq_cli/help.py)
+    cls=CliGroup,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 

@@ -30,6 +30,21 @@ from cortiq_engine.tokenizer import Tokenizer, header_eos_ids
 DEFAULT_CTX = 4096
 
 
+def check_ctx_memory(model: Model, ctx: int) -> None:
+    """Refuse a context whose KV caches could not fit in this machine's memory (a
+    typo such as --ctx 1000000000000 is one line, not a MemoryError)."""
+    a = model.arch
+    per_token = a.num_layers * a.num_kv_heads * (a.head_dim + a.v_head_dim) * 4  # f32 keys and values
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        total = 1 << 40
+    if ctx * per_token > total:
+        raise CortiqError(
+            f"--ctx {ctx} needs {ctx * per_token / 2**30:.1f} GiB of KV cache, more than this machine's {total / 2**30:.1f} GiB"
+        )
+
+
 class Engine:
     def __init__(self, cmf: CmfFile, model: Model, tokenizer: Tokenizer | None, ctx: int, threads: int):
         self.cmf = cmf
@@ -66,6 +81,7 @@ class Engine:
             ctx = min(arch.max_position_embeddings, DEFAULT_CTX)
         if ctx < 1:
             raise CortiqError(f"--ctx must be >= 1, got {ctx}")
+        check_ctx_memory(model, int(ctx))
         tok = None
         if TOKENIZER_TENSOR in cmf:
             tok_header = header.get("tokenizer") or {}
