@@ -44,6 +44,7 @@ import numpy as np
 
 from formats.errors import CortiqError
 from formats.quants import ALIGN, DTYPES, align_up, get_dtype
+from formats.staging import hold, remove_stale
 from formats.untrusted_json import loads as untrusted_loads
 
 MAGIC = b"CORTIQMF"
@@ -150,7 +151,9 @@ class CmfWriter:
         self._sealed = False
         hjson = _header_bytes(header)
         self._data_off = align_up(PREAMBLE + len(hjson) + HEADER_SLACK)
+        remove_stale(self.path)
         fd, self._tmp = _new_temp(self.path)
+        self._held = hold(self._tmp)  # a later run removes it only once this process is gone
         self._f = os.fdopen(fd, "wb")
         try:
             self._f.write(b"\0" * self._data_off)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import shutil
 import tempfile
@@ -31,6 +32,7 @@ from formats.policy import QuantPolicy
 from formats.quants import f32_to_bf16, get_dtype, rows_cols
 from formats.safetensors_reader import FLOAT_DTYPES
 from formats.sanitize import sanitize_checkpoint
+from formats.staging import hold, remove_stale
 from formats.sidecar import ROLE_MODEL, ROLE_SIDECAR, backbone_identity, check_sidecar, sidecar_path
 from formats.tokenizer_header import TOKENIZER_TENSOR, tokenizer_header
 
@@ -332,7 +334,7 @@ def convert_checkpoint(
         raise CortiqError(f"unknown --mtp {mtp!r}; choose one of {', '.join(MTP_MODES)}")
     policy = QuantPolicy(quant, keep or [])
     out = Path(out)
-    _check_output(out, force)
+    _check_output(out, force, Path(src))
     src_path = Path(src)
     if _is_gguf(src_path):
         return _convert_gguf(src_path, out, policy, mtp, force, progress)
@@ -343,13 +345,24 @@ def convert_checkpoint(
         ck.close()
 
 
-def _check_output(out: Path, force: bool) -> None:
+def _check_output(out: Path, force: bool, src: Path) -> None:
+    if _same_file(out, src) or (src.is_dir() and _same_file(out.parent, src) and (src / out.name).is_file()
+                                and out.name.endswith((".json", ".safetensors"))):
+        raise CortiqError(f"{out} is the source itself; choose another output file")
     if out.is_dir():
         raise CortiqError(f"{out} is a folder; give a file name such as model.cmf")
     if out.exists() and not force:
         raise CortiqError(f"{out} exists (use --force to overwrite)")
     if not out.parent.is_dir():
         raise CortiqError(f"output folder {out.parent} does not exist")
+    remove_stale(out)  # what a killed run on this output left behind
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return a.exists() and b.exists() and os.path.samefile(a, b)
+    except OSError:
+        return False
 
 
 def _is_gguf(path: Path) -> bool:
@@ -372,6 +385,7 @@ def _convert_gguf(path: Path, out: Path, policy: QuantPolicy, mtp: str, force: b
     except ImportError:
         raise CortiqError("reading .gguf files needs formats.gguf_import, which this build lacks") from None
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.gguf-", dir=out.parent))
+    held = hold(tmp)  # a later run removes it only once this process is gone
     try:
         staged = None if progress is None else (lambda name, done, total: progress(f"gguf: {name}", done, total))
         ck_dir = gguf_to_checkpoint(path, tmp / "checkpoint", progress=staged)
@@ -383,6 +397,7 @@ def _convert_gguf(path: Path, out: Path, policy: QuantPolicy, mtp: str, force: b
             ck.close()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        held.release()
 
 
 def _source_identity(ck, plan: list[PlannedTensor], fp: str, source_format: str) -> dict[str, Any]:

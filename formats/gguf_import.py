@@ -27,6 +27,7 @@ from typing import Any, Callable
 import numpy as np
 
 from formats.errors import CortiqError
+from formats.staging import hold, remove_stale
 from formats.gguf_tokenizer import TokenizerFiles, build_tokenizer
 from formats.safetensors_writer import SafetensorsStream
 
@@ -452,14 +453,16 @@ def import_gguf(
         raise CortiqError(f"{out} exists (use --force to overwrite)")
     if not out.parent.is_dir():
         raise CortiqError(f"output folder {out.parent} does not exist")
-    if out.exists() and src.resolve().is_relative_to(out.resolve()):
+    if src.resolve() == out.resolve() or (out.exists() and src.resolve().is_relative_to(out.resolve())):
         raise CortiqError(f"{out} contains the input file; choose another output folder")
     model = read_gguf(src)
     config = dict(model.config, torch_dtype={"f32": "float32", "f16": "float16", "bf16": "bfloat16"}[dtype])
     st_dtype, itemsize = OUT_DTYPES[dtype]
     total = model.params
 
+    remove_stale(out)  # what a killed run on this output left behind
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    _held = hold(tmp)  # noqa: F841 - a later run removes tmp only once this process is gone
     try:
         tmp.chmod(0o755)  # mkdtemp makes it private; the result is an ordinary folder
         stream = SafetensorsStream(
