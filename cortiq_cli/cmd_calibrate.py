@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import datetime as _dt
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Callable
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -12,9 +12,11 @@ from rich.table import Table
 from rich.text import Text
 
 from cortiq_cli import text_options as opt
-from cortiq_cli.cmd_ppl import load_engines, model_label
+from cortiq_cli.cmd_ppl import interrupted, load_engines, model_label, whole_windows
 from cortiq_cli.common import console, err_console, handle_errors, print_json
-from evals.calibrate import DEFAULT_FIT_FRACTION, CalibrationReport, calibration_report, collect_features, split_rows
+from evals.calibrate import DEFAULT_FIT_FRACTION, CalibrationReport, calibration_report, split_rows
+from evals.temperature import RowFeatures, row_features
+from evals.scoring import count_scored, iter_scored
 from evals.calibration import DEFAULT_BINS, Bin, CalibrationMetrics
 from evals.temperature import DEFAULT_T_MAX, DEFAULT_T_MIN, TemperatureGrid
 from evals.text_source import LoadedText, load_text
@@ -66,7 +68,7 @@ def calibrate(
     split_rows(total, fit_fraction)  # too few tokens: say so before the pass
 
     if json_out:
-        features = collect_features(engine, tokens, windows, grid, chunk=batch)
+        features, done = collect_partial(engine, tokens, windows, grid, chunk=batch)
     else:
         with Progress(
             TextColumn("[bold]scoring[/]"),
@@ -84,12 +86,14 @@ def calibrate(
             def progress(done: int, _total: int, acc: float) -> None:
                 bar.update(task, completed=done, acc=f"{acc:.3f}")
 
-            features = collect_features(engine, tokens, windows, grid, chunk=batch, progress=progress)
+            features, done = collect_partial(engine, tokens, windows, grid, chunk=batch, progress=progress)
 
     report = calibration_report(name, features, grid, bins, fit_fraction)
     settings = {"ctx": ctx, "stride": step, "windows": len(windows), "max_tokens": max_tokens, "text_tokens": int(len(tokens)),
                 "t_min": float(grid.temperatures.min()), "t_max": float(grid.temperatures.max()), "grid_points": grid.n,
-                "fit_fraction": fit_fraction}
+                "fit_fraction": fit_fraction, "windows_done": done, "partial": done < len(windows)}
+    if done < len(windows) and write:
+        write = False  # never store a temperature fitted on an interrupted pass
     if not json_out:
         render(report, source, settings)  # before --write, which may refuse the fit
     written = None
@@ -110,11 +114,37 @@ def calibrate(
             "written": written,
             "plot": str(plot) if plot else None,
         })
+        if done < len(windows):
+            interrupted(done, len(windows))
         return
+    if done < len(windows):
+        interrupted(done, len(windows))
     if written:
         console.print(f"[green]wrote[/] calibration.temperature = {report.temperature:.4f} into {model}")
     if plot is not None:
         console.print(f"[green]wrote[/] {plot}")
+
+
+def collect_partial(engine: Any, tokens: Any, windows: list[Any], grid: TemperatureGrid, chunk: int,
+                    progress: Callable[[int, int, float], None] | None = None) -> tuple[RowFeatures, int]:
+    """``collect_features`` that, on Ctrl-C, keeps the windows done so far (and says how
+    many); with none done the interrupt goes on up."""
+    parts: list[RowFeatures] = []
+    total, rows, hits, done = count_scored(windows), 0, 0, 0
+    try:
+        for group in whole_windows(iter_scored([engine], tokens, windows, chunk=chunk)):
+            for block in group:
+                f = row_features(block.logits[0], block.targets, grid)
+                parts.append(f)
+                rows += len(f)
+                hits += int(f.correct.sum())
+            done = group[0].window + 1
+            if progress:
+                progress(rows, total, hits / max(rows, 1))
+    except KeyboardInterrupt:
+        if not parts:
+            raise
+    return RowFeatures.concat(parts, grid), done
 
 
 # ------------------------------------------------------------------ header

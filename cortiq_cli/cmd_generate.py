@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -98,16 +98,28 @@ def generate(
     spec, mtp_note = mtp_opt.resolve(
         eng, mtp=mtp, no_mtp=no_mtp, depth=mtp_depth, chain=mtp_chain, hidden=mtp_hidden, greedy=config.greedy, evict=evict
     )
-    if spec is not None:
-        res = mtp_opt.generate(
-            eng, ids, spec, config, max_tokens=max_tokens, stop=stop or [], compare=mtp_compare,
-            ignore_eos=ignore_eos, on_text=None if json_out else stream, logprobs=logprobs,
-        )
-    else:
-        res = eng.generate(
-            ids, config, max_tokens=max_tokens, stop=stop or [], on_text=None if json_out else stream, evict=evict,
-            ignore_eos=ignore_eos, logprobs=logprobs,
-        )
+    so_far: list[Any] = []  # every token event, for the partial result of a Ctrl-C
+    try:
+        if spec is not None:
+            res = mtp_opt.generate(
+                eng, ids, spec, config, max_tokens=max_tokens, stop=stop or [], compare=mtp_compare,
+                ignore_eos=ignore_eos, on_text=None if json_out else stream, logprobs=logprobs, on_token=so_far.append,
+            )
+        else:
+            res = eng.generate(
+                ids, config, max_tokens=max_tokens, stop=stop or [], on_text=None if json_out else stream, evict=evict,
+                ignore_eos=ignore_eos, logprobs=logprobs, on_token=so_far.append,
+            )
+    except KeyboardInterrupt:
+        if not json_out:
+            raise
+        # --json: the tokens so far are the answer (the text is their pieces; stop strings not applied)
+        print_json({
+            "model": str(model), "prompt": prompt, "text": "".join(ev.text for ev in so_far),
+            "token_ids": [ev.id for ev in so_far], "tokens": [ev.to_json() for ev in so_far],
+            "prompt_tokens": len(ids), "generated_tokens": len(so_far), "finish_reason": "interrupted",
+        })
+        raise typer.Exit(130) from None
     if json_out:
         print_json(
             {

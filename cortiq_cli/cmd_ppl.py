@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Callable, Iterator
 
 import typer
 from rich import box
@@ -12,7 +13,8 @@ from rich.table import Table
 
 from cortiq_cli import text_options as opt
 from cortiq_cli.common import console, err_console, handle_errors, print_json, print_table
-from evals.perplexity import Comparison, PerplexityReport, PerplexityResult, run_perplexity
+from evals.perplexity import Comparison, PerplexityAccumulator, PerplexityReport, PerplexityResult, build_reports
+from evals.scoring import ScoredBlock, count_scored, iter_scored, scored_text_bytes
 from evals.text_source import LoadedText, load_text
 from evals.tokens import chunk_bos, tokenize_for
 from evals.windows import Window, chunk_windows, sliding_windows
@@ -74,7 +76,7 @@ def ppl(
     total = sum(w.n_scored for w in windows)
 
     if json_out:
-        result = run_perplexity(engines, names, tokens, windows, engines[0].tokenizer, chunk=batch)
+        result, done = score_partial(engines, names, tokens, windows, engines[0].tokenizer, chunk=batch)
     else:
         with Progress(
             TextColumn("[bold]scoring[/]"),
@@ -92,7 +94,7 @@ def ppl(
             def progress(done: int, _total: int, running: float) -> None:
                 bar.update(task, completed=done, ppl=f"{running:.4f}")
 
-            result = run_perplexity(engines, names, tokens, windows, engines[0].tokenizer, chunk=batch, progress=progress)
+            result, done = score_partial(engines, names, tokens, windows, engines[0].tokenizer, chunk=batch, progress=progress)
 
     settings = {
         "mode": mode,
@@ -102,11 +104,56 @@ def ppl(
         "chunk_bos": windows[0].bos if mode == "chunks" else None,
         "max_tokens": max_tokens,
         "text_tokens": int(len(tokens)),
+        "windows_done": done,
+        "partial": done < len(windows),
     }
     if json_out:
         print_json(to_json(source, settings, result, models))
     else:
         render(source, settings, result)
+    if done < len(windows):
+        interrupted(done, len(windows))
+
+
+def interrupted(done: int, total: int) -> None:
+    """After printing the figures over the windows scored before Ctrl-C: say so, exit 130."""
+    err_console.print(f"[bold red]interrupted[/]: figures above are partial, over {done} of {total} windows", highlight=False)
+    raise typer.Exit(130)
+
+
+def whole_windows(blocks: Iterator[ScoredBlock]) -> Iterator[list[ScoredBlock]]:
+    """Group scored blocks by window, yielding a window only once all of it is scored
+    (so a Ctrl-C leaves figures over whole windows)."""
+    pending: list[ScoredBlock] = []
+    for b in blocks:
+        if pending and b.window != pending[0].window:
+            yield pending
+            pending = []
+        pending.append(b)
+    if pending:
+        yield pending
+
+
+def score_partial(
+    engines: list[Any], names: list[str], tokens: Any, windows: list[Window], decoder: Any, chunk: int,
+    progress: Callable[[int, int, float], None] | None = None,
+) -> tuple[PerplexityResult, int]:
+    """``run_perplexity`` that, on Ctrl-C, returns the figures over the windows done so far
+    (and how many); with none done the interrupt goes on up."""
+    acc = PerplexityAccumulator(len(engines))
+    total, done = count_scored(windows), 0
+    try:
+        for group in whole_windows(iter_scored(engines, tokens, windows, chunk=chunk)):
+            for block in group:
+                acc.add(block)
+            done = group[0].window + 1
+            if progress:
+                progress(acc.count, total, acc.running_ppl)
+    except KeyboardInterrupt:
+        if not acc.count:
+            raise
+    reports, comps = build_reports(acc, names, scored_text_bytes(decoder, tokens, windows[:done]))
+    return PerplexityResult(reports, comps), done
 
 
 def to_json(source: LoadedText, settings: dict[str, Any], result: PerplexityResult, paths: list[Path]) -> dict[str, Any]:
@@ -126,7 +173,8 @@ def render(source: LoadedText, settings: dict[str, Any], result: PerplexityResul
     console.print(
         f"[bold]text[/] {source.source}\n"
         f"  {source.n_bytes:,} bytes, {settings['text_tokens']:,} tokens; scored {r0.tokens_scored:,} tokens "
-        f"({r0.bytes_scored:,} bytes) in {settings['windows']} windows ({how})",
+        f"({r0.bytes_scored:,} bytes) in {settings['windows']} windows ({how})"
+        + (f" [bold red]partial[/]: {settings['windows_done']} of {settings['windows']} windows done" if settings.get("partial") else ""),
         highlight=False,
     )
     print_table(console, _ppl_table(result.reports))
@@ -150,11 +198,12 @@ def _ppl_table(reports: list[PerplexityReport]) -> Table:
     t.add_column("bits/byte", justify="right", no_wrap=True)
     for r in reports:
         lo, hi = r.ppl_ci95
+        spread = math.isfinite(lo) and math.isfinite(hi)  # one scored token has no spread
         t.add_row(
             r.model,
             f"{r.ppl:.4f}",
-            f"{lo:.3f}–{hi:.3f}",
-            f"{r.nll.mean:.4f} ± {r.nll.se:.4f}",
+            f"{lo:.3f}–{hi:.3f}" if spread else f"n/a ({r.tokens_scored} token)",
+            f"{r.nll.mean:.4f} ± {r.nll.se:.4f}" if spread else f"{r.nll.mean:.4f} ± n/a",
             f"{r.bits_per_byte:.4f}",
         )
     return t

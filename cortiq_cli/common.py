@@ -130,9 +130,26 @@ def handle_errors(fn: F) -> F:
 
 
 def print_json(obj: Any) -> None:
-    """Machine output: one JSON document on stdout, nothing else."""
-    sys.stdout.write(json.dumps(obj, ensure_ascii=False, default=_json_default) + "\n")
+    """Machine output: one JSON document on stdout, nothing else (strict JSON: a
+    non-finite number, such as the interval of a single scored token, is null)."""
+    sys.stdout.write(json.dumps(_finite(obj), ensure_ascii=False, default=_json_default, allow_nan=False) + "\n")
     sys.stdout.flush()
+
+
+def _finite(o: Any) -> Any:
+    import math
+
+    import numpy as np
+
+    if isinstance(o, np.ndarray):
+        o = o.tolist()
+    if isinstance(o, (float, np.floating)):
+        return float(o) if math.isfinite(o) else None
+    if isinstance(o, dict):
+        return {k: _finite(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_finite(v) for v in o]
+    return o
 
 
 def _json_default(o: Any) -> Any:
@@ -141,7 +158,7 @@ def _json_default(o: Any) -> Any:
     if isinstance(o, np.integer):
         return int(o)
     if isinstance(o, np.floating):
-        return float(o)
+        return float(o) if np.isfinite(o) else None
     if isinstance(o, np.ndarray):
         return o.tolist()
     raise TypeError(f"not JSON serializable: {type(o).__name__}")
