@@ -91,7 +91,7 @@ def calibrate(
     report = calibration_report(name, features, grid, bins, fit_fraction)
     settings = {"ctx": ctx, "stride": step, "windows": len(windows), "max_tokens": max_tokens, "text_tokens": int(len(tokens)),
                 "t_min": float(grid.temperatures.min()), "t_max": float(grid.temperatures.max()), "grid_points": grid.n,
-                "fit_fraction": fit_fraction, "windows_done": done, "partial": done < len(windows)}
+                "fit_fraction": fit_fraction, **({"partial": True, "windows_done": done} if done < len(windows) else {})}
     if done < len(windows) and write:
         write = False  # never store a temperature fitted on an interrupted pass
     if not json_out:

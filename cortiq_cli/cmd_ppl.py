@@ -104,8 +104,8 @@ def ppl(
         "chunk_bos": windows[0].bos if mode == "chunks" else None,
         "max_tokens": max_tokens,
         "text_tokens": int(len(tokens)),
-        "windows_done": done,
-        "partial": done < len(windows),
+        # only after a Ctrl-C: the figures cover the first windows_done windows
+        **({"partial": True, "windows_done": done} if done < len(windows) else {}),
     }
     if json_out:
         print_json(to_json(source, settings, result, models))

@@ -190,17 +190,27 @@ def build_draft_layer(cmf: CmfFile, k: int, arch: ArchConfig, kernels) -> DraftL
     )
 
 
+def _section(header: dict[str, Any], key: str) -> dict[str, Any]:
+    """A header section that must be an object when present (headers are untrusted)."""
+    v = header.get(key)
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise CortiqError(f"header {key} section is {str(v)[:40]!r}, expected an object")
+    return v
+
+
 def _open_sidecar(path: Path, main_header: dict[str, Any]) -> CmfFile:
     side = CmfFile(path)
     try:
         check_sidecar(main_header, side.header)
-        declared = (side.header.get("mtp") or {}).get("num_layers")
+        declared = _section(side.header, "mtp").get("num_layers")
         have = count_mtp_layers(side)
         if not have:
             raise CortiqError("it holds no draft layers (no model.mtp.layers.0.eh_proj.weight)")
         if declared is not None and declared != have:
             raise CortiqError(f"MTP layer count {declared} in its header, {have} layers of tensors")
-        backbone_mtp = main_header.get("mtp") or {}
+        backbone_mtp = _section(main_header, "mtp")
         if backbone_mtp.get("location") == "sidecar" and backbone_mtp.get("num_layers") not in (None, have):
             raise CortiqError(f"MTP layer count {backbone_mtp['num_layers']} in the backbone, {have} in the sidecar")
     except CortiqError as e:

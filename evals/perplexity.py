@@ -25,6 +25,11 @@ from evals.stats import Z95, MeanEstimate
 LN2 = math.log(2.0)
 
 
+def _exp(x: float) -> float:
+    """exp that saturates to inf (a model whose NLL is past 709 nats has an infinite ppl)."""
+    return math.exp(x) if x < 709.0 else float("inf")
+
+
 def log_softmax_rows(z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(z - max, logsumexp(z - max)) per row: float32 shifted logits, float64 lse."""
     shifted = z - z.max(axis=1, keepdims=True)
@@ -80,7 +85,7 @@ class PerplexityAccumulator:
 
     @property
     def running_ppl(self) -> float:
-        return math.exp(self._sum_nll0 / self._count) if self._count else float("nan")
+        return _exp(self._sum_nll0 / self._count) if self._count else float("nan")
 
     def arrays(self, m: int) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
         cat = lambda xs, dt: np.concatenate(xs).astype(dt) if xs else np.zeros(0, dt)  # noqa: E731
@@ -101,7 +106,7 @@ class PerplexityReport:
 
     @property
     def ppl(self) -> float:
-        return math.exp(self.nll.mean)
+        return _exp(self.nll.mean)
 
     @property
     def ppl_se(self) -> float:
@@ -111,7 +116,7 @@ class PerplexityReport:
     @property
     def ppl_ci95(self) -> tuple[float, float]:
         lo, hi = self.nll.ci95
-        return (math.exp(lo), math.exp(hi))
+        return (_exp(lo), _exp(hi))
 
     @property
     def bits_per_byte(self) -> float:
@@ -145,12 +150,12 @@ class Comparison:
 
     @property
     def ppl_ratio(self) -> float:
-        return math.exp(self.log_ratio.mean)
+        return _exp(self.log_ratio.mean)
 
     @property
     def ppl_ratio_ci95(self) -> tuple[float, float]:
         lo, hi = self.log_ratio.ci95
-        return (math.exp(lo), math.exp(hi))
+        return (_exp(lo), _exp(hi))
 
     def to_json(self) -> dict[str, Any]:
         return {
