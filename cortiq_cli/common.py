@@ -97,6 +97,10 @@ class OneLineErrors(TyperGroup):
             _one_line("input nested too deeply to process (recursion limit)", 1, standalone_mode)
         except MemoryError:
             _one_line("out of memory", 1, standalone_mode)
+        except ArithmeticError as e:
+            # compiled kernels raise on a division by zero only when the numbers went
+            # non-finite: damaged weights (cortiq verify names them)
+            _one_line(f"numeric error ({type(e).__name__}) - non-finite values; run cortiq verify on the model", 1, standalone_mode)
         else:
             if not standalone_mode:
                 return rv

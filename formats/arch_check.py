@@ -75,6 +75,12 @@ def _positive(where: str, name: str, v: float) -> None:
         raise CortiqError(f"{where}.{name} is {v}, expected a finite number > 0")
 
 
+def _theta(where: str, name: str, v: float) -> None:
+    # Below 1 the rotary frequencies overflow f32; real bases are 1e4..1e8.
+    if not (math.isfinite(v) and 1.0 < v <= 1e12):
+        raise CortiqError(f"{where}.{name} is {v}, expected a rotary base in (1, 1e12]")
+
+
 def _heads(where: str, heads: int, kv: int, head_dim: int, rotary: int) -> None:
     if heads % kv:
         raise CortiqError(f"{where}: num_kv_heads={kv} does not divide num_heads={heads}")
@@ -96,7 +102,7 @@ def validate_arch(arch: ArchConfig, where: str = "arch") -> ArchConfig:
     _int_range(w, "sliding_window", arch.sliding_window, 0, MAX_POSITIONS)
     _int_range(w, "num_kv_heads", arch.num_kv_heads, 1, arch.num_heads)
     _heads(w, arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.rotary_dim)
-    _positive(w, "rope_theta", arch.rope_theta)
+    _theta(w, "rope_theta", arch.rope_theta)
     _positive(w, "norm_eps", arch.norm_eps)
     if arch.norm_eps >= 1:
         raise CortiqError(f"{w}.norm_eps is {arch.norm_eps}, expected < 1")
@@ -130,7 +136,7 @@ def validate_arch(arch: ArchConfig, where: str = "arch") -> ArchConfig:
         _int_range(ws, "window", s.window, 1, MAX_POSITIONS)
         _int_range(ws, "rotary_dim", s.rotary_dim, 0, MAX_DIM)
         _heads(ws, s.num_heads, s.num_kv_heads, s.head_dim, s.rotary_dim or s.head_dim)
-        _positive(ws, "rope_theta", s.rope_theta)
+        _theta(ws, "rope_theta", s.rope_theta)
     if arch.mtp is not None:
         _int_range(f"{w}.mtp", "num_layers", arch.mtp.num_layers, 0, 64)
         if arch.mtp.style not in ("deepseek", "mimo", "qwen3_next"):
@@ -150,6 +156,8 @@ def _rope_scaling(w: str, rs: dict[str, Any] | None) -> None:
         if not _type_ok(v, "float"):
             raise CortiqError(f"{w}.rope_scaling.{key} is {_show(v)}, expected a finite number")
         _positive(f"{w}.rope_scaling", key, float(v))
+        if float(v) > 1e9:
+            raise CortiqError(f"{w}.rope_scaling.{key} is {v}, expected at most 1e9")
     if kind == "llama3" and float(rs.get("high_freq_factor", 4.0)) == float(rs.get("low_freq_factor", 1.0)):
         raise CortiqError(f"{w}.rope_scaling: high_freq_factor equals low_freq_factor")
 

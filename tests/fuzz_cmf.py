@@ -305,10 +305,11 @@ def _arch_geometry(rng: random.Random, data: bytes) -> tuple[bytes, str]:
         ("moe", {"num_experts": 4, "top_k": 9, "expert_intermediate_size": 8, "moe_layers": [0, 5]}),
         ("mtp", {"num_layers": 5, "style": "deepseek"}),
     ]
+    done = {}
     for _ in range(rng.choice([1, 1, 2])):
         k, v = rng.choice(edits)
-        a[k] = v
-    note = ",".join(f"{k}" for k in a)[:0] + json.dumps({k: a[k] for k in a if k in dict(edits)})[:80]
+        a[k] = done[k] = v
+    note = json.dumps(done)[:100]
     return _rebuild(data, json.dumps(header).encode(), seal=True), note
 
 
