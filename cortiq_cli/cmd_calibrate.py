@@ -132,7 +132,7 @@ def collect_partial(engine: Any, tokens: Any, windows: list[Any], grid: Temperat
     parts: list[RowFeatures] = []
     total, rows, hits, done = count_scored(windows), 0, 0, 0
     try:
-        for group in whole_windows(iter_scored([engine], tokens, windows, chunk=chunk)):
+        for group in whole_windows(iter_scored([engine], tokens, windows, chunk=chunk), windows):
             for block in group:
                 f = row_features(block.logits[0], block.targets, grid)
                 parts.append(f)

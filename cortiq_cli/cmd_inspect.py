@@ -12,6 +12,7 @@ from rich.table import Table
 from cortiq_cli.common import console, err_console, fail, handle_errors, human_bytes, print_json
 from formats.cmf import CmfFile
 from formats.errors import CortiqError
+from formats.untrusted_json import section
 from formats.sidecar import ROLE_SIDECAR, check_sidecar, sidecar_path
 
 
@@ -34,7 +35,7 @@ def _partner(f: CmfFile) -> tuple[Path | None, str | None, dict[str, Any]]:
     """The file this one pairs with (its sidecar, or for a sidecar its backbone), the
     reason they do not match (None if they match), and a summary of its tensors."""
     if f.header.get("role") == ROLE_SIDECAR:
-        name = (f.header.get("backbone") or {}).get("file")
+        name = section(f.header, "backbone").get("file")
         # a plain file name beside the sidecar; anything else ("../x", "a/b", "") is ignored
         plain = isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\0" not in name
         other = f.path.with_name(name) if plain else None

@@ -19,6 +19,7 @@ from evals.text_source import LoadedText, load_text
 from evals.tokens import chunk_bos, tokenize_for
 from evals.windows import Window, chunk_windows, sliding_windows
 from formats.errors import CortiqError
+from formats.untrusted_json import section
 
 MODES = ("sliding", "chunks")
 
@@ -30,7 +31,7 @@ def load_engines(paths: list[Path], threads: int | None, ctx: int) -> list[Any]:
 
 
 def model_label(path: Path, engine: Any) -> str:
-    quant = ((getattr(engine, "header", None) or {}).get("quant") or {}).get("default")
+    quant = section(getattr(engine, "header", None) or {}, "quant").get("default")
     return f"{path.name} ({quant})" if quant else path.name
 
 
@@ -121,17 +122,20 @@ def interrupted(done: int, total: int) -> None:
     raise typer.Exit(130)
 
 
-def whole_windows(blocks: Iterator[ScoredBlock]) -> Iterator[list[ScoredBlock]]:
-    """Group scored blocks by window, yielding a window only once all of it is scored
-    (so a Ctrl-C leaves figures over whole windows)."""
+def whole_windows(blocks: Iterator[ScoredBlock], windows: list[Window]) -> Iterator[list[ScoredBlock]]:
+    """Group scored blocks by window, yielding a window as soon as all of its rows are
+    scored (so a Ctrl-C leaves figures over whole windows)."""
     pending: list[ScoredBlock] = []
+    rows = 0
     for b in blocks:
-        if pending and b.window != pending[0].window:
+        if pending and b.window != pending[0].window:  # not expected: iter_scored gives every row
             yield pending
-            pending = []
+            pending, rows = [], 0
         pending.append(b)
-    if pending:
-        yield pending
+        rows += len(b.targets)
+        if rows >= windows[b.window].n_scored:
+            yield pending
+            pending, rows = [], 0
 
 
 def score_partial(
@@ -143,7 +147,7 @@ def score_partial(
     acc = PerplexityAccumulator(len(engines))
     total, done = count_scored(windows), 0
     try:
-        for group in whole_windows(iter_scored(engines, tokens, windows, chunk=chunk)):
+        for group in whole_windows(iter_scored(engines, tokens, windows, chunk=chunk), windows):
             for block in group:
                 acc.add(block)
             done = group[0].window + 1

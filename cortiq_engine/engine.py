@@ -18,6 +18,7 @@ from formats.arch_check import model_arch
 from formats.cmf import CmfFile
 from formats.convert import TOKENIZER_TENSOR
 from formats.errors import CortiqError
+from formats.untrusted_json import section
 from cortiq_engine.generate import PREFILL_CHUNK, GenerationResult, TokenEvent, generate
 from cortiq_engine.kernels import get_kernels
 from cortiq_engine.memory import release_free_heap
@@ -84,9 +85,7 @@ class Engine:
         check_ctx_memory(model, int(ctx))
         tok = None
         if TOKENIZER_TENSOR in cmf:
-            tok_header = header.get("tokenizer") or {}
-            if not isinstance(tok_header, dict):
-                raise CortiqError(f"{path}: header tokenizer section is not an object")
+            tok_header = section(header, "tokenizer", str(path))
             tok = Tokenizer(cmf.raw_bytes(TOKENIZER_TENSOR), tok_header, name=Path(path).name)
         eng = cls(cmf, model, tok, int(ctx), n_threads)
         if warmup:

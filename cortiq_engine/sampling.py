@@ -29,7 +29,7 @@ class SamplingConfig:
     def __post_init__(self) -> None:
         for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
             if not np.isfinite(getattr(self, name)):
-                raise CortiqError(f"{name.replace('_', ' ')} must be a finite number, got {getattr(self, name)}")
+                raise CortiqError(f"{name.replace('_', '-')} must be a finite number, got {getattr(self, name)}")
         if self.seed is not None and not 0 <= self.seed < 1 << 63:
             raise CortiqError(f"--seed must be in 0..2^63-1, got {self.seed}")
         if self.temperature < 0:

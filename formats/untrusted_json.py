@@ -98,3 +98,13 @@ def read_text(path: Path, max_bytes: int = MAX_BYTES) -> str:
 def read_object(path: Path, max_bytes: int = MAX_BYTES) -> dict[str, Any]:
     """A JSON file that must hold an object (config.json, tokenizer_config.json, ...)."""
     return load_object(read_text(path, max_bytes), str(path), max_bytes=max_bytes)
+
+
+def section(header: dict[str, Any], key: str, where: str = "header") -> dict[str, Any]:
+    """``header[key]`` when it is an object, {} when absent or null; anything else is bad input."""
+    v = header.get(key)
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise CortiqError(f"{where} {key} section is {str(v)[:40]!r}, expected an object")
+    return v

@@ -13,6 +13,7 @@ from formats.arch import ArchConfig
 from formats.arch_check import model_arch
 from formats.cmf import CmfFile
 from formats.errors import CortiqError
+from formats.untrusted_json import section
 from formats.sidecar import ROLE_MODEL
 from formats.tokenizer_header import TOKENIZER_TENSOR
 
@@ -49,7 +50,8 @@ class Backbone:
 
     @property
     def fingerprint(self) -> str | None:
-        return (self.header.get("source") or {}).get("fingerprint")
+        fp = section(self.header, "source").get("fingerprint")
+        return fp if isinstance(fp, str) else None
 
     def block_f32(self, layer: int) -> dict[str, np.ndarray]:
         """f32 copies of backbone layer ``layer``'s tensors, named relative to the block."""
@@ -98,5 +100,5 @@ def open_backbone(path: str | Path, kernels: str | None = None) -> Backbone:
         cmf.close()
         raise
     model = build_model(cmf, arch, get_kernels(kernels))
-    tok = Tokenizer(cmf.raw_bytes(TOKENIZER_TENSOR), header.get("tokenizer") or {})
+    tok = Tokenizer(cmf.raw_bytes(TOKENIZER_TENSOR), section(header, "tokenizer", str(path)), name=path.name)
     return Backbone(path, cmf, header, arch, model, tok)

@@ -16,6 +16,7 @@ import numpy as np
 from formats.arch import ArchConfig
 from formats.cmf import CmfFile
 from formats.errors import CortiqError
+from formats.untrusted_json import section
 from formats.sidecar import check_sidecar
 from cortiq_engine.layers import Attention, AttentionWeights, Block, GatedMLP, RMSNorm, RoPE, Step
 from cortiq_engine.weights import load_vector, load_weight
@@ -38,7 +39,9 @@ def load_draft_layers(sidecar: str | Path, backbone) -> list[EngineDraftLayer]:
     ks = backbone.model.kernels
     h, eps, style = arch.hidden_size, arch.norm_eps, arch.norm_style
     rope = RoPE(arch.rotary_dim, arch.rope_theta, arch.rope_scaling)
-    n = int((side.header.get("mtp") or {}).get("num_layers") or 0)
+    n = section(side.header, "mtp").get("num_layers") or 0
+    if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= 64:
+        raise CortiqError(f"{side.path}: header mtp.num_layers is {str(n)[:20]!r}, expected 0..64")
     if n < 1:
         raise CortiqError(f"{sidecar}: the sidecar header declares no MTP layers")
     layers = []

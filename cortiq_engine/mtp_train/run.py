@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from formats.errors import CortiqError
+from formats.untrusted_json import section
 from formats.sidecar import sidecar_path
 from cortiq_engine.mtp_train.acceptance import Acceptance, acceptance
 from cortiq_engine.mtp_train.config import TrainConfig
@@ -96,7 +97,8 @@ def train_mtp(
     cfg.check(backbone.arch.num_layers)
     if resume and not ckpt.is_file():
         raise missing_checkpoint(ckpt)
-    quant = quant or (backbone.header.get("quant") or {}).get("default") or "f32"
+    q = section(backbone.header, "quant").get("default")
+    quant = quant or (q if isinstance(q, str) else None) or "f32"
 
     ids = backbone.tokenizer.encode(text, add_bos=True)
     if cfg.max_tokens is not None:
