@@ -10,6 +10,12 @@ as EAGLE-3 uses): the shared lm_head is the costliest product by far on a CPU.
 
 Every random choice is a function of (seed, step), and the checkpoint holds the
 weights, the optimizer and the step, so a resumed run equals an uninterrupted one.
+The checkpoint (``OUT stem + .train.safetensors``) is a safetensors file: tensors
+``model.*`` (the draft stack) and ``optim.<param>.<key>`` (AdamW moments and steps),
+everything else (version, step, settings, backbone fingerprint, losses, optimizer
+hyper-parameters) as JSON in its metadata, checked before any tensor is read. It is
+never a pickle: a file someone placed beside a model cannot run code (an old
+``.train.pt`` pickle is named in the error, never opened).
 """
 
 from __future__ import annotations
