@@ -5,9 +5,11 @@ from __future__ import annotations
 import errno
 import functools
 import json
+import math
 import sys
 from typing import Any, Callable, TypeVar
 
+import numpy as np
 import typer
 from rich.console import Console, ConsoleDimensions
 from rich.markup import escape
@@ -141,10 +143,6 @@ def print_json(obj: Any) -> None:
 
 
 def _finite(o: Any) -> Any:
-    import math
-
-    import numpy as np
-
     if isinstance(o, np.ndarray):
         o = o.tolist()
     if isinstance(o, (float, np.floating)):
@@ -157,8 +155,6 @@ def _finite(o: Any) -> Any:
 
 
 def _json_default(o: Any) -> Any:
-    import numpy as np
-
     if isinstance(o, np.integer):
         return int(o)
     if isinstance(o, np.floating):
