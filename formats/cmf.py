@@ -483,8 +483,10 @@ def rewrite_header(path: str | os.PathLike, header: dict[str, Any]) -> None:
     for e in entries:
         e["offset"] += shift
     dir_json = json.dumps(entries).encode("utf-8")
+    remove_stale(path)
     with open(path, "rb") as src:
         fd, tmp = _new_temp(path)
+        held = hold(tmp)  # a later run removes it only once this process is gone
         try:
             os.fchmod(fd, os.stat(path).st_mode & 0o7777)
             with os.fdopen(fd, "wb") as dst:
@@ -506,3 +508,5 @@ def rewrite_header(path: str | os.PathLike, header: dict[str, Any]) -> None:
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
+        finally:
+            held.release()
