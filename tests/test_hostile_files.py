@@ -329,6 +329,27 @@ def test_read_only_output_folder(tiny, tmp_path):
         ro.chmod(0o755)
 
 
+def _limit_file_size() -> None:
+    import resource
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
+    resource.setrlimit(resource.RLIMIT_FSIZE, (50_000, 50_000))
+
+
+def test_a_full_disk_during_convert_is_one_line_and_leaves_nothing(tiny, tmp_path):
+    """A file-size limit stands in for a full disk: the write fails with an OSError mid-conversion."""
+    src, _ = tiny
+    out = tmp_path / "out"
+    out.mkdir()
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    p = subprocess.run([sys.executable, "-m", "cortiq_cli.main", "convert", str(src), str(out / "o.cmf"), "--quant", "f32"],
+                       env=env, capture_output=True, text=True, preexec_fn=_limit_file_size, timeout=300)
+    assert p.returncode == 1, p.stderr
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and "File too large" in lines[0], p.stderr
+    assert list(out.iterdir()) == []
+
+
 def test_os_errors_become_one_line(tmp_path):
     """The top-level handler turns an OSError a command cannot foresee into one line (here:
     a sidecar path that is a folder, which open() refuses with EISDIR)."""
