@@ -51,12 +51,18 @@ def build_base(folder: Path) -> list[Base]:
     from formats.convert import convert_checkpoint
     from tests.mtp_tiny import save_tiny_mtp
 
+    from formats.cmf import read_header, rewrite_header
+
     src = save_tiny_mtp("deepseek", folder / "src", n_layers=1)
     out = []
     for quant in ("q8", "q4", "f32"):
         path = folder / f"base-{quant}.cmf"
         convert_checkpoint(src, path, quant=quant)
         side = path.with_name(f"base-{quant}.mtp.cmf")
+        for p in (path, side):  # the same bytes wherever the folder is, so a seed names one corpus
+            h = read_header(p)
+            h["source"]["path"] = "fuzz-base"
+            rewrite_header(p, h)
         out.append(Base(quant, path.read_bytes(), side.read_bytes()))
     return out
 
