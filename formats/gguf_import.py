@@ -503,8 +503,10 @@ def import_gguf(
     dtype: str = "f32",
     force: bool = False,
     progress: ProgressFn | None = None,
+    model: GgufModel | None = None,
 ) -> ImportReport:
-    """Write the HF checkpoint folder ``out_dir`` for the GGUF ``src``; see the module doc."""
+    """Write the HF checkpoint folder ``out_dir`` for the GGUF ``src`` (``model``: the
+    already parsed ``read_gguf(src)``); see the module doc."""
     t0 = time.perf_counter()
     if dtype not in OUT_DTYPES:
         raise CortiqError(f"unknown --dtype {dtype!r}; choose one of {', '.join(OUT_DTYPES)}")
@@ -515,7 +517,7 @@ def import_gguf(
         raise CortiqError(f"output folder {out.parent} does not exist")
     if out.exists() and src.resolve().is_relative_to(out.resolve()):
         raise CortiqError(f"{out} contains the input file; choose another output folder")
-    model = read_gguf(src)
+    model = model if model is not None else read_gguf(src)
     config = dict(model.config, torch_dtype={"f32": "float32", "f16": "float16", "bf16": "bfloat16"}[dtype])
     st_dtype, itemsize = OUT_DTYPES[dtype]
     total = model.params
@@ -588,3 +590,34 @@ def _replace_dir(tmp: Path, out: Path) -> None:
 def gguf_to_checkpoint(src: str | os.PathLike, out_dir: str | os.PathLike, **kwargs: Any) -> Path:
     """``import_gguf`` for callers that only need the folder (the converter's .gguf input)."""
     return import_gguf(src, out_dir, **kwargs).output
+
+
+# ------------------------------------------------------------------ raw blocks
+
+@dataclass(frozen=True)
+class SourceBlocks:
+    """One tensor's GGML blocks as stored: uint8 [rows, bytes per row], a view of the map."""
+
+    ggml_type: str
+    data: np.ndarray
+    unpermute_heads: int | None = None
+
+
+def source_blocks(model: GgufModel) -> dict[str, SourceBlocks]:
+    """HF name -> stored blocks, for the tensors whose values the import does not change
+    beyond a row order (so a converter may copy their blocks instead of re-encoding)."""
+    out = {}
+    for p in model.tensors:
+        if p.offset:
+            continue
+        t = model.reader.tensors[p.index]
+        out[p.name] = SourceBlocks(p.ggml_type, np.asarray(t.data), p.unpermute_heads)
+    return out
+
+
+def gguf_to_checkpoint_with_blocks(
+    src: str | os.PathLike, out_dir: str | os.PathLike, **kwargs: Any
+) -> tuple[Path, dict[str, SourceBlocks]]:
+    """``gguf_to_checkpoint`` that also returns ``source_blocks`` (the GGUF parsed once)."""
+    model = read_gguf(src)
+    return import_gguf(src, out_dir, model=model, **kwargs).output, source_blocks(model)
