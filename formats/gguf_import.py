@@ -95,7 +95,7 @@ class GgufModel:
     """A parsed, validated GGUF: everything the writer needs, nothing written yet."""
 
     path: Path
-    reader: Any  # gguf.GGUFReader
+    reader: Any  # formats.gguf_reader.GgufFile (gguf-py's GGUFReader interface)
     architecture: str
     name: str | None
     config: dict[str, Any]
@@ -140,7 +140,7 @@ class ImportReport:
 # ------------------------------------------------------------------ reading
 
 def _open_reader(path: Path):
-    import gguf
+    from formats.gguf_reader import GgufFile
 
     if not path.exists():
         raise CortiqError(f"{path}: no such file")
@@ -151,7 +151,9 @@ def _open_reader(path: Path):
     if magic != b"GGUF":
         raise CortiqError(f"{path}: not a GGUF file (magic {magic!r}, expected b'GGUF')")
     try:
-        return gguf.GGUFReader(path, "r")
+        return GgufFile(path)
+    except CortiqError as e:
+        raise CortiqError(f"{path}: {e}") from None
     except Exception as e:  # a parser boundary: any failure here means a malformed file
         detail = (str(e).strip().splitlines() or [""])[0]
         raise CortiqError(f"{path}: truncated or corrupt GGUF ({type(e).__name__}: {detail})") from None
