@@ -43,7 +43,7 @@ def _hf_logits(model, ids: list[int]) -> np.ndarray:
 
 
 def test_import_config_and_norms(gemma3_hf, gemma3_gguf):
-    import gguf
+    from formats.gguf_reader import GgufFile  # checked against gguf-py in tests/test_gguf_reader.py
 
     cfg = json.loads((gemma3_hf / "config.json").read_text())
     assert cfg["model_type"] == "gemma3_text" and cfg["sliding_window"] == 512
@@ -54,7 +54,7 @@ def test_import_config_and_norms(gemma3_hf, gemma3_gguf):
     # llama.cpp stores Gemma's norms as 1 + w; the HF checkpoint holds w.
     from safetensors import safe_open
 
-    reader = gguf.GGUFReader(gemma3_gguf)
+    reader = GgufFile(gemma3_gguf)
     stored = {t.name: np.array(t.data) for t in reader.tensors if t.name.endswith("norm.weight") and t.name.startswith("blk.3.")}
     with safe_open(gemma3_hf / "model.safetensors", "np") as f:
         assert np.array_equal(f.get_tensor("model.layers.3.pre_feedforward_layernorm.weight"), stored["blk.3.ffn_norm.weight"] - 1)
