@@ -133,7 +133,11 @@ def spm_tokens(n: int) -> tuple[list[str], list[int]]:
     return toks, types
 
 
-def write_gemma_gguf(model, path: Path, weight_type: str = "F32", bad_type: str | None = None) -> Path:
+def write_gemma_gguf(
+    model, path: Path, weight_type: str = "F32", bad_type: str | None = None, raw_type: str | None = None
+) -> Path:
+    """``bad_type``: blk.1.ffn_up as zero bytes of that type; ``raw_type``: blk.1.ffn_down
+    as random bytes of that type (any bit pattern is a valid block of a quantized type)."""
     import gguf
 
     cfg = model.config
@@ -176,6 +180,12 @@ def write_gemma_gguf(model, path: Path, weight_type: str = "F32", bad_type: str 
             qt = getattr(gguf.GGMLQuantizationType, bad_type)
             bs, ts = gguf.GGML_QUANT_SIZES[qt]
             raw = np.zeros((x.shape[0], x.shape[1] // bs * ts), np.uint8)
+            w.add_tensor(gname, raw, raw_shape=raw.shape, raw_dtype=qt)
+        elif raw_type and gname == "blk.1.ffn_down.weight":
+            qt = getattr(gguf.GGMLQuantizationType, raw_type)
+            bs, ts = gguf.GGML_QUANT_SIZES[qt]
+            raw = np.random.default_rng(5).integers(0, 256, (x.shape[0], x.shape[1] // bs * ts), dtype=np.uint8)
+            raw.reshape(x.shape[0], -1, ts)[:, :, :2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)  # a sane f16 scale
             w.add_tensor(gname, raw, raw_shape=raw.shape, raw_dtype=qt)
         elif weight_type != "F32" and x.ndim == 2:
             qt = getattr(gguf.GGMLQuantizationType, weight_type)
@@ -232,3 +242,20 @@ def test_undequantizable_tensor_type_is_one_line_error(tmp_path: Path, bad: str)
     msg = str(e.value)
     assert "\n" not in msg and bad in msg and "blk.1.ffn_up.weight" in msg
     assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q5_1", "IQ4_NL", "IQ4_XS", "IQ2_XXS", "IQ3_S"])
+def test_k_and_iq_quant_sources_import_as_gguf_py_dequantizes(tmp_path: Path, qtype: str):
+    """Any type gguf-py dequantizes imports: the HF tensor is exactly gguf-py's f32."""
+    import gguf
+    from safetensors import safe_open
+
+    src = build_tiny("gemma3_text", **{**TINY, "intermediate_size": 256})
+    write_gemma_gguf(src, tmp_path / "g.gguf", raw_type=qtype)
+    report = import_gguf(tmp_path / "g.gguf", tmp_path / "hf")
+    assert report.gguf_types[qtype] == 1
+    t = next(t for t in gguf.GGUFReader(tmp_path / "g.gguf").tensors if t.name == "blk.1.ffn_down.weight")
+    want = gguf.quants.dequantize(t.data, t.tensor_type)
+    with safe_open(tmp_path / "hf" / "model.safetensors", "np") as f:
+        got = f.get_tensor("model.layers.1.mlp.down_proj.weight")
+    assert got.shape == (64, 256) and np.array_equal(got, want, equal_nan=True)
