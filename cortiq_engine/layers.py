@@ -130,6 +130,7 @@ class Attention:
         rope: RoPE,
         norm_eps: float,
         window: int = 0,
+        scale: float | None = None,
     ):
         self.ks = kernels
         self.w = w
@@ -138,7 +139,7 @@ class Attention:
         self.rope = rope
         self.eps = norm_eps
         self.window = int(window)
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else float(scale)  # Gemma: query_pre_attn_scalar**-0.5
         self._qkv = (w.q, w.k, w.v)
         self._o = (w.o,)
 

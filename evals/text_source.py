@@ -1,6 +1,9 @@
 """Where evaluation text comes from: a file, a column of a table, or a ``datasets`` data set.
 
-Every eval command reads its text through ``load_text(TextSpec(...))``. Records of
+Every eval command reads its text through ``load_text(TextSpec(...))``. Bundled
+public-domain texts (``evals/data``, provenance in its README) are chosen by name:
+``--text alice`` (the default), ``--text hamlet``, ``--text sonnets``; a path that
+exists always wins over a name. Records of
 a table or data set are joined with a blank line between them (as the HF
 perplexity guide joins wikitext), so the result is one string to tokenize.
 
@@ -23,6 +26,12 @@ from formats.errors import CortiqError
 DATA_DIR = Path(__file__).parent / "data"
 BUNDLED_TEXT = DATA_DIR / "alice.txt"
 BUNDLED_NAME = "alice (bundled: Alice's Adventures in Wonderland, public domain)"
+# name -> (file, description): real English text of different registers (prose, drama, verse).
+BUNDLED_CORPORA: dict[str, tuple[Path, str]] = {
+    "alice": (BUNDLED_TEXT, BUNDLED_NAME),
+    "hamlet": (DATA_DIR / "hamlet.txt", "hamlet (bundled: Shakespeare's Hamlet, Globe text via Project Gutenberg, public domain)"),
+    "sonnets": (DATA_DIR / "sonnets.txt", "sonnets (bundled: Shakespeare's Sonnets via Project Gutenberg, public domain)"),
+}
 DOC_SEPARATOR = "\n\n"
 DEFAULT_COLUMN = "text"
 
@@ -59,22 +68,34 @@ def load_text(spec: TextSpec) -> LoadedText:
         raise CortiqError("give either a text file or --dataset, not both")
     if spec.data_files and not spec.dataset:
         raise CortiqError("--data-files needs --dataset json|csv|parquet|text")
-    if spec.dataset:
+    if spec.dataset and spec.dataset in BUNDLED_CORPORA and not Path(spec.dataset).exists() and not spec.data_files:
+        loaded = bundled(spec.dataset)  # --dataset hamlet: the bundled text, offline
+    elif spec.dataset:
         loaded = _from_dataset(spec)
+    elif spec.path and not Path(spec.path).exists() and spec.path in BUNDLED_CORPORA:
+        loaded = bundled(spec.path)
     elif spec.path:
         loaded = _from_file(Path(spec.path), spec.column)
     else:
-        loaded = LoadedText(BUNDLED_TEXT.read_text(encoding="utf-8"), BUNDLED_NAME, 1)
+        loaded = bundled("alice")
     if not loaded.text.strip():
         raise CortiqError(f"{loaded.source}: the text is empty")
     return loaded
+
+
+def bundled(name: str) -> LoadedText:
+    """A bundled corpus by name (see ``BUNDLED_CORPORA``)."""
+    if name not in BUNDLED_CORPORA:
+        raise CortiqError(f"no bundled text {name!r} (bundled: {', '.join(BUNDLED_CORPORA)})")
+    path, desc = BUNDLED_CORPORA[name]
+    return LoadedText(path.read_text(encoding="utf-8"), desc, 1)
 
 
 # ------------------------------------------------------------------ files
 
 def _from_file(path: Path, column: str | None) -> LoadedText:
     if not path.is_file():
-        raise CortiqError(f"{path}: no such file")
+        raise CortiqError(f"{path}: no such file (bundled texts by name: {', '.join(BUNDLED_CORPORA)})")
     kind = _TABLE_SUFFIXES.get(path.suffix.lower())
     if kind is None:
         if column:

@@ -15,6 +15,10 @@ from formats.errors import CortiqError
 LAYER_FULL = "full"
 LAYER_SLIDING = "sliding"
 LAYER_LINEAR = "linear"
+# Gated-MLP activations the engine has per family: SiLU (SwiGLU) everywhere, and
+# tanh-approximated GELU (GeGLU) where the family file applies it.
+ACTIVATIONS = ("silu", "swish")
+FAMILY_ACTIVATIONS = {"gemma3": ("gelu_pytorch_tanh",)}
 
 
 @dataclass
@@ -96,6 +100,12 @@ class ArchConfig:
     sliding_window: int = 0
     attention_sinks: bool = False
     attention_value_scale: float = 1.0  # MiMo-V2 multiplies V by a constant
+    # Gemma 3: scores scaled by query_pre_attn_scalar**-0.5 (0 = head_dim**-0.5), the
+    # sliding layers' own RoPE base (0 = rope_theta), tanh caps (0 = none).
+    query_pre_attn_scalar: float = 0.0
+    rope_local_theta: float = 0.0
+    final_logit_softcapping: float = 0.0
+    attn_logit_softcapping: float = 0.0
     moe: MoeConfig | None = None
     linear_attn: LinearAttnConfig | None = None
     sliding: SlidingConfig | None = None
@@ -407,6 +417,46 @@ def _mimo_v2(cfg: dict[str, Any]) -> ArchConfig:
     return ArchConfig(**d)
 
 
+# ------------------------------------------------------------------ Gemma 3
+
+def _gemma3(cfg: dict[str, Any]) -> ArchConfig:
+    """Gemma 3 text: every 6th layer global, the rest sliding with their own RoPE base;
+    (1 + w) norms, q/k norms, GeGLU (tanh GELU), query_pre_attn_scalar, optional caps."""
+    rp = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
+    full_rp = rp.get("full_attention") or {}
+    local_rp = rp.get("sliding_attention") or {}
+    flat = {k: v for k, v in cfg.items() if k != "rope_parameters"}
+    flat["rope_theta"] = full_rp.get("rope_theta", cfg.get("rope_theta", 1_000_000.0))
+    flat.setdefault("rope_scaling", None)
+    if full_rp.get("rope_type", "default") not in (None, "default"):
+        flat["rope_scaling"] = {k: v for k, v in full_rp.items() if k != "rope_theta"}
+    flat["hidden_act"] = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    d = _dense_common(flat, "gemma3")
+    n = d["num_layers"]
+    lt = cfg.get("layer_types") or [
+        "sliding_attention" if (i + 1) % int(cfg.get("sliding_window_pattern") or 6) else "full_attention"
+        for i in range(n)
+    ]
+    bad = sorted({t for t in lt if t not in ("sliding_attention", "full_attention")})
+    if bad:
+        raise CortiqError(f"gemma3 layer_types {bad} are not supported (supported: sliding_attention, full_attention)")
+    if cfg.get("use_bidirectional_attention"):
+        raise CortiqError("gemma3 with use_bidirectional_attention is not supported (an encoder, not a causal LM)")
+    d.update(
+        attention_bias=bool(cfg.get("attention_bias", False)),
+        qk_norm=True,
+        norm_style="rms_one",
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+        layer_types=[LAYER_SLIDING if t == "sliding_attention" else LAYER_FULL for t in lt],
+        sliding_window=int(cfg.get("sliding_window") or 4096),
+        query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or 256),
+        rope_local_theta=float(local_rp.get("rope_theta", cfg.get("rope_local_base_freq", 10_000.0))),
+        final_logit_softcapping=float(cfg.get("final_logit_softcapping") or 0.0),
+        attn_logit_softcapping=float(cfg.get("attn_logit_softcapping") or 0.0),
+    )
+    return ArchConfig(**d)
+
+
 # model_type -> parser. Architecture families register here.
 PARSERS: dict[str, Callable[[dict[str, Any]], ArchConfig]] = {
     "llama": _llama,
@@ -420,6 +470,7 @@ PARSERS: dict[str, Callable[[dict[str, Any]], ArchConfig]] = {
     "qwen3_5_text": _qwen3_5,
     "qwen3_5_moe_text": _qwen3_5_moe,
     "mimo_v2_flash": _mimo_v2,
+    "gemma3_text": _gemma3,
 }
 
 
@@ -438,8 +489,9 @@ def from_hf_config(cfg: dict[str, Any]) -> ArchConfig:
     except (TypeError, ValueError, AttributeError, KeyError, ArithmeticError) as e:
         # config.json is untrusted: a wrong-typed or zero value is bad input, not a bug.
         raise CortiqError(f"config.json ({mt}): bad value ({type(e).__name__}: {str(e)[:160]})") from None
-    if arch.hidden_act not in ("silu", "swish"):
-        raise CortiqError(f"activation {arch.hidden_act!r} is not supported (supported: silu)")
+    allowed = ACTIVATIONS + FAMILY_ACTIVATIONS.get(arch.arch, ())
+    if arch.hidden_act not in allowed:
+        raise CortiqError(f"activation {arch.hidden_act!r} is not supported (supported: {', '.join(allowed)})")
     from formats.arch_check import validate_arch  # imports this module
 
     return validate_arch(arch, "config.json")

@@ -7,6 +7,13 @@ encode to its dtype, measure the error against the source, append to the output.
 Peak memory stays near the largest encoded tensor, not the model. MTP draft layers
 go to a sidecar ``OUT.mtp.cmf`` (or stay inline, or are dropped). Outputs appear
 only when everything succeeded (see ``CmfWriter``).
+
+From a GGUF, a tensor whose GGML block layout equals its CMF dtype's (Q8_0 -> q8,
+Q4_1 -> q4) has its blocks copied bit for bit (a reshuffle into the planar parts, no
+arithmetic). ``--quant keep`` gives each matrix its source's type where CMF has one
+(F32/F16/BF16/Q8_0/Q4_1) and q8 otherwise (K-quants, Q5_0...: q8 is the CMF type
+that holds them best). A CMF file is a source too: its tensors are re-encoded (or
+copied, where the dtype stays), as ``llama-quantize`` does for GGUFs.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from typing import Any, Callable, Iterable, Iterator
 import numpy as np
 
 from formats.arch import LAYER_LINEAR, LAYER_SLIDING, ArchConfig, MtpConfig, from_hf_config
-from formats.cmf import FORMAT_MINOR, FORMAT_VERSION, CmfWriter
+from formats.cmf import FORMAT_MINOR, FORMAT_VERSION, MAGIC as CMF_MAGIC, CmfFile, CmfWriter
 from formats.errors import CortiqError
 from formats.mtp_names import MTP_PREFIX, mtp_layer_count, normalize
 from formats.policy import QuantPolicy
@@ -47,6 +54,12 @@ MTP_MODES = ("sidecar", "inline", "drop")
 SLICE_ELEMS = 1 << 20
 _ST_ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}
 _LOSSLESS = {("f32", "F32"), ("f32", "F16"), ("f32", "BF16"), ("f16", "F16"), ("bf16", "BF16")}
+KEEP = "keep"  # --quant keep: each matrix in its source type where CMF has one
+# Source type (safetensors or GGML) -> the CMF dtype that stores it exactly.
+SOURCE_TO_CMF = {"F32": "f32", "F16": "f16", "BF16": "bf16", "Q8_0": "q8", "Q4_1": "q4"}
+KEEP_FALLBACK = "q8"
+# GGML types whose blocks are our planar parts, interleaved: (CMF dtype, bytes per block).
+BLOCK_COPY = {"Q8_0": ("q8", 34), "Q4_1": ("q4", 20)}
 # config.json keys that vary between exports of the same weights.
 _VOLATILE_KEYS = ("transformers_version", "_name_or_path", "torch_dtype", "dtype", "architectures", "_commit_hash")
 
@@ -90,6 +103,7 @@ class ConvertReport:
     source: str = ""
     tensors: list[TensorReport] = field(default_factory=list)
     unused_keep: list[str] = field(default_factory=list)
+    block_copied: list[str] = field(default_factory=list)  # GGML blocks copied bit for bit
 
     @property
     def mb_per_s(self) -> float:
@@ -108,6 +122,7 @@ class ConvertReport:
             "mtp_tensors": self.mtp_tensors,
             "fallbacks": self.fallbacks,
             "unused_keep": self.unused_keep,
+            "block_copied": self.block_copied,
             "dtypes": {
                 k: {"tensors": v.tensors, "params": v.params, "bytes": v.bytes, "rms_rel_error": v.rms_rel_error}
                 for k, v in self.by_dtype.items()
@@ -332,15 +347,20 @@ def convert_checkpoint(
 
     if mtp not in MTP_MODES:
         raise CortiqError(f"unknown --mtp {mtp!r}; choose one of {', '.join(MTP_MODES)}")
-    policy = QuantPolicy(quant, keep or [])
+    policy = QuantPolicy(KEEP_FALLBACK if quant == KEEP else quant, keep or [])
+    policy_keep_source = quant == KEEP
     out = Path(out)
     _check_output(out, force, Path(src))
     src_path = Path(src)
+    if src_path.is_file() and src_path.resolve() == out.resolve():
+        raise CortiqError(f"{out} is the input file; choose another output name")
+    if _is_cmf(src_path):
+        return _convert_cmf(src_path, out, policy, policy_keep_source, force, progress)
     if _is_gguf(src_path):
-        return _convert_gguf(src_path, out, policy, mtp, force, progress)
+        return _convert_gguf(src_path, out, policy, mtp, force, progress, policy_keep_source)
     ck = open_checkpoint(src)
     try:
-        return _convert(ck, out, policy, mtp, force, progress, source_format="safetensors")
+        return _convert(ck, out, policy, mtp, force, progress, source_format="safetensors", keep_source=policy_keep_source)
     finally:
         ck.close()
 
@@ -374,30 +394,139 @@ def _is_gguf(path: Path) -> bool:
     return False
 
 
-def _convert_gguf(path: Path, out: Path, policy: QuantPolicy, mtp: str, force: bool, progress: ProgressFn | None) -> ConvertReport:
-    """GGUF -> a temporary HF checkpoint beside ``out`` -> CMF; the temporary folder always goes."""
+def _is_cmf(path: Path) -> bool:
+    if not path.is_file():
+        return False
+    with open(path, "rb") as f:
+        return f.read(len(CMF_MAGIC)) == CMF_MAGIC
+
+
+def _convert_gguf(
+    path: Path, out: Path, policy: QuantPolicy, mtp: str, force: bool, progress: ProgressFn | None, keep_source: bool = False
+) -> ConvertReport:
+    """GGUF -> a temporary HF checkpoint beside ``out`` -> CMF; the temporary folder always
+    goes. Blocks whose layout CMF shares are copied from the GGUF itself."""
     from formats.checkpoint import open_checkpoint
 
     if not path.is_file():
         raise CortiqError(f"{path}: no such file")
     try:
-        from formats.gguf_import import gguf_to_checkpoint
+        from formats.gguf_import import gguf_to_checkpoint_with_blocks
     except ImportError:
         raise CortiqError("reading .gguf files needs formats.gguf_import, which this build lacks") from None
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.gguf-", dir=out.parent))
     held = hold(tmp)  # a later run removes it only once this process is gone
     try:
         staged = None if progress is None else (lambda name, done, total: progress(f"gguf: {name}", done, total))
-        ck_dir = gguf_to_checkpoint(path, tmp / "checkpoint", progress=staged)
+        ck_dir, blocks = gguf_to_checkpoint_with_blocks(path, tmp / "checkpoint", progress=staged)
         ck = open_checkpoint(ck_dir)
         ck.origin = str(path)
         try:
-            return _convert(ck, out, policy, mtp, force, progress, source_format="gguf")
+            return _convert(ck, out, policy, mtp, force, progress, source_format="gguf", blocks=blocks, keep_source=keep_source)
         finally:
             ck.close()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         held.release()
+
+
+def _convert_cmf(
+    path: Path, out: Path, policy: QuantPolicy, keep_source: bool, force: bool, progress: ProgressFn | None
+) -> ConvertReport:
+    """CMF -> CMF with new dtypes (the ``llama-quantize`` workflow): tensors whose dtype
+    stays are copied byte for byte, the others decoded to f32 and re-encoded, row slice
+    by row slice. The header is kept, with the new quant settings and the source."""
+    t0 = time.perf_counter()
+    src = CmfFile(path)
+    try:
+        header = json.loads(json.dumps(src.header))  # a deep copy
+        if header.get("role", ROLE_MODEL) != ROLE_MODEL or "arch" not in header:
+            raise CortiqError(f"{path}: not a model file (role {header.get('role')!r}); convert its model instead")
+        mtp = header.get("mtp") or {}
+        if mtp.get("location") == "sidecar":
+            raise CortiqError(f"{path}: re-quantizing a model with an MTP sidecar is not supported yet; convert the original checkpoint")
+        arch = ArchConfig.from_json(header["arch"])
+        total = sum(src.info(n).nbytes for n in src.names())
+        done = 0
+        stats: dict[str, DtypeStats] = {}
+        reports: list[TensorReport] = []
+        fallbacks: list[str] = []
+        used_keep: set[str] = set()
+        copied: list[str] = []
+        header["quant"] = {"default": KEEP if keep_source else policy.quant, "keep": [f"{p}={d}" for p, d in policy.keep]}
+        header["source"] = {**(header.get("source") or {}), "path": str(path.resolve()), "format": "cmf",
+                            "from": header.get("source")}
+        header["converter"] = {"name": "cortiq", "version": CONVERTER_VERSION}
+        w = CmfWriter(out, header, force=force)
+        try:
+            for name in src.names():
+                info = src.info(name)
+                if info.dtype == "u8":
+                    w.add_encoded(name, "u8", info.shape, [src.tensor_parts(name)["data"]])
+                    continue
+                kept = policy.matching_keep(name)
+                if kept is not None and len(info.shape) >= 2:
+                    used_keep.add(kept[0])
+                if keep_source and kept is None:
+                    dtype, fell = info.dtype, False
+                else:
+                    dtype, fell = policy.choose(name, info.shape)
+                if fell:
+                    fallbacks.append(name)
+                err = [0.0, 0.0]
+                if dtype == info.dtype:
+                    parts = src.tensor_parts(name)
+                    new = w.add_encoded(name, dtype, info.shape, [parts[sp.name] for sp in get_dtype(dtype).parts(info.shape)])
+                    copied.append(name)
+                else:
+                    new = _reencode(src, name, info, dtype, w, err)
+                done += info.nbytes
+                if progress:
+                    progress(name, done, total)
+                s = stats.setdefault(dtype, DtypeStats())
+                rows, cols = rows_cols(info.shape)
+                s.tensors += 1
+                s.params += rows * cols
+                s.bytes += new.nbytes
+                s.err_sq += err[0]
+                s.ref_sq += err[1]
+                rel = float(np.sqrt(err[0] / err[1])) if err[1] > 0 else 0.0
+                reports.append(TensorReport(name, dtype, tuple(info.shape), new.nbytes, rel, "main"))
+            w.seal()
+            w.publish()
+        except BaseException:
+            w.abort()
+            raise
+    finally:
+        src.close()
+    return ConvertReport(
+        output=out, sidecar=None, arch=arch, by_dtype=stats, source_bytes=done, output_bytes=out.stat().st_size,
+        seconds=time.perf_counter() - t0, mtp_tensors=0, fallbacks=fallbacks, source=str(path.resolve()),
+        tensors=reports, unused_keep=[f"{p}={d}" for p, d in policy.keep if p not in used_keep], block_copied=copied,
+    )
+
+
+def _reencode(src: CmfFile, name: str, info, dtype: str, w: CmfWriter, err: list[float]):
+    """Decode ``name`` to f32 in row slices and encode it as ``dtype`` into ``w``;
+    ``err`` gets (sum of squared errors, sum of squared values) against the decoded source."""
+    sdt, dt = get_dtype(info.dtype), get_dtype(dtype)
+    rows, cols = rows_cols(info.shape)
+    parts = {k: v.reshape(rows, -1) for k, v in src.tensor_parts(name).items()}
+    step = max(1, SLICE_ELEMS // max(cols, 1))
+    layout = dt.parts(info.shape)
+    bufs = [np.empty(sp.shape, sp.dtype).reshape(rows, -1) for sp in layout]
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        x = sdt.decode({k: v[r0:r1] for k, v in parts.items()}, (r1 - r0, cols))
+        enc = dt.encode(x)
+        e, ref = dt.error(x, enc)
+        if not np.isfinite(e):
+            raise CortiqError(f"tensor {name} does not fit {dtype}; use --keep '{name}=bf16'")
+        err[0] += e
+        err[1] += ref
+        for buf, part in zip(bufs, enc):
+            buf[r0:r1] = part.reshape(r1 - r0, -1)
+    return w.add_encoded(name, dtype, info.shape, [b.reshape(sp.shape) for b, sp in zip(bufs, layout)])
 
 
 def _source_identity(ck, plan: list[PlannedTensor], fp: str, source_format: str) -> dict[str, Any]:
@@ -424,16 +553,34 @@ def _source_identity(ck, plan: list[PlannedTensor], fp: str, source_format: str)
 class _Streamer:
     """Encodes one planned tensor slice by slice into a writer, keeping the stats."""
 
-    def __init__(self, ck, policy: QuantPolicy, total: int, progress: ProgressFn | None):
+    def __init__(
+        self, ck, policy: QuantPolicy, total: int, progress: ProgressFn | None,
+        blocks: dict[str, Any] | None = None, keep_source: bool = False,
+    ):
         self.ck, self.policy, self.total, self.progress = ck, policy, total, progress
+        self.blocks = blocks or {}  # HF name -> formats.gguf_import.SourceBlocks
+        self.keep_source = keep_source
+        self.copied: list[str] = []  # tensors whose GGML blocks were copied bit for bit
         self.done = 0
         self.stats: dict[str, DtypeStats] = {}
         self.tensors: list[TensorReport] = []
         self.fallbacks: list[str] = []
         self.used_keep: set[str] = set()
 
+    def _source_type(self, p: PlannedTensor) -> str:
+        b = self.blocks.get(p.source)
+        return b.ggml_type if b is not None else self.ck.source_dtype(p.source)
+
+    def choose(self, p: PlannedTensor) -> tuple[str, bool]:
+        kept = self.policy.matching_keep(p.name)
+        if self.keep_source and kept is None and len(p.shape) >= 2:
+            dtype = SOURCE_TO_CMF.get(self._source_type(p), KEEP_FALLBACK)
+            if get_dtype(dtype).supports(p.shape):
+                return dtype, False
+        return self.policy.choose(p.name, p.shape)
+
     def write(self, w: CmfWriter, p: PlannedTensor, file: str) -> None:
-        dtype, fell_back = self.policy.choose(p.name, p.shape)
+        dtype, fell_back = self.choose(p)
         kept = self.policy.matching_keep(p.name)
         if kept is not None and len(p.shape) >= 2:
             self.used_keep.add(kept[0])
@@ -442,6 +589,15 @@ class _Streamer:
         dt = get_dtype(dtype)
         src_dtype = self.ck.source_dtype(p.source)
         itemsize = _ST_ITEMSIZE[src_dtype]
+        b = self.blocks.get(p.source)
+        if b is not None and BLOCK_COPY.get(b.ggml_type, ("",))[0] == dtype and len(p.shape) == 2:
+            info = w.add_encoded(p.name, dtype, p.shape, ggml_block_parts(b, p.shape))
+            self.copied.append(p.name)
+            self.done += int(np.prod(p.shape)) * itemsize
+            if self.progress:
+                self.progress(p.name, self.done, self.total)
+            self._record(dtype, p, info.nbytes, 0.0, 0.0, file)
+            return
         measure = (dtype, src_dtype) not in _LOSSLESS
         rows, cols = rows_cols(p.shape)
         err = [0.0, 0.0]
@@ -486,18 +642,44 @@ class _Streamer:
             info = w.add_encoded(p.name, dtype, p.shape, bufs)
         if rows * cols == 0 and self.progress:
             self.progress(p.name, self.done, self.total)
+        self._record(dtype, p, info.nbytes, err[0], err[1], file)
+
+    def _record(self, dtype: str, p: PlannedTensor, nbytes: int, err_sq: float, ref_sq: float, file: str) -> None:
+        rows, cols = rows_cols(p.shape)
         s = self.stats.setdefault(dtype, DtypeStats())
         s.tensors += 1
         s.params += rows * cols
-        s.bytes += info.nbytes
-        s.err_sq += err[0]
-        s.ref_sq += err[1]
-        rel = float(np.sqrt(err[0] / err[1])) if err[1] > 0 else 0.0
-        self.tensors.append(TensorReport(p.name, dtype, p.shape, info.nbytes, rel, file))
+        s.bytes += nbytes
+        s.err_sq += err_sq
+        s.ref_sq += ref_sq
+        rel = float(np.sqrt(err_sq / ref_sq)) if ref_sq > 0 else 0.0
+        self.tensors.append(TensorReport(p.name, dtype, p.shape, nbytes, rel, file))
+
+
+def ggml_block_parts(b, shape: tuple[int, ...]) -> list[np.ndarray]:
+    """A Q8_0 / Q4_1 tensor's interleaved GGML blocks -> our planar parts, byte for byte.
+
+    Q8_0 block: f16 d, 32 x int8.  Q4_1 block: f16 d, f16 m, 16 bytes of nibbles (element
+    j low, j + 16 high: our q4 packing). Rows move whole (llama's q/k row order).
+    """
+    from formats.gguf_import import unpermute_rope_rows
+
+    rows, cols = shape
+    dtype, size = BLOCK_COPY[b.ggml_type]
+    nb = cols // 32
+    blk = np.asarray(b.data, dtype=np.uint8).reshape(rows, nb, size)
+    if b.unpermute_heads:
+        blk = unpermute_rope_rows(blk, b.unpermute_heads)
+    d = np.ascontiguousarray(blk[:, :, 0:2]).view("<f2").reshape(rows, nb)
+    if dtype == "q8":
+        return [d, np.ascontiguousarray(blk[:, :, 2:]).view(np.int8).reshape(rows, cols)]
+    m = np.ascontiguousarray(blk[:, :, 2:4]).view("<f2").reshape(rows, nb)
+    return [d, m, np.ascontiguousarray(blk[:, :, 4:]).reshape(rows, cols // 2)]
 
 
 def _convert(
-    ck, out: Path, policy: QuantPolicy, mtp_mode: str, force: bool, progress: ProgressFn | None, source_format: str
+    ck, out: Path, policy: QuantPolicy, mtp_mode: str, force: bool, progress: ProgressFn | None, source_format: str,
+    blocks: dict[str, Any] | None = None, keep_source: bool = False,
 ) -> ConvertReport:
     t0 = time.perf_counter()
     arch = from_hf_config(ck.config)
@@ -522,7 +704,7 @@ def _convert(
         "generation_config": ck.read_json("generation_config.json") or {},
         "source": _source_identity(ck, plan, fp, source_format),
         "converter": {"name": "cortiq", "version": CONVERTER_VERSION},
-        "quant": {"default": policy.quant, "keep": [f"{p}={d}" for p, d in policy.keep]},
+        "quant": {"default": KEEP if keep_source else policy.quant, "keep": [f"{p}={d}" for p, d in policy.keep]},
         "calibration": {"temperature": None},
         "mtp": None,
     }
@@ -536,7 +718,7 @@ def _convert(
     main_plan = [p for p in plan if not p.mtp or mtp_mode == "inline"]
     side_plan = mtp_plan if side else []
     total = sum(int(np.prod(p.shape)) * _ST_ITEMSIZE[ck.source_dtype(p.source)] for p in main_plan + side_plan)
-    streamer = _Streamer(ck, policy, total, progress)
+    streamer = _Streamer(ck, policy, total, progress, blocks=blocks, keep_source=keep_source)
 
     main_w = CmfWriter(out, header, force=force)
     side_w: CmfWriter | None = None
@@ -588,4 +770,5 @@ def _convert(
         source=header["source"]["path"],
         tensors=streamer.tensors,
         unused_keep=[f"{p}={d}" for p, d in policy.keep if p not in streamer.used_keep],
+        block_copied=streamer.copied,
     )

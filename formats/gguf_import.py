@@ -7,7 +7,12 @@ renames it into place, so a failure leaves nothing behind.
 
 llama.cpp's converter interleaves the two rotary halves of every head in llama's
 q_proj/k_proj rows (its RoPE rotates adjacent pairs, HF rotates halves); the import
-puts those rows back in HF order.
+puts those rows back in HF order. It stores Gemma's (1 + w) norm weights with the 1
+added; the import subtracts it again (as transformers' GGUF loader does).
+
+Tensors may be of any type gguf-py dequantizes (F32/F16/BF16, Q4_0..Q8_0, the K-quants
+Q2_K..Q6_K, the IQ types it implements); any other is a one-line error naming the
+tensor and its type.
 """
 
 from __future__ import annotations
@@ -41,7 +46,18 @@ ARCHITECTURES: dict[str, tuple[str, str, bool]] = {
     "llama": ("llama", "LlamaForCausalLM", True),
     "qwen2": ("qwen2", "Qwen2ForCausalLM", False),
     "qwen3": ("qwen3", "Qwen3ForCausalLM", False),
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM", False),
 }
+# Block tensor names that differ per architecture (Gemma's four norms per block).
+_ARCH_BLOCK_NAMES: dict[str, dict[str, str]] = {
+    "gemma3": {
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
+}
+# Architectures whose GGUF norm weights are stored as 1 + w (llama.cpp adds the 1).
+_NORM_PLUS_ONE = ("gemma3",)
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -72,6 +88,7 @@ class PlannedTensor:
     shape: tuple[int, ...]  # HF (numpy) shape
     ggml_type: str
     unpermute_heads: int | None = None  # llama q/k: heads whose rotary rows to de-interleave
+    offset: float = 0.0  # added after dequantizing (-1 for Gemma's stored 1 + w norms)
 
 
 @dataclass
@@ -79,7 +96,7 @@ class GgufModel:
     """A parsed, validated GGUF: everything the writer needs, nothing written yet."""
 
     path: Path
-    reader: Any  # gguf.GGUFReader
+    reader: Any  # formats.gguf_reader.GgufFile (gguf-py's GGUFReader interface)
     architecture: str
     name: str | None
     config: dict[str, Any]
@@ -124,7 +141,7 @@ class ImportReport:
 # ------------------------------------------------------------------ reading
 
 def _open_reader(path: Path):
-    import gguf
+    from formats.gguf_reader import GgufFile
 
     if not path.exists():
         raise CortiqError(f"{path}: no such file")
@@ -135,7 +152,9 @@ def _open_reader(path: Path):
     if magic != b"GGUF":
         raise CortiqError(f"{path}: not a GGUF file (magic {magic!r}, expected b'GGUF')")
     try:
-        return gguf.GGUFReader(path, "r")
+        return GgufFile(path)
+    except CortiqError as e:
+        raise CortiqError(f"{path}: {e}") from None
     except Exception as e:  # a parser boundary: any failure here means a malformed file
         detail = (str(e).strip().splitlines() or [""])[0]
         raise CortiqError(f"{path}: truncated or corrupt GGUF ({type(e).__name__}: {detail})") from None
@@ -186,7 +205,7 @@ def read_gguf(path: str | os.PathLike) -> GgufModel:
         raise CortiqError(f"{path}: GGUF has no token_embd.weight")
     vocab, width = (int(d) for d in reversed(by_name["token_embd.weight"].shape.tolist()))
     try:
-        tok = build_tokenizer(meta, vocab)
+        tok = build_tokenizer(meta, vocab, arch)
         config = _hf_config(meta, arch, by_name, tok, vocab, width)
         plan = _plan_tensors(reader, arch, config)
         _check_shapes(plan, config)
@@ -264,14 +283,51 @@ def _hf_config(
         else:
             config.update(use_sliding_window=False, sliding_window=None, max_window_layers=layers)
     scaling = _rope_scaling(meta, arch, by_name.get(_ROPE_FREQS), config["rope_theta"], head_dim)
+    if model_type == "gemma3_text":
+        return _gemma3_config(config, key, scaling)
     if scaling is not None:
         config["rope_scaling"] = scaling
+    return config
+
+
+def _gemma3_config(config: dict[str, Any], key: Callable[..., Any], scaling: dict[str, Any] | None) -> dict[str, Any]:
+    """Gemma 3's config.json. What the GGUF does not store, llama.cpp hard-codes for
+    gemma3 and so do we: every 6th layer global, a local RoPE base of 10000, and
+    query_pre_attn_scalar = head_dim (the 27B model's hidden/heads differs; llama.cpp
+    special-cases it by size, which a GGUF does not name, so it is refused below)."""
+    layers, hd = config["num_hidden_layers"], config["head_dim"]
+    for k in ("max_window_layers", "use_sliding_window", "mlp_bias", "pretraining_tp", "rope_theta"):
+        config.pop(k, None)
+    if config["hidden_size"] == 5376 and layers == 62:
+        raise CortiqError("Gemma 3 27B GGUFs are not supported (their query scale is not stored in the file)")
+    window = key("attention.sliding_window")
+    if not window:
+        raise CortiqError("gemma3 GGUF has no gemma3.attention.sliding_window")
+    full = {"rope_type": "default", "rope_theta": _f32(key("rope.freq_base", 1_000_000.0))}
+    if scaling is not None:
+        if scaling.get("rope_type") != "linear":
+            raise CortiqError(f"gemma3 GGUF rope scaling {scaling.get('rope_type')!r} is not supported (supported: linear)")
+        full.update(scaling)
+    config.update(
+        architectures=["Gemma3ForCausalLM"],
+        hidden_activation="gelu_pytorch_tanh",
+        hidden_act="gelu_pytorch_tanh",
+        query_pre_attn_scalar=hd,
+        sliding_window=int(window),
+        layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)],
+        rope_parameters={"full_attention": full, "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+        final_logit_softcapping=key("final_logit_softcapping"),
+        attn_logit_softcapping=key("attn_logit_softcapping"),
+        attention_bias=bool(config.get("attention_bias", False)),
+    )
     return config
 
 
 def _plan_tensors(reader, arch: str, config: dict[str, Any]) -> list[PlannedTensor]:
     permuted = ARCHITECTURES[arch][2]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    names = {**_BLOCK_NAMES, **_ARCH_BLOCK_NAMES.get(arch, {})}
+    norm_offset = -1.0 if arch in _NORM_PLUS_ONE else 0.0
     plan = []
     for i, t in enumerate(reader.tensors):
         if t.name == _ROPE_FREQS:
@@ -280,14 +336,15 @@ def _plan_tensors(reader, arch: str, config: dict[str, Any]) -> list[PlannedTens
         unpermute = None
         if name is None:
             m = _BLOCK_RE.fullmatch(t.name)
-            if m is None or m.group(2) not in _BLOCK_NAMES:
+            if m is None or m.group(2) not in names:
                 raise CortiqError(f"GGUF tensor {t.name!r} has no HF counterpart for architecture {arch!r}")
             layer, part, kind = m.groups()
-            name = f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}"
+            name = f"model.layers.{layer}.{names[part]}.{kind}"
             if permuted and part in ("attn_q", "attn_k"):
                 unpermute = heads if part == "attn_q" else kv_heads
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        plan.append(PlannedTensor(i, t.name, name, shape, t.tensor_type.name, unpermute))
+        offset = norm_offset if t.name.endswith("norm.weight") else 0.0
+        plan.append(PlannedTensor(i, t.name, name, shape, t.tensor_type.name, unpermute, offset))
     return plan
 
 
@@ -311,9 +368,12 @@ def _check_shapes(plan: list[PlannedTensor], cfg: dict[str, Any]) -> None:
             p + "mlp.up_proj.weight": (inter, h),
             p + "mlp.down_proj.weight": (h, inter),
         })
-        if cfg["model_type"] == "qwen3":
+        if cfg["model_type"] in ("qwen3", "gemma3_text"):
             want[p + "self_attn.q_norm.weight"] = (hd,)
             want[p + "self_attn.k_norm.weight"] = (hd,)
+        if cfg["model_type"] == "gemma3_text":
+            want[p + "pre_feedforward_layernorm.weight"] = (h,)
+            want[p + "post_feedforward_layernorm.weight"] = (h,)
         if cfg["model_type"] == "qwen2" or cfg.get("attention_bias"):
             for proj, n in (("q", q), ("k", kv), ("v", kv)):
                 want[p + f"self_attn.{proj}_proj.bias"] = (n,)
@@ -417,7 +477,10 @@ def dequantized(model: GgufModel, p: PlannedTensor) -> np.ndarray:
     x = gguf.quants.dequantize(t.data, t.tensor_type).reshape(p.shape)
     if p.unpermute_heads:
         x = unpermute_rope_rows(x, p.unpermute_heads)
-    return np.ascontiguousarray(x, dtype=np.float32)
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if p.offset:
+        x = x + np.float32(p.offset)  # F32 tensors are read-only views of the map
+    return x
 
 
 def _encode(x: np.ndarray, dtype: str) -> np.ndarray:
@@ -443,8 +506,10 @@ def import_gguf(
     dtype: str = "f32",
     force: bool = False,
     progress: ProgressFn | None = None,
+    model: GgufModel | None = None,
 ) -> ImportReport:
-    """Write the HF checkpoint folder ``out_dir`` for the GGUF ``src``; see the module doc."""
+    """Write the HF checkpoint folder ``out_dir`` for the GGUF ``src`` (``model``: the
+    already parsed ``read_gguf(src)``); see the module doc."""
     t0 = time.perf_counter()
     if dtype not in OUT_DTYPES:
         raise CortiqError(f"unknown --dtype {dtype!r}; choose one of {', '.join(OUT_DTYPES)}")
@@ -455,7 +520,7 @@ def import_gguf(
         raise CortiqError(f"output folder {out.parent} does not exist")
     if src.resolve() == out.resolve() or (out.exists() and src.resolve().is_relative_to(out.resolve())):
         raise CortiqError(f"{out} contains the input file; choose another output folder")
-    model = read_gguf(src)
+    model = model if model is not None else read_gguf(src)
     config = dict(model.config, torch_dtype={"f32": "float32", "f16": "float16", "bf16": "bfloat16"}[dtype])
     st_dtype, itemsize = OUT_DTYPES[dtype]
     total = model.params
@@ -530,3 +595,34 @@ def _replace_dir(tmp: Path, out: Path) -> None:
 def gguf_to_checkpoint(src: str | os.PathLike, out_dir: str | os.PathLike, **kwargs: Any) -> Path:
     """``import_gguf`` for callers that only need the folder (the converter's .gguf input)."""
     return import_gguf(src, out_dir, **kwargs).output
+
+
+# ------------------------------------------------------------------ raw blocks
+
+@dataclass(frozen=True)
+class SourceBlocks:
+    """One tensor's GGML blocks as stored: uint8 [rows, bytes per row], a view of the map."""
+
+    ggml_type: str
+    data: np.ndarray
+    unpermute_heads: int | None = None
+
+
+def source_blocks(model: GgufModel) -> dict[str, SourceBlocks]:
+    """HF name -> stored blocks, for the tensors whose values the import does not change
+    beyond a row order (so a converter may copy their blocks instead of re-encoding)."""
+    out = {}
+    for p in model.tensors:
+        if p.offset:
+            continue
+        t = model.reader.tensors[p.index]
+        out[p.name] = SourceBlocks(p.ggml_type, np.asarray(t.data), p.unpermute_heads)
+    return out
+
+
+def gguf_to_checkpoint_with_blocks(
+    src: str | os.PathLike, out_dir: str | os.PathLike, **kwargs: Any
+) -> tuple[Path, dict[str, SourceBlocks]]:
+    """``gguf_to_checkpoint`` that also returns ``source_blocks`` (the GGUF parsed once)."""
+    model = read_gguf(src)
+    return import_gguf(src, out_dir, model=model, **kwargs).output, source_blocks(model)

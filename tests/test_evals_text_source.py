@@ -109,3 +109,28 @@ def test_file_errors(tmp_path):
     (tmp_path / "x.parquet").write_bytes(b"not parquet")
     with pytest.raises(CortiqError, match="not a Parquet file"):
         load_text(TextSpec(path=str(tmp_path / "x.parquet")))
+
+
+@pytest.mark.parametrize("name,first,size", [
+    ("hamlet", "HAMLET, PRINCE OF DENMARK", 173942),
+    ("sonnets", "THE SONNETS", 95728),
+    ("alice", "ALICE'S ADVENTURES IN WONDERLAND", 148481),
+])
+def test_bundled_corpora_by_name(name, first, size):
+    import hashlib
+
+    from evals.text_source import BUNDLED_CORPORA
+
+    for spec in (TextSpec(path=name), TextSpec(dataset=name)):
+        t = load_text(spec)
+        assert t.text.lstrip().startswith(first) and t.n_bytes == size
+        assert t.text.isascii() and "\r" not in t.text and "gutenberg" not in t.text.lower()
+        assert name in t.source
+    # The README's sha256 of each file (provenance).
+    readme = (BUNDLED_CORPORA[name][0].parent / "README.md").read_text()
+    assert hashlib.sha256(BUNDLED_CORPORA[name][0].read_bytes()).hexdigest() in readme
+
+
+def test_unknown_name_lists_bundled_texts():
+    with pytest.raises(CortiqError, match="bundled texts by name: alice, hamlet, sonnets"):
+        load_text(TextSpec(path="macbeth"))

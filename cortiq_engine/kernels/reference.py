@@ -69,6 +69,28 @@ class NumpyKernels:
             o *= u
         return out
 
+    def gelu_tanh_mul(self, gu: np.ndarray) -> np.ndarray:
+        """gelu_tanh(gate) * up for gu = [gate | up] (GeGLU, Gemma): GELU with the tanh
+        approximation 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))), as torch's
+        ``gelu(approximate="tanh")``; in row blocks that stay in cache."""
+        n, k = gu.shape[0], gu.shape[1] // 2
+        out = np.empty((n, k), np.float32)
+        c = np.float32(np.sqrt(2.0 / np.pi))
+        step = max(1, BLOCK_ELEMS // max(k, 1))
+        for r0 in range(0, n, step):
+            g, u, o = gu[r0 : r0 + step, :k], gu[r0 : r0 + step, k:], out[r0 : r0 + step]
+            np.multiply(g, g, out=o)
+            o *= np.float32(0.044715)
+            o += np.float32(1.0)
+            o *= g
+            o *= c
+            np.tanh(o, out=o)
+            o += np.float32(1.0)
+            o *= g
+            o *= np.float32(0.5)
+            o *= u
+        return out
+
     def rope(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> None:
         """In place on x [n, heads, d]: rotate dims 0..2*half (HF rotate_half layout)."""
         half = cos.shape[1]

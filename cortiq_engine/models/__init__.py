@@ -8,7 +8,7 @@ from formats.arch import ArchConfig
 from formats.cmf import CmfFile
 from formats.errors import CortiqError
 from cortiq_engine.model import Model
-from cortiq_engine.models import llama, mimo_v2, moe_family, qwen3_next
+from cortiq_engine.models import gemma3, llama, mimo_v2, moe_family, qwen3_next
 
 # arch name (formats.arch) -> builder(cmf, arch, kernels) -> Model
 BUILDERS: dict[str, Callable[[CmfFile, ArchConfig, object], Model]] = {
@@ -23,6 +23,7 @@ BUILDERS: dict[str, Callable[[CmfFile, ArchConfig, object], Model]] = {
     "qwen3_5": qwen3_next.build,
     "qwen3_5_moe": qwen3_next.build,
     "mimo_v2": mimo_v2.build,
+    "gemma3": gemma3.build,
 }
 
 
