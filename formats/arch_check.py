@@ -109,8 +109,11 @@ def validate_arch(arch: ArchConfig, where: str = "arch") -> ArchConfig:
     _positive(w, "attention_value_scale", arch.attention_value_scale)
     if arch.norm_style not in ("rms", "rms_one"):
         raise CortiqError(f"{w}.norm_style is {_show(arch.norm_style)}, expected 'rms' or 'rms_one'")
-    if arch.hidden_act not in ("silu", "swish"):
-        raise CortiqError(f"{w}.hidden_act {arch.hidden_act!r} is not supported (supported: silu)")
+    from formats.arch import ACTIVATIONS, FAMILY_ACTIVATIONS  # arch imports this module lazily
+
+    allowed = ACTIVATIONS + FAMILY_ACTIVATIONS.get(arch.arch, ())
+    if arch.hidden_act not in allowed:
+        raise CortiqError(f"{w}.hidden_act {arch.hidden_act!r} is not supported (supported: {', '.join(allowed)})")
     if len(arch.layer_types) != arch.num_layers:
         raise CortiqError(f"{w}.layer_types has {len(arch.layer_types)} entries for {arch.num_layers} layers")
     bad = sorted({t for t in arch.layer_types if t not in _LAYER_KINDS})

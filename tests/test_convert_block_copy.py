@@ -105,5 +105,5 @@ def test_cmf_source_requantizes(smollm2_q4_direct, tmp_path):
     with Engine.load(tmp_path / "c.q4.cmf") as eng:
         ids = eng.tokenizer.encode("The capital of France is")
         assert eng.logits(ids).shape == (len(ids), eng.vocab_size)
-    with pytest.raises(CortiqError, match="is the input file"):
+    with pytest.raises(CortiqError, match="is the source itself"):
         convert_checkpoint(a, a, quant="q4", force=True)
