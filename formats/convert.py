@@ -352,8 +352,6 @@ def convert_checkpoint(
     out = Path(out)
     _check_output(out, force, Path(src))
     src_path = Path(src)
-    if src_path.is_file() and src_path.resolve() == out.resolve():
-        raise CortiqError(f"{out} is the input file; choose another output name")
     if _is_cmf(src_path):
         return _convert_cmf(src_path, out, policy, policy_keep_source, force, progress)
     if _is_gguf(src_path):
