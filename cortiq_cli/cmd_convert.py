@@ -9,8 +9,16 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 from rich.table import Table
 
 from cortiq_cli.common import console, err_console, handle_errors, human_bytes, print_json, print_table
-from formats.convert import MTP_MODES, ConvertReport, QuantPolicy, convert_checkpoint
+from formats.convert import MTP_MODES, ConvertReport, QuantPolicy
 from formats.quants import QUANT_CHOICES
+
+
+def convert_checkpoint(src, out, **kw) -> ConvertReport:
+    """``cortiq_engine.convert.convert_checkpoint`` (the architecture families name and
+    check the tensors), imported on use so the CLI starts without the engine."""
+    from cortiq_engine.convert import convert_checkpoint as run
+
+    return run(src, out, **kw)
 
 
 @handle_errors

@@ -14,7 +14,6 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from formats.arch import ArchConfig
-from formats.arch_check import model_arch
 from formats.cmf import CmfFile
 from formats.convert import TOKENIZER_TENSOR
 from formats.errors import CortiqError
@@ -23,7 +22,7 @@ from cortiq_engine.generate import PREFILL_CHUNK, GenerationResult, TokenEvent, 
 from cortiq_engine.kernels import get_kernels
 from cortiq_engine.memory import release_free_heap
 from cortiq_engine.model import Model, State, forward
-from cortiq_engine.models import build_model
+from cortiq_engine.models import build_model, read_arch
 from cortiq_engine.sampling import SamplingConfig
 from cortiq_engine.threads import set_threads
 from cortiq_engine.tokenizer import Tokenizer, header_eos_ids
@@ -76,7 +75,7 @@ class Engine:
         header = cmf.header
         if header.get("role", "model") != "model" or "arch" not in header:
             raise CortiqError(f"{path}: not a model file (role {header.get('role')!r}); an MTP sidecar is loaded with its model")
-        arch = model_arch(cmf)
+        arch = read_arch(cmf)
         model = build_model(cmf, arch, ks)
         if ctx is None:
             ctx = min(arch.max_position_embeddings, DEFAULT_CTX)

@@ -25,6 +25,8 @@ are committed (row j of layer k: j <= t - k); later rows are provisional and are
 truncated and recomputed at the next round. So drafting costs one catch-up row
 per accepted token per layer, and every committed row enters a cache once.
 
+The layers themselves are the backbone family's (``Family.draft_layer`` in
+``cortiq_engine/models/<family>.py``), built by ``load_draft_stack``: the one loader.
 ``Drafter.draft`` is the one draft path: speculative decoding calls it with the
 committed tokens, the teacher-forced probe (evals/mtp_probe.py) with the true
 text, whose later tokens then stand in for the drafts.
@@ -32,25 +34,23 @@ text, whose later tokens then stand in for the drafts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from formats.arch import ArchConfig
-from formats.arch_check import model_arch
 from formats.cmf import CmfFile
 from formats.errors import CortiqError
 from formats.mtp_names import MTP_PREFIX
 from formats.sidecar import check_sidecar, sidecar_path
 from cortiq_engine.cache import KVCache
-from cortiq_engine.layers import Attention, AttentionWeights, Block, GatedMLP, RMSNorm, RoPE, Step
+from cortiq_engine.layers import Step
 from cortiq_engine.model import Model
-from cortiq_engine.models.moe_family import load_moe
-from cortiq_engine.models.qwen3_next import GatedAttention
-from cortiq_engine.sink_attention import SinkAttention
-from cortiq_engine.weights import Weight, load_vector, load_weight
+from cortiq_engine.models import draft_layer, read_arch
+from cortiq_engine.models.base import DraftLayer
+from cortiq_engine.weights import Weight
 
 CHAINS = ("independent", "recursive")
 HIDDENS = ("pre", "post")
@@ -58,28 +58,6 @@ NO_MTP_HINT = "--no-mtp runs without it"
 
 
 # ------------------------------------------------------------------ the layers
-@dataclass(frozen=True, eq=False)
-class DraftLayer:
-    enorm: RMSNorm
-    hnorm: RMSNorm
-    eh_proj: Weight
-    block: Block
-    final_norm: RMSNorm
-
-    def make_cache(self, capacity: int) -> KVCache:
-        return self.block.make_cache(capacity)
-
-    def __call__(self, kernels, emb: np.ndarray, hidden: np.ndarray, cache: KVCache, step: Step) -> np.ndarray:
-        """(embedding rows, backbone hidden rows) -> the block's output rows (before final_layernorm)."""
-        cat = np.concatenate([self.enorm(emb), self.hnorm(np.ascontiguousarray(hidden, dtype=np.float32))], axis=1)
-        x = kernels.matmul((self.eh_proj,), cat)
-        self.block(x, cache, step)
-        return x
-
-    def weights(self) -> list[Weight]:
-        return [self.eh_proj, *self.block.weights()]
-
-
 @dataclass(frozen=True, eq=False)
 class DraftStack:
     """The loaded draft layers of one backbone (immutable; per-sequence state is ``Drafter``)."""
@@ -104,90 +82,6 @@ def count_mtp_layers(cmf: CmfFile) -> int:
     while f"{MTP_PREFIX}{k}.eh_proj.weight" in cmf:
         k += 1
     return k
-
-
-def _shape_check(cmf: CmfFile, w: Weight, rows: int, cols: int) -> Weight:
-    if (w.rows, w.cols) != (rows, cols):
-        raise CortiqError(f"{cmf.path}: tensor {w.name} is [{w.rows}, {w.cols}], the backbone implies [{rows}, {cols}]")
-    return w
-
-
-def _draft_geometry(arch: ArchConfig) -> dict[str, Any]:
-    """Attention geometry of a draft block: MiMo's drafts use the backbone's sliding-window
-    layers' geometry (heads, head widths, window, theta); the others the full layers'."""
-    style = arch.mtp.style if arch.mtp else "deepseek"
-    s = arch.sliding
-    if style == "mimo" and s is not None:
-        return dict(nh=s.num_heads, nkv=s.num_kv_heads, hd=s.head_dim, vd=s.v_head_dim, window=s.window,
-                    rope=RoPE(s.rotary_dim or s.head_dim, s.rope_theta))
-    return dict(nh=arch.num_heads, nkv=arch.num_kv_heads, hd=arch.head_dim, vd=arch.v_head_dim, window=0,
-                rope=RoPE(arch.rotary_dim, arch.rope_theta, arch.rope_scaling))
-
-
-def build_draft_layer(cmf: CmfFile, k: int, arch: ArchConfig, kernels) -> DraftLayer:
-    p = f"{MTP_PREFIX}{k}."
-    h, eps, style = arch.hidden_size, arch.norm_eps, arch.norm_style
-    g = _draft_geometry(arch)
-    nh, nkv, hd, vd = g["nh"], g["nkv"], g["hd"], g["vd"]
-
-    def vec(name: str, n: int = h) -> np.ndarray:
-        return load_vector(cmf, p + name, n)
-
-    def mat(name: str, rows: int, cols: int) -> Weight:
-        return _shape_check(cmf, load_weight(cmf, p + name), rows, cols)
-
-    gated = arch.attn_output_gate  # Qwen3-Next: q_proj emits [query | gate] per head
-    aw = AttentionWeights(
-        mat("self_attn.q_proj.weight", nh * hd * (2 if gated else 1), h),
-        mat("self_attn.k_proj.weight", nkv * hd, h),
-        mat("self_attn.v_proj.weight", nkv * vd, h),
-        mat("self_attn.o_proj.weight", h, nh * vd),
-    )
-    # Qwen2-style draft layers carry q/k/v (and possibly o) projection biases.
-    biases = [f"self_attn.{x}_proj.bias" for x in "qkv"]
-    if any(p + b in cmf for b in biases):
-        aw = replace(aw, qkv_bias=np.concatenate(
-            [vec(b, w.rows) if p + b in cmf else np.zeros(w.rows, np.float32) for b, w in zip(biases, (aw.q, aw.k, aw.v))]))
-    if p + "self_attn.o_proj.bias" in cmf:
-        aw = replace(aw, o_bias=vec("self_attn.o_proj.bias", h))
-    if p + "self_attn.q_norm.weight" in cmf:
-        qn, kn = vec("self_attn.q_norm.weight", hd), vec("self_attn.k_norm.weight", hd)
-        if style == "rms_one":
-            qn, kn = qn + 1.0, kn + 1.0
-        aw = replace(aw, q_norm=qn, k_norm=kn)
-    common = dict(num_heads=nh, num_kv_heads=nkv, head_dim=hd, v_head_dim=vd, rope=g["rope"], norm_eps=eps, window=g["window"])
-    if p + "self_attn.sinks" in cmf:
-        sinks = vec("self_attn.sinks", nh)
-        if not np.isfinite(sinks).all():
-            raise CortiqError(f"{cmf.path}: tensor {p}self_attn.sinks has non-finite values")
-        attn = SinkAttention(kernels, aw, sinks=sinks, v_scale=arch.attention_value_scale, **common)
-    elif gated:
-        if aw.q_norm is None:
-            raise CortiqError(f"{cmf.path}: gated draft attention needs {p}self_attn.q_norm.weight")
-        attn = GatedAttention(kernels, aw, **common)
-    else:
-        attn = Attention(kernels, aw, **common)
-    if p + "mlp.gate.weight" in cmf and arch.moe is not None:
-        # Qwen3-Next's draft block routes to experts like the trunk's MoE layers.
-        mlp = load_moe(cmf, arch, kernels, p)
-    else:
-        gate = load_weight(cmf, p + "mlp.gate_proj.weight")
-        inter = gate.rows  # a draft MLP may be narrower than the trunk's (mtp-train --intermediate)
-        _shape_check(cmf, gate, inter, h)
-        mlp = GatedMLP(kernels, gate, mat("mlp.up_proj.weight", inter, h), mat("mlp.down_proj.weight", h, inter))
-    block = Block(
-        RMSNorm(kernels, vec("input_layernorm.weight"), eps, style),
-        attn,
-        RMSNorm(kernels, vec("post_attention_layernorm.weight"), eps, style),
-        mlp,
-    )
-    return DraftLayer(
-        enorm=RMSNorm(kernels, vec("enorm.weight"), eps, style),
-        hnorm=RMSNorm(kernels, vec("hnorm.weight"), eps, style),
-        eh_proj=mat("eh_proj.weight", h, 2 * h),
-        block=block,
-        final_norm=RMSNorm(kernels, vec("final_layernorm.weight"), eps, style),
-    )
 
 
 def _section(header: dict[str, Any], key: str) -> dict[str, Any]:
@@ -236,12 +130,12 @@ def load_draft_stack(main: CmfFile, arch: ArchConfig, kernels, path: str | Path 
             raise CortiqError(f"MTP sidecar {side}: no such file")
         src, source = _open_sidecar(side, main.header), str(side)
         # The sidecar's own arch carries the MTP style the converter recorded.
-        side_arch = model_arch(src, trunk=False)
+        side_arch = read_arch(src, trunk=False)
         if side_arch.mtp is not None and arch.mtp is None:
             arch = ArchConfig.from_json({**arch.to_json(), "mtp": side_arch.mtp.__dict__})
     n = count_mtp_layers(src)
     try:
-        layers = tuple(build_draft_layer(src, k, arch, kernels) for k in range(n))
+        layers = tuple(draft_layer(src, k, arch, kernels) for k in range(n))
     except CortiqError as e:
         raise CortiqError(f"{e} ({NO_MTP_HINT})") from None
     return DraftStack(layers, arch.mtp.style if arch.mtp else "deepseek", source)

@@ -2,10 +2,12 @@
 between fields the kernels assume (heads x head_dim, rotary_dim <= head_dim, KV
 heads dividing heads, finite positive rope values).
 
-It runs on a CMF header at load (``arch_from_header``) and on config.json at
-convert time (``formats.arch.from_hf_config``), so a file or checkpoint that passes
-can not make a kernel index past an array. The tensor shapes are checked against
-the family's manifest by ``formats.convert.check_manifest``.
+It runs on a CMF header at load (``model_arch``) and on config.json at convert
+time (``arch_from_config``), so a file or checkpoint that passes can not make a
+kernel index past an array. Both take the architecture family (from the registry
+the caller passes in, ``formats.manifest.Families``): it parses the config, names
+the activations its blocks compute, and its manifest is what the tensor shapes
+are checked against (``formats.manifest.check_manifest``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 
 from formats.arch import LAYER_FULL, LAYER_LINEAR, LAYER_SLIDING, ArchConfig, LinearAttnConfig, MoeConfig, MtpConfig, SlidingConfig
 from formats.errors import CortiqError
+from formats.manifest import ArchFamily, Families, check_manifest, mtp_layer_indices
 
 # Any one dimension above this is a corrupt or hostile header, not a model
 # (the largest real vocabularies and FFNs are ~2^18; 2^24 leaves room).
@@ -90,8 +93,9 @@ def _heads(where: str, heads: int, kv: int, head_dim: int, rotary: int) -> None:
         raise CortiqError(f"{where}: rotary_dim={rotary} is odd (rotary pairs need an even count)")
 
 
-def validate_arch(arch: ArchConfig, where: str = "arch") -> ArchConfig:
-    """Raise one CortiqError naming the first bad field; returns ``arch`` unchanged."""
+def validate_arch(arch: ArchConfig, where: str = "arch", activations: tuple[str, ...] | None = None) -> ArchConfig:
+    """Raise one CortiqError naming the first bad field; returns ``arch`` unchanged.
+    ``activations``: the ones its family computes (None: not checked here)."""
     _check_types(arch, where)
     w = where
     for name in ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "v_head_dim", "intermediate_size", "vocab_size"):
@@ -109,11 +113,8 @@ def validate_arch(arch: ArchConfig, where: str = "arch") -> ArchConfig:
     _positive(w, "attention_value_scale", arch.attention_value_scale)
     if arch.norm_style not in ("rms", "rms_one"):
         raise CortiqError(f"{w}.norm_style is {_show(arch.norm_style)}, expected 'rms' or 'rms_one'")
-    from formats.arch import ACTIVATIONS, FAMILY_ACTIVATIONS  # arch imports this module lazily
-
-    allowed = ACTIVATIONS + FAMILY_ACTIVATIONS.get(arch.arch, ())
-    if arch.hidden_act not in allowed:
-        raise CortiqError(f"{w}.hidden_act {arch.hidden_act!r} is not supported (supported: {', '.join(allowed)})")
+    if activations is not None and arch.hidden_act not in activations:
+        raise CortiqError(f"{w}.hidden_act {arch.hidden_act!r} is not supported (supported: {', '.join(activations)})")
     if len(arch.layer_types) != arch.num_layers:
         raise CortiqError(f"{w}.layer_types has {len(arch.layer_types)} entries for {arch.num_layers} layers")
     bad = sorted({t for t in arch.layer_types if t not in _LAYER_KINDS})
@@ -205,16 +206,36 @@ def arch_from_header(header: dict[str, Any], where: str) -> ArchConfig:
         raise CortiqError(f"{where}: {e}") from None
 
 
-def model_arch(cmf: Any, trunk: bool = True) -> ArchConfig:
-    """The validated ``ArchConfig`` of an open CMF model file (or, ``trunk=False``, of an
-    MTP sidecar), checked against the shapes of the tensors the file holds."""
-    from formats.convert import check_manifest, mtp_layer_indices
+def arch_from_config(families: Families, cfg: dict[str, Any]) -> tuple[ArchFamily, ArchConfig]:
+    """The family of a config.json (by its ``model_type``) and the validated ``ArchConfig``
+    it parses the config into."""
+    mt = cfg.get("model_type")
+    family = families.for_model_type(mt)
+    try:
+        arch = family.parse(cfg)
+    except (TypeError, ValueError, AttributeError, KeyError, ArithmeticError) as e:
+        # config.json is untrusted: a wrong-typed or zero value is bad input, not a bug.
+        raise CortiqError(f"config.json ({mt}): bad value ({type(e).__name__}: {str(e)[:160]})") from None
+    if arch.hidden_act not in family.activations:
+        raise CortiqError(
+            f"activation {arch.hidden_act!r} is not supported (supported: {', '.join(family.activations)})"
+        )
+    return family, validate_arch(arch, "config.json", family.activations)
 
+
+def model_arch(cmf: Any, families: Families, trunk: bool = True) -> ArchConfig:
+    """The validated ``ArchConfig`` of an open CMF model file (or, ``trunk=False``, of an
+    MTP sidecar), checked against its family's manifest of the tensors the file holds."""
     where = str(cmf.path)
     arch = arch_from_header(cmf.header, where)
+    try:
+        family = families.for_arch(arch.arch)
+        validate_arch(arch, "arch", family.activations)
+    except CortiqError as e:
+        raise CortiqError(f"{where}: {e}") from None
     shapes = {name: info.shape for name, info in cmf.tensors.items()}
     mtp = mtp_layer_indices(shapes)
     if mtp != list(range(len(mtp))):
         raise CortiqError(f"{where}: MTP layers {mtp[:8]} are not numbered 0..{len(mtp) - 1}")
-    check_manifest(arch, shapes, mtp, holder=where, implied_by="its arch header", trunk=trunk)
+    check_manifest(family.manifest(arch, mtp), shapes, holder=where, implied_by="its arch header", trunk=trunk)
     return arch

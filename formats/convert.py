@@ -31,10 +31,12 @@ from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
-from formats.arch import LAYER_LINEAR, LAYER_SLIDING, ArchConfig, MtpConfig, from_hf_config
+from formats.arch import ArchConfig, MtpConfig
+from formats.arch_check import arch_from_config
 from formats.cmf import FORMAT_MINOR, FORMAT_VERSION, MAGIC as CMF_MAGIC, CmfFile, CmfWriter
 from formats.errors import CortiqError
-from formats.mtp_names import MTP_PREFIX, mtp_layer_count, normalize
+from formats.manifest import ArchFamily, Families, check_manifest
+from formats.mtp_names import mtp_layer_count, naming_scheme, normalize
 from formats.policy import QuantPolicy
 from formats.quants import f32_to_bf16, get_dtype, rows_cols
 from formats.safetensors_reader import FLOAT_DTYPES
@@ -145,111 +147,7 @@ class PlannedTensor:
     mtp: bool
 
 
-def _block_shapes(
-    arch: ArchConfig, p: str, layer_type: str, dense_mlp: bool, routed: bool = True
-) -> dict[str, tuple[int, ...]]:
-    """Shapes of one transformer block's tensors that the engine relies on
-    (``routed``: check the MoE tensors of a block without a dense MLP)."""
-    h = arch.hidden_size
-    exp: dict[str, tuple[int, ...]] = {p + "input_layernorm.weight": (h,)}
-    if layer_type == LAYER_LINEAR:
-        if arch.linear_attn is None:
-            return exp
-        exp.update(_linear_attn_shapes(arch, p))
-    else:
-        nh, nkv, d, v = arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.v_head_dim
-        sinks = arch.attention_sinks
-        if layer_type == LAYER_SLIDING and arch.sliding is not None:
-            s = arch.sliding
-            nh, nkv, d, v, sinks = s.num_heads, s.num_kv_heads, s.head_dim, s.v_head_dim, s.sinks
-        exp[p + "self_attn.q_proj.weight"] = (nh * d * (2 if arch.attn_output_gate else 1), h)
-        exp[p + "self_attn.k_proj.weight"] = (nkv * d, h)
-        exp[p + "self_attn.v_proj.weight"] = (nkv * v, h)
-        exp[p + "self_attn.o_proj.weight"] = (h, nh * v)
-        if sinks:
-            exp[p + "self_attn.sinks"] = (nh,)
-    exp[p + "post_attention_layernorm.weight"] = (h,)
-    if routed and not dense_mlp and arch.moe is not None:
-        exp.update(_moe_shapes(arch, p))
-    if dense_mlp:
-        exp[p + "mlp.gate_proj.weight"] = (arch.intermediate_size, h)
-        exp[p + "mlp.up_proj.weight"] = (arch.intermediate_size, h)
-        exp[p + "mlp.down_proj.weight"] = (h, arch.intermediate_size)
-    return exp
-
-
-def _linear_attn_shapes(arch: ArchConfig, p: str) -> dict[str, tuple[int, ...]]:
-    """A Gated DeltaNet token mixer (Qwen3-Next fused projections, Qwen3.5 split ones)."""
-    la, h = arch.linear_attn, arch.hidden_size
-    kd, vd = la.num_key_heads * la.key_head_dim, la.num_value_heads * la.value_head_dim
-    conv = 2 * kd + vd
-    q = p + "linear_attn."
-    exp: dict[str, tuple[int, ...]] = {
-        q + "conv1d.weight": (conv, la.conv_kernel),
-        q + "dt_bias": (la.num_value_heads,),
-        q + "A_log": (la.num_value_heads,),
-        q + "norm.weight": (la.value_head_dim,),
-        q + "out_proj.weight": (h, vd),
-    }
-    if la.fused_projection:
-        exp[q + "in_proj_qkvz.weight"] = (2 * kd + 2 * vd, h)
-        exp[q + "in_proj_ba.weight"] = (2 * la.num_value_heads, h)
-    else:
-        exp[q + "in_proj_qkv.weight"] = (conv, h)
-        exp[q + "in_proj_z.weight"] = (vd, h)
-        exp[q + "in_proj_b.weight"] = (la.num_value_heads, h)
-        exp[q + "in_proj_a.weight"] = (la.num_value_heads, h)
-    return exp
-
-
-def _moe_shapes(arch: ArchConfig, p: str) -> dict[str, tuple[int, ...]]:
-    """A routed-experts FFN: router, per-expert gated MLPs, optional shared expert and bias."""
-    m, h = arch.moe, arch.hidden_size
-    i = m.expert_intermediate_size
-    exp: dict[str, tuple[int, ...]] = {p + "mlp.gate.weight": (m.num_experts, h)}
-    for e in range(m.num_experts):
-        q = f"{p}mlp.experts.{e}."
-        exp[q + "gate_proj.weight"] = (i, h)
-        exp[q + "up_proj.weight"] = (i, h)
-        exp[q + "down_proj.weight"] = (h, i)
-    if m.shared_expert_intermediate_size:
-        si = m.shared_expert_intermediate_size
-        exp[p + "mlp.shared_expert.gate_proj.weight"] = (si, h)
-        exp[p + "mlp.shared_expert.up_proj.weight"] = (si, h)
-        exp[p + "mlp.shared_expert.down_proj.weight"] = (h, si)
-    if m.shared_expert_gate:
-        exp[p + "mlp.shared_expert_gate.weight"] = (1, h)
-    if m.score_bias:
-        exp[p + "mlp.gate.e_score_correction_bias"] = (m.num_experts,)
-    return exp
-
-
-def _expected_shapes(arch: ArchConfig, mtp_layers: list[int]) -> dict[str, tuple[int, ...]]:
-    """Every tensor the engine needs, with its shape, checked before a byte is written."""
-    h = arch.hidden_size
-    exp: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (arch.vocab_size, h), "model.norm.weight": (h,)}
-    if not arch.tie_word_embeddings:
-        exp["lm_head.weight"] = (arch.vocab_size, h)
-    for i, lt in enumerate(arch.layer_types):
-        dense = arch.moe is None or i not in arch.moe.moe_layers
-        exp.update(_block_shapes(arch, f"model.layers.{i}.", lt, dense))
-    for k in mtp_layers:
-        p = f"{MTP_PREFIX}{k}."
-        exp[p + "enorm.weight"] = (h,)
-        exp[p + "hnorm.weight"] = (h,)
-        exp[p + "eh_proj.weight"] = (h, 2 * h)
-        exp[p + "final_layernorm.weight"] = (h,)
-        if arch.arch == "mimo_v2":
-            # MiMo-V2's draft blocks are sliding-window blocks (the trunk's SWA geometry,
-            # sinks) with a dense MLP whose width the engine reads from the tensors.
-            exp.update(_block_shapes(arch, p, LAYER_SLIDING, False, routed=False))
-            continue
-        # The draft block is a full-attention block of the trunk's geometry.
-        exp.update(_block_shapes(arch, p, "full", arch.moe is None, routed=False))
-    return exp
-
-
-def _plan(ck, arch: ArchConfig, check_mtp: bool = True) -> list[PlannedTensor]:
+def _plan(ck, arch: ArchConfig, family: ArchFamily, check_mtp: bool = True) -> list[PlannedTensor]:
     plan: list[PlannedTensor] = []
     for src in ck.names():
         if src.endswith("rotary_emb.inv_freq"):
@@ -281,41 +179,8 @@ def _plan(ck, arch: ArchConfig, check_mtp: bool = True) -> list[PlannedTensor]:
     mtp_layers = sorted({int(p.name.split(".")[3]) for p in plan if p.mtp})
     if check_mtp and mtp_layers and mtp_layers != list(range(len(mtp_layers))):
         raise CortiqError(f"MTP layers {mtp_layers} are not numbered 0..{len(mtp_layers) - 1}")
-    check_manifest(arch, have, mtp_layers if check_mtp else [])
+    check_manifest(family.manifest(arch, mtp_layers if check_mtp else []), have)
     return plan
-
-
-def check_manifest(
-    arch: ArchConfig, have: dict[str, tuple[int, ...]], mtp_layers: list[int], *,
-    holder: str = "checkpoint", implied_by: str = "config.json", trunk: bool = True,
-) -> None:
-    """Every tensor the family's manifest expects is in ``have`` with exactly its shape.
-
-    The one shape check: on a checkpoint at convert time, on a CMF file (or only the
-    draft layers of a sidecar, ``trunk=False``) at load time.
-    """
-    for name, shape in _expected_shapes(arch, mtp_layers).items():
-        if not trunk and not name.startswith(MTP_PREFIX):
-            continue
-        if name not in have:
-            raise CortiqError(f"{holder} is missing tensor {name}")
-        if tuple(have[name]) != tuple(shape):
-            raise CortiqError(f"tensor {name} has shape {list(have[name])}, {implied_by} implies {list(shape)}")
-
-
-def mtp_layer_indices(names: Iterable[str]) -> list[int]:
-    """The draft-layer indices present among tensor ``names`` (normalized names)."""
-    pat = re.compile(re.escape(MTP_PREFIX) + r"(\d+)\.")
-    return sorted({int(m.group(1)) for n in names if (m := pat.match(n))})
-
-
-def _mtp_style(config: dict[str, Any], plan: list[PlannedTensor]) -> str:
-    mt = str(config.get("_wrapper_model_type") or config.get("model_type", ""))
-    if mt.startswith("mimo") or any(p.source.startswith(MTP_PREFIX) for p in plan):
-        return "mimo"
-    if mt.startswith(("qwen3_next", "qwen3_5")) or any(p.source.startswith("mtp.") for p in plan):
-        return "qwen3_next"
-    return "deepseek"
 
 
 def fingerprint(ck, plan: list[PlannedTensor]) -> str:
@@ -336,13 +201,18 @@ def convert_checkpoint(
     src: str | Path,
     out: str | Path,
     *,
+    families: Families,
     quant: str = "q8",
     keep: list[tuple[str, str]] | None = None,
     mtp: str = "sidecar",
     force: bool = False,
     progress: ProgressFn | None = None,
 ) -> ConvertReport:
-    """Convert an HF checkpoint folder, a hub repo id or a .gguf file into ``out``."""
+    """Convert an HF checkpoint folder, a hub repo id or a .gguf file into ``out``.
+
+    ``families``: the architecture registry (``cortiq_engine.models.FAMILIES``; formats
+    does not import the engine). The family of the checkpoint's ``model_type`` parses
+    its config, names its tensors and gives the manifest they are checked against."""
     from formats.checkpoint import open_checkpoint
 
     if mtp not in MTP_MODES:
@@ -355,10 +225,10 @@ def convert_checkpoint(
     if _is_cmf(src_path):
         return _convert_cmf(src_path, out, policy, policy_keep_source, force, progress)
     if _is_gguf(src_path):
-        return _convert_gguf(src_path, out, policy, mtp, force, progress, policy_keep_source)
+        return _convert_gguf(src_path, out, families, policy, mtp, force, progress, policy_keep_source)
     ck = open_checkpoint(src)
     try:
-        return _convert(ck, out, policy, mtp, force, progress, source_format="safetensors", keep_source=policy_keep_source)
+        return _convert(ck, out, families, policy, mtp, force, progress, source_format="safetensors", keep_source=policy_keep_source)
     finally:
         ck.close()
 
@@ -400,7 +270,7 @@ def _is_cmf(path: Path) -> bool:
 
 
 def _convert_gguf(
-    path: Path, out: Path, policy: QuantPolicy, mtp: str, force: bool, progress: ProgressFn | None, keep_source: bool = False
+    path: Path, out: Path, families: Families, policy: QuantPolicy, mtp: str, force: bool, progress: ProgressFn | None, keep_source: bool = False
 ) -> ConvertReport:
     """GGUF -> a temporary HF checkpoint beside ``out`` -> CMF; the temporary folder always
     goes. Blocks whose layout CMF shares are copied from the GGUF itself."""
@@ -420,7 +290,7 @@ def _convert_gguf(
         ck = open_checkpoint(ck_dir)
         ck.origin = str(path)
         try:
-            return _convert(ck, out, policy, mtp, force, progress, source_format="gguf", blocks=blocks, keep_source=keep_source)
+            return _convert(ck, out, families, policy, mtp, force, progress, source_format="gguf", blocks=blocks, keep_source=keep_source)
         finally:
             ck.close()
     finally:
@@ -676,17 +546,18 @@ def ggml_block_parts(b, shape: tuple[int, ...]) -> list[np.ndarray]:
 
 
 def _convert(
-    ck, out: Path, policy: QuantPolicy, mtp_mode: str, force: bool, progress: ProgressFn | None, source_format: str,
+    ck, out: Path, families: Families, policy: QuantPolicy, mtp_mode: str, force: bool, progress: ProgressFn | None, source_format: str,
     blocks: dict[str, Any] | None = None, keep_source: bool = False,
 ) -> ConvertReport:
     t0 = time.perf_counter()
-    arch = from_hf_config(ck.config)
-    ck = sanitize_checkpoint(ck)  # MoE / hybrid exporters' names -> the engine's
-    plan = _plan(ck, arch, check_mtp=mtp_mode != "drop")
+    family, arch = arch_from_config(families, ck.config)
+    ck = sanitize_checkpoint(ck, family.sanitize)  # the exporter's names -> the engine's
+    plan = _plan(ck, arch, family, check_mtp=mtp_mode != "drop")
     mtp_plan = [p for p in plan if p.mtp]
     if mtp_plan:
         n_layers = len({p.name.split(".")[3] for p in mtp_plan}) or mtp_layer_count(ck.config)
-        arch.mtp = MtpConfig(num_layers=n_layers, style=_mtp_style(ck.config, plan))
+        style = family.mtp_style or naming_scheme(p.source for p in mtp_plan)
+        arch.mtp = MtpConfig(num_layers=n_layers, style=style)
     tok_header, tok_bytes = tokenizer_header(ck)
     fp = fingerprint(ck, plan)
     ck.release_pages()  # sampling faulted in pages all over the source

@@ -14,7 +14,7 @@ Every MTP naming scheme is normalized to ``model.mtp.layers.{k}.*``:
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Iterable
 
 MTP_PREFIX = "model.mtp.layers."
 
@@ -63,3 +63,15 @@ def normalize(name: str, config: dict[str, Any]) -> tuple[str | None, bool]:
                 return f"{MTP_PREFIX}0.{new}{rest[len(old):]}", True
         return f"{MTP_PREFIX}0.{rest}", True
     return name, False
+
+
+def naming_scheme(sources: Iterable[str]) -> str:
+    """Which release scheme names the MTP tensors ``sources`` (checkpoint names): "mimo"
+    (``model.mtp.layers.*``), "qwen3_next" (``mtp.*``) or "deepseek" (``model.layers.{N+k}``).
+    The style recorded for a family whose ``Family.mtp_style`` does not fix it."""
+    sources = list(sources)
+    if any(s.startswith(MTP_PREFIX) for s in sources):
+        return "mimo"
+    if any(s.startswith("mtp.") for s in sources):
+        return "qwen3_next"
+    return "deepseek"

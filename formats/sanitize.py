@@ -1,17 +1,20 @@
-"""Checkpoint names -> the names the engine reads, for the MoE and hybrid families.
+"""Checkpoint names -> the names the engine reads, applied as a streaming view.
 
-``sanitize_checkpoint(ck)`` returns a view of an ``HFCheckpoint`` whose tensor
-names follow one convention, whatever the exporter wrote:
+``sanitize_checkpoint(ck, rules)`` returns a view of an ``HFCheckpoint`` whose
+tensor names follow one convention. The *rules* belong to the architecture family
+(``Family.sanitize`` in ``cortiq_engine/models/<family>.py``: Mixtral's
+``block_sparse_moe.*.w1/w2/w3``, MiMo-V2's ``attention_sink_bias``...); this module
+only applies them, together with what every family shares:
 
-- Mixtral's ``block_sparse_moe.{gate, experts.E.w1/w3/w2}`` become
-  ``mlp.{gate, experts.E.gate_proj/up_proj/down_proj}``;
-- fused 3-D experts (``mlp.experts.gate_up_proj`` [E, 2I, H] and
-  ``mlp.experts.down_proj`` [E, H, I], the layout transformers 5 keeps in memory)
-  are split into per-expert 2-D ``mlp.experts.E.{gate,up,down}_proj.weight``;
-- multimodal wrappers' ``model.language_model.*`` become ``model.*``; their vision
-  tower is dropped;
-- MiMo-V2's ``self_attn.attention_sink_bias`` becomes ``self_attn.sinks``;
-- Gated DeltaNet's depthwise ``conv1d.weight`` [C, 1, K] becomes [C, K].
+- multimodal wrappers' ``model.language_model.*`` become ``model.*`` and their vision
+  tower is dropped (``formats.checkpoint`` unwraps their ``text_config`` for every
+  family alike);
+- ``rules.split_fused_experts``: fused 3-D experts (``mlp.experts.gate_up_proj``
+  [E, 2I, H] and ``mlp.experts.down_proj`` [E, H, I], the layout transformers 5
+  keeps in memory) are split into per-expert 2-D
+  ``mlp.experts.E.{gate,up,down}_proj.weight``;
+- ``rules.squeeze_conv``: Gated DeltaNet's depthwise ``conv1d.weight`` [C, 1, K]
+  becomes [C, K].
 
 Split and reshaped tensors are read straight from the source's memory map, a row
 range at a time; nothing is copied up front.
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, Iterator
 
 import numpy as np
@@ -28,19 +32,29 @@ import numpy as np
 from formats.errors import CortiqError
 from formats.quants import bf16_to_f32, rows_cols
 
-_RENAMES: list[tuple[re.Pattern[str], str]] = [
-    (re.compile(r"^model\.language_model\."), "model."),
-    (re.compile(r"\.block_sparse_moe\.gate\."), ".mlp.gate."),
-    (re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w1\."), r".mlp.experts.\1.gate_proj."),
-    (re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w3\."), r".mlp.experts.\1.up_proj."),
-    (re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w2\."), r".mlp.experts.\1.down_proj."),
-    (re.compile(r"\.self_attn\.attention_sink_bias$"), ".self_attn.sinks"),
-]
-# Vision towers and other non-LM parts of multimodal wrappers.
+# Every family: multimodal wrappers' text model prefix, and their non-LM parts dropped.
+_WRAPPER = (re.compile(r"^model\.language_model\."), "model.")
 _DROP = re.compile(r"^(model\.visual\.|visual\.|model\.vision_tower\.|vision_tower\.|model\.multi_modal_projector\.)")
 _FUSED_GATE_UP = re.compile(r"^(.*\.mlp\.experts)\.gate_up_proj(\.weight)?$")
 _FUSED_DOWN = re.compile(r"^(.*\.mlp\.experts)\.down_proj(\.weight)?$")
 _CONV = re.compile(r"\.linear_attn\.conv1d\.weight$")
+
+
+@dataclass(frozen=True)
+class SanitizeRules:
+    """A family's checkpoint-name rules (see the module doc)."""
+
+    renames: tuple[tuple[str, str], ...] = ()  # (regex, replacement), applied in order
+    split_fused_experts: bool = False
+    squeeze_conv: bool = False
+
+
+NO_RULES = SanitizeRules()
+
+
+@lru_cache(maxsize=64)
+def _compiled(rules: SanitizeRules) -> tuple[tuple[re.Pattern[str], str], ...]:
+    return (_WRAPPER, *((re.compile(pat), rep) for pat, rep in rules.renames))
 
 
 @dataclass(frozen=True)
@@ -53,16 +67,16 @@ class _Slice:
     shape: tuple[int, ...]
 
 
-def rename(name: str) -> str | None:
+def rename(name: str, rules: SanitizeRules = NO_RULES) -> str | None:
     """The engine's name for a plain (unsplit) checkpoint tensor, or None to drop it."""
     if _DROP.match(name):
         return None
-    for pat, rep in _RENAMES:
+    for pat, rep in _compiled(rules):
         name = pat.sub(rep, name)
     return name
 
 
-def split_fused_experts(name: str, shape: tuple[int, ...]) -> dict[str, _Slice]:
+def split_fused_experts(name: str, shape: tuple[int, ...], rules: SanitizeRules = NO_RULES) -> dict[str, _Slice]:
     """Per-expert 2-D slices of a fused 3-D expert tensor (empty if ``name`` is not one)."""
     m = _FUSED_GATE_UP.match(name)
     if m and len(shape) == 3:
@@ -70,7 +84,7 @@ def split_fused_experts(name: str, shape: tuple[int, ...]) -> dict[str, _Slice]:
         if two_i % 2:
             raise CortiqError(f"tensor {name} has shape {list(shape)}: expected [experts, 2 * intermediate, hidden]")
         i = two_i // 2
-        base = rename(m.group(1))
+        base = rename(m.group(1), rules)
         out = {}
         for k in range(e):
             out[f"{base}.{k}.gate_proj.weight"] = _Slice(name, k * two_i, k * two_i + i, (i, h))
@@ -79,7 +93,7 @@ def split_fused_experts(name: str, shape: tuple[int, ...]) -> dict[str, _Slice]:
     m = _FUSED_DOWN.match(name)
     if m and len(shape) == 3:
         e, h, i = shape
-        base = rename(m.group(1))
+        base = rename(m.group(1), rules)
         return {f"{base}.{k}.down_proj.weight": _Slice(name, k * h, (k + 1) * h, (h, i)) for k in range(e)}
     return {}
 
@@ -91,17 +105,17 @@ class SanitizedCheckpoint:
     iter_f32_rows, sample_f32, tensor) and passes everything else through.
     """
 
-    def __init__(self, ck: Any):
+    def __init__(self, ck: Any, rules: SanitizeRules = NO_RULES):
         self._ck = ck
         self._map: dict[str, _Slice] = {}
         for src in ck.names():
             shape = tuple(int(d) for d in ck.shape(src))
-            parts = split_fused_experts(src, shape)
+            parts = split_fused_experts(src, shape, rules) if rules.split_fused_experts else {}
             if not parts:
-                new = rename(src)
+                new = rename(src, rules)
                 if new is None:
                     continue
-                if _CONV.search(new) and len(shape) == 3 and shape[1] == 1:
+                if rules.squeeze_conv and _CONV.search(new) and len(shape) == 3 and shape[1] == 1:
                     shape = (shape[0], shape[2])
                 parts = {new: _Slice(src, 0, rows_cols(shape)[0], shape)}
             for new, sl in parts.items():
@@ -161,9 +175,10 @@ class SanitizedCheckpoint:
         return self._f32(flat[idx], name)
 
 
-def sanitize_checkpoint(ck: Any) -> Any:
-    """``ck`` under the engine's tensor names; ``ck`` itself when nothing needs renaming."""
-    view = SanitizedCheckpoint(ck)
+def sanitize_checkpoint(ck: Any, rules: SanitizeRules = NO_RULES) -> Any:
+    """``ck`` under the engine's tensor names (``rules``: the family's); ``ck`` itself
+    when nothing needs renaming."""
+    view = SanitizedCheckpoint(ck, rules)
     if all(view.source_of(n) == n and tuple(ck.shape(n)) == view.shape(n) for n in view.names()) and len(
         view.names()
     ) == len(ck.names()):

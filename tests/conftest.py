@@ -85,7 +85,7 @@ def smollm2_hf(smollm2_gguf: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_cmf(smollm2_hf: Path) -> Callable[[str], Path]:
-    from formats.convert import convert_checkpoint
+    from cortiq_engine.convert import convert_checkpoint
 
     folder = smollm2_hf.parent / f"cmf-{_formats_hash()}"
 
@@ -126,7 +126,7 @@ def gemma3_hf(gemma3_gguf: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def gemma3_cmf(gemma3_hf: Path) -> Callable[[str], Path]:
-    from formats.convert import convert_checkpoint
+    from cortiq_engine.convert import convert_checkpoint
 
     def make(quant: str = "f32") -> Path:
         out = gemma3_hf.parent / f"gemma3-{quant}.cmf"

@@ -48,7 +48,7 @@ class Base:
 
 def build_base(folder: Path) -> list[Base]:
     """Convert one tiny checkpoint (Llama trunk + one MTP layer) to q8, q4 and f32 CMF files."""
-    from formats.convert import convert_checkpoint
+    from cortiq_engine.convert import convert_checkpoint
     from tests.mtp_tiny import save_tiny_mtp
 
     from formats.cmf import read_header, rewrite_header

@@ -13,8 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from formats.arch import LAYER_FULL, LAYER_SLIDING, from_hf_config
-from formats.convert import convert_checkpoint
+from formats.arch import LAYER_FULL, LAYER_SLIDING
+from cortiq_engine.models import parse_config
+from cortiq_engine.convert import convert_checkpoint
 from formats.errors import CortiqError
 from formats.gguf_import import import_gguf
 from cortiq_engine import Engine, SamplingConfig
@@ -56,7 +57,7 @@ def tiny(tmp_path_factory):
 
 
 def test_arch_parsed_from_config(tiny):
-    arch = from_hf_config(json.loads((tiny[1] / "config.json").read_text()))
+    arch = parse_config(json.loads((tiny[1] / "config.json").read_text()))
     assert arch.arch == "gemma3" and arch.norm_style == "rms_one" and arch.qk_norm
     assert arch.layer_types == [LAYER_SLIDING, LAYER_FULL, LAYER_SLIDING, LAYER_SLIDING]
     assert (arch.rope_theta, arch.rope_local_theta) == (1e6, 100.0)
@@ -104,7 +105,7 @@ def test_unsupported_activation_is_refused():
     cfg = json.loads(json.dumps({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 1,
                                  "intermediate_size": 8, "vocab_size": 10, "hidden_act": "gelu_pytorch_tanh"}))
     with pytest.raises(CortiqError, match="activation 'gelu_pytorch_tanh' is not supported"):
-        from_hf_config(cfg)
+        parse_config(cfg)
 
 
 # ------------------------------------------------------------------ a tiny gemma3 GGUF

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from formats.arch import LAYER_FULL, LAYER_SLIDING, ArchConfig, from_hf_config
+from formats.arch import LAYER_FULL, LAYER_SLIDING, ArchConfig
+from cortiq_engine.models import parse_config
 from formats.cmf import CmfFile
-from formats.convert import convert_checkpoint
+from cortiq_engine.convert import convert_checkpoint
 from formats.errors import CortiqError
 from cortiq_engine import Engine, forward
 from tests import arch_tiny
@@ -31,7 +32,7 @@ def mimo(tmp_path_factory):
 
 
 def test_arch_parsed_from_config(mimo):
-    arch = from_hf_config(json.loads((mimo[1] / "config.json").read_text()))
+    arch = parse_config(json.loads((mimo[1] / "config.json").read_text()))
     assert arch.layer_types == [LAYER_FULL, LAYER_SLIDING, LAYER_SLIDING, LAYER_FULL]
     assert (arch.head_dim, arch.v_head_dim, arch.rotary_dim) == (24, 16, 8)  # int(24 * 0.334)
     s = arch.sliding
@@ -52,7 +53,7 @@ def test_release_style_config_keys():
         moe_layer_freq=[0, 1, 1], n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
         layernorm_epsilon=1e-5, scoring_func="sigmoid", add_swa_attention_sink_bias=True,
     )
-    arch = from_hf_config(cfg)
+    arch = parse_config(cfg)
     assert arch.norm_eps == 1e-5 and arch.moe.scoring == "sigmoid" and arch.sliding.sinks
     assert arch.layer_types == [LAYER_FULL, LAYER_SLIDING, LAYER_SLIDING]
     assert arch.sliding.window == 129 and arch.sliding.num_kv_heads == 8

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from formats.arch import MoeConfig, from_hf_config
+from formats.arch import MoeConfig
+from cortiq_engine.models import parse_config
 from formats.cmf import CmfFile
-from formats.convert import convert_checkpoint
+from cortiq_engine.convert import convert_checkpoint
 from cortiq_engine import Engine, forward
 from cortiq_engine.moe import MoE, route
 from tests import arch_tiny
@@ -46,11 +47,11 @@ def test_logits_match_transformers(checkpoints, mt, kernels):
 
 def test_arch_parsed_from_config(checkpoints):
     cfg = json.loads((checkpoints["qwen2_moe"][1] / "config.json").read_text())
-    arch = from_hf_config(cfg)
+    arch = parse_config(cfg)
     assert arch.moe.moe_layers == [0, 2]  # layer 1 is in mlp_only_layers
     assert arch.moe.shared_expert_gate and arch.moe.shared_expert_intermediate_size == 64
     assert arch.attention_bias
-    mix = from_hf_config(json.loads((checkpoints["mixtral"][1] / "config.json").read_text()))
+    mix = parse_config(json.loads((checkpoints["mixtral"][1] / "config.json").read_text()))
     assert mix.moe.norm_topk_prob and mix.moe.expert_intermediate_size == mix.intermediate_size
 
 
@@ -230,16 +231,20 @@ def test_q8_conversion_stays_close(checkpoints, tmp_path):
 
 
 def test_sanitize_names():
+    from cortiq_engine.models import FAMILIES
     from formats.sanitize import rename, split_fused_experts
 
-    assert rename("model.layers.3.block_sparse_moe.experts.7.w1.weight") == "model.layers.3.mlp.experts.7.gate_proj.weight"
-    assert rename("model.layers.3.block_sparse_moe.experts.7.w3.weight") == "model.layers.3.mlp.experts.7.up_proj.weight"
-    assert rename("model.layers.3.block_sparse_moe.experts.7.w2.weight") == "model.layers.3.mlp.experts.7.down_proj.weight"
-    assert rename("model.layers.3.block_sparse_moe.gate.weight") == "model.layers.3.mlp.gate.weight"
-    assert rename("model.language_model.layers.0.linear_attn.A_log") == "model.layers.0.linear_attn.A_log"
-    assert rename("model.layers.1.self_attn.attention_sink_bias") == "model.layers.1.self_attn.sinks"
-    assert rename("model.visual.blocks.0.norm1.weight") is None
-    assert rename("mtp.layers.0.mlp.gate.weight") == "mtp.layers.0.mlp.gate.weight"  # MTP names are mtp_names' job
+    moe = FAMILIES.for_model_type("mixtral").sanitize
+    assert rename("model.layers.3.block_sparse_moe.experts.7.w1.weight", moe) == "model.layers.3.mlp.experts.7.gate_proj.weight"
+    assert rename("model.layers.3.block_sparse_moe.experts.7.w3.weight", moe) == "model.layers.3.mlp.experts.7.up_proj.weight"
+    assert rename("model.layers.3.block_sparse_moe.experts.7.w2.weight", moe) == "model.layers.3.mlp.experts.7.down_proj.weight"
+    assert rename("model.layers.3.block_sparse_moe.gate.weight", moe) == "model.layers.3.mlp.gate.weight"
+    qwen35 = FAMILIES.for_model_type("qwen3_5_text").sanitize
+    assert rename("model.language_model.layers.0.linear_attn.A_log", qwen35) == "model.layers.0.linear_attn.A_log"
+    mimo = FAMILIES.for_model_type("mimo_v2_flash").sanitize
+    assert rename("model.layers.1.self_attn.attention_sink_bias", mimo) == "model.layers.1.self_attn.sinks"
+    assert rename("model.visual.blocks.0.norm1.weight", qwen35) is None
+    assert rename("mtp.layers.0.mlp.gate.weight", moe) == "mtp.layers.0.mlp.gate.weight"  # MTP names are mtp_names' job
     parts = split_fused_experts("model.language_model.layers.2.mlp.experts.gate_up_proj", (3, 8, 5))
     assert parts["model.layers.2.mlp.experts.1.up_proj.weight"].r0 == 12
     assert parts["model.layers.2.mlp.experts.1.up_proj.weight"].shape == (4, 5)

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from formats.arch import LAYER_FULL, LAYER_LINEAR, from_hf_config
+from formats.arch import LAYER_FULL, LAYER_LINEAR
+from cortiq_engine.models import parse_config
 from formats.cmf import CmfFile
-from formats.convert import convert_checkpoint
+from cortiq_engine.convert import convert_checkpoint
 from formats.errors import CortiqError
 from cortiq_engine import Engine, forward
 from cortiq_engine.gated_deltanet import LinearAttnCache, causal_conv1d, gated_delta_rule, gated_rms_norm, l2norm
@@ -94,12 +95,12 @@ def test_gated_rms_norm_matches_transformers():
 
 # ------------------------------------------------------------------ whole models
 def test_arch_parsed_from_config(checkpoints):
-    arch = from_hf_config(json.loads((checkpoints["qwen3_next"][1] / "config.json").read_text()))
+    arch = parse_config(json.loads((checkpoints["qwen3_next"][1] / "config.json").read_text()))
     assert arch.layer_types == [LAYER_LINEAR] * 3 + [LAYER_FULL]
     assert arch.norm_style == "rms_one" and arch.attn_output_gate and arch.qk_norm
     assert arch.rotary_dim == 4  # partial_rotary_factor 0.25 of head_dim 16
     assert arch.linear_attn.fused_projection and arch.moe.shared_expert_gate
-    a5 = from_hf_config(json.loads((checkpoints["qwen3_5_text"][1] / "config.json").read_text()))
+    a5 = parse_config(json.loads((checkpoints["qwen3_5_text"][1] / "config.json").read_text()))
     assert not a5.linear_attn.fused_projection and a5.moe is None
 
 

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from cortiq_cli.main import app
 from cortiq_engine.threads import max_threads
-from formats.convert import convert_checkpoint
+from cortiq_engine.convert import convert_checkpoint
 
 runner = CliRunner()
 

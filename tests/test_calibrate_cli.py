@@ -36,7 +36,7 @@ def tiny(tmp_path_factory):
     ~8 there for every token) and lm_head column 0 = (2/8) log p(byte): its next-token
     distribution is the unigram one made twice too sharp, so the NLL-optimal temperature is ~2.
     """
-    from formats.convert import convert_checkpoint
+    from cortiq_engine.convert import convert_checkpoint
     from tests.tiny import write_byte_tokenizer
 
     d = tmp_path_factory.mktemp("tinycal")

@@ -15,7 +15,7 @@ from cortiq_cli.main import app
 from cortiq_engine import Engine, SamplingConfig
 from cortiq_engine.session import ChatSession, common_prefix
 from formats.cmf import CmfFile, rewrite_header
-from formats.convert import convert_checkpoint
+from cortiq_engine.convert import convert_checkpoint
 from tests.tiny import save_tiny
 
 runner = CliRunner()

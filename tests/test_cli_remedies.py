@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from cortiq_cli.main import app
-from formats.convert import convert_checkpoint
+from cortiq_engine.convert import convert_checkpoint
 from tests.tiny import save_tiny
 
 REPO = Path(__file__).resolve().parents[1]

@@ -14,7 +14,8 @@ import formats.convert as conv
 from formats.quants import quantize_q8
 from tests.ggml_oracle import ggml_decode_q8
 from formats.cmf import CmfFile, rewrite_header
-from formats.convert import TOKENIZER_TENSOR, convert_checkpoint
+from formats.convert import TOKENIZER_TENSOR
+from cortiq_engine.convert import convert_checkpoint
 from formats.errors import CortiqError
 from tests.tiny import build_tiny, save_tiny, write_byte_tokenizer
 
@@ -270,7 +271,7 @@ def test_non_finite_and_oversized_values_are_refused(tmp_path):
 
 _PEAK_SCRIPT = """
 import sys
-from formats.convert import convert_checkpoint
+from cortiq_engine.convert import convert_checkpoint
 convert_checkpoint(sys.argv[1], sys.argv[2], quant=sys.argv[3])
 status = open("/proc/self/status").read()
 print(next(int(l.split()[1]) for l in status.splitlines() if l.startswith("VmHWM:")) * 1024)

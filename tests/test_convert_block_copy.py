@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from formats.cmf import CmfFile
-from formats.convert import convert_checkpoint
+from cortiq_engine.convert import convert_checkpoint
 from formats.errors import CortiqError
 from formats.gguf_import import unpermute_rope_rows
 from formats.quants import get_dtype

@@ -178,7 +178,7 @@ def test_hub_id_offline_is_one_line(tmp_path):
 
 def test_ctrl_c_exits_130_and_leaves_nothing(llama, tmp_path, monkeypatch):
     import cortiq_cli.cmd_convert as cmd
-    import formats.convert as conv
+    import cortiq_engine.convert as conv
 
     real = conv.convert_checkpoint
 

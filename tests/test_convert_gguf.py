@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from cortiq_cli.main import app
 from formats.cmf import CmfFile
-from formats.convert import convert_checkpoint
+from cortiq_engine.convert import convert_checkpoint
 from tests.tiny import build_tiny
 
 runner = CliRunner()

@@ -16,7 +16,8 @@ import pytest
 from safetensors.numpy import save_file
 
 from formats.cmf import CmfFile
-from formats.convert import TOKENIZER_TENSOR, check_sidecar, convert_checkpoint, sidecar_path
+from formats.convert import TOKENIZER_TENSOR, check_sidecar, sidecar_path
+from cortiq_engine.convert import convert_checkpoint
 from formats.errors import CortiqError
 from formats.sidecar import backbone_identity, open_sidecar
 from tests.tiny import save_tiny

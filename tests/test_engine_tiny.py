@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from formats.convert import convert_checkpoint
+from cortiq_engine.convert import convert_checkpoint
 from tests.tiny import save_tiny
 
 FAMILIES = {

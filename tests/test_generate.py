@@ -15,7 +15,8 @@ import pytest
 from typer.testing import CliRunner
 
 from formats.cmf import CmfFile, CmfWriter, rewrite_header
-from formats.convert import TOKENIZER_TENSOR, convert_checkpoint
+from formats.convert import TOKENIZER_TENSOR
+from cortiq_engine.convert import convert_checkpoint
 from tests.tiny import save_tiny
 
 from cortiq_engine import Engine, SamplingConfig

@@ -13,7 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from cortiq_cli.main import app
-from formats.convert import convert_checkpoint
+from cortiq_engine.convert import convert_checkpoint
 from tests.tiny import save_tiny
 
 from cortiq_engine import Engine, SamplingConfig

@@ -45,7 +45,7 @@ def _rel(a, b) -> float:
 def test_files_and_config(smollm2_hf: Path, smollm2_gguf: Path):
     from safetensors import safe_open
 
-    from formats.arch import from_hf_config
+    from cortiq_engine.models import parse_config
 
     cfg = json.loads((smollm2_hf / "config.json").read_text())
     assert cfg["model_type"] == "llama" and cfg["architectures"] == ["LlamaForCausalLM"]
@@ -53,7 +53,7 @@ def test_files_and_config(smollm2_hf: Path, smollm2_gguf: Path):
     heads = (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"])
     assert cfg["num_hidden_layers"] == 30 and heads == (9, 3, 64)
     assert cfg["rope_theta"] == 100000.0 and cfg["rms_norm_eps"] == 1e-5 and cfg["tie_word_embeddings"] is True
-    arch = from_hf_config(cfg)
+    arch = parse_config(cfg)
     assert arch.num_kv_heads == 3 and arch.tie_word_embeddings
     with safe_open(smollm2_hf / "model.safetensors", "np") as f:
         names = set(f.keys())

@@ -24,7 +24,7 @@ from typer.testing import CliRunner
 
 from cortiq_cli.main import app
 from formats.cmf import MAX_HEADER, CmfFile
-from formats.convert import convert_checkpoint
+from cortiq_engine.convert import convert_checkpoint
 from formats.errors import CortiqError
 from formats.untrusted_json import loads
 from tests.cmf_edit import edit_file, reseal, rewrite_directory, rewrite_header_bytes

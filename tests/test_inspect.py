@@ -13,7 +13,8 @@ from typer.testing import CliRunner
 from cortiq_cli.main import app
 from formats.cmf import CmfFile, rewrite_header
 from tests.cmf_edit import reseal
-from formats.convert import TOKENIZER_TENSOR, convert_checkpoint, sidecar_path
+from formats.convert import TOKENIZER_TENSOR, sidecar_path
+from cortiq_engine.convert import convert_checkpoint
 from tests.test_convert_mtp import add_mtp
 from tests.tiny import save_tiny
 

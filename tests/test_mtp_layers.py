@@ -12,7 +12,7 @@ import pytest
 from cortiq_engine import Engine, forward
 from cortiq_engine.mtp import load_draft_stack, make_drafter
 from formats.cmf import CmfFile, read_header, rewrite_header
-from formats.convert import convert_checkpoint
+from cortiq_engine.convert import convert_checkpoint
 from formats.errors import CortiqError
 from tests.mtp_tiny import save_tiny_mtp
 

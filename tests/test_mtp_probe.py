@@ -13,7 +13,7 @@ from cortiq_cli.main import app
 from cortiq_engine import Engine
 from cortiq_engine.mtp import load_draft_stack
 from evals.mtp_probe import Variant, VariantResult, default_variants, probe
-from formats.convert import convert_checkpoint
+from cortiq_engine.convert import convert_checkpoint
 from tests.mtp_tiny import save_tiny_mtp
 
 

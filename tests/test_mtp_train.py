@@ -20,7 +20,7 @@ from cortiq_engine.mtp_train.config import TrainConfig  # noqa: E402
 from cortiq_engine.mtp_train.features import EngineRunner, collect  # noqa: E402
 from cortiq_engine.mtp_train.run import Callbacks, train_mtp  # noqa: E402
 from formats.cmf import CmfFile, CmfWriter  # noqa: E402
-from formats.convert import convert_checkpoint  # noqa: E402
+from cortiq_engine.convert import convert_checkpoint  # noqa: E402
 from formats.errors import CortiqError  # noqa: E402
 from formats.sidecar import check_sidecar  # noqa: E402
 from formats.tokenizer_header import TOKENIZER_TENSOR  # noqa: E402

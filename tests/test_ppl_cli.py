@@ -36,7 +36,7 @@ def cli(*args: str) -> dict:
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A tiny llama (byte tokenizer) as HF folder, f32 CMF and q8 CMF, and its transformers model."""
-    from formats.convert import convert_checkpoint
+    from cortiq_engine.convert import convert_checkpoint
     from tests.tiny import build_tiny
 
     d = tmp_path_factory.mktemp("tiny")

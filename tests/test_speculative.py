@@ -15,7 +15,7 @@ import pytest
 from cortiq_engine import Engine, SamplingConfig, forward
 from cortiq_engine.mtp import load_draft_stack, make_drafter
 from cortiq_engine.speculative import generate_with_engine, row_exact
-from formats.convert import convert_checkpoint
+from cortiq_engine.convert import convert_checkpoint
 from tests.mtp_tiny import save_tiny_mtp
 
 N_PROMPTS = 16

@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from cortiq_cli.main import app
-from formats.convert import convert_checkpoint
+from cortiq_engine.convert import convert_checkpoint
 from tests.mtp_tiny import save_tiny_mtp
 
 runner = CliRunner()

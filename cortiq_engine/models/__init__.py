@@ -1,37 +1,102 @@
-"""One module per architecture family; ``build_model`` dispatches on ``arch.arch``."""
+"""One file per architecture family, found by the ``FAMILY`` it exports.
+
+Every module in this package that defines ``FAMILY`` (a ``base.Family``) is an
+architecture: adding one is adding a file (see docs/architectures.md, "How to add
+an architecture"). ``FAMILIES`` finds a family by a config.json's ``model_type`` or
+by a CMF header's ``arch``; ``formats`` (the converter, the header check) takes it
+as an argument, since formats does not import the engine.
+"""
 
 from __future__ import annotations
 
-from typing import Callable
+import importlib
+import pkgutil
+from dataclasses import dataclass, field
+from typing import Any, Iterable
 
 from formats.arch import ArchConfig
+from formats.arch_check import arch_from_config, model_arch
 from formats.cmf import CmfFile
 from formats.errors import CortiqError
-from cortiq_engine.model import Model
-from cortiq_engine.models import gemma3, llama, mimo_v2, moe_family, qwen3_next
-
-# arch name (formats.arch) -> builder(cmf, arch, kernels) -> Model
-BUILDERS: dict[str, Callable[[CmfFile, ArchConfig, object], Model]] = {
-    "llama": llama.build,
-    "mistral": llama.build,
-    "qwen2": llama.build,
-    "qwen3": llama.build,
-    "qwen2_moe": moe_family.build,
-    "qwen3_moe": moe_family.build,
-    "mixtral": moe_family.build,
-    "qwen3_next": qwen3_next.build,
-    "qwen3_5": qwen3_next.build,
-    "qwen3_5_moe": qwen3_next.build,
-    "mimo_v2": mimo_v2.build,
-    "gemma3": gemma3.build,
-}
+from cortiq_engine.models.base import DraftLayer, Family
 
 
-def build_model(cmf: CmfFile, arch: ArchConfig, kernels) -> Model:
+@dataclass(frozen=True)
+class Registry:
+    """The families, by ``model_type`` and by ``arch``; both are checked to be unique."""
+
+    families: tuple[Family, ...]
+    by_model_type: dict[str, Family] = field(init=False, repr=False)
+    by_arch: dict[str, Family] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        mts: dict[str, Family] = {}
+        archs: dict[str, Family] = {}
+        for f in self.families:
+            for key, table in ((f.model_types, mts), (f.archs, archs)):
+                for k in key:
+                    if k in table:
+                        raise ValueError(f"{k!r} is claimed by families {table[k].name} and {f.name}")
+                    table[k] = f
+        object.__setattr__(self, "by_model_type", mts)
+        object.__setattr__(self, "by_arch", archs)
+
+    def supported_model_types(self) -> list[str]:
+        return sorted(self.by_model_type)
+
+    def for_model_type(self, model_type: Any) -> Family:
+        if not isinstance(model_type, str) or model_type not in self.by_model_type:
+            raise CortiqError(
+                f"unsupported architecture {model_type!r} (model_type in config.json); "
+                f"supported: {', '.join(self.supported_model_types())}"
+            )
+        return self.by_model_type[model_type]
+
+    def for_arch(self, arch: Any) -> Family:
+        if not isinstance(arch, str) or arch not in self.by_arch:
+            raise CortiqError(
+                f"the engine cannot run architecture {arch!r} yet (supported: {', '.join(sorted(self.by_arch))})"
+            )
+        return self.by_arch[arch]
+
+
+def _discover(modules: Iterable[str]) -> tuple[Family, ...]:
+    found = []
+    for name in sorted(modules):
+        family = getattr(importlib.import_module(f"{__name__}.{name}"), "FAMILY", None)
+        if isinstance(family, Family):
+            found.append(family)
+    return tuple(found)
+
+
+FAMILIES = Registry(_discover(m.name for m in pkgutil.iter_modules(__path__) if not m.ispkg))
+
+
+def supported_model_types() -> list[str]:
+    return FAMILIES.supported_model_types()
+
+
+def parse_config(cfg: dict[str, Any]) -> ArchConfig:
+    """The validated ``ArchConfig`` of a config.json (its family found by ``model_type``)."""
+    return arch_from_config(FAMILIES, cfg)[1]
+
+
+def read_arch(cmf: CmfFile, trunk: bool = True) -> ArchConfig:
+    """The validated ``ArchConfig`` of an open CMF file, its tensors checked against
+    its family's manifest (``trunk=False``: only the draft layers of a sidecar)."""
+    return model_arch(cmf, FAMILIES, trunk=trunk)
+
+
+def build_model(cmf: CmfFile, arch: ArchConfig, kernels):
+    """The trunk ``Model`` of ``cmf`` (``arch`` from ``read_arch``)."""
     try:
-        builder = BUILDERS[arch.arch]
-    except KeyError:
-        raise CortiqError(
-            f"{cmf.path}: the engine cannot run architecture {arch.arch!r} yet (supported: {', '.join(sorted(BUILDERS))})"
-        ) from None
-    return builder(cmf, arch, kernels)
+        family = FAMILIES.for_arch(arch.arch)
+    except CortiqError as e:
+        raise CortiqError(f"{cmf.path}: {e}") from None
+    return family.build(cmf, arch, kernels)
+
+
+def draft_layer(cmf: CmfFile, k: int, arch: ArchConfig, kernels) -> DraftLayer:
+    """MTP layer ``k`` of ``cmf`` as the backbone's family builds it: the one draft-layer
+    loader (speculative decoding, the probe and mtp-train all come here)."""
+    return FAMILIES.for_arch(arch.arch).draft_layer(cmf, k, arch, kernels)

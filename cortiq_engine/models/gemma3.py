@@ -5,21 +5,88 @@ tanh-approximated GELU; embeddings scaled by sqrt(hidden); scores scaled by
 ``query_pre_attn_scalar``**-0.5; tied embeddings; an optional tanh cap on the logits.
 
 Follows transformers' ``models/gemma3/modeling_gemma3.py`` (the oracle of the tests).
+The walk-through of this file is docs/architectures.md, "How to add an architecture".
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Sequence
 
 import numpy as np
 
-from formats.arch import LAYER_FULL, LAYER_SLIDING, ArchConfig
+from formats.arch import ACTIVATIONS, LAYER_FULL, LAYER_SLIDING, ArchConfig
 from formats.cmf import CmfFile
 from formats.errors import CortiqError
+from formats.manifest import Manifest
 from cortiq_engine.layers import Attention, RMSNorm, RoPE, Step
 from cortiq_engine.model import Model
+from cortiq_engine.models import base, llama
+from cortiq_engine.models.base import Family, Geometry, dense_common
 from cortiq_engine.models.llama import attention_weights
 from cortiq_engine.weights import Weight, load_vector, load_weight
+
+GELU_TANH = "gelu_pytorch_tanh"
+
+
+# ------------------------------------------------------------------ config.json
+def _gemma3(cfg: dict[str, Any]) -> ArchConfig:
+    """Gemma 3 text: every 6th layer global, the rest sliding with their own RoPE base;
+    (1 + w) norms, q/k norms, GeGLU (tanh GELU), query_pre_attn_scalar, optional caps."""
+    rp = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
+    full_rp = rp.get("full_attention") or {}
+    local_rp = rp.get("sliding_attention") or {}
+    flat = {k: v for k, v in cfg.items() if k != "rope_parameters"}
+    flat["rope_theta"] = full_rp.get("rope_theta", cfg.get("rope_theta", 1_000_000.0))
+    flat.setdefault("rope_scaling", None)
+    if full_rp.get("rope_type", "default") not in (None, "default"):
+        flat["rope_scaling"] = {k: v for k, v in full_rp.items() if k != "rope_theta"}
+    flat["hidden_act"] = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    d = dense_common(flat, "gemma3")
+    n = d["num_layers"]
+    lt = cfg.get("layer_types") or [
+        "sliding_attention" if (i + 1) % int(cfg.get("sliding_window_pattern") or 6) else "full_attention"
+        for i in range(n)
+    ]
+    bad = sorted({t for t in lt if t not in ("sliding_attention", "full_attention")})
+    if bad:
+        raise CortiqError(f"gemma3 layer_types {bad} are not supported (supported: sliding_attention, full_attention)")
+    if cfg.get("use_bidirectional_attention"):
+        raise CortiqError("gemma3 with use_bidirectional_attention is not supported (an encoder, not a causal LM)")
+    d.update(
+        attention_bias=bool(cfg.get("attention_bias", False)),
+        qk_norm=True,
+        norm_style="rms_one",
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+        layer_types=[LAYER_SLIDING if t == "sliding_attention" else LAYER_FULL for t in lt],
+        sliding_window=int(cfg.get("sliding_window") or 4096),
+        query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or 256),
+        rope_local_theta=float(local_rp.get("rope_theta", cfg.get("rope_local_base_freq", 10_000.0))),
+        final_logit_softcapping=float(cfg.get("final_logit_softcapping") or 0.0),
+        attn_logit_softcapping=float(cfg.get("attn_logit_softcapping") or 0.0),
+    )
+    return ArchConfig(**d)
+
+
+# ------------------------------------------------------------------ manifest
+NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
+
+
+def manifest(arch: ArchConfig, mtp_layers: Sequence[int] = ()) -> Manifest:
+    """Per layer: attention with q/k norms, the four sandwich norms, the GeGLU MLP.
+    Draft layers (none ship with Gemma 3; mtp-train can make them) are Llama draft blocks."""
+    h, m = arch.hidden_size, base.trunk_ends(arch)
+    for i in range(arch.num_layers):
+        p = f"model.layers.{i}."
+        m.update(base.norms(p, h, *NORMS))
+        m.update(base.attention(p, h, Geometry.full(arch), qk_norm=True))
+        m.update(base.gated_mlp(p + "mlp.", h, arch.intermediate_size))
+    for k in mtp_layers:
+        m.update(llama.draft_manifest(arch, k))
+    return m
+
+
+# ------------------------------------------------------------------ the model
 
 
 class GegluMLP:
@@ -29,7 +96,7 @@ class GegluMLP:
         self.ks = kernels
         self._gu = (gate, up)
         self._down = (down,)
-        self._act = kernels.gelu_tanh_mul if act == "gelu_pytorch_tanh" else kernels.silu_mul
+        self._act = kernels.gelu_tanh_mul if act == GELU_TANH else kernels.silu_mul
 
     def weights(self) -> list[Weight]:
         return [*self._gu, *self._down]
@@ -121,11 +188,7 @@ def build(cmf: CmfFile, arch: ArchConfig, kernels) -> Model:
             scale=scale,
         )
         mlp = GegluMLP(kernels, *(load_weight(cmf, f"{p}mlp.{x}_proj.weight") for x in ("gate", "up", "down")), arch.hidden_act)
-        norms = tuple(
-            norm(p + n)
-            for n in ("input_layernorm.weight", "post_attention_layernorm.weight",
-                      "pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight")
-        )
+        norms = tuple(norm(f"{p}{n}.weight") for n in NORMS)
         blocks.append(SandwichBlock(norms, attn, mlp))
     embed = load_weight(cmf, "model.embed_tokens.weight")
     head = embed if (arch.tie_word_embeddings or "lm_head.weight" not in cmf) else load_weight(cmf, "lm_head.weight")
@@ -139,3 +202,14 @@ def build(cmf: CmfFile, arch: ArchConfig, kernels) -> Model:
         embed_scale=float(np.float32(h**0.5)),
         logit_softcap=arch.final_logit_softcapping,
     )
+
+
+FAMILY = Family(
+    name="gemma3",
+    parsers={"gemma3_text": _gemma3},
+    archs=("gemma3",),
+    manifest=manifest,
+    build=build,
+    draft_layer=llama.draft_layer,
+    activations=ACTIVATIONS + (GELU_TANH,),
+)

@@ -2,18 +2,80 @@
 Qwen3 (per-head q/k RMS norm). One pre-norm block per layer over the shared pieces;
 what differs between the members is read from ``ArchConfig`` and from which
 tensors the file holds (biases, q/k norms).
+
+Draft layers (``draft_layer``) are the same block, full attention, over an MLP as wide
+as its tensors; they may carry MiMo-style learned sinks (any family's drafts can sit
+on a Llama trunk: DeepSeek-, MiMo- and Qwen3-Next-named ones all convert here).
 """
 
 from __future__ import annotations
+
+from typing import Any, Sequence
 
 import numpy as np
 
 from formats.arch import LAYER_FULL, LAYER_SLIDING, ArchConfig
 from formats.cmf import CmfFile
 from formats.errors import CortiqError
+from formats.manifest import Manifest
 from cortiq_engine.layers import Attention, AttentionWeights, Block, GatedMLP, RMSNorm, RoPE
 from cortiq_engine.model import Model
+from cortiq_engine.models import base
+from cortiq_engine.models.base import DraftLayer, Family, Geometry, dense_common, draft_prefix, sliding_layers, wrap_draft
+from cortiq_engine.sink_attention import SinkAttention
 from cortiq_engine.weights import load_vector, load_weight
+
+
+# ------------------------------------------------------------------ config.json
+def _llama(cfg: dict[str, Any]) -> ArchConfig:
+    d = dense_common(cfg, "llama")
+    d["attention_bias"] = bool(cfg.get("attention_bias", False))
+    return ArchConfig(**d)
+
+
+def _mistral(cfg: dict[str, Any]) -> ArchConfig:
+    d = dense_common(cfg, "mistral")
+    d["layer_types"], d["sliding_window"] = sliding_layers({**cfg, "max_window_layers": None}, d["num_layers"])
+    return ArchConfig(**d)
+
+
+def _qwen2(cfg: dict[str, Any]) -> ArchConfig:
+    d = dense_common(cfg, "qwen2")
+    d["attention_bias"] = True
+    d["layer_types"], d["sliding_window"] = sliding_layers(cfg, d["num_layers"])
+    return ArchConfig(**d)
+
+
+def _qwen3(cfg: dict[str, Any]) -> ArchConfig:
+    d = dense_common(cfg, "qwen3")
+    d["attention_bias"] = bool(cfg.get("attention_bias", False))
+    d["qk_norm"] = True
+    d["layer_types"], d["sliding_window"] = sliding_layers(cfg, d["num_layers"])
+    return ArchConfig(**d)
+
+
+# ------------------------------------------------------------------ manifest
+def draft_manifest(arch: ArchConfig, k: int) -> Manifest:
+    """A pre-norm draft block: full attention (sinks and q/k norms when present), any MLP width."""
+    p, h = draft_prefix(k), arch.hidden_size
+    m = base.draft_ends(arch, p).update(base.norms(p, h, "input_layernorm", "post_attention_layernorm"))
+    m.update(base.attention(p, h, Geometry.full(arch), sinks=None, qk_norm=True if arch.qk_norm else None))
+    return m.update(base.gated_mlp(p + "mlp.", h, None))
+
+
+def manifest(arch: ArchConfig, mtp_layers: Sequence[int] = ()) -> Manifest:
+    h, m = arch.hidden_size, base.trunk_ends(arch)
+    for i in range(arch.num_layers):
+        p = f"model.layers.{i}."
+        m.update(base.norms(p, h, "input_layernorm", "post_attention_layernorm"))
+        m.update(base.attention(p, h, Geometry.full(arch), qk_norm=arch.qk_norm))
+        m.update(base.gated_mlp(p + "mlp.", h, arch.intermediate_size))
+    for k in mtp_layers:
+        m.update(draft_manifest(arch, k))
+    return m
+
+
+# ------------------------------------------------------------------ the trunk
 
 
 def _check(cmf: CmfFile, arch: ArchConfig) -> None:
@@ -26,7 +88,9 @@ def _check(cmf: CmfFile, arch: ArchConfig) -> None:
         raise CortiqError(f"{cmf.path}: gated/sink/split-geometry attention is not supported by the engine yet")
 
 
-def attention_weights(cmf: CmfFile, p: str, arch: ArchConfig) -> AttentionWeights:
+def attention_weights(cmf: CmfFile, p: str, arch: ArchConfig, qk_norm: bool | None = None) -> AttentionWeights:
+    """The attention tensors under prefix ``p``; biases when the file has them, q/k norms
+    when ``qk_norm`` (default: ``arch.qk_norm``)."""
     q, k, v, o = (load_weight(cmf, f"{p}self_attn.{x}_proj.weight") for x in "qkvo")
     biases = [f"{p}self_attn.{x}_proj.bias" for x in "qkv"]
     qkv_bias = None
@@ -36,7 +100,7 @@ def attention_weights(cmf: CmfFile, p: str, arch: ArchConfig) -> AttentionWeight
         )
     o_bias = load_vector(cmf, f"{p}self_attn.o_proj.bias", o.rows) if f"{p}self_attn.o_proj.bias" in cmf else None
     q_norm = k_norm = None
-    if arch.qk_norm:
+    if arch.qk_norm if qk_norm is None else qk_norm:
         q_norm = load_vector(cmf, f"{p}self_attn.q_norm.weight", arch.head_dim)
         k_norm = load_vector(cmf, f"{p}self_attn.k_norm.weight", arch.head_dim)
         if arch.norm_style == "rms_one":
@@ -78,3 +142,49 @@ def build(cmf: CmfFile, arch: ArchConfig, kernels) -> Model:
     head = embed if (arch.tie_word_embeddings or "lm_head.weight" not in cmf) else load_weight(cmf, "lm_head.weight")
     norm = RMSNorm(kernels, load_vector(cmf, "model.norm.weight", h), arch.norm_eps, arch.norm_style)
     return Model(arch=arch, kernels=kernels, embed=embed, blocks=tuple(blocks), norm=norm, head=head)
+
+
+# ------------------------------------------------------------------ draft layers
+def draft_attention(cmf: CmfFile, p: str, arch: ArchConfig, kernels) -> Attention:
+    """A draft block's attention: the trunk's full geometry; learned sinks and q/k norms
+    when the draft layer has them."""
+    aw = attention_weights(cmf, p, arch, qk_norm=f"{p}self_attn.q_norm.weight" in cmf)
+    common = dict(
+        num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim, v_head_dim=arch.v_head_dim,
+        rope=RoPE(arch.rotary_dim, arch.rope_theta, arch.rope_scaling), norm_eps=arch.norm_eps,
+    )
+    if f"{p}self_attn.sinks" in cmf:
+        sinks = base.load_sinks(cmf, f"{p}self_attn.sinks", arch.num_heads)
+        return SinkAttention(kernels, aw, sinks=sinks, v_scale=arch.attention_value_scale, **common)
+    return Attention(kernels, aw, **common)
+
+
+def draft_block(cmf: CmfFile, p: str, arch: ArchConfig, kernels, attn, mlp) -> Block:
+    eps, style = arch.norm_eps, arch.norm_style
+    return Block(
+        RMSNorm(kernels, load_vector(cmf, f"{p}input_layernorm.weight", arch.hidden_size), eps, style),
+        attn,
+        RMSNorm(kernels, load_vector(cmf, f"{p}post_attention_layernorm.weight", arch.hidden_size), eps, style),
+        mlp,
+    )
+
+
+def gated_mlp(cmf: CmfFile, kernels, p: str) -> GatedMLP:
+    """The SwiGLU MLP whose tensors are ``{p}{gate,up,down}_proj.weight`` (any width)."""
+    return GatedMLP(kernels, *(load_weight(cmf, f"{p}{x}_proj.weight") for x in ("gate", "up", "down")))
+
+
+def draft_layer(cmf: CmfFile, k: int, arch: ArchConfig, kernels) -> DraftLayer:
+    p = draft_prefix(k)
+    block = draft_block(cmf, p, arch, kernels, draft_attention(cmf, p, arch, kernels), gated_mlp(cmf, kernels, p + "mlp."))
+    return wrap_draft(cmf, k, arch, kernels, block)
+
+
+FAMILY = Family(
+    name="llama",
+    parsers={"llama": _llama, "mistral": _mistral, "qwen2": _qwen2, "qwen3": _qwen3},
+    archs=("llama", "mistral", "qwen2", "qwen3"),
+    manifest=manifest,
+    build=build,
+    draft_layer=draft_layer,
+)

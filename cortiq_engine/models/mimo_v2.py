@@ -5,20 +5,141 @@ Full layers: ``num_heads`` / ``num_kv_heads``, Q/K head ``head_dim``, V head
 Sliding layers (``arch.sliding``): their own KV head count, theta and window,
 and a learned sink logit per head. V is scaled by ``attention_value_scale`` in
 both. The FFN is dense on the first layer(s) and a sigmoid-routed MoE elsewhere.
-The three MTP draft layers live in the sidecar and are loaded by ``mtp``.
+The three MTP draft layers (``draft_layer``) are sliding-window blocks of the
+backbone's sliding geometry (its KV heads, window, theta, sinks, V width and scale)
+over a dense MLP as wide as their tensors.
+
+Checkpoint names: ``self_attn.attention_sink_bias`` -> ``self_attn.sinks``.
 """
 
 from __future__ import annotations
 
-from formats.arch import LAYER_FULL, LAYER_SLIDING, ArchConfig
+from typing import Any, Sequence
+
+from formats.arch import LAYER_FULL, LAYER_SLIDING, ArchConfig, MoeConfig, SlidingConfig
 from formats.cmf import CmfFile
 from formats.errors import CortiqError
+from formats.manifest import Manifest
+from formats.sanitize import SanitizeRules
 from cortiq_engine.layers import RoPE
 from cortiq_engine.model import Model
-from cortiq_engine.models.llama import attention_weights
+from cortiq_engine.models import base, llama
+from cortiq_engine.models.base import DraftLayer, Family, Geometry, dense_common, draft_prefix, req, wrap_draft
+from cortiq_engine.models.llama import attention_weights, gated_mlp
 from cortiq_engine.models.moe_family import ffn_block, head_and_norm
 from cortiq_engine.sink_attention import SinkAttention
 from cortiq_engine.weights import load_vector
+
+
+# ------------------------------------------------------------------ config.json
+def _mimo_v2(cfg: dict[str, Any]) -> ArchConfig:
+    """MiMo-V2-Flash: full + sliding-window layers of different geometry, sinks, sigmoid MoE.
+
+    Reads transformers' ``mimo_v2_flash`` config and falls back to the release's own
+    keys (``swa_*``, ``hybrid_layer_pattern``, ``moe_layer_freq``, ``sliding_window_size``).
+    """
+    n = int(req(cfg, "num_hidden_layers"))
+    rp = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
+    full_rp = rp.get("full_attention") or {}
+    swa_rp = rp.get("sliding_attention") or {}
+    prf = float(full_rp.get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or 0.334)
+    flat = {k: v for k, v in cfg.items() if k != "rope_parameters"}
+    flat["rope_theta"] = full_rp.get("rope_theta", cfg.get("rope_theta", 5_000_000.0))
+    if full_rp.get("rope_type", "default") not in (None, "default"):
+        raise CortiqError(f"rope type {full_rp.get('rope_type')!r} is not supported for mimo_v2_flash")
+    flat["partial_rotary_factor"] = prf
+    if flat.get("rms_norm_eps") is None and flat.get("layernorm_epsilon") is not None:
+        flat["rms_norm_eps"] = flat["layernorm_epsilon"]  # the release's name for it
+    d = dense_common(flat, "mimo_v2")
+    d["attention_bias"] = bool(cfg.get("attention_bias", False))
+    d["v_head_dim"] = int(cfg.get("v_head_dim") or d["head_dim"])
+    d["attention_value_scale"] = float(cfg.get("attention_value_scale") or 1.0)
+    lt = cfg.get("layer_types")
+    if lt:
+        d["layer_types"] = [LAYER_SLIDING if t == "sliding_attention" else LAYER_FULL for t in lt]
+    elif cfg.get("hybrid_layer_pattern"):
+        d["layer_types"] = [LAYER_SLIDING if int(t) else LAYER_FULL for t in cfg["hybrid_layer_pattern"]]
+    else:
+        d["layer_types"] = [LAYER_FULL if (i == 0 or not (i + 1) % 6) else LAYER_SLIDING for i in range(n)]
+    if cfg.get("sliding_window_size") is not None:
+        window = int(cfg["sliding_window_size"]) + 1  # the release counts the window without the query
+    else:
+        window = int(cfg.get("sliding_window") or 129)
+    d["sliding_window"] = window
+    swa_head = int(cfg.get("swa_head_dim") or d["head_dim"])
+    swa_prf = float(swa_rp.get("partial_rotary_factor") or prf)
+    d["sliding"] = SlidingConfig(
+        window=window,
+        num_heads=int(cfg.get("swa_num_attention_heads") or d["num_heads"]),
+        # transformers' port doubles the KV heads of the sliding layers, as the release does.
+        num_kv_heads=int(cfg.get("swa_num_key_value_heads") or 2 * d["num_kv_heads"]),
+        head_dim=swa_head,
+        v_head_dim=int(cfg.get("swa_v_head_dim") or d["v_head_dim"]),
+        rope_theta=float(swa_rp.get("rope_theta", cfg.get("swa_rope_theta", 10_000.0))),
+        sinks=bool(cfg.get("add_swa_attention_sink_bias", True)),
+        rotary_dim=int(swa_head * swa_prf),
+    )
+    d["attention_sinks"] = bool(cfg.get("add_full_attention_sink_bias", False))
+    mlt = cfg.get("mlp_layer_types")
+    if mlt:
+        sparse = [i for i, t in enumerate(mlt) if t == "sparse"]
+    elif cfg.get("moe_layer_freq") is not None and isinstance(cfg["moe_layer_freq"], list):
+        sparse = [i for i, f in enumerate(cfg["moe_layer_freq"]) if int(f)]
+    else:
+        sparse = list(range(1, n))
+    experts = int(cfg.get("n_routed_experts") or cfg.get("num_local_experts") or 0)
+    if experts and sparse:
+        if cfg.get("n_shared_experts"):
+            raise CortiqError("mimo_v2_flash with shared experts is not supported")
+        scoring = str(cfg.get("scoring_func") or "sigmoid")
+        if scoring not in ("sigmoid", "softmax"):
+            raise CortiqError(f"MoE scoring_func {scoring!r} is not supported (supported: sigmoid, softmax)")
+        d["moe"] = MoeConfig(
+            num_experts=experts,
+            top_k=int(req(cfg, "num_experts_per_tok")),
+            expert_intermediate_size=int(req(cfg, "moe_intermediate_size")),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+            moe_layers=sparse,
+            scoring=scoring,
+            score_bias=scoring == "sigmoid",
+            n_group=int(cfg.get("n_group") or 1),
+            topk_group=int(cfg.get("topk_group") or 1),
+            routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
+        )
+    return ArchConfig(**d)
+
+
+# ------------------------------------------------------------------ manifest
+def _geometry(arch: ArchConfig, kind: str) -> tuple[Geometry, bool]:
+    """(head layout, learned sinks) of the full or the sliding layers."""
+    s = arch.sliding
+    if kind == LAYER_SLIDING and s is not None:
+        return Geometry(s.num_heads, s.num_kv_heads, s.head_dim, s.v_head_dim), s.sinks
+    return Geometry.full(arch), arch.attention_sinks
+
+
+def _draft_kind(arch: ArchConfig) -> str:
+    return LAYER_SLIDING if arch.sliding is not None else LAYER_FULL
+
+
+def manifest(arch: ArchConfig, mtp_layers: Sequence[int] = ()) -> Manifest:
+    h, m = arch.hidden_size, base.trunk_ends(arch)
+    for i, kind in enumerate(arch.layer_types):
+        p = f"model.layers.{i}."
+        g, sinks = _geometry(arch, kind)
+        m.update(base.norms(p, h, "input_layernorm", "post_attention_layernorm"))
+        m.update(base.attention(p, h, g, sinks=sinks, qk_norm=arch.qk_norm))
+        m.update(base.ffn(arch, p, i))
+    for k in mtp_layers:
+        p = draft_prefix(k)
+        g, sinks = _geometry(arch, _draft_kind(arch))
+        m.update(base.draft_ends(arch, p)).update(base.norms(p, h, "input_layernorm", "post_attention_layernorm"))
+        m.update(base.attention(p, h, g, sinks=sinks, qk_norm=arch.qk_norm))
+        m.update(base.gated_mlp(p + "mlp.", h, None))
+    return m
+
+
+# ------------------------------------------------------------------ the trunk
 
 
 def sliding_rope(arch: ArchConfig) -> RoPE:
@@ -62,3 +183,27 @@ def build(cmf: CmfFile, arch: ArchConfig, kernels) -> Model:
         blocks.append(ffn_block(cmf, arch, kernels, i, attn))
     embed, head, norm = head_and_norm(cmf, arch, kernels)
     return Model(arch=arch, kernels=kernels, embed=embed, blocks=tuple(blocks), norm=norm, head=head)
+
+
+# ------------------------------------------------------------------ draft layers
+def draft_layer(cmf: CmfFile, k: int, arch: ArchConfig, kernels) -> DraftLayer:
+    p = draft_prefix(k)
+    kind = _draft_kind(arch)
+    g, sinks = _geometry(arch, kind)
+    if sinks:
+        base.load_sinks(cmf, f"{p}self_attn.sinks", g.num_heads)  # refuses non-finite sinks
+    rope = sliding_rope(arch) if kind == LAYER_SLIDING else RoPE(arch.rotary_dim, arch.rope_theta, arch.rope_scaling)
+    attn = attention(cmf, arch, kernels, p, kind, rope)
+    return wrap_draft(cmf, k, arch, kernels, llama.draft_block(cmf, p, arch, kernels, attn, gated_mlp(cmf, kernels, p + "mlp.")))
+
+
+FAMILY = Family(
+    name="mimo_v2",
+    parsers={"mimo_v2_flash": _mimo_v2},
+    archs=("mimo_v2",),
+    manifest=manifest,
+    build=build,
+    draft_layer=draft_layer,
+    sanitize=SanitizeRules(renames=((r"\.self_attn\.attention_sink_bias$", ".self_attn.sinks"),), split_fused_experts=True),
+    mtp_style="mimo",
+)

@@ -2,23 +2,103 @@
 expert), Qwen3-MoE (q/k norm, ``norm_topk_prob``) and Mixtral (sliding window on
 some releases). Attention is the Llama family's; the FFN of the layers listed in
 ``arch.moe.moe_layers`` is an ``MoE`` block, the others a dense ``GatedMLP``.
+Draft layers (DeepSeek-V3 style) are a Llama draft block whose FFN routes to
+experts like the trunk's MoE layers.
+
+Checkpoint names: Mixtral's ``block_sparse_moe.{gate, experts.E.w1/w3/w2}`` become
+``mlp.{gate, experts.E.gate_proj/up_proj/down_proj}``; fused 3-D experts are split.
 """
 
 from __future__ import annotations
 
-from formats.arch import LAYER_FULL, LAYER_SLIDING, ArchConfig
+from typing import Any, Sequence
+
+from formats.arch import LAYER_FULL, LAYER_SLIDING, ArchConfig, MoeConfig
 from formats.cmf import CmfFile
 from formats.errors import CortiqError
-from cortiq_engine.layers import Attention, Block, GatedMLP, RMSNorm, RoPE
+from formats.manifest import Manifest
+from formats.sanitize import SanitizeRules
+from cortiq_engine.layers import Attention, Block, RMSNorm, RoPE
 from cortiq_engine.model import Model
-from cortiq_engine.models.llama import attention_weights
+from cortiq_engine.models import base, llama
+from cortiq_engine.models.base import DraftLayer, Family, Geometry, dense_common, draft_prefix, req, sliding_layers, wrap_draft
+from cortiq_engine.models.llama import attention_weights, gated_mlp
 from cortiq_engine.moe import MoE, MoeBlock
 from cortiq_engine.weights import load_vector, load_weight
 
 
-def gated_mlp(cmf: CmfFile, kernels, p: str) -> GatedMLP:
-    """The SwiGLU MLP whose tensors are ``{p}{gate,up,down}_proj.weight``."""
-    return GatedMLP(kernels, *(load_weight(cmf, f"{p}{x}_proj.weight") for x in ("gate", "up", "down")))
+# ------------------------------------------------------------------ config.json
+def sparse_layers(cfg: dict[str, Any], n: int) -> list[int]:
+    """Qwen-MoE rule: layer i is sparse unless in mlp_only_layers, every decoder_sparse_step-th."""
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    dense = set(cfg.get("mlp_only_layers") or [])
+    return [i for i in range(n) if i not in dense and (i + 1) % step == 0]
+
+
+def qwen_moe(cfg: dict[str, Any], n: int, shared: bool) -> MoeConfig | None:
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    if experts <= 0:
+        return None
+    shared_size = int(cfg.get("shared_expert_intermediate_size") or 0) if shared else 0
+    return MoeConfig(
+        num_experts=experts,
+        top_k=int(req(cfg, "num_experts_per_tok")),
+        expert_intermediate_size=int(req(cfg, "moe_intermediate_size")),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        shared_expert_intermediate_size=shared_size,
+        shared_expert_gate=shared_size > 0,
+        moe_layers=sparse_layers(cfg, n),
+    )
+
+
+def _qwen2_moe(cfg: dict[str, Any]) -> ArchConfig:
+    d = dense_common(cfg, "qwen2_moe")
+    d["attention_bias"] = bool(cfg.get("qkv_bias", True))
+    d["layer_types"], d["sliding_window"] = sliding_layers(cfg, d["num_layers"])
+    d["moe"] = qwen_moe(cfg, d["num_layers"], shared=True)
+    return ArchConfig(**d)
+
+
+def _qwen3_moe(cfg: dict[str, Any]) -> ArchConfig:
+    d = dense_common(cfg, "qwen3_moe")
+    d["attention_bias"] = bool(cfg.get("attention_bias", False))
+    d["qk_norm"] = True
+    d["layer_types"], d["sliding_window"] = sliding_layers(cfg, d["num_layers"])
+    d["moe"] = qwen_moe(cfg, d["num_layers"], shared=False)
+    return ArchConfig(**d)
+
+
+def _mixtral(cfg: dict[str, Any]) -> ArchConfig:
+    d = dense_common(cfg, "mixtral")
+    d["layer_types"], d["sliding_window"] = sliding_layers({**cfg, "max_window_layers": None}, d["num_layers"])
+    # Mixtral's experts are as wide as its intermediate_size; it always renormalizes the top-k.
+    d["moe"] = MoeConfig(
+        num_experts=int(req(cfg, "num_local_experts")),
+        top_k=int(req(cfg, "num_experts_per_tok")),
+        expert_intermediate_size=d["intermediate_size"],
+        norm_topk_prob=True,
+        moe_layers=list(range(d["num_layers"])),
+    )
+    return ArchConfig(**d)
+
+
+# ------------------------------------------------------------------ manifest
+def manifest(arch: ArchConfig, mtp_layers: Sequence[int] = ()) -> Manifest:
+    h, m = arch.hidden_size, base.trunk_ends(arch)
+    for i in range(arch.num_layers):
+        p = f"model.layers.{i}."
+        m.update(base.norms(p, h, "input_layernorm", "post_attention_layernorm"))
+        m.update(base.attention(p, h, Geometry.full(arch), qk_norm=arch.qk_norm))
+        m.update(base.ffn(arch, p, i))
+    for k in mtp_layers:
+        p = draft_prefix(k)
+        m.update(base.draft_ends(arch, p)).update(base.norms(p, h, "input_layernorm", "post_attention_layernorm"))
+        m.update(base.attention(p, h, Geometry.full(arch), sinks=None, qk_norm=True if arch.qk_norm else None))
+        m.update(base.moe(arch, p) if arch.moe is not None else base.gated_mlp(p + "mlp.", h, None))
+    return m
+
+
+# ------------------------------------------------------------------ the trunk
 
 
 def load_moe(cmf: CmfFile, arch: ArchConfig, kernels, p: str) -> MoE:
@@ -75,3 +155,30 @@ def build(cmf: CmfFile, arch: ArchConfig, kernels) -> Model:
         blocks.append(ffn_block(cmf, arch, kernels, i, attn))
     embed, head, norm = head_and_norm(cmf, arch, kernels)
     return Model(arch=arch, kernels=kernels, embed=embed, blocks=tuple(blocks), norm=norm, head=head)
+
+
+# ------------------------------------------------------------------ draft layers
+def draft_layer(cmf: CmfFile, k: int, arch: ArchConfig, kernels) -> DraftLayer:
+    p = draft_prefix(k)
+    mlp = load_moe(cmf, arch, kernels, p) if arch.moe is not None else gated_mlp(cmf, kernels, p + "mlp.")
+    block = llama.draft_block(cmf, p, arch, kernels, llama.draft_attention(cmf, p, arch, kernels), mlp)
+    return wrap_draft(cmf, k, arch, kernels, block)
+
+
+FAMILY = Family(
+    name="moe",
+    parsers={"qwen2_moe": _qwen2_moe, "qwen3_moe": _qwen3_moe, "mixtral": _mixtral},
+    archs=("qwen2_moe", "qwen3_moe", "mixtral"),
+    manifest=manifest,
+    build=build,
+    draft_layer=draft_layer,
+    sanitize=SanitizeRules(
+        renames=(
+            (r"\.block_sparse_moe\.gate\.", ".mlp.gate."),
+            (r"\.block_sparse_moe\.experts\.(\d+)\.w1\.", r".mlp.experts.\1.gate_proj."),
+            (r"\.block_sparse_moe\.experts\.(\d+)\.w3\.", r".mlp.experts.\1.up_proj."),
+            (r"\.block_sparse_moe\.experts\.(\d+)\.w2\.", r".mlp.experts.\1.down_proj."),
+        ),
+        split_fused_experts=True,
+    ),
+)

@@ -5,23 +5,137 @@ Layers are Gated DeltaNet linear attention (``gated_deltanet``) or full attentio
 with an output gate (q_proj emits [query | gate] per head; the attention output is
 multiplied by sigmoid(gate) before o_proj), per-head q/k RMS norm and partial
 rotary. Every RMSNorm scales by (1 + w) except the gated norm inside the linear
-layers.
+layers. The one MTP layer is a full-attention block of the trunk (gated attention,
+MoE with its gated shared expert on an MoE trunk).
+
+Checkpoint names: the multimodal Qwen3.5 wrappers' ``model.language_model.*`` (every
+family's rule), fused 3-D experts split, depthwise ``conv1d.weight`` [C, 1, K] -> [C, K].
 """
 
 from __future__ import annotations
 
+from typing import Any, Sequence
+
 import numpy as np
 
-from formats.arch import LAYER_FULL, LAYER_LINEAR, ArchConfig
+from formats.arch import LAYER_FULL, LAYER_LINEAR, ArchConfig, LinearAttnConfig
 from formats.cmf import CmfFile
 from formats.errors import CortiqError
+from formats.manifest import Manifest
+from formats.sanitize import SanitizeRules
 from cortiq_engine.cache import KVCache
 from cortiq_engine.gated_deltanet import GatedDeltaNet, LinearAttnWeights
 from cortiq_engine.layers import Attention, RoPE, Step
 from cortiq_engine.model import Model
-from cortiq_engine.models.llama import attention_weights
-from cortiq_engine.models.moe_family import ffn_block, head_and_norm
+from cortiq_engine.models import base, llama
+from cortiq_engine.models.base import DraftLayer, Family, Geometry, dense_common, draft_prefix, req, wrap_draft
+from cortiq_engine.models.llama import attention_weights, gated_mlp
+from cortiq_engine.models.moe_family import ffn_block, head_and_norm, load_moe, qwen_moe
 from cortiq_engine.weights import load_vector, load_weight
+
+
+# ------------------------------------------------------------------ config.json
+def _hybrid_layer_types(cfg: dict[str, Any], n: int) -> list[str]:
+    lt = cfg.get("layer_types")
+    if not lt:
+        interval = int(cfg.get("full_attention_interval") or 4)
+        lt = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n)]
+    kinds = {"linear_attention": LAYER_LINEAR, "full_attention": LAYER_FULL}
+    bad = sorted({t for t in lt if t not in kinds})
+    if bad:
+        raise CortiqError(f"layer_types {bad} are not supported (supported: linear_attention, full_attention)")
+    return [kinds[t] for t in lt]
+
+
+def _linear_attn_config(cfg: dict[str, Any], fused: bool) -> LinearAttnConfig:
+    la = LinearAttnConfig(
+        num_key_heads=int(req(cfg, "linear_num_key_heads")),
+        num_value_heads=int(req(cfg, "linear_num_value_heads")),
+        key_head_dim=int(req(cfg, "linear_key_head_dim")),
+        value_head_dim=int(req(cfg, "linear_value_head_dim")),
+        conv_kernel=int(req(cfg, "linear_conv_kernel_dim")),
+        fused_projection=fused,
+    )
+    if la.num_value_heads % la.num_key_heads:
+        raise CortiqError(
+            f"linear_num_value_heads={la.num_value_heads} is not a multiple of linear_num_key_heads={la.num_key_heads}"
+        )
+    return la
+
+
+def _parse(cfg: dict[str, Any], arch: str, fused: bool, moe: bool) -> ArchConfig:
+    d = dense_common(cfg, arch)
+    d["attention_bias"] = bool(cfg.get("attention_bias", False))
+    d["qk_norm"] = True
+    d["attn_output_gate"] = True
+    d["norm_style"] = "rms_one"
+    if not d["rotary_dim"]:
+        d["rotary_dim"] = int(d["head_dim"] * 0.25)  # the family's default partial_rotary_factor
+    d["layer_types"] = _hybrid_layer_types(cfg, d["num_layers"])
+    d["linear_attn"] = _linear_attn_config(cfg, fused)
+    d["moe"] = qwen_moe(cfg, d["num_layers"], shared=True) if moe else None
+    return ArchConfig(**d)
+
+
+def _qwen3_next(cfg: dict[str, Any]) -> ArchConfig:
+    return _parse(cfg, "qwen3_next", fused=True, moe=True)
+
+
+def _qwen3_5(cfg: dict[str, Any]) -> ArchConfig:
+    return _parse(cfg, "qwen3_5", fused=False, moe=False)
+
+
+def _qwen3_5_moe(cfg: dict[str, Any]) -> ArchConfig:
+    # Every layer is sparse and the top-k is always renormalized (no config keys for either).
+    cfg = {**cfg, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []}
+    return _parse(cfg, "qwen3_5_moe", fused=False, moe=True)
+
+
+# ------------------------------------------------------------------ manifest
+def _linear_attn_manifest(arch: ArchConfig, p: str) -> Manifest:
+    """A Gated DeltaNet token mixer (Qwen3-Next fused projections, Qwen3.5 split ones)."""
+    la, h = arch.linear_attn, arch.hidden_size
+    kd, vd = la.num_key_heads * la.key_head_dim, la.num_value_heads * la.value_head_dim
+    conv = 2 * kd + vd
+    q = p + "linear_attn."
+    m = Manifest({
+        q + "conv1d.weight": (conv, la.conv_kernel),
+        q + "dt_bias": (la.num_value_heads,),
+        q + "A_log": (la.num_value_heads,),
+        q + "norm.weight": (la.value_head_dim,),
+        q + "out_proj.weight": (h, vd),
+    })
+    if la.fused_projection:
+        m.required[q + "in_proj_qkvz.weight"] = (2 * kd + 2 * vd, h)
+        m.required[q + "in_proj_ba.weight"] = (2 * la.num_value_heads, h)
+    else:
+        m.required[q + "in_proj_qkv.weight"] = (conv, h)
+        m.required[q + "in_proj_z.weight"] = (vd, h)
+        m.required[q + "in_proj_b.weight"] = (la.num_value_heads, h)
+        m.required[q + "in_proj_a.weight"] = (la.num_value_heads, h)
+    return m
+
+
+def _full_attention(arch: ArchConfig, p: str) -> Manifest:
+    return base.attention(p, arch.hidden_size, Geometry.full(arch), gate=arch.attn_output_gate, qk_norm=arch.qk_norm)
+
+
+def manifest(arch: ArchConfig, mtp_layers: Sequence[int] = ()) -> Manifest:
+    h, m = arch.hidden_size, base.trunk_ends(arch)
+    for i, kind in enumerate(arch.layer_types):
+        p = f"model.layers.{i}."
+        m.update(base.norms(p, h, "input_layernorm", "post_attention_layernorm"))
+        m.update(_linear_attn_manifest(arch, p) if kind == LAYER_LINEAR else _full_attention(arch, p))
+        m.update(base.ffn(arch, p, i))
+    for k in mtp_layers:
+        p = draft_prefix(k)
+        m.update(base.draft_ends(arch, p)).update(base.norms(p, h, "input_layernorm", "post_attention_layernorm"))
+        m.update(_full_attention(arch, p))
+        m.update(base.moe(arch, p) if arch.moe is not None else base.gated_mlp(p + "mlp.", h, None))
+    return m
+
+
+# ------------------------------------------------------------------ the trunk
 
 
 class GatedAttention(Attention):
@@ -98,3 +212,35 @@ def build(cmf: CmfFile, arch: ArchConfig, kernels) -> Model:
         blocks.append(ffn_block(cmf, arch, kernels, i, mixer))
     embed, head, norm = head_and_norm(cmf, arch, kernels)
     return Model(arch=arch, kernels=kernels, embed=embed, blocks=tuple(blocks), norm=norm, head=head)
+
+
+# ------------------------------------------------------------------ draft layers
+def draft_layer(cmf: CmfFile, k: int, arch: ArchConfig, kernels) -> DraftLayer:
+    """The MTP layer: the trunk's full-attention block (output gate, q/k norm, partial
+    rotary) whose FFN routes to experts on an MoE trunk."""
+    p = draft_prefix(k)
+    cls = GatedAttention if arch.attn_output_gate else Attention
+    attn = cls(
+        kernels,
+        attention_weights(cmf, p, arch),
+        num_heads=arch.num_heads,
+        num_kv_heads=arch.num_kv_heads,
+        head_dim=arch.head_dim,
+        v_head_dim=arch.v_head_dim,
+        rope=RoPE(arch.rotary_dim, arch.rope_theta, arch.rope_scaling),
+        norm_eps=arch.norm_eps,
+    )
+    mlp = load_moe(cmf, arch, kernels, p) if arch.moe is not None else gated_mlp(cmf, kernels, p + "mlp.")
+    return wrap_draft(cmf, k, arch, kernels, llama.draft_block(cmf, p, arch, kernels, attn, mlp))
+
+
+FAMILY = Family(
+    name="qwen3_next",
+    parsers={"qwen3_next": _qwen3_next, "qwen3_5_text": _qwen3_5, "qwen3_5_moe_text": _qwen3_5_moe},
+    archs=("qwen3_next", "qwen3_5", "qwen3_5_moe"),
+    manifest=manifest,
+    build=build,
+    draft_layer=draft_layer,
+    sanitize=SanitizeRules(split_fused_experts=True, squeeze_conv=True),
+    mtp_style="qwen3_next",
+)

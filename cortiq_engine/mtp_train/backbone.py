@@ -10,34 +10,12 @@ from typing import Any
 import numpy as np
 
 from formats.arch import ArchConfig
-from formats.arch_check import model_arch
 from formats.cmf import CmfFile
 from formats.errors import CortiqError
 from formats.untrusted_json import section
 from formats.sidecar import ROLE_MODEL
 from formats.tokenizer_header import TOKENIZER_TENSOR
-
-# Tensors of one llama-family block, relative to its prefix; optional ones may be absent.
-BLOCK_TENSORS = (
-    "input_layernorm.weight",
-    "self_attn.q_proj.weight",
-    "self_attn.k_proj.weight",
-    "self_attn.v_proj.weight",
-    "self_attn.o_proj.weight",
-    "post_attention_layernorm.weight",
-    "mlp.gate_proj.weight",
-    "mlp.up_proj.weight",
-    "mlp.down_proj.weight",
-)
-OPTIONAL_BLOCK_TENSORS = (
-    "self_attn.q_proj.bias",
-    "self_attn.k_proj.bias",
-    "self_attn.v_proj.bias",
-    "self_attn.o_proj.bias",
-    "self_attn.q_norm.weight",
-    "self_attn.k_norm.weight",
-)
-
+from cortiq_engine.models import FAMILIES, build_model, read_arch
 
 @dataclass(eq=False)
 class Backbone:
@@ -54,10 +32,12 @@ class Backbone:
         return fp if isinstance(fp, str) else None
 
     def block_f32(self, layer: int) -> dict[str, np.ndarray]:
-        """f32 copies of backbone layer ``layer``'s tensors, named relative to the block."""
+        """f32 copies of backbone layer ``layer``'s tensors (as its family's manifest lists
+        them, optional ones when present), named relative to the block."""
         p = f"model.layers.{layer}."
-        out = {n: self.cmf.tensor_f32(p + n) for n in BLOCK_TENSORS}
-        out.update({n: self.cmf.tensor_f32(p + n) for n in OPTIONAL_BLOCK_TENSORS if p + n in self.cmf})
+        block = FAMILIES.for_arch(self.arch.arch).manifest(self.arch, ()).under(p)
+        out = {n: self.cmf.tensor_f32(p + n) for n in block.required}
+        out.update({n: self.cmf.tensor_f32(p + n) for n in block.optional if p + n in self.cmf})
         return out
 
     def head_f32(self) -> np.ndarray:
@@ -79,7 +59,6 @@ class Backbone:
 def open_backbone(path: str | Path, kernels: str | None = None) -> Backbone:
     """Open ``path`` for training; one-line errors for files that cannot be a backbone."""
     from cortiq_engine.kernels import get_kernels
-    from cortiq_engine.models import build_model
     from cortiq_engine.tokenizer import Tokenizer
 
     path = Path(path)
@@ -95,7 +74,7 @@ def open_backbone(path: str | Path, kernels: str | None = None) -> Backbone:
         cmf.close()
         raise CortiqError(f"{path}: the header has no arch section")
     try:
-        arch = model_arch(cmf)
+        arch = read_arch(cmf)
     except CortiqError:
         cmf.close()
         raise

@@ -1,0 +1,31 @@
+"""``convert_checkpoint`` with the engine's architecture families.
+
+``formats.convert`` knows bytes and takes the families as an argument (formats
+does not import the engine); this is the one place that passes them in. The CLI
+and the tests convert through here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from formats.convert import ConvertReport, ProgressFn
+from formats.convert import convert_checkpoint as _convert_checkpoint
+from cortiq_engine.models import FAMILIES
+
+
+def convert_checkpoint(
+    src: str | Path,
+    out: str | Path,
+    *,
+    quant: str = "q8",
+    keep: list[tuple[str, str]] | None = None,
+    mtp: str = "sidecar",
+    force: bool = False,
+    progress: ProgressFn | None = None,
+) -> ConvertReport:
+    """Convert an HF checkpoint folder, a hub repo id, a .gguf or a .cmf file into ``out``
+    (see ``formats.convert.convert_checkpoint``)."""
+    return _convert_checkpoint(
+        src, out, families=FAMILIES, quant=quant, keep=keep, mtp=mtp, force=force, progress=progress
+    )

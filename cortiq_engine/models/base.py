@@ -1,0 +1,262 @@
+"""What every family file builds on (the part of mlx_lm's ``models/base.py`` we share).
+
+- ``Family``: the one object a family file exports as ``FAMILY``. The registry
+  (``cortiq_engine.models``) collects them; the converter and the loader ask it for
+  the parser, the tensor manifest, the name rules, the trunk and the draft layers.
+- config.json helpers every parser uses (``req``, ``dense_common``, ``sliding_layers``).
+- manifest pieces: the tensors of an attention, an MLP, an MoE FFN, the trunk's ends
+  and a draft layer's ends, with their shapes.
+- ``DraftLayer`` and ``wrap_draft``: an MTP layer is a family block between the shared
+  draft ends (``enorm``, ``hnorm``, ``eh_proj``, ``final_layernorm``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from formats.arch import ACTIVATIONS, LAYER_FULL, LAYER_SLIDING, ArchConfig
+from formats.cmf import CmfFile
+from formats.errors import CortiqError
+from formats.manifest import Manifest
+from formats.mtp_names import MTP_PREFIX
+from formats.sanitize import NO_RULES, SanitizeRules
+from cortiq_engine.cache import KVCache
+from cortiq_engine.layers import RMSNorm, Step
+from cortiq_engine.weights import Weight, load_vector, load_weight
+
+Parser = Callable[[dict[str, Any]], ArchConfig]
+
+
+# ------------------------------------------------------------------ the family record
+@dataclass(frozen=True, eq=False)
+class Family:
+    """One architecture family, end to end.
+
+    ``parsers``: config.json ``model_type`` -> ``ArchConfig`` (each sets ``arch`` to one of
+    ``archs``, the names CMF headers carry). ``manifest(arch, mtp_layers)``: every tensor
+    the family reads, trunk and draft layers. ``build(cmf, arch, kernels)``: the trunk
+    ``Model``. ``draft_layer(cmf, k, arch, kernels)``: MTP layer ``k``, the one draft
+    loader that decoding, the probe and mtp-train all use. ``sanitize``: the family's
+    checkpoint-name rules. ``mtp_style``: its drafts' style when the family fixes it
+    (None: the checkpoint's naming scheme says).
+    """
+
+    name: str
+    parsers: Mapping[str, Parser]
+    archs: tuple[str, ...]
+    manifest: Callable[[ArchConfig, Sequence[int]], Manifest]
+    build: Callable[[CmfFile, ArchConfig, Any], Any]
+    draft_layer: Callable[[CmfFile, int, ArchConfig, Any], "DraftLayer"]
+    sanitize: SanitizeRules = NO_RULES
+    activations: tuple[str, ...] = ACTIVATIONS
+    mtp_style: str | None = None
+
+    @property
+    def model_types(self) -> tuple[str, ...]:
+        return tuple(self.parsers)
+
+    def parse(self, config: Mapping[str, Any]) -> ArchConfig:
+        mt = config.get("model_type")
+        if mt not in self.parsers:
+            raise CortiqError(f"family {self.name} does not parse model_type {mt!r} (it parses {', '.join(self.parsers)})")
+        return self.parsers[mt](dict(config))
+
+
+# ------------------------------------------------------------------ config.json
+def req(cfg: dict[str, Any], key: str) -> Any:
+    if key not in cfg or cfg[key] is None:
+        raise CortiqError(f"config.json has no {key!r} (model_type {cfg.get('model_type')!r})")
+    return cfg[key]
+
+
+def dense_common(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
+    """The ``ArchConfig`` fields every transformer config spells the same way."""
+    hidden = int(req(cfg, "hidden_size"))
+    heads = int(req(cfg, "num_attention_heads"))
+    head_dim = cfg.get("head_dim") or hidden // heads
+    rope_theta = cfg.get("rope_theta")
+    rope_scaling = cfg.get("rope_scaling")
+    # transformers >= 5 folds rope settings into rope_parameters.
+    rp = cfg.get("rope_parameters")
+    if isinstance(rp, dict):
+        rope_theta = rp.get("rope_theta", rope_theta)
+        rtype = rp.get("rope_type", "default")
+        if rtype not in (None, "default"):
+            rope_scaling = {k: v for k, v in rp.items() if k != "rope_theta"}
+    if isinstance(rope_scaling, dict):
+        rtype = rope_scaling.get("rope_type", rope_scaling.get("type"))
+        if rtype in (None, "default"):
+            rope_scaling = None
+        elif rtype not in ("linear", "llama3"):
+            raise CortiqError(f"rope scaling type {rtype!r} is not supported (supported: linear, llama3)")
+    prf = cfg.get("partial_rotary_factor") or (rp.get("partial_rotary_factor") if isinstance(rp, dict) else None)
+    return dict(
+        arch=arch,
+        hidden_size=hidden,
+        num_layers=int(req(cfg, "num_hidden_layers")),
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(head_dim),
+        intermediate_size=int(req(cfg, "intermediate_size")),
+        vocab_size=int(req(cfg, "vocab_size")),
+        max_position_embeddings=int(cfg.get("max_position_embeddings") or 4096),
+        rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+        rope_scaling=rope_scaling,
+        rotary_dim=int(int(head_dim) * float(prf)) if prf else 0,
+        norm_eps=float(cfg.get("rms_norm_eps") or 1e-6),
+        hidden_act=str(cfg.get("hidden_act") or "silu"),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+    )
+
+
+def sliding_layers(cfg: dict[str, Any], n: int) -> tuple[list[str], int]:
+    """Mistral/Qwen2-style sliding windows: every layer, or layers >= max_window_layers."""
+    window = cfg.get("sliding_window") or 0
+    use = cfg.get("use_sliding_window", True)
+    if not window or not use:
+        return [LAYER_FULL] * n, 0
+    lt = cfg.get("layer_types")
+    if lt:
+        return [LAYER_SLIDING if t == "sliding_attention" else LAYER_FULL for t in lt], int(window)
+    start = cfg.get("max_window_layers")
+    if start is None:
+        return [LAYER_SLIDING] * n, int(window)
+    return [LAYER_SLIDING if i >= start else LAYER_FULL for i in range(n)], int(window)
+
+
+# ------------------------------------------------------------------ manifest pieces
+@dataclass(frozen=True)
+class Geometry:
+    """One attention's head layout (the full layers', or MiMo's sliding layers')."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int
+
+    @classmethod
+    def full(cls, arch: ArchConfig) -> "Geometry":
+        return cls(arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.v_head_dim)
+
+
+def trunk_ends(arch: ArchConfig) -> Manifest:
+    """The embedding, the final norm and (untied) the lm_head."""
+    h = arch.hidden_size
+    m = Manifest({"model.embed_tokens.weight": (arch.vocab_size, h), "model.norm.weight": (h,)})
+    if not arch.tie_word_embeddings:
+        m.required["lm_head.weight"] = (arch.vocab_size, h)
+    return m
+
+
+def norms(p: str, h: int, *names: str) -> Manifest:
+    return Manifest({f"{p}{n}.weight": (h,) for n in names})
+
+
+def attention(
+    p: str, h: int, g: Geometry, *, gate: bool = False, sinks: bool | None = False, qk_norm: bool | None = False,
+) -> Manifest:
+    """q/k/v/o (q_proj doubled when it also emits an output gate), their optional biases;
+    ``sinks`` / ``qk_norm``: True required, None read when present, False not read."""
+    nh, nkv, d, v = g.num_heads, g.num_kv_heads, g.head_dim, g.v_head_dim
+    q = p + "self_attn."
+    qrows = nh * d * (2 if gate else 1)
+    m = Manifest(
+        {q + "q_proj.weight": (qrows, h), q + "k_proj.weight": (nkv * d, h),
+         q + "v_proj.weight": (nkv * v, h), q + "o_proj.weight": (h, nh * v)},
+        {q + "q_proj.bias": (qrows,), q + "k_proj.bias": (nkv * d,), q + "v_proj.bias": (nkv * v,), q + "o_proj.bias": (h,)},
+    )
+    for on, entries in ((sinks, {q + "sinks": (nh,)}), (qk_norm, {q + "q_norm.weight": (d,), q + "k_norm.weight": (d,)})):
+        if on is None:
+            m.optional.update(entries)
+        elif on:
+            m.required.update(entries)
+    return m
+
+
+def gated_mlp(p: str, h: int, inter: int | None) -> Manifest:
+    """``{p}{gate,up,down}_proj.weight``; ``inter`` None: the width is the tensors' own."""
+    return Manifest({p + "gate_proj.weight": (inter, h), p + "up_proj.weight": (inter, h), p + "down_proj.weight": (h, inter)})
+
+
+def moe(arch: ArchConfig, p: str) -> Manifest:
+    """A routed-experts FFN: router, per-expert gated MLPs, optional shared expert and bias."""
+    mc, h = arch.moe, arch.hidden_size
+    m = Manifest({p + "mlp.gate.weight": (mc.num_experts, h)})
+    for e in range(mc.num_experts):
+        m.update(gated_mlp(f"{p}mlp.experts.{e}.", h, mc.expert_intermediate_size))
+    if mc.shared_expert_intermediate_size:
+        m.update(gated_mlp(p + "mlp.shared_expert.", h, mc.shared_expert_intermediate_size))
+    if mc.shared_expert_gate:
+        m.required[p + "mlp.shared_expert_gate.weight"] = (1, h)
+    if mc.score_bias:
+        m.required[p + "mlp.gate.e_score_correction_bias"] = (mc.num_experts,)
+    return m
+
+
+def ffn(arch: ArchConfig, p: str, layer: int) -> Manifest:
+    """Layer ``layer``'s FFN: routed experts on ``arch.moe.moe_layers``, else the dense MLP."""
+    if arch.moe is not None and layer in arch.moe.moe_layers:
+        return moe(arch, p)
+    return gated_mlp(p + "mlp.", arch.hidden_size, arch.intermediate_size)
+
+
+def draft_ends(arch: ArchConfig, p: str) -> Manifest:
+    """What every MTP layer has around its block."""
+    h = arch.hidden_size
+    m = norms(p, h, "enorm", "hnorm", "final_layernorm")
+    m.required[p + "eh_proj.weight"] = (h, 2 * h)
+    return m
+
+
+# ------------------------------------------------------------------ draft layers
+@dataclass(frozen=True, eq=False)
+class DraftLayer:
+    """One MTP layer: ``u = block(eh_proj · [enorm(embed(token)) ; hnorm(hidden)])``;
+    the drafts are ``lm_head(final_norm(u))`` with the backbone's lm_head."""
+
+    enorm: RMSNorm
+    hnorm: RMSNorm
+    eh_proj: Weight
+    block: Any
+    final_norm: RMSNorm
+
+    def make_cache(self, capacity: int) -> KVCache:
+        return self.block.make_cache(capacity)
+
+    def __call__(self, kernels, emb: np.ndarray, hidden: np.ndarray, cache: KVCache, step: Step) -> np.ndarray:
+        """(embedding rows, backbone hidden rows) -> the block's output rows (before final_layernorm)."""
+        cat = np.concatenate([self.enorm(emb), self.hnorm(np.ascontiguousarray(hidden, dtype=np.float32))], axis=1)
+        x = kernels.matmul((self.eh_proj,), cat)
+        self.block(x, cache, step)
+        return x
+
+    def weights(self) -> list[Weight]:
+        return [self.eh_proj, *self.block.weights()]
+
+
+def draft_prefix(k: int) -> str:
+    return f"{MTP_PREFIX}{k}."
+
+
+def wrap_draft(cmf: CmfFile, k: int, arch: ArchConfig, kernels, block) -> DraftLayer:
+    """MTP layer ``k``: the family's ``block`` between the shared draft ends."""
+    p, h = draft_prefix(k), arch.hidden_size
+
+    def norm(name: str) -> RMSNorm:
+        return RMSNorm(kernels, load_vector(cmf, f"{p}{name}.weight", h), arch.norm_eps, arch.norm_style)
+
+    eh = load_weight(cmf, p + "eh_proj.weight")
+    if eh.shape != (h, 2 * h):
+        raise CortiqError(f"{cmf.path}: tensor {eh.name} is {list(eh.shape)}, the backbone implies {[h, 2 * h]}")
+    return DraftLayer(enorm=norm("enorm"), hnorm=norm("hnorm"), eh_proj=eh, block=block, final_norm=norm("final_layernorm"))
+
+
+def load_sinks(cmf: CmfFile, name: str, heads: int) -> np.ndarray:
+    """A draft layer's learned sink logits, refused when not finite."""
+    sinks = load_vector(cmf, name, heads)
+    if not np.isfinite(sinks).all():
+        raise CortiqError(f"{cmf.path}: tensor {name} has non-finite values")
+    return sinks
