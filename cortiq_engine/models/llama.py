@@ -46,8 +46,9 @@ def _qwen2(cfg: dict[str, Any]) -> ArchConfig:
     return ArchConfig(**d)
 
 
-def _qwen3(cfg: dict[str, Any]) -> ArchConfig:
-    d = dense_common(cfg, "qwen3")
+def qwen3(cfg: dict[str, Any], arch: str = "qwen3") -> ArchConfig:
+    """Qwen3 (and, with ``arch``, the attention side of Qwen3-MoE)."""
+    d = dense_common(cfg, arch)
     d["attention_bias"] = bool(cfg.get("attention_bias", False))
     d["qk_norm"] = True
     d["layer_types"], d["sliding_window"] = sliding_layers(cfg, d["num_layers"])
@@ -55,21 +56,28 @@ def _qwen3(cfg: dict[str, Any]) -> ArchConfig:
 
 
 # ------------------------------------------------------------------ manifest
-def draft_manifest(arch: ArchConfig, k: int) -> Manifest:
-    """A pre-norm draft block: full attention (sinks and q/k norms when present), any MLP width."""
+def draft_manifest(arch: ArchConfig, k: int, ffn: Manifest | None = None) -> Manifest:
+    """A pre-norm draft block: full attention (sinks and q/k norms when present) and
+    ``ffn`` (default: a dense MLP of any width)."""
     p, h = draft_prefix(k), arch.hidden_size
     m = base.draft_ends(arch, p).update(base.norms(p, h, "input_layernorm", "post_attention_layernorm"))
     m.update(base.attention(p, h, Geometry.full(arch), sinks=None, qk_norm=True if arch.qk_norm else None))
-    return m.update(base.gated_mlp(p + "mlp.", h, None))
+    return m.update(ffn if ffn is not None else base.gated_mlp(p + "mlp.", h, None))
 
 
-def manifest(arch: ArchConfig, mtp_layers: Sequence[int] = ()) -> Manifest:
+def trunk_manifest(arch: ArchConfig) -> Manifest:
+    """Pre-norm blocks of full attention over each layer's FFN (dense, or routed experts)."""
     h, m = arch.hidden_size, base.trunk_ends(arch)
     for i in range(arch.num_layers):
         p = f"model.layers.{i}."
         m.update(base.norms(p, h, "input_layernorm", "post_attention_layernorm"))
         m.update(base.attention(p, h, Geometry.full(arch), qk_norm=arch.qk_norm))
-        m.update(base.gated_mlp(p + "mlp.", h, arch.intermediate_size))
+        m.update(base.ffn(arch, p, i))
+    return m
+
+
+def manifest(arch: ArchConfig, mtp_layers: Sequence[int] = ()) -> Manifest:
+    m = trunk_manifest(arch)
     for k in mtp_layers:
         m.update(draft_manifest(arch, k))
     return m
@@ -182,7 +190,7 @@ def draft_layer(cmf: CmfFile, k: int, arch: ArchConfig, kernels) -> DraftLayer:
 
 FAMILY = Family(
     name="llama",
-    parsers={"llama": _llama, "mistral": _mistral, "qwen2": _qwen2, "qwen3": _qwen3},
+    parsers={"llama": _llama, "mistral": _mistral, "qwen2": _qwen2, "qwen3": qwen3},
     archs=("llama", "mistral", "qwen2", "qwen3"),
     manifest=manifest,
     build=build,

@@ -21,7 +21,7 @@ from formats.sanitize import SanitizeRules
 from cortiq_engine.layers import Attention, Block, RMSNorm, RoPE
 from cortiq_engine.model import Model
 from cortiq_engine.models import base, llama
-from cortiq_engine.models.base import DraftLayer, Family, Geometry, dense_common, draft_prefix, req, sliding_layers, wrap_draft
+from cortiq_engine.models.base import DraftLayer, Family, dense_common, draft_prefix, req, sliding_layers, wrap_draft
 from cortiq_engine.models.llama import attention_weights, gated_mlp
 from cortiq_engine.moe import MoE, MoeBlock
 from cortiq_engine.weights import load_vector, load_weight
@@ -60,12 +60,9 @@ def _qwen2_moe(cfg: dict[str, Any]) -> ArchConfig:
 
 
 def _qwen3_moe(cfg: dict[str, Any]) -> ArchConfig:
-    d = dense_common(cfg, "qwen3_moe")
-    d["attention_bias"] = bool(cfg.get("attention_bias", False))
-    d["qk_norm"] = True
-    d["layer_types"], d["sliding_window"] = sliding_layers(cfg, d["num_layers"])
-    d["moe"] = qwen_moe(cfg, d["num_layers"], shared=False)
-    return ArchConfig(**d)
+    arch = llama.qwen3(cfg, "qwen3_moe")
+    arch.moe = qwen_moe(cfg, arch.num_layers, shared=False)
+    return arch
 
 
 def _mixtral(cfg: dict[str, Any]) -> ArchConfig:
@@ -84,17 +81,10 @@ def _mixtral(cfg: dict[str, Any]) -> ArchConfig:
 
 # ------------------------------------------------------------------ manifest
 def manifest(arch: ArchConfig, mtp_layers: Sequence[int] = ()) -> Manifest:
-    h, m = arch.hidden_size, base.trunk_ends(arch)
-    for i in range(arch.num_layers):
-        p = f"model.layers.{i}."
-        m.update(base.norms(p, h, "input_layernorm", "post_attention_layernorm"))
-        m.update(base.attention(p, h, Geometry.full(arch), qk_norm=arch.qk_norm))
-        m.update(base.ffn(arch, p, i))
+    m = llama.trunk_manifest(arch)
     for k in mtp_layers:
-        p = draft_prefix(k)
-        m.update(base.draft_ends(arch, p)).update(base.norms(p, h, "input_layernorm", "post_attention_layernorm"))
-        m.update(base.attention(p, h, Geometry.full(arch), sinks=None, qk_norm=True if arch.qk_norm else None))
-        m.update(base.moe(arch, p) if arch.moe is not None else base.gated_mlp(p + "mlp.", h, None))
+        routed = base.moe(arch, draft_prefix(k)) if arch.moe is not None else None
+        m.update(llama.draft_manifest(arch, k, routed))
     return m
 
 

@@ -185,6 +185,21 @@ def _linear_attn(cmf: CmfFile, arch: ArchConfig, kernels, p: str) -> GatedDeltaN
     return GatedDeltaNet(kernels, la, w, arch.norm_eps)
 
 
+def _full_attention_mixer(cmf: CmfFile, arch: ArchConfig, kernels, p: str, rope: RoPE) -> Attention:
+    """A full-attention layer's (or the MTP layer's) attention under prefix ``p``."""
+    cls = GatedAttention if arch.attn_output_gate else Attention
+    return cls(
+        kernels,
+        attention_weights(cmf, p, arch),
+        num_heads=arch.num_heads,
+        num_kv_heads=arch.num_kv_heads,
+        head_dim=arch.head_dim,
+        v_head_dim=arch.v_head_dim,
+        rope=rope,
+        norm_eps=arch.norm_eps,
+    )
+
+
 def build(cmf: CmfFile, arch: ArchConfig, kernels) -> Model:
     if arch.linear_attn is None:
         raise CortiqError(f"{cmf.path}: {arch.arch} header has no linear_attn geometry")
@@ -198,17 +213,7 @@ def build(cmf: CmfFile, arch: ArchConfig, kernels) -> Model:
         if kind == LAYER_LINEAR:
             mixer = _linear_attn(cmf, arch, kernels, p)
         else:
-            cls = GatedAttention if arch.attn_output_gate else Attention
-            mixer = cls(
-                kernels,
-                attention_weights(cmf, p, arch),
-                num_heads=arch.num_heads,
-                num_kv_heads=arch.num_kv_heads,
-                head_dim=arch.head_dim,
-                v_head_dim=arch.v_head_dim,
-                rope=rope,
-                norm_eps=arch.norm_eps,
-            )
+            mixer = _full_attention_mixer(cmf, arch, kernels, p, rope)
         blocks.append(ffn_block(cmf, arch, kernels, i, mixer))
     embed, head, norm = head_and_norm(cmf, arch, kernels)
     return Model(arch=arch, kernels=kernels, embed=embed, blocks=tuple(blocks), norm=norm, head=head)
@@ -219,17 +224,7 @@ def draft_layer(cmf: CmfFile, k: int, arch: ArchConfig, kernels) -> DraftLayer:
     """The MTP layer: the trunk's full-attention block (output gate, q/k norm, partial
     rotary) whose FFN routes to experts on an MoE trunk."""
     p = draft_prefix(k)
-    cls = GatedAttention if arch.attn_output_gate else Attention
-    attn = cls(
-        kernels,
-        attention_weights(cmf, p, arch),
-        num_heads=arch.num_heads,
-        num_kv_heads=arch.num_kv_heads,
-        head_dim=arch.head_dim,
-        v_head_dim=arch.v_head_dim,
-        rope=RoPE(arch.rotary_dim, arch.rope_theta, arch.rope_scaling),
-        norm_eps=arch.norm_eps,
-    )
+    attn = _full_attention_mixer(cmf, arch, kernels, p, RoPE(arch.rotary_dim, arch.rope_theta, arch.rope_scaling))
     mlp = load_moe(cmf, arch, kernels, p) if arch.moe is not None else gated_mlp(cmf, kernels, p + "mlp.")
     return wrap_draft(cmf, k, arch, kernels, llama.draft_block(cmf, p, arch, kernels, attn, mlp))
 
