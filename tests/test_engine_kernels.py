@@ -8,6 +8,7 @@ import pytest
 
 from formats.quants import get_dtype
 from cortiq_engine.kernels import get_kernels
+from cortiq_engine.kernels.fast import SMALL_N
 from cortiq_engine.weights import Weight
 
 RNG = np.random.default_rng(0)
@@ -32,11 +33,15 @@ def test_matmul_fused_fast_equals_reference_and_exact(dtype, n):
     ws = [_weight(dtype, r, cols, seed=i) for i, r in enumerate((50, 17, 33))]
     X = RNG.standard_normal((n, cols)).astype(np.float32)
     exact = X.astype(np.float64) @ np.concatenate([d for _, d in ws]).astype(np.float64).T
-    fast = get_kernels("numba").matmul([w for w, _ in ws], X)
+    fast = get_kernels("numba-float").matmul([w for w, _ in ws], X)
     ref = get_kernels("numpy").matmul([w for w, _ in ws], X)
     scale = np.abs(exact).max()
     assert np.abs(ref - exact).max() / scale < 1e-5
     assert np.abs(fast - exact).max() / scale < 1e-5
+    if dtype not in ("q8", "q4") or n > SMALL_N:
+        # float activations here too (q8/q4 decode batches: int8, tests/test_qdot.py)
+        default = get_kernels("numba").matmul([w for w, _ in ws], X)
+        assert np.abs(default - exact).max() / scale < 1e-5
 
 
 def test_matmul_mixed_dtypes_in_one_call():
@@ -44,8 +49,12 @@ def test_matmul_mixed_dtypes_in_one_call():
     b, db = _weight("f32", 7, 64, 2)
     c, dc = _weight("q4", 11, 64, 3)
     X = RNG.standard_normal((2, 64)).astype(np.float32)
-    out = get_kernels("numba").matmul([a, b, c], X)
+    out = get_kernels("numba-float").matmul([a, b, c], X)
     np.testing.assert_allclose(out, X @ np.concatenate([da, db, dc]).T, rtol=1e-4, atol=1e-4)
+    # int8 activations: each matrix of the fused call gives what it gives alone
+    ks = get_kernels("numba")
+    fused = ks.matmul([a, b, c], X)
+    assert np.array_equal(fused, np.concatenate([ks.matmul([w], X) for w in (a, b, c)], axis=1))
 
 
 def _attention64(q, kc, vc, start, window, scale):

@@ -20,7 +20,7 @@ from typing import Sequence
 import numba
 import numpy as np
 
-from cortiq_engine.kernels import jit
+from cortiq_engine.kernels import jit, qdot
 from cortiq_engine.kernels.reference import NumpyKernels, attend_block, attention_jobs
 from cortiq_engine.weights import Weight
 
@@ -66,8 +66,11 @@ def _readonly(a: np.ndarray) -> np.ndarray:
 class NumbaKernels(NumpyKernels):
     name = "numba"
 
-    def __init__(self, small_n: int = SMALL_N):
+    def __init__(self, small_n: int = SMALL_N, int8_activations: bool = True):
         self.small_n = small_n
+        # q8/q4 decode and verify on int8 activations (qdot.py) where the CPU has
+        # AVX2; None keeps every matmul on the float kernels.
+        self._intdot = qdot.compile_intdot() if int8_activations else None
         # Per-thread scratch for dequantized tiles, reused so prefill matmuls do not
         # page-fault a fresh buffer per call.
         self._tiles = threading.local()
@@ -145,7 +148,9 @@ class NumbaKernels(NumpyKernels):
     def _small(self, run: list[Weight], X: np.ndarray, out: np.ndarray) -> None:
         count, offs, parts = self._small_args(run)
         dt = run[0].dtype
-        if dt == "q8":
+        if self._intdot is not None and dt in ("q8", "q4"):
+            self._small_int8(run, parts, count, offs, X, out)
+        elif dt == "q8":
             jit.q8_matmul_small(parts[0], parts[1], count, offs, X, out)
         elif dt == "q4":
             xsum = X.reshape(X.shape[0], -1, jit.QB).sum(axis=2, dtype=np.float32)
@@ -154,6 +159,18 @@ class NumbaKernels(NumpyKernels):
             jit.f32_matmul_small(parts[0], count, offs, X, out)
         else:
             jit.half_matmul_small(parts[0], dt == "bf16", count, offs, X, out)
+
+    def _small_int8(self, run, parts, count, offs, X: np.ndarray, out: np.ndarray) -> None:
+        n, cols = X.shape
+        nb = cols // jit.QB
+        xq = np.empty((n, cols), np.int8)
+        xd = np.empty((n, nb), np.float32)
+        xs = np.empty((n, nb), np.float32)
+        qdot.quantize_rows(X, xq, xd, xs)
+        if run[0].dtype == "q8":
+            qdot.intdot_small(self._intdot.q8, parts[0], parts[0], parts[1], count, offs, xq, xd, xs, out)
+        else:
+            qdot.intdot_small(self._intdot.q4, parts[0], parts[1], parts[2], count, offs, xq, xd, xs, out)
 
     def _small_args(self, run: list[Weight]) -> tuple[int, np.ndarray, list[tuple[np.ndarray, ...]]]:
         """(count, row offsets, part 3-tuples padded with empty arrays) for a fused run."""

@@ -1,0 +1,322 @@
+#!/usr/bin/env python3
+"""Speed at a real model size: a random-weight Llama of TinyLlama-1.1B's shape.
+
+SmolLM2-135M fits in the last-level cache's neighbourhood; a 1.1B model does not,
+so decode there is what users of 1-8B models see. This benchmark:
+
+1. writes an F32 GGUF of a Llama with TinyLlama's shape (hidden 2048, 22 layers,
+   32 heads, 4 KV heads, FFN 5632) and SmolLM2's tokenizer (vocab 49152), random
+   weights (std 0.02, seeded; speed does not depend on the values);
+2. quantizes it with llama.cpp to Q8_0 / Q4_0 and with ``cortiq convert`` to q8 / q4;
+3. runs every system in its own process, same thread count, in one run:
+   prefill (512 tokens), greedy decode (128), RSS (``bench_worker.py``); the verify
+   cost of 1/2/4/8 rows after a 64-token prompt (median of 9, the speculative
+   decoder's batched check; cortiq through its row-exact path); decode after 2,048
+   tokens of context against decode after 64; and decode beside a CPU-bound
+   neighbour process.
+
+    python benchmarks/bench_scale.py --threads 2 --reps 3 [--json] [--out report.json]
+
+Files (about 7 GB) go to ``.cortiq-cache/scale/`` and are reused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from bench_engine import System, prompt_ids, row_from, run_system, worker_env  # noqa: E402
+from make_gguf import REPO, bundled_gguf, llama_quantize  # noqa: E402
+
+SHAPE = dict(hidden=2048, layers=22, heads=32, kv_heads=4, ffn=5632, ctx=4096)
+CACHE = REPO / ".cortiq-cache" / "scale"
+STEM = "tinyllama-shape-random"
+VERIFY_ROWS = (1, 2, 4, 8)
+
+
+def log(msg: str) -> None:
+    print(f"[bench_scale {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# --- inputs -----------------------------------------------------------------------
+
+
+def write_random_gguf(dst: Path, seed: int = 0) -> None:
+    """SmolLM2's tokenizer keys, TinyLlama's shape, random F32 weights."""
+    import gguf
+    import numpy as np
+
+    src = gguf.GGUFReader(bundled_gguf())
+    h, L, nh, nkv, ffn = (SHAPE[k] for k in ("hidden", "layers", "heads", "kv_heads", "ffn"))
+    hd = h // nh
+    tmp = dst.with_name(dst.name + ".tmp")
+    w = gguf.GGUFWriter(tmp, "llama")
+    for key, field in src.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture" or key.startswith("llama."):
+            continue
+        if key == "general.file_type":
+            w.add_uint32(key, 0)
+            continue
+        vtype = field.types[0]
+        w.add_key_value(key, field.contents(), vtype, sub_type=field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
+    w.add_context_length(SHAPE["ctx"])
+    w.add_embedding_length(h)
+    w.add_block_count(L)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(nh)
+    w.add_head_count_kv(nkv)
+    w.add_rope_dimension_count(hd)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    vocab = len(src.fields["tokenizer.ggml.tokens"].contents())
+    rng = np.random.default_rng(seed)
+
+    def rand(*shape: int) -> "np.ndarray":
+        return (rng.standard_normal(shape, dtype=np.float32) * np.float32(0.02)).astype(np.float32)
+
+    ones = np.ones(h, np.float32)
+    w.add_tensor("token_embd.weight", rand(vocab, h))
+    w.add_tensor("output_norm.weight", ones)
+    w.add_tensor("output.weight", rand(vocab, h))
+    for i in range(L):
+        p = f"blk.{i}."
+        w.add_tensor(p + "attn_norm.weight", ones)
+        w.add_tensor(p + "attn_q.weight", rand(h, h))
+        w.add_tensor(p + "attn_k.weight", rand(nkv * hd, h))
+        w.add_tensor(p + "attn_v.weight", rand(nkv * hd, h))
+        w.add_tensor(p + "attn_output.weight", rand(h, h))
+        w.add_tensor(p + "ffn_norm.weight", ones)
+        w.add_tensor(p + "ffn_gate.weight", rand(ffn, h))
+        w.add_tensor(p + "ffn_up.weight", rand(ffn, h))
+        w.add_tensor(p + "ffn_down.weight", rand(h, ffn))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    os.replace(tmp, dst)
+
+
+def build(cache: Path, threads: int) -> dict[str, Path]:
+    cache.mkdir(parents=True, exist_ok=True)
+    f32 = cache / f"{STEM}-f32.gguf"
+    paths = {
+        "gguf:q8_0": cache / f"{STEM}-q8_0.gguf",
+        "gguf:q4_0": cache / f"{STEM}-q4_0.gguf",
+        "cmf:q8": cache / f"{STEM}-q8.cmf",
+        "cmf:q4": cache / f"{STEM}-q4.cmf",
+    }
+    if not f32.is_file():
+        log(f"writing {f32.name} (4.4 GB)")
+        write_random_gguf(f32)
+    for quant in ("q8_0", "q4_0"):
+        if not paths[f"gguf:{quant}"].is_file():
+            log(f"llama.cpp quantize -> {quant}")
+            llama_quantize(f32, paths[f"gguf:{quant}"], quant, threads=threads)
+    for quant in ("q8", "q4"):
+        out = paths[f"cmf:{quant}"]
+        if not out.is_file():
+            log(f"cortiq convert -> {quant}")
+            cmd = [sys.executable, "-m", "cortiq_cli.main", "convert", str(f32), str(out), "--quant", quant]
+            subprocess.run(cmd, check=True, cwd=REPO, env=worker_env(threads), stdout=subprocess.DEVNULL)
+    return paths
+
+
+# --- workers (this script re-run as a child process) ---------------------------------
+
+
+def _median_seconds(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def worker_cortiq(model: str, threads: int, ids: list[int], long_ids: list[int], reps: int) -> dict[str, Any]:
+    from cortiq_engine import Engine, SamplingConfig
+    from cortiq_engine.model import forward
+    from cortiq_engine.speculative import row_exact
+
+    eng = Engine.load(model, threads=threads or None)
+    state = eng.new_state(4096)
+    forward(state, ids[:64])
+    verify = {}
+    for k in VERIFY_ROWS:
+        def step(k=k):
+            with row_exact(eng.model.kernels):
+                forward(state, ids[64 : 64 + k])
+            state.truncate(64)
+        step()
+        verify[k] = _median_seconds(step, reps)
+    greedy = SamplingConfig(temperature=0.0)
+    short = eng.generate(ids[:64], greedy, max_tokens=33, ignore_eos=True)
+    long = eng.generate(long_ids, greedy, max_tokens=33, ignore_eos=True)
+    return {
+        "verify_seconds": verify,
+        "decode_64_tok_s": 32 / short.decode_seconds,
+        "decode_2k_tok_s": 32 / long.decode_seconds,
+    }
+
+
+def worker_llama(model: str, threads: int, ids: list[int], long_ids: list[int], reps: int) -> dict[str, Any]:
+    import llama_cpp
+
+    llm = llama_cpp.Llama(model_path=model, n_threads=threads, n_threads_batch=threads, n_ctx=4096,
+                          n_batch=512, n_ubatch=512, logits_all=True, verbose=False)
+    llm.eval(ids[:64])
+    verify = {}
+    for k in VERIFY_ROWS:
+        def step(k=k):
+            llm.eval(ids[64 : 64 + k])  # logits for every row, as a verify needs
+            llm.n_tokens = 64  # the next eval drops the cache past 64
+        step()
+        verify[k] = _median_seconds(step, reps)
+
+    def decode_after(prompt: list[int]) -> float:
+        llm.reset()
+        llm.eval(prompt)
+        tok = int(llm.scores[llm.n_tokens - 1].argmax())
+        t0 = time.perf_counter()
+        for _ in range(32):
+            llm.eval([tok])
+            tok = int(llm.scores[llm.n_tokens - 1].argmax())
+        return 32 / (time.perf_counter() - t0)
+
+    out = {"verify_seconds": verify, "decode_64_tok_s": decode_after(ids[:64]), "decode_2k_tok_s": decode_after(long_ids)}
+    llm.close()
+    return out
+
+
+def run_worker(backend: str, model: Path, threads: int, ids: list[int], long_ids: list[int], reps: int) -> dict[str, Any] | str:
+    job = {"backend": backend, "model": str(model), "threads": threads, "ids": ids, "long_ids": long_ids, "reps": reps}
+    proc = subprocess.run([sys.executable, __file__, "--worker"], input=json.dumps(job), capture_output=True,
+                          text=True, env=worker_env(threads), cwd=REPO)
+    if proc.returncode != 0:
+        return "worker failed: " + (proc.stderr.strip().splitlines() or ["?"])[-1]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# --- the run --------------------------------------------------------------------------
+
+
+class Hog:
+    """A CPU-bound neighbour (about one core), like a build or a browser tab."""
+
+    def __enter__(self) -> "Hog":
+        self.proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        time.sleep(1.0)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+SYSTEMS = [
+    System("cortiq-q8", "cortiq", "cmf:q8"),
+    System("cortiq-q4", "cortiq", "cmf:q4"),
+    System("llama.cpp-q8_0", "llama.cpp", "gguf:q8_0"),
+    System("llama.cpp-q4_0", "llama.cpp", "gguf:q4_0"),
+]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=3, help="timed repetitions of prefill/decode (verify: 3x this)")
+    ap.add_argument("--prompt-tokens", type=int, default=512)
+    ap.add_argument("--decode-tokens", type=int, default=128)
+    ap.add_argument("--cache-dir", type=Path, default=CACHE)
+    ap.add_argument("--skip", default="", help="comma-separated parts to skip: engine,verify,busy")
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.worker:
+        job = json.loads(sys.stdin.read())
+        fn = worker_cortiq if job["backend"] == "cortiq" else worker_llama
+        print(json.dumps(fn(job["model"], job["threads"], job["ids"], job["long_ids"], job["reps"])))
+        return 0
+    skip = set(filter(None, a.skip.split(",")))
+    paths = build(a.cache_dir, a.threads)
+    tok_json = a.cache_dir / "tokenizer.json"
+    if not tok_json.is_file():
+        from cortiq_engine import Engine
+
+        with Engine.load(paths["cmf:q8"], warmup=False) as e:
+            tok_json.write_bytes(e.cmf.raw_bytes("__tokenizer__/tokenizer.json"))
+    prefill, decode_prompt = prompt_ids(tok_json, max(a.prompt_tokens, 2048))
+    report: dict[str, Any] = {"shape": SHAPE, "threads": a.threads, "load_before": os.getloadavg(), "systems": {}}
+    for s in SYSTEMS:
+        model = paths[s.artifact]
+        entry: dict[str, Any] = {"file_bytes": model.stat().st_size}
+        if "engine" not in skip:
+            log(f"{s.name}: prefill/decode (load {os.getloadavg()[0]:.1f})")
+            job = {"threads": a.threads, "prefill_ids": prefill[: a.prompt_tokens], "decode_prompt_ids": decode_prompt,
+                   "decode_tokens": a.decode_tokens, "warmup": 1, "reps": a.reps}
+            row = row_from(s, model, run_system(s, model, job, 3600))
+            entry.update(prefill_tok_s=row.prefill_tok_s, decode_tok_s=row.decode_tok_s, rss_loaded=row.rss_loaded,
+                         rss_peak=row.rss_peak, error=row.error)
+            if "busy" not in skip:
+                log(f"{s.name}: decode beside a busy process")
+                with Hog():
+                    job_busy = dict(job, prefill_ids=prefill[:64], reps=a.reps)
+                    busy = row_from(s, model, run_system(s, model, job_busy, 3600))
+                entry["busy_decode_tok_s"] = busy.decode_tok_s
+        if "verify" not in skip:
+            log(f"{s.name}: verify rows and long-context decode (load {os.getloadavg()[0]:.1f})")
+            res = run_worker(s.backend, model, a.threads, prefill, prefill[:2048], 3 * a.reps)
+            if isinstance(res, str):
+                entry["verify_error"] = res
+            else:
+                v = {int(k): t for k, t in res["verify_seconds"].items()}
+                entry["verify_ms"] = {k: 1e3 * t for k, t in v.items()}
+                entry["verify_ratio"] = {k: v[k] / v[1] for k in v}
+                entry["decode_2k_over_64"] = res["decode_2k_tok_s"] / res["decode_64_tok_s"]
+        report["systems"][s.name] = entry
+        if a.out:
+            a.out.write_text(json.dumps(report, indent=2) + "\n")
+    report["load_after"] = os.getloadavg()
+    sy = report["systems"]
+
+    def ratio(x: str, y: str, key: str) -> float | None:
+        u, v = sy.get(x, {}).get(key), sy.get(y, {}).get(key)
+        return u / v if u and v else None
+
+    report["ratios"] = {
+        "q8 decode / llama.cpp Q8_0": ratio("cortiq-q8", "llama.cpp-q8_0", "decode_tok_s"),
+        "q4 decode / llama.cpp Q4_0": ratio("cortiq-q4", "llama.cpp-q4_0", "decode_tok_s"),
+        "q4 decode / q8 decode": ratio("cortiq-q4", "cortiq-q8", "decode_tok_s"),
+        "q8 prefill / llama.cpp Q8_0": ratio("cortiq-q8", "llama.cpp-q8_0", "prefill_tok_s"),
+        "q8 busy decode / llama.cpp Q8_0 busy": ratio("cortiq-q8", "llama.cpp-q8_0", "busy_decode_tok_s"),
+    }
+    if a.out:
+        a.out.write_text(json.dumps(report, indent=2) + "\n")
+    if a.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(f"load before {report['load_before']}, after {report['load_after']}; threads {a.threads}")
+    print(f"{'system':16s} {'prefill':>8s} {'decode':>8s} {'busy':>8s} {'2k/64':>6s}  verify 2/4/8 rows vs 1   RSS MiB")
+    for name, e in sy.items():
+        vr = e.get("verify_ratio", {})
+        print(f"{name:16s} {e.get('prefill_tok_s', 0):8.1f} {e.get('decode_tok_s', 0):8.2f} {e.get('busy_decode_tok_s', 0):8.2f} "
+              f"{e.get('decode_2k_over_64', 0):6.2f}  {vr.get(2, 0):.2f} / {vr.get(4, 0):.2f} / {vr.get(8, 0):.2f}"
+              f"        {e.get('rss_loaded', 0) / 2**20:.0f} (file {e['file_bytes'] / 2**20:.0f})")
+    for k, v in report["ratios"].items():
+        print(f"  {k}: {v:.2f}x" if v else f"  {k}: n/a")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
