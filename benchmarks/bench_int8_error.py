@@ -54,17 +54,19 @@ def main() -> None:
     rows = []
     for m in a.models:
         res = {"model": m.name}
-        for ks in ("numba-float", "numba"):
+        for ks in ("numba-float", "numba-i8", "numba"):
             lp = log_softmax(decode_logits(m, ks, ids))
             kl = (p_ref * (lp_ref - lp)).sum(axis=1)
             res[ks] = {"mean_kl": float(kl.mean()), "top1": float((lp.argmax(1) == lp_ref.argmax(1)).mean())}
-        res["kl_ratio_int8_over_float"] = res["numba"]["mean_kl"] / max(res["numba-float"]["mean_kl"], 1e-30)
+        for ks in ("numba-i8", "numba"):
+            res[ks]["kl_over_float"] = res[ks]["mean_kl"] / max(res["numba-float"]["mean_kl"], 1e-30)
         rows.append(res)
         if not a.json:
-            f, i = res["numba-float"], res["numba"]
+            f, i, w = res["numba-float"], res["numba-i8"], res["numba"]
             print(
-                f"{m.name:28s} float act: KL {f['mean_kl']:.5f} top1 {f['top1']:.3f} | "
-                f"int8 act: KL {i['mean_kl']:.5f} top1 {i['top1']:.3f} | ratio {res['kl_ratio_int8_over_float']:.2f}"
+                f"{m.name:24s} float act: KL {f['mean_kl']:.6f} top1 {f['top1']:.3f} | "
+                f"int8: KL {i['mean_kl']:.6f} top1 {i['top1']:.3f} ({i['kl_over_float']:.2f}x) | "
+                f"int16: KL {w['mean_kl']:.6f} top1 {w['top1']:.3f} ({w['kl_over_float']:.2f}x)"
             )
     if a.json:
         print(json.dumps({"tokens": len(ids), "models": rows}, indent=2))

@@ -13,7 +13,7 @@ from formats.errors import CortiqError
 from cortiq_engine.kernels.reference import NumpyKernels
 
 KERNEL_ENV = "CORTIQ_KERNELS"
-KERNEL_CHOICES = ("numba", "numba-float", "numpy")
+KERNEL_CHOICES = ("numba", "numba-i8", "numba-float", "numpy")
 
 
 def get_kernels(name: str | None = None) -> NumpyKernels:
@@ -25,10 +25,10 @@ def get_kernels(name: str | None = None) -> NumpyKernels:
         from cortiq_engine.kernels.fast import NumbaKernels
 
         return NumbaKernels()
-    if name == "numba-float":
+    if name in ("numba-i8", "numba-float"):
         from cortiq_engine.kernels.fast import NumbaKernels
 
-        return NumbaKernels(int8_activations=False)
+        return NumbaKernels(act_bits=8 if name == "numba-i8" else 0)
     raise CortiqError(f"unknown kernel set {name!r} ({KERNEL_ENV}); choose one of {', '.join(KERNEL_CHOICES)}")
 
 

@@ -28,6 +28,8 @@ from cortiq_engine.weights import Weight
 # SmolLM2 q8, 2 threads: the small-batch kernel wins up to n = 16 for both a layer
 # (gate|up 1.0 vs 1.2 ms) and the 49152-row lm_head (17 vs 23 ms); tiles win at 32.
 SMALL_N = 16
+# Integer width q8/q4 decode and verify quantize activations to (qdot.py); 0 = float.
+ACT_BITS = 16
 # Above this many new queries attention goes through BLAS (reference code path).
 SMALL_ATTN = 16
 # Matrices one small-batch kernel call can fuse (q|k|v).
@@ -66,11 +68,12 @@ def _readonly(a: np.ndarray) -> np.ndarray:
 class NumbaKernels(NumpyKernels):
     name = "numba"
 
-    def __init__(self, small_n: int = SMALL_N, int8_activations: bool = True):
+    def __init__(self, small_n: int = SMALL_N, act_bits: int = ACT_BITS):
         self.small_n = small_n
         # q8/q4 decode and verify on int8 activations (qdot.py) where the CPU has
         # AVX2; None keeps every matmul on the float kernels.
-        self._intdot = qdot.compile_intdot() if int8_activations else None
+        self._intdot = qdot.compile_intdot() if act_bits else None
+        self.act_bits = act_bits if self._intdot is not None else 0
         # Per-thread scratch for dequantized tiles, reused so prefill matmuls do not
         # page-fault a fresh buffer per call.
         self._tiles = threading.local()
@@ -163,14 +166,17 @@ class NumbaKernels(NumpyKernels):
     def _small_int8(self, run, parts, count, offs, X: np.ndarray, out: np.ndarray) -> None:
         n, cols = X.shape
         nb = cols // jit.QB
-        xq = np.empty((n, cols), np.int8)
+        xq = np.empty((n, cols), np.int8 if self.act_bits == 8 else np.int16)
         xd = np.empty((n, nb), np.float32)
         xs = np.empty((n, nb), np.float32)
-        qdot.quantize_rows(X, xq, xd, xs)
+        qdot.quantize_rows(X, xq, xd, xs, (1 << (self.act_bits - 1)) - 1)
+        wide = self.act_bits == 16
         if run[0].dtype == "q8":
-            qdot.intdot_small(self._intdot.q8, parts[0], parts[0], parts[1], count, offs, xq, xd, xs, out)
+            fn = self._intdot.q8a16 if wide else self._intdot.q8
+            qdot.intdot_small(fn, parts[0], parts[0], parts[1], count, offs, xq, xd, xs, out)
         else:
-            qdot.intdot_small(self._intdot.q4, parts[0], parts[1], parts[2], count, offs, xq, xd, xs, out)
+            fn = self._intdot.q4a16 if wide else self._intdot.q4
+            qdot.intdot_small(fn, parts[0], parts[1], parts[2], count, offs, xq, xd, xs, out)
 
     def _small_args(self, run: list[Weight]) -> tuple[int, np.ndarray, list[tuple[np.ndarray, ...]]]:
         """(count, row offsets, part 3-tuples padded with empty arrays) for a fused run."""
