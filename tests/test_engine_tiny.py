@@ -138,11 +138,14 @@ def test_quantized_fast_equals_reference(tmp_path, quant):
     convert_checkpoint(src, cmf, quant=quant)
     ids = np.random.default_rng(5).integers(0, 256, 40)
     out = {}
-    for k in ("numba", "numpy"):
+    for k in ("numba", "numba-float", "numpy"):
         eng = Engine.load(cmf, kernels=k)
         st = eng.new_state(64)
         # n = 30 (dequantized tiles + BLAS), n = 3 (small-batch kernel), n = 1 (decode)
         h = np.concatenate([forward(st, ids[:30]), forward(st, ids[30:33]), forward(st, ids[33:36])]
                            + [forward(st, ids[i : i + 1]) for i in range(36, 40)])
         out[k] = eng.model.lm_head(eng.model.final_norm(h))
-    assert _rel(out["numba"], out["numpy"]) <= 1e-5
+    assert _rel(out["numba-float"], out["numpy"]) <= 1e-5
+    # the default rounds decode/verify activations to int16 per block of 32 (kernels/qdot.py)
+    assert _rel(out["numba"], out["numpy"]) <= 1e-4
+    assert _rel(out["numba"][:30], out["numpy"][:30]) <= 1e-5  # prefill stays on float activations
