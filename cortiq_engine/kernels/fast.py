@@ -170,12 +170,10 @@ class NumbaKernels(NumpyKernels):
         xd = np.empty((n, nb), np.float32)
         xs = np.empty((n, nb), np.float32)
         qdot.quantize_rows(X, xq, xd, xs, (1 << (self.act_bits - 1)) - 1)
-        wide = self.act_bits == 16
+        fn = self._intdot.fn(run[0].dtype, self.act_bits)
         if run[0].dtype == "q8":
-            fn = self._intdot.q8a16 if wide else self._intdot.q8
             qdot.intdot_small(fn, parts[0], parts[0], parts[1], count, offs, xq, xd, xs, out)
         else:
-            fn = self._intdot.q4a16 if wide else self._intdot.q4
             qdot.intdot_small(fn, parts[0], parts[1], parts[2], count, offs, xq, xd, xs, out)
 
     def _small_args(self, run: list[Weight]) -> tuple[int, np.ndarray, list[tuple[np.ndarray, ...]]]:

@@ -33,8 +33,7 @@ from __future__ import annotations
 
 import ctypes
 import platform
-from dataclasses import dataclass
-
+import threading
 import numpy as np
 from numba import njit, prange
 
@@ -336,12 +335,13 @@ def _dispatch(kind: str, act: int = 8) -> str:
     return "\n".join(L)
 
 
-def module_ir() -> str:
+def module_ir(kind: str | None = None, act: int | None = None) -> str:
+    """LLVM IR of the entries for ``kind`` (q8|q4) and ``act`` (8|16), default all."""
     parts = [_DECLS]
-    for kind in ("q8", "q4"):
-        for act in (8, 16):
-            parts += [_body(kind, n, act) for n in range(1, MAX_ROWS + 1)]
-            parts.append(_dispatch(kind, act))
+    for k in (kind,) if kind else ("q8", "q4"):
+        for bits in (act,) if act else (8, 16):
+            parts += [_body(k, n, bits) for n in range(1, MAX_ROWS + 1)]
+            parts.append(_dispatch(k, bits))
     return "\n".join(parts)
 
 
@@ -350,17 +350,6 @@ _FN = ctypes.CFUNCTYPE(
     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
 )
-
-
-@dataclass
-class IntDot:
-    """The compiled q8/q4 integer kernels (kept alive with their LLVM engine)."""
-
-    q8: object
-    q4: object
-    q8a16: object
-    q4a16: object
-    _engine: object
 
 
 def host_supports() -> bool:
@@ -372,29 +361,42 @@ def host_supports() -> bool:
     return all(feats.get(f, False) for f in NEEDED_FEATURES)
 
 
-def compile_intdot() -> IntDot | None:
-    """JIT the kernels for this CPU (about 0.2 s), or None where AVX2/FMA/F16C are missing."""
-    if not host_supports():
-        return None
-    import llvmlite.binding as llvm
+class IntDot:
+    """The compiled integer kernels of one kernel set, each entry JIT-compiled for
+    this CPU on first use (0.1-0.5 s per entry: a q8 model compiles only q8's)."""
 
-    llvm.initialize_native_target()
-    llvm.initialize_native_asmprinter()
-    mod = llvm.parse_assembly(module_ir())
-    mod.verify()
-    target = llvm.Target.from_default_triple()
-    tm = target.create_target_machine(
-        cpu=llvm.get_host_cpu_name(), features=llvm.get_host_cpu_features().flatten(), opt=3
-    )
-    engine = llvm.create_mcjit_compiler(mod, tm)
-    engine.finalize_object()
-    return IntDot(
-        q8=_FN(engine.get_function_address("q8_rows")),
-        q4=_FN(engine.get_function_address("q4_rows")),
-        q8a16=_FN(engine.get_function_address("q8a16_rows")),
-        q4a16=_FN(engine.get_function_address("q4a16_rows")),
-        _engine=engine,
-    )
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._fns: dict[tuple[str, int], object] = {}
+        self._engines: list[object] = []  # the machine code lives as long as its engine
+
+    def fn(self, kind: str, act: int):
+        key = (kind, act)
+        hit = self._fns.get(key)
+        if hit is not None:
+            return hit
+        with self._lock:
+            if key not in self._fns:
+                import llvmlite.binding as llvm
+
+                llvm.initialize_native_target()
+                llvm.initialize_native_asmprinter()
+                mod = llvm.parse_assembly(module_ir(kind, act))
+                mod.verify()
+                tm = llvm.Target.from_default_triple().create_target_machine(
+                    cpu=llvm.get_host_cpu_name(), features=llvm.get_host_cpu_features().flatten(), opt=3
+                )
+                engine = llvm.create_mcjit_compiler(mod, tm)
+                engine.finalize_object()
+                name = kind if act == 8 else f"{kind}a16"
+                self._engines.append(engine)
+                self._fns[key] = _FN(engine.get_function_address(f"{name}_rows"))
+            return self._fns[key]
+
+
+def compile_intdot() -> IntDot | None:
+    """The integer kernels, or None where x86-64 AVX2/FMA/F16C are missing."""
+    return IntDot() if host_supports() else None
 
 
 # ------------------------------------------------------------ numba drivers
