@@ -75,10 +75,10 @@ def prefill(engine, n: int, reps: int) -> SpeedResult:
 
     _check(engine, n)
     ids = random_ids(engine.vocab_size, n)
-    engine.generate(ids[: min(n, 32)], SamplingConfig(), max_tokens=1, ignore_eos=True)  # warm-up
+    engine.generate(ids[: min(n, 32)], SamplingConfig(), max_tokens=1, ignore_eos=True, speculative=False)  # warm-up
     out = SpeedResult(f"pp{n}", n)
     for _ in range(reps):
-        out.seconds.append(engine.generate(ids, SamplingConfig(), max_tokens=1, ignore_eos=True).prefill_seconds)
+        out.seconds.append(engine.generate(ids, SamplingConfig(), max_tokens=1, ignore_eos=True, speculative=False).prefill_seconds)
     return out
 
 
@@ -87,10 +87,10 @@ def decode(engine, n: int, reps: int) -> SpeedResult:
 
     _check(engine, n + 1)
     ids = random_ids(engine.vocab_size, 1)
-    engine.generate(ids, SamplingConfig(), max_tokens=min(n + 1, 4), ignore_eos=True)  # warm-up
+    engine.generate(ids, SamplingConfig(), max_tokens=min(n + 1, 4), ignore_eos=True, speculative=False)  # warm-up
     out = SpeedResult(f"tg{n}", n)
     for _ in range(reps):
-        res = engine.generate(ids, SamplingConfig(), max_tokens=n + 1, ignore_eos=True)
+        res = engine.generate(ids, SamplingConfig(), max_tokens=n + 1, ignore_eos=True, speculative=False)
         if res.decode_steps != n:
             raise CortiqError(f"tg{n}: decoding stopped after {res.decode_steps} steps ({res.finish_reason})")
         out.seconds.append(res.decode_seconds)
@@ -128,16 +128,16 @@ def _check(engine, n: int) -> None:
         raise CortiqError(f"a test of {n} tokens needs a context of {n}, the engine has {engine.ctx}")
 
 
-def decode_speculative(engine, drafter, n: int, reps: int) -> SpeedResult:
-    """``decode`` with MTP drafts (greedy, exact): the tokens per second a user sees."""
-    from cortiq_engine.speculative import generate_with_engine
+def decode_speculative(engine, n: int, reps: int) -> SpeedResult:
+    """``decode`` with the engine's MTP drafts (greedy, exact): the tokens per second a user sees."""
+    from cortiq_engine import SamplingConfig
 
     _check(engine, n + 1)
     ids = random_ids(engine.vocab_size, 1)
-    generate_with_engine(engine, ids, drafter, max_tokens=min(n + 1, 4), eos_ids=())  # warm-up
+    engine.generate(ids, SamplingConfig(), max_tokens=min(n + 1, 4), ignore_eos=True, speculative=True)  # warm-up
     out = SpeedResult(f"tg{n}+mtp", n)
     for _ in range(reps):
-        res = generate_with_engine(engine, ids, drafter, max_tokens=n + 1, eos_ids=())
+        res = engine.generate(ids, SamplingConfig(), max_tokens=n + 1, ignore_eos=True, speculative=True)
         if res.decode_steps != n:
             raise CortiqError(f"tg{n}+mtp: decoding stopped after {res.decode_steps} steps ({res.finish_reason})")
         out.seconds.append(res.decode_seconds)

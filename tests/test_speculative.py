@@ -1,6 +1,7 @@
 """Exact speculative greedy decoding: the emitted stream is the plain greedy stream.
 
-Oracle: ``Engine.generate`` (plain one-token decoding) on the same file. Models:
+Oracle: ``Engine.generate`` (plain one-token decoding) on the same file: the same
+token ids, confidences, per-token texts, result text and finish reason. Models:
 tiny random llama/qwen3 trunks with draft layers under each family's real names
 (tests/mtp_tiny.py), f32 and q8; drafts rigged (a test hook) to be accepted
 always, never, or exactly j of K times; and a backbone rigged so the real draft
@@ -13,8 +14,8 @@ import numpy as np
 import pytest
 
 from cortiq_engine import Engine, SamplingConfig, forward
-from cortiq_engine.mtp import load_draft_stack, make_drafter
-from cortiq_engine.speculative import generate_with_engine, row_exact
+from cortiq_engine.mtp import make_drafter
+from cortiq_engine.speculative import row_exact
 from cortiq_engine.convert import convert_checkpoint
 from tests.mtp_tiny import save_tiny_mtp
 
@@ -51,14 +52,21 @@ def _prompts(seed: int = 0) -> list[list[int]]:
     return [list(map(int, rng.integers(0, 256, size=int(rng.integers(1, 40))))) for _ in range(N_PROMPTS)]
 
 
-def _load(path):
-    eng = Engine.load(path, threads=1)
-    return eng, load_draft_stack(eng.cmf, eng.arch, eng.kernels)
+def _load(path, **kw):
+    eng = Engine.load(path, threads=1, mtp=True, **kw)
+    return eng, eng.drafts
+
+
+def _spec(eng, prompt, drafter, max_tokens=MAX_TOKENS, **kw):
+    return eng.generate(prompt, max_tokens=max_tokens, speculative=drafter, **kw)
 
 
 def _assert_same(plain, spec):
+    assert "mtp" in spec.extra and "mtp" not in plain.extra
     assert spec.token_ids == plain.token_ids
     assert [t.confidence for t in spec.tokens] == [t.confidence for t in plain.tokens]
+    assert [t.text for t in spec.tokens] == [t.text for t in plain.tokens]
+    assert spec.text == plain.text == "".join(t.text for t in spec.tokens)
     assert spec.finish_reason == plain.finish_reason
     assert spec.cache_length == plain.cache_length
 
@@ -84,9 +92,9 @@ def test_greedy_equality_many_prompts(models, quant, family, chain, depth, hidde
     assert stack is not None and stack.num_layers == (3 if family.startswith("mimo") else 1)
     drafted = 0
     for prompt in _prompts():
-        plain = eng.generate(prompt, SamplingConfig(), max_tokens=MAX_TOKENS)
+        plain = eng.generate(prompt, SamplingConfig(), max_tokens=MAX_TOKENS, speculative=False)
         d = make_drafter(eng.model, stack, eng.ctx, depth=depth, chain=chain, hidden=hidden)
-        spec = generate_with_engine(eng, prompt, d, max_tokens=MAX_TOKENS)
+        spec = _spec(eng, prompt, d)
         _assert_same(plain, spec)
         st = spec.extra["mtp"]
         drafted += st["drafted"]
@@ -98,7 +106,7 @@ def test_greedy_equality_many_prompts(models, quant, family, chain, depth, hidde
 def _rigged(eng, prompt, j, wrong_offset=1):
     """A draft hook that proposes the true greedy continuation for the first j depths
     and a wrong token after that."""
-    plain = eng.generate(prompt, SamplingConfig(), max_tokens=MAX_TOKENS)
+    plain = eng.generate(prompt, SamplingConfig(), max_tokens=MAX_TOKENS, speculative=False)
     stream = list(prompt) + plain.token_ids
     V = eng.vocab_size
 
@@ -122,7 +130,7 @@ def test_rigged_acceptance_exactly_j_of_k(models, quant, j, family):
     for prompt in _prompts(seed=j)[:6]:
         plain, override = _rigged(eng, prompt, j)
         d = make_drafter(eng.model, stack, eng.ctx, depth=K, override=override)
-        spec = generate_with_engine(eng, prompt, d, max_tokens=MAX_TOKENS)
+        spec = _spec(eng, prompt, d)
         _assert_same(plain, spec)
         st = spec.extra["mtp"]
         for depth in range(K):
@@ -150,8 +158,8 @@ def test_real_draft_layers_rigged_to_agree(models, tmp_path):
     convert_checkpoint(src, path, quant="q8")
     eng, stack = _load(path)
     prompt = [5, 6, 7]
-    plain = eng.generate(prompt, SamplingConfig(), max_tokens=17)
-    spec = generate_with_engine(eng, prompt, make_drafter(eng.model, stack, eng.ctx), max_tokens=17)
+    plain = eng.generate(prompt, SamplingConfig(), max_tokens=17, speculative=False)
+    spec = _spec(eng, prompt, make_drafter(eng.model, stack, eng.ctx), max_tokens=17)
     _assert_same(plain, spec)
     st = spec.extra["mtp"]
     assert st["acceptance"] == 1.0 and st["rounds"] == 4 and st["tokens_per_round"] == 4.0
@@ -165,14 +173,14 @@ def test_every_token_enters_the_backbone_cache_once(models, quant, family):
     prompt = _prompts(seed=7)[0]
     for j in (0, 2):
         plain_state = eng.new_state()
-        plain = eng.generate(prompt, SamplingConfig(), max_tokens=MAX_TOKENS)
+        plain = eng.generate(prompt, SamplingConfig(), max_tokens=MAX_TOKENS, speculative=False)
         from cortiq_engine.generate import generate
 
         generate(eng.model, eng.tokenizer, prompt, SamplingConfig(), capacity=eng.ctx, max_tokens=MAX_TOKENS, state=plain_state)
         _, override = _rigged(eng, prompt, j)
         spec_state = eng.new_state()
         d = make_drafter(eng.model, stack, eng.ctx, override=override)
-        spec = generate_with_engine(eng, prompt, d, max_tokens=MAX_TOKENS, state=spec_state)
+        spec = _spec(eng, prompt, d, state=spec_state)
         _assert_same(plain, spec)
         n = len(prompt) + len(spec.token_ids) - 1
         st = spec.extra["mtp"]
@@ -213,17 +221,16 @@ def test_sampling_is_refused(models):
 
     eng, stack = _load(models["deepseek", "f32"])
     with pytest.raises(CortiqError, match="greedy"):
-        generate_with_engine(eng, [1, 2], make_drafter(eng.model, stack, eng.ctx), config=SamplingConfig(temperature=0.8))
+        eng.generate([1, 2], SamplingConfig(temperature=0.8), speculative=make_drafter(eng.model, stack, eng.ctx))
 
 
 def test_numpy_kernels_and_a_reused_drafter(models):
     """The reference kernel set is exact too, and one drafter serves several generations."""
-    eng = Engine.load(models["mimo", "q8"], kernels="numpy", threads=1)
-    stack = load_draft_stack(eng.cmf, eng.arch, eng.kernels)
+    eng, stack = _load(models["mimo", "q8"], kernels="numpy")
     d = make_drafter(eng.model, stack, eng.ctx, chain="recursive", depth=2)
     for prompt in _prompts(seed=11)[:4]:
-        plain = eng.generate(prompt, SamplingConfig(), max_tokens=16)
-        _assert_same(plain, generate_with_engine(eng, prompt, d, max_tokens=16))
+        plain = eng.generate(prompt, SamplingConfig(), max_tokens=16, speculative=False)
+        _assert_same(plain, _spec(eng, prompt, d, max_tokens=16))
 
 
 @pytest.mark.slow
@@ -235,15 +242,15 @@ def test_smollm2_exact_with_random_and_rigged_drafts(smollm2_cmf, english_text, 
 
     path = smollm2_cmf(quant)
     side = write_random_sidecar(path, tmp_path / "rand.mtp.cmf", n_layers=3, quant=quant)
-    eng = Engine.load(path, threads=1)
-    stack = load_draft_stack(eng.cmf, eng.arch, eng.kernels, path=side)
+    eng = Engine.load(path, threads=1, mtp=side)
+    stack = eng.drafts
     words = english_text.split()
     for i in range(4):
         prompt = eng.tokenizer.encode(" ".join(words[300 * i : 300 * i + 40]))
-        plain = eng.generate(prompt, SamplingConfig(), max_tokens=24)
-        _assert_same(plain, generate_with_engine(eng, prompt, make_drafter(eng.model, stack, eng.ctx), max_tokens=24))
+        plain = eng.generate(prompt, SamplingConfig(), max_tokens=24, speculative=False)
+        _assert_same(plain, _spec(eng, prompt, make_drafter(eng.model, stack, eng.ctx), max_tokens=24))
         _, override = _rigged_from(plain, prompt, 2, eng.vocab_size)
-        spec = generate_with_engine(eng, prompt, make_drafter(eng.model, stack, eng.ctx, override=override), max_tokens=24)
+        spec = _spec(eng, prompt, make_drafter(eng.model, stack, eng.ctx, override=override), max_tokens=24)
         _assert_same(plain, spec)
         assert spec.extra["mtp"]["tokens_per_round"] > 2.0
 
@@ -262,7 +269,7 @@ def test_deep_recursive_drafts_stay_exact(models):
     caps its drafts so the verify keeps decode's numbers."""
     eng, stack = _load(models["deepseek", "q8"])
     for prompt in _prompts(seed=5)[:3]:
-        plain = eng.generate(prompt, SamplingConfig(), max_tokens=MAX_TOKENS)
-        spec = generate_with_engine(eng, prompt, make_drafter(eng.model, stack, eng.ctx, depth=10), max_tokens=MAX_TOKENS)
+        plain = eng.generate(prompt, SamplingConfig(), max_tokens=MAX_TOKENS, speculative=False)
+        spec = _spec(eng, prompt, make_drafter(eng.model, stack, eng.ctx, depth=10))
         _assert_same(plain, spec)
         assert max(i for i, n in enumerate(spec.extra["mtp"]["depth_drafted"]) if n) < eng.kernels.small_n - 1
