@@ -133,7 +133,7 @@ def bench(
             if stack is not None:
                 results.append(speed.verify(eng, stack.num_layers + 1, reps))  # the default depth: every layer
                 if n_gen:
-                    results.append(speed.decode_speculative(eng, n_gen, reps))
+                    results.append(speed.decode(eng, n_gen, reps, speculative=True))
             for r in results:
                 row = {**info, "threads": used, **r.to_json()}
                 docs.append(row)

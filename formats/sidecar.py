@@ -13,6 +13,7 @@ from typing import Any
 
 from formats.errors import CortiqError
 from formats.mtp_names import MTP_PREFIX
+from formats.untrusted_json import section
 
 ROLE_MODEL = "model"
 ROLE_SIDECAR = "mtp_sidecar"
@@ -80,16 +81,6 @@ def count_mtp_layers(cmf) -> int:
     return k
 
 
-def _section(header: dict[str, Any], key: str) -> dict[str, Any]:
-    """A header section that must be an object when present (headers are untrusted)."""
-    v = header.get(key)
-    if v is None:
-        return {}
-    if not isinstance(v, dict):
-        raise CortiqError(f"header {key} section is {str(v)[:40]!r}, expected an object")
-    return v
-
-
 def open_sidecar(main_path: str | Path, main_header: dict[str, Any], path: str | Path | None = None):
     """The one sidecar opener: the validated sidecar as a ``CmfFile``, from ``path`` when
     given (it must exist), else ``<stem>.mtp.cmf`` beside ``main_path`` (None when there
@@ -105,13 +96,13 @@ def open_sidecar(main_path: str | Path, main_header: dict[str, Any], path: str |
     cmf = CmfFile(side)
     try:
         check_sidecar(main_header, cmf.header)
-        declared = _section(cmf.header, "mtp").get("num_layers")
+        declared = section(cmf.header, "mtp").get("num_layers")
         have = count_mtp_layers(cmf)
         if not have:
             raise CortiqError(f"it holds no draft layers (no {MTP_PREFIX}0.eh_proj.weight)")
         if declared is not None and declared != have:
             raise CortiqError(f"MTP layer count {declared} in its header, {have} layers of tensors")
-        backbone_mtp = _section(main_header, "mtp")
+        backbone_mtp = section(main_header, "mtp")
         if backbone_mtp.get("location") == "sidecar" and backbone_mtp.get("num_layers") not in (None, have):
             raise CortiqError(f"MTP layer count {backbone_mtp['num_layers']} in the backbone, {have} in the sidecar")
     except CortiqError as e:
