@@ -96,7 +96,6 @@ def bench(
     import psutil
 
     from cortiq_engine import Engine
-    from cortiq_engine.mtp import load_draft_stack, make_drafter
     from cortiq_engine.threads import max_threads, set_threads
     from evals import speed
 
@@ -113,8 +112,8 @@ def bench(
     docs: list[dict[str, Any]] = []
     for path in models:
         # The context the tests need (room for a verify batch of up to 32 tokens), not the model's.
-        eng = Engine.load(path, threads=sweep[0], ctx=speed.needed_context(n_prompt, n_gen, 32))
-        stack = load_draft_stack(eng.cmf, eng.arch, eng.kernels) if mtp else None
+        eng = Engine.load(path, threads=sweep[0], ctx=speed.needed_context(n_prompt, n_gen, 32), mtp=mtp)
+        stack = eng.drafts
         info = {
             "model": path.name,
             "path": str(path),
@@ -132,10 +131,9 @@ def bench(
             if n_gen:
                 results.append(speed.decode(eng, n_gen, reps))
             if stack is not None:
-                drafter = make_drafter(eng.model, stack, eng.ctx)
-                results.append(speed.verify(eng, drafter.depth + 1, reps))
+                results.append(speed.verify(eng, stack.num_layers + 1, reps))  # the default depth: every layer
                 if n_gen:
-                    results.append(speed.decode_speculative(eng, drafter, n_gen, reps))
+                    results.append(speed.decode(eng, n_gen, reps, speculative=True))
             for r in results:
                 row = {**info, "threads": used, **r.to_json()}
                 docs.append(row)

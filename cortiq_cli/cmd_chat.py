@@ -148,7 +148,7 @@ def chat(
     no_mtp: mtp_opt.NoMtp = False,
     mtp_depth: mtp_opt.MtpDepth = None,
     mtp_chain: mtp_opt.MtpChain = None,
-    mtp_hidden: mtp_opt.MtpHidden = "pre",
+    mtp_hidden: mtp_opt.MtpHidden = None,
 ) -> None:
     """Chat with a model: multi-turn, streaming, the KV cache kept across turns.
 
@@ -164,17 +164,16 @@ def chat(
     conv = Conversation(system)
     if load is not None:
         conv.load(load)
-    eng = load_engine(model, threads=threads, ctx=ctx, quiet=json_out)
+    eng = load_engine(model, threads=threads, ctx=ctx, quiet=json_out, mtp=mtp_opt.load_arg(mtp, no_mtp))
     tok = eng.tokenizer
     if not tok.chat_template:
         raise CortiqError(f"{model}: no chat template in the header; use cortiq generate for plain text")
-    spec, mtp_note = mtp_opt.resolve(
-        eng, mtp=mtp, no_mtp=no_mtp, depth=mtp_depth, chain=mtp_chain, hidden=mtp_hidden, greedy=config.greedy, evict=evict
-    )
-    session = ChatSession(eng, spec.drafter if spec is not None else None)
+    # The conversation keeps one drafter (its rows of the cached prefix) across turns.
+    drafter, mtp_note = eng.drafter(mtp_opt.speculative_arg(no_mtp, mtp_depth, mtp_chain, mtp_hidden), config, evict=evict)
+    session = ChatSession(eng, drafter)
     interactive = sys.stdin.isatty() and not json_out
     if interactive:
-        how = f"speculative decoding ({spec.drafter.stack.source})" if spec is not None else (mtp_note or "")
+        how = f"speculative decoding ({drafter.stack.source})" if drafter is not None else (mtp_note or "")
         err_console.print(
             f"[dim]{escape(model.name)} · ctx {eng.ctx} · {eng.threads} threads{' · ' + escape(how) if how else ''} · "
             f"/help for commands, Ctrl-C stops an answer, Ctrl-D leaves[/]",

@@ -68,7 +68,7 @@ def generate(
     no_mtp: mtp_opt.NoMtp = False,
     mtp_depth: mtp_opt.MtpDepth = None,
     mtp_chain: mtp_opt.MtpChain = None,
-    mtp_hidden: mtp_opt.MtpHidden = "pre",
+    mtp_hidden: mtp_opt.MtpHidden = None,
     mtp_compare: mtp_opt.MtpCompare = False,
 ) -> None:
     """Generate text from a prompt with a CMF model (greedy by default)."""
@@ -80,7 +80,10 @@ def generate(
     config = SamplingConfig(
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty, seed=seed
     )
-    eng = load_engine(model, threads=threads, ctx=ctx, quiet=json_out)
+    # MTP draft layers (inline, the sidecar beside the model, or --mtp): the engine decodes
+    # speculatively (exact greedy) when it can, and says why not when it cannot.
+    eng = load_engine(model, threads=threads, ctx=ctx, quiet=json_out, mtp=mtp_opt.load_arg(mtp, no_mtp))
+    speculative = mtp_opt.speculative_arg(no_mtp, mtp_depth, mtp_chain, mtp_hidden)
     tok = eng.tokenizer
     if chat or system is not None:
         messages = ([{"role": "system", "content": system}] if system is not None else []) + [{"role": "user", "content": prompt}]
@@ -94,22 +97,14 @@ def generate(
         sys.stdout.write(text)
         sys.stdout.flush()
 
-    # MTP draft layers (sidecar beside the model, inline, or --mtp): exact speculative greedy decoding.
-    spec, mtp_note = mtp_opt.resolve(
-        eng, mtp=mtp, no_mtp=no_mtp, depth=mtp_depth, chain=mtp_chain, hidden=mtp_hidden, greedy=config.greedy, evict=evict
-    )
     so_far: list[Any] = []  # every token event, for the partial result of a Ctrl-C
     try:
-        if spec is not None:
-            res = mtp_opt.generate(
-                eng, ids, spec, config, max_tokens=max_tokens, stop=stop or [], compare=mtp_compare,
-                ignore_eos=ignore_eos, on_text=None if json_out else stream, logprobs=logprobs, on_token=so_far.append,
-            )
-        else:
-            res = eng.generate(
-                ids, config, max_tokens=max_tokens, stop=stop or [], on_text=None if json_out else stream, evict=evict,
-                ignore_eos=ignore_eos, logprobs=logprobs, on_token=so_far.append,
-            )
+        res = eng.generate(
+            ids, config, max_tokens=max_tokens, stop=stop or [], on_text=None if json_out else stream, evict=evict,
+            ignore_eos=ignore_eos, logprobs=logprobs, on_token=so_far.append, speculative=speculative,
+        )
+        if mtp_compare and "mtp" in res.extra:
+            mtp_opt.compare_with_plain(eng, res, ids, config, max_tokens=max_tokens, stop=stop or [], ignore_eos=ignore_eos)
     except KeyboardInterrupt:
         if not json_out:
             raise
@@ -139,7 +134,6 @@ def generate(
                 },
                 **res.to_json(),
                 "peak_rss_bytes": peak_rss_bytes(),
-                **({"mtp_note": mtp_note} if mtp_note else {}),
                 **({"moe_stats": moe_stats_json(res.expert_usage, eng.arch)} if moe_stats else {}),
             }
         )
@@ -159,10 +153,10 @@ def generate(
         print_logprobs(err_console, res.tokens)
     if moe_stats:
         print_moe_stats(err_console, moe_stats_json(res.expert_usage, eng.arch))
-    if spec is not None:
+    if "mtp" in res.extra:
         mtp_opt.render(err_console, res.extra["mtp"])
-    elif mtp_note:
-        err_console.print(f"[dim]{mtp_note}[/]", highlight=False)
+    elif "mtp_note" in res.extra:
+        err_console.print(f"[dim]{res.extra['mtp_note']}[/]", highlight=False)
 
 
 def print_logprobs(console, tokens) -> None:

@@ -43,13 +43,13 @@ def mtp_probe(
     """What each draft depth would propose at every position of a text, given the true
     previous tokens, against the true next tokens (per depth alone and chained)."""
     from cortiq_engine import Engine
-    from cortiq_engine.mtp import CHAINS, HIDDENS, load_draft_stack
+    from cortiq_engine.mtp import CHAINS, HIDDENS
     from evals.mtp_probe import default_variants, probe
     from evals.text_source import load_text
 
     loaded = load_text(opt.text_spec(text, dataset, config, split, column, data_files))
-    eng = Engine.load(model, threads=threads)
-    stack = load_draft_stack(eng.cmf, eng.arch, eng.kernels, path=mtp)
+    eng = Engine.load(model, threads=threads, mtp=mtp if mtp is not None else True)
+    stack = eng.drafts
     if stack is None:
         raise CortiqError(
             f"{model}: no MTP draft layers (none inline, no sidecar beside it); train them with "
@@ -81,7 +81,7 @@ def mtp_probe(
         "depth": k,
         "text": loaded.source,
         "tokens": len(ids),
-        "variants": [r.to_json() for r in results],
+        "variants": [{"chain": v.chain, "hidden": v.hidden, **counts.to_json()} for v, counts in results],
     }
     if json_out:
         print_json(doc)
@@ -89,12 +89,14 @@ def mtp_probe(
     # One column per variant, side by side; one row per measure.
     table = Table(title=f"MTP teacher-forced acceptance ({len(ids)} tokens of {loaded.source}; {stack.num_layers} draft layer(s): {stack.source})")
     table.add_column("chain/hidden", style="bold")
-    for r in results:
-        table.add_column(f"{r.variant.chain}\n{r.variant.hidden} norm", justify="right")
+    counted = [c for _, c in results]
+    for v, _ in results:
+        table.add_column(f"{v.chain}\n{v.hidden} norm", justify="right")
     for d in range(k):
-        table.add_row(f"d{d + 1} alone", *(f"{r.alone[d]:.1%}" for r in results))
+        table.add_row(f"d{d + 1} alone", *(f"{c.alone[d]:.1%}" for c in counted))
     for d in range(k):
-        table.add_row("&".join(f"d{i + 1}" for i in range(d + 1)), *(f"{r.chained[d]:.1%}" for r in results))
-    table.add_row("tokens/round", *(f"{r.tokens_per_round:.3f}" for r in results), style="bold")
-    table.add_row("positions", *(str(r.positions) for r in results), style="dim")
+        table.add_row("&".join(f"d{i + 1}" for i in range(d + 1)), *(f"{c.chained[d]:.1%}" for c in counted))
+    table.add_row("tokens/round", *(f"{c.tokens_per_round:.3f}" for c in counted), style="bold")
+    table.add_row("draft ms/round", *(f"{1e3 * c.draft_seconds / max(c.rounds, 1):.2f}" for c in counted))
+    table.add_row("positions", *(str(c.rounds) for c in counted), style="dim")
     print_table(console, table)

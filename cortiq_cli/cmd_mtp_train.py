@@ -112,7 +112,7 @@ def render(r) -> None:
         t.add_column("alone", justify="right")
         t.add_column("chained", justify="right")
         t.add_column("rows", justify="right")
-        for d, (a, c, n) in enumerate(zip(acc.alone, acc.chained, acc.rows)):
+        for d, (a, c, n) in enumerate(zip(acc.alone, acc.chained, acc.checked)):
             t.add_row(f"d{d + 1}", f"{a:.1%}", f"{c:.1%}", str(n))
         print_table(console, t)
         console.print(f"expected tokens per round: [bold]{acc.tokens_per_round:.3f}[/]", highlight=False)

@@ -172,15 +172,15 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} TB"
 
 
-def load_engine(model: Any, *, threads: int | None, ctx: int | None, quiet: bool = False) -> Any:
+def load_engine(model: Any, *, threads: int | None, ctx: int | None, quiet: bool = False, mtp: Any = False) -> Any:
     """``Engine.load`` with a spinner on a terminal (redirected, none: rich's live
     display would leave a blank line in the output)."""
     from cortiq_engine import Engine
 
     if quiet or not err_console.is_terminal:
-        return Engine.load(model, threads=threads, ctx=ctx)
+        return Engine.load(model, threads=threads, ctx=ctx, mtp=mtp)
     with err_console.status(f"loading {getattr(model, 'name', model)}", spinner="dots"):
-        return Engine.load(model, threads=threads, ctx=ctx)
+        return Engine.load(model, threads=threads, ctx=ctx, mtp=mtp)
 
 
 def peak_rss_bytes() -> int:

@@ -1,13 +1,12 @@
-"""The speculative-decoding options of ``cortiq generate`` and how their results are shown.
+"""The speculative-decoding options of ``cortiq generate``/``chat`` and how their results are shown.
 
-``cmd_generate`` declares the options below, calls ``resolve`` once the engine is
-loaded, and, when it returns a drafter, generates through
-``cortiq_engine.speculative`` and shows ``render`` at the end.
+The commands declare the options below and turn them into ``Engine.load(mtp=...)``
+and ``Engine.generate(speculative=...)`` arguments; the engine loads the draft layers,
+decides plain or speculative decoding and counts acceptance. ``render`` shows the counts.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -29,67 +28,42 @@ MtpChain = Annotated[
     Optional[str],
     typer.Option("--mtp-chain", help="independent (layer k drafts depth k+1; default when there is a layer per depth) or recursive (layer 0 on its own output).", rich_help_panel=MTP_PANEL),
 ]
-MtpHidden = Annotated[str, typer.Option("--mtp-hidden", help="pre or post: the backbone hidden before or after its final norm.", rich_help_panel=MTP_PANEL)]
+MtpHidden = Annotated[Optional[str], typer.Option("--mtp-hidden", help="pre (default) or post: the backbone hidden before or after its final norm.", rich_help_panel=MTP_PANEL)]
 MtpCompare = Annotated[
     bool,
     typer.Option("--mtp-compare/--no-mtp-compare", help="Also run plain decoding of the same prompt: checks the outputs are equal and measures the speedup.", rich_help_panel=MTP_PANEL),
 ]
 
 
-@dataclass
-class Speculation:
-    drafter: Any  # cortiq_engine.mtp.Drafter
+def load_arg(mtp: Path | None, no_mtp: bool) -> bool | Path:
+    """``Engine.load(mtp=...)`` from the flags: the given sidecar, none, or the model's own."""
+    if no_mtp and mtp is not None:
+        raise CortiqError("--mtp and --no-mtp contradict each other")
+    return False if no_mtp else (mtp if mtp is not None else True)
 
 
-def resolve(engine, *, mtp: Path | None, no_mtp: bool, depth: int | None, chain: str | None, hidden: str,
-            greedy: bool, evict: bool) -> tuple[Speculation | None, str]:
-    """(the drafter to decode with or None, a one-line note on why not when there is none).
+def speculative_arg(no_mtp: bool, depth: int | None, chain: str | None, hidden: str | None):
+    """``Engine.generate(speculative=...)`` from the flags (the engine decides the rest)."""
+    from cortiq_engine import SpeculativeConfig
 
-    A sidecar that exists but does not fit the backbone raises, whatever the sampling.
-    """
-    from cortiq_engine.mtp import load_draft_stack, make_drafter
-
-    if no_mtp:
-        if mtp is not None:
-            raise CortiqError("--mtp and --no-mtp contradict each other")
-        return None, ""
-    stack = load_draft_stack(engine.cmf, engine.arch, engine.kernels, path=mtp)
-    if stack is None:
-        if depth is not None or chain is not None:
-            raise CortiqError(
-                f"{engine.path}: no MTP draft layers (none inline, no sidecar beside it); train them with "
-                f"`cortiq mtp-train {engine.path}`, or give --mtp PATH"
-            )
-        return None, ""
-    if not greedy:
-        return None, "speculative decoding is off: it is exact for greedy decoding only (temperature 0)"
-    if evict:
-        return None, "speculative decoding is off with --evict"
-    return Speculation(make_drafter(engine.model, stack, engine.ctx, depth=depth, chain=chain, hidden=hidden)), ""
+    return False if no_mtp else SpeculativeConfig(depth=depth, chain=chain, hidden=hidden)
 
 
-def generate(engine, prompt_ids, spec: Speculation, config, *, max_tokens: int, stop=(), compare: bool = False,
-             ignore_eos: bool = False, on_token=None, on_text=None, logprobs: int = 0, state=None):
-    """Speculative generation; with ``compare`` also plain decoding of the same prompt,
-    so ``result.extra["mtp"]`` carries the speedup and whether the tokens are the same."""
-    from cortiq_engine.speculative import generate_with_engine
-
-    eos = () if ignore_eos else engine.eos_ids
-    res = generate_with_engine(engine, prompt_ids, spec.drafter, max_tokens=max_tokens, stop=stop, eos_ids=eos,
-                               config=config, on_token=on_token, on_text=on_text, logprobs=logprobs, state=state)
+def compare_with_plain(engine, res, prompt_ids, config, *, max_tokens: int, stop=(), ignore_eos: bool = False) -> None:
+    """--mtp-compare: plain decoding of the same prompt beside a speculative result; adds
+    the speedup and whether the tokens are the same to ``res.extra["mtp"]``."""
     mtp = res.extra["mtp"]
-    mtp["decode_tok_s"] = res.decode_tok_s
-    if compare:
-        plain = engine.generate(prompt_ids, config, max_tokens=max_tokens, stop=stop, ignore_eos=ignore_eos)
-        spec_s = res.prefill_seconds + res.decode_seconds
-        plain_s = plain.prefill_seconds + plain.decode_seconds
-        mtp.update(
-            plain_decode_tok_s=plain.decode_tok_s,
-            same_tokens_as_plain=plain.token_ids == res.token_ids,
-            decode_speedup=res.decode_tok_s / plain.decode_tok_s if plain.decode_tok_s > 0 else 0.0,
-            speedup=plain_s / spec_s if spec_s > 0 else 0.0,
-        )
-    return res
+    plain = engine.generate(prompt_ids, config, max_tokens=max_tokens, stop=stop, ignore_eos=ignore_eos, speculative=False)
+    spec_s = res.prefill_seconds + res.decode_seconds
+    plain_s = plain.prefill_seconds + plain.decode_seconds
+    mtp.update(
+        decode_tok_s=res.decode_tok_s,
+        plain_decode_tok_s=plain.decode_tok_s,
+        same_tokens_as_plain=plain.token_ids == res.token_ids,
+        same_text_as_plain=plain.text == res.text,
+        decode_speedup=res.decode_tok_s / plain.decode_tok_s if plain.decode_tok_s > 0 else 0.0,
+        speedup=plain_s / spec_s if spec_s > 0 else 0.0,
+    )
 
 
 def render(console, mtp: dict[str, Any]) -> None:

@@ -6,12 +6,13 @@
 
 Layers: ``kernels/`` (numeric operations, numba and numpy), ``weights`` (views
 into the map), ``layers`` (shared blocks), ``models/`` (one file per family),
-``model`` (Model, State, forward), ``generate`` (the loop), ``engine`` (the API).
+``model`` (Model, State, forward), ``generate`` (the one decode loop, plain and
+speculative), ``mtp`` (draft layers), ``engine`` (the API, speculation included).
 """
 
-from cortiq_engine.engine import Engine
+from cortiq_engine.engine import Engine, SpeculativeConfig
 from cortiq_engine.generate import GenerationResult, TokenEvent
 from cortiq_engine.model import Model, State, forward
 from cortiq_engine.sampling import SamplingConfig
 
-__all__ = ["Engine", "GenerationResult", "Model", "SamplingConfig", "State", "TokenEvent", "forward"]
+__all__ = ["Engine", "GenerationResult", "Model", "SamplingConfig", "SpeculativeConfig", "State", "TokenEvent", "forward"]

@@ -3,11 +3,17 @@
 It opens a CMF file (weights stay in its memory map), builds the model for the
 file's architecture, loads the embedded tokenizer, and compiles the kernels up
 front so the first token's timing is not JIT time.
+
+It owns speculation too: ``Engine.load(path, mtp=True)`` loads the model's MTP
+draft layers (inline, or the sidecar beside it; ``mtp=PATH`` a given sidecar), and
+``Engine.generate(..., speculative=...)`` decides plain or speculative decoding
+(``drafter``) and builds the per-sequence drafter.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
@@ -23,6 +29,7 @@ from cortiq_engine.kernels import get_kernels
 from cortiq_engine.memory import release_free_heap
 from cortiq_engine.model import Model, State, forward
 from cortiq_engine.models import build_model, read_arch
+from cortiq_engine.mtp import DraftStack, Drafter, load_draft_stack, make_drafter
 from cortiq_engine.sampling import SamplingConfig
 from cortiq_engine.threads import set_threads
 from cortiq_engine.tokenizer import Tokenizer, header_eos_ids
@@ -45,8 +52,25 @@ def check_ctx_memory(model: Model, ctx: int) -> None:
         )
 
 
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """How to draft: ``depth`` drafts per round (default: every draft layer), ``chain``
+    "independent" | "recursive" (default: independent when there is a layer per depth),
+    ``hidden`` "pre" | "post" (the backbone hidden before or after its final norm)."""
+
+    depth: int | None = None
+    chain: str | None = None
+    hidden: str | None = None
+
+    @property
+    def explicit(self) -> bool:
+        return any(v is not None for v in (self.depth, self.chain, self.hidden))
+
+
 class Engine:
-    def __init__(self, cmf: CmfFile, model: Model, tokenizer: Tokenizer | None, ctx: int, threads: int):
+    def __init__(
+        self, cmf: CmfFile, model: Model, tokenizer: Tokenizer | None, ctx: int, threads: int, drafts: DraftStack | None = None
+    ):
         self.cmf = cmf
         self.path = cmf.path
         self.model = model
@@ -56,6 +80,7 @@ class Engine:
         self.threads = threads
         self.kernels = model.kernels
         self._tokenizer = tokenizer
+        self.drafts = drafts  # the MTP draft layers, when loaded with mtp=...
 
     # ---------------------------------------------------------------- loading
     @classmethod
@@ -66,9 +91,14 @@ class Engine:
         ctx: int | None = None,
         kernels: str | None = None,
         warmup: bool = True,
+        mtp: bool | str | os.PathLike = False,
     ) -> "Engine":
         """Open ``path``; ``ctx`` defaults to min(max_position_embeddings, 4096);
-        ``kernels`` "numba"|"numpy" (default: $CORTIQ_KERNELS, else numba)."""
+        ``kernels`` "numba"|"numpy" (default: $CORTIQ_KERNELS, else numba).
+
+        ``mtp``: False, no draft layers; True, the model's own (inline, else the sidecar
+        ``<stem>.mtp.cmf`` beside it, else none); a path, that sidecar. A sidecar that
+        does not fit the backbone is an error, never a silent fallback."""
         n_threads = set_threads(threads)
         ks = get_kernels(kernels)
         cmf = CmfFile(path)
@@ -86,7 +116,10 @@ class Engine:
         if TOKENIZER_TENSOR in cmf:
             tok_header = section(header, "tokenizer", str(path))
             tok = Tokenizer(cmf.raw_bytes(TOKENIZER_TENSOR), tok_header, name=Path(path).name)
-        eng = cls(cmf, model, tok, int(ctx), n_threads)
+        drafts = None
+        if mtp is not False:
+            drafts = load_draft_stack(cmf, arch, ks, path=None if mtp is True else mtp)
+        eng = cls(cmf, model, tok, int(ctx), n_threads, drafts)
         if warmup:
             eng.warmup()
         release_free_heap()
@@ -165,6 +198,40 @@ class Engine:
         return out
 
     # ---------------------------------------------------------------- generation
+    def drafter(
+        self, speculative: bool | SpeculativeConfig | Drafter | None = None, config: SamplingConfig | None = None,
+        *, evict: bool = False,
+    ) -> tuple[Drafter | None, str]:
+        """The plain-vs-speculative policy: (the drafter a generation with these settings
+        decodes with, None for plain decoding; a one-line note when draft layers are loaded
+        but go unused). ``speculative``: None, when possible (draft layers loaded, greedy,
+        no eviction); False, plain; True, required (else an error); a ``SpeculativeConfig``,
+        when possible, drafted so; a ``Drafter``, that one (a conversation keeps its own)."""
+        if speculative is False:
+            return None, ""
+        if isinstance(speculative, Drafter):
+            return speculative, ""
+        required = speculative is True
+        spec = speculative if isinstance(speculative, SpeculativeConfig) else SpeculativeConfig()
+        if self.drafts is None:
+            if required or spec.explicit:
+                raise CortiqError(
+                    f"{self.path}: no MTP draft layers (none loaded, inline or beside it); train them with "
+                    f"`cortiq mtp-train {self.path}`, or give --mtp PATH"
+                )
+            return None, ""
+        why = ""
+        if not (config or SamplingConfig()).greedy:
+            why = "it is exact for greedy decoding only (temperature 0)"
+        elif evict:
+            why = "it does not evict (--evict)"
+        if why:
+            if required:
+                raise CortiqError(f"speculative decoding: {why}")
+            return None, f"speculative decoding is off: {why}"
+        d = make_drafter(self.model, self.drafts, self.ctx, depth=spec.depth, chain=spec.chain, hidden=spec.hidden or "pre")
+        return d, ""
+
     def generate(
         self,
         prompt_ids: Sequence[int],
@@ -177,12 +244,20 @@ class Engine:
         evict: bool = False,
         ignore_eos: bool = False,
         logprobs: int = 0,
+        speculative: bool | SpeculativeConfig | Drafter | None = None,
+        state: State | None = None,
+        history: Sequence[int] = (),
     ) -> GenerationResult:
-        return generate(
+        """``cortiq_engine.generate.generate`` on this model; plain or speculative as
+        ``drafter(speculative, config, evict=evict)`` decides. A speculative result has
+        ``extra["mtp"]``; a note on why draft layers went unused is ``extra["mtp_note"]``."""
+        config = config or SamplingConfig()
+        drafter, note = self.drafter(speculative, config, evict=evict)
+        res = generate(
             self.model,
             self._tokenizer,
             prompt_ids,
-            config or SamplingConfig(),
+            config,
             capacity=self.ctx,
             max_tokens=max_tokens,
             stop=stop,
@@ -191,8 +266,14 @@ class Engine:
             calibration_temperature=self.calibration_temperature,
             on_token=on_token,
             on_text=on_text,
+            state=state,
             logprobs=logprobs,
+            history=history,
+            drafter=drafter,
         )
+        if note:
+            res.extra["mtp_note"] = note
+        return res
 
     def close(self) -> None:
         self.cmf.close()

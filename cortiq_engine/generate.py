@@ -1,30 +1,48 @@
-"""The generation loop: chunked prefill, then one position per decode step.
+"""The generation loop: chunked prefill, then decode steps; speculative decoding is
+the same loop with a drafter.
 
 Contract (from the reference design): every token is forwarded exactly once and
 enters the KV cache exactly once. The prompt goes through ``forward`` in chunks;
 the next-token logits come from the hidden row of the last forwarded token; each
-decode step forwards only the freshly sampled token. So after generating g
-tokens the cache holds prompt + g - 1 rows (the last token is never forwarded).
+decode step forwards the freshly chosen token. So after generating g tokens the
+cache holds prompt + g - 1 rows (the last token is never forwarded).
 
-Finish reasons: ``stop`` (an EOS id), ``max_tokens``, ``stop_string`` (a stop
-string appeared; the text is cut before it), ``length`` (the context is full and
-eviction is off), ``cancelled`` (the ``on_token`` callback returned False).
-With eviction on, a full context drops its oldest half and generation goes on;
+With a drafter (``cortiq_engine.mtp.Drafter``, greedy only) a step first drafts K
+tokens d_1..d_K, then forwards ``[x, d_1..d_K]`` (x the pending token) in ONE
+row-exact batch (``speculative.row_exact``): row i's token is chosen by the same
+sampler over the same history plain decoding would have; while it equals d_{i+1}
+the next row is valid too; the first disagreement (or the row after the last draft)
+gives the step's own token, and the rows of rejected drafts are truncated from the
+cache. The drafts only choose which tokens get verified, so the emitted stream is
+the plain greedy stream token for token. Without a drafter K = 0: plain decoding.
+
+``Emitter`` commits every token, plain or verified alike: its event (confidence,
+log-probabilities), the UTF-8 stream, stop strings, callbacks and the finish reason:
+``stop`` (an EOS id), ``max_tokens``, ``stop_string`` (a stop string appeared; the
+text is cut before it), ``length`` (the context is full and eviction is off),
+``cancelled`` (the ``on_token`` callback returned False). With eviction on (plain
+decoding only), a full context drops its oldest half and generation goes on;
 positions keep increasing, so RoPE phases stay consistent for the kept rows.
 """
 
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
 from formats.errors import CortiqError
+from cortiq_engine.acceptance import Acceptance
 from cortiq_engine.model import Model, State, forward
 from cortiq_engine.sampling import Sampler, SamplingConfig, token_probability
+from cortiq_engine.speculative import row_exact
 from cortiq_engine.tokenizer import StreamDecoder, Tokenizer
+
+if TYPE_CHECKING:
+    from cortiq_engine.mtp import Drafter
 
 PREFILL_CHUNK = 512
 
@@ -91,6 +109,8 @@ class GenerationResult:
     # MoE models: layer -> times each expert was chosen (every forwarded position);
     # not in to_json, ``cortiq generate --moe-stats`` adds it.
     expert_usage: dict[int, list[int]] | None = None
+    # Speculative decoding: the drafts' counts (also in JSON as extra["mtp"]).
+    acceptance: Acceptance | None = None
 
     @property
     def decode_steps(self) -> int:
@@ -130,11 +150,16 @@ def check_history(state: State | None, history: Sequence[int]) -> None:
         raise ValueError(f"history of {len(history)} tokens given with {have}")
 
 
-def prefill(state: State, ids: Sequence[int], chunk: int = PREFILL_CHUNK) -> np.ndarray:
-    """Forward the prompt in chunks; returns the hidden row of its last token [1, hidden]."""
+def prefill(
+    state: State, ids: Sequence[int], chunk: int = PREFILL_CHUNK, on_rows: Callable[[int, np.ndarray], None] | None = None
+) -> np.ndarray:
+    """Forward the prompt in chunks; returns the hidden row of its last token [1, hidden].
+    ``on_rows(offset, rows)`` sees each chunk's hidden rows (a drafter keeps them)."""
     last = None
     for s in range(0, len(ids), chunk):
         last = forward(state, ids[s : s + chunk])
+        if on_rows is not None:
+            on_rows(s, last)
     return last[-1:]
 
 
@@ -181,6 +206,84 @@ class StopStrings:
         return self._release(len(self.text))
 
 
+
+
+class Emitter:
+    """Commits chosen tokens, one at a time, for plain and speculative decoding alike:
+    the token event, the UTF-8 stream (an unfinished character's bytes go to the last
+    text token, so the token texts always concatenate to the result text), stop strings,
+    the callbacks and the finish reason."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer | None,
+        seen: list[int],
+        *,
+        max_tokens: int,
+        stop: Sequence[str] = (),
+        eos_ids: Sequence[int] = (),
+        calibration_temperature: float | None = None,
+        logprobs: int = 0,
+        on_token: Callable[[TokenEvent], bool | None] | None = None,
+        on_text: Callable[[str], None] | None = None,
+    ):
+        self.tokenizer = tokenizer
+        self.seen = seen  # history + prompt + output: what the sampler and the drafter read
+        self.max_tokens = max_tokens
+        self.decoder = StreamDecoder(tokenizer) if tokenizer is not None else None
+        self.stops = StopStrings(stop)
+        self.eos = set(int(e) for e in eos_ids)
+        self.calibration_temperature = calibration_temperature
+        self.logprobs = logprobs
+        self.on_token = on_token
+        self.on_text = on_text
+        self.ids: list[int] = []
+        self.events: list[TokenEvent] = []
+
+    def _show(self, piece: str) -> bool:
+        shown, hit = self.stops.feed(piece)
+        if shown and self.on_text is not None:
+            self.on_text(shown)
+        return hit
+
+    def emit(self, tok: int, logits: np.ndarray) -> str | None:
+        """Commit one token chosen from ``logits``; returns a finish reason, or None to go on."""
+        self.ids.append(tok)
+        self.seen.append(tok)
+        is_eos = tok in self.eos
+        piece = self.decoder.push(tok) if (self.decoder is not None and not is_eos) else ""
+        ev = TokenEvent(tok, piece, token_probability(logits, tok, self.calibration_temperature))
+        if self.logprobs > 0:
+            add_logprobs(ev, logits, self.logprobs, self.tokenizer)
+        self.events.append(ev)
+        hit = self._show(piece)
+        if self.on_token is not None and self.on_token(ev) is False:
+            return "cancelled"
+        if is_eos:
+            return "stop"
+        if hit:
+            return "stop_string"
+        if len(self.ids) >= self.max_tokens:
+            return "max_tokens"
+        return None
+
+    def close(self, finish: str) -> str:
+        """Flush the stream at the end; returns the result text."""
+        if self.decoder is not None and finish != "stop_string":
+            tail = self.decoder.flush()
+            if tail:
+                # Bytes of an unfinished character: they belong to the last text token, so
+                # the token texts still concatenate to the result text.
+                carrier = next((e for e in reversed(self.events) if e.id not in self.eos), None)
+                if carrier is not None:
+                    carrier.text += tail
+                self._show(tail)
+        rest = self.stops.finish()
+        if rest and self.on_text is not None:
+            self.on_text(rest)
+        return self.stops.text
+
+
 def generate(
     model: Model,
     tokenizer: Tokenizer | None,
@@ -198,17 +301,20 @@ def generate(
     state: State | None = None,
     logprobs: int = 0,
     history: Sequence[int] = (),
+    drafter: Drafter | None = None,
 ) -> GenerationResult:
     """Generate up to ``max_tokens`` tokens after ``prompt_ids`` (see the module doc).
 
     ``history``: the tokens ``state`` already holds (a conversation's cached prefix,
     see ``cortiq_engine.session``); only ``prompt_ids`` are forwarded, and the
-    repetition penalty and the context check see history + prompt.
+    repetition penalty and the context check see history + prompt. A ``drafter``
+    must still hold the backbone rows of those positions.
 
     ``on_token`` sees every token as it is chosen (return False to stop);
     ``on_text`` receives printable text as it becomes final (UTF-8 completed,
     stop strings held back), for streaming to a terminal. ``logprobs`` > 0 adds each
-    step's top-``logprobs`` log-probabilities to the token events.
+    step's top-``logprobs`` log-probabilities to the token events. ``drafter``:
+    speculative decoding; ``result.extra["mtp"]`` holds its ``Acceptance`` counts.
     """
     prompt_ids = [int(i) for i in prompt_ids]
     history = [int(i) for i in history]
@@ -222,74 +328,78 @@ def generate(
     bad = [i for i in prompt_ids if not 0 <= i < model.vocab_size]
     if bad:
         raise CortiqError(f"prompt token id {bad[0]} outside the vocabulary (0..{model.vocab_size - 1})")
+    counts = None
+    if drafter is not None:
+        if not config.greedy:
+            raise CortiqError("speculative decoding is exact for greedy decoding only (temperature 0)")
+        if evict:
+            raise CortiqError("speculative decoding does not evict: a full context ends the generation")
+        if drafter.capacity < capacity:
+            raise CortiqError(f"the drafter holds {drafter.capacity} positions, the context is {capacity}")
+        if history:
+            drafter.keep(len(history))
+        else:
+            drafter.reset()
+        counts = Acceptance(drafter.depth)
     state = state or model.new_state(capacity)
     sampler = Sampler(config)
-    decoder = StreamDecoder(tokenizer) if tokenizer is not None else None
-    stops = StopStrings(stop)
-    eos = set(int(e) for e in eos_ids)
-    seen = history + prompt_ids
+    out = Emitter(
+        tokenizer, history + prompt_ids, max_tokens=max_tokens, stop=stop, eos_ids=eos_ids,
+        calibration_temperature=calibration_temperature, logprobs=logprobs, on_token=on_token, on_text=on_text,
+    )
+    note = None if drafter is None else (lambda offset, rows: drafter.note(len(history) + offset, rows))
 
     t0 = time.perf_counter()
-    h = prefill(state, prompt_ids)
+    h = prefill(state, prompt_ids, on_rows=note)
     logits = model.lm_head(model.final_norm(h))[0]
     t1 = time.perf_counter()
 
-    ids: list[int] = []
-    events: list[TokenEvent] = []
-    finish = "max_tokens"
+    # A verify batch stays within the kernels' small-batch path (row-exact by construction).
+    max_verify = int(getattr(model.kernels, "small_n", 0)) or 8
     evictions = 0
-    while True:
-        tok = sampler(logits, seen)
-        conf = token_probability(logits, tok, calibration_temperature)
-        ids.append(tok)
-        seen.append(tok)
-        is_eos = tok in eos
-        piece = decoder.push(tok) if (decoder is not None and not is_eos) else ""
-        ev = TokenEvent(tok, piece, conf)
-        if logprobs > 0:
-            add_logprobs(ev, logits, logprobs, tokenizer)
-        events.append(ev)
-        shown, hit = stops.feed(piece)
-        if shown and on_text is not None:
-            on_text(shown)
-        if on_token is not None and on_token(ev) is False:
-            finish = "cancelled"
-            break
-        if is_eos:
-            finish = "stop"
-            break
-        if hit:
-            finish = "stop_string"
-            break
-        if len(ids) >= max_tokens:
-            break
+    finish = out.emit(sampler(logits, out.seen), logits)
+    while finish is None:
         if state.free() == 0:
             if not evict:
                 finish = "length"
                 break
             state.evict(max(state.capacity // 2, 1))
             evictions += 1
-        logits = model.lm_head(model.final_norm(forward(state, [tok])))[0]
+        t = state.position - 1  # the last forwarded position; out.ids[-1] is pending
+        ta = time.perf_counter()
+        k = 0 if drafter is None else min(drafter.depth, max_tokens - len(out.ids) - 1, state.free() - 1, max_verify - 1)
+        drafts = drafter.draft(t, out.seen, k) if k > 0 else []
+        tb = time.perf_counter()
+        with row_exact(model.kernels) if drafts else nullcontext():
+            hb = forward(state, [out.ids[-1], *drafts])
+            normed = model.final_norm(hb)
+            # The head of row 0 first: the rest is needed only once d1 is accepted.
+            rows = model.lm_head(normed[:1])
+        used = 0
+        for i in range(len(drafts) + 1):
+            if i == 1:
+                with row_exact(model.kernels):
+                    rows = np.concatenate([rows, model.lm_head(normed[1:])])
+            tok = sampler(rows[i], out.seen)
+            used = i + 1
+            finish = out.emit(tok, rows[i])
+            if finish is not None or i == len(drafts) or tok != drafts[i]:
+                break
+        if drafter is not None:
+            # Rows past the last one whose output was used held rejected drafts.
+            state.truncate(state.length - (len(drafts) + 1 - used))
+            drafter.note(t + 1, hb[:used])
+            counts.record(len(drafts), used - 1, tb - ta, time.perf_counter() - tb)
     t2 = time.perf_counter()
 
-    if decoder is not None and finish != "stop_string":
-        tail = decoder.flush()
-        if tail:
-            # Bytes of an unfinished character: they belong to the last text token, so
-            # the token texts still concatenate to the result text.
-            carrier = next((e for e in reversed(events) if e.id not in eos), None)
-            if carrier is not None:
-                carrier.text += tail
-            shown, _ = stops.feed(tail)
-            if shown and on_text is not None:
-                on_text(shown)
-    rest = stops.finish()
-    if rest and on_text is not None:
-        on_text(rest)
+    text = out.close(finish)
+    extra = {}
+    if drafter is not None:
+        extra["mtp"] = {"source": drafter.stack.source, "chain": drafter.chain, "hidden": drafter.hidden, **counts.to_json()}
     return GenerationResult(
-        token_ids=ids,
-        text=stops.text,
-        tokens=events,
+        token_ids=out.ids,
+        text=text,
+        tokens=out.events,
         prompt_tokens=len(prompt_ids),
         finish_reason=finish,
         prefill_seconds=t1 - t0,
@@ -297,5 +407,7 @@ def generate(
         seed=None if config.greedy else sampler.seed,
         evictions=evictions,
         cache_length=state.length,
+        extra=extra,
         expert_usage={int(k): v.tolist() for k, v in sorted(state.expert_usage.items())} or None,
+        acceptance=counts,
     )

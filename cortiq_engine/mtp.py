@@ -36,15 +36,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
 from formats.arch import ArchConfig
 from formats.cmf import CmfFile
 from formats.errors import CortiqError
-from formats.mtp_names import MTP_PREFIX
-from formats.sidecar import check_sidecar, sidecar_path
+from formats.sidecar import count_mtp_layers, open_sidecar
 from cortiq_engine.cache import KVCache
 from cortiq_engine.layers import Step
 from cortiq_engine.model import Model
@@ -77,40 +76,6 @@ class DraftStack:
         return "independent" if depth <= self.num_layers else "recursive"
 
 
-def count_mtp_layers(cmf: CmfFile) -> int:
-    k = 0
-    while f"{MTP_PREFIX}{k}.eh_proj.weight" in cmf:
-        k += 1
-    return k
-
-
-def _section(header: dict[str, Any], key: str) -> dict[str, Any]:
-    """A header section that must be an object when present (headers are untrusted)."""
-    v = header.get(key)
-    if v is None:
-        return {}
-    if not isinstance(v, dict):
-        raise CortiqError(f"header {key} section is {str(v)[:40]!r}, expected an object")
-    return v
-
-
-def _open_sidecar(path: Path, main_header: dict[str, Any]) -> CmfFile:
-    side = CmfFile(path)
-    try:
-        check_sidecar(main_header, side.header)
-        declared = _section(side.header, "mtp").get("num_layers")
-        have = count_mtp_layers(side)
-        if not have:
-            raise CortiqError("it holds no draft layers (no model.mtp.layers.0.eh_proj.weight)")
-        if declared is not None and declared != have:
-            raise CortiqError(f"MTP layer count {declared} in its header, {have} layers of tensors")
-        backbone_mtp = _section(main_header, "mtp")
-        if backbone_mtp.get("location") == "sidecar" and backbone_mtp.get("num_layers") not in (None, have):
-            raise CortiqError(f"MTP layer count {backbone_mtp['num_layers']} in the backbone, {have} in the sidecar")
-    except CortiqError as e:
-        side.close()
-        raise CortiqError(f"MTP sidecar {path}: {e} ({NO_MTP_HINT})") from None
-    return side
 
 
 def load_draft_stack(main: CmfFile, arch: ArchConfig, kernels, path: str | Path | None = None) -> DraftStack | None:
@@ -123,12 +88,13 @@ def load_draft_stack(main: CmfFile, arch: ArchConfig, kernels, path: str | Path 
     if path is None and count_mtp_layers(main):
         src, source = main, "inline"
     else:
-        side = Path(path) if path is not None else sidecar_path(main.path)
-        if path is None and not side.is_file():
+        try:
+            src = open_sidecar(main.path, main.header, path)
+        except CortiqError as e:
+            raise CortiqError(f"{e} ({NO_MTP_HINT})") from None
+        if src is None:
             return None
-        if not side.is_file():
-            raise CortiqError(f"MTP sidecar {side}: no such file")
-        src, source = _open_sidecar(side, main.header), str(side)
+        source = str(src.path)
         # The sidecar's own arch carries the MTP style the converter recorded.
         side_arch = read_arch(src, trunk=False)
         if side_arch.mtp is not None and arch.mtp is None:
@@ -207,10 +173,6 @@ class Drafter:
             rows = self.model.final_norm(rows)
         self.hist[first_pos : first_pos + n] = rows
         self.hist_len += n
-
-    def rollback(self, n: int) -> None:
-        """Forget backbone rows from position n on (they were never committed)."""
-        self.hist_len = min(self.hist_len, n)
 
     # -------------------------------------------------------------- drafting
     def _logits(self, layer: DraftLayer, out_row: np.ndarray) -> np.ndarray:

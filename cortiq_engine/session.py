@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from cortiq_engine.generate import GenerationResult, TokenEvent, generate
+from cortiq_engine.generate import GenerationResult, TokenEvent
 from cortiq_engine.sampling import SamplingConfig
 
 
@@ -47,8 +47,9 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 class ChatSession:
     """One conversation on an ``Engine``: its state, and the ids whose rows it holds.
 
-    ``drafter`` (an ``mtp.Drafter``): every turn decodes speculatively; the drafter
-    keeps the backbone rows of the cached prefix alongside the cache.
+    ``drafter`` (an ``mtp.Drafter``, from ``Engine.drafter``): every turn decodes
+    speculatively; the drafter keeps the backbone rows of the cached prefix alongside
+    the cache.
     """
 
     def __init__(self, engine, drafter=None):
@@ -91,23 +92,12 @@ class ChatSession:
         self.state.truncate(keep)
         self.cached = self.cached[:keep]
         history, new = ids[:keep], ids[keep:]
-        eos = () if ignore_eos else eng.eos_ids
-        tok = eng.tokenizer if eng.has_tokenizer else None
         try:
-            if self.drafter is not None:
-                from cortiq_engine.speculative import generate_speculative
-
-                res = generate_speculative(
-                    eng.model, tok, new, self.drafter, config, max_tokens=max_tokens, stop=stop, eos_ids=eos,
-                    calibration_temperature=eng.calibration_temperature, on_token=on_token, on_text=on_text,
-                    state=self.state, logprobs=logprobs, history=history,
-                )
-            else:
-                res = generate(
-                    eng.model, tok, new, config or SamplingConfig(), capacity=eng.ctx, max_tokens=max_tokens, stop=stop,
-                    eos_ids=eos, evict=evict, calibration_temperature=eng.calibration_temperature, on_token=on_token,
-                    on_text=on_text, state=self.state, logprobs=logprobs, history=history,
-                )
+            res = eng.generate(
+                new, config, max_tokens=max_tokens, stop=stop, evict=evict, ignore_eos=ignore_eos, logprobs=logprobs,
+                on_token=on_token, on_text=on_text, state=self.state, history=history,
+                speculative=self.drafter if self.drafter is not None else False,
+            )
         except BaseException:
             # An error before the prefill left the cache at the kept prefix; one inside
             # a forward (Ctrl-C, a full context) may have left layers unequal: start over.

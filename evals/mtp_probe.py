@@ -10,17 +10,22 @@ token ids[t+1] is known), depth d drafts the token for t+d+1. Reported per depth
 - expected tokens per round = 1 + sum_k chained_k.
 
 The drafts come from ``cortiq_engine.mtp.Drafter.draft``, the very path
-speculative decoding calls; only the ids it reads go past the pending token.
+speculative decoding calls; only the ids it reads go past the pending token. The
+counts go into ``cortiq_engine.acceptance.Acceptance``, the counter speculative
+decoding and the trainer report, so the figures compare one to one (draft time is
+per round; a teacher-forced round has no verify).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
 
 from formats.errors import CortiqError
+from cortiq_engine.acceptance import Acceptance
 
 
 @dataclass(frozen=True)
@@ -31,51 +36,6 @@ class Variant:
     @property
     def label(self) -> str:
         return f"{self.chain}/{self.hidden}"
-
-
-@dataclass
-class VariantResult:
-    variant: Variant
-    depth: int
-    positions: int = 0
-    hits: list[int] = field(default_factory=list)  # per depth, alone
-    chain_hits: list[int] = field(default_factory=list)  # per depth, d1..dk all right
-
-    def __post_init__(self) -> None:
-        self.hits = self.hits or [0] * self.depth
-        self.chain_hits = self.chain_hits or [0] * self.depth
-
-    def add(self, drafts: Sequence[int], truth: Sequence[int]) -> None:
-        self.positions += 1
-        ok_so_far = True
-        for k, (d, y) in enumerate(zip(drafts, truth)):
-            right = int(d) == int(y)
-            ok_so_far = ok_so_far and right
-            self.hits[k] += right
-            self.chain_hits[k] += ok_so_far
-
-    @property
-    def alone(self) -> list[float]:
-        return [h / self.positions if self.positions else 0.0 for h in self.hits]
-
-    @property
-    def chained(self) -> list[float]:
-        return [h / self.positions if self.positions else 0.0 for h in self.chain_hits]
-
-    @property
-    def tokens_per_round(self) -> float:
-        return 1.0 + sum(self.chained)
-
-    def to_json(self) -> dict:
-        return {
-            "chain": self.variant.chain,
-            "hidden": self.variant.hidden,
-            "depth": self.depth,
-            "positions": self.positions,
-            "acceptance_alone": self.alone,
-            "acceptance_chained": self.chained,
-            "expected_tokens_per_round": self.tokens_per_round,
-        }
 
 
 def default_variants(num_layers: int, depth: int) -> list[Variant]:
@@ -106,7 +66,7 @@ def probe(
     depth: int,
     variants: Sequence[Variant],
     progress: Callable[[int], None] | None = None,
-) -> list[VariantResult]:
+) -> list[tuple[Variant, Acceptance]]:
     """Teacher-forced acceptance of each variant over ``ids`` (``progress(1)`` per position per variant)."""
     from cortiq_engine.mtp import make_drafter
 
@@ -122,12 +82,13 @@ def probe(
     for v in variants:
         drafter = make_drafter(model, stack, T, depth=depth, chain=v.chain, hidden=v.hidden)
         drafter.note(0, hidden)
-        res = VariantResult(v, depth)
+        counts = Acceptance(depth)
         # Round starts t whose every depth has a true token: t + depth + 1 <= T - 1.
         for t in range(T - depth - 1):
+            t0 = time.perf_counter()
             drafts = drafter.draft(t, id_list, depth)
-            res.add(drafts, id_list[t + 2 : t + 2 + depth])
+            counts.record_forced(drafts, id_list[t + 2 : t + 2 + depth], time.perf_counter() - t0)
             if progress is not None:
                 progress(1)
-        results.append(res)
+        results.append((v, counts))
     return results

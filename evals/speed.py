@@ -3,7 +3,8 @@
 ``pp N``  prefill: N random tokens into an empty cache, with the last row's logits
           (what a prompt costs before the first token).
 ``tg N``  decode: N single-token steps after a one-token prompt, greedy sampling
-          included (what each generated token costs).
+          included (what each generated token costs); ``tg N+mtp`` the same with the
+          engine's MTP drafts (exact speculative decoding).
 ``verify K``  a speculative round's verify: K tokens forwarded in one batch against a
           64-token cache and their logits, row-exact as speculative decoding runs it,
           then rolled back (measured only when the model has MTP draft layers).
@@ -75,24 +76,26 @@ def prefill(engine, n: int, reps: int) -> SpeedResult:
 
     _check(engine, n)
     ids = random_ids(engine.vocab_size, n)
-    engine.generate(ids[: min(n, 32)], SamplingConfig(), max_tokens=1, ignore_eos=True)  # warm-up
+    engine.generate(ids[: min(n, 32)], SamplingConfig(), max_tokens=1, ignore_eos=True, speculative=False)  # warm-up
     out = SpeedResult(f"pp{n}", n)
     for _ in range(reps):
-        out.seconds.append(engine.generate(ids, SamplingConfig(), max_tokens=1, ignore_eos=True).prefill_seconds)
+        out.seconds.append(engine.generate(ids, SamplingConfig(), max_tokens=1, ignore_eos=True, speculative=False).prefill_seconds)
     return out
 
 
-def decode(engine, n: int, reps: int) -> SpeedResult:
+def decode(engine, n: int, reps: int, speculative: bool = False) -> SpeedResult:
+    """``speculative``: with the engine's MTP drafts (greedy, exact), the tokens per second a user sees."""
     from cortiq_engine import SamplingConfig
 
     _check(engine, n + 1)
+    test = f"tg{n}+mtp" if speculative else f"tg{n}"
     ids = random_ids(engine.vocab_size, 1)
-    engine.generate(ids, SamplingConfig(), max_tokens=min(n + 1, 4), ignore_eos=True)  # warm-up
-    out = SpeedResult(f"tg{n}", n)
+    engine.generate(ids, SamplingConfig(), max_tokens=min(n + 1, 4), ignore_eos=True, speculative=speculative)  # warm-up
+    out = SpeedResult(test, n)
     for _ in range(reps):
-        res = engine.generate(ids, SamplingConfig(), max_tokens=n + 1, ignore_eos=True)
+        res = engine.generate(ids, SamplingConfig(), max_tokens=n + 1, ignore_eos=True, speculative=speculative)
         if res.decode_steps != n:
-            raise CortiqError(f"tg{n}: decoding stopped after {res.decode_steps} steps ({res.finish_reason})")
+            raise CortiqError(f"{test}: decoding stopped after {res.decode_steps} steps ({res.finish_reason})")
         out.seconds.append(res.decode_seconds)
     return out
 
@@ -126,19 +129,3 @@ def verify(engine, k: int, reps: int) -> SpeedResult:
 def _check(engine, n: int) -> None:
     if n > engine.ctx:
         raise CortiqError(f"a test of {n} tokens needs a context of {n}, the engine has {engine.ctx}")
-
-
-def decode_speculative(engine, drafter, n: int, reps: int) -> SpeedResult:
-    """``decode`` with MTP drafts (greedy, exact): the tokens per second a user sees."""
-    from cortiq_engine.speculative import generate_with_engine
-
-    _check(engine, n + 1)
-    ids = random_ids(engine.vocab_size, 1)
-    generate_with_engine(engine, ids, drafter, max_tokens=min(n + 1, 4), eos_ids=())  # warm-up
-    out = SpeedResult(f"tg{n}+mtp", n)
-    for _ in range(reps):
-        res = generate_with_engine(engine, ids, drafter, max_tokens=n + 1, eos_ids=())
-        if res.decode_steps != n:
-            raise CortiqError(f"tg{n}+mtp: decoding stopped after {res.decode_steps} steps ({res.finish_reason})")
-        out.seconds.append(res.decode_seconds)
-    return out

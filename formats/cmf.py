@@ -445,12 +445,6 @@ class CmfFile:
         self.close()
 
 
-def read_header(path: str | os.PathLike) -> dict[str, Any]:
-    """The header of a CMF file (validated like ``CmfFile`` does, without mapping it)."""
-    with CmfFile(path) as f:
-        return f.header
-
-
 def rewrite_header(path: str | os.PathLike, header: dict[str, Any]) -> None:
     """Replace the header JSON of an existing file.
 

@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from formats.errors import CortiqError
+from formats.mtp_names import MTP_PREFIX
+from formats.untrusted_json import section
 
 ROLE_MODEL = "model"
 ROLE_SIDECAR = "mtp_sidecar"
@@ -71,17 +73,39 @@ def check_sidecar(main_header: dict[str, Any], sidecar_header: dict[str, Any]) -
         raise CortiqError("MTP sidecar does not match its backbone: " + "; ".join(diffs))
 
 
-def open_sidecar(main_path: str | Path, main_header: dict[str, Any]):
-    """The validated sidecar beside ``main_path`` as a ``CmfFile``, or None if there is none."""
+def count_mtp_layers(cmf) -> int:
+    """Draft layers in a CMF file: consecutive ``model.mtp.layers.{k}`` from 0."""
+    k = 0
+    while f"{MTP_PREFIX}{k}.eh_proj.weight" in cmf:
+        k += 1
+    return k
+
+
+def open_sidecar(main_path: str | Path, main_header: dict[str, Any], path: str | Path | None = None):
+    """The one sidecar opener: the validated sidecar as a ``CmfFile``, from ``path`` when
+    given (it must exist), else ``<stem>.mtp.cmf`` beside ``main_path`` (None when there
+    is none). Valid: cut from this backbone, and holding the draft layers both headers
+    declare; else a ``CortiqError`` naming the file."""
     from formats.cmf import CmfFile
 
-    path = sidecar_path(main_path)
-    if not path.is_file():
-        return None
-    side = CmfFile(path)
+    side = Path(path) if path is not None else sidecar_path(main_path)
+    if not side.is_file():
+        if path is None:
+            return None
+        raise CortiqError(f"MTP sidecar {side}: no such file")
+    cmf = CmfFile(side)
     try:
-        check_sidecar(main_header, side.header)
+        check_sidecar(main_header, cmf.header)
+        declared = section(cmf.header, "mtp").get("num_layers")
+        have = count_mtp_layers(cmf)
+        if not have:
+            raise CortiqError(f"it holds no draft layers (no {MTP_PREFIX}0.eh_proj.weight)")
+        if declared is not None and declared != have:
+            raise CortiqError(f"MTP layer count {declared} in its header, {have} layers of tensors")
+        backbone_mtp = section(main_header, "mtp")
+        if backbone_mtp.get("location") == "sidecar" and backbone_mtp.get("num_layers") not in (None, have):
+            raise CortiqError(f"MTP layer count {backbone_mtp['num_layers']} in the backbone, {have} in the sidecar")
     except CortiqError as e:
-        side.close()
-        raise CortiqError(f"{path}: {e}") from None
-    return side
+        cmf.close()
+        raise CortiqError(f"MTP sidecar {side}: {e}") from None
+    return cmf

@@ -51,7 +51,7 @@ def build_base(folder: Path) -> list[Base]:
     from cortiq_engine.convert import convert_checkpoint
     from tests.mtp_tiny import save_tiny_mtp
 
-    from formats.cmf import read_header, rewrite_header
+    from formats.cmf import CmfFile, rewrite_header
 
     src = save_tiny_mtp("deepseek", folder / "src", n_layers=1)
     out = []
@@ -60,7 +60,8 @@ def build_base(folder: Path) -> list[Base]:
         convert_checkpoint(src, path, quant=quant)
         side = path.with_name(f"base-{quant}.mtp.cmf")
         for p in (path, side):  # the same bytes wherever the folder is, so a seed names one corpus
-            h = read_header(p)
+            with CmfFile(p) as f:
+                h = f.header
             h["source"]["path"] = "fuzz-base"
             rewrite_header(p, h)
         out.append(Base(quant, path.read_bytes(), side.read_bytes()))

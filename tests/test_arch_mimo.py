@@ -192,8 +192,6 @@ def test_q8_stays_close(mimo, tmp_path):
 def test_speculative_with_the_mimo_sidecar_equals_greedy(mimo, tmp_path):
     """The MiMo backbone with its three draft layers (sliding geometry, sinks) from the
     sidecar decodes exactly the plain greedy tokens."""
-    from cortiq_engine.mtp import load_draft_stack, make_drafter
-    from cortiq_engine.speculative import generate_with_engine
 
     _, src, _ = mimo
     folder = tmp_path / "with_mtp"
@@ -206,11 +204,11 @@ def test_speculative_with_the_mimo_sidecar_equals_greedy(mimo, tmp_path):
     save_file(_mtp_tensors(cfg, 3), str(folder / "mtp.safetensors"))
     out = tmp_path / "m.cmf"
     convert_checkpoint(folder, out, quant="q8")
-    with Engine.load(out) as eng:
-        stack = load_draft_stack(eng.cmf, eng.arch, eng.kernels)
+    with Engine.load(out, mtp=True) as eng:
+        stack = eng.drafts
         assert stack is not None and stack.num_layers == 3 and stack.style == "mimo"
         prompt = arch_tiny.sample_ids(12, seed=3)
-        plain = eng.generate(prompt, max_tokens=20, ignore_eos=True).token_ids
-        res = generate_with_engine(eng, prompt, make_drafter(eng.model, stack, eng.ctx), max_tokens=20, eos_ids=())
+        plain = eng.generate(prompt, max_tokens=20, ignore_eos=True, speculative=False).token_ids
+        res = eng.generate(prompt, max_tokens=20, ignore_eos=True)  # speculative: the draft layers are loaded
     assert res.token_ids == plain
     assert res.extra["mtp"]["rounds"] > 0 and res.expert_usage

@@ -233,7 +233,6 @@ def test_speculative_rollback_keeps_greedy_exact(checkpoints, mt, accept):
     """Drafts rigged to be right exactly ``accept`` of 3 times per round: every rejection
     rolls the linear states back, and the output must still be plain greedy decoding."""
     from cortiq_engine.mtp import DraftStack, make_drafter
-    from cortiq_engine.speculative import generate_with_engine
 
     _, _, cmf = checkpoints[mt]
     prompt = arch_tiny.sample_ids(9, seed=21)
@@ -247,7 +246,7 @@ def test_speculative_rollback_keeps_greedy_exact(checkpoints, mt, accept):
 
         stack = DraftStack((_NoLayer(),) * 3, "test", "rigged")
         drafter = make_drafter(eng.model, stack, eng.ctx, depth=3, override=rigged)
-        res = generate_with_engine(eng, prompt, drafter, max_tokens=16, eos_ids=())
+        res = eng.generate(prompt, max_tokens=16, ignore_eos=True, speculative=drafter)
     assert res.token_ids == plain
     mtp = res.extra["mtp"]
     assert mtp["accepted"] > 0 if accept else mtp["accepted"] == 0

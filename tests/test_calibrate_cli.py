@@ -15,11 +15,7 @@ from cortiq_cli.main import app  # noqa: E402
 from evals.text_source import BUNDLED_TEXT  # noqa: E402
 from formats.cmf import CmfFile  # noqa: E402
 from tests.tiny import build_tiny, save_tiny  # noqa: E402
-
-try:
-    from cortiq_engine import Engine
-except ImportError:  # the engine lands separately
-    pytest.skip("cortiq_engine.Engine is not available yet", allow_module_level=True)
+from cortiq_engine import Engine  # noqa: E402
 
 runner = CliRunner()
 ALICE = BUNDLED_TEXT.read_text(encoding="utf-8")

@@ -10,7 +10,7 @@ import zlib
 import numpy as np
 import pytest
 
-from formats.cmf import FORMAT_VERSION, HEADER_SLACK, MAGIC, PREAMBLE, CmfFile, CmfWriter, read_header, rewrite_header
+from formats.cmf import FORMAT_VERSION, HEADER_SLACK, MAGIC, PREAMBLE, CmfFile, CmfWriter, rewrite_header
 from formats.errors import CortiqError
 from formats.quants import get_dtype
 from tests.cmf_edit import edit_file, reseal, rewrite_directory
@@ -108,7 +108,8 @@ def test_rewrite_header_in_place_keeps_blobs(tmp_path):
         assert f.header["calibration"]["temperature"] == 1.234
         assert {n: (t.offset, t.crc32) for n, t in f.tensors.items()} == dirs
         assert all(ok for _, ok in f.verify())
-    assert read_header(path)["calibration"]["method"] == "nll"
+    with CmfFile(path) as f:
+        assert f.header["calibration"]["method"] == "nll"
 
 
 def test_rewrite_header_that_outgrows_its_slack(tmp_path):
@@ -148,7 +149,8 @@ def test_writer_refuses_existing_output_without_force(tmp_path):
     assert path.read_bytes() == b"precious"
     with CmfWriter(path, {"v": 2}, force=True):
         pass
-    assert read_header(path) == {"v": 2}
+    with CmfFile(path) as f:
+        assert f.header == {"v": 2}
     with pytest.raises(CortiqError, match="is a folder"):
         CmfWriter(tmp_path, {})
 

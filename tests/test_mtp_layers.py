@@ -11,7 +11,7 @@ import pytest
 
 from cortiq_engine import Engine, forward
 from cortiq_engine.mtp import load_draft_stack, make_drafter
-from formats.cmf import CmfFile, read_header, rewrite_header
+from formats.cmf import CmfFile, rewrite_header
 from cortiq_engine.convert import convert_checkpoint
 from formats.errors import CortiqError
 from tests.mtp_tiny import save_tiny_mtp
@@ -179,7 +179,8 @@ def test_sidecar_geometry_mismatch_names_the_difference(tiny, tmp_path, field, v
     _, models = tiny
     main = _copy_pair(models, "deepseek", tmp_path, "g")
     side = tmp_path / "g.mtp.cmf"
-    h = read_header(side)
+    with CmfFile(side) as f:
+        h = f.header
     h["backbone"][field] = value
     rewrite_header(side, h)
     eng = Engine.load(main, threads=1)
@@ -191,7 +192,8 @@ def test_sidecar_layer_count_mismatch(tiny, tmp_path):
     _, models = tiny
     main = _copy_pair(models, "mimo", tmp_path, "n")
     side = tmp_path / "n.mtp.cmf"
-    h = read_header(side)
+    with CmfFile(side) as f:
+        h = f.header
     h["mtp"]["num_layers"] = 2
     rewrite_header(side, h)
     eng = Engine.load(main, threads=1)

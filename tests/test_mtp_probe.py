@@ -11,21 +11,33 @@ from typer.testing import CliRunner
 
 from cortiq_cli.main import app
 from cortiq_engine import Engine
-from cortiq_engine.mtp import load_draft_stack
-from evals.mtp_probe import Variant, VariantResult, default_variants, probe
+from cortiq_engine.acceptance import Acceptance
+from evals.mtp_probe import default_variants, probe
 from cortiq_engine.convert import convert_checkpoint
 from tests.mtp_tiny import save_tiny_mtp
 
 
-def test_variant_result_by_hand():
-    r = VariantResult(Variant("independent", "pre"), 3)
-    r.add([1, 2, 3], [1, 2, 3])  # all right
-    r.add([1, 9, 3], [1, 2, 3])  # d2 wrong: chain stops at 1, d3 alone still right
-    r.add([9, 2, 3], [1, 2, 3])  # d1 wrong
-    r.add([1, 2, 9], [1, 2, 3])
+def test_teacher_forced_counts_by_hand():
+    r = Acceptance(3)
+    r.record_forced([1, 2, 3], [1, 2, 3])  # all right
+    r.record_forced([1, 9, 3], [1, 2, 3])  # d2 wrong: chain stops at 1, d3 alone still right
+    r.record_forced([9, 2, 3], [1, 2, 3])  # d1 wrong
+    r.record_forced([1, 2, 9], [1, 2, 3])
     assert r.alone == [3 / 4, 3 / 4, 3 / 4]
     assert r.chained == [3 / 4, 2 / 4, 1 / 4]
     assert r.tokens_per_round == pytest.approx(1 + 0.75 + 0.5 + 0.25)
+    assert r.accept_hist == [1, 1, 1, 1] and r.rounds == 4
+
+
+def test_live_and_forced_counts_agree():
+    """A live speculative round and a teacher-forced one with the same outcome count alike."""
+    live, forced = Acceptance(3), Acceptance(3)
+    for drafted, accepted, drafts, truth in ((3, 1, [1, 9, 3], [1, 2, 3]), (2, 2, [4, 5], [4, 5]), (3, 0, [0, 0, 0], [1, 2, 3])):
+        live.record(drafted, accepted)
+        forced.record_forced(drafts, truth)
+    assert (live.drafted, live.accepted, live.accept_hist) == (forced.drafted, forced.accepted, forced.accept_hist)
+    assert live.drafted == [3, 3, 2] and live.accepted == [2, 1, 0] and live.tokens_per_round == pytest.approx(2.0)
+    assert live.to_json()["acceptance_alone"] is None and forced.alone == [2 / 3, 1 / 3, 1 / 2]
 
 
 def test_default_variants():
@@ -51,8 +63,8 @@ def const_model(tmp_path_factory):
 
 
 def test_probe_counts_against_the_text(const_model):
-    eng = Engine.load(const_model, threads=1)
-    stack = load_draft_stack(eng.cmf, eng.arch, eng.kernels)
+    eng = Engine.load(const_model, threads=1, mtp=True)
+    stack = eng.drafts
     rng = np.random.default_rng(0)
     ids = [int(x) for x in np.where(rng.random(40) < 0.5, 0, rng.integers(1, 256, 40))]
     K = 3
@@ -61,8 +73,8 @@ def test_probe_counts_against_the_text(const_model):
     T = len(ids)
     alone = [np.mean([ids[t + 2 + k] == 0 for t in range(T - K - 1)]) for k in range(K)]
     chained = [np.mean([all(ids[t + 2 + i] == 0 for i in range(k + 1)) for t in range(T - K - 1)]) for k in range(K)]
-    for r in res:
-        assert r.positions == T - K - 1
+    for _, r in res:
+        assert r.rounds == T - K - 1
         assert r.alone == pytest.approx(alone)
         assert r.chained == pytest.approx(chained)
     assert 0 < chained[2] < chained[0] < 1

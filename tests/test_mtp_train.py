@@ -14,7 +14,7 @@ pytest.importorskip("torch")
 from typer.testing import CliRunner  # noqa: E402
 
 from cortiq_cli.main import app  # noqa: E402
-from cortiq_engine.mtp_train.acceptance import acceptance  # noqa: E402
+from cortiq_engine.acceptance import Acceptance  # noqa: E402
 from cortiq_engine.mtp_train.backbone import open_backbone  # noqa: E402
 from cortiq_engine.mtp_train.config import TrainConfig  # noqa: E402
 from cortiq_engine.mtp_train.features import EngineRunner, collect  # noqa: E402
@@ -82,9 +82,9 @@ def test_acceptance_by_hand():
     greedy = np.array([[5, 1, 2, 3, 4, 9]])
     d1 = np.array([[2, 9, 3, 0, 9, -1]])
     d2 = np.array([[3, 4, 0, 9, -1, -1]])
-    acc = acceptance([d1, d2], greedy)
+    acc = Acceptance.from_arrays([d1, d2], greedy)
     # depth 1: rows 0..4 compare d1[j] with greedy[j+1] = 1,2,3,4,9 -> hits at j=2 (3), j=4 (9)
-    assert acc.alone[0] == pytest.approx(2 / 5) and acc.rows[0] == 5
+    assert acc.alone[0] == pytest.approx(2 / 5) and acc.checked[0] == 5
     # depth 2: rows 0..3 compare d2[j] with greedy[j+2] = 2,3,4,9 -> hits at j=3
     assert acc.alone[1] == pytest.approx(1 / 4)
     # chained over rows 0..3: depth 1 hits {2}; both: none
@@ -178,7 +178,7 @@ def test_cli_trains_and_reports_json(tiny, tmp_path):
     assert code == 0, output
     doc = json.loads(output)
     assert doc["steps"] == 4 and len(doc["losses"]) == 4 and doc["sidecar"] == str(out)
-    assert len(doc["held_out"]["alone"]) == 2 and doc["held_out"]["tokens_per_round"] >= 1.0
+    assert len(doc["held_out"]["acceptance_alone"]) == 2 and doc["held_out"]["tokens_per_round"] >= 1.0
     assert out.is_file() and (tmp_path / "x.mtp.train.safetensors").is_file()
     # Without --force the sidecar is not overwritten.
     code, output = run_cli(str(cmf), "--text", str(text), "--steps", "1", "--seq", "32", "--out", str(out))
@@ -215,7 +215,7 @@ def test_cli_bad_input(tiny, tmp_path):
 def test_engine_drafter_loads_the_sidecar_and_drafts_the_same(tiny, tmp_path):
     """The speculative decoder's own loader and draft path (cortiq_engine.mtp) read the
     trained sidecar beside the backbone and draft what the trainer's evaluation drafts."""
-    mtp = pytest.importorskip("cortiq_engine.mtp")
+    from cortiq_engine import mtp
     from cortiq_engine.mtp_train.draft_torch import TorchBackbone
     from cortiq_engine.mtp_train.engine_drafts import engine_drafts, load_draft_layers
 

@@ -17,11 +17,7 @@ torch = pytest.importorskip("torch")
 from cortiq_cli.main import app  # noqa: E402
 from evals.text_source import BUNDLED_TEXT  # noqa: E402
 from tests.tiny import save_tiny  # noqa: E402
-
-try:
-    from cortiq_engine import Engine
-except ImportError:  # the engine lands separately
-    pytest.skip("cortiq_engine.Engine is not available yet", allow_module_level=True)
+from cortiq_engine import Engine  # noqa: E402
 
 runner = CliRunner()
 ALICE = BUNDLED_TEXT.read_text(encoding="utf-8")

@@ -1,6 +1,7 @@
 """Exact speculative greedy decoding: the emitted stream is the plain greedy stream.
 
-Oracle: ``Engine.generate`` (plain one-token decoding) on the same file. Models:
+Oracle: ``Engine.generate`` (plain one-token decoding) on the same file: the same
+token ids, confidences, per-token texts, result text and finish reason. Models:
 tiny random llama/qwen3 trunks with draft layers under each family's real names
 (tests/mtp_tiny.py), f32 and q8; drafts rigged (a test hook) to be accepted
 always, never, or exactly j of K times; and a backbone rigged so the real draft
@@ -12,9 +13,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cortiq_engine import Engine, SamplingConfig, forward
-from cortiq_engine.mtp import load_draft_stack, make_drafter
-from cortiq_engine.speculative import generate_with_engine, row_exact
+from cortiq_engine import Engine, SamplingConfig, SpeculativeConfig, forward
+from cortiq_engine.mtp import make_drafter
+from cortiq_engine.speculative import row_exact
 from cortiq_engine.convert import convert_checkpoint
 from tests.mtp_tiny import save_tiny_mtp
 
@@ -51,14 +52,24 @@ def _prompts(seed: int = 0) -> list[list[int]]:
     return [list(map(int, rng.integers(0, 256, size=int(rng.integers(1, 40))))) for _ in range(N_PROMPTS)]
 
 
-def _load(path):
-    eng = Engine.load(path, threads=1)
-    return eng, load_draft_stack(eng.cmf, eng.arch, eng.kernels)
+def _load(path, **kw):
+    eng = Engine.load(path, threads=1, mtp=True, **kw)
+    return eng, eng.drafts
+
+
+def _spec(eng, prompt, drafter, max_tokens=MAX_TOKENS, **kw):
+    return eng.generate(prompt, max_tokens=max_tokens, speculative=drafter, **kw)
 
 
 def _assert_same(plain, spec):
+    assert "mtp" in spec.extra and "mtp" not in plain.extra
     assert spec.token_ids == plain.token_ids
     assert [t.confidence for t in spec.tokens] == [t.confidence for t in plain.tokens]
+    assert [t.text for t in spec.tokens] == [t.text for t in plain.tokens]
+    assert spec.text == plain.text
+    # The token texts add up to the result text (a stop string cuts the result, not the tokens).
+    joined = "".join(t.text for t in spec.tokens)
+    assert joined == spec.text if spec.finish_reason != "stop_string" else joined.startswith(spec.text)
     assert spec.finish_reason == plain.finish_reason
     assert spec.cache_length == plain.cache_length
 
@@ -84,9 +95,9 @@ def test_greedy_equality_many_prompts(models, quant, family, chain, depth, hidde
     assert stack is not None and stack.num_layers == (3 if family.startswith("mimo") else 1)
     drafted = 0
     for prompt in _prompts():
-        plain = eng.generate(prompt, SamplingConfig(), max_tokens=MAX_TOKENS)
+        plain = eng.generate(prompt, SamplingConfig(), max_tokens=MAX_TOKENS, speculative=False)
         d = make_drafter(eng.model, stack, eng.ctx, depth=depth, chain=chain, hidden=hidden)
-        spec = generate_with_engine(eng, prompt, d, max_tokens=MAX_TOKENS)
+        spec = _spec(eng, prompt, d)
         _assert_same(plain, spec)
         st = spec.extra["mtp"]
         drafted += st["drafted"]
@@ -98,7 +109,7 @@ def test_greedy_equality_many_prompts(models, quant, family, chain, depth, hidde
 def _rigged(eng, prompt, j, wrong_offset=1):
     """A draft hook that proposes the true greedy continuation for the first j depths
     and a wrong token after that."""
-    plain = eng.generate(prompt, SamplingConfig(), max_tokens=MAX_TOKENS)
+    plain = eng.generate(prompt, SamplingConfig(), max_tokens=MAX_TOKENS, speculative=False)
     stream = list(prompt) + plain.token_ids
     V = eng.vocab_size
 
@@ -122,7 +133,7 @@ def test_rigged_acceptance_exactly_j_of_k(models, quant, j, family):
     for prompt in _prompts(seed=j)[:6]:
         plain, override = _rigged(eng, prompt, j)
         d = make_drafter(eng.model, stack, eng.ctx, depth=K, override=override)
-        spec = generate_with_engine(eng, prompt, d, max_tokens=MAX_TOKENS)
+        spec = _spec(eng, prompt, d)
         _assert_same(plain, spec)
         st = spec.extra["mtp"]
         for depth in range(K):
@@ -150,8 +161,8 @@ def test_real_draft_layers_rigged_to_agree(models, tmp_path):
     convert_checkpoint(src, path, quant="q8")
     eng, stack = _load(path)
     prompt = [5, 6, 7]
-    plain = eng.generate(prompt, SamplingConfig(), max_tokens=17)
-    spec = generate_with_engine(eng, prompt, make_drafter(eng.model, stack, eng.ctx), max_tokens=17)
+    plain = eng.generate(prompt, SamplingConfig(), max_tokens=17, speculative=False)
+    spec = _spec(eng, prompt, make_drafter(eng.model, stack, eng.ctx), max_tokens=17)
     _assert_same(plain, spec)
     st = spec.extra["mtp"]
     assert st["acceptance"] == 1.0 and st["rounds"] == 4 and st["tokens_per_round"] == 4.0
@@ -165,14 +176,14 @@ def test_every_token_enters_the_backbone_cache_once(models, quant, family):
     prompt = _prompts(seed=7)[0]
     for j in (0, 2):
         plain_state = eng.new_state()
-        plain = eng.generate(prompt, SamplingConfig(), max_tokens=MAX_TOKENS)
+        plain = eng.generate(prompt, SamplingConfig(), max_tokens=MAX_TOKENS, speculative=False)
         from cortiq_engine.generate import generate
 
         generate(eng.model, eng.tokenizer, prompt, SamplingConfig(), capacity=eng.ctx, max_tokens=MAX_TOKENS, state=plain_state)
         _, override = _rigged(eng, prompt, j)
         spec_state = eng.new_state()
         d = make_drafter(eng.model, stack, eng.ctx, override=override)
-        spec = generate_with_engine(eng, prompt, d, max_tokens=MAX_TOKENS, state=spec_state)
+        spec = _spec(eng, prompt, d, state=spec_state)
         _assert_same(plain, spec)
         n = len(prompt) + len(spec.token_ids) - 1
         st = spec.extra["mtp"]
@@ -213,17 +224,16 @@ def test_sampling_is_refused(models):
 
     eng, stack = _load(models["deepseek", "f32"])
     with pytest.raises(CortiqError, match="greedy"):
-        generate_with_engine(eng, [1, 2], make_drafter(eng.model, stack, eng.ctx), config=SamplingConfig(temperature=0.8))
+        eng.generate([1, 2], SamplingConfig(temperature=0.8), speculative=make_drafter(eng.model, stack, eng.ctx))
 
 
 def test_numpy_kernels_and_a_reused_drafter(models):
     """The reference kernel set is exact too, and one drafter serves several generations."""
-    eng = Engine.load(models["mimo", "q8"], kernels="numpy", threads=1)
-    stack = load_draft_stack(eng.cmf, eng.arch, eng.kernels)
+    eng, stack = _load(models["mimo", "q8"], kernels="numpy")
     d = make_drafter(eng.model, stack, eng.ctx, chain="recursive", depth=2)
     for prompt in _prompts(seed=11)[:4]:
-        plain = eng.generate(prompt, SamplingConfig(), max_tokens=16)
-        _assert_same(plain, generate_with_engine(eng, prompt, d, max_tokens=16))
+        plain = eng.generate(prompt, SamplingConfig(), max_tokens=16, speculative=False)
+        _assert_same(plain, _spec(eng, prompt, d, max_tokens=16))
 
 
 @pytest.mark.slow
@@ -235,15 +245,15 @@ def test_smollm2_exact_with_random_and_rigged_drafts(smollm2_cmf, english_text, 
 
     path = smollm2_cmf(quant)
     side = write_random_sidecar(path, tmp_path / "rand.mtp.cmf", n_layers=3, quant=quant)
-    eng = Engine.load(path, threads=1)
-    stack = load_draft_stack(eng.cmf, eng.arch, eng.kernels, path=side)
+    eng = Engine.load(path, threads=1, mtp=side)
+    stack = eng.drafts
     words = english_text.split()
     for i in range(4):
         prompt = eng.tokenizer.encode(" ".join(words[300 * i : 300 * i + 40]))
-        plain = eng.generate(prompt, SamplingConfig(), max_tokens=24)
-        _assert_same(plain, generate_with_engine(eng, prompt, make_drafter(eng.model, stack, eng.ctx), max_tokens=24))
+        plain = eng.generate(prompt, SamplingConfig(), max_tokens=24, speculative=False)
+        _assert_same(plain, _spec(eng, prompt, make_drafter(eng.model, stack, eng.ctx), max_tokens=24))
         _, override = _rigged_from(plain, prompt, 2, eng.vocab_size)
-        spec = generate_with_engine(eng, prompt, make_drafter(eng.model, stack, eng.ctx, override=override), max_tokens=24)
+        spec = _spec(eng, prompt, make_drafter(eng.model, stack, eng.ctx, override=override), max_tokens=24)
         _assert_same(plain, spec)
         assert spec.extra["mtp"]["tokens_per_round"] > 2.0
 
@@ -262,7 +272,109 @@ def test_deep_recursive_drafts_stay_exact(models):
     caps its drafts so the verify keeps decode's numbers."""
     eng, stack = _load(models["deepseek", "q8"])
     for prompt in _prompts(seed=5)[:3]:
-        plain = eng.generate(prompt, SamplingConfig(), max_tokens=MAX_TOKENS)
-        spec = generate_with_engine(eng, prompt, make_drafter(eng.model, stack, eng.ctx, depth=10), max_tokens=MAX_TOKENS)
+        plain = eng.generate(prompt, SamplingConfig(), max_tokens=MAX_TOKENS, speculative=False)
+        spec = _spec(eng, prompt, make_drafter(eng.model, stack, eng.ctx, depth=10))
         _assert_same(plain, spec)
         assert max(i for i, n in enumerate(spec.extra["mtp"]["depth_drafted"]) if n) < eng.kernels.small_n - 1
+
+
+# ------------------------------------------------------------------ multi-byte UTF-8
+CYCLE = "é中😀"  # nine distinct bytes: C3 A9 | E4 B8 AD | F0 9F 98 80
+
+
+@pytest.fixture(scope="module")
+def utf8_model(tmp_path_factory):
+    """A byte-level model that greedily cycles through the bytes of CYCLE: the trunk's
+    blocks write nothing (o_proj and down_proj zero), so the last hidden row is the
+    current token's embedding, and lm_head row next(b) is the embedding of byte b. Its
+    random MiMo draft layers are left as they are (mostly rejected)."""
+    from safetensors.numpy import load_file, save_file
+    from tokenizers import Tokenizer
+
+    root = tmp_path_factory.mktemp("utf8")
+    src = save_tiny_mtp("mimo", root / "src", n_layers=3)
+    cyc = Tokenizer.from_file(str(src / "tokenizer.json")).encode(CYCLE).ids
+    assert len(set(cyc)) == len(cyc) == 9
+    w = load_file(str(src / "model.safetensors"))
+    for name in w:
+        if name.startswith("model.layers.") and name.endswith(("o_proj.weight", "down_proj.weight")):
+            w[name] = np.zeros_like(w[name])
+    w["model.norm.weight"] = np.ones_like(w["model.norm.weight"])
+    emb = w["model.embed_tokens.weight"]
+    head = np.zeros_like(w["lm_head.weight"])
+    for a, b in zip(cyc, cyc[1:] + cyc[:1]):
+        head[b] = 4 * emb[a] / np.linalg.norm(emb[a])
+    w["lm_head.weight"] = head
+    save_file(w, str(src / "model.safetensors"))
+    path = root / "utf8.cmf"
+    convert_checkpoint(src, path, quant="q8")
+    return path
+
+
+def test_multibyte_utf8_texts_are_the_same(utf8_model):
+    """Accents, CJK and emoji, cut at every byte boundary: plain and speculative decoding
+    (real draft layers, and drafts rigged to be right j of 3 times) give the same ids and
+    the same per-token texts, and the texts concatenate to the result text, including the
+    bytes of a character the last token leaves unfinished."""
+    eng, stack = _load(utf8_model)
+    prompt = eng.tokenizer.encode("Hi é", add_bos=False)
+    tails = 0
+    for n in range(3, 15):
+        plain = eng.generate(prompt, max_tokens=n, speculative=False)
+        assert "中" in plain.text and plain.text.startswith("中")
+        tails += plain.text.endswith("\ufffd")  # the last token stops inside a character
+        for j in (None, 0, 2, 3):
+            override = None if j is None else _rigged_from(plain, prompt, j, eng.vocab_size)[1]
+            spec = _spec(eng, prompt, make_drafter(eng.model, stack, eng.ctx, override=override), max_tokens=n)
+            _assert_same(plain, spec)
+        # Stop strings cut inside the multi-byte stream the same way.
+        stopped = eng.generate(prompt, max_tokens=n, stop=["😀é"], speculative=False)
+        _assert_same(stopped, _spec(eng, prompt, make_drafter(eng.model, stack, eng.ctx), max_tokens=n, stop=["😀é"]))
+    assert tails >= 6  # 9 bytes per cycle: most budgets end mid-character
+    assert "😀" in plain.text and plain.finish_reason == "max_tokens"
+
+
+@pytest.mark.slow
+def test_smollm2_multibyte_texts_are_the_same(smollm2_cmf, tmp_path):
+    """SmolLM2 answering in French, Chinese and emoji: plain and speculative decoding
+    (random draft layers; drafts rigged right at depths 1-2 of 3) emit the same ids and
+    per-token texts, which concatenate to the result text."""
+    from tests.mtp_tiny import write_random_sidecar
+
+    path = smollm2_cmf("q8")
+    side = write_random_sidecar(path, tmp_path / "rand.mtp.cmf", n_layers=3, quant="q8")
+    eng = Engine.load(path, threads=1, mtp=side)
+    tok = eng.tokenizer
+    multibyte = 0
+    for question in ("Écris une phrase sur l'été à Paris, en français.", "请用中文介绍一下北京。", "Give me five emoji about food: 🍕"):
+        prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": question}]), add_bos=False)
+        plain = eng.generate(prompt, max_tokens=24, speculative=False)
+        multibyte += len(plain.text.encode("utf-8")) > len(plain.text)
+        _assert_same(plain, _spec(eng, prompt, make_drafter(eng.model, eng.drafts, eng.ctx), max_tokens=24))
+        _, override = _rigged_from(plain, prompt, 2, eng.vocab_size)
+        _assert_same(plain, _spec(eng, prompt, make_drafter(eng.model, eng.drafts, eng.ctx, override=override), max_tokens=24))
+    assert multibyte >= 2
+
+
+def test_the_engine_owns_the_policy(models):
+    """``Engine.load(mtp=...)`` loads the drafts; ``generate(speculative=...)`` decides."""
+    from formats.errors import CortiqError
+
+    path = models["mimo", "q8"]
+    plain_eng = Engine.load(path, threads=1)  # mtp=False: no draft layers, plain decoding
+    assert plain_eng.drafts is None and "mtp" not in plain_eng.generate([1, 2, 3], max_tokens=4).extra
+    with pytest.raises(CortiqError, match="no MTP draft layers"):
+        plain_eng.generate([1, 2, 3], max_tokens=4, speculative=True)
+    eng, stack = _load(path)
+    plain = eng.generate([1, 2, 3], max_tokens=12, speculative=False)
+    auto = eng.generate([1, 2, 3], max_tokens=12)  # draft layers loaded, greedy: speculative
+    _assert_same(plain, auto)
+    assert auto.extra["mtp"]["depth"] == 3 and auto.extra["mtp"]["chain"] == "independent"
+    deep = eng.generate([1, 2, 3], max_tokens=12, speculative=SpeculativeConfig(depth=2, chain="recursive", hidden="post"))
+    _assert_same(plain, deep)
+    assert (deep.extra["mtp"]["depth"], deep.extra["mtp"]["chain"], deep.extra["mtp"]["hidden"]) == (2, "recursive", "post")
+    sampled = eng.generate([1, 2, 3], SamplingConfig(temperature=0.8, seed=1), max_tokens=4)
+    assert "mtp" not in sampled.extra and "greedy" in sampled.extra["mtp_note"]
+    assert "evict" in eng.generate([1, 2, 3], max_tokens=4, evict=True).extra["mtp_note"]
+    with pytest.raises(CortiqError, match="greedy"):
+        eng.generate([1, 2, 3], SamplingConfig(temperature=0.8), max_tokens=4, speculative=True)

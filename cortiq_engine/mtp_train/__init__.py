@@ -12,7 +12,6 @@ imported only when training starts), are written as a standard MTP sidecar
 - ``features``     hidden rows + teacher top-k, split into windows
 - ``draft_torch``  the draft layers as torch modules, initialized from the backbone
 - ``trainer``      the loop: distillation loss, checkpoints, resume
-- ``acceptance``   teacher-forced acceptance per depth, chained, tokens per round
 - ``export``       the sidecar file
 - ``engine_drafts`` the sidecar run by the engine's numpy/numba layers
 """

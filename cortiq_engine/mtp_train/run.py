@@ -10,7 +10,7 @@ from typing import Any, Callable
 from formats.errors import CortiqError
 from formats.untrusted_json import section
 from formats.sidecar import sidecar_path
-from cortiq_engine.mtp_train.acceptance import Acceptance, acceptance
+from cortiq_engine.acceptance import Acceptance
 from cortiq_engine.mtp_train.config import TrainConfig
 
 
@@ -150,5 +150,5 @@ def train_mtp(
 
         layers = load_draft_layers(out, backbone)
         drafts = engine_drafts(backbone, layers, feats.tokens[feats.held], feats.hidden[feats.held])
-        result.held_engine = acceptance(drafts, feats.greedy[feats.held])
+        result.held_engine = Acceptance.from_arrays(drafts, feats.greedy[feats.held])
     return result

@@ -32,7 +32,7 @@ import numpy as np
 
 from formats.errors import CortiqError
 from formats.untrusted_json import load_object
-from cortiq_engine.mtp_train.acceptance import Acceptance, acceptance
+from cortiq_engine.acceptance import Acceptance
 from cortiq_engine.mtp_train.config import TrainConfig
 from cortiq_engine.mtp_train.features import Features
 
@@ -283,4 +283,4 @@ class Trainer:
         return out
 
     def evaluate(self, windows: np.ndarray) -> Acceptance:
-        return acceptance(self.drafts(windows), self.f.greedy[windows])
+        return Acceptance.from_arrays(self.drafts(windows), self.f.greedy[windows])
