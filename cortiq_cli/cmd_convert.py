@@ -9,7 +9,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 from rich.table import Table
 
 from cortiq_cli.common import console, err_console, handle_errors, human_bytes, print_json, print_table
-from formats.convert import MTP_MODES, ConvertReport, QuantPolicy
+from formats.convert import KEEP, MTP_MODES, ConvertReport, QuantPolicy
 from formats.quants import QUANT_CHOICES
 
 
@@ -25,7 +25,10 @@ def convert_checkpoint(src, out, **kw) -> ConvertReport:
 def convert(
     src: str = typer.Argument(..., help="HF checkpoint folder, hub repo id (org/name) or .gguf file."),
     out: Path = typer.Argument(..., help="Output .cmf file."),
-    quant: str = typer.Option("q8", "--quant", "-q", help=f"Default dtype of matrices: {', '.join(QUANT_CHOICES)}."),
+    quant: str = typer.Option(
+        "q8", "--quant", "-q",
+        help=f"Default dtype of matrices: {', '.join(QUANT_CHOICES)}, or {KEEP} (each in its source's type where CMF has one, else q8).",
+    ),
     keep: list[str] = typer.Option(
         [], "--keep", help="PATTERN=DTYPE override on CMF tensor names (fnmatch; repeatable), e.g. 'lm_head.weight=f16'."
     ),
@@ -53,9 +56,7 @@ def convert(
         task = bar.add_task("converting", total=None, tensor="")
 
         def on_progress(name: str, done: int, total: int) -> None:
-            # A .gguf source is first imported into a temporary HF folder (counted in values).
-            stage = "importing GGUF" if name.startswith("gguf: ") else "converting"
-            bar.update(task, completed=done, total=total, tensor=name.removeprefix("gguf: "), description=stage)
+            bar.update(task, completed=done, total=total, tensor=name)
 
         report = convert_checkpoint(src, out, quant=quant, keep=keep_pairs, mtp=mtp, force=force, progress=on_progress)
     _render(report)

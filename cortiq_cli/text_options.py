@@ -7,18 +7,20 @@ from typing import Annotated, Optional
 
 import typer
 
-from evals.text_source import TextSpec
+from evals.text_source import BUNDLED_CORPORA, TextSpec
+
+_BUNDLED = ", ".join(BUNDLED_CORPORA)
 
 TEXT_PANEL = "Text"
 WINDOW_PANEL = "Windows"
 
 TextFile = Annotated[
     Optional[Path],
-    typer.Option("--text", "-f", help="Text to score: plain text, or .jsonl/.json/.csv/.tsv/.parquet with --column. Default: the bundled public-domain text (Alice in Wonderland).", rich_help_panel=TEXT_PANEL),
+    typer.Option("--text", "-f", help=f"Text to score: a bundled public-domain text by name ({_BUNDLED}; default alice), a plain text file, or .jsonl/.json/.csv/.tsv/.parquet with --column.", rich_help_panel=TEXT_PANEL),
 ]
 Dataset = Annotated[
     Optional[str],
-    typer.Option("--dataset", help="A `datasets` name, a folder saved with save_to_disk, or json|csv|parquet|text with --data-files.", rich_help_panel=TEXT_PANEL),
+    typer.Option("--dataset", help=f"A bundled text ({_BUNDLED}), a `datasets` name, a folder saved with save_to_disk, or json|csv|parquet|text with --data-files.", rich_help_panel=TEXT_PANEL),
 ]
 Config = Annotated[Optional[str], typer.Option("--config", help="Data-set configuration (e.g. wikitext-2-raw-v1).", rich_help_panel=TEXT_PANEL)]
 Split = Annotated[Optional[str], typer.Option("--split", help="Data-set split (default: the only one).", rich_help_panel=TEXT_PANEL)]

@@ -1,6 +1,10 @@
 """An HF checkpoint as the converter sees it: config, tokenizer files, and a lazy
 name -> tensor map over one or many safetensors shards.
 
+``Checkpoint`` is what the converter reads of any source; ``HFCheckpoint`` (a folder
+or a hub repo id) and ``formats.gguf_import.GgufCheckpoint`` (a .gguf file, nothing
+written to disk) provide it.
+
 SRC may be a local folder or a hub repo id; a hub id goes through
 huggingface_hub, which offline fails with a clear message.
 """
@@ -11,7 +15,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Protocol
 
 import numpy as np
 
@@ -21,6 +25,26 @@ from formats.quants import bf16_to_f32
 from formats.safetensors_reader import SafetensorsFile
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+class Checkpoint(Protocol):
+    """A source of named tensors plus the HF files the converter reads (config.json,
+    tokenizer.json, tokenizer_config.json, generation_config.json...)."""
+
+    root: Path
+    origin: str
+    config: dict[str, Any]
+
+    def names(self) -> list[str]: ...
+    def shape(self, name: str) -> tuple[int, ...]: ...
+    def source_dtype(self, name: str) -> str: ...
+    def iter_f32_rows(self, name: str, max_elems: int = 1 << 20) -> Iterator[np.ndarray]: ...
+    def tensor(self, name: str) -> np.ndarray: ...
+    def sample_f32(self, name: str, count: int = 64) -> np.ndarray: ...
+    def release_pages(self) -> None: ...
+    def close(self) -> None: ...
+    def read_text(self, name: str) -> str | None: ...
+    def read_json(self, name: str) -> dict[str, Any] | None: ...
 
 
 @dataclass

@@ -10,7 +10,8 @@ only when everything succeeded (see ``CmfWriter``).
 
 From a GGUF, a tensor whose GGML block layout equals its CMF dtype's (Q8_0 -> q8,
 Q4_1 -> q4) has its blocks copied bit for bit (a reshuffle into the planar parts, no
-arithmetic). ``--quant keep`` gives each matrix its source's type where CMF has one
+arithmetic); the others are dequantized from the GGUF's map slice by slice, as a
+safetensors source is read (no temporary HF folder: ``formats.gguf_import.GgufCheckpoint``). ``--quant keep`` gives each matrix its source's type where CMF has one
 (F32/F16/BF16/Q8_0/Q4_1) and q8 otherwise (K-quants, Q5_0...: q8 is the CMF type
 that holds them best). A CMF file is a source too: its tensors are re-encoded (or
 copied, where the dtype stays), as ``llama-quantize`` does for GGUFs.
@@ -22,8 +23,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,7 +40,7 @@ from formats.policy import QuantPolicy
 from formats.quants import f32_to_bf16, get_dtype, rows_cols
 from formats.safetensors_reader import FLOAT_DTYPES
 from formats.sanitize import sanitize_checkpoint
-from formats.staging import hold, remove_stale
+from formats.staging import remove_stale
 from formats.sidecar import ROLE_MODEL, ROLE_SIDECAR, backbone_identity, check_sidecar, sidecar_path
 from formats.tokenizer_header import TOKENIZER_TENSOR, tokenizer_header
 
@@ -272,30 +271,18 @@ def _is_cmf(path: Path) -> bool:
 def _convert_gguf(
     path: Path, out: Path, families: Families, policy: QuantPolicy, mtp: str, force: bool, progress: ProgressFn | None, keep_source: bool = False
 ) -> ConvertReport:
-    """GGUF -> a temporary HF checkpoint beside ``out`` -> CMF; the temporary folder always
-    goes. Blocks whose layout CMF shares are copied from the GGUF itself."""
-    from formats.checkpoint import open_checkpoint
-
+    """GGUF -> CMF, tensor by tensor: each is dequantized from the map in row slices as
+    the writer needs it (nothing staged on disk); blocks whose layout CMF shares are
+    copied from the GGUF itself."""
     if not path.is_file():
         raise CortiqError(f"{path}: no such file")
+    from formats.gguf_import import open_gguf_checkpoint
+
+    ck, blocks = open_gguf_checkpoint(path)
     try:
-        from formats.gguf_import import gguf_to_checkpoint_with_blocks
-    except ImportError:
-        raise CortiqError("reading .gguf files needs formats.gguf_import, which this build lacks") from None
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.gguf-", dir=out.parent))
-    held = hold(tmp)  # a later run removes it only once this process is gone
-    try:
-        staged = None if progress is None else (lambda name, done, total: progress(f"gguf: {name}", done, total))
-        ck_dir, blocks = gguf_to_checkpoint_with_blocks(path, tmp / "checkpoint", progress=staged)
-        ck = open_checkpoint(ck_dir)
-        ck.origin = str(path)
-        try:
-            return _convert(ck, out, families, policy, mtp, force, progress, source_format="gguf", blocks=blocks, keep_source=keep_source)
-        finally:
-            ck.close()
+        return _convert(ck, out, families, policy, mtp, force, progress, source_format="gguf", blocks=blocks, keep_source=keep_source)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-        held.release()
+        ck.close()
 
 
 def _convert_cmf(
@@ -460,6 +447,7 @@ class _Streamer:
         b = self.blocks.get(p.source)
         if b is not None and BLOCK_COPY.get(b.ggml_type, ("",))[0] == dtype and len(p.shape) == 2:
             info = w.add_encoded(p.name, dtype, p.shape, ggml_block_parts(b, p.shape))
+            self.ck.release_pages()  # the blocks read from the source's map
             self.copied.append(p.name)
             self.done += int(np.prod(p.shape)) * itemsize
             if self.progress:

@@ -27,7 +27,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -618,6 +618,119 @@ def source_blocks(model: GgufModel) -> dict[str, SourceBlocks]:
         t = model.reader.tensors[p.index]
         out[p.name] = SourceBlocks(p.ggml_type, np.asarray(t.data), p.unpermute_heads)
     return out
+
+
+class GgufCheckpoint:
+    """A parsed GGUF as the converter reads a checkpoint (``formats.checkpoint.Checkpoint``):
+    the HF names, shapes and files ``import_gguf`` would write, with each tensor
+    dequantized on demand, row slice by row slice, straight from the map. Nothing is
+    written to disk; the values (and so the CMF made from them) are those of the
+    imported f32 folder, element for element."""
+
+    def __init__(self, model: GgufModel):
+        self.model = model
+        self.root = model.path
+        self.origin = str(model.path)
+        # Through JSON, as the folder's config.json would be read back.
+        self.config: dict[str, Any] = json.loads(_dumps(dict(model.config, torch_dtype="float32")))
+        self._plan = {p.name: p for p in model.tensors}
+        self._files: dict[str, str] = {
+            "config.json": _dumps(self.config),
+            "generation_config.json": _dumps(model.generation_config),
+            "tokenizer.json": model.tokenizer.tokenizer_json,
+            "tokenizer_config.json": _dumps(model.tokenizer.tokenizer_config),
+        }
+
+    # --------------------------------------------------------------- tensors
+    def names(self) -> list[str]:
+        return list(self._plan)
+
+    def _entry(self, name: str) -> PlannedTensor:
+        if name not in self._plan:
+            raise CortiqError(f"{self.root}: missing tensor {name}")
+        return self._plan[name]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._entry(name).shape
+
+    def source_dtype(self, name: str) -> str:
+        """What the reads yield: f32, whatever the GGML type (``model.tensors`` has that)."""
+        self._entry(name)
+        return "F32"
+
+    def _rows(self, p: PlannedTensor, rows: np.ndarray | slice) -> np.ndarray:
+        """HF rows ``rows`` of ``p`` as f32 [n, cols]: dequantized, de-permuted, offset."""
+        import gguf
+
+        t = self.model.reader.tensors[p.index]
+        n_rows = math.prod(p.shape[:-1]) if len(p.shape) > 1 else 1
+        data = t.data.reshape(n_rows, -1)
+        if p.unpermute_heads:
+            rows = unpermute_rope_rows(np.arange(n_rows), p.unpermute_heads)[rows]
+        x = gguf.quants.dequantize(data[rows], t.tensor_type)
+        x = np.ascontiguousarray(x.reshape(x.shape[0], p.shape[-1] if p.shape else 1), dtype=np.float32)
+        if p.offset:
+            x = x + np.float32(p.offset)  # F32 tensors are read-only views of the map
+        return x
+
+    def iter_f32_rows(self, name: str, max_elems: int = 1 << 20) -> Iterator[np.ndarray]:
+        """f32[rows, cols] slices in order, handing consumed pages back to the OS."""
+        p = self._entry(name)
+        t = self.model.reader.tensors[p.index]
+        rows = math.prod(p.shape[:-1]) if len(p.shape) > 1 else 1
+        cols = p.shape[-1] if p.shape else 1
+        step = max(1, max_elems // max(cols, 1))
+        for r0 in range(0, rows, step):
+            r1 = min(rows, r0 + step)
+            yield self._rows(p, slice(r0, r1))
+            if not p.unpermute_heads:  # permuted rows come from all over the tensor
+                row_bytes = t.n_bytes // max(rows, 1)
+                self.model.reader.release(t.data_offset + r0 * row_bytes, t.data_offset + r1 * row_bytes)
+        if p.unpermute_heads:
+            self.release(name)
+
+    def tensor(self, name: str) -> np.ndarray:
+        p = self._entry(name)
+        return self._rows(p, slice(None)).reshape(p.shape)
+
+    def sample_f32(self, name: str, count: int = 64) -> np.ndarray:
+        """``count`` evenly spaced elements of the f32 tensor (as ``HFCheckpoint.sample_f32``),
+        dequantizing only the rows that hold them."""
+        p = self._entry(name)
+        size = math.prod(p.shape)
+        if size == 0:
+            return np.zeros(0, np.float32)
+        cols = p.shape[-1] if p.shape else 1
+        idx = np.linspace(0, size - 1, num=min(count, size)).astype(np.int64)
+        rows, at = np.unique(idx // cols, return_inverse=True)
+        vals = self._rows(p, rows)[at.reshape(-1), idx % cols]
+        self.release(name)
+        return vals
+
+    def release(self, name: str) -> None:
+        """Hand the mapped pages of one tensor back to the OS."""
+        t = self.model.reader.tensors[self._entry(name).index]
+        self.model.reader.release(t.data_offset, t.data_offset + t.n_bytes)
+
+    def release_pages(self) -> None:
+        self.model.reader.release()
+
+    def close(self) -> None:
+        pass  # the map goes with the model; views of it (block copies) may still be in use
+
+    # --------------------------------------------------------------- files
+    def read_text(self, name: str) -> str | None:
+        return self._files.get(name)
+
+    def read_json(self, name: str) -> dict[str, Any] | None:
+        text = self._files.get(name)
+        return None if text is None else json.loads(text)
+
+
+def open_gguf_checkpoint(src: str | os.PathLike) -> tuple[GgufCheckpoint, dict[str, SourceBlocks]]:
+    """The GGUF ``src`` as a checkpoint (see ``GgufCheckpoint``) and its ``source_blocks``."""
+    model = read_gguf(src)
+    return GgufCheckpoint(model), source_blocks(model)
 
 
 def gguf_to_checkpoint_with_blocks(

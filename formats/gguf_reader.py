@@ -10,6 +10,7 @@ Dequantization stays with gguf-py (``gguf.quants``).
 
 from __future__ import annotations
 
+import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,7 +87,11 @@ class GgufFile:
         import gguf
 
         self.path = Path(path)
-        self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
+        with open(self.path, "rb") as f:
+            if f.seek(0, 2) == 0:
+                raise ValueError("empty file")
+            self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self._map = np.frombuffer(self._mmap, dtype=np.uint8)
         cur = _Cursor(memoryview(self._map))
         if bytes(self._map[:4]) != b"GGUF":
             raise ValueError("bad magic")
@@ -131,3 +136,24 @@ class GgufFile:
             else:
                 data = self._map[at : at + n_bytes].reshape(*np_dims[:-1], np_dims[-1] // block * size)
             self.tensors.append(Tensor(name, np.array(dims, dtype=np.uint64), qtype, n, n_bytes, at, data))
+
+    def release(self, start: int = 0, end: int | None = None) -> None:
+        """Hand the mapped pages of bytes [start, end) back to the OS (all by default).
+
+        File-backed and read-only: dropping them only unmaps them; a later read faults
+        them back in from the page cache. A conversion calls this as it goes, so the
+        pages it has read do not add up to the whole file in its RSS."""
+        if not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        end = len(self._mmap) if end is None else min(end, len(self._mmap))
+        lo = start // mmap.PAGESIZE * mmap.PAGESIZE
+        if end > lo:
+            self._mmap.madvise(mmap.MADV_DONTNEED, lo, end - lo)
+
+    def close(self) -> None:
+        """Unmap the file once no tensor view is left (views keep it mapped otherwise)."""
+        self._map = None  # type: ignore[assignment]
+        try:
+            self._mmap.close()
+        except BufferError:
+            pass
