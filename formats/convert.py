@@ -19,6 +19,7 @@ copied, where the dtype stays), as ``llama-quantize`` does for GGUFs.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import os
@@ -384,6 +385,16 @@ def _reencode(src: CmfFile, name: str, info, dtype: str, w: CmfWriter, err: list
     return w.add_encoded(name, dtype, info.shape, [b.reshape(sp.shape) for b, sp in zip(bufs, layout)])
 
 
+def _trim_heap() -> None:
+    """Hand the heap that parsing the tokenizer freed back to the OS. glibc keeps freed
+    heap memory for reuse, and the tensor phase (large arrays, mapped separately) never
+    reuses it: a 262k-token vocabulary (Gemma 3) left ~340 MB resident for the whole run."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim this way
+        pass
+
+
 def _source_identity(ck, plan: list[PlannedTensor], fp: str, source_format: str) -> dict[str, Any]:
     dtypes: dict[str, int] = {}
     for p in plan:
@@ -549,6 +560,7 @@ def _convert(
     tok_header, tok_bytes = tokenizer_header(ck)
     fp = fingerprint(ck, plan)
     ck.release_pages()  # sampling faulted in pages all over the source
+    _trim_heap()
     side = sidecar_path(out) if (mtp_plan and mtp_mode == "sidecar") else None
     if side is not None and side.exists() and not force:
         raise CortiqError(f"{side} exists (use --force to overwrite)")
