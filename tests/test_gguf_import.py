@@ -165,6 +165,7 @@ def write_tiny_gguf(
     rope_freqs: np.ndarray | None = None,
     tokenizer_model: str = "gpt2",
     vocab: tuple[list[str], list[str], str] | None = None,  # (tokens, merges, pre); default: bytes only
+    qtypes: dict[str, str] | None = None,  # HF name -> GGML type its matrix is stored in (gguf-py quantizes)
 ) -> Path:
     import gguf
 
@@ -206,7 +207,12 @@ def write_tiny_gguf(
                 x = llama_cpp_permute(x, cfg.num_attention_heads)
             if arch == "llama" and module == "self_attn.k_proj":
                 x = llama_cpp_permute(x, cfg.num_key_value_heads)
-        w.add_tensor(gname, x)
+        qtype = (qtypes or {}).get(name)
+        if qtype is None:
+            w.add_tensor(gname, x)
+        else:
+            qt = gguf.GGMLQuantizationType[qtype]
+            w.add_tensor(gname, gguf.quants.quantize(x, qt), raw_dtype=qt)
     if rope_freqs is not None:
         w.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
     w.write_header_to_file()
