@@ -58,6 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="llama.cpp vs cortiq chunk perplexity (SmolLM2-135M Q8_0 / q8, or --source).")
     ap.add_argument("--source", type=Path, default=None,
                     help="a GGUF: llama.cpp runs it, cortiq its f32 conversion (the same weights); target 1%%")
+    ap.add_argument("--llama-model", type=Path, default=None,
+                    help="with --source: the GGUF llama.cpp runs instead (e.g. make_gguf.py's F32 GGUF of the same "
+                    "weights, so neither side quantizes anything)")
     ap.add_argument("--text", type=Path, default=None, help="text file (default: evals/data/alice.txt)")
     ap.add_argument("--ctx", type=int, default=512, help="chunk size (llama-perplexity -c), default 512")
     ap.add_argument("--chunks", type=int, default=None, help="score at most this many chunks (default: all)")
@@ -85,11 +88,11 @@ def main(argv: list[str] | None = None) -> int:
         err = ensure_cmf(cmf, inputs.hf_dir, "q8", reconvert=False)
         l_label = "Q8_0"
     else:
-        gguf_path, quant, target = args.source, "f32", TARGET_OWN_WEIGHTS
+        gguf_path, quant, target = args.llama_model or args.source, "f32", TARGET_OWN_WEIGHTS
         cache.mkdir(parents=True, exist_ok=True)
         cmf = cache / f"{args.source.stem.lower()}-f32-direct.cmf"
         err = ensure_cmf(cmf, args.source, "f32", reconvert=False)
-        l_label = args.source.name
+        l_label = gguf_path.name
     if err:
         sys.exit(f"error: {err}")
     text_path = args.text or BUNDLED_TEXT

@@ -193,3 +193,27 @@ def test_ctrl_c_exits_130_and_leaves_nothing(llama, tmp_path, monkeypatch):
     r = runner.invoke(app, ["convert", str(llama), str(tmp_path / "m.cmf")])
     assert r.exit_code == 130 and "interrupted" in r.stderr and "Traceback" not in r.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def _help(*cmd: str) -> str:
+    r = runner.invoke(app, [*cmd, "--help"], env={"COLUMNS": "400", "NO_COLOR": "1"}, terminal_width=400)
+    assert r.exit_code == 0, r.output
+    return " ".join(r.output.split())
+
+
+def test_convert_help_lists_every_quant_including_keep():
+    from formats.quants import QUANT_CHOICES
+
+    quant_help = _help("convert").split("--quant", 1)[1].split("--keep", 1)[0]
+    for q in (*QUANT_CHOICES, "keep"):
+        assert f" {q}" in quant_help, q
+
+
+@pytest.mark.parametrize("cmd", ["ppl", "calibrate"])
+def test_text_help_lists_the_bundled_corpora(cmd):
+    from evals.text_source import BUNDLED_CORPORA
+
+    text_help = _help(cmd).split("--text", 1)[1].split("--config", 1)[0]
+    assert set(BUNDLED_CORPORA) >= {"alice", "hamlet", "sonnets"}
+    for name in BUNDLED_CORPORA:
+        assert name in text_help, name
