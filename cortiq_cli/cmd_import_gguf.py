@@ -9,18 +9,18 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from cortiq_cli.common import console, err_console, handle_errors, human_bytes, print_json, print_table
-from formats.gguf_import import OUT_DTYPES, ImportReport, import_gguf as run_import
+from formats.gguf_import import ARCHITECTURES, OUT_DTYPES, ImportReport, import_gguf as run_import
 
 
 @handle_errors
 def import_gguf(
-    file: Path = typer.Argument(..., help="The .gguf file (llama, qwen2, qwen3; byte-level BPE tokenizer)."),
+    file: Path = typer.Argument(..., help=f"The .gguf file ({', '.join(ARCHITECTURES)})."),
     out_dir: Path = typer.Argument(..., help="Folder to create: config.json, model.safetensors, tokenizer files."),
     dtype: str = typer.Option("f32", "--dtype", help=f"Weight dtype in model.safetensors: {', '.join(OUT_DTYPES)}."),
     force: bool = typer.Option(False, "--force", help="Replace OUT_DIR if it exists."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON report on stdout instead of tables."),
 ) -> None:
-    """Dequantize a GGUF into a checkpoint folder transformers (and [bold]cortiq convert[/]) can load."""
+    """Dequantize a GGUF into a checkpoint folder transformers can load ([bold]cortiq convert[/] reads the .gguf itself)."""
     if json_out:
         report = run_import(file, out_dir, dtype=dtype, force=force)
         print_json(report.to_json())

@@ -11,7 +11,8 @@ only when everything succeeded (see ``CmfWriter``).
 From a GGUF, a tensor whose GGML block layout equals its CMF dtype's (Q8_0 -> q8,
 Q4_1 -> q4) has its blocks copied bit for bit (a reshuffle into the planar parts, no
 arithmetic); the others are dequantized from the GGUF's map slice by slice, as a
-safetensors source is read (no temporary HF folder: ``formats.gguf_import.GgufCheckpoint``). ``--quant keep`` gives each matrix its source's type where CMF has one
+safetensors source is read (no temporary HF folder: ``gguf_import.GgufCheckpoint``).
+``--quant keep`` gives each matrix its source's type where CMF has one
 (F32/F16/BF16/Q8_0/Q4_1) and q8 otherwise (K-quants, Q5_0...: q8 is the CMF type
 that holds them best). A CMF file is a source too: its tensors are re-encoded (or
 copied, where the dtype stays), as ``llama-quantize`` does for GGUFs.

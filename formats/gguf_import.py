@@ -1,4 +1,6 @@
-"""GGUF file -> HF checkpoint folder (config.json, model.safetensors, tokenizer files).
+"""GGUF file -> HF checkpoint folder (config.json, model.safetensors, tokenizer files),
+or -> ``GgufCheckpoint``: the same checkpoint read straight from the GGUF's map, which
+``cortiq convert FILE.gguf`` streams into a CMF without writing the folder.
 
 ``read_gguf`` parses and validates everything first (architecture, shapes, tensor
 types, tokenizer) without writing; ``import_gguf`` then dequantizes one tensor at a
@@ -592,11 +594,6 @@ def _replace_dir(tmp: Path, out: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def gguf_to_checkpoint(src: str | os.PathLike, out_dir: str | os.PathLike, **kwargs: Any) -> Path:
-    """``import_gguf`` for callers that only need the folder (the converter's .gguf input)."""
-    return import_gguf(src, out_dir, **kwargs).output
-
-
 # ------------------------------------------------------------------ raw blocks
 
 @dataclass(frozen=True)
@@ -731,11 +728,3 @@ def open_gguf_checkpoint(src: str | os.PathLike) -> tuple[GgufCheckpoint, dict[s
     """The GGUF ``src`` as a checkpoint (see ``GgufCheckpoint``) and its ``source_blocks``."""
     model = read_gguf(src)
     return GgufCheckpoint(model), source_blocks(model)
-
-
-def gguf_to_checkpoint_with_blocks(
-    src: str | os.PathLike, out_dir: str | os.PathLike, **kwargs: Any
-) -> tuple[Path, dict[str, SourceBlocks]]:
-    """``gguf_to_checkpoint`` that also returns ``source_blocks`` (the GGUF parsed once)."""
-    model = read_gguf(src)
-    return import_gguf(src, out_dir, model=model, **kwargs).output, source_blocks(model)

@@ -2,8 +2,9 @@
 run left behind.
 
 Every writer stages its output as ``.NAME.<random>.tmp`` (a file or a folder),
-``.NAME.<random>.old`` (an old folder set aside) or ``.NAME.gguf-<random>`` (the
-converter's GGUF staging folder) in the output's folder, and holds an exclusive
+``.NAME.<random>.old`` (an old folder set aside) in the output's folder (a
+``.NAME.gguf-<random>`` folder is what converters before the streamed GGUF source
+staged; a dead one is still removed), and holds an exclusive
 ``flock`` on it while it lives (``hold``). A later run on the same output calls
 ``remove_stale(NAME)``: whatever it can lock belongs to no live process (a kill -9
 releases the lock with the process) and is removed; a run in progress keeps its lock
