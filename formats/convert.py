@@ -281,6 +281,7 @@ def _convert_gguf(
     from formats.gguf_import import open_gguf_checkpoint
 
     ck, blocks = open_gguf_checkpoint(path)
+    _trim_heap()  # what building the tokenizer freed, before the converter parses it again
     try:
         return _convert(ck, out, families, policy, mtp, force, progress, source_format="gguf", blocks=blocks, keep_source=keep_source)
     finally:
