@@ -61,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--llama-model", type=Path, default=None,
                     help="with --source: the GGUF llama.cpp runs instead (e.g. make_gguf.py's F32 GGUF of the same "
                     "weights, so neither side quantizes anything)")
+    ap.add_argument("--llama-tokens", action="store_true",
+                    help="score llama.cpp's token ids on both sides (default: each system tokenizes the text)")
     ap.add_argument("--text", type=Path, default=None, help="text file (default: evals/data/alice.txt)")
     ap.add_argument("--ctx", type=int, default=512, help="chunk size (llama-perplexity -c), default 512")
     ap.add_argument("--chunks", type=int, default=None, help="score at most this many chunks (default: all)")
@@ -109,13 +111,18 @@ def main(argv: list[str] | None = None) -> int:
 
     eng = Engine.load(cmf, threads=args.threads, ctx=ctx)
     c_bos = chunk_bos(eng.tokenizer)
-    c_tokens = eng.tokenizer.encode(text, add_bos=True)
-    same_tokens = l_tokens == c_tokens
+    own_tokens = eng.tokenizer.encode(text, add_bos=True)
+    c_tokens = list(l_tokens) if args.llama_tokens else own_tokens
     n_chunks = min(len(l_tokens), len(c_tokens)) // ctx
     if args.chunks:
         n_chunks = min(n_chunks, args.chunks)
     if n_chunks < 1:
         sys.exit(f"error: the text has fewer than --ctx={ctx} tokens")
+    # What is scored must be the same ids; the tokenizers may still differ further on.
+    same_tokens = l_tokens[: n_chunks * ctx] == c_tokens[: n_chunks * ctx]
+    first_diff = next((i for i, (a, b) in enumerate(zip(l_tokens, own_tokens)) if a != b), None)
+    if first_diff is None and len(l_tokens) != len(own_tokens):
+        first_diff = min(len(l_tokens), len(own_tokens))
     windows = chunk_windows(len(c_tokens), ctx, bos=c_bos, max_chunks=n_chunks)
     first = ctx // 2
 
@@ -158,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         "chunks": n_chunks,
         "tokens_scored": L.n,
         "same_tokens": same_tokens,
+        "tokenizers_first_difference": first_diff,  # over the whole text, cortiq's own tokenizer
+        "tokens": "llama.cpp's on both sides" if args.llama_tokens else "each system's own",
         "llama_cpp": {"model": str(gguf_path), "version": llama_cpp.__version__, "bos_per_chunk": l_bos,
                       "ppl": ppl_l, "ppl_se": ppl_l * L.se, "nll_mean": L.mean, "seconds": t_llama},
         "cortiq": {"model": str(cmf), "bos_per_chunk": c_bos, "ppl": ppl_c, "ppl_se": ppl_c * C.se,
@@ -175,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(report))
     else:
         print(f"text {text_path.name}: {n_chunks} chunks of {ctx}, {L.n} tokens scored, tokenizations "
-              f"{'identical' if same_tokens else 'DIFFER'}")
+              f"{'identical' if same_tokens else 'DIFFER'} over the scored chunks"
+              + ("" if first_diff is None else f" (the whole text's first differ at token {first_diff})"))
         print(f"llama.cpp {llama_cpp.__version__} {l_label}: PPL = {ppl_l:.4f} +/- {ppl_l * L.se:.5f}  ({t_llama:.1f} s)")
         print(f"cortiq {quant}: PPL = {ppl_c:.4f} +/- {ppl_c * C.se:.5f}  ({t_cortiq:.1f} s)")
         print(f"relative difference {100 * rel:+.3f}% (target within {100 * target:.0f}%): "
