@@ -39,7 +39,7 @@ from formats.gguf_tokenizer import TokenizerFiles, build_tokenizer
 from formats.safetensors_writer import SafetensorsStream
 
 # Bump when the files written change, so caches keyed on it rebuild.
-IMPORTER_VERSION = "2"
+IMPORTER_VERSION = "3"
 OUT_DTYPES = {"f32": ("F32", 4), "f16": ("F16", 2), "bf16": ("BF16", 2)}
 ProgressFn = Callable[[str, int, int], None]  # (tensor name, params done, params total)
 

@@ -343,7 +343,11 @@ def _build_gemma(meta: dict[str, Any], n_embd_rows: int) -> TokenizerFiles:
     tok.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous", invert=False)
     tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
     special = [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty == CONTROL]
-    user = [AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types) if ty == USER_DEFINED]
+    # User-defined tokens match whole, longest first, before BPE (SentencePiece's and
+    # llama.cpp's rule). The whitespace runs among them are spelled with "\u2581"s,
+    # so they match the normalized text (a run of 54 spaces is 31 + 23, not 16 + 16 + 22).
+    user = [AddedToken(t, special=False, normalized=bool(t) and set(t) == {"\u2581"})
+            for t, ty in zip(tokens, types) if ty == USER_DEFINED]
     tok.add_special_tokens(special)
     tok.add_tokens(user)
     if tok.get_vocab_size(with_added_tokens=True) != len(tokens):

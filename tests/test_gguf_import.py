@@ -97,6 +97,25 @@ def test_tokenizer_matches_llama_cpp(smollm2_hf: Path, smollm2_gguf: Path):
         assert raw.encode(text).ids == lcpp.tokenize(text.encode(), add_bos=False, special=True), text
 
 
+@pytest.mark.slow
+def test_gemma3_tokenizer_matches_llama_cpp(gemma3_gguf: Path):
+    """Gemma's user-defined tokens (whitespace runs up to 31 spaces, HTML tags) match
+    whole and longest first, as in SentencePiece and llama.cpp: 54 spaces are 31 + 23
+    (a BPE over the runs would give 16 + 16 + 22; the bundled texts have such runs)."""
+    import llama_cpp
+    from tokenizers import Tokenizer
+
+    from evals.text_source import BUNDLED_CORPORA
+    from formats.gguf_import import read_gguf
+
+    ours = Tokenizer.from_str(read_gguf(gemma3_gguf).tokenizer.tokenizer_json)
+    lcpp = llama_cpp.Llama(str(gemma3_gguf), vocab_only=True, verbose=False)
+    texts = SENTENCES + ["to\n" + " " * 54 + "sea", "a" + " " * 40 + "b<table>", "x\n\n\n   y  \t z"]
+    texts += [path.read_text(encoding="utf-8") for path, _ in BUNDLED_CORPORA.values()]
+    for text in texts:
+        assert ours.encode(text, add_special_tokens=False).ids == lcpp.tokenize(text.encode(), add_bos=False, special=True), text[:80]
+
+
 def test_greedy_chat_answer_is_sensible(smollm2_hf: Path):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
