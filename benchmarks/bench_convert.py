@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parent.parent
 DEFAULT_CACHE = REPO / ".cortiq-cache" / "bench-convert"
 # A child with what any conversion needs loaded: the CLI, the converter, compiled quantizers.
 INTERPRETER = (
-    "import numpy as np, gguf, tokenizers, cortiq_cli.main; from formats.convert import convert_checkpoint; "
+    "import numpy as np, gguf, tokenizers, cortiq_cli.main; from cortiq_engine.convert import convert_checkpoint; "
     "from formats.quants import get_dtype; x = np.ones((4, 64), np.float32); "
     "[get_dtype(d).encode(x) for d in ('q8', 'q4', 'f16', 'bf16')]"
 )
