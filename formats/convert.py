@@ -38,7 +38,7 @@ from formats.errors import CortiqError
 from formats.manifest import ArchFamily, Families, check_manifest
 from formats.mtp_names import mtp_layer_count, naming_scheme, normalize
 from formats.policy import QuantPolicy
-from formats.quants import f32_to_bf16, get_dtype, rows_cols
+from formats.quants import DTYPES, f32_to_bf16, get_dtype, rows_cols
 from formats.safetensors_reader import FLOAT_DTYPES
 from formats.sanitize import sanitize_checkpoint
 from formats.staging import hold, remove_stale
@@ -57,11 +57,11 @@ SLICE_ELEMS = 1 << 20
 _ST_ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}
 _LOSSLESS = {("f32", "F32"), ("f32", "F16"), ("f32", "BF16"), ("f16", "F16"), ("bf16", "BF16")}
 KEEP = "keep"  # --quant keep: each matrix in its source type where CMF has one
+# GGML types whose blocks are a CMF dtype's planar parts, interleaved: GGML type -> CMF dtype.
+BLOCK_COPY = {dt.ggml_type: name for name, dt in DTYPES.items() if dt.ggml_type}
 # Source type (safetensors or GGML) -> the CMF dtype that stores it exactly.
-SOURCE_TO_CMF = {"F32": "f32", "F16": "f16", "BF16": "bf16", "Q8_0": "q8", "Q4_1": "q4"}
+SOURCE_TO_CMF = {"F32": "f32", "F16": "f16", "BF16": "bf16", **BLOCK_COPY}
 KEEP_FALLBACK = "q8"
-# GGML types whose blocks are our planar parts, interleaved: (CMF dtype, bytes per block).
-BLOCK_COPY = {"Q8_0": ("q8", 34), "Q4_1": ("q4", 20)}
 # config.json keys that vary between exports of the same weights.
 _VOLATILE_KEYS = ("transformers_version", "_name_or_path", "torch_dtype", "dtype", "architectures", "_commit_hash")
 
@@ -329,8 +329,8 @@ def _convert_cmf(
         try:
             for name in src.names():
                 info = src.info(name)
-                if info.dtype == "u8":
-                    w.add_encoded(name, "u8", info.shape, [src.tensor_parts(name)["data"]])
+                if not get_dtype(info.dtype).matrix:  # embedded files: bytes as they are
+                    w.add_encoded(name, info.dtype, info.shape, [src.tensor_parts(name)["data"]])
                     continue
                 kept = policy.matching_keep(name)
                 if kept is not None and len(info.shape) >= 2:
@@ -458,7 +458,7 @@ class _Streamer:
         src_dtype = self.ck.source_dtype(p.source)
         itemsize = _ST_ITEMSIZE[src_dtype]
         b = self.blocks.get(p.source)
-        if b is not None and BLOCK_COPY.get(b.ggml_type, ("",))[0] == dtype and len(p.shape) == 2:
+        if b is not None and BLOCK_COPY.get(b.ggml_type) == dtype and len(p.shape) == 2:
             info = w.add_encoded(p.name, dtype, p.shape, ggml_block_parts(b, p.shape))
             self.copied.append(p.name)
             self.done += int(np.prod(p.shape)) * itemsize
@@ -525,24 +525,16 @@ class _Streamer:
 
 
 def ggml_block_parts(b, shape: tuple[int, ...]) -> list[np.ndarray]:
-    """A Q8_0 / Q4_1 tensor's interleaved GGML blocks -> our planar parts, byte for byte.
-
-    Q8_0 block: f16 d, 32 x int8.  Q4_1 block: f16 d, f16 m, 16 bytes of nibbles (element
-    j low, j + 16 high: our q4 packing). Rows move whole (llama's q/k row order).
-    """
+    """A tensor's interleaved GGML blocks -> the planar parts of its CMF dtype, byte for
+    byte (``DType.from_ggml``). Rows move whole (llama's q/k row order)."""
     from formats.gguf_import import unpermute_rope_rows
 
     rows, cols = shape
-    dtype, size = BLOCK_COPY[b.ggml_type]
-    nb = cols // 32
-    blk = np.asarray(b.data, dtype=np.uint8).reshape(rows, nb, size)
+    dt = get_dtype(BLOCK_COPY[b.ggml_type])
+    blk = np.asarray(b.data, dtype=np.uint8).reshape(rows, cols // dt.block, dt.block_bytes)
     if b.unpermute_heads:
         blk = unpermute_rope_rows(blk, b.unpermute_heads)
-    d = np.ascontiguousarray(blk[:, :, 0:2]).view("<f2").reshape(rows, nb)
-    if dtype == "q8":
-        return [d, np.ascontiguousarray(blk[:, :, 2:]).view(np.int8).reshape(rows, cols)]
-    m = np.ascontiguousarray(blk[:, :, 2:4]).view("<f2").reshape(rows, nb)
-    return [d, m, np.ascontiguousarray(blk[:, :, 4:]).reshape(rows, cols // 2)]
+    return dt.from_ggml(blk)
 
 
 def _convert(

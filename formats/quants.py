@@ -28,6 +28,7 @@ decodes with ggml's Q8_0 formula.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
@@ -49,8 +50,6 @@ def rows_cols(shape: tuple[int, ...]) -> tuple[int, int]:
     rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
     return rows, cols
 
-
-_rows_cols = rows_cols  # old private name
 
 
 # ---------------------------------------------------------------- bf16 helpers
@@ -172,32 +171,43 @@ class Part:
         return int(np.prod(self.shape)) * self.dtype.itemsize
 
 
-@dataclass(frozen=True)
-class DType:
-    name: str
-    quantized: bool
+DTYPES: dict[str, "DType"] = {}
 
+
+class DType:
+    """One CMF dtype: its planar byte layout, encoder, decoder and the arrays its kernels take.
+
+    Each dtype is a subclass that names itself (``name = "q8"``) and so registers one
+    instance in ``DTYPES`` (gguf-py's ``quants.py`` shape): code asks the dtype, it
+    never compares dtype names.
+    """
+
+    name: ClassVar[str]
+    quantized: ClassVar[bool] = False
+    # Elements per block along the last dim (a quantized tensor's last dim is a multiple).
+    block: ClassVar[int] = 1
+    # Stored as f32: kernels multiply by the stored array in place, nothing to decode.
+    native: ClassVar[bool] = False
+    # Can be a weight matrix of the engine (u8 blobs cannot).
+    matrix: ClassVar[bool] = True
+    # The parts a kernel takes, in its argument order.
+    kernel_parts: ClassVar[tuple[str, ...]] = ("data",)
+    # Bits per weight, scales included (docs/cmf.md; the policy presets quote them).
+    bits: ClassVar[float] = 32.0
+    # The GGML block type holding exactly these bytes (interleaved), for block copies.
+    ggml_type: ClassVar[str | None] = None
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if "name" in cls.__dict__:
+            DTYPES[cls.name] = cls()
+
+    def __repr__(self) -> str:
+        return f"DType({self.name!r})"
+
+    # ------------------------------------------------------------ layout
     def parts(self, shape: tuple[int, ...]) -> list[Part]:
-        rows, cols = rows_cols(shape)
-        n = int(np.prod(shape)) if shape else 1
-        if self.name == "f32":
-            return [Part("data", np.dtype("<f4"), (n,))]
-        if self.name == "f16":
-            return [Part("data", np.dtype("<f2"), (n,))]
-        if self.name == "bf16":
-            return [Part("data", np.dtype("<u2"), (n,))]
-        if self.name == "u8":
-            return [Part("data", np.dtype("u1"), (n,))]
-        nb = cols // QBLOCK
-        if self.name == "q8":
-            return [Part("d", np.dtype("<f2"), (rows, nb)), Part("qs", np.dtype("i1"), (rows, cols))]
-        if self.name == "q4":
-            return [
-                Part("d", np.dtype("<f2"), (rows, nb)),
-                Part("m", np.dtype("<f2"), (rows, nb)),
-                Part("qs", np.dtype("u1"), (rows, cols // 2)),
-            ]
-        raise AssertionError(self.name)
+        raise NotImplementedError
 
     def nbytes(self, shape: tuple[int, ...]) -> int:
         """Blob size: parts laid end to end, each padded to ALIGN except the last."""
@@ -208,10 +218,37 @@ class DType:
         return total
 
     def supports(self, shape: tuple[int, ...]) -> bool:
-        if not self.quantized:
-            return True
-        return len(shape) >= 2 and int(shape[-1]) % QBLOCK == 0
+        return True
 
+    @property
+    def requirement(self) -> str:
+        """What ``supports`` asks of a shape, for error messages."""
+        return "any shape"
+
+    def named(self, parts: list[np.ndarray], shape: tuple[int, ...]) -> dict[str, np.ndarray]:
+        """The encoder's ordered parts as the name -> array dict ``decode`` takes."""
+        return {p.name: a.reshape(p.shape) for p, a in zip(self.parts(shape), parts)}
+
+    def view(self, buf: memoryview | np.ndarray, offset: int, shape: tuple[int, ...]) -> dict[str, np.ndarray]:
+        """Zero-copy planar arrays over ``buf`` (a uint8 array) starting at ``offset``."""
+        out = {}
+        pos = offset
+        for p in self.parts(shape):
+            count = int(np.prod(p.shape))
+            out[p.name] = np.frombuffer(buf, dtype=p.dtype, count=count, offset=pos).reshape(p.shape)
+            pos += align_up(p.nbytes)
+        return out
+
+    def matrix_parts(self, rows: int, cols: int) -> dict[str, tuple[int, ...]]:
+        """Part name -> shape of a [rows, cols] matrix (what ``Weight`` checks)."""
+        return {p.name: p.shape for p in self.parts((rows, cols))}
+
+    def _typed(self, parts: dict[str, np.ndarray], shape: tuple[int, ...]) -> dict[str, np.ndarray]:
+        """Parts as their declared numpy dtypes (the engine keeps f16 as uint16 bits)."""
+        want = {p.name: p.dtype for p in self.parts(shape)}
+        return {k: v.view(want[k]) if v.dtype != want[k] else v for k, v in parts.items()}
+
+    # ------------------------------------------------------------ numbers
     def encode(self, x: np.ndarray) -> list[np.ndarray]:
         """Float array -> the planar arrays to write, in order.
 
@@ -219,28 +256,19 @@ class DType:
         concatenating each part gives the same bytes (the converter streams so).
         """
         shape = tuple(x.shape)
-        if self.name == "u8":
-            return [np.ascontiguousarray(x, dtype=np.uint8).reshape(-1)]
         # Values beyond f16's range become inf here; the converter checks and names them.
         with np.errstate(over="ignore"):
-            return self._encode_float(np.ascontiguousarray(x, dtype=np.float32), shape)
+            return self._encode(np.ascontiguousarray(x, dtype=np.float32), shape)
 
-    def _encode_float(self, x32: np.ndarray, shape: tuple[int, ...]) -> list[np.ndarray]:
-        if self.name == "f32":
-            return [x32.reshape(-1)]
-        if self.name == "f16":
-            return [x32.astype(np.float16).reshape(-1)]
-        if self.name == "bf16":
-            return [f32_to_bf16(x32).reshape(-1)]
-        if not self.supports(shape):
-            raise CortiqError(
-                f"{self.name} needs a tensor of 2 or more dims whose last dim is divisible by {QBLOCK}, got shape {list(shape)}"
-            )
-        x2 = x32.reshape(rows_cols(shape))
-        fast = _kernels()
-        if self.name == "q8":
-            return list((fast or _reference).quantize_q8(x2))
-        return list((fast or _reference).quantize_q4(x2))
+    def _encode(self, x32: np.ndarray, shape: tuple[int, ...]) -> list[np.ndarray]:
+        raise NotImplementedError
+
+    def decode(self, parts: dict[str, np.ndarray], shape: tuple[int, ...]) -> np.ndarray:
+        """Planar arrays -> f32 array of ``shape`` (a copy)."""
+        return self._decode(self._typed(parts, shape), shape)
+
+    def _decode(self, parts: dict[str, np.ndarray], shape: tuple[int, ...]) -> np.ndarray:
+        raise NotImplementedError
 
     def error(self, x: np.ndarray, parts: list[np.ndarray]) -> tuple[float, float]:
         """(sum of squared errors, sum of squared values), in f64, of ``x`` encoded as ``parts``.
@@ -249,51 +277,192 @@ class DType:
         """
         shape = tuple(x.shape)
         x32 = np.ascontiguousarray(x, dtype=np.float32)
-        fast = _kernels()
-        if fast is not None and self.quantized:
-            x2 = x32.reshape(rows_cols(shape))
-            named = self.named(parts, shape)
-            if self.name == "q8":
-                return fast.q8_error(x2, named["d"], named["qs"])
-            return fast.q4_error(x2, named["d"], named["m"], named["qs"])
         with np.errstate(over="ignore", invalid="ignore"):
             e = (self.decode(self.named(parts, shape), shape) - x32).astype(np.float64).ravel()
             ref = x32.astype(np.float64).ravel()
             return float(e @ e), float(ref @ ref)
 
-    def named(self, parts: list[np.ndarray], shape: tuple[int, ...]) -> dict[str, np.ndarray]:
-        """The encoder's ordered parts as the name -> array dict ``decode`` takes."""
-        out = {p.name: a.reshape(p.shape) for p, a in zip(self.parts(shape), parts)}
-        if not self.quantized:
-            out["data"] = out["data"].reshape(shape)
+
+class _Dense(DType):
+    """One array of the tensor's shape, row-major."""
+
+    store: ClassVar[np.dtype]
+
+    def parts(self, shape: tuple[int, ...]) -> list[Part]:
+        return [Part("data", self.store, tuple(int(s) for s in shape))]
+
+
+class F32(_Dense):
+    """IEEE single, little-endian."""
+
+    name = "f32"
+    store = np.dtype("<f4")
+    native = True
+
+    def _encode(self, x32, shape):
+        return [x32.reshape(-1)]
+
+    def _decode(self, parts, shape):
+        return np.array(parts["data"], dtype=np.float32).reshape(shape)
+
+
+class F16(_Dense):
+    """IEEE half, little-endian."""
+
+    name = "f16"
+    store = np.dtype("<f2")
+    bits = 16.0
+
+    def _encode(self, x32, shape):
+        return [x32.astype(np.float16).reshape(-1)]
+
+    def _decode(self, parts, shape):
+        return parts["data"].astype(np.float32).reshape(shape)
+
+
+class BF16(_Dense):
+    """The upper 16 bits of an f32 (round to nearest even), little-endian uint16."""
+
+    name = "bf16"
+    store = np.dtype("<u2")
+    bits = 16.0
+
+    def _encode(self, x32, shape):
+        return [f32_to_bf16(x32).reshape(-1)]
+
+    def _decode(self, parts, shape):
+        return bf16_to_f32(parts["data"]).reshape(shape)
+
+
+class U8(_Dense):
+    """Raw bytes (embedded files such as tokenizer.json)."""
+
+    name = "u8"
+    store = np.dtype("u1")
+    matrix = False
+    bits = 8.0
+
+    def encode(self, x: np.ndarray) -> list[np.ndarray]:
+        return [np.ascontiguousarray(x, dtype=np.uint8).reshape(-1)]
+
+    def _decode(self, parts, shape):
+        return np.array(parts["data"]).reshape(shape)
+
+
+class Blocked(DType):
+    """A quantized dtype: blocks of ``block`` elements along the last dim, stored
+    planar: each field of a block (scale, min, quants...) is its own array
+    [rows, blocks * per-block count], in the order of ``fields``."""
+
+    quantized = True
+    block = QBLOCK
+    # (part name, numpy dtype, values per block), in the GGML block's own order so a
+    # GGML block splits into the parts at fixed byte offsets (``from_ggml``).
+    fields: ClassVar[tuple[tuple[str, str, int], ...]]
+
+    def parts(self, shape: tuple[int, ...]) -> list[Part]:
+        rows, cols = rows_cols(shape)
+        nb = cols // self.block
+        return [Part(n, np.dtype(dt), (rows, nb * k)) for n, dt, k in self.fields]
+
+    @property
+    def block_bytes(self) -> int:
+        return sum(np.dtype(dt).itemsize * k for _, dt, k in self.fields)
+
+    def supports(self, shape: tuple[int, ...]) -> bool:
+        return len(shape) >= 2 and int(shape[-1]) % self.block == 0
+
+    @property
+    def requirement(self) -> str:
+        return f"2 or more dims, the last divisible by {self.block}"
+
+    def encode(self, x: np.ndarray) -> list[np.ndarray]:
+        shape = tuple(x.shape)
+        if not self.supports(shape):
+            raise CortiqError(
+                f"{self.name} needs a tensor of 2 or more dims whose last dim is divisible by {self.block}, got shape {list(shape)}"
+            )
+        return super().encode(x)
+
+    def _encode(self, x32, shape):
+        return list(self.encode_rows(x32.reshape(rows_cols(shape))))
+
+    def encode_rows(self, x2: np.ndarray, importance: np.ndarray | None = None) -> tuple[np.ndarray, ...]:
+        """f32[rows, cols] -> the parts, in order; ``importance`` (f32[cols], per input
+        column) weights the encoder's error where the dtype's search uses weights."""
+        raise NotImplementedError
+
+    def from_ggml(self, blocks: np.ndarray) -> list[np.ndarray]:
+        """GGML blocks uint8[rows, nb, block_bytes] -> our parts, byte for byte."""
+        rows, nb, size = blocks.shape
+        assert size == self.block_bytes
+        out = []
+        pos = 0
+        for _, dt, k in self.fields:
+            n = np.dtype(dt).itemsize * k
+            out.append(np.ascontiguousarray(blocks[:, :, pos : pos + n]).view(dt).reshape(rows, nb * k))
+            pos += n
         return out
 
-    def view(self, buf: memoryview | np.ndarray, offset: int, shape: tuple[int, ...]) -> dict[str, np.ndarray]:
-        """Zero-copy planar arrays over ``buf`` (a uint8 array) starting at ``offset``."""
-        out = {}
-        pos = offset
-        for p in self.parts(shape):
-            count = int(np.prod(p.shape))
-            arr = np.frombuffer(buf, dtype=p.dtype, count=count, offset=pos).reshape(p.shape)
-            out[p.name] = arr
-            pos += align_up(p.nbytes)
-        if not self.quantized:
-            out["data"] = out["data"].reshape(shape)
-        return out
+    def to_ggml(self, parts: dict[str, np.ndarray]) -> np.ndarray:
+        """Our parts -> GGML blocks uint8[rows, nb, block_bytes] (tests; gguf-py decodes them)."""
+        first = parts[self.fields[0][0]]
+        rows = first.shape[0]
+        nb = first.shape[1] // self.fields[0][2]
+        return np.concatenate(
+            [np.ascontiguousarray(parts[n]).view(np.uint8).reshape(rows, nb, -1) for n, _, _ in self.fields], axis=2
+        )
 
-    def decode(self, parts: dict[str, np.ndarray], shape: tuple[int, ...]) -> np.ndarray:
-        """Planar arrays -> f32 array of ``shape`` (a copy)."""
-        if self.name == "f32":
-            return np.array(parts["data"], dtype=np.float32).reshape(shape)
-        if self.name == "f16":
-            return parts["data"].astype(np.float32).reshape(shape)
-        if self.name == "bf16":
-            return bf16_to_f32(parts["data"]).reshape(shape)
-        if self.name == "u8":
-            return np.array(parts["data"]).reshape(shape)
-        if self.name == "q8":
-            return dequantize_q8(parts["d"], parts["qs"]).reshape(shape)
+
+class Q8(Blocked):
+    """llama.cpp Q8_0 semantics: ``d`` f16[rows, nb], ``qs`` int8[rows, cols]; value = d * q;
+    per block of 32 the encoder picks d = f16(max|x| / k), k from ``Q8_DIVISORS``, with
+    the least squared error, q = clip(round-half-away(x / d), +-127)."""
+
+    name = "q8"
+    fields = (("d", "<f2", 1), ("qs", "i1", QBLOCK))
+    kernel_parts = ("d", "qs")
+    bits = 8.5
+    ggml_type = "Q8_0"
+
+    def encode_rows(self, x2, importance=None):
+        return (_kernels() or _reference).quantize_q8(x2)
+
+    def _decode(self, parts, shape):
+        return dequantize_q8(parts["d"], parts["qs"]).reshape(shape)
+
+    def error(self, x, parts):
+        fast = _kernels()
+        if fast is None:
+            return super().error(x, parts)
+        named = self.named(parts, tuple(x.shape))
+        return fast.q8_error(np.ascontiguousarray(x, np.float32).reshape(rows_cols(x.shape)), named["d"], named["qs"])
+
+
+class Q4(Blocked):
+    """llama.cpp Q4_1 semantics: ``d``, ``m`` f16[rows, nb], ``qs`` uint8[rows, cols/2];
+    within a block of 32, byte j holds element j in its low nibble and element j+16
+    in its high nibble; value = d * q + m, q in 0..15."""
+
+    name = "q4"
+    fields = (("d", "<f2", 1), ("m", "<f2", 1), ("qs", "u1", QBLOCK // 2))
+    kernel_parts = ("d", "m", "qs")
+    bits = 5.0
+    ggml_type = "Q4_1"
+
+    def encode_rows(self, x2, importance=None):
+        return (_kernels() or _reference).quantize_q4(x2)
+
+    def _decode(self, parts, shape):
         return dequantize_q4(parts["d"], parts["m"], parts["qs"]).reshape(shape)
+
+    def error(self, x, parts):
+        fast = _kernels()
+        if fast is None:
+            return super().error(x, parts)
+        named = self.named(parts, tuple(x.shape))
+        x2 = np.ascontiguousarray(x, np.float32).reshape(rows_cols(x.shape))
+        return fast.q4_error(x2, named["d"], named["m"], named["qs"])
 
 
 class _Reference:
@@ -313,9 +482,6 @@ def _kernels():
     return quant_kernels
 
 
-DTYPES: dict[str, DType] = {
-    name: DType(name, quantized=name in ("q8", "q4")) for name in ("f32", "f16", "bf16", "q8", "q4", "u8")
-}
 QUANT_CHOICES = ("q8", "q4", "f16", "bf16", "f32")
 
 

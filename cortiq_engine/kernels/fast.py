@@ -21,6 +21,7 @@ import numba
 import numpy as np
 
 from cortiq_engine.kernels import jit
+from cortiq_engine.kernels.dtype_ops import ops_for
 from cortiq_engine.kernels.reference import NumpyKernels, attend_block, attention_jobs
 from cortiq_engine.weights import Weight
 
@@ -113,7 +114,7 @@ class NumbaKernels(NumpyKernels):
 
         def work(job: tuple[Weight, int, int, int]) -> None:
             w, r0, r1, col = job
-            if w.dtype == "f32":
+            if w.kind.native:
                 np.matmul(X, w.parts["data"][r0:r1].T, out=out[:, col + r0 : col + r1])
                 return
             buf = self._tile_buf(r1 - r0, w.cols)
@@ -144,16 +145,7 @@ class NumbaKernels(NumpyKernels):
 
     def _small(self, run: list[Weight], X: np.ndarray, out: np.ndarray) -> None:
         count, offs, parts = self._small_args(run)
-        dt = run[0].dtype
-        if dt == "q8":
-            jit.q8_matmul_small(parts[0], parts[1], count, offs, X, out)
-        elif dt == "q4":
-            xsum = X.reshape(X.shape[0], -1, jit.QB).sum(axis=2, dtype=np.float32)
-            jit.q4_matmul_small(parts[0], parts[1], parts[2], count, offs, X, xsum, out)
-        elif dt == "f32":
-            jit.f32_matmul_small(parts[0], count, offs, X, out)
-        else:
-            jit.half_matmul_small(parts[0], dt == "bf16", count, offs, X, out)
+        ops_for(run[0].dtype).small(parts, count, offs, X, out)
 
     def _small_args(self, run: list[Weight]) -> tuple[int, np.ndarray, list[tuple[np.ndarray, ...]]]:
         """(count, row offsets, part 3-tuples padded with empty arrays) for a fused run."""
@@ -176,8 +168,7 @@ class NumbaKernels(NumpyKernels):
         hit = self._view_cache.get(id(w))
         if hit is not None and hit[0] is w:
             return hit[1]
-        names = {"q8": ("d", "qs"), "q4": ("d", "m", "qs"), "f16": ("data",), "bf16": ("data",), "f32": ("data",)}[w.dtype]
-        views = tuple(_readonly(w.parts[n]) for n in names)
+        views = tuple(_readonly(a) for a in w.kernel_parts())
         self._view_cache[id(w)] = (w, views)
         return views
 
@@ -190,13 +181,7 @@ class NumbaKernels(NumpyKernels):
 
     @staticmethod
     def _dequant(w: Weight, r0: int, r1: int, buf: np.ndarray) -> None:
-        p = w.parts
-        if w.dtype == "q8":
-            jit.q8_dequant(p["d"], p["qs"], r0, r1, buf)
-        elif w.dtype == "q4":
-            jit.q4_dequant(p["d"], p["m"], p["qs"], r0, r1, buf)
-        else:
-            jit.half_dequant(p["data"], w.dtype == "bf16", r0, r1, buf)
+        ops_for(w.dtype).dequant(w.kernel_parts(), r0, r1, buf)
 
     # ------------------------------------------------------------ elementwise
     def rms_norm(self, x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -243,7 +228,7 @@ class NumbaKernels(NumpyKernels):
         """Compile (or load from numba's cache) the tile kernels for these dtypes."""
         seen = set()
         for w in ws:
-            if w.dtype in seen or w.dtype == "f32":
+            if w.dtype in seen or w.kind.native:
                 continue
             seen.add(w.dtype)
             self._dequant(w, 0, 1, self._tile_buf(1, w.cols))
