@@ -465,6 +465,113 @@ class Q4(Blocked):
         return fast.q4_error(x2, named["d"], named["m"], named["qs"])
 
 
+# ---------------------------------------------------------------- K-quants
+# ggml's super-block types, byte for byte (QK_K = 256 values per super-block); the
+# planar parts are the fields of ggml's block_q{4,5,6}_K in struct order. Decoding
+# follows gguf-py's numpy (the same f32 operations), so it matches it bit for bit.
+
+QK_K = 256
+
+
+def _k4_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """12 packed bytes per super-block -> the eight 6-bit scales and mins, f32 [n, 8]."""
+    s = scales.reshape(-1, 3, 4)
+    d, m, md = s[:, 0], s[:, 1], s[:, 2]
+    sc = np.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def dequantize_q4k(d, dmin, scales, qs) -> np.ndarray:
+    """value = (d * sc) * q - dmin * m; sub-block 2k in the low nibbles of bytes 32k..32k+31, 2k+1 in the high."""
+    rows = qs.shape[0]
+    n = d.size
+    sc, mn = _k4_scale_min(scales)
+    dl = (d.reshape(n, 1).astype(np.float32) * sc).reshape(n, 8, 1)
+    ml = (dmin.reshape(n, 1).astype(np.float32) * mn).reshape(n, 8, 1)
+    q = qs.reshape(n, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+    q = (q & np.uint8(0x0F)).reshape(n, 8, 32).astype(np.float32)
+    return (dl * q - ml).reshape(rows, -1)
+
+
+def dequantize_q5k(d, dmin, scales, qh, qs) -> np.ndarray:
+    """Q4_K's scales and low nibbles, plus a fifth bit per value: bit 2k (sub-block 2k) and
+    2k+1 (sub-block 2k+1) of qh[l] belong to element l of those sub-blocks."""
+    rows = qs.shape[0]
+    n = d.size
+    sc, mn = _k4_scale_min(scales)
+    dl = (d.reshape(n, 1).astype(np.float32) * sc).reshape(n, 8, 1)
+    ml = (dmin.reshape(n, 1).astype(np.float32) * mn).reshape(n, 8, 1)
+    lo = qs.reshape(n, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+    lo = (lo & np.uint8(0x0F)).reshape(n, 8, 32)
+    hi = qh.reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
+    q = (lo | ((hi & np.uint8(1)) << np.uint8(4))).astype(np.float32)
+    return (dl * q - ml).reshape(rows, -1)
+
+
+def dequantize_q6k(ql, qh, scales, d) -> np.ndarray:
+    """value = (d * scale) * (q - 32), a signed 8-bit scale per 16 values; per 128-value
+    half, ql holds the low nibbles of elements l, l+32 (low) and l+64, l+96 (high),
+    qh[l] their top two bits at shifts 0, 2, 4, 6."""
+    rows = ql.shape[0]
+    n = d.size
+    dl = (d.reshape(n, 1).astype(np.float32) * scales.reshape(n, 16).astype(np.float32)).reshape(n, 16, 1)
+    lo = ql.reshape(n, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+    lo = (lo & np.uint8(0x0F)).reshape(n, 2, 4, 32)
+    hi = qh.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
+    hi = (hi & np.uint8(0x03)).reshape(n, 2, 4, 32)
+    q = (lo | (hi << np.uint8(4))).astype(np.int8) - np.int8(32)
+    return (dl * q.reshape(n, 16, 16).astype(np.float32)).reshape(rows, -1)
+
+
+class _KQuant(Blocked):
+    block = QK_K
+
+    def encode_rows(self, x2, importance=None):
+        from formats import kquant_kernels
+
+        return getattr(kquant_kernels, f"quantize_{self.name}")(x2, importance)
+
+    def _decode(self, parts, shape):
+        return self.dequantize(*(parts[n] for n, _, _ in self.fields)).reshape(shape)
+
+
+class Q6K(_KQuant):
+    """ggml Q6_K: 6-bit values in 16 groups of 16, an 8-bit scale per group, one f16
+    super-scale: 210 bytes per 256 values = 6.5625 bits/weight."""
+
+    name = "q6k"
+    fields = (("ql", "u1", 128), ("qh", "u1", 64), ("scales", "i1", 16), ("d", "<f2", 1))
+    kernel_parts = ("ql", "qh", "scales", "d")
+    bits = 6.5625
+    ggml_type = "Q6_K"
+    dequantize = staticmethod(dequantize_q6k)
+
+
+class Q5K(_KQuant):
+    """ggml Q5_K: 5-bit values in 8 groups of 32, 6-bit scale and min per group, f16
+    super-scale and super-min: 176 bytes per 256 values = 5.5 bits/weight."""
+
+    name = "q5k"
+    fields = (("d", "<f2", 1), ("dmin", "<f2", 1), ("scales", "u1", 12), ("qh", "u1", 32), ("qs", "u1", 128))
+    kernel_parts = ("d", "dmin", "scales", "qh", "qs")
+    bits = 5.5
+    ggml_type = "Q5_K"
+    dequantize = staticmethod(dequantize_q5k)
+
+
+class Q4K(_KQuant):
+    """ggml Q4_K: 4-bit values in 8 groups of 32, 6-bit scale and min per group, f16
+    super-scale and super-min: 144 bytes per 256 values = 4.5 bits/weight."""
+
+    name = "q4k"
+    fields = (("d", "<f2", 1), ("dmin", "<f2", 1), ("scales", "u1", 12), ("qs", "u1", 128))
+    kernel_parts = ("d", "dmin", "scales", "qs")
+    bits = 4.5
+    ggml_type = "Q4_K"
+    dequantize = staticmethod(dequantize_q4k)
+
+
 class _Reference:
     quantize_q8 = staticmethod(quantize_q8)
     quantize_q4 = staticmethod(quantize_q4)
