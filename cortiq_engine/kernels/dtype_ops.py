@@ -23,6 +23,7 @@ import numpy as np
 
 from formats.errors import CortiqError
 from cortiq_engine.kernels import jit
+from cortiq_engine.kernels import kquant_jit as kq
 
 OPS: dict[str, "DtypeOps"] = {}
 
@@ -88,3 +89,32 @@ class Q4Ops(DtypeOps, dtype="q4"):
 
     def dequant(self, parts, r0, r1, out):
         jit.q4_dequant(parts[0], parts[1], parts[2], r0, r1, out)
+
+
+def _group_sums(X: np.ndarray) -> np.ndarray:
+    """Sum of each input row over each 32-value group: the K-quant min term's factor."""
+    return X.reshape(X.shape[0], -1, 32).sum(axis=2, dtype=np.float32)
+
+
+class Q4KOps(DtypeOps, dtype="q4k"):
+    def small(self, parts, count, offs, X, out):
+        kq.q4k_matmul_small(parts[0], parts[1], parts[2], parts[3], count, offs, X, _group_sums(X), out)
+
+    def dequant(self, parts, r0, r1, out):
+        kq.q4k_dequant(parts[0], parts[1], parts[2], parts[3], r0, r1, out)
+
+
+class Q5KOps(DtypeOps, dtype="q5k"):
+    def small(self, parts, count, offs, X, out):
+        kq.q5k_matmul_small(parts[0], parts[1], parts[2], parts[3], parts[4], count, offs, X, _group_sums(X), out)
+
+    def dequant(self, parts, r0, r1, out):
+        kq.q5k_dequant(parts[0], parts[1], parts[2], parts[3], parts[4], r0, r1, out)
+
+
+class Q6KOps(DtypeOps, dtype="q6k"):
+    def small(self, parts, count, offs, X, out):
+        kq.q6k_matmul_small(parts[0], parts[1], parts[2], parts[3], count, offs, X, out)
+
+    def dequant(self, parts, r0, r1, out):
+        kq.q6k_dequant(parts[0], parts[1], parts[2], parts[3], r0, r1, out)
