@@ -465,6 +465,54 @@ class Q4(Blocked):
         return fast.q4_error(x2, named["d"], named["m"], named["qs"])
 
 
+def quantize_q5(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """ggml's ``quantize_row_q5_0_ref`` bit for bit: x f32[rows, cols] -> (d f16[rows, nb],
+    qh uint32[rows, nb], qs uint8[rows, cols/2]); d = -(the signed max-|x| value) / 16."""
+    rows, cols = x.shape
+    nb = cols // QBLOCK
+    b = np.asarray(x, dtype=np.float32).reshape(rows, nb, QBLOCK)
+    idx = np.abs(b).argmax(axis=2)[:, :, None]  # the first largest |x|, as ggml's strict <
+    mx = np.take_along_axis(b, idx, axis=2)[:, :, 0]
+    d = mx / np.float32(-16)
+    v = b * _inverse(d)[:, :, None]
+    v += np.float32(16.5)
+    q = np.minimum(np.trunc(v).astype(np.int8), 31).astype(np.uint8)  # C's (int8_t) cast truncates
+    packed = (q[:, :, :16] & 0x0F) | ((q[:, :, 16:] & 0x0F) << np.uint8(4))
+    bits = ((q >> np.uint8(4)) & 1).astype(np.uint32) << np.arange(32, dtype=np.uint32)
+    return d.astype(np.float16), bits.sum(axis=2, dtype=np.uint32), packed.reshape(rows, cols // 2)
+
+
+def dequantize_q5(d: np.ndarray, qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
+    """value = d * (q - 16), q = nibble | bit << 4 (element j: low nibble of byte j and bit
+    j of qh; element j + 16: high nibble of byte j and bit j + 16)."""
+    rows = qs.shape[0]
+    nb = d.shape[1]
+    p = qs.reshape(rows, nb, 16)
+    lo = np.concatenate([p & 0x0F, p >> 4], axis=2)
+    hi = ((qh.reshape(rows, nb, 1) >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << np.uint8(4)
+    q = (lo | hi).astype(np.int8) - np.int8(16)
+    return (d.astype(np.float32)[:, :, None] * q.astype(np.float32)).reshape(rows, nb * QBLOCK)
+
+
+class Q5(Blocked):
+    """llama.cpp Q5_0 semantics: ``d`` f16[rows, nb], ``qh`` uint32[rows, nb] (the fifth
+    bits), ``qs`` uint8[rows, cols/2] (nibbles as q4); value = d * (q - 16), q in 0..31:
+    22 bytes per 32 values = 5.5 bits/weight. The K-quants fall back to it (as
+    llama.cpp's do) where a row is not a multiple of 256."""
+
+    name = "q5"
+    fields = (("d", "<f2", 1), ("qh", "<u4", 1), ("qs", "u1", QBLOCK // 2))
+    kernel_parts = ("d", "qh", "qs")
+    bits = 5.5
+    ggml_type = "Q5_0"
+
+    def encode_rows(self, x2, importance=None):
+        return quantize_q5(x2)
+
+    def _decode(self, parts, shape):
+        return dequantize_q5(parts["d"], parts["qh"], parts["qs"]).reshape(shape)
+
+
 # ---------------------------------------------------------------- K-quants
 # ggml's super-block types, byte for byte (QK_K = 256 values per super-block); the
 # planar parts are the fields of ggml's block_q{4,5,6}_K in struct order. Decoding

@@ -16,6 +16,8 @@ from formats.quants import DTYPES, get_dtype
 from tests.ggml_oracle import ggml_library_quantize
 
 KQUANTS = [("q6k", GT.Q6_K), ("q5k", GT.Q5_K), ("q4k", GT.Q4_K)]
+# every dtype this file brings, with its GGML twin: the K-quants and their fallback q5 (Q5_0)
+NEW = KQUANTS + [("q5", GT.Q5_0)]
 
 
 def _hard(rows: int = 24, cols: int = 768, seed: int = 0) -> np.ndarray:
@@ -34,7 +36,7 @@ def _hard(rows: int = 24, cols: int = 768, seed: int = 0) -> np.ndarray:
     return x
 
 
-@pytest.mark.parametrize("name,gtype", KQUANTS)
+@pytest.mark.parametrize("name,gtype", NEW)
 def test_encode_is_llama_cpp_byte_for_byte(name, gtype):
     x = _hard()
     dt = get_dtype(name)
@@ -43,7 +45,7 @@ def test_encode_is_llama_cpp_byte_for_byte(name, gtype):
     assert np.array_equal(ours, ggml_library_quantize(x, gtype))
 
 
-@pytest.mark.parametrize("name,gtype", KQUANTS)
+@pytest.mark.parametrize("name,gtype", NEW)
 def test_decode_is_gguf_py_bit_for_bit_and_near_float64(name, gtype):
     x = _hard(seed=1)
     dt = get_dtype(name)
@@ -104,7 +106,7 @@ def _weight(name: str, x: np.ndarray) -> Weight:
     return Weight(name, name, x.shape[0], x.shape[1], parts)
 
 
-@pytest.mark.parametrize("name", [n for n, _ in KQUANTS])
+@pytest.mark.parametrize("name", [n for n, _ in NEW])
 def test_kernels_match_the_numpy_twin_and_float64(name):
     rng = np.random.default_rng(5)
     ws = [_weight(name, rng.standard_normal((r, 512)).astype(np.float32)) for r in (40, 24, 8)]
@@ -123,7 +125,7 @@ def test_kernels_match_the_numpy_twin_and_float64(name):
             assert np.abs(got - want).max() <= 2e-5 * np.abs(want).max(), (ks.name, n)
 
 
-@pytest.mark.parametrize("name", [n for n, _ in KQUANTS])
+@pytest.mark.parametrize("name", [n for n, _ in NEW])
 def test_decode_matvec_is_row_exact(name):
     """A row's result in a k-row call is bit for bit its result alone."""
     rng = np.random.default_rng(6)
@@ -136,5 +138,5 @@ def test_decode_matvec_is_row_exact(name):
 
 
 def test_registry_names_the_new_types():
-    assert {"q6k", "q5k", "q4k"} <= set(DTYPES)
-    assert {get_dtype(n).ggml_type for n, _ in KQUANTS} == {"Q6_K", "Q5_K", "Q4_K"}
+    assert {"q6k", "q5k", "q4k", "q5"} <= set(DTYPES)
+    assert [get_dtype(n).ggml_type for n, _ in NEW] == [g.name for _, g in NEW]

@@ -91,6 +91,14 @@ class Q4Ops(DtypeOps, dtype="q4"):
         jit.q4_dequant(parts[0], parts[1], parts[2], r0, r1, out)
 
 
+class Q5Ops(DtypeOps, dtype="q5"):
+    def small(self, parts, count, offs, X, out):
+        jit.q5_matmul_small(parts[0], parts[1], parts[2], count, offs, X, out)
+
+    def dequant(self, parts, r0, r1, out):
+        jit.q5_dequant(parts[0], parts[1], parts[2], r0, r1, out)
+
+
 def _group_sums(X: np.ndarray) -> np.ndarray:
     """Sum of each input row over each 32-value group: the K-quant min term's factor."""
     return X.reshape(X.shape[0], -1, 32).sum(axis=2, dtype=np.float32)

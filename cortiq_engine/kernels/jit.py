@@ -150,6 +150,35 @@ def q4_matmul_small(ds, mins, qss, count, offs, X, xsum, out):
 
 
 @njit(parallel=True, fastmath=True, cache=True)
+def q5_matmul_small(ds, qhs, qss, count, offs, X, out):
+    """Q5_0: value = d * (q - 16), q = nibble | (bit of qh) << 4."""
+    n, cols = X.shape
+    nb = cols // QB
+    half = QB // 2
+    for m in range(count):
+        d = ds[m]
+        qh = qhs[m]
+        q = qss[m]
+        base = offs[m]
+        for r in prange(q.shape[0]):
+            prefetch_row(q, r + PREFETCH_ROWS)
+            for i in range(n):
+                acc = np.zeros(QB, np.float32)
+                for b in range(nb):
+                    sc = f16_to_f32(d[r, b])
+                    h = qh[r, b]
+                    o = b * QB
+                    ob = b * half
+                    for j in range(half):
+                        byte = np.int32(q[r, ob + j])
+                        v0 = np.float32(((byte & 15) | (np.int32((h >> j) & 1) << 4)) - 16)
+                        v1 = np.float32(((byte >> 4) | (np.int32((h >> (j + half)) & 1) << 4)) - 16)
+                        acc[j] += sc * (v0 * X[i, o + j])
+                        acc[j + half] += sc * (v1 * X[i, o + j + half])
+                out[i, base + r] = acc.sum()
+
+
+@njit(parallel=True, fastmath=True, cache=True)
 def half_matmul_small(ws, bf16, count, offs, X, out):
     """f16 (bf16=False) or bf16 (bf16=True) weights stored as uint16 bits; any width."""
     n, cols = X.shape
@@ -231,6 +260,23 @@ def q4_dequant(d, mn, q, r0, r1, out):
                 byte = q[r, ob + j]
                 out[r - r0, o + j] = sc * np.float32(byte & 15) + lo
                 out[r - r0, o + j + half] = sc * np.float32(byte >> 4) + lo
+
+
+@njit(parallel=False, nogil=True, cache=True)
+def q5_dequant(d, qh, q, r0, r1, out):
+    cols = q.shape[1] * 2
+    nb = cols // QB
+    half = QB // 2
+    for r in range(r0, r1):
+        for b in range(nb):
+            sc = f16_to_f32(d[r, b])
+            h = qh[r, b]
+            o = b * QB
+            ob = b * half
+            for j in range(half):
+                byte = np.int32(q[r, ob + j])
+                out[r - r0, o + j] = sc * np.float32(((byte & 15) | (np.int32((h >> j) & 1) << 4)) - 16)
+                out[r - r0, o + j + half] = sc * np.float32(((byte >> 4) | (np.int32((h >> (j + half)) & 1) << 4)) - 16)
 
 
 @njit(parallel=False, nogil=True, cache=True)
