@@ -10,7 +10,7 @@ from rich.table import Table
 
 from cortiq_cli.common import console, err_console, handle_errors, human_bytes, print_json, print_table
 from formats.convert import MTP_MODES, ConvertReport, QuantPolicy
-from formats.quants import QUANT_CHOICES
+from formats.policy import quant_help
 
 
 def convert_checkpoint(src, out, **kw) -> ConvertReport:
@@ -25,7 +25,7 @@ def convert_checkpoint(src, out, **kw) -> ConvertReport:
 def convert(
     src: str = typer.Argument(..., help="HF checkpoint folder, hub repo id (org/name) or .gguf file."),
     out: Path = typer.Argument(..., help="Output .cmf file."),
-    quant: str = typer.Option("q8", "--quant", "-q", help=f"Default dtype of matrices: {', '.join(QUANT_CHOICES)}."),
+    quant: str = typer.Option("q8", "--quant", "-q", help=f"Dtype preset of the matrices (b/w = bits per weight): {quant_help()}; keep = the source's blocks where CMF has them."),
     keep: list[str] = typer.Option(
         [], "--keep", help="PATTERN=DTYPE override on CMF tensor names (fnmatch; repeatable), e.g. 'lm_head.weight=f16'."
     ),

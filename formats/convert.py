@@ -25,7 +25,7 @@ import re
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -314,6 +314,7 @@ def _convert_cmf(
         if mtp.get("location") == "sidecar":
             raise CortiqError(f"{path}: re-quantizing a model with an MTP sidecar is not supported yet; convert the original checkpoint")
         arch = ArchConfig.from_json(header["arch"])
+        policy = replace(policy, layers=arch.num_layers)  # the mixed presets pick layers
         total = sum(src.info(n).nbytes for n in src.names())
         done = 0
         stats: dict[str, DtypeStats] = {}
@@ -543,6 +544,7 @@ def _convert(
 ) -> ConvertReport:
     t0 = time.perf_counter()
     family, arch = arch_from_config(families, ck.config)
+    policy = replace(policy, layers=arch.num_layers)  # the mixed presets pick layers
     ck = sanitize_checkpoint(ck, family.sanitize)  # the exporter's names -> the engine's
     plan = _plan(ck, arch, family, check_mtp=mtp_mode != "drop")
     mtp_plan = [p for p in plan if p.mtp]

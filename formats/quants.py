@@ -196,6 +196,8 @@ class DType:
     bits: ClassVar[float] = 32.0
     # The GGML block type holding exactly these bytes (interleaved), for block copies.
     ggml_type: ClassVar[str | None] = None
+    # The dtype a tensor gets when its shape does not fit this one (llama.cpp's choice).
+    fallback: ClassVar[str] = "f16"
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
@@ -593,6 +595,7 @@ class Q6K(_KQuant):
     kernel_parts = ("ql", "qh", "scales", "d")
     bits = 6.5625
     ggml_type = "Q6_K"
+    fallback = "q8"
     dequantize = staticmethod(dequantize_q6k)
 
 
@@ -605,6 +608,7 @@ class Q5K(_KQuant):
     kernel_parts = ("d", "dmin", "scales", "qh", "qs")
     bits = 5.5
     ggml_type = "Q5_K"
+    fallback = "q5"
     dequantize = staticmethod(dequantize_q5k)
 
 
@@ -617,6 +621,7 @@ class Q4K(_KQuant):
     kernel_parts = ("d", "dmin", "scales", "qs")
     bits = 4.5
     ggml_type = "Q4_K"
+    fallback = "q5"
     dequantize = staticmethod(dequantize_q4k)
 
 
@@ -635,9 +640,6 @@ def _kernels():
     except ImportError:  # pragma: no cover - numba is a dependency
         return None
     return quant_kernels
-
-
-QUANT_CHOICES = ("q8", "q4", "f16", "bf16", "f32")
 
 
 def get_dtype(name: str) -> DType:
