@@ -32,11 +32,12 @@ def convert(
     mtp: str = typer.Option("sidecar", "--mtp", help=f"MTP draft layers: {', '.join(MTP_MODES)} (sidecar = OUT.mtp.cmf)."),
     force: bool = typer.Option(False, "--force", "-f", help="Overwrite OUT (and its sidecar) if they exist."),
     json_out: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+    imatrix: Path = typer.Option(None, "--imatrix", help="Importance matrix from `cortiq imatrix`: the K-quant encoders minimize the activation-weighted error."),
 ) -> None:
     """Convert a checkpoint into a CMF file, one tensor at a time."""
     keep_pairs = QuantPolicy.parse_keep(keep)
     if json_out:
-        report = convert_checkpoint(src, out, quant=quant, keep=keep_pairs, mtp=mtp, force=force)
+        report = convert_checkpoint(src, out, quant=quant, keep=keep_pairs, mtp=mtp, force=force, imatrix=imatrix)
         print_json(report.to_json())
         return
     with Progress(
@@ -57,7 +58,8 @@ def convert(
             stage = "importing GGUF" if name.startswith("gguf: ") else "converting"
             bar.update(task, completed=done, total=total, tensor=name.removeprefix("gguf: "), description=stage)
 
-        report = convert_checkpoint(src, out, quant=quant, keep=keep_pairs, mtp=mtp, force=force, progress=on_progress)
+        report = convert_checkpoint(src, out, quant=quant, keep=keep_pairs, mtp=mtp, force=force, progress=on_progress,
+                                    imatrix=imatrix)
     _render(report)
 
 

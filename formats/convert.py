@@ -37,6 +37,7 @@ from formats.cmf import FORMAT_MINOR, FORMAT_VERSION, MAGIC as CMF_MAGIC, CmfFil
 from formats.errors import CortiqError
 from formats.manifest import ArchFamily, Families, check_manifest
 from formats.mtp_names import mtp_layer_count, naming_scheme, normalize
+from formats.imatrix import read_imatrix
 from formats.policy import QuantPolicy
 from formats.quants import DTYPES, f32_to_bf16, get_dtype, rows_cols
 from formats.safetensors_reader import FLOAT_DTYPES
@@ -207,17 +208,20 @@ def convert_checkpoint(
     mtp: str = "sidecar",
     force: bool = False,
     progress: ProgressFn | None = None,
+    imatrix: str | Path | None = None,
 ) -> ConvertReport:
     """Convert an HF checkpoint folder, a hub repo id or a .gguf file into ``out``.
 
     ``families``: the architecture registry (``cortiq_engine.models.FAMILIES``; formats
     does not import the engine). The family of the checkpoint's ``model_type`` parses
-    its config, names its tensors and gives the manifest they are checked against."""
+    its config, names its tensors and gives the manifest they are checked against.
+    ``imatrix`` (a ``cortiq imatrix`` file) weights the quantizers' error per column."""
     from formats.checkpoint import open_checkpoint
 
     if mtp not in MTP_MODES:
         raise CortiqError(f"unknown --mtp {mtp!r}; choose one of {', '.join(MTP_MODES)}")
-    policy = QuantPolicy(KEEP_FALLBACK if quant == KEEP else quant, keep or [])
+    policy = QuantPolicy(KEEP_FALLBACK if quant == KEEP else quant, keep or [],
+                         imatrix=read_imatrix(imatrix) if imatrix is not None else None)
     policy_keep_source = quant == KEEP
     out = Path(out)
     _check_output(out, force, Path(src))
@@ -348,7 +352,7 @@ def _convert_cmf(
                     new = w.add_encoded(name, dtype, info.shape, [parts[sp.name] for sp in get_dtype(dtype).parts(info.shape)])
                     copied.append(name)
                 else:
-                    new = _reencode(src, name, info, dtype, w, err)
+                    new = _reencode(src, name, info, dtype, w, err, policy.importance(name, rows_cols(info.shape)[1]))
                 done += info.nbytes
                 if progress:
                     progress(name, done, total)
@@ -375,7 +379,7 @@ def _convert_cmf(
     )
 
 
-def _reencode(src: CmfFile, name: str, info, dtype: str, w: CmfWriter, err: list[float]):
+def _reencode(src: CmfFile, name: str, info, dtype: str, w: CmfWriter, err: list[float], importance=None):
     """Decode ``name`` to f32 in row slices and encode it as ``dtype`` into ``w``;
     ``err`` gets (sum of squared errors, sum of squared values) against the decoded source."""
     sdt, dt = get_dtype(info.dtype), get_dtype(dtype)
@@ -387,7 +391,7 @@ def _reencode(src: CmfFile, name: str, info, dtype: str, w: CmfWriter, err: list
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
         x = sdt.decode({k: v[r0:r1] for k, v in parts.items()}, (r1 - r0, cols))
-        enc = dt.encode(x)
+        enc = dt.encode(x, importance)
         e, ref = dt.error(x, enc)
         if not np.isfinite(e):
             raise CortiqError(f"tensor {name} does not fit {dtype}; use --keep '{name}=bf16'")
@@ -471,10 +475,12 @@ class _Streamer:
         rows, cols = rows_cols(p.shape)
         err = [0.0, 0.0]
 
+        importance = self.policy.importance(p.name, cols)
+
         def slices() -> Iterator[tuple[int, list[np.ndarray]]]:
             r0 = 0
             for x in self.ck.iter_f32_rows(p.source, SLICE_ELEMS):
-                enc = dt.encode(x)
+                enc = dt.encode(x, importance)
                 if measure:
                     e, ref = dt.error(x, enc)
                     finite_src = np.isfinite(ref)

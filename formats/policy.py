@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass, field
 
 from formats.errors import CortiqError
+from formats.imatrix import Imatrix
 from formats.quants import DTYPES, get_dtype
 
 EMBED_NAMES = ("model.embed_tokens.weight", "lm_head.weight")
@@ -87,6 +88,7 @@ class QuantPolicy:
     quant: str
     keep: list[tuple[str, str]] = field(default_factory=list)
     layers: int = 0  # the model's layer count, for ``use_more_bits`` (the converter sets it)
+    imatrix: Imatrix | None = None  # importance weights for the encoders (``--imatrix``)
 
     def __post_init__(self) -> None:
         if self.quant not in RECIPES:
@@ -142,6 +144,10 @@ class QuantPolicy:
             chosen = get_dtype(chosen).fallback
         # Reported: a quantized choice that ended unquantized (a K-quant that became q5/q8 is by design).
         return chosen, chosen != want and not get_dtype(chosen).quantized
+
+    def importance(self, name: str, cols: int):
+        """The imatrix entry weighting ``name``'s encoding error, or None."""
+        return None if self.imatrix is None else self.imatrix.for_tensor(name, cols)
 
     def dtype_for(self, name: str, shape: tuple[int, ...]) -> str:
         return self.choose(name, shape)[0]

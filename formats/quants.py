@@ -251,18 +251,20 @@ class DType:
         return {k: v.view(want[k]) if v.dtype != want[k] else v for k, v in parts.items()}
 
     # ------------------------------------------------------------ numbers
-    def encode(self, x: np.ndarray) -> list[np.ndarray]:
+    def encode(self, x: np.ndarray, importance: np.ndarray | None = None) -> list[np.ndarray]:
         """Float array -> the planar arrays to write, in order.
 
         Rows are independent, so encoding a tensor's rows in slices and
         concatenating each part gives the same bytes (the converter streams so).
+        ``importance`` (f32 [cols], an imatrix entry) weights the error the
+        encoder minimizes, where its dtype searches (the K-quants); others ignore it.
         """
         shape = tuple(x.shape)
         # Values beyond f16's range become inf here; the converter checks and names them.
         with np.errstate(over="ignore"):
-            return self._encode(np.ascontiguousarray(x, dtype=np.float32), shape)
+            return self._encode(np.ascontiguousarray(x, dtype=np.float32), shape, importance)
 
-    def _encode(self, x32: np.ndarray, shape: tuple[int, ...]) -> list[np.ndarray]:
+    def _encode(self, x32: np.ndarray, shape: tuple[int, ...], importance: np.ndarray | None) -> list[np.ndarray]:
         raise NotImplementedError
 
     def decode(self, parts: dict[str, np.ndarray], shape: tuple[int, ...]) -> np.ndarray:
@@ -301,7 +303,7 @@ class F32(_Dense):
     store = np.dtype("<f4")
     native = True
 
-    def _encode(self, x32, shape):
+    def _encode(self, x32, shape, importance):
         return [x32.reshape(-1)]
 
     def _decode(self, parts, shape):
@@ -315,7 +317,7 @@ class F16(_Dense):
     store = np.dtype("<f2")
     bits = 16.0
 
-    def _encode(self, x32, shape):
+    def _encode(self, x32, shape, importance):
         return [x32.astype(np.float16).reshape(-1)]
 
     def _decode(self, parts, shape):
@@ -329,7 +331,7 @@ class BF16(_Dense):
     store = np.dtype("<u2")
     bits = 16.0
 
-    def _encode(self, x32, shape):
+    def _encode(self, x32, shape, importance):
         return [f32_to_bf16(x32).reshape(-1)]
 
     def _decode(self, parts, shape):
@@ -344,7 +346,7 @@ class U8(_Dense):
     matrix = False
     bits = 8.0
 
-    def encode(self, x: np.ndarray) -> list[np.ndarray]:
+    def encode(self, x: np.ndarray, importance: np.ndarray | None = None) -> list[np.ndarray]:
         return [np.ascontiguousarray(x, dtype=np.uint8).reshape(-1)]
 
     def _decode(self, parts, shape):
@@ -378,16 +380,16 @@ class Blocked(DType):
     def requirement(self) -> str:
         return f"2 or more dims, the last divisible by {self.block}"
 
-    def encode(self, x: np.ndarray) -> list[np.ndarray]:
+    def encode(self, x: np.ndarray, importance: np.ndarray | None = None) -> list[np.ndarray]:
         shape = tuple(x.shape)
         if not self.supports(shape):
             raise CortiqError(
                 f"{self.name} needs a tensor of 2 or more dims whose last dim is divisible by {self.block}, got shape {list(shape)}"
             )
-        return super().encode(x)
+        return super().encode(x, importance)
 
-    def _encode(self, x32, shape):
-        return list(self.encode_rows(x32.reshape(rows_cols(shape))))
+    def _encode(self, x32, shape, importance):
+        return list(self.encode_rows(x32.reshape(rows_cols(shape)), importance))
 
     def encode_rows(self, x2: np.ndarray, importance: np.ndarray | None = None) -> tuple[np.ndarray, ...]:
         """f32[rows, cols] -> the parts, in order; ``importance`` (f32[cols], per input
