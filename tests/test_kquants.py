@@ -140,3 +140,27 @@ def test_decode_matvec_is_row_exact(name):
 def test_registry_names_the_new_types():
     assert {"q6k", "q5k", "q4k", "q5"} <= set(DTYPES)
     assert [get_dtype(n).ggml_type for n, _ in NEW] == [g.name for _, g in NEW]
+
+
+@pytest.mark.slow
+def test_gemma3_q4_k_m_blocks_are_kept_bit_for_bit(gemma3_gguf, gemma3_hf, tmp_path):
+    """``--quant keep`` on Gemma 3 270M's Q4_K_M file: Q4_K, Q6_K, Q5_0 and Q8_0 blocks
+    are copied, and each tensor decodes to exactly what gguf-py dequantizes (the HF
+    import's f32 values)."""
+    from formats.cmf import CmfFile
+    from formats.convert import convert_checkpoint
+    from formats.safetensors_reader import SafetensorsFile
+
+    out = tmp_path / "g.cmf"
+    report = convert_checkpoint(gemma3_gguf, out, quant="keep")
+    assert {"q4k", "q6k", "q5", "q8"} <= set(report.by_dtype)
+    assert all(report.by_dtype[d].rms_rel_error == 0.0 for d in ("q4k", "q6k", "q5", "q8"))
+    hf = SafetensorsFile(next(gemma3_hf.glob("*.safetensors")))
+    with CmfFile(out) as f:
+        seen = set()
+        for name in f.names():
+            info = f.info(name)
+            if len(info.shape) == 2 and info.dtype in ("q4k", "q6k", "q5") and info.dtype not in seen:
+                seen.add(info.dtype)
+                assert np.array_equal(f.tensor_f32(name), hf.f32(name).reshape(info.shape)), name
+    assert seen == {"q4k", "q6k", "q5"}
