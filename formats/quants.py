@@ -17,7 +17,15 @@ for a 2-D weight [out, in] that is rows = out, cols = in). Full spec: docs/cmf.m
 - ``q4`` (llama.cpp Q4_1 semantics): ``d`` f16[rows, nb], ``m`` f16[rows, nb], then
   ``qs`` uint8[rows, cols/2]; within a block of 32, byte j holds element j in its low
   nibble and element j+16 in its high nibble; value = d * q + m, q in 0..15.
+- ``q5`` (llama.cpp Q5_0): ``d`` f16[rows, nb], ``qh`` uint32[rows, nb], ``qs`` uint8[rows, cols/2];
+  value = d * (q - 16), q = nibble | fifth bit << 4.
+- ``q6k``, ``q5k``, ``q4k`` (llama.cpp Q6_K, Q5_K, Q4_K): super-blocks of 256, the
+  fields of ggml's block structs as planar parts (see the classes below).
 - ``u8``: raw bytes (embedded files such as tokenizer.json).
+
+Each dtype is one ``DType`` subclass registered in ``DTYPES`` by its ``name``: it owns
+its parts, encoder, decoder, the parts its kernels take (``kernel_parts``) and the
+GGML type whose blocks it can copy (``ggml_type``). Nothing compares dtype names.
 
 The q4 quantizer reproduces ggml's ``quantize_row_q4_1_ref`` (as mirrored by
 ``gguf.quants``) bit for bit; ``quantize_q8_ggml`` does the same for Q8_0, and the

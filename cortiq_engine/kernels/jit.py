@@ -7,7 +7,9 @@ patterns (numba has no float16 on the CPU); two LLVM intrinsics widen them.
 
 Quantized layouts are the planar ones of ``formats.quants`` (blocks of 32):
 q8 ``d`` f16[rows, nb] + ``qs`` i8[rows, cols]; q4 ``d``, ``m`` f16[rows, nb] +
-``qs`` u8[rows, cols/2] (byte j of a block: element j low nibble, j+16 high).
+``qs`` u8[rows, cols/2] (byte j of a block: element j low nibble, j+16 high); q5 as
+q4 with one ``d`` and a u32 ``qh`` of fifth bits. The K-quant kernels live in
+``kquant_jit.py``; ``dtype_ops.py`` maps each dtype to its kernels.
 
 The "small-batch" matmuls read each weight row once for all ``n`` input rows,
 accumulating into 32 lanes across blocks so LLVM vectorizes the loop (a scalar
