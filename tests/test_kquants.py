@@ -148,7 +148,7 @@ def test_gemma3_q4_k_m_blocks_are_kept_bit_for_bit(gemma3_gguf, gemma3_hf, tmp_p
     are copied, and each tensor decodes to exactly what gguf-py dequantizes (the HF
     import's f32 values)."""
     from formats.cmf import CmfFile
-    from formats.convert import convert_checkpoint
+    from cortiq_engine.convert import convert_checkpoint
     from formats.safetensors_reader import SafetensorsFile
 
     out = tmp_path / "g.cmf"
