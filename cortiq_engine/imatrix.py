@@ -15,9 +15,8 @@ import numpy as np
 
 from cortiq_engine.kernels import get_kernels
 from cortiq_engine.model import forward
-from cortiq_engine.models import build_model
+from cortiq_engine.models import build_model, read_arch
 from cortiq_engine.threads import set_threads
-from formats.arch_check import model_arch
 from formats.cmf import CmfFile
 
 
@@ -61,7 +60,7 @@ def collect_imatrix(
     set_threads(threads)
     rec = RecordingKernels(get_kernels(kernels))
     cmf = CmfFile(path)
-    model = build_model(cmf, model_arch(cmf), rec)
+    model = build_model(cmf, read_arch(cmf), rec)
     tokens = 0
     for ids in windows:
         arr = np.asarray(ids, dtype=np.int64)
