@@ -9,8 +9,8 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 from rich.table import Table
 
 from cortiq_cli.common import console, err_console, handle_errors, human_bytes, print_json, print_table
-from formats.convert import KEEP, MTP_MODES, ConvertReport, QuantPolicy
-from formats.quants import QUANT_CHOICES
+from formats.convert import MTP_MODES, ConvertReport, QuantPolicy
+from formats.policy import quant_help
 
 
 def convert_checkpoint(src, out, **kw) -> ConvertReport:
@@ -25,21 +25,19 @@ def convert_checkpoint(src, out, **kw) -> ConvertReport:
 def convert(
     src: str = typer.Argument(..., help="HF checkpoint folder, hub repo id (org/name) or .gguf file."),
     out: Path = typer.Argument(..., help="Output .cmf file."),
-    quant: str = typer.Option(
-        "q8", "--quant", "-q",
-        help=f"Default dtype of matrices: {', '.join(QUANT_CHOICES)}, or {KEEP} (each in its source's type where CMF has one, else q8).",
-    ),
+    quant: str = typer.Option("q8", "--quant", "-q", help=f"Dtype preset of the matrices (b/w = bits per weight): {quant_help()}; keep = the source's blocks where CMF has them."),
     keep: list[str] = typer.Option(
         [], "--keep", help="PATTERN=DTYPE override on CMF tensor names (fnmatch; repeatable), e.g. 'lm_head.weight=f16'."
     ),
     mtp: str = typer.Option("sidecar", "--mtp", help=f"MTP draft layers: {', '.join(MTP_MODES)} (sidecar = OUT.mtp.cmf)."),
     force: bool = typer.Option(False, "--force", "-f", help="Overwrite OUT (and its sidecar) if they exist."),
     json_out: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+    imatrix: Path = typer.Option(None, "--imatrix", help="Importance matrix from `cortiq imatrix`: the K-quant encoders minimize the activation-weighted error."),
 ) -> None:
     """Convert a checkpoint into a CMF file, one tensor at a time."""
     keep_pairs = QuantPolicy.parse_keep(keep)
     if json_out:
-        report = convert_checkpoint(src, out, quant=quant, keep=keep_pairs, mtp=mtp, force=force)
+        report = convert_checkpoint(src, out, quant=quant, keep=keep_pairs, mtp=mtp, force=force, imatrix=imatrix)
         print_json(report.to_json())
         return
     with Progress(
@@ -58,7 +56,8 @@ def convert(
         def on_progress(name: str, done: int, total: int) -> None:
             bar.update(task, completed=done, total=total, tensor=name)
 
-        report = convert_checkpoint(src, out, quant=quant, keep=keep_pairs, mtp=mtp, force=force, progress=on_progress)
+        report = convert_checkpoint(src, out, quant=quant, keep=keep_pairs, mtp=mtp, force=force, progress=on_progress,
+                                    imatrix=imatrix)
     _render(report)
 
 

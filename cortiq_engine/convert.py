@@ -23,9 +23,11 @@ def convert_checkpoint(
     mtp: str = "sidecar",
     force: bool = False,
     progress: ProgressFn | None = None,
+    imatrix: str | Path | None = None,
 ) -> ConvertReport:
     """Convert an HF checkpoint folder, a hub repo id, a .gguf or a .cmf file into ``out``
     (see ``formats.convert.convert_checkpoint``)."""
     return _convert_checkpoint(
-        src, out, families=FAMILIES, quant=quant, keep=keep, mtp=mtp, force=force, progress=progress
+        src, out, families=FAMILIES, quant=quant, keep=keep, mtp=mtp, force=force, progress=progress,
+        imatrix=imatrix,
     )

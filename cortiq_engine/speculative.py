@@ -32,7 +32,7 @@ def row_exact(kernels) -> Iterator[None]:
 
     def matmul(ws, X):
         n = X.shape[0]
-        if n == 1 or (compiled and n <= small_n and all(w.dtype != "f32" for w in ws)):
+        if n == 1 or (compiled and n <= small_n and not any(w.kind.native for w in ws)):
             return inner_matmul(ws, X)
         out = np.empty((n, sum(w.rows for w in ws)), np.float32)
         for i in range(n):

@@ -13,9 +13,7 @@ import numpy as np
 
 from formats.cmf import CmfFile
 from formats.errors import CortiqError
-from formats.quants import get_dtype
-
-MATRIX_DTYPES = ("f32", "f16", "bf16", "q8", "q4")
+from formats.quants import DType, get_dtype
 
 
 @dataclass(frozen=True, eq=False)
@@ -29,63 +27,48 @@ class Weight:
     def __post_init__(self) -> None:
         # The matmul kernels trust these shapes: check them once, here.
         rows, cols = self.rows, self.cols
-        want = {
-            "f32": {"data": (rows, cols)}, "f16": {"data": (rows, cols)}, "bf16": {"data": (rows, cols)},
-            "q8": {"d": (rows, cols // 32), "qs": (rows, cols)},
-            "q4": {"d": (rows, cols // 32), "m": (rows, cols // 32), "qs": (rows, cols // 2)},
-        }.get(self.dtype)
-        if want is None or rows < 1 or cols < 1 or (self.dtype in ("q8", "q4") and cols % 32):
+        kind = get_dtype(self.dtype)
+        if not kind.matrix or rows < 1 or cols < 1 or not kind.supports((rows, cols)):
             raise CortiqError(f"tensor {self.name}: {self.dtype}[{rows}, {cols}] is not a matrix the kernels can use")
-        for k, shape in want.items():
+        for k, shape in kind.matrix_parts(rows, cols).items():
             if k not in self.parts or tuple(self.parts[k].shape) != shape:
                 raise CortiqError(f"tensor {self.name}: part {k} does not have shape {list(shape)}")
+
+    @property
+    def kind(self) -> DType:
+        """The dtype object: layout, decoding and the arrays its kernels take."""
+        return get_dtype(self.dtype)
 
     @property
     def shape(self) -> tuple[int, int]:
         return (self.rows, self.cols)
 
+    def kernel_parts(self) -> tuple[np.ndarray, ...]:
+        """The parts a kernel of this dtype takes, in its argument order."""
+        return tuple(self.parts[n] for n in self.kind.kernel_parts)
+
     def dequantize(self, r0: int = 0, r1: int | None = None) -> np.ndarray:
         """f32 copy of rows r0..r1 (numpy; tests and the reference path)."""
         r1 = self.rows if r1 is None else r1
-        p = self.parts
-        if self.dtype == "f32":
-            return np.array(p["data"][r0:r1], dtype=np.float32)
-        if self.dtype == "f16":
-            return p["data"][r0:r1].view(np.float16).astype(np.float32)
-        if self.dtype == "bf16":
-            return (p["data"][r0:r1].astype(np.uint32) << 16).view(np.float32)
-        dt = get_dtype(self.dtype)
-        sub = {k: v[r0:r1].view(np.float16) if v.dtype == np.uint16 else v[r0:r1] for k, v in p.items()}
-        return dt.decode(sub, (r1 - r0, self.cols))
+        return self.kind.decode({k: v[r0:r1] for k, v in self.parts.items()}, (r1 - r0, self.cols))
 
     def rows_f32(self, ids: np.ndarray) -> np.ndarray:
         """f32 copy of the rows ``ids`` (embedding lookup)."""
         ids = np.asarray(ids, dtype=np.int64)
         if ids.size and (ids.min() < 0 or ids.max() >= self.rows):
             raise CortiqError(f"token id out of range 0..{self.rows - 1}")
-        p = self.parts
-        if self.dtype == "f32":
-            return p["data"][ids].astype(np.float32, copy=True)
-        if self.dtype == "f16":
-            return p["data"][ids].view(np.float16).astype(np.float32)
-        if self.dtype == "bf16":
-            return (p["data"][ids].astype(np.uint32) << 16).view(np.float32)
-        dt = get_dtype(self.dtype)
-        sub = {k: v[ids].view(np.float16) if v.dtype == np.uint16 else v[ids] for k, v in p.items()}
-        return dt.decode(sub, (len(ids), self.cols))
+        return self.kind.decode({k: v[ids] for k, v in self.parts.items()}, (len(ids), self.cols))
 
 
 def load_weight(cmf: CmfFile, name: str) -> Weight:
     info = cmf.info(name)
-    if info.dtype not in MATRIX_DTYPES or len(info.shape) != 2:
+    if not get_dtype(info.dtype).matrix or len(info.shape) != 2:
         raise CortiqError(f"{cmf.path}: tensor {name} is {info.dtype}{list(info.shape)}, expected a 2-D matrix")
     parts = {}
     for k, v in cmf.tensor_parts(name).items():
         if v.dtype == np.float16:
             v = v.view(np.uint16)
         parts[k] = v
-    if info.dtype in ("f32", "f16", "bf16"):
-        parts["data"] = parts["data"].reshape(info.shape)
     return Weight(name, info.dtype, int(info.shape[0]), int(info.shape[1]), parts)
 
 

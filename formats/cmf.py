@@ -317,7 +317,7 @@ def _parse_entry(path: Path, e: Any) -> TensorInfo:
         raise CortiqError(f"{path}: tensor {name} has a bad offset, size or checksum in the directory")
     dt = get_dtype(dtype)
     if dt.quantized and not dt.supports(tuple(shape)):
-        raise CortiqError(f"{path}: tensor {name} is {dtype}{shape}; {dtype} needs 2+ dims, the last divisible by 32")
+        raise CortiqError(f"{path}: tensor {name} is {dtype}{shape}; {dtype} needs {dt.requirement}")
     return TensorInfo(name, dtype, tuple(shape), e["offset"], e["nbytes"], e["crc32"])
 
 

@@ -26,7 +26,7 @@ import json
 import os
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -38,8 +38,9 @@ from formats.cmf import FORMAT_MINOR, FORMAT_VERSION, MAGIC as CMF_MAGIC, CmfFil
 from formats.errors import CortiqError
 from formats.manifest import ArchFamily, Families, check_manifest
 from formats.mtp_names import mtp_layer_count, naming_scheme, normalize
+from formats.imatrix import read_imatrix
 from formats.policy import QuantPolicy
-from formats.quants import f32_to_bf16, get_dtype, rows_cols
+from formats.quants import DTYPES, f32_to_bf16, get_dtype, rows_cols
 from formats.safetensors_reader import FLOAT_DTYPES
 from formats.sanitize import sanitize_checkpoint
 from formats.staging import remove_stale
@@ -58,11 +59,11 @@ SLICE_ELEMS = 1 << 20
 _ST_ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}
 _LOSSLESS = {("f32", "F32"), ("f32", "F16"), ("f32", "BF16"), ("f16", "F16"), ("bf16", "BF16")}
 KEEP = "keep"  # --quant keep: each matrix in its source type where CMF has one
+# GGML types whose blocks are a CMF dtype's planar parts, interleaved: GGML type -> CMF dtype.
+BLOCK_COPY = {dt.ggml_type: name for name, dt in DTYPES.items() if dt.ggml_type}
 # Source type (safetensors or GGML) -> the CMF dtype that stores it exactly.
-SOURCE_TO_CMF = {"F32": "f32", "F16": "f16", "BF16": "bf16", "Q8_0": "q8", "Q4_1": "q4"}
+SOURCE_TO_CMF = {"F32": "f32", "F16": "f16", "BF16": "bf16", **BLOCK_COPY}
 KEEP_FALLBACK = "q8"
-# GGML types whose blocks are our planar parts, interleaved: (CMF dtype, bytes per block).
-BLOCK_COPY = {"Q8_0": ("q8", 34), "Q4_1": ("q4", 20)}
 # config.json keys that vary between exports of the same weights.
 _VOLATILE_KEYS = ("transformers_version", "_name_or_path", "torch_dtype", "dtype", "architectures", "_commit_hash")
 
@@ -208,17 +209,20 @@ def convert_checkpoint(
     mtp: str = "sidecar",
     force: bool = False,
     progress: ProgressFn | None = None,
+    imatrix: str | Path | None = None,
 ) -> ConvertReport:
     """Convert an HF checkpoint folder, a hub repo id or a .gguf file into ``out``.
 
     ``families``: the architecture registry (``cortiq_engine.models.FAMILIES``; formats
     does not import the engine). The family of the checkpoint's ``model_type`` parses
-    its config, names its tensors and gives the manifest they are checked against."""
+    its config, names its tensors and gives the manifest they are checked against.
+    ``imatrix`` (a ``cortiq imatrix`` file) weights the quantizers' error per column."""
     from formats.checkpoint import open_checkpoint
 
     if mtp not in MTP_MODES:
         raise CortiqError(f"unknown --mtp {mtp!r}; choose one of {', '.join(MTP_MODES)}")
-    policy = QuantPolicy(KEEP_FALLBACK if quant == KEEP else quant, keep or [])
+    policy = QuantPolicy(KEEP_FALLBACK if quant == KEEP else quant, keep or [],
+                         imatrix=read_imatrix(imatrix) if imatrix is not None else None)
     policy_keep_source = quant == KEEP
     out = Path(out)
     _check_output(out, force, Path(src))
@@ -304,6 +308,7 @@ def _convert_cmf(
         if mtp.get("location") == "sidecar":
             raise CortiqError(f"{path}: re-quantizing a model with an MTP sidecar is not supported yet; convert the original checkpoint")
         arch = ArchConfig.from_json(header["arch"])
+        policy = replace(policy, layers=arch.num_layers)  # the mixed presets pick layers
         total = sum(src.info(n).nbytes for n in src.names())
         done = 0
         stats: dict[str, DtypeStats] = {}
@@ -319,8 +324,8 @@ def _convert_cmf(
         try:
             for name in src.names():
                 info = src.info(name)
-                if info.dtype == "u8":
-                    w.add_encoded(name, "u8", info.shape, [src.tensor_parts(name)["data"]])
+                if not get_dtype(info.dtype).matrix:  # embedded files: bytes as they are
+                    w.add_encoded(name, info.dtype, info.shape, [src.tensor_parts(name)["data"]])
                     continue
                 kept = policy.matching_keep(name)
                 if kept is not None and len(info.shape) >= 2:
@@ -337,7 +342,7 @@ def _convert_cmf(
                     new = w.add_encoded(name, dtype, info.shape, [parts[sp.name] for sp in get_dtype(dtype).parts(info.shape)])
                     copied.append(name)
                 else:
-                    new = _reencode(src, name, info, dtype, w, err)
+                    new = _reencode(src, name, info, dtype, w, err, policy.importance(name, rows_cols(info.shape)[1]))
                 done += info.nbytes
                 if progress:
                     progress(name, done, total)
@@ -364,7 +369,7 @@ def _convert_cmf(
     )
 
 
-def _reencode(src: CmfFile, name: str, info, dtype: str, w: CmfWriter, err: list[float]):
+def _reencode(src: CmfFile, name: str, info, dtype: str, w: CmfWriter, err: list[float], importance=None):
     """Decode ``name`` to f32 in row slices and encode it as ``dtype`` into ``w``;
     ``err`` gets (sum of squared errors, sum of squared values) against the decoded source."""
     sdt, dt = get_dtype(info.dtype), get_dtype(dtype)
@@ -376,7 +381,7 @@ def _reencode(src: CmfFile, name: str, info, dtype: str, w: CmfWriter, err: list
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
         x = sdt.decode({k: v[r0:r1] for k, v in parts.items()}, (r1 - r0, cols))
-        enc = dt.encode(x)
+        enc = dt.encode(x, importance)
         e, ref = dt.error(x, enc)
         if not np.isfinite(e):
             raise CortiqError(f"tensor {name} does not fit {dtype}; use --keep '{name}=bf16'")
@@ -458,7 +463,7 @@ class _Streamer:
         src_dtype = self.ck.source_dtype(p.source)
         itemsize = _ST_ITEMSIZE[src_dtype]
         b = self.blocks.get(p.source)
-        if b is not None and BLOCK_COPY.get(b.ggml_type, ("",))[0] == dtype and len(p.shape) == 2:
+        if b is not None and BLOCK_COPY.get(b.ggml_type) == dtype and len(p.shape) == 2:
             info = w.add_encoded(p.name, dtype, p.shape, ggml_block_parts(b, p.shape))
             self.ck.release_pages()  # the blocks read from the source's map
             self.copied.append(p.name)
@@ -471,10 +476,12 @@ class _Streamer:
         rows, cols = rows_cols(p.shape)
         err = [0.0, 0.0]
 
+        importance = self.policy.importance(p.name, cols)
+
         def slices() -> Iterator[tuple[int, list[np.ndarray]]]:
             r0 = 0
             for x in self.ck.iter_f32_rows(p.source, SLICE_ELEMS):
-                enc = dt.encode(x)
+                enc = dt.encode(x, importance)
                 if measure:
                     e, ref = dt.error(x, enc)
                     finite_src = np.isfinite(ref)
@@ -526,24 +533,16 @@ class _Streamer:
 
 
 def ggml_block_parts(b, shape: tuple[int, ...]) -> list[np.ndarray]:
-    """A Q8_0 / Q4_1 tensor's interleaved GGML blocks -> our planar parts, byte for byte.
-
-    Q8_0 block: f16 d, 32 x int8.  Q4_1 block: f16 d, f16 m, 16 bytes of nibbles (element
-    j low, j + 16 high: our q4 packing). Rows move whole (llama's q/k row order).
-    """
+    """A tensor's interleaved GGML blocks -> the planar parts of its CMF dtype, byte for
+    byte (``DType.from_ggml``). Rows move whole (llama's q/k row order)."""
     from formats.gguf_import import unpermute_rope_rows
 
     rows, cols = shape
-    dtype, size = BLOCK_COPY[b.ggml_type]
-    nb = cols // 32
-    blk = np.asarray(b.data, dtype=np.uint8).reshape(rows, nb, size)
+    dt = get_dtype(BLOCK_COPY[b.ggml_type])
+    blk = np.asarray(b.data, dtype=np.uint8).reshape(rows, cols // dt.block, dt.block_bytes)
     if b.unpermute_heads:
         blk = unpermute_rope_rows(blk, b.unpermute_heads)
-    d = np.ascontiguousarray(blk[:, :, 0:2]).view("<f2").reshape(rows, nb)
-    if dtype == "q8":
-        return [d, np.ascontiguousarray(blk[:, :, 2:]).view(np.int8).reshape(rows, cols)]
-    m = np.ascontiguousarray(blk[:, :, 2:4]).view("<f2").reshape(rows, nb)
-    return [d, m, np.ascontiguousarray(blk[:, :, 4:]).reshape(rows, cols // 2)]
+    return dt.from_ggml(blk)
 
 
 def _convert(
@@ -552,6 +551,7 @@ def _convert(
 ) -> ConvertReport:
     t0 = time.perf_counter()
     family, arch = arch_from_config(families, ck.config)
+    policy = replace(policy, layers=arch.num_layers)  # the mixed presets pick layers
     ck = sanitize_checkpoint(ck, family.sanitize)  # the exporter's names -> the engine's
     plan = _plan(ck, arch, family, check_mtp=mtp_mode != "drop")
     mtp_plan = [p for p in plan if p.mtp]

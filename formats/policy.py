@@ -1,18 +1,73 @@
-"""Which CMF dtype each tensor gets when a checkpoint is converted."""
+"""Which CMF dtype each tensor gets when a checkpoint is converted: ``--quant`` presets."""
 
 from __future__ import annotations
 
 import fnmatch
+import re
 from dataclasses import dataclass, field
 
 from formats.errors import CortiqError
-from formats.quants import QUANT_CHOICES, get_dtype
+from formats.imatrix import Imatrix
+from formats.quants import DTYPES, get_dtype
 
 EMBED_NAMES = ("model.embed_tokens.weight", "lm_head.weight")
 # Routers decide discrete choices from tiny matrices: keep them exact. So are the
 # Gated DeltaNet depthwise conv kernels (a few values per channel).
 _EXACT_SUFFIXES = (".mlp.gate.weight", ".shared_expert_gate.weight", ".linear_attn.conv1d.weight")
+# The matrices whose errors cost the most (llama.cpp's Q4_K_M / Q5_K_M give them more bits).
+_MORE_SUFFIXES = (".self_attn.v_proj.weight", ".mlp.down_proj.weight")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 FALLBACK_DTYPE = "f16"
+MATRIX_DTYPES = tuple(n for n, d in DTYPES.items() if d.matrix)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A ``--quant`` preset: the dtype of most matrices, of the embeddings and lm_head,
+    and (mixed presets) of attention V and FFN down in the layers llama.cpp's
+    ``use_more_bits`` picks: the first and last eighth and every third in between."""
+
+    name: str
+    base: str
+    embed: str
+    more: str | None = None
+
+    def describe(self) -> str:
+        parts = [f"{self.base} ({get_dtype(self.base).bits:g} b/w)"]
+        if self.embed != self.base:
+            parts.append(f"embeddings/lm_head {self.embed}")
+        if self.more:
+            parts.append(f"V/down of 1/3+ of layers {self.more}")
+        return ", ".join(parts)
+
+
+RECIPES: dict[str, Recipe] = {
+    r.name: r
+    for r in (
+        Recipe("q8", "q8", "q8"),
+        Recipe("q6k", "q6k", "q6k"),
+        Recipe("q5km", "q5k", "q6k", more="q6k"),
+        Recipe("q5k", "q5k", "q6k"),
+        Recipe("q5", "q5", "q8"),
+        Recipe("q4", "q4", "q8"),
+        Recipe("q4km", "q4k", "q6k", more="q6k"),
+        Recipe("q4k", "q4k", "q6k"),
+        Recipe("f16", "f16", "f16"),
+        Recipe("bf16", "bf16", "bf16"),
+        Recipe("f32", "f32", "f32"),
+    )
+}
+QUANT_CHOICES = tuple(RECIPES)
+
+
+def quant_help() -> str:
+    """The ``--quant`` help: every preset with its bit costs (docs/cmf.md has the table)."""
+    return "; ".join(f"{r.name} = {r.describe()}" for r in RECIPES.values())
+
+
+def use_more_bits(layer: int, layers: int) -> bool:
+    """llama.cpp's choice of layers for the extra bits of its _M mixes."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
 
 
 @dataclass
@@ -21,22 +76,30 @@ class QuantPolicy:
 
     1. tensors with fewer than 2 dims (norms, biases, sinks) stay f32;
     2. the first ``keep`` pattern (fnmatch on the CMF name) that matches decides;
-    3. otherwise routers stay f32, and with ``q4`` the embeddings and lm_head get
-       q8 (as llama.cpp keeps its output tensor at higher precision); everything
-       else gets ``quant``;
-    4. a quantized dtype that does not fit the shape (last dim not a multiple of
-       32) falls back to f16.
+    3. otherwise routers stay f32, the embeddings and lm_head get the recipe's
+       ``embed`` dtype (as llama.cpp keeps its output tensor at higher precision),
+       attention V and FFN down of ``use_more_bits`` layers its ``more`` dtype
+       (every layer when ``layers`` is unknown), everything else its ``base``;
+    4. a quantized dtype that does not fit the shape falls back along the dtypes'
+       ``fallback`` (q6k -> q8, q5k/q4k -> q5 where a row is not a multiple of 256;
+       q8/q5/q4 -> f16 where it is not a multiple of 32).
     """
 
     quant: str
     keep: list[tuple[str, str]] = field(default_factory=list)
+    layers: int = 0  # the model's layer count, for ``use_more_bits`` (the converter sets it)
+    imatrix: Imatrix | None = None  # importance weights for the encoders (``--imatrix``)
 
     def __post_init__(self) -> None:
-        if self.quant not in QUANT_CHOICES:
+        if self.quant not in RECIPES:
             raise CortiqError(f"unknown --quant {self.quant!r}; choose one of {', '.join(QUANT_CHOICES)}")
         for pat, dt in self.keep:
-            if dt not in QUANT_CHOICES:
-                raise CortiqError(f"--keep {pat}={dt}: unknown dtype {dt!r}; choose one of {', '.join(QUANT_CHOICES)}")
+            if dt not in MATRIX_DTYPES:
+                raise CortiqError(f"--keep {pat}={dt}: unknown dtype {dt!r}; choose one of {', '.join(MATRIX_DTYPES)}")
+
+    @property
+    def recipe(self) -> Recipe:
+        return RECIPES[self.quant]
 
     @staticmethod
     def parse_keep(specs: list[str]) -> list[tuple[str, str]]:
@@ -54,22 +117,37 @@ class QuantPolicy:
                 return pat, dt
         return None
 
+    def _more(self, name: str) -> bool:
+        if not name.endswith(_MORE_SUFFIXES):
+            return False
+        m = _LAYER.match(name)
+        return m is None or self.layers <= 0 or use_more_bits(int(m.group(1)), self.layers)
+
     def choose(self, name: str, shape: tuple[int, ...]) -> tuple[str, bool]:
         """(dtype, True if a quantized choice fell back because of the shape)."""
         if len(shape) < 2:
             return "f32", False
+        r = self.recipe
         kept = self.matching_keep(name)
         if kept is not None:
             chosen = kept[1]
         elif name.endswith(_EXACT_SUFFIXES):
             chosen = "f32"
-        elif self.quant == "q4" and name in EMBED_NAMES:
-            chosen = "q8"
+        elif name in EMBED_NAMES:
+            chosen = r.embed
+        elif r.more and self._more(name):
+            chosen = r.more
         else:
-            chosen = self.quant
-        if not get_dtype(chosen).supports(shape):
-            return FALLBACK_DTYPE, True
-        return chosen, False
+            chosen = r.base
+        want = chosen
+        while not get_dtype(chosen).supports(shape):
+            chosen = get_dtype(chosen).fallback
+        # Reported: a quantized choice that ended unquantized (a K-quant that became q5/q8 is by design).
+        return chosen, chosen != want and not get_dtype(chosen).quantized
+
+    def importance(self, name: str, cols: int):
+        """The imatrix entry weighting ``name``'s encoding error, or None."""
+        return None if self.imatrix is None else self.imatrix.for_tensor(name, cols)
 
     def dtype_for(self, name: str, shape: tuple[int, ...]) -> str:
         return self.choose(name, shape)[0]

@@ -17,7 +17,15 @@ for a 2-D weight [out, in] that is rows = out, cols = in). Full spec: docs/cmf.m
 - ``q4`` (llama.cpp Q4_1 semantics): ``d`` f16[rows, nb], ``m`` f16[rows, nb], then
   ``qs`` uint8[rows, cols/2]; within a block of 32, byte j holds element j in its low
   nibble and element j+16 in its high nibble; value = d * q + m, q in 0..15.
+- ``q5`` (llama.cpp Q5_0): ``d`` f16[rows, nb], ``qh`` uint32[rows, nb], ``qs`` uint8[rows, cols/2];
+  value = d * (q - 16), q = nibble | fifth bit << 4.
+- ``q6k``, ``q5k``, ``q4k`` (llama.cpp Q6_K, Q5_K, Q4_K): super-blocks of 256, the
+  fields of ggml's block structs as planar parts (see the classes below).
 - ``u8``: raw bytes (embedded files such as tokenizer.json).
+
+Each dtype is one ``DType`` subclass registered in ``DTYPES`` by its ``name``: it owns
+its parts, encoder, decoder, the parts its kernels take (``kernel_parts``) and the
+GGML type whose blocks it can copy (``ggml_type``). Nothing compares dtype names.
 
 The q4 quantizer reproduces ggml's ``quantize_row_q4_1_ref`` (as mirrored by
 ``gguf.quants``) bit for bit; ``quantize_q8_ggml`` does the same for Q8_0, and the
@@ -28,6 +36,7 @@ decodes with ggml's Q8_0 formula.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
@@ -49,8 +58,6 @@ def rows_cols(shape: tuple[int, ...]) -> tuple[int, int]:
     rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
     return rows, cols
 
-
-_rows_cols = rows_cols  # old private name
 
 
 # ---------------------------------------------------------------- bf16 helpers
@@ -172,32 +179,45 @@ class Part:
         return int(np.prod(self.shape)) * self.dtype.itemsize
 
 
-@dataclass(frozen=True)
-class DType:
-    name: str
-    quantized: bool
+DTYPES: dict[str, "DType"] = {}
 
+
+class DType:
+    """One CMF dtype: its planar byte layout, encoder, decoder and the arrays its kernels take.
+
+    Each dtype is a subclass that names itself (``name = "q8"``) and so registers one
+    instance in ``DTYPES`` (gguf-py's ``quants.py`` shape): code asks the dtype, it
+    never compares dtype names.
+    """
+
+    name: ClassVar[str]
+    quantized: ClassVar[bool] = False
+    # Elements per block along the last dim (a quantized tensor's last dim is a multiple).
+    block: ClassVar[int] = 1
+    # Stored as f32: kernels multiply by the stored array in place, nothing to decode.
+    native: ClassVar[bool] = False
+    # Can be a weight matrix of the engine (u8 blobs cannot).
+    matrix: ClassVar[bool] = True
+    # The parts a kernel takes, in its argument order.
+    kernel_parts: ClassVar[tuple[str, ...]] = ("data",)
+    # Bits per weight, scales included (docs/cmf.md; the policy presets quote them).
+    bits: ClassVar[float] = 32.0
+    # The GGML block type holding exactly these bytes (interleaved), for block copies.
+    ggml_type: ClassVar[str | None] = None
+    # The dtype a tensor gets when its shape does not fit this one (llama.cpp's choice).
+    fallback: ClassVar[str] = "f16"
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if "name" in cls.__dict__:
+            DTYPES[cls.name] = cls()
+
+    def __repr__(self) -> str:
+        return f"DType({self.name!r})"
+
+    # ------------------------------------------------------------ layout
     def parts(self, shape: tuple[int, ...]) -> list[Part]:
-        rows, cols = rows_cols(shape)
-        n = int(np.prod(shape)) if shape else 1
-        if self.name == "f32":
-            return [Part("data", np.dtype("<f4"), (n,))]
-        if self.name == "f16":
-            return [Part("data", np.dtype("<f2"), (n,))]
-        if self.name == "bf16":
-            return [Part("data", np.dtype("<u2"), (n,))]
-        if self.name == "u8":
-            return [Part("data", np.dtype("u1"), (n,))]
-        nb = cols // QBLOCK
-        if self.name == "q8":
-            return [Part("d", np.dtype("<f2"), (rows, nb)), Part("qs", np.dtype("i1"), (rows, cols))]
-        if self.name == "q4":
-            return [
-                Part("d", np.dtype("<f2"), (rows, nb)),
-                Part("m", np.dtype("<f2"), (rows, nb)),
-                Part("qs", np.dtype("u1"), (rows, cols // 2)),
-            ]
-        raise AssertionError(self.name)
+        raise NotImplementedError
 
     def nbytes(self, shape: tuple[int, ...]) -> int:
         """Blob size: parts laid end to end, each padded to ALIGN except the last."""
@@ -208,39 +228,59 @@ class DType:
         return total
 
     def supports(self, shape: tuple[int, ...]) -> bool:
-        if not self.quantized:
-            return True
-        return len(shape) >= 2 and int(shape[-1]) % QBLOCK == 0
+        return True
 
-    def encode(self, x: np.ndarray) -> list[np.ndarray]:
+    @property
+    def requirement(self) -> str:
+        """What ``supports`` asks of a shape, for error messages."""
+        return "any shape"
+
+    def named(self, parts: list[np.ndarray], shape: tuple[int, ...]) -> dict[str, np.ndarray]:
+        """The encoder's ordered parts as the name -> array dict ``decode`` takes."""
+        return {p.name: a.reshape(p.shape) for p, a in zip(self.parts(shape), parts)}
+
+    def view(self, buf: memoryview | np.ndarray, offset: int, shape: tuple[int, ...]) -> dict[str, np.ndarray]:
+        """Zero-copy planar arrays over ``buf`` (a uint8 array) starting at ``offset``."""
+        out = {}
+        pos = offset
+        for p in self.parts(shape):
+            count = int(np.prod(p.shape))
+            out[p.name] = np.frombuffer(buf, dtype=p.dtype, count=count, offset=pos).reshape(p.shape)
+            pos += align_up(p.nbytes)
+        return out
+
+    def matrix_parts(self, rows: int, cols: int) -> dict[str, tuple[int, ...]]:
+        """Part name -> shape of a [rows, cols] matrix (what ``Weight`` checks)."""
+        return {p.name: p.shape for p in self.parts((rows, cols))}
+
+    def _typed(self, parts: dict[str, np.ndarray], shape: tuple[int, ...]) -> dict[str, np.ndarray]:
+        """Parts as their declared numpy dtypes (the engine keeps f16 as uint16 bits)."""
+        want = {p.name: p.dtype for p in self.parts(shape)}
+        return {k: v.view(want[k]) if v.dtype != want[k] else v for k, v in parts.items()}
+
+    # ------------------------------------------------------------ numbers
+    def encode(self, x: np.ndarray, importance: np.ndarray | None = None) -> list[np.ndarray]:
         """Float array -> the planar arrays to write, in order.
 
         Rows are independent, so encoding a tensor's rows in slices and
         concatenating each part gives the same bytes (the converter streams so).
+        ``importance`` (f32 [cols], an imatrix entry) weights the error the
+        encoder minimizes, where its dtype searches (the K-quants); others ignore it.
         """
         shape = tuple(x.shape)
-        if self.name == "u8":
-            return [np.ascontiguousarray(x, dtype=np.uint8).reshape(-1)]
         # Values beyond f16's range become inf here; the converter checks and names them.
         with np.errstate(over="ignore"):
-            return self._encode_float(np.ascontiguousarray(x, dtype=np.float32), shape)
+            return self._encode(np.ascontiguousarray(x, dtype=np.float32), shape, importance)
 
-    def _encode_float(self, x32: np.ndarray, shape: tuple[int, ...]) -> list[np.ndarray]:
-        if self.name == "f32":
-            return [x32.reshape(-1)]
-        if self.name == "f16":
-            return [x32.astype(np.float16).reshape(-1)]
-        if self.name == "bf16":
-            return [f32_to_bf16(x32).reshape(-1)]
-        if not self.supports(shape):
-            raise CortiqError(
-                f"{self.name} needs a tensor of 2 or more dims whose last dim is divisible by {QBLOCK}, got shape {list(shape)}"
-            )
-        x2 = x32.reshape(rows_cols(shape))
-        fast = _kernels()
-        if self.name == "q8":
-            return list((fast or _reference).quantize_q8(x2))
-        return list((fast or _reference).quantize_q4(x2))
+    def _encode(self, x32: np.ndarray, shape: tuple[int, ...], importance: np.ndarray | None) -> list[np.ndarray]:
+        raise NotImplementedError
+
+    def decode(self, parts: dict[str, np.ndarray], shape: tuple[int, ...]) -> np.ndarray:
+        """Planar arrays -> f32 array of ``shape`` (a copy)."""
+        return self._decode(self._typed(parts, shape), shape)
+
+    def _decode(self, parts: dict[str, np.ndarray], shape: tuple[int, ...]) -> np.ndarray:
+        raise NotImplementedError
 
     def error(self, x: np.ndarray, parts: list[np.ndarray]) -> tuple[float, float]:
         """(sum of squared errors, sum of squared values), in f64, of ``x`` encoded as ``parts``.
@@ -249,51 +289,350 @@ class DType:
         """
         shape = tuple(x.shape)
         x32 = np.ascontiguousarray(x, dtype=np.float32)
-        fast = _kernels()
-        if fast is not None and self.quantized:
-            x2 = x32.reshape(rows_cols(shape))
-            named = self.named(parts, shape)
-            if self.name == "q8":
-                return fast.q8_error(x2, named["d"], named["qs"])
-            return fast.q4_error(x2, named["d"], named["m"], named["qs"])
         with np.errstate(over="ignore", invalid="ignore"):
             e = (self.decode(self.named(parts, shape), shape) - x32).astype(np.float64).ravel()
             ref = x32.astype(np.float64).ravel()
             return float(e @ e), float(ref @ ref)
 
-    def named(self, parts: list[np.ndarray], shape: tuple[int, ...]) -> dict[str, np.ndarray]:
-        """The encoder's ordered parts as the name -> array dict ``decode`` takes."""
-        out = {p.name: a.reshape(p.shape) for p, a in zip(self.parts(shape), parts)}
-        if not self.quantized:
-            out["data"] = out["data"].reshape(shape)
+
+class _Dense(DType):
+    """One array of the tensor's shape, row-major."""
+
+    store: ClassVar[np.dtype]
+
+    def parts(self, shape: tuple[int, ...]) -> list[Part]:
+        return [Part("data", self.store, tuple(int(s) for s in shape))]
+
+
+class F32(_Dense):
+    """IEEE single, little-endian."""
+
+    name = "f32"
+    store = np.dtype("<f4")
+    native = True
+
+    def _encode(self, x32, shape, importance):
+        return [x32.reshape(-1)]
+
+    def _decode(self, parts, shape):
+        return np.array(parts["data"], dtype=np.float32).reshape(shape)
+
+
+class F16(_Dense):
+    """IEEE half, little-endian."""
+
+    name = "f16"
+    store = np.dtype("<f2")
+    bits = 16.0
+
+    def _encode(self, x32, shape, importance):
+        return [x32.astype(np.float16).reshape(-1)]
+
+    def _decode(self, parts, shape):
+        return parts["data"].astype(np.float32).reshape(shape)
+
+
+class BF16(_Dense):
+    """The upper 16 bits of an f32 (round to nearest even), little-endian uint16."""
+
+    name = "bf16"
+    store = np.dtype("<u2")
+    bits = 16.0
+
+    def _encode(self, x32, shape, importance):
+        return [f32_to_bf16(x32).reshape(-1)]
+
+    def _decode(self, parts, shape):
+        return bf16_to_f32(parts["data"]).reshape(shape)
+
+
+class U8(_Dense):
+    """Raw bytes (embedded files such as tokenizer.json)."""
+
+    name = "u8"
+    store = np.dtype("u1")
+    matrix = False
+    bits = 8.0
+
+    def encode(self, x: np.ndarray, importance: np.ndarray | None = None) -> list[np.ndarray]:
+        return [np.ascontiguousarray(x, dtype=np.uint8).reshape(-1)]
+
+    def _decode(self, parts, shape):
+        return np.array(parts["data"]).reshape(shape)
+
+
+class Blocked(DType):
+    """A quantized dtype: blocks of ``block`` elements along the last dim, stored
+    planar: each field of a block (scale, min, quants...) is its own array
+    [rows, blocks * per-block count], in the order of ``fields``."""
+
+    quantized = True
+    block = QBLOCK
+    # (part name, numpy dtype, values per block), in the GGML block's own order so a
+    # GGML block splits into the parts at fixed byte offsets (``from_ggml``).
+    fields: ClassVar[tuple[tuple[str, str, int], ...]]
+
+    def parts(self, shape: tuple[int, ...]) -> list[Part]:
+        rows, cols = rows_cols(shape)
+        nb = cols // self.block
+        return [Part(n, np.dtype(dt), (rows, nb * k)) for n, dt, k in self.fields]
+
+    @property
+    def block_bytes(self) -> int:
+        return sum(np.dtype(dt).itemsize * k for _, dt, k in self.fields)
+
+    def supports(self, shape: tuple[int, ...]) -> bool:
+        return len(shape) >= 2 and int(shape[-1]) % self.block == 0
+
+    @property
+    def requirement(self) -> str:
+        return f"2 or more dims, the last divisible by {self.block}"
+
+    def encode(self, x: np.ndarray, importance: np.ndarray | None = None) -> list[np.ndarray]:
+        shape = tuple(x.shape)
+        if not self.supports(shape):
+            raise CortiqError(
+                f"{self.name} needs a tensor of 2 or more dims whose last dim is divisible by {self.block}, got shape {list(shape)}"
+            )
+        return super().encode(x, importance)
+
+    def _encode(self, x32, shape, importance):
+        return list(self.encode_rows(x32.reshape(rows_cols(shape)), importance))
+
+    def encode_rows(self, x2: np.ndarray, importance: np.ndarray | None = None) -> tuple[np.ndarray, ...]:
+        """f32[rows, cols] -> the parts, in order; ``importance`` (f32[cols], per input
+        column) weights the encoder's error where the dtype's search uses weights."""
+        raise NotImplementedError
+
+    def from_ggml(self, blocks: np.ndarray) -> list[np.ndarray]:
+        """GGML blocks uint8[rows, nb, block_bytes] -> our parts, byte for byte."""
+        rows, nb, size = blocks.shape
+        assert size == self.block_bytes
+        out = []
+        pos = 0
+        for _, dt, k in self.fields:
+            n = np.dtype(dt).itemsize * k
+            out.append(np.ascontiguousarray(blocks[:, :, pos : pos + n]).view(dt).reshape(rows, nb * k))
+            pos += n
         return out
 
-    def view(self, buf: memoryview | np.ndarray, offset: int, shape: tuple[int, ...]) -> dict[str, np.ndarray]:
-        """Zero-copy planar arrays over ``buf`` (a uint8 array) starting at ``offset``."""
-        out = {}
-        pos = offset
-        for p in self.parts(shape):
-            count = int(np.prod(p.shape))
-            arr = np.frombuffer(buf, dtype=p.dtype, count=count, offset=pos).reshape(p.shape)
-            out[p.name] = arr
-            pos += align_up(p.nbytes)
-        if not self.quantized:
-            out["data"] = out["data"].reshape(shape)
-        return out
+    def to_ggml(self, parts: dict[str, np.ndarray]) -> np.ndarray:
+        """Our parts -> GGML blocks uint8[rows, nb, block_bytes] (tests; gguf-py decodes them)."""
+        first = parts[self.fields[0][0]]
+        rows = first.shape[0]
+        nb = first.shape[1] // self.fields[0][2]
+        return np.concatenate(
+            [np.ascontiguousarray(parts[n]).view(np.uint8).reshape(rows, nb, -1) for n, _, _ in self.fields], axis=2
+        )
 
-    def decode(self, parts: dict[str, np.ndarray], shape: tuple[int, ...]) -> np.ndarray:
-        """Planar arrays -> f32 array of ``shape`` (a copy)."""
-        if self.name == "f32":
-            return np.array(parts["data"], dtype=np.float32).reshape(shape)
-        if self.name == "f16":
-            return parts["data"].astype(np.float32).reshape(shape)
-        if self.name == "bf16":
-            return bf16_to_f32(parts["data"]).reshape(shape)
-        if self.name == "u8":
-            return np.array(parts["data"]).reshape(shape)
-        if self.name == "q8":
-            return dequantize_q8(parts["d"], parts["qs"]).reshape(shape)
+
+class Q8(Blocked):
+    """llama.cpp Q8_0 semantics: ``d`` f16[rows, nb], ``qs`` int8[rows, cols]; value = d * q;
+    per block of 32 the encoder picks d = f16(max|x| / k), k from ``Q8_DIVISORS``, with
+    the least squared error, q = clip(round-half-away(x / d), +-127)."""
+
+    name = "q8"
+    fields = (("d", "<f2", 1), ("qs", "i1", QBLOCK))
+    kernel_parts = ("d", "qs")
+    bits = 8.5
+    ggml_type = "Q8_0"
+
+    def encode_rows(self, x2, importance=None):
+        return (_kernels() or _reference).quantize_q8(x2)
+
+    def _decode(self, parts, shape):
+        return dequantize_q8(parts["d"], parts["qs"]).reshape(shape)
+
+    def error(self, x, parts):
+        fast = _kernels()
+        if fast is None:
+            return super().error(x, parts)
+        named = self.named(parts, tuple(x.shape))
+        return fast.q8_error(np.ascontiguousarray(x, np.float32).reshape(rows_cols(x.shape)), named["d"], named["qs"])
+
+
+class Q4(Blocked):
+    """llama.cpp Q4_1 semantics: ``d``, ``m`` f16[rows, nb], ``qs`` uint8[rows, cols/2];
+    within a block of 32, byte j holds element j in its low nibble and element j+16
+    in its high nibble; value = d * q + m, q in 0..15."""
+
+    name = "q4"
+    fields = (("d", "<f2", 1), ("m", "<f2", 1), ("qs", "u1", QBLOCK // 2))
+    kernel_parts = ("d", "m", "qs")
+    bits = 5.0
+    ggml_type = "Q4_1"
+
+    def encode_rows(self, x2, importance=None):
+        return (_kernels() or _reference).quantize_q4(x2)
+
+    def _decode(self, parts, shape):
         return dequantize_q4(parts["d"], parts["m"], parts["qs"]).reshape(shape)
+
+    def error(self, x, parts):
+        fast = _kernels()
+        if fast is None:
+            return super().error(x, parts)
+        named = self.named(parts, tuple(x.shape))
+        x2 = np.ascontiguousarray(x, np.float32).reshape(rows_cols(x.shape))
+        return fast.q4_error(x2, named["d"], named["m"], named["qs"])
+
+
+def quantize_q5(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """ggml's ``quantize_row_q5_0_ref`` bit for bit: x f32[rows, cols] -> (d f16[rows, nb],
+    qh uint32[rows, nb], qs uint8[rows, cols/2]); d = -(the signed max-|x| value) / 16."""
+    rows, cols = x.shape
+    nb = cols // QBLOCK
+    b = np.asarray(x, dtype=np.float32).reshape(rows, nb, QBLOCK)
+    idx = np.abs(b).argmax(axis=2)[:, :, None]  # the first largest |x|, as ggml's strict <
+    mx = np.take_along_axis(b, idx, axis=2)[:, :, 0]
+    d = mx / np.float32(-16)
+    v = b * _inverse(d)[:, :, None]
+    v += np.float32(16.5)
+    q = np.minimum(np.trunc(v).astype(np.int8), 31).astype(np.uint8)  # C's (int8_t) cast truncates
+    packed = (q[:, :, :16] & 0x0F) | ((q[:, :, 16:] & 0x0F) << np.uint8(4))
+    bits = ((q >> np.uint8(4)) & 1).astype(np.uint32) << np.arange(32, dtype=np.uint32)
+    return d.astype(np.float16), bits.sum(axis=2, dtype=np.uint32), packed.reshape(rows, cols // 2)
+
+
+def dequantize_q5(d: np.ndarray, qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
+    """value = d * (q - 16), q = nibble | bit << 4 (element j: low nibble of byte j and bit
+    j of qh; element j + 16: high nibble of byte j and bit j + 16)."""
+    rows = qs.shape[0]
+    nb = d.shape[1]
+    p = qs.reshape(rows, nb, 16)
+    lo = np.concatenate([p & 0x0F, p >> 4], axis=2)
+    hi = ((qh.reshape(rows, nb, 1) >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << np.uint8(4)
+    q = (lo | hi).astype(np.int8) - np.int8(16)
+    return (d.astype(np.float32)[:, :, None] * q.astype(np.float32)).reshape(rows, nb * QBLOCK)
+
+
+class Q5(Blocked):
+    """llama.cpp Q5_0 semantics: ``d`` f16[rows, nb], ``qh`` uint32[rows, nb] (the fifth
+    bits), ``qs`` uint8[rows, cols/2] (nibbles as q4); value = d * (q - 16), q in 0..31:
+    22 bytes per 32 values = 5.5 bits/weight. The K-quants fall back to it (as
+    llama.cpp's do) where a row is not a multiple of 256."""
+
+    name = "q5"
+    fields = (("d", "<f2", 1), ("qh", "<u4", 1), ("qs", "u1", QBLOCK // 2))
+    kernel_parts = ("d", "qh", "qs")
+    bits = 5.5
+    ggml_type = "Q5_0"
+
+    def encode_rows(self, x2, importance=None):
+        return quantize_q5(x2)
+
+    def _decode(self, parts, shape):
+        return dequantize_q5(parts["d"], parts["qh"], parts["qs"]).reshape(shape)
+
+
+# ---------------------------------------------------------------- K-quants
+# ggml's super-block types, byte for byte (QK_K = 256 values per super-block); the
+# planar parts are the fields of ggml's block_q{4,5,6}_K in struct order. Decoding
+# follows gguf-py's numpy (the same f32 operations), so it matches it bit for bit.
+
+QK_K = 256
+
+
+def _k4_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """12 packed bytes per super-block -> the eight 6-bit scales and mins, f32 [n, 8]."""
+    s = scales.reshape(-1, 3, 4)
+    d, m, md = s[:, 0], s[:, 1], s[:, 2]
+    sc = np.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def dequantize_q4k(d, dmin, scales, qs) -> np.ndarray:
+    """value = (d * sc) * q - dmin * m; sub-block 2k in the low nibbles of bytes 32k..32k+31, 2k+1 in the high."""
+    rows = qs.shape[0]
+    n = d.size
+    sc, mn = _k4_scale_min(scales)
+    dl = (d.reshape(n, 1).astype(np.float32) * sc).reshape(n, 8, 1)
+    ml = (dmin.reshape(n, 1).astype(np.float32) * mn).reshape(n, 8, 1)
+    q = qs.reshape(n, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+    q = (q & np.uint8(0x0F)).reshape(n, 8, 32).astype(np.float32)
+    return (dl * q - ml).reshape(rows, -1)
+
+
+def dequantize_q5k(d, dmin, scales, qh, qs) -> np.ndarray:
+    """Q4_K's scales and low nibbles, plus a fifth bit per value: bit 2k (sub-block 2k) and
+    2k+1 (sub-block 2k+1) of qh[l] belong to element l of those sub-blocks."""
+    rows = qs.shape[0]
+    n = d.size
+    sc, mn = _k4_scale_min(scales)
+    dl = (d.reshape(n, 1).astype(np.float32) * sc).reshape(n, 8, 1)
+    ml = (dmin.reshape(n, 1).astype(np.float32) * mn).reshape(n, 8, 1)
+    lo = qs.reshape(n, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+    lo = (lo & np.uint8(0x0F)).reshape(n, 8, 32)
+    hi = qh.reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
+    q = (lo | ((hi & np.uint8(1)) << np.uint8(4))).astype(np.float32)
+    return (dl * q - ml).reshape(rows, -1)
+
+
+def dequantize_q6k(ql, qh, scales, d) -> np.ndarray:
+    """value = (d * scale) * (q - 32), a signed 8-bit scale per 16 values; per 128-value
+    half, ql holds the low nibbles of elements l, l+32 (low) and l+64, l+96 (high),
+    qh[l] their top two bits at shifts 0, 2, 4, 6."""
+    rows = ql.shape[0]
+    n = d.size
+    dl = (d.reshape(n, 1).astype(np.float32) * scales.reshape(n, 16).astype(np.float32)).reshape(n, 16, 1)
+    lo = ql.reshape(n, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+    lo = (lo & np.uint8(0x0F)).reshape(n, 2, 4, 32)
+    hi = qh.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
+    hi = (hi & np.uint8(0x03)).reshape(n, 2, 4, 32)
+    q = (lo | (hi << np.uint8(4))).astype(np.int8) - np.int8(32)
+    return (dl * q.reshape(n, 16, 16).astype(np.float32)).reshape(rows, -1)
+
+
+class _KQuant(Blocked):
+    block = QK_K
+
+    def encode_rows(self, x2, importance=None):
+        from formats import kquant_kernels
+
+        return getattr(kquant_kernels, f"quantize_{self.name}")(x2, importance)
+
+    def _decode(self, parts, shape):
+        return self.dequantize(*(parts[n] for n, _, _ in self.fields)).reshape(shape)
+
+
+class Q6K(_KQuant):
+    """ggml Q6_K: 6-bit values in 16 groups of 16, an 8-bit scale per group, one f16
+    super-scale: 210 bytes per 256 values = 6.5625 bits/weight."""
+
+    name = "q6k"
+    fields = (("ql", "u1", 128), ("qh", "u1", 64), ("scales", "i1", 16), ("d", "<f2", 1))
+    kernel_parts = ("ql", "qh", "scales", "d")
+    bits = 6.5625
+    ggml_type = "Q6_K"
+    fallback = "q8"
+    dequantize = staticmethod(dequantize_q6k)
+
+
+class Q5K(_KQuant):
+    """ggml Q5_K: 5-bit values in 8 groups of 32, 6-bit scale and min per group, f16
+    super-scale and super-min: 176 bytes per 256 values = 5.5 bits/weight."""
+
+    name = "q5k"
+    fields = (("d", "<f2", 1), ("dmin", "<f2", 1), ("scales", "u1", 12), ("qh", "u1", 32), ("qs", "u1", 128))
+    kernel_parts = ("d", "dmin", "scales", "qh", "qs")
+    bits = 5.5
+    ggml_type = "Q5_K"
+    fallback = "q5"
+    dequantize = staticmethod(dequantize_q5k)
+
+
+class Q4K(_KQuant):
+    """ggml Q4_K: 4-bit values in 8 groups of 32, 6-bit scale and min per group, f16
+    super-scale and super-min: 144 bytes per 256 values = 4.5 bits/weight."""
+
+    name = "q4k"
+    fields = (("d", "<f2", 1), ("dmin", "<f2", 1), ("scales", "u1", 12), ("qs", "u1", 128))
+    kernel_parts = ("d", "dmin", "scales", "qs")
+    bits = 4.5
+    ggml_type = "Q4_K"
+    fallback = "q5"
+    dequantize = staticmethod(dequantize_q4k)
 
 
 class _Reference:
@@ -311,12 +650,6 @@ def _kernels():
     except ImportError:  # pragma: no cover - numba is a dependency
         return None
     return quant_kernels
-
-
-DTYPES: dict[str, DType] = {
-    name: DType(name, quantized=name in ("q8", "q4")) for name in ("f32", "f16", "bf16", "q8", "q4", "u8")
-}
-QUANT_CHOICES = ("q8", "q4", "f16", "bf16", "f32")
 
 
 def get_dtype(name: str) -> DType:

@@ -24,3 +24,27 @@ def ggml_decode_q8(d: np.ndarray, qs: np.ndarray) -> np.ndarray:
 def ggml_q8_0(x: np.ndarray) -> np.ndarray:
     """x encoded and decoded by ggml's own Q8_0 (d = max|x| / 127)."""
     return gq.dequantize(gq.quantize(x, GT.Q8_0), GT.Q8_0).reshape(x.shape)
+
+
+def ggml_library_quantize(x: np.ndarray, gtype: GT, imatrix: np.ndarray | None = None) -> np.ndarray:
+    """x f32[rows, cols] quantized by llama.cpp's own C library (``ggml_quantize_chunk``,
+    shipped with llama-cpp-python): uint8[rows, cols / block * block bytes]."""
+    import ctypes
+    import os
+
+    import llama_cpp
+    from gguf.constants import GGML_QUANT_SIZES
+
+    lib = ctypes.CDLL(os.path.join(os.path.dirname(llama_cpp.__file__), "lib", "libggml-base.so"))
+    fn = lib.ggml_quantize_chunk
+    fn.restype = ctypes.c_size_t
+    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                   ctypes.c_void_p]
+    x = np.ascontiguousarray(x, np.float32)
+    rows, cols = x.shape
+    block, size = GGML_QUANT_SIZES[gtype]
+    out = np.zeros((rows, cols // block * size), np.uint8)
+    imp = None if imatrix is None else np.ascontiguousarray(imatrix, np.float32)
+    n = fn(int(gtype), x.ctypes.data, out.ctypes.data, 0, rows, cols, None if imp is None else imp.ctypes.data)
+    assert n == out.nbytes
+    return out

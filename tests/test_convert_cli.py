@@ -202,7 +202,7 @@ def _help(*cmd: str) -> str:
 
 
 def test_convert_help_lists_every_quant_including_keep():
-    from formats.quants import QUANT_CHOICES
+    from formats.policy import QUANT_CHOICES
 
     quant_help = _help("convert").split("--quant", 1)[1].split("--keep", 1)[0]
     for q in (*QUANT_CHOICES, "keep"):

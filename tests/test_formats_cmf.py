@@ -202,7 +202,7 @@ def _rewrite_directory(path, fn):
         (lambda es: es[1].__setitem__("offset", 10**12), "lies past the end of the data"),
         (lambda es: es[1].__setitem__("offset", es[1]["offset"] + 8), "not 64-byte aligned"),
         (lambda es: es[1].__setitem__("shape", [999, 999]), "its shape needs"),
-        (lambda es: es[1].__setitem__("dtype", "q5"), "unknown dtype"),
+        (lambda es: es[1].__setitem__("dtype", "q3"), "unknown dtype"),
         (lambda es: es[1].pop("crc32"), "corrupt CMF directory entry"),
         (lambda es: es[2].__setitem__("offset", es[1]["offset"]), "overlap"),
     ],

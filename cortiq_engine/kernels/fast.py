@@ -21,6 +21,7 @@ import numba
 import numpy as np
 
 from cortiq_engine.kernels import jit, qdot
+from cortiq_engine.kernels.dtype_ops import ops_for
 from cortiq_engine.kernels.reference import NumpyKernels, attend_block, attention_jobs
 from cortiq_engine.weights import Weight
 
@@ -119,7 +120,7 @@ class NumbaKernels(NumpyKernels):
 
         def work(job: tuple[Weight, int, int, int]) -> None:
             w, r0, r1, col = job
-            if w.dtype == "f32":
+            if w.kind.native:
                 np.matmul(X, w.parts["data"][r0:r1].T, out=out[:, col + r0 : col + r1])
                 return
             buf = self._tile_buf(r1 - r0, w.cols)
@@ -150,31 +151,23 @@ class NumbaKernels(NumpyKernels):
 
     def _small(self, run: list[Weight], X: np.ndarray, out: np.ndarray) -> None:
         count, offs, parts = self._small_args(run)
-        dt = run[0].dtype
-        if self._intdot is not None and dt in ("q8", "q4"):
-            self._small_int8(run, parts, count, offs, X, out)
-        elif dt == "q8":
-            jit.q8_matmul_small(parts[0], parts[1], count, offs, X, out)
-        elif dt == "q4":
-            xsum = X.reshape(X.shape[0], -1, jit.QB).sum(axis=2, dtype=np.float32)
-            jit.q4_matmul_small(parts[0], parts[1], parts[2], count, offs, X, xsum, out)
-        elif dt == "f32":
-            jit.f32_matmul_small(parts[0], count, offs, X, out)
+        ops = ops_for(run[0].dtype)
+        int_parts = ops.int_parts(parts) if self._intdot is not None else None
+        if int_parts is None:
+            ops.small(parts, count, offs, X, out)
         else:
-            jit.half_matmul_small(parts[0], dt == "bf16", count, offs, X, out)
+            self._small_int(ops.dtype, int_parts, count, offs, X, out)
 
-    def _small_int8(self, run, parts, count, offs, X: np.ndarray, out: np.ndarray) -> None:
+    def _small_int(self, dtype: str, int_parts, count, offs, X: np.ndarray, out: np.ndarray) -> None:
+        """Decode/verify on integer activations: X quantized once for every matrix."""
         n, cols = X.shape
         nb = cols // jit.QB
         xq = np.empty((n, cols), np.int8 if self.act_bits == 8 else np.int16)
         xd = np.empty((n, nb), np.float32)
         xs = np.empty((n, nb), np.float32)
         qdot.quantize_rows(X, xq, xd, xs, (1 << (self.act_bits - 1)) - 1)
-        fn = self._intdot.fn(run[0].dtype, self.act_bits)
-        if run[0].dtype == "q8":
-            qdot.intdot_small(fn, parts[0], parts[0], parts[1], count, offs, xq, xd, xs, out)
-        else:
-            qdot.intdot_small(fn, parts[0], parts[1], parts[2], count, offs, xq, xd, xs, out)
+        ds, ms, qss = int_parts
+        qdot.intdot_small(self._intdot.fn(dtype, self.act_bits), ds, ms, qss, count, offs, xq, xd, xs, out)
 
     def _small_args(self, run: list[Weight]) -> tuple[int, np.ndarray, list[tuple[np.ndarray, ...]]]:
         """(count, row offsets, part 3-tuples padded with empty arrays) for a fused run."""
@@ -197,8 +190,7 @@ class NumbaKernels(NumpyKernels):
         hit = self._view_cache.get(id(w))
         if hit is not None and hit[0] is w:
             return hit[1]
-        names = {"q8": ("d", "qs"), "q4": ("d", "m", "qs"), "f16": ("data",), "bf16": ("data",), "f32": ("data",)}[w.dtype]
-        views = tuple(_readonly(w.parts[n]) for n in names)
+        views = tuple(_readonly(a) for a in w.kernel_parts())
         self._view_cache[id(w)] = (w, views)
         return views
 
@@ -211,13 +203,7 @@ class NumbaKernels(NumpyKernels):
 
     @staticmethod
     def _dequant(w: Weight, r0: int, r1: int, buf: np.ndarray) -> None:
-        p = w.parts
-        if w.dtype == "q8":
-            jit.q8_dequant(p["d"], p["qs"], r0, r1, buf)
-        elif w.dtype == "q4":
-            jit.q4_dequant(p["d"], p["m"], p["qs"], r0, r1, buf)
-        else:
-            jit.half_dequant(p["data"], w.dtype == "bf16", r0, r1, buf)
+        ops_for(w.dtype).dequant(w.kernel_parts(), r0, r1, buf)
 
     # ------------------------------------------------------------ elementwise
     def rms_norm(self, x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -264,7 +250,7 @@ class NumbaKernels(NumpyKernels):
         """Compile (or load from numba's cache) the tile kernels for these dtypes."""
         seen = set()
         for w in ws:
-            if w.dtype in seen or w.dtype == "f32":
+            if w.dtype in seen or w.kind.native:
                 continue
             seen.add(w.dtype)
             self._dequant(w, 0, 1, self._tile_buf(1, w.cols))

@@ -7,7 +7,9 @@ patterns (numba has no float16 on the CPU); two LLVM intrinsics widen them.
 
 Quantized layouts are the planar ones of ``formats.quants`` (blocks of 32):
 q8 ``d`` f16[rows, nb] + ``qs`` i8[rows, cols]; q4 ``d``, ``m`` f16[rows, nb] +
-``qs`` u8[rows, cols/2] (byte j of a block: element j low nibble, j+16 high).
+``qs`` u8[rows, cols/2] (byte j of a block: element j low nibble, j+16 high); q5 as
+q4 with one ``d`` and a u32 ``qh`` of fifth bits. The K-quant kernels live in
+``kquant_jit.py``; ``dtype_ops.py`` maps each dtype to its kernels.
 
 The "small-batch" matmuls read each weight row once for all ``n`` input rows,
 accumulating into 32 lanes across blocks so LLVM vectorizes the loop (a scalar
@@ -150,6 +152,35 @@ def q4_matmul_small(ds, mins, qss, count, offs, X, xsum, out):
 
 
 @njit(parallel=True, fastmath=True, cache=True)
+def q5_matmul_small(ds, qhs, qss, count, offs, X, out):
+    """Q5_0: value = d * (q - 16), q = nibble | (bit of qh) << 4."""
+    n, cols = X.shape
+    nb = cols // QB
+    half = QB // 2
+    for m in range(count):
+        d = ds[m]
+        qh = qhs[m]
+        q = qss[m]
+        base = offs[m]
+        for r in prange(q.shape[0]):
+            prefetch_row(q, r + PREFETCH_ROWS)
+            for i in range(n):
+                acc = np.zeros(QB, np.float32)
+                for b in range(nb):
+                    sc = f16_to_f32(d[r, b])
+                    h = qh[r, b]
+                    o = b * QB
+                    ob = b * half
+                    for j in range(half):
+                        byte = np.int32(q[r, ob + j])
+                        v0 = np.float32(((byte & 15) | (np.int32((h >> j) & 1) << 4)) - 16)
+                        v1 = np.float32(((byte >> 4) | (np.int32((h >> (j + half)) & 1) << 4)) - 16)
+                        acc[j] += sc * (v0 * X[i, o + j])
+                        acc[j + half] += sc * (v1 * X[i, o + j + half])
+                out[i, base + r] = acc.sum()
+
+
+@njit(parallel=True, fastmath=True, cache=True)
 def half_matmul_small(ws, bf16, count, offs, X, out):
     """f16 (bf16=False) or bf16 (bf16=True) weights stored as uint16 bits; any width."""
     n, cols = X.shape
@@ -231,6 +262,23 @@ def q4_dequant(d, mn, q, r0, r1, out):
                 byte = q[r, ob + j]
                 out[r - r0, o + j] = sc * np.float32(byte & 15) + lo
                 out[r - r0, o + j + half] = sc * np.float32(byte >> 4) + lo
+
+
+@njit(parallel=False, nogil=True, cache=True)
+def q5_dequant(d, qh, q, r0, r1, out):
+    cols = q.shape[1] * 2
+    nb = cols // QB
+    half = QB // 2
+    for r in range(r0, r1):
+        for b in range(nb):
+            sc = f16_to_f32(d[r, b])
+            h = qh[r, b]
+            o = b * QB
+            ob = b * half
+            for j in range(half):
+                byte = np.int32(q[r, ob + j])
+                out[r - r0, o + j] = sc * np.float32(((byte & 15) | (np.int32((h >> j) & 1) << 4)) - 16)
+                out[r - r0, o + j + half] = sc * np.float32(((byte >> 4) | (np.int32((h >> (j + half)) & 1) << 4)) - 16)
 
 
 @njit(parallel=False, nogil=True, cache=True)

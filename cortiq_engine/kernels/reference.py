@@ -35,7 +35,7 @@ class NumpyKernels:
         out = np.empty((n, sum(w.rows for w in ws)), np.float32)
         c0 = 0
         for w in ws:
-            if w.dtype == "f32":
+            if w.kind.native:
                 np.matmul(X, w.parts["data"].T, out=out[:, c0 : c0 + w.rows])
             else:
                 step = tile_rows(w)

@@ -1,0 +1,366 @@
+"""Compiled (numba) encoders of the K-quant dtypes (q6k, q5k, q4k): ggml's reference
+quantizers, ported operation for operation.
+
+``quantize_row_q{4,5,6}_K_ref`` of ggml-quants.c (llama.cpp), with its searches:
+``make_qkx2_quants`` (a scale and a min per 32 values: try ``nstep + 1`` inverse
+scales around ``nmax / (max - min)``, refit each by weighted least squares, keep the
+best) and ``make_qx_quants`` (a signed scale per 16 values, 18 trial scales, keep
+the one with the largest ``sum(w x l)^2 / sum(w l^2)``). The same f32 operations in
+the same order, no fused multiply-add: without importance weights the bytes equal
+ggml's (tests/test_kquants.py checks them against llama.cpp's own library).
+
+With ``importance`` (f32[cols], per input column: the mean squared activation an
+imatrix collects) the searches weight each value by ``importance * sqrt(sigma2 +
+x^2)`` (ggml's imatrix weighting, sigma2 = 2 * mean(x^2) over the super-block);
+the scale quantization and the packing stay the same.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from formats.quant_kernels import _f16_round
+
+QK = 256
+_F0 = np.float32(0.0)
+_F1 = np.float32(1.0)
+_EPS = np.float32(1e-15)  # ggml's GROUP_MAX_EPS
+
+
+@njit(inline="always")
+def _nearest(v):
+    """ggml's nearest_int: round half to even (its 1.5 * 2^23 trick)."""
+    return np.int32(np.rint(v))
+
+
+@njit(cache=True, nogil=True)
+def _make_qkx2(x, w, L, Laux, nmax, rmin, rdelta, nstep):  # pragma: no cover - compiled
+    n = x.shape[0]
+    mn = x[0]
+    mx = x[0]
+    sum_w = w[0]
+    sum_x = sum_w * x[0]
+    for i in range(1, n):
+        if x[i] < mn:
+            mn = x[i]
+        if x[i] > mx:
+            mx = x[i]
+        ww = w[i]
+        sum_w += ww
+        sum_x += ww * x[i]
+    if mn > _F0:
+        mn = _F0
+    if mx == mn:
+        for i in range(n):
+            L[i] = 0
+        return _F0, -mn
+    iscale = np.float32(nmax) / (mx - mn)
+    scale = _F1 / iscale
+    best_error = _F0
+    for i in range(n):
+        l = min(max(_nearest(iscale * (x[i] - mn)), 0), nmax)
+        L[i] = l
+        diff = scale * np.float32(l) + mn - x[i]
+        best_error += w[i] * (diff * diff)
+    for st in range(nstep + 1):
+        iscale = (rmin + rdelta * np.float32(st) + np.float32(nmax)) / (mx - mn)
+        sum_l = _F0
+        sum_l2 = _F0
+        sum_xl = _F0
+        for i in range(n):
+            l = min(max(_nearest(iscale * (x[i] - mn)), 0), nmax)
+            Laux[i] = l
+            ww = w[i]
+            lf = np.float32(l)
+            sum_l += ww * lf
+            sum_l2 += ww * lf * lf
+            sum_xl += ww * lf * x[i]
+        D = sum_w * sum_l2 - sum_l * sum_l
+        if D > _F0:
+            this_scale = (sum_w * sum_xl - sum_x * sum_l) / D
+            this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D
+            if this_min > _F0:
+                this_min = _F0
+                this_scale = sum_xl / sum_l2
+            cur_error = _F0
+            for i in range(n):
+                diff = this_scale * np.float32(Laux[i]) + this_min - x[i]
+                cur_error += w[i] * (diff * diff)
+            if cur_error < best_error:
+                for i in range(n):
+                    L[i] = Laux[i]
+                best_error = cur_error
+                scale = this_scale
+                mn = this_min
+    return scale, -mn
+
+
+@njit(cache=True, nogil=True)
+def _make_qx(x, L, nmax, qw, use_qw):  # pragma: no cover - compiled
+    """make_qx_quants(n, nmax, x, L, rmse_type=1, qw): weights x^2 unless ``use_qw``."""
+    n = x.shape[0]
+    mx = _F0
+    amax = _F0
+    for i in range(n):
+        ax = abs(x[i])
+        if ax > amax:
+            amax = ax
+            mx = x[i]
+    if amax < _EPS:
+        for i in range(n):
+            L[i] = 0
+        return _F0
+    iscale = np.float32(-nmax) / mx
+    sumlx = _F0
+    suml2 = _F0
+    for i in range(n):
+        l = max(-nmax, min(nmax - 1, _nearest(iscale * x[i])))
+        L[i] = l + nmax
+        w = qw[i] if use_qw else x[i] * x[i]
+        lf = np.float32(l)
+        sumlx += w * x[i] * lf
+        suml2 += w * lf * lf
+    scale = sumlx / suml2 if suml2 != _F0 else _F0
+    best = scale * sumlx
+    for st in range(-9, 10):
+        if st == 0:
+            continue
+        iscale = -(np.float32(nmax) + np.float32(0.1) * np.float32(st)) / mx
+        sumlx = _F0
+        suml2 = _F0
+        for i in range(n):
+            l = max(-nmax, min(nmax - 1, _nearest(iscale * x[i])))
+            w = qw[i] if use_qw else x[i] * x[i]
+            lf = np.float32(l)
+            sumlx += w * x[i] * lf
+            suml2 += w * lf * lf
+        if suml2 > _F0 and sumlx * sumlx > best * suml2:
+            for i in range(n):
+                L[i] = nmax + max(-nmax, min(nmax - 1, _nearest(iscale * x[i])))
+            scale = sumlx / suml2
+            best = scale * sumlx
+    return scale
+
+
+@njit(inline="always")
+def _importance_weights(x, o, imp, weights):
+    """ggml's imatrix weighting of one 32-value group at offset o of a super-block."""
+    sum_x2 = _F0
+    base = o // QK * QK
+    for l in range(QK):
+        sum_x2 += x[base + l] * x[base + l]
+    sigma2 = np.float32(2) * sum_x2 / np.float32(QK)
+    for l in range(weights.shape[0]):
+        weights[l] = imp[o + l] * np.sqrt(sigma2 + x[o + l] * x[o + l])
+
+
+@njit(inline="always")
+def _scale_min_k4(j, sc):
+    """get_scale_min_k4: the 6-bit scale and min of sub-block j from the 12 packed bytes."""
+    if j < 4:
+        return sc[j] & 63, sc[j + 4] & 63
+    return (sc[j + 4] & 0xF) | ((sc[j - 4] >> 6) << 4), (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4)
+
+
+@njit(inline="always")
+def _qkx_block(x, o, imp, use_imp, nmax, rmin, rdelta, nstep, d_out, dmin_out, sc, L):
+    """Scales, mins and levels of the super-block at x[o:o+256] (Q4_K and Q5_K)."""
+    weights = np.empty(32, np.float32)
+    Laux = np.empty(32, np.int32)
+    scales = np.empty(8, np.float32)
+    mins = np.empty(8, np.float32)
+    max_scale = _F0
+    max_min = _F0
+    for j in range(8):
+        s = o + 32 * j
+        if use_imp:
+            _importance_weights(x, s, imp, weights)
+        else:
+            sum_x2 = _F0
+            for l in range(32):
+                sum_x2 += x[s + l] * x[s + l]
+            av_x = np.sqrt(sum_x2 / np.float32(32))
+            for l in range(32):
+                weights[l] = av_x + abs(x[s + l])
+        a, b = _make_qkx2(x[s : s + 32], weights, L[32 * j : 32 * j + 32], Laux, nmax, rmin, rdelta, nstep)
+        scales[j] = a
+        mins[j] = b
+        if a > max_scale:
+            max_scale = a
+        if b > max_min:
+            max_min = b
+    inv_scale = np.float32(63) / max_scale if max_scale > _F0 else _F0
+    inv_min = np.float32(63) / max_min if max_min > _F0 else _F0
+    for j in range(12):
+        sc[j] = 0
+    for j in range(8):
+        ls = min(63, _nearest(inv_scale * scales[j]) & 0xFF)
+        lm = min(63, _nearest(inv_min * mins[j]) & 0xFF)
+        if j < 4:
+            sc[j] = ls
+            sc[j + 4] = lm
+        else:
+            sc[j + 4] = (ls & 0xF) | ((lm & 0xF) << 4)
+            sc[j - 4] |= (ls >> 4) << 6
+            sc[j] |= (lm >> 4) << 6
+    dd = _f16_round(max_scale / np.float32(63))
+    dm = _f16_round(max_min / np.float32(63))
+    d_out[0] = dd
+    dmin_out[0] = dm
+    for j in range(8):
+        s, m = _scale_min_k4(j, sc)
+        d = dd * np.float32(s)
+        if d == _F0:
+            continue
+        dmj = dm * np.float32(m)
+        for ii in range(32):
+            L[32 * j + ii] = max(0, min(nmax, _nearest((x[o + 32 * j + ii] + dmj) / d)))
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def q4k_rows(x, imp, use_imp, d, dmin, scales, qs):  # pragma: no cover - compiled
+    rows, cols = x.shape
+    for r in prange(rows):
+        L = np.empty(QK, np.int32)
+        xr = x[r]
+        for b in range(cols // QK):
+            o = b * QK
+            _qkx_block(xr, o, imp, use_imp, 15, np.float32(-1.0), np.float32(0.1), 20,
+                       d[r, b : b + 1], dmin[r, b : b + 1], scales[r, 12 * b : 12 * b + 12], L)
+            q = qs[r, 128 * b : 128 * b + 128]
+            for k in range(4):
+                for l in range(32):
+                    q[32 * k + l] = L[64 * k + l] | (L[64 * k + l + 32] << 4)
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def q5k_rows(x, imp, use_imp, d, dmin, scales, qh, qs):  # pragma: no cover - compiled
+    rows, cols = x.shape
+    for r in prange(rows):
+        L = np.empty(QK, np.int32)
+        xr = x[r]
+        for b in range(cols // QK):
+            o = b * QK
+            _qkx_block(xr, o, imp, use_imp, 31, np.float32(-0.5), np.float32(0.1), 15,
+                       d[r, b : b + 1], dmin[r, b : b + 1], scales[r, 12 * b : 12 * b + 12], L)
+            h = qh[r, 32 * b : 32 * b + 32]
+            q = qs[r, 128 * b : 128 * b + 128]
+            for j in range(32):
+                h[j] = 0
+            m1 = 1
+            m2 = 2
+            for k in range(4):
+                for j in range(32):
+                    l1 = L[64 * k + j]
+                    if l1 > 15:
+                        l1 -= 16
+                        h[j] |= m1
+                    l2 = L[64 * k + j + 32]
+                    if l2 > 15:
+                        l2 -= 16
+                        h[j] |= m2
+                    q[32 * k + j] = l1 | (l2 << 4)
+                m1 <<= 2
+                m2 <<= 2
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def q6k_rows(x, imp, use_imp, ql, qh, scales, d):  # pragma: no cover - compiled
+    rows, cols = x.shape
+    for r in prange(rows):
+        L = np.empty(QK, np.int32)
+        sc = np.empty(16, np.float32)
+        qw = np.empty(16, np.float32)
+        xr = x[r]
+        for b in range(cols // QK):
+            o = b * QK
+            max_scale = _F0
+            max_abs = _F0
+            for ib in range(16):
+                s = o + 16 * ib
+                if use_imp:
+                    _importance_weights(xr, s, imp, qw)
+                a = _make_qx(xr[s : s + 16], L[16 * ib : 16 * ib + 16], 32, qw, use_imp)
+                sc[ib] = a
+                if abs(a) > max_abs:
+                    max_abs = abs(a)
+                    max_scale = a
+            qlb = ql[r, 128 * b : 128 * b + 128]
+            qhb = qh[r, 64 * b : 64 * b + 64]
+            scb = scales[r, 16 * b : 16 * b + 16]
+            if max_abs < _EPS:
+                qlb[:] = 0
+                qhb[:] = 0
+                scb[:] = 0
+                d[r, b] = _F0
+                continue
+            iscale = np.float32(-128) / max_scale
+            dd = _f16_round(_F1 / iscale)
+            d[r, b] = dd
+            for ib in range(16):
+                scb[ib] = min(127, _nearest(iscale * sc[ib]))
+            for j in range(16):
+                dj = dd * np.float32(scb[j])
+                if dj == _F0:
+                    continue
+                for ii in range(16):
+                    L[16 * j + ii] = max(-32, min(31, _nearest(xr[o + 16 * j + ii] / dj))) + 32
+            for h in range(2):
+                for l in range(32):
+                    j = 128 * h
+                    q1 = L[j + l] & 0xF
+                    q2 = L[j + l + 32] & 0xF
+                    q3 = L[j + l + 64] & 0xF
+                    q4 = L[j + l + 96] & 0xF
+                    qlb[64 * h + l] = q1 | (q3 << 4)
+                    qlb[64 * h + l + 32] = q2 | (q4 << 4)
+                    qhb[32 * h + l] = ((L[j + l] >> 4) | ((L[j + l + 32] >> 4) << 2)
+                                       | ((L[j + l + 64] >> 4) << 4) | ((L[j + l + 96] >> 4) << 6))
+
+
+def _prep(x: np.ndarray, importance: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, bool]:
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if importance is None:
+        return x, np.zeros(1, np.float32), False
+    return x, np.ascontiguousarray(importance, dtype=np.float32).reshape(-1), True
+
+
+def quantize_q4k(x: np.ndarray, importance: np.ndarray | None = None) -> tuple[np.ndarray, ...]:
+    """f32[rows, cols] -> (d f16[rows, nb], dmin f16[rows, nb], scales u8[rows, 12 nb], qs u8[rows, 128 nb])."""
+    x, imp, use = _prep(x, importance)
+    rows, cols = x.shape
+    nb = cols // QK
+    d = np.empty((rows, nb), np.float32)
+    dmin = np.empty((rows, nb), np.float32)
+    scales = np.empty((rows, 12 * nb), np.uint8)
+    qs = np.empty((rows, 128 * nb), np.uint8)
+    q4k_rows(x, imp, use, d, dmin, scales, qs)
+    return d.astype(np.float16), dmin.astype(np.float16), scales, qs
+
+
+def quantize_q5k(x: np.ndarray, importance: np.ndarray | None = None) -> tuple[np.ndarray, ...]:
+    """f32[rows, cols] -> (d, dmin f16[rows, nb], scales u8[rows, 12 nb], qh u8[rows, 32 nb], qs u8[rows, 128 nb])."""
+    x, imp, use = _prep(x, importance)
+    rows, cols = x.shape
+    nb = cols // QK
+    d = np.empty((rows, nb), np.float32)
+    dmin = np.empty((rows, nb), np.float32)
+    scales = np.empty((rows, 12 * nb), np.uint8)
+    qh = np.empty((rows, 32 * nb), np.uint8)
+    qs = np.empty((rows, 128 * nb), np.uint8)
+    q5k_rows(x, imp, use, d, dmin, scales, qh, qs)
+    return d.astype(np.float16), dmin.astype(np.float16), scales, qh, qs
+
+
+def quantize_q6k(x: np.ndarray, importance: np.ndarray | None = None) -> tuple[np.ndarray, ...]:
+    """f32[rows, cols] -> (ql u8[rows, 128 nb], qh u8[rows, 64 nb], scales i8[rows, 16 nb], d f16[rows, nb])."""
+    x, imp, use = _prep(x, importance)
+    rows, cols = x.shape
+    nb = cols // QK
+    ql = np.empty((rows, 128 * nb), np.uint8)
+    qh = np.empty((rows, 64 * nb), np.uint8)
+    scales = np.empty((rows, 16 * nb), np.int8)
+    d = np.empty((rows, nb), np.float32)
+    q6k_rows(x, imp, use, ql, qh, scales, d)
+    return ql, qh, scales, d.astype(np.float16)

@@ -1,0 +1,166 @@
+"""K-quant dtypes (q6k, q5k, q4k) against real oracles: llama.cpp's own quantizer
+(its C library, shipped with llama-cpp-python), gguf-py's decoder, float64 math;
+their compiled kernels against their numpy twins."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as GT
+from gguf import quants as gq
+
+from cortiq_engine.kernels import get_kernels
+from cortiq_engine.weights import Weight
+from formats.errors import CortiqError
+from formats.quants import DTYPES, get_dtype
+from tests.ggml_oracle import ggml_library_quantize
+
+KQUANTS = [("q6k", GT.Q6_K), ("q5k", GT.Q5_K), ("q4k", GT.Q4_K)]
+# every dtype this file brings, with its GGML twin: the K-quants and their fallback q5 (Q5_0)
+NEW = KQUANTS + [("q5", GT.Q5_0)]
+
+
+def _hard(rows: int = 24, cols: int = 768, seed: int = 0) -> np.ndarray:
+    """Gaussian rows plus blocks that stress the searches: zeros, constants, all
+    positive, tiny and huge values, exact ties."""
+    x = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
+    x[0, :256] = 0.0
+    x[1, :32] = 3.0
+    x[1, 256:512] = 2.5
+    x[2] *= 1e-5
+    x[3, :256] = np.abs(x[3, :256]) + 1
+    x[4, :256] = -np.abs(x[4, :256]) - 1
+    x[5] *= 1e3
+    x[6, :64] = np.arange(64, dtype=np.float32) / 4 - 8
+    x[7, 300] = 40.0  # one outlier
+    return x
+
+
+@pytest.mark.parametrize("name,gtype", NEW)
+def test_encode_is_llama_cpp_byte_for_byte(name, gtype):
+    x = _hard()
+    dt = get_dtype(name)
+    parts = dt.encode(x)
+    ours = dt.to_ggml(dt.named(parts, x.shape)).reshape(x.shape[0], -1)
+    assert np.array_equal(ours, ggml_library_quantize(x, gtype))
+
+
+@pytest.mark.parametrize("name,gtype", NEW)
+def test_decode_is_gguf_py_bit_for_bit_and_near_float64(name, gtype):
+    x = _hard(seed=1)
+    dt = get_dtype(name)
+    named = dt.named(dt.encode(x), x.shape)
+    ours = dt.decode(named, x.shape)
+    blocks = dt.to_ggml(named).reshape(x.shape[0], -1)
+    assert np.array_equal(ours, gq.dequantize(blocks, gtype).reshape(x.shape))
+    # round trip: GGML blocks -> our parts -> the same bytes
+    back = dt.from_ggml(blocks.reshape(x.shape[0], -1, dt.block_bytes))
+    assert all(np.array_equal(a, named[n]) for a, (n, _, _) in zip(back, dt.fields))
+    # the error the converter reports equals the float64 error of the decoding
+    err, ref = dt.error(x, list(named.values()))
+    assert err == pytest.approx(float(((ours.astype(np.float64) - x) ** 2).sum()), rel=1e-9)
+    assert ref == pytest.approx(float((x.astype(np.float64) ** 2).sum()), rel=1e-9)
+
+
+def test_bits_per_weight_and_error_ladder():
+    x = np.random.default_rng(7).standard_normal((256, 1024)).astype(np.float32)
+    errs = {}
+    for name, _ in KQUANTS:
+        dt = get_dtype(name)
+        assert dt.nbytes((4096, 4096)) == pytest.approx(4096 * 4096 * dt.bits / 8, rel=1e-6)
+        e, r = dt.error(x, dt.encode(x))
+        errs[name] = np.sqrt(e / r)
+    assert get_dtype("q4k").bits <= 4.6
+    # N(0, 1) relative RMS error: q6k ~1.8%, q5k ~3.6%, q4k ~7.1% (ggml's own figures)
+    assert 0.015 < errs["q6k"] < 0.02 < 0.03 < errs["q5k"] < 0.04 < 0.06 < errs["q4k"] < 0.08
+
+
+@pytest.mark.parametrize("name", [n for n, _ in KQUANTS])
+def test_rows_slices_and_shapes(name):
+    dt = get_dtype(name)
+    x = _hard(rows=13, cols=512, seed=3)
+    whole = dt.encode(x)
+    pieces = [dt.encode(x[r : r + 4]) for r in range(0, 13, 4)]
+    for i, part in enumerate(whole):
+        assert np.array_equal(part, np.concatenate([p[i] for p in pieces]))
+    assert not dt.supports((4, 288)) and not dt.supports((256,)) and dt.supports((2, 4, 256))
+    with pytest.raises(CortiqError, match="divisible by 256"):
+        dt.encode(np.zeros((4, 288), np.float32))
+
+
+def test_importance_weights_lower_the_weighted_error():
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((64, 1024)).astype(np.float32)
+    imp = (rng.random(1024) ** 4 * 100).astype(np.float32)  # a few columns matter a lot
+    for name, _ in KQUANTS:
+        dt = get_dtype(name)
+        plain = dt.decode(dt.named(dt.encode(x), x.shape), x.shape)
+        weighted = dt.decode(dt.named(list(dt.encode_rows(x, imp)), x.shape), x.shape)
+        cost = lambda y: float((((y - x).astype(np.float64) ** 2) * imp).sum())  # noqa: E731
+        assert cost(weighted) < 0.97 * cost(plain), name
+
+
+def _weight(name: str, x: np.ndarray) -> Weight:
+    dt = get_dtype(name)
+    parts = {k: (v.view(np.uint16) if v.dtype == np.float16 else v) for k, v in dt.named(dt.encode(x), x.shape).items()}
+    return Weight(name, name, x.shape[0], x.shape[1], parts)
+
+
+@pytest.mark.parametrize("name", [n for n, _ in NEW])
+def test_kernels_match_the_numpy_twin_and_float64(name):
+    rng = np.random.default_rng(5)
+    ws = [_weight(name, rng.standard_normal((r, 512)).astype(np.float32)) for r in (40, 24, 8)]
+    fast, ref = get_kernels("numba"), get_kernels("numpy")
+    # dequantize tile: bit for bit the numpy decoder
+    w = ws[0]
+    buf = np.empty((w.rows - 5, w.cols), np.float32)
+    fast._dequant(w, 5, w.rows, buf)
+    assert np.array_equal(buf, w.dequantize(5, w.rows))
+    W64 = np.concatenate([v.dequantize().astype(np.float64) for v in ws])
+    for n in (1, 3, 8, 40):  # decode sizes and a prefill size (tiles + BLAS)
+        X = rng.standard_normal((n, 512)).astype(np.float32)
+        want = X.astype(np.float64) @ W64.T
+        for ks in (fast, ref):
+            got = ks.matmul(ws, X)
+            assert np.abs(got - want).max() <= 2e-5 * np.abs(want).max(), (ks.name, n)
+
+
+@pytest.mark.parametrize("name", [n for n, _ in NEW])
+def test_decode_matvec_is_row_exact(name):
+    """A row's result in a k-row call is bit for bit its result alone."""
+    rng = np.random.default_rng(6)
+    ws = [_weight(name, rng.standard_normal((48, 768)).astype(np.float32)), _weight(name, rng.standard_normal((16, 768)).astype(np.float32))]
+    fast = get_kernels("numba")
+    X = rng.standard_normal((8, 768)).astype(np.float32)
+    together = fast.matmul(ws, X)
+    for i in range(8):
+        assert np.array_equal(together[i], fast.matmul(ws, X[i : i + 1].copy())[0])
+
+
+def test_registry_names_the_new_types():
+    assert {"q6k", "q5k", "q4k", "q5"} <= set(DTYPES)
+    assert [get_dtype(n).ggml_type for n, _ in NEW] == [g.name for _, g in NEW]
+
+
+@pytest.mark.slow
+def test_gemma3_q4_k_m_blocks_are_kept_bit_for_bit(gemma3_gguf, gemma3_hf, tmp_path):
+    """``--quant keep`` on Gemma 3 270M's Q4_K_M file: Q4_K, Q6_K, Q5_0 and Q8_0 blocks
+    are copied, and each tensor decodes to exactly what gguf-py dequantizes (the HF
+    import's f32 values)."""
+    from formats.cmf import CmfFile
+    from cortiq_engine.convert import convert_checkpoint
+    from formats.safetensors_reader import SafetensorsFile
+
+    out = tmp_path / "g.cmf"
+    report = convert_checkpoint(gemma3_gguf, out, quant="keep")
+    assert {"q4k", "q6k", "q5", "q8"} <= set(report.by_dtype)
+    assert all(report.by_dtype[d].rms_rel_error == 0.0 for d in ("q4k", "q6k", "q5", "q8"))
+    hf = SafetensorsFile(next(gemma3_hf.glob("*.safetensors")))
+    with CmfFile(out) as f:
+        seen = set()
+        for name in f.names():
+            info = f.info(name)
+            if len(info.shape) == 2 and info.dtype in ("q4k", "q6k", "q5") and info.dtype not in seen:
+                seen.add(info.dtype)
+                assert np.array_equal(f.tensor_f32(name), hf.f32(name).reshape(info.shape)), name
+    assert seen == {"q4k", "q6k", "q5"}
