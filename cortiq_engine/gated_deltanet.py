@@ -11,9 +11,9 @@ Per layer and position t (heads of width dk / dv; each key head serves
     o_t      = q_t^T S
     out      = out_proj(rmsnorm(o) * w * silu(z))
 
-as transformers' ``torch_recurrent_gated_delta_rule`` computes it
-(``gated_delta_rule`` in numpy, ``gated_delta_rule_fast`` compiled; the numba kernel
-set uses the latter). Prefill runs the projections batched and the recurrence
+as transformers' ``torch_recurrent_gated_delta_rule`` computes it. The recurrence
+is the kernel set's ``delta_rule`` (``kernels/reference.py`` in numpy, its compiled
+twin in ``kernels/jit.py``). Prefill runs the projections batched and the recurrence
 sequentially, position by position, so a batch gives the numbers one-at-a-time
 decoding gives.
 
@@ -29,7 +29,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from numba import njit
 
 from formats.arch import LinearAttnConfig
 from formats.errors import CortiqError
@@ -59,79 +58,6 @@ def causal_conv1d(x: np.ndarray, window: np.ndarray, w: np.ndarray) -> tuple[np.
 
 def l2norm(x: np.ndarray, eps: float = L2_EPS) -> np.ndarray:
     return (x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + np.float32(eps))).astype(np.float32)
-
-
-def gated_delta_rule(
-    q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray, state: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
-    """The recurrence, one position at a time.
-
-    q, k [n, hk, dk] (already normalized and scaled); v [n, hv, dv]; g, beta [n, hv];
-    state [hv, dk, dv]. Returns (o [n, hv, dv], the new state); ``state`` is not modified.
-    """
-    n, hk, _ = q.shape
-    rep = v.shape[1] // hk
-    if rep > 1:
-        q = np.repeat(q, rep, axis=1)
-        k = np.repeat(k, rep, axis=1)
-    S = state.copy()
-    decay = np.exp(g).astype(np.float32)
-    o = np.empty(v.shape, np.float32)
-    for t in range(n):
-        S *= decay[t][:, None, None]
-        kv_mem = np.matmul(k[t][:, None, :], S)[:, 0, :]  # [hv, dv]
-        delta = (v[t] - kv_mem) * beta[t][:, None]
-        S += k[t][:, :, None] * delta[:, None, :]
-        o[t] = np.matmul(q[t][:, None, :], S)[:, 0, :]
-    return o, S
-
-
-# Serial on purpose: the per-call work is small, and a parallel launch costs more than
-# it saves on a busy 2-core machine (measured: 19 ms vs 1 ms per decode step).
-@njit(cache=True)
-def _delta_rule_jit(q, k, v, g, beta, S, o):  # pragma: no cover - compiled
-    n = q.shape[0]
-    hk, dk = q.shape[1], q.shape[2]
-    hv, dv = v.shape[1], v.shape[2]
-    rep = hv // hk
-    for h in range(hv):
-        kh = h // rep
-        kv = np.empty(dv, np.float32)
-        for t in range(n):
-            decay = np.float32(np.exp(g[t, h]))
-            for i in range(dk):
-                for j in range(dv):
-                    S[h, i, j] *= decay
-            for j in range(dv):
-                kv[j] = 0.0
-            for i in range(dk):
-                ki = k[t, kh, i]
-                for j in range(dv):
-                    kv[j] += ki * S[h, i, j]
-            b = beta[t, h]
-            for j in range(dv):
-                kv[j] = (v[t, h, j] - kv[j]) * b  # now the delta
-            for i in range(dk):
-                ki = k[t, kh, i]
-                for j in range(dv):
-                    S[h, i, j] += ki * kv[j]
-            for j in range(dv):
-                o[t, h, j] = 0.0
-            for i in range(dk):
-                qi = q[t, kh, i]
-                for j in range(dv):
-                    o[t, h, j] += qi * S[h, i, j]
-
-
-def gated_delta_rule_fast(
-    q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray, state: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
-    """Compiled ``gated_delta_rule``; same contract."""
-    S = np.array(state, dtype=np.float32, copy=True)
-    o = np.empty(v.shape, np.float32)
-    c = np.ascontiguousarray
-    _delta_rule_jit(c(q, np.float32), c(k, np.float32), c(v, np.float32), c(g, np.float32), c(beta, np.float32), S, o)
-    return o, S
 
 
 def gated_rms_norm(o: np.ndarray, z: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -164,10 +90,11 @@ class _LastCall:
 class LinearAttnCache:
     """Conv window + recurrent state of one linear layer, with ``truncate`` rollback."""
 
-    def __init__(self, conv_dim: int, kernel: int, heads: int, dk: int, dv: int, capacity: int, rule=None):
+    def __init__(self, conv_dim: int, kernel: int, heads: int, dk: int, dv: int, capacity: int, rule):
         self.capacity = int(capacity)
-        # The replay on truncate must run the very code the forward ran, to be exact.
-        self.rule = rule or gated_delta_rule
+        # The replay on truncate must run the very code the forward ran (the layer's
+        # kernel set's ``delta_rule``), to be exact.
+        self.rule = rule
         self.window = np.zeros((kernel - 1, conv_dim), np.float32)
         self.state = np.zeros((heads, dk, dv), np.float32)
         self.length = 0
@@ -242,10 +169,9 @@ class GatedDeltaNet:
         self.kd, self.vd = self.hk * self.dk, self.hv * self.dv
         self.conv_dim = 2 * self.kd + self.vd
         self._A = (-np.exp(w.A_log.astype(np.float32))).astype(np.float32)
-        self.rule = gated_delta_rule if getattr(kernels, "name", "") == "numpy" else gated_delta_rule_fast
 
     def make_cache(self, capacity: int) -> LinearAttnCache:
-        return LinearAttnCache(self.conv_dim, self.la.conv_kernel, self.hv, self.dk, self.dv, capacity, self.rule)
+        return LinearAttnCache(self.conv_dim, self.la.conv_kernel, self.hv, self.dk, self.dv, capacity, self.ks.delta_rule)
 
     def weights(self) -> list[Weight]:
         return [*self.w.in_proj, self.w.out_proj]
@@ -280,7 +206,7 @@ class GatedDeltaNet:
         v = np.ascontiguousarray(y[:, 2 * self.kd :].reshape(n, self.hv, self.dv))
         beta = (np.float32(1.0) / (np.float32(1.0) + np.exp(-b))).astype(np.float32)
         g = (self._A * softplus(a + self.w.dt_bias)).astype(np.float32)
-        o, state = self.rule(q, k, v, g, beta, cache.state)
+        o, state = ks.delta_rule(q, k, v, g, beta, cache.state)
         cache.advance(window, state, _LastCall(cache.length, cache.window, cache.state, mixed, q, k, v, g, beta))
         o = gated_rms_norm(o, np.ascontiguousarray(z), self.w.norm, self.eps)
         return ks.matmul((self.w.out_proj,), o.reshape(n, self.vd))

@@ -9,7 +9,8 @@ cache holds prompt + g - 1 rows (the last token is never forwarded).
 
 With a drafter (``cortiq_engine.mtp.Drafter``, greedy only) a step first drafts K
 tokens d_1..d_K, then forwards ``[x, d_1..d_K]`` (x the pending token) in ONE
-row-exact batch (``speculative.row_exact``): row i's token is chosen by the same
+row-exact batch (at most the kernel set's ``row_exact_rows``, see
+``cortiq_engine/kernels/row_exact.py``): row i's token is chosen by the same
 sampler over the same history plain decoding would have; while it equals d_{i+1}
 the next row is valid too; the first disagreement (or the row after the last draft)
 gives the step's own token, and the rows of rejected drafts are truncated from the
@@ -28,7 +29,6 @@ positions keep increasing, so RoPE phases stay consistent for the kept rows.
 from __future__ import annotations
 
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Sequence
 
@@ -38,7 +38,6 @@ from formats.errors import CortiqError
 from cortiq_engine.acceptance import Acceptance
 from cortiq_engine.model import Model, State, forward
 from cortiq_engine.sampling import Sampler, SamplingConfig, token_probability
-from cortiq_engine.speculative import row_exact
 from cortiq_engine.tokenizer import StreamDecoder, Tokenizer
 
 if TYPE_CHECKING:
@@ -354,8 +353,8 @@ def generate(
     logits = model.lm_head(model.final_norm(h))[0]
     t1 = time.perf_counter()
 
-    # A verify batch stays within the kernels' small-batch path (row-exact by construction).
-    max_verify = int(getattr(model.kernels, "small_n", 0)) or 8
+    # A verify batch stays within the rows the kernel set declares row-exact.
+    max_verify = model.kernels.row_exact_rows
     evictions = 0
     finish = out.emit(sampler(logits, out.seen), logits)
     while finish is None:
@@ -370,16 +369,14 @@ def generate(
         k = 0 if drafter is None else min(drafter.depth, max_tokens - len(out.ids) - 1, state.free() - 1, max_verify - 1)
         drafts = drafter.draft(t, out.seen, k) if k > 0 else []
         tb = time.perf_counter()
-        with row_exact(model.kernels) if drafts else nullcontext():
-            hb = forward(state, [out.ids[-1], *drafts])
-            normed = model.final_norm(hb)
-            # The head of row 0 first: the rest is needed only once d1 is accepted.
-            rows = model.lm_head(normed[:1])
+        hb = forward(state, [out.ids[-1], *drafts])
+        normed = model.final_norm(hb)
+        # The head of row 0 first: the rest is needed only once d1 is accepted.
+        rows = model.lm_head(normed[:1])
         used = 0
         for i in range(len(drafts) + 1):
             if i == 1:
-                with row_exact(model.kernels):
-                    rows = np.concatenate([rows, model.lm_head(normed[1:])])
+                rows = np.concatenate([rows, model.lm_head(normed[1:])])
             tok = sampler(rows[i], out.seen)
             used = i + 1
             finish = out.emit(tok, rows[i])

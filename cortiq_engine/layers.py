@@ -5,6 +5,8 @@ class with the same call signature, not an edit here.
 
 Every module computes on [n, hidden] f32 rows through a kernel set, so the same
 code serves decode (n = 1), batched verification (small n) and prefill chunks.
+Attention is one class with options (window, sinks, V scale, output gate, q/k norm,
+partial rotary); linear attention (Gated DeltaNet) lives in ``gated_deltanet``.
 """
 
 from __future__ import annotations
@@ -115,8 +117,21 @@ class AttentionWeights:
 
 
 class Attention:
-    """Softmax attention with grouped KV heads, RoPE and an optional sliding window,
-    over a preallocated ``KVCache``. ``window = 0`` means full causal attention."""
+    """Softmax attention with grouped KV heads and RoPE over a preallocated ``KVCache``;
+    what differs between architectures are options, not subclasses:
+
+    - ``window``: sliding window of that many keys, the query's own included
+      (transformers' ``sliding_window``); 0 = full causal attention;
+    - ``scale``: the score scale, default head_dim**-0.5 (Gemma: query_pre_attn_scalar**-0.5);
+    - ``v_head_dim`` narrower or wider than ``head_dim`` (MiMo-V2: 128 vs 192);
+    - partial rotary: ``rope.rotary_dim`` < head_dim rotates only the first dims;
+    - q/k norm: per-head RMS norms when ``w.q_norm``/``w.k_norm`` are given (Qwen3, Gemma 3);
+    - ``sinks`` [num_heads]: learned logits that join each head's softmax without a
+      value row (MiMo-V2's sliding layers);
+    - ``v_scale``: V multiplied by a constant before it enters the cache (MiMo-V2);
+    - ``output_gate``: q_proj emits [query | gate] per head and the attention output
+      is multiplied by sigmoid(gate) before o_proj (Qwen3-Next).
+    """
 
     def __init__(
         self,
@@ -131,27 +146,31 @@ class Attention:
         norm_eps: float,
         window: int = 0,
         scale: float | None = None,
+        sinks: np.ndarray | None = None,
+        v_scale: float = 1.0,
+        output_gate: bool = False,
     ):
         self.ks = kernels
         self.w = w
         self.nh, self.nkv, self.hd, self.vd = num_heads, num_kv_heads, head_dim, v_head_dim
+        self.output_gate = bool(output_gate)
         self._check_geometry(rope)
         self.rope = rope
         self.eps = norm_eps
         self.window = int(window)
-        self.scale = head_dim**-0.5 if scale is None else float(scale)  # Gemma: query_pre_attn_scalar**-0.5
+        self.scale = head_dim**-0.5 if scale is None else float(scale)
+        self.sinks = None if sinks is None else self._check_sinks(sinks)
+        self.v_scale = float(v_scale)
         self._qkv = (w.q, w.k, w.v)
         self._o = (w.o,)
-
-    # Rows of q_proj per head and head_dim: 2 when q_proj also holds an output gate.
-    q_factor = 1
 
     def _check_geometry(self, rope: RoPE) -> None:
         """The kernels index by these sizes without bounds checks: refuse any weight or
         rotary table that disagrees with them (a corrupt or hostile file) up front."""
         w, nh, nkv, hd, vd = self.w, self.nh, self.nkv, self.hd, self.vd
+        q_rows = nh * hd * (2 if self.output_gate else 1)  # the gate rides in q_proj
         want = {
-            "q": (nh * hd * self.q_factor, w.q.cols), "k": (nkv * hd, w.q.cols),
+            "q": (q_rows, w.q.cols), "k": (nkv * hd, w.q.cols),
             "v": (nkv * vd, w.q.cols), "o": (w.o.rows, nh * vd),
         }
         for name, shape in want.items():
@@ -160,16 +179,28 @@ class Attention:
                 raise CortiqError(f"tensor {getattr(w, name).name} is {list(have)}, the attention geometry needs {list(shape)}")
         if min(nh, nkv, hd, vd) < 1 or nh % nkv:
             raise CortiqError(f"attention with {nh} heads, {nkv} KV heads, head_dim {hd}: not a valid geometry")
+        if self.output_gate and vd != hd:
+            raise CortiqError(f"an output gate of head_dim {hd} cannot gate V heads of width {vd}")
         if not 0 < rope.rotary_dim <= hd or rope.rotary_dim % 2:
             raise CortiqError(f"rotary_dim {rope.rotary_dim} does not fit head_dim {hd}")
         norms = {"q_norm": w.q_norm, "k_norm": w.k_norm}
         for name, v in norms.items():
             if v is not None and v.shape != (hd,):
                 raise CortiqError(f"{name} has {v.size} values for head_dim {hd}")
+        if (w.q_norm is None) != (w.k_norm is None):
+            raise CortiqError("attention has a q_norm without a k_norm or the reverse")
         if w.qkv_bias is not None and w.qkv_bias.shape != (w.q.rows + w.k.rows + w.v.rows,):
             raise CortiqError("q/k/v biases do not match their projections")
         if w.o_bias is not None and w.o_bias.shape != (w.o.rows,):
             raise CortiqError("o_proj bias does not match its projection")
+
+    def _check_sinks(self, sinks: np.ndarray) -> np.ndarray:
+        sinks = np.ascontiguousarray(sinks, dtype=np.float32).reshape(-1)
+        if sinks.shape[0] != self.nh:
+            raise CortiqError(f"{sinks.shape[0]} attention sinks for {self.nh} heads")
+        if not np.isfinite(sinks).all():
+            raise CortiqError("attention sinks hold non-finite values")
+        return sinks
 
     def make_cache(self, capacity: int) -> KVCache:
         return KVCache(self.nkv, self.hd, self.vd, capacity)
@@ -179,22 +210,33 @@ class Attention:
 
     def __call__(self, x: np.ndarray, cache: KVCache, step: Step) -> np.ndarray:
         ks, n = self.ks, x.shape[0]
+        nh, nkv, hd, vd = self.nh, self.nkv, self.hd, self.vd
         qkv = ks.matmul(self._qkv, x)
         if self.w.qkv_bias is not None:
             qkv += self.w.qkv_bias
-        nq, nk = self.nh * self.hd, self.nkv * self.hd
-        q = np.ascontiguousarray(qkv[:, :nq]).reshape(n, self.nh, self.hd)
-        k = np.ascontiguousarray(qkv[:, nq : nq + nk]).reshape(n, self.nkv, self.hd)
-        v = qkv[:, nq + nk :].reshape(n, self.nkv, self.vd)
+        nq, nk = nh * hd * (2 if self.output_gate else 1), nkv * hd
+        gate = None
+        if self.output_gate:
+            qg = qkv[:, :nq].reshape(n, nh, 2 * hd)
+            q = np.ascontiguousarray(qg[:, :, :hd])
+            gate = qg[:, :, hd:].reshape(n, nh * hd)
+        else:
+            q = np.ascontiguousarray(qkv[:, :nq]).reshape(n, nh, hd)
+        k = np.ascontiguousarray(qkv[:, nq : nq + nk]).reshape(n, nkv, hd)
+        v = qkv[:, nq + nk :].reshape(n, nkv, vd)
+        if self.v_scale != 1.0:
+            v = v * np.float32(self.v_scale)
         if self.w.q_norm is not None:
-            q = ks.rms_norm(q.reshape(n * self.nh, self.hd), self.w.q_norm, self.eps).reshape(n, self.nh, self.hd)
-            k = ks.rms_norm(k.reshape(n * self.nkv, self.hd), self.w.k_norm, self.eps).reshape(n, self.nkv, self.hd)
+            q = ks.rms_norm(q.reshape(n * nh, hd), self.w.q_norm, self.eps).reshape(n, nh, hd)
+            k = ks.rms_norm(k.reshape(n * nkv, hd), self.w.k_norm, self.eps).reshape(n, nkv, hd)
         cos, sin = step.rope_tables(self.rope)
         ks.rope(q, cos, sin)
         ks.rope(k, cos, sin)
         start = cache.append(k, v)
-        o = ks.attend(q, cache.keys, cache.values, start, self.window, self.scale)
-        out = ks.matmul(self._o, o.reshape(n, self.nh * self.vd))
+        o = ks.attend(q, cache.keys, cache.values, start, self.window, self.scale, self.sinks).reshape(n, nh * vd)
+        if gate is not None:
+            o = np.ascontiguousarray(o * (np.float32(1.0) / (np.float32(1.0) + np.exp(-gate))), dtype=np.float32)
+        out = ks.matmul(self._o, o)
         if self.w.o_bias is not None:
             out += self.w.o_bias
         return out

@@ -16,7 +16,8 @@ from formats.cmf import CmfFile
 from cortiq_engine.convert import convert_checkpoint
 from formats.errors import CortiqError
 from cortiq_engine import Engine, forward
-from cortiq_engine.gated_deltanet import LinearAttnCache, causal_conv1d, gated_delta_rule, gated_rms_norm, l2norm
+from cortiq_engine.gated_deltanet import LinearAttnCache, causal_conv1d, gated_rms_norm, l2norm
+from cortiq_engine.kernels.reference import gated_delta_rule
 from tests import arch_tiny
 
 FAMILIES = ["qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"]
@@ -191,7 +192,7 @@ def test_qwen3_5_wrapper_checkpoint(checkpoints, tmp_path):
 
 
 def test_compiled_delta_rule_matches_reference():
-    from cortiq_engine.gated_deltanet import gated_delta_rule_fast
+    from cortiq_engine.kernels import get_kernels
 
     rng = np.random.default_rng(7)
     n, hk, hv, dk, dv = 23, 2, 6, 16, 12
@@ -200,7 +201,7 @@ def test_compiled_delta_rule_matches_reference():
     beta = 1 / (1 + np.exp(-_rand(rng, n, hv)))
     s0 = _rand(rng, hv, dk, dv, scale=0.3)
     o1, s1 = gated_delta_rule(q, k, v, g, beta, s0)
-    o2, s2 = gated_delta_rule_fast(q, k, v, g, beta, s0)
+    o2, s2 = get_kernels("numba").delta_rule(q, k, v, g, beta, s0)
     np.testing.assert_allclose(o2, o1, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(s2, s1, rtol=1e-5, atol=1e-6)
     assert np.abs(s1 - s0).max() > 0.1  # the state did move

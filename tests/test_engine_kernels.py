@@ -57,7 +57,9 @@ def test_matmul_mixed_dtypes_in_one_call():
     assert np.array_equal(fused, np.concatenate([ks.matmul([w], X) for w in (a, b, c)], axis=1))
 
 
-def _attention64(q, kc, vc, start, window, scale):
+def _attention64(q, kc, vc, start, window, scale, sinks=None):
+    """Causal GQA attention in float64, one query and head at a time; a sink joins the
+    softmax as one more logit without a value row."""
     n, heads, d = q.shape
     group = heads // kc.shape[0]
     out = np.zeros((n, heads, vc.shape[2]))
@@ -67,23 +69,135 @@ def _attention64(q, kc, vc, start, window, scale):
         for h in range(heads):
             k = kc[h // group, lo:hi].astype(np.float64)
             s = k @ q[i, h].astype(np.float64) * scale
-            p = np.exp(s - s.max())
+            logits = s if sinks is None else np.append(s, np.float64(sinks[h]))
+            p = np.exp(logits - logits.max())
             p /= p.sum()
-            out[i, h] = p @ vc[h // group, lo:hi]
+            out[i, h] = p[: hi - lo] @ vc[h // group, lo:hi].astype(np.float64)
     return out
 
 
-@pytest.mark.parametrize("n", [1, 5, 30])
-@pytest.mark.parametrize("window", [0, 4])
-def test_attention(n, window):
+def _kernel_sets():
+    """Every kernel set, the bare reference included (get_kernels wraps it in RowExact)."""
+    from cortiq_engine.kernels import NumpyKernels
+
+    return {"numba": get_kernels("numba"), "numpy": get_kernels("numpy"), "numpy-bare": NumpyKernels()}
+
+
+# n = 16 and 17 straddle the numba set's switch from its compiled kernel to BLAS blocks.
+@pytest.mark.parametrize("n", [1, 5, 16, 17, 30])
+@pytest.mark.parametrize("window", [0, 1, 4])
+@pytest.mark.parametrize("sinks", [False, True])
+def test_attention(n, window, sinks):
     heads, kvh, d, dv, cap, start = 6, 2, 16, 12, 64, 9
     q = RNG.standard_normal((n, heads, d)).astype(np.float32)
     kc = RNG.standard_normal((kvh, cap, d)).astype(np.float32)
     vc = RNG.standard_normal((kvh, cap, dv)).astype(np.float32)
-    exact = _attention64(q, kc, vc, start, window, d**-0.5)
-    for name in ("numba", "numpy"):
-        got = get_kernels(name).attend(q, kc, vc, start, window, d**-0.5)
-        np.testing.assert_allclose(got, exact, atol=1e-5)
+    sk = (RNG.standard_normal(heads) * 2).astype(np.float32) if sinks else None
+    exact = _attention64(q, kc, vc, start, window, d**-0.5, sk)
+    for name, ks in _kernel_sets().items():
+        got = ks.attend(q, kc, vc, start, window, d**-0.5, sk)
+        np.testing.assert_allclose(got, exact, atol=1e-5, err_msg=name)
+
+
+def test_sink_softmax_by_hand():
+    # One head, two keys, sink s: p = exp([a, b, s]) / sum; out = p0 v0 + p1 v1.
+    q = np.array([[[1.0, 0.0]]], np.float32)
+    kc = np.array([[[2.0, 0.0], [0.0, 1.0]]], np.float32)
+    vc = np.array([[[1.0], [3.0]]], np.float32)
+    e = np.exp([2.0, 0.0, 0.5])
+    for name, ks in _kernel_sets().items():
+        got = ks.attend(q, kc, vc, 1, 0, 1.0, np.array([0.5], np.float32))
+        assert got[0, 0, 0] == pytest.approx((e[0] * 1.0 + e[1] * 3.0) / e.sum(), rel=1e-6), name
+        # Without the sink the weights sum to one over the keys.
+        plain = ks.attend(q, kc, vc, 1, 0, 1.0)
+        assert plain[0, 0, 0] == pytest.approx((e[0] * 1.0 + e[1] * 3.0) / (e[0] + e[1]), rel=1e-6), name
+    # A sink far above every score takes all the mass without overflowing exp.
+    got = get_kernels("numba").attend(q, kc, vc, 1, 0, 1.0, np.array([200.0], np.float32))
+    assert np.isfinite(got).all() and abs(got[0, 0, 0]) < 1e-30
+
+
+def _delta_rule64(q, k, v, g, beta, state):
+    """Gated DeltaNet's recurrence in float64, written per head and position."""
+    n, hk, dk = q.shape
+    hv = v.shape[1]
+    S = state.astype(np.float64).copy()
+    o = np.zeros(v.shape)
+    for t in range(n):
+        for h in range(hv):
+            kh = h // (hv // hk)
+            kt, qt = k[t, kh].astype(np.float64), q[t, kh].astype(np.float64)
+            S[h] *= np.exp(np.float64(g[t, h]))
+            delta = (v[t, h] - kt @ S[h]) * np.float64(beta[t, h])
+            S[h] += np.outer(kt, delta)
+            o[t, h] = qt @ S[h]
+    return o, S
+
+
+@pytest.mark.parametrize("n", [1, 7])
+def test_delta_rule(n):
+    rng = np.random.default_rng(n)
+    hk, hv, dk, dv = 2, 4, 8, 6
+    q = (rng.standard_normal((n, hk, dk)) * 0.3).astype(np.float32)
+    k = (rng.standard_normal((n, hk, dk)) * 0.3).astype(np.float32)
+    v = rng.standard_normal((n, hv, dv)).astype(np.float32)
+    g = -rng.random((n, hv)).astype(np.float32)
+    beta = rng.random((n, hv)).astype(np.float32)
+    s0 = rng.standard_normal((hv, dk, dv)).astype(np.float32)
+    want_o, want_s = _delta_rule64(q, k, v, g, beta, s0)
+    for name, ks in _kernel_sets().items():
+        keep = s0.copy()
+        o, s = ks.delta_rule(q, k, v, g, beta, s0)
+        assert np.array_equal(s0, keep), name  # the state passed in is not modified
+        np.testing.assert_allclose(o, want_o, rtol=1e-5, atol=1e-5, err_msg=name)
+        np.testing.assert_allclose(s, want_s, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+# ------------------------------------------------------------------ row-exactness
+@pytest.mark.parametrize("name", ["numba", "numpy"])
+@pytest.mark.parametrize("dtype", ["q8", "q4", "f16", "bf16", "f32"])
+def test_declared_row_exact_matmul(name, dtype):
+    """Up to ``row_exact_rows``, a k-row matmul gives every row bit for bit its 1-row result."""
+    ks = get_kernels(name)
+    assert ks.row_exact_rows >= 8
+    cols = 96 if dtype in ("q8", "q4") else 70
+    ws = [_weight(dtype, r, cols, seed=i)[0] for i, r in enumerate((50, 17, 33))]
+    X = RNG.standard_normal((ks.row_exact_rows, cols)).astype(np.float32)
+    one = np.concatenate([ks.matmul(ws, X[i : i + 1].copy()) for i in range(X.shape[0])])
+    for k in sorted({2, 3, 5, ks.row_exact_rows}):
+        assert np.array_equal(ks.matmul(ws, X[:k].copy()), one[:k]), k
+
+
+@pytest.mark.parametrize("name", ["numba", "numpy"])
+@pytest.mark.parametrize("window", [0, 3])
+@pytest.mark.parametrize("sinks", [False, True])
+def test_declared_row_exact_attend(name, window, sinks):
+    ks = get_kernels(name)
+    heads, kvh, d, dv, start = 4, 2, 16, 8, 20
+    k = ks.row_exact_rows
+    q = RNG.standard_normal((k, heads, d)).astype(np.float32)
+    kc = RNG.standard_normal((kvh, 64, d)).astype(np.float32)
+    vc = RNG.standard_normal((kvh, 64, dv)).astype(np.float32)
+    sk = RNG.standard_normal(heads).astype(np.float32) if sinks else None
+    one = np.concatenate([ks.attend(q[i : i + 1].copy(), kc, vc, start + i, window, 0.25, sk) for i in range(k)])
+    assert np.array_equal(ks.attend(q, kc, vc, start, window, 0.25, sk), one)
+
+
+def test_row_exact_wrapper():
+    """``RowExact`` raises a set's declared rows and keeps every other operation its own."""
+    from cortiq_engine.kernels import NumpyKernels, RowExact
+
+    bare = NumpyKernels()
+    assert bare.row_exact_rows == 1
+    rx = RowExact(bare, 6)
+    assert rx.row_exact_rows == 6 and rx.name == "numpy" and rx.rms_norm == bare.rms_norm
+    w = _weight("f32", 300, 256)[0]
+    X = RNG.standard_normal((7, 256)).astype(np.float32)
+    one = np.concatenate([bare.matmul([w], X[i : i + 1].copy()) for i in range(7)])
+    assert np.array_equal(rx.matmul([w], X[:6]), one[:6])
+    # Past its rows (prefill) the call goes to the inner set as one batch.
+    assert np.array_equal(rx.matmul([w], X), bare.matmul([w], X))
+    # A wrapper never lowers what the inner set declares.
+    assert RowExact(get_kernels("numba"), 2).row_exact_rows == get_kernels("numba").row_exact_rows
 
 
 def test_norms_rope_silu():

@@ -1,8 +1,16 @@
 """Kernel sets: the numeric operations of a forward pass, in two implementations.
 
 ``numba`` (default) is the fast path; ``numpy`` is the readable reference that
-tests hold the fast path against. The documented override ``CORTIQ_KERNELS=numpy``
-selects the reference path without code changes.
+tests hold the fast path against. The documented override ``CORTIQ_KERNELS``
+selects one without code changes: ``numba`` (q8/q4 decode on int16 activations,
+``qdot.py``), ``numba-i8`` (int8 activations: faster q4, 4-5x the q8 KL),
+``numba-float`` (float activations everywhere) or ``numpy``.
+
+Every set has ``matmul``, ``rms_norm``, ``add_rms_norm``, ``silu_mul``,
+``gelu_tanh_mul``, ``rope``, ``attend(..., sinks=None)`` (softmax attention over a
+KV cache) and ``delta_rule`` (Gated DeltaNet's recurrence), and declares
+``row_exact_rows`` (``row_exact.py``). Compiled kernels live in ``jit.py``, each
+beside its numpy twin in ``reference.py``.
 """
 
 from __future__ import annotations
@@ -11,16 +19,20 @@ import os
 
 from formats.errors import CortiqError
 from cortiq_engine.kernels.reference import NumpyKernels
+from cortiq_engine.kernels.row_exact import RowExact
 
 KERNEL_ENV = "CORTIQ_KERNELS"
 KERNEL_CHOICES = ("numba", "numba-i8", "numba-float", "numpy")
+# Rows up to which the reference set is made row-exact (numba's set declares its own
+# bound): the longest speculative verify it runs; past it, prefill batches through BLAS.
+NUMPY_ROW_EXACT_ROWS = 16
 
 
-def get_kernels(name: str | None = None) -> NumpyKernels:
+def get_kernels(name: str | None = None):
     """The kernel set named ``name``, else ``$CORTIQ_KERNELS``, else numba."""
     name = (name or os.environ.get(KERNEL_ENV) or "numba").strip().lower()
     if name == "numpy":
-        return NumpyKernels()
+        return RowExact(NumpyKernels(), NUMPY_ROW_EXACT_ROWS)
     if name == "numba":
         from cortiq_engine.kernels.fast import NumbaKernels
 
@@ -32,4 +44,4 @@ def get_kernels(name: str | None = None) -> NumpyKernels:
     raise CortiqError(f"unknown kernel set {name!r} ({KERNEL_ENV}); choose one of {', '.join(KERNEL_CHOICES)}")
 
 
-__all__ = ["KERNEL_CHOICES", "KERNEL_ENV", "NumpyKernels", "get_kernels"]
+__all__ = ["KERNEL_CHOICES", "KERNEL_ENV", "NumpyKernels", "RowExact", "get_kernels"]

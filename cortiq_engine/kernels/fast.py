@@ -69,6 +69,13 @@ def _readonly(a: np.ndarray) -> np.ndarray:
 class NumbaKernels(NumpyKernels):
     name = "numba"
 
+    @property
+    def row_exact_rows(self) -> int:
+        """Up to this many rows, matmul (the small-batch kernels) and attend (the
+        compiled kernel) compute every row on its own: a k-row call gives each row
+        bit for bit its one-row result. Beyond it BLAS batches the rows."""
+        return min(self.small_n, SMALL_ATTN)
+
     def __init__(self, small_n: int = SMALL_N, act_bits: int = ACT_BITS):
         self.small_n = small_n
         # q8/q4 decode and verify on int8 activations (qdot.py) where the CPU has
@@ -227,23 +234,35 @@ class NumbaKernels(NumpyKernels):
     def rope(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> None:
         jit.rope(x, cos, sin)
 
-    def attend(self, q: np.ndarray, kc: np.ndarray, vc: np.ndarray, start: int, window: int, scale: float) -> np.ndarray:
+    def attend(self, q: np.ndarray, kc: np.ndarray, vc: np.ndarray, start: int, window: int, scale: float,
+               sinks: np.ndarray | None = None) -> np.ndarray:
+        out = np.empty((q.shape[0], q.shape[1], vc.shape[2]), np.float32)
+        if sinks is not None:
+            sinks = np.ascontiguousarray(sinks, dtype=np.float32)
         if q.shape[0] > SMALL_ATTN:
             # Prefill: the reference blocks (query block x KV head), pulled by the pool's threads.
-            out = np.empty((q.shape[0], q.shape[1], vc.shape[2]), np.float32)
             qs = q * np.float32(scale)
             jobs = attention_jobs(q.shape[0], kc.shape[0])
             threads = numba.get_num_threads()
             if threads <= 1 or len(jobs) == 1:
                 for job in jobs:
-                    attend_block(qs, kc, vc, start, window, out, *job)
+                    attend_block(qs, kc, vc, start, window, sinks, out, *job)
             else:
-                for _ in self._executor(threads).map(lambda job: attend_block(qs, kc, vc, start, window, out, *job), jobs):
+                run = lambda job: attend_block(qs, kc, vc, start, window, sinks, out, *job)  # noqa: E731
+                for _ in self._executor(threads).map(run, jobs):
                     pass
             return out
-        out = np.empty((q.shape[0], q.shape[1], vc.shape[2]), np.float32)
-        jit.attend(np.ascontiguousarray(q), kc, vc, start, window, np.float32(scale), out)
+        jit.attend(np.ascontiguousarray(q), kc, vc, start, window, np.float32(scale), sinks, out)
         return out
+
+    # ------------------------------------------------------------ linear attention
+    def delta_rule(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray,
+                   state: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        S = np.array(state, dtype=np.float32, copy=True)
+        o = np.empty(v.shape, np.float32)
+        c = np.ascontiguousarray
+        jit.delta_rule(c(q, np.float32), c(k, np.float32), c(v, np.float32), c(g, np.float32), c(beta, np.float32), S, o)
+        return o, S
 
     # ------------------------------------------------------------ compile ahead
     def warmup(self, ws: Sequence[Weight]) -> None:

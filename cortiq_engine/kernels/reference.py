@@ -27,6 +27,9 @@ def tile_rows(w: Weight) -> int:
 
 class NumpyKernels:
     name = "numpy"
+    # Rows up to which matmul/attend give each row of a call bit for bit its one-row
+    # result: BLAS promises it for no batch, so only for one row (``RowExact`` extends it).
+    row_exact_rows = 1
 
     # ------------------------------------------------------------ matmul
     def matmul(self, ws: Sequence[Weight], X: np.ndarray) -> np.ndarray:
@@ -102,19 +105,29 @@ class NumpyKernels:
         x[:, :, half : 2 * half] = b * c + a * s
 
     # ------------------------------------------------------------ attention
-    def attend(self, q: np.ndarray, kc: np.ndarray, vc: np.ndarray, start: int, window: int, scale: float) -> np.ndarray:
+    def attend(self, q: np.ndarray, kc: np.ndarray, vc: np.ndarray, start: int, window: int, scale: float,
+               sinks: np.ndarray | None = None) -> np.ndarray:
         """Causal GQA attention of n new queries over cache rows 0..start+n-1.
 
         q [n, heads, d]; kc [kv_heads, cap, d]; vc [kv_heads, cap, dv] -> [n, heads, dv].
-        Query i sees rows lo..start+i (lo > 0 only with a sliding window).
+        Query i sees rows lo..start+i (lo > 0 only with a sliding window: ``window``
+        rows counting itself). ``sinks`` f32 [heads] (MiMo-V2, gpt-oss): a learned
+        logit per head that joins the softmax but has no value row, so it only takes
+        probability mass: p = softmax([scores, sink]), out = sum_j p_j v_j.
         Queries go in blocks, each against only the keys it can see: causal prefill
         then computes about half the scores, and a block's scores stay in cache.
         """
         out = np.empty((q.shape[0], q.shape[1], vc.shape[2]), np.float32)
         qs = q * np.float32(scale)  # n*d multiplies instead of n*keys
         for job in attention_jobs(q.shape[0], kc.shape[0]):
-            attend_block(qs, kc, vc, start, window, out, *job)
+            attend_block(qs, kc, vc, start, window, sinks, out, *job)
         return out
+
+    # ------------------------------------------------------------ linear attention
+    def delta_rule(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray,
+                   state: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Gated DeltaNet's recurrence (``gated_delta_rule``): (o, the new state)."""
+        return gated_delta_rule(q, k, v, g, beta, state)
 
     def warmup(self, ws: Sequence[Weight]) -> None:
         """Compile whatever needs compiling (nothing here)."""
@@ -125,8 +138,8 @@ def attention_jobs(n: int, kv_heads: int) -> list[tuple[int, int, int]]:
     return [(i0, min(n, i0 + ATTN_BLOCK), g) for i0 in range(0, n, ATTN_BLOCK) for g in range(kv_heads)]
 
 
-def attend_block(qs: np.ndarray, kc: np.ndarray, vc: np.ndarray, start: int, window: int, out: np.ndarray,
-                 i0: int, i1: int, g: int) -> None:
+def attend_block(qs: np.ndarray, kc: np.ndarray, vc: np.ndarray, start: int, window: int, sinks: np.ndarray | None,
+                 out: np.ndarray, i0: int, i1: int, g: int) -> None:
     """Queries i0..i1 of KV head g's group (``qs`` already scaled) into ``out``."""
     group = qs.shape[1] // kc.shape[0]
     hi = start + i1  # the block's last query sees keys < hi
@@ -139,8 +152,44 @@ def attend_block(qs: np.ndarray, kc: np.ndarray, vc: np.ndarray, start: int, win
     qg = qs[i0:i1, g * group : (g + 1) * group, :].transpose(1, 0, 2)  # [group, b, d]
     s = np.matmul(qg, kc[g, lo:hi].T)  # [group, b, keys]
     s[:, masked] = -np.inf
-    s -= s.max(axis=-1, keepdims=True)
+    mx = s.max(axis=-1, keepdims=True)
+    if sinks is not None:
+        sink = np.asarray(sinks, np.float32)[g * group : (g + 1) * group, None, None]
+        mx = np.maximum(mx, sink)  # the sink joins the max, so a dominant sink cannot overflow exp
+    s -= mx
     np.exp(s, out=s)
     o = np.matmul(s, vc[g, lo:hi])  # unnormalized: divide the [b, dv] rows, not the scores
-    o /= s.sum(axis=-1, keepdims=True)
+    tot = s.sum(axis=-1, keepdims=True)
+    if sinks is not None:
+        tot += np.exp(sink - mx)
+    o /= tot
     out[i0:i1, g * group : (g + 1) * group, :] = o.transpose(1, 0, 2)
+
+
+def gated_delta_rule(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray, state: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Gated DeltaNet's recurrence, one position at a time (transformers'
+    ``torch_recurrent_gated_delta_rule``); per value head h and position t:
+
+        S = S * exp(g_t);  S += k_t (beta_t (v_t - k_t^T S))^T;  o_t = q_t^T S
+
+    q, k [n, hk, dk] (already normalized and scaled); v [n, hv, dv]; g, beta [n, hv];
+    state [hv, dk, dv]; each key head serves ``hv / hk`` consecutive value heads.
+    Returns (o [n, hv, dv], the new state); ``state`` is not modified.
+    """
+    n, hk, _ = q.shape
+    rep = v.shape[1] // hk
+    if rep > 1:
+        q = np.repeat(q, rep, axis=1)
+        k = np.repeat(k, rep, axis=1)
+    S = state.copy()
+    decay = np.exp(g).astype(np.float32)
+    o = np.empty(v.shape, np.float32)
+    for t in range(n):
+        S *= decay[t][:, None, None]
+        kv_mem = np.matmul(k[t][:, None, :], S)[:, 0, :]  # [hv, dv]
+        delta = (v[t] - kv_mem) * beta[t][:, None]
+        S += k[t][:, :, None] * delta[:, None, :]
+        o[t] = np.matmul(q[t][:, None, :], S)[:, 0, :]
+    return o, S

@@ -23,7 +23,6 @@ from cortiq_engine.layers import Attention, RMSNorm, RoPE, Step
 from cortiq_engine.model import Model
 from cortiq_engine.models import base, llama
 from cortiq_engine.models.base import Family, Geometry, dense_common
-from cortiq_engine.models.llama import attention_weights
 from cortiq_engine.weights import Weight, load_vector, load_weight
 
 GELU_TANH = "gelu_pytorch_tanh"
@@ -167,7 +166,6 @@ def build(cmf: CmfFile, arch: ArchConfig, kernels) -> Model:
         LAYER_FULL: RoPE(arch.rotary_dim, arch.rope_theta, arch.rope_scaling),
         LAYER_SLIDING: RoPE(arch.rotary_dim, arch.rope_local_theta or arch.rope_theta, None),
     }
-    scale = (arch.query_pre_attn_scalar or arch.head_dim) ** -0.5
 
     def norm(name: str) -> RMSNorm:
         return RMSNorm(kernels, load_vector(cmf, name, h), eps, "rms_one")
@@ -175,18 +173,7 @@ def build(cmf: CmfFile, arch: ArchConfig, kernels) -> Model:
     blocks = []
     for i, kind in enumerate(arch.layer_types):
         p = f"model.layers.{i}."
-        attn = Attention(
-            kernels,
-            attention_weights(cmf, p, arch),  # adds 1 to the q/k norms (norm_style rms_one)
-            num_heads=arch.num_heads,
-            num_kv_heads=arch.num_kv_heads,
-            head_dim=arch.head_dim,
-            v_head_dim=arch.v_head_dim,
-            rope=ropes[kind],
-            norm_eps=eps,
-            window=arch.sliding_window if kind == LAYER_SLIDING else 0,
-            scale=scale,
-        )
+        attn = llama.attention(cmf, arch, kernels, p, kind, ropes[kind])  # q/k norms get (1 + w): norm_style rms_one
         mlp = GegluMLP(kernels, *(load_weight(cmf, f"{p}mlp.{x}_proj.weight") for x in ("gate", "up", "down")), arch.hidden_act)
         norms = tuple(norm(f"{p}{n}.weight") for n in NORMS)
         blocks.append(SandwichBlock(norms, attn, mlp))

@@ -22,7 +22,6 @@ from cortiq_engine.layers import Attention, AttentionWeights, Block, GatedMLP, R
 from cortiq_engine.model import Model
 from cortiq_engine.models import base
 from cortiq_engine.models.base import DraftLayer, Family, Geometry, dense_common, draft_prefix, sliding_layers, wrap_draft
-from cortiq_engine.sink_attention import SinkAttention
 from cortiq_engine.weights import load_vector, load_weight
 
 
@@ -116,6 +115,34 @@ def attention_weights(cmf: CmfFile, p: str, arch: ArchConfig, qk_norm: bool | No
     return AttentionWeights(q, k, v, o, qkv_bias, o_bias, q_norm, k_norm)
 
 
+def attention(cmf: CmfFile, arch: ArchConfig, kernels, p: str, kind: str, rope: RoPE) -> Attention:
+    """The attention of the block with prefix ``p``, every option read from ``arch``:
+    ``kind`` picks the full or the sliding-window geometry (MiMo-V2's sliding layers
+    have their own heads, widths and sinks in ``arch.sliding``)."""
+    s = arch.sliding if kind == LAYER_SLIDING else None
+    if s is not None:
+        nh, nkv, hd, vd, window, has_sinks = s.num_heads, s.num_kv_heads, s.head_dim, s.v_head_dim, s.window, s.sinks
+    else:
+        nh, nkv, hd, vd = arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.v_head_dim
+        window = arch.sliding_window if kind == LAYER_SLIDING else 0
+        has_sinks = arch.attention_sinks
+    return Attention(
+        kernels,
+        attention_weights(cmf, p, arch),
+        num_heads=nh,
+        num_kv_heads=nkv,
+        head_dim=hd,
+        v_head_dim=vd,
+        rope=rope,
+        norm_eps=arch.norm_eps,
+        window=window,
+        scale=arch.query_pre_attn_scalar**-0.5 if arch.query_pre_attn_scalar else None,  # Gemma 3
+        sinks=load_vector(cmf, f"{p}self_attn.sinks", nh) if has_sinks else None,
+        v_scale=arch.attention_value_scale,
+        output_gate=arch.attn_output_gate,
+    )
+
+
 def build(cmf: CmfFile, arch: ArchConfig, kernels) -> Model:
     _check(cmf, arch)
     h = arch.hidden_size
@@ -126,17 +153,7 @@ def build(cmf: CmfFile, arch: ArchConfig, kernels) -> Model:
         for x in ("gate", "up", "down"):
             if f"{p}mlp.{x}_proj.bias" in cmf:
                 raise CortiqError(f"{cmf.path}: MLP biases are not supported by the engine yet")
-        attn = Attention(
-            kernels,
-            attention_weights(cmf, p, arch),
-            num_heads=arch.num_heads,
-            num_kv_heads=arch.num_kv_heads,
-            head_dim=arch.head_dim,
-            v_head_dim=arch.v_head_dim,
-            rope=rope,
-            norm_eps=arch.norm_eps,
-            window=arch.sliding_window if kind == LAYER_SLIDING else 0,
-        )
+        attn = attention(cmf, arch, kernels, p, kind, rope)
         mlp = GatedMLP(kernels, *(load_weight(cmf, f"{p}mlp.{x}_proj.weight") for x in ("gate", "up", "down")))
         blocks.append(
             Block(
@@ -157,14 +174,12 @@ def draft_attention(cmf: CmfFile, p: str, arch: ArchConfig, kernels) -> Attentio
     """A draft block's attention: the trunk's full geometry; learned sinks and q/k norms
     when the draft layer has them."""
     aw = attention_weights(cmf, p, arch, qk_norm=f"{p}self_attn.q_norm.weight" in cmf)
-    common = dict(
-        num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim, v_head_dim=arch.v_head_dim,
-        rope=RoPE(arch.rotary_dim, arch.rope_theta, arch.rope_scaling), norm_eps=arch.norm_eps,
+    sinks = base.load_sinks(cmf, f"{p}self_attn.sinks", arch.num_heads) if f"{p}self_attn.sinks" in cmf else None
+    return Attention(
+        kernels, aw, num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim,
+        v_head_dim=arch.v_head_dim, rope=RoPE(arch.rotary_dim, arch.rope_theta, arch.rope_scaling),
+        norm_eps=arch.norm_eps, sinks=sinks, v_scale=arch.attention_value_scale if sinks is not None else 1.0,
     )
-    if f"{p}self_attn.sinks" in cmf:
-        sinks = base.load_sinks(cmf, f"{p}self_attn.sinks", arch.num_heads)
-        return SinkAttention(kernels, aw, sinks=sinks, v_scale=arch.attention_value_scale, **common)
-    return Attention(kernels, aw, **common)
 
 
 def draft_block(cmf: CmfFile, p: str, arch: ArchConfig, kernels, attn, mlp) -> Block:

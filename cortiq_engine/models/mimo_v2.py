@@ -25,10 +25,8 @@ from cortiq_engine.layers import RoPE
 from cortiq_engine.model import Model
 from cortiq_engine.models import base, llama
 from cortiq_engine.models.base import DraftLayer, Family, Geometry, dense_common, draft_prefix, req, wrap_draft
-from cortiq_engine.models.llama import attention_weights, gated_mlp
+from cortiq_engine.models.llama import gated_mlp
 from cortiq_engine.models.moe_family import ffn_block, head_and_norm
-from cortiq_engine.sink_attention import SinkAttention
-from cortiq_engine.weights import load_vector
 
 
 # ------------------------------------------------------------------ config.json
@@ -147,29 +145,6 @@ def sliding_rope(arch: ArchConfig) -> RoPE:
     return RoPE(s.rotary_dim or s.head_dim, s.rope_theta)
 
 
-def attention(cmf: CmfFile, arch: ArchConfig, kernels, p: str, kind: str, rope: RoPE) -> SinkAttention:
-    """The attention of the block with prefix ``p``: ``kind`` picks the full or sliding geometry."""
-    if kind == LAYER_SLIDING:
-        s = arch.sliding
-        nh, nkv, hd, vd, window, has_sinks = s.num_heads, s.num_kv_heads, s.head_dim, s.v_head_dim, s.window, s.sinks
-    else:
-        nh, nkv, hd, vd, window = arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.v_head_dim, 0
-        has_sinks = arch.attention_sinks
-    return SinkAttention(
-        kernels,
-        attention_weights(cmf, p, arch),
-        num_heads=nh,
-        num_kv_heads=nkv,
-        head_dim=hd,
-        v_head_dim=vd,
-        rope=rope,
-        norm_eps=arch.norm_eps,
-        window=window,
-        sinks=load_vector(cmf, f"{p}self_attn.sinks", nh) if has_sinks else None,
-        v_scale=arch.attention_value_scale,
-    )
-
-
 def build(cmf: CmfFile, arch: ArchConfig, kernels) -> Model:
     bad = sorted({t for t in arch.layer_types if t not in (LAYER_FULL, LAYER_SLIDING)})
     if bad or (LAYER_SLIDING in arch.layer_types and arch.sliding is None):
@@ -179,7 +154,7 @@ def build(cmf: CmfFile, arch: ArchConfig, kernels) -> Model:
     blocks = []
     for i, kind in enumerate(arch.layer_types):
         rope = swa_rope if kind == LAYER_SLIDING else full_rope
-        attn = attention(cmf, arch, kernels, f"model.layers.{i}.", kind, rope)
+        attn = llama.attention(cmf, arch, kernels, f"model.layers.{i}.", kind, rope)
         blocks.append(ffn_block(cmf, arch, kernels, i, attn))
     embed, head, norm = head_and_norm(cmf, arch, kernels)
     return Model(arch=arch, kernels=kernels, embed=embed, blocks=tuple(blocks), norm=norm, head=head)
@@ -193,7 +168,7 @@ def draft_layer(cmf: CmfFile, k: int, arch: ArchConfig, kernels) -> DraftLayer:
     if sinks:
         base.load_sinks(cmf, f"{p}self_attn.sinks", g.num_heads)  # refuses non-finite sinks
     rope = sliding_rope(arch) if kind == LAYER_SLIDING else RoPE(arch.rotary_dim, arch.rope_theta, arch.rope_scaling)
-    attn = attention(cmf, arch, kernels, p, kind, rope)
+    attn = llama.attention(cmf, arch, kernels, p, kind, rope)
     return wrap_draft(cmf, k, arch, kernels, llama.draft_block(cmf, p, arch, kernels, attn, gated_mlp(cmf, kernels, p + "mlp.")))
 
 

@@ -18,11 +18,11 @@ from formats.cmf import CmfFile
 from formats.errors import CortiqError
 from formats.manifest import Manifest
 from formats.sanitize import SanitizeRules
-from cortiq_engine.layers import Attention, Block, RMSNorm, RoPE
+from cortiq_engine.layers import Block, RMSNorm, RoPE
 from cortiq_engine.model import Model
 from cortiq_engine.models import base, llama
 from cortiq_engine.models.base import DraftLayer, Family, dense_common, draft_prefix, req, sliding_layers, wrap_draft
-from cortiq_engine.models.llama import attention_weights, gated_mlp
+from cortiq_engine.models.llama import gated_mlp
 from cortiq_engine.moe import MoE, MoeBlock
 from cortiq_engine.weights import load_vector, load_weight
 
@@ -131,17 +131,7 @@ def build(cmf: CmfFile, arch: ArchConfig, kernels) -> Model:
     rope = RoPE(arch.rotary_dim, arch.rope_theta, arch.rope_scaling)
     blocks = []
     for i, kind in enumerate(arch.layer_types):
-        attn = Attention(
-            kernels,
-            attention_weights(cmf, f"model.layers.{i}.", arch),
-            num_heads=arch.num_heads,
-            num_kv_heads=arch.num_kv_heads,
-            head_dim=arch.head_dim,
-            v_head_dim=arch.v_head_dim,
-            rope=rope,
-            norm_eps=arch.norm_eps,
-            window=arch.sliding_window if kind == LAYER_SLIDING else 0,
-        )
+        attn = llama.attention(cmf, arch, kernels, f"model.layers.{i}.", kind, rope)
         blocks.append(ffn_block(cmf, arch, kernels, i, attn))
     embed, head, norm = head_and_norm(cmf, arch, kernels)
     return Model(arch=arch, kernels=kernels, embed=embed, blocks=tuple(blocks), norm=norm, head=head)

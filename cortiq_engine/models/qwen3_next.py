@@ -23,13 +23,12 @@ from formats.cmf import CmfFile
 from formats.errors import CortiqError
 from formats.manifest import Manifest
 from formats.sanitize import SanitizeRules
-from cortiq_engine.cache import KVCache
 from cortiq_engine.gated_deltanet import GatedDeltaNet, LinearAttnWeights
-from cortiq_engine.layers import Attention, RoPE, Step
+from cortiq_engine.layers import RoPE
 from cortiq_engine.model import Model
 from cortiq_engine.models import base, llama
 from cortiq_engine.models.base import DraftLayer, Family, Geometry, dense_common, draft_prefix, req, wrap_draft
-from cortiq_engine.models.llama import attention_weights, gated_mlp
+from cortiq_engine.models.llama import gated_mlp
 from cortiq_engine.models.moe_family import ffn_block, head_and_norm, load_moe, qwen_moe
 from cortiq_engine.weights import load_vector, load_weight
 
@@ -138,36 +137,6 @@ def manifest(arch: ArchConfig, mtp_layers: Sequence[int] = ()) -> Manifest:
 # ------------------------------------------------------------------ the trunk
 
 
-class GatedAttention(Attention):
-    """Attention whose q_proj rows are [query(head_dim) | gate(head_dim)] per head."""
-
-    q_factor = 2
-
-    def __call__(self, x: np.ndarray, cache: KVCache, step: Step) -> np.ndarray:
-        ks, n = self.ks, x.shape[0]
-        qkv = ks.matmul(self._qkv, x)
-        if self.w.qkv_bias is not None:
-            qkv += self.w.qkv_bias
-        nq, nk = 2 * self.nh * self.hd, self.nkv * self.hd
-        qg = qkv[:, :nq].reshape(n, self.nh, 2 * self.hd)
-        q = np.ascontiguousarray(qg[:, :, : self.hd])
-        gate = qg[:, :, self.hd :].reshape(n, self.nh * self.hd)
-        k = np.ascontiguousarray(qkv[:, nq : nq + nk]).reshape(n, self.nkv, self.hd)
-        v = qkv[:, nq + nk :].reshape(n, self.nkv, self.vd)
-        q = ks.rms_norm(q.reshape(n * self.nh, self.hd), self.w.q_norm, self.eps).reshape(n, self.nh, self.hd)
-        k = ks.rms_norm(k.reshape(n * self.nkv, self.hd), self.w.k_norm, self.eps).reshape(n, self.nkv, self.hd)
-        cos, sin = step.rope_tables(self.rope)
-        ks.rope(q, cos, sin)
-        ks.rope(k, cos, sin)
-        start = cache.append(k, v)
-        o = ks.attend(q, cache.keys, cache.values, start, self.window, self.scale).reshape(n, self.nh * self.vd)
-        o = o * (np.float32(1.0) / (np.float32(1.0) + np.exp(-gate)))
-        out = ks.matmul(self._o, np.ascontiguousarray(o, dtype=np.float32))
-        if self.w.o_bias is not None:
-            out += self.w.o_bias
-        return out
-
-
 def _linear_attn(cmf: CmfFile, arch: ArchConfig, kernels, p: str) -> GatedDeltaNet:
     la = arch.linear_attn
     q = p + "linear_attn."
@@ -185,21 +154,6 @@ def _linear_attn(cmf: CmfFile, arch: ArchConfig, kernels, p: str) -> GatedDeltaN
     return GatedDeltaNet(kernels, la, w, arch.norm_eps)
 
 
-def _full_attention_mixer(cmf: CmfFile, arch: ArchConfig, kernels, p: str, rope: RoPE) -> Attention:
-    """A full-attention layer's (or the MTP layer's) attention under prefix ``p``."""
-    cls = GatedAttention if arch.attn_output_gate else Attention
-    return cls(
-        kernels,
-        attention_weights(cmf, p, arch),
-        num_heads=arch.num_heads,
-        num_kv_heads=arch.num_kv_heads,
-        head_dim=arch.head_dim,
-        v_head_dim=arch.v_head_dim,
-        rope=rope,
-        norm_eps=arch.norm_eps,
-    )
-
-
 def build(cmf: CmfFile, arch: ArchConfig, kernels) -> Model:
     if arch.linear_attn is None:
         raise CortiqError(f"{cmf.path}: {arch.arch} header has no linear_attn geometry")
@@ -213,7 +167,7 @@ def build(cmf: CmfFile, arch: ArchConfig, kernels) -> Model:
         if kind == LAYER_LINEAR:
             mixer = _linear_attn(cmf, arch, kernels, p)
         else:
-            mixer = _full_attention_mixer(cmf, arch, kernels, p, rope)
+            mixer = llama.attention(cmf, arch, kernels, p, kind, rope)
         blocks.append(ffn_block(cmf, arch, kernels, i, mixer))
     embed, head, norm = head_and_norm(cmf, arch, kernels)
     return Model(arch=arch, kernels=kernels, embed=embed, blocks=tuple(blocks), norm=norm, head=head)
@@ -224,7 +178,7 @@ def draft_layer(cmf: CmfFile, k: int, arch: ArchConfig, kernels) -> DraftLayer:
     """The MTP layer: the trunk's full-attention block (output gate, q/k norm, partial
     rotary) whose FFN routes to experts on an MoE trunk."""
     p = draft_prefix(k)
-    attn = _full_attention_mixer(cmf, arch, kernels, p, RoPE(arch.rotary_dim, arch.rope_theta, arch.rope_scaling))
+    attn = llama.attention(cmf, arch, kernels, p, LAYER_FULL, RoPE(arch.rotary_dim, arch.rope_theta, arch.rope_scaling))
     mlp = load_moe(cmf, arch, kernels, p) if arch.moe is not None else gated_mlp(cmf, kernels, p + "mlp.")
     return wrap_draft(cmf, k, arch, kernels, llama.draft_block(cmf, p, arch, kernels, attn, mlp))
 
