@@ -89,7 +89,8 @@ def test_tiny_sliding_equals_transformers(tiny, tmp_path):
     assert m["bits_per_byte"] == pytest.approx(m["nll_mean"] * n / math.log(2) / m["bytes_scored"], rel=1e-12)
     assert m["nll_ci95"][0] < m["nll_mean"] < m["nll_ci95"][1]
     assert out["settings"] == {"mode": "sliding", "ctx": 96, "stride": 40, "windows": out["settings"]["windows"],
-                               "chunk_bos": None, "max_tokens": None, "text_tokens": len(ids)}
+                               "chunk_bos": None, "max_tokens": None, "chunks": None, "text_tokens": len(ids),
+                               "reference": {"path": str(paths["f32"]), "form": "full", "model": m["model"]}}
 
 
 def test_tiny_chunks_and_comparison(tiny, tmp_path):
@@ -159,7 +160,7 @@ def test_tables_render(tiny):
     paths, _ = tiny
     r = runner.invoke(app, ["ppl", str(paths["f32"]), str(paths["q8"]), "--ctx", "64", "--max-tokens", "200"])
     assert r.exit_code == 0, r.stderr
-    assert "Perplexity" in r.stdout and "top-1 agree" in r.stdout and "bits/byte" in r.stdout
+    assert "Perplexity" in r.stdout and "same top-1" in r.stdout and "Mean KLD" in r.stdout and "RMS Δp" in r.stdout and "bits/byte" in r.stdout
 
 
 # ------------------------------------------------------------------ the real model
