@@ -39,6 +39,7 @@ COMMANDS = [
     ("mtp-train", "cmd_mtp_train", "mtp_train"),
     ("chat", "cmd_chat", "chat"),
     ("bench", "cmd_bench", "bench"),
+    ("quant-sweep", "cmd_quant_sweep", "quant_sweep"),
 ]
 
 for _name, _module, _func in COMMANDS:
