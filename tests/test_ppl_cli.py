@@ -202,3 +202,59 @@ def test_smollm2_q8_chunks_match_llama_cpp():
     assert rep["same_tokens"] and rep["tokens_scored"] == 2 * 255
     assert abs(rep["ppl_rel_diff"]) < 0.02, rep
     assert rep["top1_agreement"] > 0.9
+
+
+def test_saved_reference_matches_the_live_comparison(tiny, tmp_path):
+    paths, _ = tiny
+    f = tmp_path / "t.txt"
+    f.write_text(ALICE[:3000])
+    ref = tmp_path / "ref.cref"
+    live = cli("ppl", str(paths["f32"]), str(paths["q8"]), "--text", str(f), "--ctx", "128", "--mode", "chunks",
+               "--save-ref", str(ref), "--ref-top-k", "300")  # the byte vocabulary is 256: exact
+    assert live["settings"]["saved_ref"]["bytes"] == ref.stat().st_size
+    # window options come from the file
+    saved = cli("ppl", str(paths["q8"]), "--text", str(f), "--ref", str(ref))
+    assert saved["settings"]["mode"] == "chunks" and saved["settings"]["ctx"] == 128
+    assert saved["settings"]["reference"]["form"] == "top-256"
+    r0, r1 = saved["models"]
+    assert r0["nll_mean"] == live["models"][0]["nll_mean"]  # float64 NLLs, bit for bit
+    assert r1["nll_mean"] == live["models"][1]["nll_mean"]
+    (a,), (b,) = live["comparisons"], saved["comparisons"]
+    assert b["kl_mean"] == pytest.approx(a["kl_mean"], rel=1e-3, abs=1e-9)
+    assert b["reverse_kl_mean"] == pytest.approx(a["reverse_kl_mean"], rel=1e-3, abs=1e-9)
+    assert b["delta_p_rms"] == pytest.approx(a["delta_p_rms"], rel=1e-9)
+    assert b["top1_agreement"] == a["top1_agreement"] and b["ppl_ratio"] == pytest.approx(a["ppl_ratio"], rel=1e-12)
+    # a compact reference: the same within its (measured) error, KL never above the full value
+    small = tmp_path / "small.cref"
+    cli("ppl", str(paths["f32"]), "--text", str(f), "--ctx", "128", "--mode", "chunks", "--save-ref", str(small), "--ref-top-k", "4")
+    c = cli("ppl", str(paths["q8"]), "--text", str(f), "--ref", str(small))["comparisons"][0]
+    assert c["kl_mean"] <= a["kl_mean"] * (1 + 1e-6) and c["reference_form"] == "top-4"
+    assert small.stat().st_size < ref.stat().st_size / 10
+
+
+def one_line_error(*args: str) -> str:
+    r = runner.invoke(app, list(args))
+    assert r.exit_code == 1, r.output
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:"), r.stderr
+    return lines[0]
+
+
+def test_saved_reference_mismatches_and_corruption(tiny, tmp_path):
+    paths, _ = tiny
+    f = tmp_path / "t.txt"
+    f.write_text(ALICE[:2000])
+    ref = tmp_path / "ref.cref"
+    cli("ppl", str(paths["f32"]), "--text", str(f), "--ctx", "64", "--save-ref", str(ref))
+    g = tmp_path / "other.txt"
+    g.write_text(ALICE[:2000].upper())
+    assert "another text" in one_line_error("ppl", str(paths["q8"]), "--text", str(g), "--ref", str(ref))
+    assert "other windows" in one_line_error("ppl", str(paths["q8"]), "--text", str(f), "--ref", str(ref), "--ctx", "96")
+    assert "cannot be combined" in one_line_error("ppl", str(paths["q8"]), "--ref", str(ref), "--save-ref", str(tmp_path / "x.cref"))
+    assert "is one of the models" in one_line_error("ppl", str(paths["q8"]), "--save-ref", str(paths["q8"]))
+    bad = tmp_path / "bad.cref"
+    bad.write_bytes(ref.read_bytes()[:-7])
+    assert "truncated" in one_line_error("ppl", str(paths["q8"]), "--text", str(f), "--ref", str(bad))
+    bad.write_bytes(b"\x80\x04" + b"pickle" * 20)
+    assert "not a cortiq reference file" in one_line_error("ppl", str(paths["q8"]), "--ref", str(bad))
+    assert "no such reference file" in one_line_error("ppl", str(paths["q8"]), "--ref", str(tmp_path / "missing.cref"))
