@@ -17,7 +17,7 @@ from cortiq_cli.common import console, err_console, handle_errors, print_json, p
 from cortiq_cli.eval_run import interrupted, load_engines, model_label, scoring_progress, whole_windows
 from cortiq_cli.help import cortiq_version
 from evals.perplexity import DP_QUANTILES, KLD_QUANTILES, Comparison, PerplexityAccumulator, PerplexityReport, PerplexityResult, build_reports
-from evals.reference import (DEFAULT_TOP_K, ReferenceIdentity, ReferenceRecorder, SavedReference, form_name, text_sha256,
+from evals.reference import (DEFAULT_SAMPLES, DEFAULT_TOP_K, ReferenceIdentity, ReferenceRecorder, SavedReference, form_name, text_sha256,
                              tokenizer_fingerprint)
 from evals.scoring import count_scored, iter_scored, scored_text_bytes
 from evals.text_source import LoadedText, load_text
@@ -98,6 +98,7 @@ def ppl(
     chunks: Annotated[int | None, typer.Option("--chunks", min=1, help="chunks mode: score at most this many chunks (llama.cpp --chunks).", rich_help_panel=opt.WINDOW_PANEL)] = None,
     save_ref: Annotated[Path | None, typer.Option("--save-ref", help="Save the first model's distributions to this .cref file, for later --ref comparisons.", rich_help_panel=REF_PANEL)] = None,
     ref_top_k: Annotated[int, typer.Option("--ref-top-k", min=0, help="With --save-ref: log-probabilities kept per position (0 = the whole vocabulary, exact but V x 4 bytes per token).", rich_help_panel=REF_PANEL)] = DEFAULT_TOP_K,
+    ref_samples: Annotated[int, typer.Option("--ref-samples", min=0, help="With --save-ref: tail tokens sampled per position, for an unbiased estimate of the divergence outside the top-k (0: none; the KL is then a lower bound).", rich_help_panel=REF_PANEL)] = DEFAULT_SAMPLES,
     ref: Annotated[Path | None, typer.Option("--ref", help="Compare every model against this saved reference (.cref) instead of the first model; window options default to its own.", rich_help_panel=REF_PANEL)] = None,
     batch: opt.BlockRows = 128,
     threads: opt.Threads = None,
@@ -126,7 +127,7 @@ def ppl(
     if save_ref is not None:
         meta = reference_meta(models[0], names[0], engines[0], ident, source, settings, windows)
         recorder = ReferenceRecorder(save_ref, tokens=tokens, windows=windows, vocab_size=int(engines[0].vocab_size),
-                                     top_k=ref_top_k, meta=meta)
+                                     top_k=ref_top_k, samples=ref_samples, meta=meta)
     total = count_scored(windows)
     try:
         if json_out:
@@ -157,7 +158,7 @@ def ppl(
         "text_tokens": int(len(tokens)),
         "reference": ({"path": str(ref), "form": saved.form, "model": saved.name} if saved
                       else {"path": str(models[0]), "form": "full", "model": names[0]}),
-        **({"saved_ref": {"path": str(save_ref), "form": form_name(recorder.top_k), "bytes": save_ref.stat().st_size}}
+        **({"saved_ref": {"path": str(save_ref), "form": form_name(recorder.top_k, recorder.samples), "bytes": save_ref.stat().st_size}}
            if recorder is not None and done == len(windows) else {}),
         # only after a Ctrl-C: the figures cover the first windows_done windows
         **({"partial": True, "windows_done": done} if done < len(windows) else {}),

@@ -38,7 +38,8 @@ def quant_sweep(
     mode: Annotated[str, typer.Option("--mode", help="chunks (llama.cpp, default) or sliding.", rich_help_panel=opt.WINDOW_PANEL)] = "chunks",
     chunks: Annotated[int | None, typer.Option("--chunks", min=1, help="chunks mode: score at most this many chunks.", rich_help_panel=opt.WINDOW_PANEL)] = None,
     stride: opt.Stride = None,
-    top_k: Annotated[int, typer.Option("--ref-top-k", min=1, help="Reference log-probabilities kept per position (docs/evals.md: the error this leaves).", rich_help_panel=SWEEP_PANEL)] = 128,
+    top_k: Annotated[int, typer.Option("--ref-top-k", min=1, help="Reference log-probabilities kept per position (docs/evals.md: the error this leaves).", rich_help_panel=SWEEP_PANEL)] = 64,
+    samples: Annotated[int, typer.Option("--ref-samples", min=0, help="Reference tail tokens sampled per position (unbiased tail divergence).", rich_help_panel=SWEEP_PANEL)] = 64,
     decode_tokens: Annotated[int, typer.Option("--decode-tokens", min=1, help="Tokens per decode timing (llama-bench tg N).", rich_help_panel=SWEEP_PANEL)] = 64,
     decode_reps: Annotated[int, typer.Option("--decode-reps", min=1, help="Decode timings per type (the median is shown).", rich_help_panel=SWEEP_PANEL)] = 3,
     workdir: Annotated[Path | None, typer.Option("--workdir", help="Folder for the converted files (default: a temporary folder, removed afterwards).", rich_help_panel=SWEEP_PANEL)] = None,
@@ -76,10 +77,10 @@ def quant_sweep(
         if workdir is not None:
             if workdir.exists() and not workdir.is_dir():
                 raise CortiqError(f"--workdir {workdir} is a file")
-            return run_sweep(src, kinds, source.text, workdir, load, plan, top_k=top_k, decode_tokens=decode_tokens,
+            return run_sweep(src, kinds, source.text, workdir, load, plan, top_k=top_k, samples=samples, decode_tokens=decode_tokens,
                              decode_reps=decode_reps, chunk=batch, keep_files=keep_files, event=event, progress=progress)
         with tempfile.TemporaryDirectory(prefix="cortiq-sweep-") as tmp:
-            return run_sweep(src, kinds, source.text, Path(tmp), load, plan, top_k=top_k, decode_tokens=decode_tokens,
+            return run_sweep(src, kinds, source.text, Path(tmp), load, plan, top_k=top_k, samples=samples, decode_tokens=decode_tokens,
                              decode_reps=decode_reps, chunk=batch, event=event, progress=progress)
 
     if json_out:

@@ -11,9 +11,10 @@ outside them, its argmax and its target NLL). ``compare_rows`` gives, per row,
 * ``dp``    Q(y) − P(y)  (llama.cpp's Δp: negative when the model lost probability on the target)
 * ``same``  [argmax Q = argmax P]
 
-From the compact form the two KLs are those of the distributions coarse-grained to
-(top-k tokens of P, everything else): by the data-processing inequality they are
-lower bounds, exact when P's tail is empty. Formulas and measured errors: docs/evals.md.
+From the compact form, each KL is that of the distributions coarse-grained to
+(top-k tokens of P, everything else), a lower bound by the data-processing
+inequality, plus (when the file holds tail samples) an unbiased sampled estimate of
+what the coarse-graining loses: the tails' own divergence. Formulas and measured errors: docs/evals.md.
 
 All arithmetic is float64, over slices of ``SUB_ROWS`` rows so the temporaries stay
 a few rows x vocab (Gemma 3's vocabulary is 262,144).
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 SUB_ROWS = 16
+SAMPLE_SEED = 0x6B6C64  # fixed: a saved reference is reproducible
 
 
 def _log_softmax64(z: np.ndarray) -> np.ndarray:
@@ -48,6 +50,8 @@ class RefRows:
     top_ids: np.ndarray | None = None  # int32 [rows, k]: P's k most probable ids, most probable first
     top_logp: np.ndarray | None = None  # float32 [rows, k]: their log P
     tail_logp: np.ndarray | None = None  # float32 [rows]: log of P's mass outside top_ids (−inf when none)
+    sample_ids: np.ndarray | None = None  # int32 [rows, m]: ids drawn from P restricted to the tail (systematic sampling)
+    sample_logp: np.ndarray | None = None  # float32 [rows, m]: their log P
 
     @property
     def rows(self) -> int:
@@ -59,7 +63,8 @@ class RefRows:
 
     def slice(self, a: int, b: int) -> "RefRows":
         cut = lambda x: None if x is None else x[a:b]  # noqa: E731
-        return RefRows(self.nll[a:b], self.top1[a:b], cut(self.logp), cut(self.top_ids), cut(self.top_logp), cut(self.tail_logp))
+        return RefRows(self.nll[a:b], self.top1[a:b], cut(self.logp), cut(self.top_ids), cut(self.top_logp), cut(self.tail_logp),
+                       cut(self.sample_ids), cut(self.sample_logp))
 
 
 def ref_full(logits: np.ndarray, targets: np.ndarray) -> RefRows:
@@ -69,15 +74,23 @@ def ref_full(logits: np.ndarray, targets: np.ndarray) -> RefRows:
     return RefRows(nll=-logp[rows, targets], top1=_argmax_first(logits), logp=logp)
 
 
-def ref_topk(logits: np.ndarray, targets: np.ndarray, k: int) -> RefRows:
-    """The compact form of a reference block (what a ``.cref`` stores), computed sub-block by sub-block."""
+def ref_topk(logits: np.ndarray, targets: np.ndarray, k: int, samples: int = 0, first_row: int = 0) -> RefRows:
+    """The compact form of a reference block (what a ``.cref`` stores), computed sub-block by sub-block.
+
+    ``samples`` tail ids per row are drawn from P restricted to the tail by systematic
+    sampling (``samples`` evenly spaced points of its CDF after one uniform offset, seeded
+    by the row's index ``first_row + r`` so the draw does not depend on how rows are blocked).
+    """
     n, v = logits.shape
     k = min(int(k), v)
+    m = int(samples) if k < v else 0
     nll = np.empty(n, np.float64)
     top1 = np.empty(n, np.int64)
     ids = np.empty((n, k), np.int32)
     lps = np.empty((n, k), np.float32)
     tail = np.empty(n, np.float32)
+    s_ids = np.zeros((n, m), np.int32)
+    s_lps = np.zeros((n, m), np.float32)
     for a in range(0, n, SUB_ROWS):
         b = min(a + SUB_ROWS, n)
         logp = _log_softmax64(logits[a:b])
@@ -95,8 +108,21 @@ def ref_topk(logits: np.ndarray, targets: np.ndarray, k: int) -> RefRows:
         # The tail mass directly (not 1 − Σ top, which cancels): exact even when it is 1e-12.
         mask = np.ones_like(logp, dtype=bool)
         np.put_along_axis(mask, part, False, axis=1)
+        p_tail = np.where(mask, np.exp(logp), 0.0)
+        cdf = np.cumsum(p_tail, axis=1)
+        t = cdf[:, -1]
         with np.errstate(divide="ignore"):
-            tail[a:b] = np.log(np.where(mask, np.exp(logp), 0.0).sum(axis=1))
+            tail[a:b] = np.log(t)
+        for i in range(b - a if m else 0):
+            if t[i] <= 0:
+                continue  # no tail: the samples are never used (their weight is T_P = 0)
+            u0 = np.random.default_rng([SAMPLE_SEED, first_row + a + i]).random()
+            pick = np.searchsorted(cdf[i], (np.arange(m) + u0) / m * t[i], side="right")
+            pick = np.minimum(pick, v - 1)
+            s_ids[a + i] = pick
+            s_lps[a + i] = logp[i, pick]
+    if m:
+        return RefRows(nll=nll, top1=top1, top_ids=ids, top_logp=lps, tail_logp=tail, sample_ids=s_ids, sample_logp=s_lps)
     return RefRows(nll=nll, top1=top1, top_ids=ids, top_logp=lps, tail_logp=tail)
 
 
@@ -149,8 +175,23 @@ def compare_rows(ref: RefRows, logits: np.ndarray, targets: np.ndarray) -> RowSt
                 log_tq = np.log(tail_q)
             log_tp = r.tail_logp.astype(np.float64)
             tp = np.exp(log_tp)
-            out.kld[a:b] = (np.exp(lp) * (lp - lq)).sum(axis=1) + _xlogy_ratio(tp, log_tp, log_tq)
-            out.rkld[a:b] = (qk * (lq - lp)).sum(axis=1) + _xlogy_ratio(tail_q, log_tq, log_tp)
+            kld = (np.exp(lp) * (lp - lq)).sum(axis=1) + _xlogy_ratio(tp, log_tp, log_tq)
+            rkld = (qk * (lq - lp)).sum(axis=1) + _xlogy_ratio(tail_q, log_tq, log_tp)
+            if r.sample_ids is not None and r.sample_ids.shape[1]:
+                # The tails' own divergence, T_P·KL(P_t‖Q_t) and T_Q·KL(Q_t‖P_t), as expectations
+                # under P_t of f(ρ) with ρ = Q_t/P_t: f = ρ − 1 − log ρ and ρ log ρ − ρ + 1 (both ≥ 0).
+                sl = r.sample_logp.astype(np.float64)
+                sq = np.take_along_axis(logq, r.sample_ids.astype(np.int64), axis=1)
+                ok = (tp > 0) & (tail_q > 0)
+                with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+                    log_rho = (sq - log_tq[:, None]) - (sl - log_tp[:, None])
+                    rho = np.exp(log_rho)
+                    fwd = (rho - 1 - log_rho).mean(axis=1)
+                    rev = (rho * log_rho - rho + 1).mean(axis=1)
+                kld = kld + np.where(ok, tp * fwd, 0.0)
+                rkld = rkld + np.where(ok, tail_q * rev, 0.0)
+            out.kld[a:b] = kld
+            out.rkld[a:b] = rkld
     # Rounding can leave −1e-17 where the true value is 0; a KL is never negative.
     np.maximum(out.kld, 0.0, out=out.kld)
     np.maximum(out.rkld, 0.0, out=out.rkld)

@@ -22,6 +22,7 @@ from formats.cref import CrefFile, CrefWriter
 from formats.errors import CortiqError
 
 DEFAULT_TOP_K = 64
+DEFAULT_SAMPLES = 64
 
 
 def text_sha256(text: str) -> str:
@@ -43,27 +44,32 @@ def windows_array(windows: Sequence[Window]) -> np.ndarray:
     return np.array([[w.begin, w.end, w.row_from, w.row_to, -1 if w.bos is None else w.bos] for w in windows], np.int64).reshape(-1, 5)
 
 
-def form_name(top_k: int) -> str:
-    return f"top-{top_k}" if top_k else "full"
+def form_name(top_k: int, samples: int = 0) -> str:
+    if not top_k:
+        return "full"
+    return f"top-{top_k}+{samples}" if samples else f"top-{top_k}"
 
 
 class ReferenceRecorder:
     """Writes a reference's rows as they are scored. ``top_k`` 0 keeps full log-probabilities."""
 
     def __init__(self, path: Path, *, tokens: np.ndarray, windows: Sequence[Window], vocab_size: int,
-                 top_k: int, meta: dict[str, Any]):
+                 top_k: int, meta: dict[str, Any], samples: int = 0):
         rows = sum(w.n_scored for w in windows)
         self.top_k = min(int(top_k), int(vocab_size))
+        self.samples = int(samples) if 0 < self.top_k < int(vocab_size) else 0
         self.writer = CrefWriter(path, rows=rows, vocab=vocab_size, top_k=self.top_k, tokens=tokens,
-                                 windows=windows_array(windows), meta=meta)
+                                 windows=windows_array(windows), meta=meta, samples=self.samples)
         self._row = 0
 
     def add(self, logits: np.ndarray, targets: np.ndarray) -> RefRows:
         """Store one block of the reference's logits; returns the rows as they will be read back."""
         if self.top_k:
-            r = ref_topk(logits, targets, self.top_k)
+            r = ref_topk(logits, targets, self.top_k, self.samples, first_row=self._row)
             arrays = {"nll": r.nll, "top1": r.top1.astype(np.int32), "top_ids": r.top_ids,
                       "top_logp": r.top_logp, "tail_logp": r.tail_logp}
+            if self.samples:
+                arrays.update(sample_ids=r.sample_ids, sample_logp=r.sample_logp)
         else:
             r = ref_full(logits, targets)
             r = RefRows(r.nll, r.top1, logp=r.logp.astype(np.float32))
@@ -113,7 +119,7 @@ class SavedReference:
 
     @property
     def form(self) -> str:
-        return form_name(self.file.top_k)
+        return form_name(self.file.top_k, self.file.samples)
 
     def check(self, ident: ReferenceIdentity, tokens: np.ndarray, windows: Sequence[Window]) -> None:
         """One-line errors for a reference made on another text, tokenizer or plan."""
@@ -143,7 +149,8 @@ class SavedReference:
         d = self.file.block(a, b)
         self._row = b
         if self.file.top_k:
-            return RefRows(d["nll"], d["top1"].astype(np.int64), top_ids=d["top_ids"], top_logp=d["top_logp"], tail_logp=d["tail_logp"])
+            return RefRows(d["nll"], d["top1"].astype(np.int64), top_ids=d["top_ids"], top_logp=d["top_logp"], tail_logp=d["tail_logp"],
+                           sample_ids=d.get("sample_ids"), sample_logp=d.get("sample_logp"))
         return RefRows(d["nll"], d["top1"].astype(np.int64), logp=d["logp"])
 
     def close(self) -> None:
@@ -151,4 +158,4 @@ class SavedReference:
 
 
 __all__ = ["ReferenceRecorder", "SavedReference", "ReferenceIdentity", "tokenizer_fingerprint", "text_sha256",
-           "windows_array", "form_name", "DEFAULT_TOP_K"]
+           "windows_array", "form_name", "DEFAULT_TOP_K", "DEFAULT_SAMPLES"]

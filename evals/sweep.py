@@ -123,7 +123,8 @@ def run_sweep(
     load: Loader,
     plan: Planner,
     *,
-    top_k: int = 128,
+    top_k: int = 64,
+    samples: int = 64,
     decode_tokens: int = 64,
     decode_reps: int = 3,
     chunk: int = 128,
@@ -155,7 +156,7 @@ def run_sweep(
                 "tokenizer": {"fingerprint": ident.tokenizer, "vocab_size": ident.vocab_size},
                 "text": {"sha256": ident.text_sha256, "source": "quant-sweep"},
                 "settings": {}, "tool": "cortiq quant-sweep"}
-        rec = ReferenceRecorder(ref_file, tokens=tokens, windows=windows, vocab_size=int(eng.vocab_size), top_k=top_k, meta=meta)
+        rec = ReferenceRecorder(ref_file, tokens=tokens, windows=windows, vocab_size=int(eng.vocab_size), top_k=top_k, samples=samples, meta=meta)
         say("score", {"type": REFERENCE_TYPE, "tokens": total})
         acc = PerplexityAccumulator(1)
         try:
@@ -217,7 +218,7 @@ def run_sweep(
     if not keep_files:
         ref_cmf.unlink(missing_ok=True)
         ref_file.unlink(missing_ok=True)
-    return SweepResult(str(src), ref_report, form_name(min(top_k, ident.vocab_size)), ref_bytes, total, len(windows), rows)
+    return SweepResult(str(src), ref_report, form_name(rec.top_k, rec.samples), ref_bytes, total, len(windows), rows)
 
 
 def _self_comparison(report: PerplexityReport, acc: PerplexityAccumulator) -> Comparison:

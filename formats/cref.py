@@ -12,7 +12,7 @@ Byte layout (little-endian; the spec with every field is docs/evals.md, "Saved r
     32  4  u32    CRC-32 of bytes 0..32 and the header JSON
     36 28         zeros
     64  .  arrays, each on a 64-byte boundary, in the order of ARRAYS
-    ... header JSON: {"format": "cortiq-ref", "rows": N, "vocab_size": V, "top_k": K,
+    ... header JSON: {"format": "cortiq-ref", "rows": N, "vocab_size": V, "top_k": K, "tail_samples": M,
                       "text_tokens": T, "windows": W, "arrays": {name: {dtype, shape, offset, nbytes, crc32}},
                       "meta": {...}}
 
@@ -25,6 +25,8 @@ Arrays (N scored positions in plan order, W windows, T text tokens):
     top_ids    int32  [N, K]   compact form (K > 0): P's K most probable ids, most probable first
     top_logp   float32 [N, K]  their log P
     tail_logp  float32 [N]     log of P's mass outside top_ids (−inf if none)
+    sample_ids int32  [N, M]   M > 0 ("tail_samples"): ids drawn from P restricted to the tail
+    sample_logp float32 [N, M] their log P
     logp       float32 [N, V]  full form (K = 0): log P of every id
 
 The writer fills the arrays through a memory map of a temporary file beside the
@@ -66,22 +68,25 @@ _CRC_STEP = 64 << 20  # bytes per CRC read: bounded memory for multi-GB full ref
 # Log-probabilities are <= 0; float32 rounding of log_softmax can give a few ulps above.
 _LOGP_SLACK = 1e-4
 
-ARRAYS = ("tokens", "windows", "nll", "top1", "top_ids", "top_logp", "tail_logp", "logp")
+ARRAYS = ("tokens", "windows", "nll", "top1", "top_ids", "top_logp", "tail_logp", "sample_ids", "sample_logp", "logp")
 DTYPES = {"tokens": "int32", "windows": "int64", "nll": "float64", "top1": "int32",
-          "top_ids": "int32", "top_logp": "float32", "tail_logp": "float32", "logp": "float32"}
+          "top_ids": "int32", "top_logp": "float32", "tail_logp": "float32",
+          "sample_ids": "int32", "sample_logp": "float32", "logp": "float32"}
 
 
 def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def shapes(rows: int, vocab: int, top_k: int, text_tokens: int, windows: int) -> dict[str, tuple[int, ...]]:
-    """Every array's shape; ``top_k`` 0 means the full form."""
+def shapes(rows: int, vocab: int, top_k: int, text_tokens: int, windows: int, samples: int = 0) -> dict[str, tuple[int, ...]]:
+    """Every array's shape; ``top_k`` 0 means the full form; ``samples`` tail samples per row (compact form)."""
     out: dict[str, tuple[int, ...]] = {
         "tokens": (text_tokens,), "windows": (windows, 5), "nll": (rows,), "top1": (rows,),
     }
     if top_k:
         out.update(top_ids=(rows, top_k), top_logp=(rows, top_k), tail_logp=(rows,))
+        if samples:
+            out.update(sample_ids=(rows, samples), sample_logp=(rows, samples))
     else:
         out["logp"] = (rows, vocab)
     return out
@@ -105,7 +110,7 @@ class CrefWriter:
     clean exit and aborts on an exception (Ctrl-C included)."""
 
     def __init__(self, path: str | os.PathLike, *, rows: int, vocab: int, top_k: int,
-                 tokens: np.ndarray, windows: np.ndarray, meta: dict[str, Any], force: bool = True):
+                 tokens: np.ndarray, windows: np.ndarray, meta: dict[str, Any], samples: int = 0, force: bool = True):
         self.path = Path(path)
         if self.path.is_dir():
             raise CortiqError(f"{self.path} is a folder; give a file name such as ref.cref")
@@ -114,8 +119,9 @@ class CrefWriter:
         if self.path.exists() and not force:
             raise CortiqError(f"{self.path} exists")
         self.rows, self.vocab, self.top_k = int(rows), int(vocab), int(top_k)
+        self.samples = int(samples) if self.top_k else 0
         self.meta = meta
-        self.shapes = shapes(self.rows, self.vocab, self.top_k, len(tokens), len(windows))
+        self.shapes = shapes(self.rows, self.vocab, self.top_k, len(tokens), len(windows), self.samples)
         self.offsets: dict[str, int] = {}
         pos = PREAMBLE
         for name, shape in self.shapes.items():
@@ -169,6 +175,7 @@ class CrefWriter:
         del self._map
         header = {
             "format": "cortiq-ref", "rows": self.rows, "vocab_size": self.vocab, "top_k": self.top_k,
+            "tail_samples": self.samples,
             "text_tokens": self.shapes["tokens"][0], "windows": self.shapes["windows"][0],
             "arrays": entries, "meta": self.meta,
         }
@@ -255,13 +262,16 @@ class CrefFile:
         self.rows = _int(h.get("rows"), "rows", p, 1)
         self.vocab_size = _int(h.get("vocab_size"), "vocab_size", p, 1, 1 << 31)
         self.top_k = _int(h.get("top_k"), "top_k", p, 0, self.vocab_size)
+        self.samples = _int(h.get("tail_samples", 0), "tail_samples", p, 0, 1 << 20)
+        if self.samples and not self.top_k:
+            raise CortiqError(f"{p}: header tail_samples without top_k (corrupt reference file)")
         n_tok = _int(h.get("text_tokens"), "text_tokens", p, 2, 1 << 31)
         n_win = _int(h.get("windows"), "windows", p, 1, 1 << 31)
         meta = h.get("meta")
         if not isinstance(meta, dict):
             raise CortiqError(f"{p}: header meta is not an object (corrupt reference file)")
         self.meta: dict[str, Any] = meta
-        want = shapes(self.rows, self.vocab_size, self.top_k, n_tok, n_win)
+        want = shapes(self.rows, self.vocab_size, self.top_k, n_tok, n_win, self.samples)
         arrays = h.get("arrays")
         if not isinstance(arrays, dict) or set(arrays) != set(want):
             raise CortiqError(f"{p}: header arrays are {sorted(arrays) if isinstance(arrays, dict) else arrays!r:.80}, expected {sorted(want)}")
@@ -318,6 +328,11 @@ class CrefFile:
                 bad = "top_logp"
             elif np.any(np.isnan(tail)) or np.any(tail == np.inf) or tail.max(initial=-1) > _LOGP_SLACK:
                 bad = "tail_logp"
+            elif self.samples and (out["sample_ids"].min(initial=0) < 0 or out["sample_ids"].max(initial=0) >= self.vocab_size):
+                bad = "sample_ids"
+            elif self.samples and (np.any(np.isnan(out["sample_logp"])) or np.any(out["sample_logp"] == np.inf)
+                                   or out["sample_logp"].max(initial=-1) > _LOGP_SLACK):
+                bad = "sample_logp"
         else:
             lp = out["logp"]
             if np.any(np.isnan(lp)) or np.any(lp == np.inf) or lp.max(initial=-1) > _LOGP_SLACK:

@@ -144,6 +144,27 @@ def test_compact_reference_against_full():
     assert prev == pytest.approx(full.kld.mean(), rel=0.02)
 
 
+def test_sampled_tail_estimate_is_unbiased():
+    """With tail samples the compact form estimates the full KLs, not a lower bound: a
+    high-entropy reference (most of P's mass outside the top 8) shows the difference."""
+    z0, z1, y = random_pair(400, 4, noise=0.2, scale=1.5)
+    want = oracle(z0, z1, y)
+    bound = compare_rows(ref_topk(z0, y, 8), z1, y)
+    assert bound.kld.mean() < 0.5 * want["kld"].mean()  # the coarse-grained KL misses most of it
+    for m in (16, 64):
+        st = compare_rows(ref_topk(z0, y, 8, m), z1, y)
+        assert st.kld.mean() == pytest.approx(want["kld"].mean(), rel=0.03)
+        assert st.rkld.mean() == pytest.approx(want["rkld"].mean(), rel=0.03)
+        assert np.all(st.kld >= bound.kld - 1e-12)  # the tail term is never negative
+        # per token the estimate is close too, and closer with more samples
+        err = np.abs(st.kld - want["kld"]).mean() / want["kld"].mean()
+        assert err < (0.25 if m == 16 else 0.12)
+    # the draw depends on the row index, not on how the rows are blocked
+    a = ref_topk(z0, y, 8, 16, first_row=100)
+    b = ref_topk(z0[50:], y[50:], 8, 16, first_row=150)
+    np.testing.assert_array_equal(a.sample_ids[50:], b.sample_ids)
+
+
 def test_topk_ties_keep_argmax_first():
     z = np.zeros((2, 10), np.float32)
     z[0, [3, 7]] = 5.0
@@ -154,7 +175,7 @@ def test_topk_ties_keep_argmax_first():
 
 # ----------------------------------------------------------------- the .cref file
 
-def write_ref(path: Path, top_k: int, rows_per_block: int = 25) -> tuple[np.ndarray, list[Window], np.ndarray, np.ndarray]:
+def write_ref(path: Path, top_k: int, rows_per_block: int = 25, samples: int = 0) -> tuple[np.ndarray, list[Window], np.ndarray, np.ndarray]:
     """A 3-window plan over 130 tokens, saved from random reference logits."""
     rng = np.random.default_rng(5)
     tokens = rng.integers(0, V, 130)
@@ -162,7 +183,7 @@ def write_ref(path: Path, top_k: int, rows_per_block: int = 25) -> tuple[np.ndar
     n = sum(w.n_scored for w in windows)
     z0, _, _ = random_pair(n, 6)
     y = np.concatenate([tokens[w.targets] for w in windows])
-    rec = ReferenceRecorder(path, tokens=tokens, windows=windows, vocab_size=V, top_k=top_k,
+    rec = ReferenceRecorder(path, tokens=tokens, windows=windows, vocab_size=V, top_k=top_k, samples=samples,
                             meta={"model": {"label": "m"}, "tokenizer": {"fingerprint": "abc"},
                                   "text": {"sha256": "t", "source": "s"}, "settings": {"mode": "sliding", "ctx": 50}})
     for a in range(0, n, rows_per_block):
@@ -171,24 +192,27 @@ def write_ref(path: Path, top_k: int, rows_per_block: int = 25) -> tuple[np.ndar
     return tokens, windows, z0, y
 
 
-@pytest.mark.parametrize("top_k", [0, 16])
-def test_cref_round_trip(tmp_path, top_k):
+@pytest.mark.parametrize("top_k,samples", [(0, 0), (16, 0), (16, 8)])
+def test_cref_round_trip(tmp_path, top_k, samples):
     p = tmp_path / "r.cref"
-    tokens, windows, z0, y = write_ref(p, top_k)
+    tokens, windows, z0, y = write_ref(p, top_k, samples=samples)
     ref = SavedReference(p)
     ref.check(ReferenceIdentity("abc", "t", V), tokens, windows)
-    assert ref.windows() == windows and ref.form == ("full" if top_k == 0 else "top-16")
+    assert ref.windows() == windows and ref.form == {0: "full", 16: "top-16"}[top_k] + (f"+{samples}" if samples else "")
     got = [ref.next_rows(n) for n in (30, 60, len(y) - 90)]
     nll = np.concatenate([g.nll for g in got])
     np.testing.assert_array_equal(nll, ref_full(z0, y).nll)  # float64, bit for bit
-    want = ref_topk(z0, y, top_k) if top_k else ref_full(z0, y)
+    want = ref_topk(z0, y, top_k, samples) if top_k else ref_full(z0, y)
     if top_k:
         np.testing.assert_array_equal(np.concatenate([g.top_ids for g in got]), want.top_ids)
         np.testing.assert_array_equal(np.concatenate([g.top_logp for g in got]), want.top_logp)
-    else:
+    if samples:  # written in blocks of 25 rows, drawn here in one: the same draw
+        np.testing.assert_array_equal(np.concatenate([g.sample_ids for g in got]), want.sample_ids)
+        np.testing.assert_array_equal(np.concatenate([g.sample_logp for g in got]), want.sample_logp)
+    if not top_k:
         np.testing.assert_array_equal(np.concatenate([g.logp for g in got]), want.logp.astype(np.float32))
     size = p.stat().st_size
-    per_row = 8 + 4 + (top_k * 8 + 4 if top_k else V * 4)
+    per_row = 8 + 4 + (top_k * 8 + 4 + samples * 8 if top_k else V * 4)
     assert len(y) * per_row < size < len(y) * per_row + 130 * 4 + 3 * 40 + 8 * 64 + 4096
 
 
@@ -248,6 +272,7 @@ CORRUPTIONS = {
                                                                                    crc32=h["arrays"]["tokens"]["crc32"])), "nll"),
     "meta": (lambda p: rewrite_header(p, lambda h: h.update(meta=[1])), "meta"),
     "json": (lambda p: rewrite_header(p, lambda h: h.update(top_k="8")), "top_k"),
+    "samples": (lambda p: rewrite_header(p, lambda h: h.update(tail_samples=3)), "arrays"),
     "window": (lambda p: set_array_bytes(p, "windows", np.array([0, 999, 0, 49, -1])), "window 0"),
     "token": (lambda p: set_array_bytes(p, "tokens", np.array([V + 5])), "outside the vocabulary"),
 }
@@ -264,12 +289,13 @@ def test_corrupt_cref_is_one_line_error(tmp_path, name):
     assert "\n" not in str(e.value) and str(p) in str(e.value)
 
 
-@pytest.mark.parametrize("array,value,msg", [("top_ids", [V], "top_ids"), ("top_logp", [np.nan], "top_logp"),
+@pytest.mark.parametrize("array,value,msg", [("top_ids", [V], "top_ids"), ("sample_ids", [-3], "sample_ids"),
+                                              ("sample_logp", [np.inf], "sample_logp"), ("top_logp", [np.nan], "top_logp"),
                                               ("top_logp", [3.0], "top_logp"), ("nll", [np.inf], "nll"),
                                               ("tail_logp", [np.nan], "tail_logp"), ("top1", [-1], "top1")])
 def test_bad_values_are_caught_when_read(tmp_path, array, value, msg):
     p = tmp_path / "r.cref"
-    write_ref(p, 8)
+    write_ref(p, 8, samples=4)
     set_array_bytes(p, array, np.array(value), row=3)
     f = CrefFile(p)
     f.block(4, 20)  # the rows without the bad value read fine
