@@ -258,3 +258,22 @@ def test_saved_reference_mismatches_and_corruption(tiny, tmp_path):
     bad.write_bytes(b"\x80\x04" + b"pickle" * 20)
     assert "not a cortiq reference file" in one_line_error("ppl", str(paths["q8"]), "--ref", str(bad))
     assert "no such reference file" in one_line_error("ppl", str(paths["q8"]), "--ref", str(tmp_path / "missing.cref"))
+
+
+@pytest.mark.slow
+def test_compact_reference_on_smollm2(smollm2_cmf, tmp_path):
+    """SmolLM2 q8 against f32: the default compact reference (top-64 + 64 tail samples)
+    reproduces the full computation's mean KLD within 5%, top-64 alone falls short."""
+    f32, q8 = smollm2_cmf("f32"), smollm2_cmf("q8")
+    ref, bound = tmp_path / "ref.cref", tmp_path / "bound.cref"
+    common = ("--mode", "chunks", "--ctx", "256", "--chunks", "4")
+    live = cli("ppl", str(f32), str(q8), *common, "--save-ref", str(ref))["comparisons"][0]
+    cli("ppl", str(f32), *common, "--save-ref", str(bound), "--ref-samples", "0")
+    est = cli("ppl", str(q8), "--ref", str(ref))["comparisons"][0]
+    low = cli("ppl", str(q8), "--ref", str(bound))["comparisons"][0]
+    assert est["reference_form"] == "top-64+64" and low["reference_form"] == "top-64"
+    assert est["kl_mean"] == pytest.approx(live["kl_mean"], rel=0.05)
+    assert est["reverse_kl_mean"] == pytest.approx(live["reverse_kl_mean"], rel=0.05)
+    assert low["kl_mean"] < 0.95 * live["kl_mean"]
+    assert est["top1_agreement"] == live["top1_agreement"] and est["delta_p_rms"] == pytest.approx(live["delta_p_rms"], rel=1e-9)
+    assert ref.stat().st_size < 600 * 4 * 1100  # ~1 KB per scored token (f32 log-probs would be 196 KB)
