@@ -78,10 +78,10 @@ def quant_sweep(
             if workdir.exists() and not workdir.is_dir():
                 raise CortiqError(f"--workdir {workdir} is a file")
             return run_sweep(src, kinds, source.text, workdir, load, plan, top_k=top_k, samples=samples, decode_tokens=decode_tokens,
-                             decode_reps=decode_reps, chunk=batch, keep_files=keep_files, event=event, progress=progress)
+                             decode_reps=decode_reps, chunk=batch, keep_files=keep_files, settings=settings.to_json(), event=event, progress=progress)
         with tempfile.TemporaryDirectory(prefix="cortiq-sweep-") as tmp:
             return run_sweep(src, kinds, source.text, Path(tmp), load, plan, top_k=top_k, samples=samples, decode_tokens=decode_tokens,
-                             decode_reps=decode_reps, chunk=batch, event=event, progress=progress)
+                             decode_reps=decode_reps, chunk=batch, settings=settings.to_json(), event=event, progress=progress)
 
     if json_out:
         result = sweep()

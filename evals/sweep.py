@@ -129,6 +129,7 @@ def run_sweep(
     decode_reps: int = 3,
     chunk: int = 128,
     keep_files: bool = False,
+    settings: dict[str, Any] | None = None,
     event: Event | None = None,
     progress: ScoreProgress | None = None,
 ) -> SweepResult:
@@ -155,7 +156,7 @@ def run_sweep(
         meta = {"model": {"path": str(src), "label": f"{Path(src).name} (f32)"},
                 "tokenizer": {"fingerprint": ident.tokenizer, "vocab_size": ident.vocab_size},
                 "text": {"sha256": ident.text_sha256, "source": "quant-sweep"},
-                "settings": {}, "tool": "cortiq quant-sweep"}
+                "settings": dict(settings or {}), "tool": "cortiq quant-sweep"}
         rec = ReferenceRecorder(ref_file, tokens=tokens, windows=windows, vocab_size=int(eng.vocab_size), top_k=top_k, samples=samples, meta=meta)
         say("score", {"type": REFERENCE_TYPE, "tokens": total})
         acc = PerplexityAccumulator(1)
