@@ -172,7 +172,8 @@ def draw(r: SweepResult, path: Path) -> None:
         b.annotate(x.quant, (x.bits_per_weight, x.decode_tok_s), textcoords="offset points", xytext=(4, 4))
     for ax in (a, b):
         ax.grid(alpha=0.3)
-    fig.suptitle(f"{Path(r.source).name}: {r.tokens_scored:,} tokens")
+    name = "/".join(Path(r.source).parts[-2:])  # a checkpoint folder is often just "hf" or "model"
+    fig.suptitle(f"{name} against f32: {r.tokens_scored:,} tokens")
     fig.tight_layout()
     try:
         fig.savefig(path)
