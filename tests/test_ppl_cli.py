@@ -224,11 +224,17 @@ def test_saved_reference_matches_the_live_comparison(tiny, tmp_path):
     assert b["reverse_kl_mean"] == pytest.approx(a["reverse_kl_mean"], rel=1e-3, abs=1e-9)
     assert b["delta_p_rms"] == pytest.approx(a["delta_p_rms"], rel=1e-9)
     assert b["top1_agreement"] == a["top1_agreement"] and b["ppl_ratio"] == pytest.approx(a["ppl_ratio"], rel=1e-12)
-    # a compact reference: the same within its (measured) error, KL never above the full value
-    small = tmp_path / "small.cref"
-    cli("ppl", str(paths["f32"]), "--text", str(f), "--ctx", "128", "--mode", "chunks", "--save-ref", str(small), "--ref-top-k", "4")
+    # top-k alone: a lower bound; with tail samples: an estimate of the full value
+    small, sampled = tmp_path / "small.cref", tmp_path / "sampled.cref"
+    cli("ppl", str(paths["f32"]), "--text", str(f), "--ctx", "128", "--mode", "chunks", "--save-ref", str(small),
+        "--ref-top-k", "4", "--ref-samples", "0")
+    cli("ppl", str(paths["f32"]), "--text", str(f), "--ctx", "128", "--mode", "chunks", "--save-ref", str(sampled),
+        "--ref-top-k", "4", "--ref-samples", "32")
     c = cli("ppl", str(paths["q8"]), "--text", str(f), "--ref", str(small))["comparisons"][0]
     assert c["kl_mean"] <= a["kl_mean"] * (1 + 1e-6) and c["reference_form"] == "top-4"
+    e = cli("ppl", str(paths["q8"]), "--text", str(f), "--ref", str(sampled))["comparisons"][0]
+    assert e["reference_form"] == "top-4+32" and e["kl_mean"] == pytest.approx(a["kl_mean"], rel=0.05)
+    assert abs(e["kl_mean"] - a["kl_mean"]) < abs(c["kl_mean"] - a["kl_mean"])
     assert small.stat().st_size < ref.stat().st_size / 10
 
 
