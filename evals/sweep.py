@@ -22,7 +22,8 @@ from evals.reference import ReferenceIdentity, ReferenceRecorder, SavedReference
 from evals.scoring import iter_scored, scored_text_bytes
 from evals.tokens import chunk_bos, tokenize_for
 from evals.windows import Window
-from formats.convert import KEEP, ConvertReport, QuantPolicy, convert_checkpoint
+from cortiq_engine.convert import convert_checkpoint  # the engine passes its architecture families in
+from formats.convert import KEEP, ConvertReport, QuantPolicy
 from formats.errors import CortiqError
 
 REFERENCE_TYPE = "f32"
