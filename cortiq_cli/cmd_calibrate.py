@@ -12,7 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from cortiq_cli import text_options as opt
-from cortiq_cli.cmd_ppl import interrupted, load_engines, model_label, whole_windows
+from cortiq_cli.eval_run import interrupted, load_engines, model_label, whole_windows
 from cortiq_cli.common import console, err_console, handle_errors, print_json
 from evals.calibrate import DEFAULT_FIT_FRACTION, CalibrationReport, calibration_report, split_rows
 from evals.temperature import RowFeatures, row_features

@@ -40,6 +40,7 @@ COMMANDS = [
     ("chat", "cmd_chat", "chat"),
     ("bench", "cmd_bench", "bench"),
     ("imatrix", "cmd_imatrix", "imatrix"),
+    ("quant-sweep", "cmd_quant_sweep", "quant_sweep"),
 ]
 
 for _name, _module, _func in COMMANDS:

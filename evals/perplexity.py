@@ -1,13 +1,11 @@
 """Perplexity of one model, and how far other models' next-token distributions drift from it.
 
 ``PerplexityAccumulator.add(block)`` takes the scored rows of every model (the
-first is the reference) and records, per scored token:
-
-* NLL_m = logsumexp(z_m) - z_m[y]  for every model m,
-* KL(P_0 || P_m) = sum_v P_0(v) (log P_0(v) - log P_m(v))  for m >= 1,
-* top-1 agreement [argmax z_0 == argmax z_m].
-
-``report()`` turns them into ``PerplexityReport``s (formulas in docs/evals.md).
+first is the reference, or the reference comes from a saved ``.cref``) and records,
+per scored token, each model's NLL and its drift from the reference (KL both ways,
+Δp, top-1 agreement: ``evals.kl``). ``build_reports`` turns them into
+``PerplexityReport``s and ``Comparison``s with llama.cpp's statistics
+(``llama-perplexity --kl-divergence``); formulas in docs/evals.md.
 """
 
 from __future__ import annotations
@@ -18,6 +16,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from evals.kl import RefRows, RowStats, compare_rows, ref_full
 from evals.scoring import Decoder, LogitModel, ScoredBlock, count_scored, iter_scored, scored_text_bytes
 from evals.windows import Window
 from evals.stats import Z95, MeanEstimate
@@ -49,35 +48,48 @@ def kl_rows(shift_p: np.ndarray, lse_p: np.ndarray, shift_q: np.ndarray, lse_q: 
 
 @dataclass
 class PerplexityAccumulator:
+    """Per-position values of every model, one block at a time (memory: a few floats per
+    scored token and model, plus one block of logits; never text x vocab).
+
+    ``n_models`` counts the models whose logits each block carries. With ``saved_ref``
+    the reference is not among them: every block comes with its ``RefRows`` (from a
+    saved reference) and all ``n_models`` are compared against it. Otherwise model 0's
+    logits are the reference, in full.
+    """
+
     n_models: int
+    saved_ref: bool = False
     nll: list[list[np.ndarray]] = field(default_factory=list)
-    kl: list[list[np.ndarray]] = field(default_factory=list)
-    agree: list[list[np.ndarray]] = field(default_factory=list)
+    rows: list[list[RowStats]] = field(default_factory=list)
     _sum_nll0: float = 0.0
     _count: int = 0
 
     def __post_init__(self) -> None:
-        self.nll = [[] for _ in range(self.n_models)]
-        self.kl = [[] for _ in range(self.n_models)]
-        self.agree = [[] for _ in range(self.n_models)]
+        n = self.n_reports
+        self.nll = [[] for _ in range(n)]
+        self.rows = [[] for _ in range(n)]
 
-    def add(self, block: ScoredBlock) -> None:
+    @property
+    def n_reports(self) -> int:
+        """Reference first, then every compared model."""
+        return self.n_models + 1 if self.saved_ref else self.n_models
+
+    def add(self, block: ScoredBlock, ref: RefRows | None = None) -> None:
         y = block.targets
-        rows = np.arange(len(y))
-        base = None
-        for m, z in enumerate(block.logits):
-            shifted, lse = log_softmax_rows(z)
-            nll = lse - shifted[rows, y].astype(np.float64)
-            self.nll[m].append(nll)
-            top = shifted.argmax(axis=1)
-            if m == 0:
-                base = (shifted, lse, top)
-                self._sum_nll0 += float(nll.sum())
-                self._count += len(y)
-            else:
-                assert base is not None
-                self.kl[m].append(kl_rows(base[0], base[1], shifted, lse))
-                self.agree[m].append(top == base[2])
+        if self.saved_ref:
+            if ref is None:
+                raise ValueError("a saved-reference accumulator needs the block's RefRows")
+            others = block.logits
+        else:
+            ref = ref_full(block.logits[0], y)
+            others = block.logits[1:]
+        self.nll[0].append(ref.nll)
+        self._sum_nll0 += float(ref.nll.sum())
+        self._count += len(y)
+        for m, z in enumerate(others, start=1):
+            st = compare_rows(ref, z, y)
+            self.nll[m].append(st.nll)
+            self.rows[m].append(st)
 
     @property
     def count(self) -> int:
@@ -87,12 +99,13 @@ class PerplexityAccumulator:
     def running_ppl(self) -> float:
         return _exp(self._sum_nll0 / self._count) if self._count else float("nan")
 
-    def arrays(self, m: int) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
-        cat = lambda xs, dt: np.concatenate(xs).astype(dt) if xs else np.zeros(0, dt)  # noqa: E731
-        nll = cat(self.nll[m], np.float64)
-        if m == 0:
-            return nll, None, None
-        return nll, cat(self.kl[m], np.float64), cat(self.agree[m], np.float64)
+    def nll_of(self, m: int) -> np.ndarray:
+        return np.concatenate(self.nll[m]) if self.nll[m] else np.zeros(0)
+
+    def stats_of(self, m: int) -> RowStats:
+        rs = self.rows[m]
+        cat = lambda f, dt: np.concatenate([getattr(r, f) for r in rs]).astype(dt) if rs else np.zeros(0, dt)  # noqa: E731
+        return RowStats(cat("nll", np.float64), cat("kld", np.float64), cat("rkld", np.float64), cat("dp", np.float64), cat("same", bool))
 
 
 @dataclass(frozen=True)
@@ -137,9 +150,45 @@ class PerplexityReport:
         }
 
 
+# llama.cpp's percentiles (tools/perplexity: KLD and Δp statistics), by name.
+KLD_QUANTILES = (("max", 1.0), ("p99.9", 0.999), ("p99", 0.99), ("p95", 0.95), ("p90", 0.90), ("median", 0.5),
+                 ("p10", 0.10), ("p5", 0.05), ("p1", 0.01), ("p0.1", 0.001), ("min", 0.0))
+DP_QUANTILES = (("max", 1.0), ("p99.9", 0.999), ("p99", 0.99), ("p95", 0.95), ("p90", 0.90), ("p75", 0.75),
+                ("median", 0.5), ("p25", 0.25), ("p10", 0.10), ("p5", 0.05), ("p1", 0.01), ("p0.1", 0.001), ("min", 0.0))
+
+
+def quantiles(values: np.ndarray, which: Sequence[tuple[str, float]]) -> dict[str, float]:
+    """Linear-interpolation percentiles (numpy's default; llama.cpp's ``percentile``)."""
+    if not len(values):
+        return {k: float("nan") for k, _ in which}
+    qs = np.quantile(values, [p for _, p in which])
+    return {k: float(v) for (k, _), v in zip(which, qs)}
+
+
+@dataclass(frozen=True)
+class RmsEstimate:
+    """sqrt(mean x²) with the delta-method SE llama.cpp prints for RMS Δp."""
+
+    rms: float
+    se: float
+
+    @classmethod
+    def of(cls, x: np.ndarray) -> "RmsEstimate":
+        x = np.asarray(x, np.float64)
+        n = len(x)
+        if n == 0:
+            return cls(float("nan"), float("nan"))
+        ms = float(np.mean(x * x))
+        rms = math.sqrt(ms)
+        if n < 2 or rms == 0:
+            return cls(rms, float("nan") if n < 2 else 0.0)
+        var_ms = max(float(np.mean(x ** 4)) - ms * ms, 0.0) / (n - 1)
+        return cls(rms, math.sqrt(var_ms) / (2 * rms))
+
+
 @dataclass(frozen=True)
 class Comparison:
-    """Model m against the reference (model 0) on the same scored tokens."""
+    """Model m against the reference on the same scored tokens (formulas: docs/evals.md)."""
 
     model: str
     reference: str
@@ -147,42 +196,76 @@ class Comparison:
     kl: MeanEstimate  # KL(P_0 || P_m), nats per token
     kl_quantiles: dict[str, float]
     top1: MeanEstimate  # fraction of tokens whose argmax agrees
+    rkl: MeanEstimate  # KL(P_m || P_0)
+    rkl_quantiles: dict[str, float]
+    dp: MeanEstimate  # Δp = P_m(y) - P_0(y)
+    dp_quantiles: dict[str, float]
+    dp_rms: RmsEstimate
+    nll_correlation: float  # Pearson correlation of the per-token NLLs (llama.cpp's Cor(ln PPL(Q), ln PPL(base)))
+    reference_form: str = "full"  # "full", or "top-K" for a compact saved reference
 
     @property
     def ppl_ratio(self) -> float:
         return _exp(self.log_ratio.mean)
 
     @property
+    def ppl_ratio_se(self) -> float:
+        """Delta method, as llama.cpp's ``Mean PPL(Q)/PPL(base)`` +/-."""
+        return self.ppl_ratio * self.log_ratio.se
+
+    @property
     def ppl_ratio_ci95(self) -> tuple[float, float]:
         lo, hi = self.log_ratio.ci95
         return (_exp(lo), _exp(hi))
+
+    @classmethod
+    def of(cls, model: str, reference: str, nll_ref: np.ndarray, st: RowStats, form: str = "full") -> "Comparison":
+        corr = float(np.corrcoef(st.nll, nll_ref)[0, 1]) if len(nll_ref) > 1 and np.std(st.nll) > 0 and np.std(nll_ref) > 0 else float("nan")
+        return cls(
+            model, reference, MeanEstimate.of(st.nll - nll_ref),
+            MeanEstimate.of(st.kld), quantiles(st.kld, KLD_QUANTILES), MeanEstimate.of(st.same.astype(np.float64)),
+            MeanEstimate.of(st.rkld), quantiles(st.rkld, KLD_QUANTILES),
+            MeanEstimate.of(st.dp), quantiles(st.dp, DP_QUANTILES), RmsEstimate.of(st.dp), corr, form,
+        )
 
     def to_json(self) -> dict[str, Any]:
         return {
             "model": self.model,
             "reference": self.reference,
+            "reference_form": self.reference_form,
+            "tokens": self.kl.n,
             "ppl_ratio": self.ppl_ratio,
+            "ppl_ratio_se": self.ppl_ratio_se,
             "ppl_ratio_ci95": list(self.ppl_ratio_ci95),
+            "ln_ppl_ratio": self.log_ratio.mean,
+            "ln_ppl_ratio_se": self.log_ratio.se,
+            "nll_correlation": self.nll_correlation,
             "kl_mean": self.kl.mean,
             "kl_se": self.kl.se,
             "kl_quantiles": self.kl_quantiles,
+            "reverse_kl_mean": self.rkl.mean,
+            "reverse_kl_se": self.rkl.se,
+            "reverse_kl_quantiles": self.rkl_quantiles,
             "top1_agreement": self.top1.mean,
             "top1_agreement_se": self.top1.se,
+            "delta_p_mean": self.dp.mean,
+            "delta_p_se": self.dp.se,
+            "delta_p_quantiles": self.dp_quantiles,
+            "delta_p_rms": self.dp_rms.rms,
+            "delta_p_rms_se": self.dp_rms.se,
         }
 
 
-def build_reports(acc: PerplexityAccumulator, names: list[str], bytes_scored: int) -> tuple[list[PerplexityReport], list[Comparison]]:
+def build_reports(acc: PerplexityAccumulator, names: list[str], bytes_scored: int,
+                  reference_form: str = "full") -> tuple[list[PerplexityReport], list[Comparison]]:
+    """``names``: the reference first, then one per compared model (``acc.n_reports`` in all)."""
     reports, comps = [], []
-    nll0, _, _ = acc.arrays(0)
+    nll0 = acc.nll_of(0)
     for m, name in enumerate(names):
-        nll, kl, agree = acc.arrays(m)
+        nll = acc.nll_of(m)
         reports.append(PerplexityReport(name, MeanEstimate.of(nll), len(nll), bytes_scored))
-        if m == 0:
-            continue
-        assert kl is not None and agree is not None
-        q = {k: float(np.quantile(kl, p)) for k, p in (("median", 0.5), ("p90", 0.9), ("p99", 0.99))} if len(kl) else {}
-        q["max"] = float(kl.max()) if len(kl) else float("nan")
-        comps.append(Comparison(name, names[0], MeanEstimate.of(nll - nll0), MeanEstimate.of(kl), q, MeanEstimate.of(agree)))
+        if m:
+            comps.append(Comparison.of(name, names[0], nll0, acc.stats_of(m), reference_form))
     return reports, comps
 
 
@@ -215,4 +298,4 @@ def run_perplexity(
     return PerplexityResult(reports, comps)
 
 
-__all__ = ["PerplexityAccumulator", "PerplexityReport", "Comparison", "build_reports", "run_perplexity", "PerplexityResult", "log_softmax_rows", "kl_rows", "Z95"]
+__all__ = ["PerplexityAccumulator", "PerplexityReport", "Comparison", "RmsEstimate", "quantiles", "KLD_QUANTILES", "DP_QUANTILES", "build_reports", "run_perplexity", "PerplexityResult", "log_softmax_rows", "kl_rows", "Z95"]

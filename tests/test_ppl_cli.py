@@ -89,7 +89,8 @@ def test_tiny_sliding_equals_transformers(tiny, tmp_path):
     assert m["bits_per_byte"] == pytest.approx(m["nll_mean"] * n / math.log(2) / m["bytes_scored"], rel=1e-12)
     assert m["nll_ci95"][0] < m["nll_mean"] < m["nll_ci95"][1]
     assert out["settings"] == {"mode": "sliding", "ctx": 96, "stride": 40, "windows": out["settings"]["windows"],
-                               "chunk_bos": None, "max_tokens": None, "text_tokens": len(ids)}
+                               "chunk_bos": None, "max_tokens": None, "chunks": None, "text_tokens": len(ids),
+                               "reference": {"path": str(paths["f32"]), "form": "full", "model": m["model"]}}
 
 
 def test_tiny_chunks_and_comparison(tiny, tmp_path):
@@ -159,7 +160,7 @@ def test_tables_render(tiny):
     paths, _ = tiny
     r = runner.invoke(app, ["ppl", str(paths["f32"]), str(paths["q8"]), "--ctx", "64", "--max-tokens", "200"])
     assert r.exit_code == 0, r.stderr
-    assert "Perplexity" in r.stdout and "top-1 agree" in r.stdout and "bits/byte" in r.stdout
+    assert "Perplexity" in r.stdout and "same top-1" in r.stdout and "Mean KLD" in r.stdout and "RMS Δp" in r.stdout and "bits/byte" in r.stdout
 
 
 # ------------------------------------------------------------------ the real model
@@ -201,3 +202,84 @@ def test_smollm2_q8_chunks_match_llama_cpp():
     assert rep["same_tokens"] and rep["tokens_scored"] == 2 * 255
     assert abs(rep["ppl_rel_diff"]) < 0.02, rep
     assert rep["top1_agreement"] > 0.9
+
+
+def test_saved_reference_matches_the_live_comparison(tiny, tmp_path):
+    paths, _ = tiny
+    f = tmp_path / "t.txt"
+    f.write_text(ALICE[:3000])
+    ref = tmp_path / "ref.cref"
+    live = cli("ppl", str(paths["f32"]), str(paths["q8"]), "--text", str(f), "--ctx", "128", "--mode", "chunks",
+               "--save-ref", str(ref), "--ref-top-k", "300")  # the byte vocabulary is 256: exact
+    assert live["settings"]["saved_ref"]["bytes"] == ref.stat().st_size
+    # window options come from the file
+    saved = cli("ppl", str(paths["q8"]), "--text", str(f), "--ref", str(ref))
+    assert saved["settings"]["mode"] == "chunks" and saved["settings"]["ctx"] == 128
+    assert saved["settings"]["reference"]["form"] == "top-256"
+    r0, r1 = saved["models"]
+    assert r0["nll_mean"] == live["models"][0]["nll_mean"]  # float64 NLLs, bit for bit
+    assert r1["nll_mean"] == live["models"][1]["nll_mean"]
+    (a,), (b,) = live["comparisons"], saved["comparisons"]
+    assert b["kl_mean"] == pytest.approx(a["kl_mean"], rel=1e-3, abs=1e-9)
+    assert b["reverse_kl_mean"] == pytest.approx(a["reverse_kl_mean"], rel=1e-3, abs=1e-9)
+    assert b["delta_p_rms"] == pytest.approx(a["delta_p_rms"], rel=1e-9)
+    assert b["top1_agreement"] == a["top1_agreement"] and b["ppl_ratio"] == pytest.approx(a["ppl_ratio"], rel=1e-12)
+    # top-k alone: a lower bound; with tail samples: an estimate of the full value
+    small, sampled = tmp_path / "small.cref", tmp_path / "sampled.cref"
+    cli("ppl", str(paths["f32"]), "--text", str(f), "--ctx", "128", "--mode", "chunks", "--save-ref", str(small),
+        "--ref-top-k", "4", "--ref-samples", "0")
+    cli("ppl", str(paths["f32"]), "--text", str(f), "--ctx", "128", "--mode", "chunks", "--save-ref", str(sampled),
+        "--ref-top-k", "4", "--ref-samples", "32")
+    c = cli("ppl", str(paths["q8"]), "--text", str(f), "--ref", str(small))["comparisons"][0]
+    assert c["kl_mean"] <= a["kl_mean"] * (1 + 1e-6) and c["reference_form"] == "top-4"
+    e = cli("ppl", str(paths["q8"]), "--text", str(f), "--ref", str(sampled))["comparisons"][0]
+    assert e["reference_form"] == "top-4+32" and e["kl_mean"] == pytest.approx(a["kl_mean"], rel=0.05)
+    assert abs(e["kl_mean"] - a["kl_mean"]) < abs(c["kl_mean"] - a["kl_mean"])
+    assert small.stat().st_size < ref.stat().st_size / 10
+
+
+def one_line_error(*args: str) -> str:
+    r = runner.invoke(app, list(args))
+    assert r.exit_code == 1, r.output
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:"), r.stderr
+    return lines[0]
+
+
+def test_saved_reference_mismatches_and_corruption(tiny, tmp_path):
+    paths, _ = tiny
+    f = tmp_path / "t.txt"
+    f.write_text(ALICE[:2000])
+    ref = tmp_path / "ref.cref"
+    cli("ppl", str(paths["f32"]), "--text", str(f), "--ctx", "64", "--save-ref", str(ref))
+    g = tmp_path / "other.txt"
+    g.write_text(ALICE[:2000].upper())
+    assert "another text" in one_line_error("ppl", str(paths["q8"]), "--text", str(g), "--ref", str(ref))
+    assert "other windows" in one_line_error("ppl", str(paths["q8"]), "--text", str(f), "--ref", str(ref), "--ctx", "96")
+    assert "cannot be combined" in one_line_error("ppl", str(paths["q8"]), "--ref", str(ref), "--save-ref", str(tmp_path / "x.cref"))
+    assert "is one of the models" in one_line_error("ppl", str(paths["q8"]), "--save-ref", str(paths["q8"]))
+    bad = tmp_path / "bad.cref"
+    bad.write_bytes(ref.read_bytes()[:-7])
+    assert "truncated" in one_line_error("ppl", str(paths["q8"]), "--text", str(f), "--ref", str(bad))
+    bad.write_bytes(b"\x80\x04" + b"pickle" * 20)
+    assert "not a cortiq reference file" in one_line_error("ppl", str(paths["q8"]), "--ref", str(bad))
+    assert "no such reference file" in one_line_error("ppl", str(paths["q8"]), "--ref", str(tmp_path / "missing.cref"))
+
+
+@pytest.mark.slow
+def test_compact_reference_on_smollm2(smollm2_cmf, tmp_path):
+    """SmolLM2 q8 against f32: the default compact reference (top-64 + 64 tail samples)
+    reproduces the full computation's mean KLD within 5%, top-64 alone falls short."""
+    f32, q8 = smollm2_cmf("f32"), smollm2_cmf("q8")
+    ref, bound = tmp_path / "ref.cref", tmp_path / "bound.cref"
+    common = ("--mode", "chunks", "--ctx", "256", "--chunks", "4")
+    live = cli("ppl", str(f32), str(q8), *common, "--save-ref", str(ref))["comparisons"][0]
+    cli("ppl", str(f32), *common, "--save-ref", str(bound), "--ref-samples", "0")
+    est = cli("ppl", str(q8), "--ref", str(ref))["comparisons"][0]
+    low = cli("ppl", str(q8), "--ref", str(bound))["comparisons"][0]
+    assert est["reference_form"] == "top-64+64" and low["reference_form"] == "top-64"
+    assert est["kl_mean"] == pytest.approx(live["kl_mean"], rel=0.05)
+    assert est["reverse_kl_mean"] == pytest.approx(live["reverse_kl_mean"], rel=0.05)
+    assert low["kl_mean"] < 0.95 * live["kl_mean"]
+    assert est["top1_agreement"] == live["top1_agreement"] and est["delta_p_rms"] == pytest.approx(live["delta_p_rms"], rel=1e-9)
+    assert ref.stat().st_size < 600 * 4 * 1100  # ~1 KB per scored token (f32 log-probs would be 196 KB)

@@ -1,0 +1,126 @@
+#!/usr/bin/env python3
+"""llama.cpp's quantizations scored against a cortiq saved reference, on the same tokens.
+
+A ``.cref`` saved by ``cortiq ppl f32.cmf --mode chunks --save-ref ref.cref`` holds the
+token ids, the chunk windows (BOS written over each chunk's first token, as
+llama-perplexity does) and cortiq f32's distributions. This script feeds exactly those
+token ids to llama.cpp (llama-cpp-python, ``logits_all``) for each GGUF, one chunk at a
+time from an empty cache, and computes the same statistics ``cortiq ppl --ref`` prints.
+An F32 GGUF of the same weights shows the floor (two engines, same numbers). With
+``--quantize F32.gguf`` it first makes Q8_0/Q4_0/Q4_K_M/... with llama.cpp's quantizer.
+
+    python benchmarks/kld_vs_llamacpp.py REF.cref --gguf f32=F32.gguf --gguf q8_0=Q8.gguf ... [--json]
+    python benchmarks/kld_vs_llamacpp.py REF.cref --quantize F32.gguf --types q8_0,q4_0,q4_k_m --out-dir DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+# llama_ftype values from llama.h
+FTYPES = {"f32": 0, "q4_0": 2, "q8_0": 7, "q4_k_m": 15, "q5_k_m": 17, "q6_k": 18}
+
+
+def quantize(src: Path, dst: Path, quant: str, threads: int) -> None:
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = FTYPES[quant]
+    params.nthread = threads
+    tmp = dst.with_suffix(".tmp")
+    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), params)
+    if rc != 0:
+        raise RuntimeError(f"llama_model_quantize({quant}) failed with code {rc}")
+    tmp.replace(dst)
+
+
+def gguf_bpw(path: Path) -> tuple[float, int]:
+    """(8 x tensor bytes / parameters, parameters): cortiq quant-sweep's bits/weight."""
+    from gguf import GGUFReader
+
+    r = GGUFReader(str(path))
+    params = sum(int(t.n_elements) for t in r.tensors)
+    nbytes = sum(int(t.n_bytes) for t in r.tensors)
+    return 8.0 * nbytes / params, params
+
+
+def score(path: Path, ref_path: Path, threads: int, batch: int) -> dict:
+    import llama_cpp
+
+    from evals.perplexity import PerplexityAccumulator, build_reports
+    from evals.reference import SavedReference
+    from evals.scoring import ScoredBlock
+
+    ref = SavedReference(ref_path)
+    windows = ref.windows()
+    ctx = max(w.end - w.begin for w in windows)
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=ctx, n_batch=min(batch, ctx), n_ubatch=min(batch, ctx),
+                          logits_all=True, n_threads=threads, verbose=False)
+    if llm.n_vocab() != ref.file.vocab_size:
+        raise SystemExit(f"{path}: vocabulary {llm.n_vocab()} != reference {ref.file.vocab_size}")
+    tokens = ref.file.tokens
+    acc = PerplexityAccumulator(1, saved_ref=True)
+    t0 = time.perf_counter()
+    for wi, w in enumerate(windows):
+        chunk = tokens[w.begin : w.end].tolist()
+        if w.bos is not None:
+            chunk[0] = w.bos
+        llm.reset()
+        llm.eval(chunk)
+        z = np.array(llm.scores[w.row_from : w.row_to], dtype=np.float32)
+        y = tokens[w.targets]
+        acc.add(ScoredBlock(wi, np.arange(w.targets.start, w.targets.stop), y, [z]), ref.next_rows(len(y)))
+    seconds = time.perf_counter() - t0
+    _, (c,) = build_reports(acc, ["reference", path.name], 0, ref.form)
+    bpw, params = gguf_bpw(path)
+    return {"gguf": str(path), "bits_per_weight": bpw, "params": params, "file_bytes": path.stat().st_size,
+            "seconds": seconds, "reference_form": ref.form, **c.to_json()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("ref", type=Path, help="a .cref saved by cortiq ppl --mode chunks --save-ref")
+    ap.add_argument("--gguf", action="append", default=[], help="NAME=PATH (repeatable)")
+    ap.add_argument("--quantize", type=Path, default=None, help="an F32 GGUF to quantize with llama.cpp first")
+    ap.add_argument("--types", default="q8_0,q4_0,q4_k_m", help=f"with --quantize: of {', '.join(FTYPES)}")
+    ap.add_argument("--out-dir", type=Path, default=Path("."), help="with --quantize: where the GGUFs go (kept, reused)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=512)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+
+    todo: list[tuple[str, Path]] = []
+    for spec in args.gguf:
+        name, _, p = spec.partition("=")
+        todo.append((name, Path(p)))
+    if args.quantize is not None:
+        for q in args.types.split(","):
+            dst = args.out_dir / f"{args.quantize.stem}-{q}.gguf"
+            if not dst.exists():
+                print(f"llama.cpp quantize -> {dst}", file=sys.stderr)
+                quantize(args.quantize, dst, q, args.threads)
+            todo.append((q, dst))
+    out = {}
+    for name, p in todo:
+        r = score(p, args.ref, args.threads, args.batch)
+        out[name] = r
+        if not args.json:
+            print(f"{name:8s} {r['bits_per_weight']:6.3f} bpw  ppl ratio {r['ppl_ratio']:.4f}  mean KLD {r['kl_mean']:.6f} "
+                  f"± {r['kl_se']:.6f}  p99 {r['kl_quantiles']['p99']:.5f}  same top-1 {100 * r['top1_agreement']:.2f}%  "
+                  f"RMS Δp {100 * r['delta_p_rms']:.3f}%  ({r['seconds']:.0f} s)", flush=True)
+    if args.json:
+        print(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

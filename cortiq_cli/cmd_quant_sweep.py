@@ -1,0 +1,183 @@
+"""``cortiq quant-sweep``: convert a source to each quantization type, score each against
+the f32 reference on the same windows, time its decode, and print one table."""
+
+from __future__ import annotations
+
+import math
+import tempfile
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich import box
+from rich.table import Table
+
+from cortiq_cli import text_options as opt
+from cortiq_cli.cmd_ppl import DEFAULT_CTX, plan_windows, resolve_settings
+from cortiq_cli.common import console, err_console, handle_errors, human_bytes, print_json, print_table
+from cortiq_cli.eval_run import scoring_progress
+from evals.sweep import SweepResult, parse_types, run_sweep
+from evals.text_source import load_text
+from formats.errors import CortiqError
+
+SWEEP_PANEL = "Sweep"
+
+
+@handle_errors
+def quant_sweep(
+    src: Annotated[str, typer.Argument(help="HF checkpoint folder, hub repo id, .gguf or .cmf file (as for convert).", show_default=False)],
+    types: Annotated[str, typer.Option("--types", help="Comma-separated --quant types to try (any type convert accepts), e.g. q8,q4.", rich_help_panel=SWEEP_PANEL)] = "q8,q4",
+    text: opt.TextFile = None,
+    dataset: opt.Dataset = None,
+    config: opt.Config = None,
+    split: opt.Split = None,
+    column: opt.Column = None,
+    data_files: opt.DataFiles = None,
+    max_tokens: opt.MaxTokens = None,
+    ctx: Annotated[int, typer.Option("--ctx", "-c", min=4, help="Tokens per forward window.", rich_help_panel=opt.WINDOW_PANEL)] = DEFAULT_CTX,
+    mode: Annotated[str, typer.Option("--mode", help="chunks (llama.cpp, default) or sliding.", rich_help_panel=opt.WINDOW_PANEL)] = "chunks",
+    chunks: Annotated[int | None, typer.Option("--chunks", min=1, help="chunks mode: score at most this many chunks.", rich_help_panel=opt.WINDOW_PANEL)] = None,
+    stride: opt.Stride = None,
+    top_k: Annotated[int, typer.Option("--ref-top-k", min=1, help="Reference log-probabilities kept per position (docs/evals.md: the error this leaves).", rich_help_panel=SWEEP_PANEL)] = 64,
+    samples: Annotated[int, typer.Option("--ref-samples", min=0, help="Reference tail tokens sampled per position (unbiased tail divergence).", rich_help_panel=SWEEP_PANEL)] = 64,
+    decode_tokens: Annotated[int, typer.Option("--decode-tokens", min=1, help="Tokens per decode timing (llama-bench tg N).", rich_help_panel=SWEEP_PANEL)] = 64,
+    decode_reps: Annotated[int, typer.Option("--decode-reps", min=1, help="Decode timings per type (the median is shown).", rich_help_panel=SWEEP_PANEL)] = 3,
+    workdir: Annotated[Path | None, typer.Option("--workdir", help="Folder for the converted files (default: a temporary folder, removed afterwards).", rich_help_panel=SWEEP_PANEL)] = None,
+    keep_files: Annotated[bool, typer.Option("--keep-files", help="Keep the converted CMF files and the saved reference in --workdir.", rich_help_panel=SWEEP_PANEL)] = False,
+    plot: Annotated[Path | None, typer.Option("--plot", help="Draw bits/weight vs mean KLD and vs decode tok/s to this image (PNG, SVG or PDF; needs matplotlib).", rich_help_panel=SWEEP_PANEL)] = None,
+    batch: opt.BlockRows = 128,
+    threads: opt.Threads = None,
+    json_out: opt.Json = False,
+) -> None:
+    """Convert SRC to each --types quantization, score each against the f32 reference on the same windows, and time its decode."""
+    kinds = parse_types(types)
+    if keep_files and workdir is None:
+        raise CortiqError("--keep-files needs --workdir (a temporary folder is removed afterwards)")
+    if plot is not None:
+        _require_matplotlib()
+        if not plot.parent.is_dir():
+            raise CortiqError(f"--plot: folder {plot.parent} does not exist")
+    settings = resolve_settings(mode, ctx, stride, max_tokens, chunks)
+    source = load_text(opt.text_spec(text, dataset, config, split, column, data_files))
+    need_ctx = max(settings.ctx, decode_tokens + 2)
+
+    def load(path: Path) -> Any:
+        from cortiq_engine import Engine
+
+        return Engine.load(path, threads=threads, ctx=need_ctx)
+
+    def plan(n_tokens: int, bos: int | None):
+        return plan_windows(settings, n_tokens, bos)
+
+    def event(kind: str, info: dict[str, Any]) -> None:
+        if kind in ("convert", "decode") and not json_out and err_console.is_terminal:
+            err_console.print(f"[dim]{kind} {info['type']}[/]", highlight=False)
+
+    def sweep(progress=None) -> SweepResult:
+        if workdir is not None:
+            if workdir.exists() and not workdir.is_dir():
+                raise CortiqError(f"--workdir {workdir} is a file")
+            return run_sweep(src, kinds, source.text, workdir, load, plan, top_k=top_k, samples=samples, decode_tokens=decode_tokens,
+                             decode_reps=decode_reps, chunk=batch, keep_files=keep_files, settings=settings.to_json(), event=event, progress=progress)
+        with tempfile.TemporaryDirectory(prefix="cortiq-sweep-") as tmp:
+            return run_sweep(src, kinds, source.text, Path(tmp), load, plan, top_k=top_k, samples=samples, decode_tokens=decode_tokens,
+                             decode_reps=decode_reps, chunk=batch, settings=settings.to_json(), event=event, progress=progress)
+
+    if json_out:
+        result = sweep()
+    else:
+        with scoring_progress("scoring", "type") as bar:
+            task = bar.add_task("sweep", total=None, value="-")
+
+            def progress(kind: str, done: int, total: int) -> None:
+                bar.update(task, completed=done, total=total, value=kind)
+
+            result = sweep(progress)
+    if plot is not None:
+        draw(result, plot)
+    if json_out:
+        doc = result.to_json()
+        doc["text"] = {"source": source.source, "bytes": source.n_bytes}
+        doc["settings"] = settings.to_json()
+        if plot is not None:
+            doc["plot"] = str(plot)
+        print_json(doc)
+        return
+    render(result, source.source, settings.to_json())
+    if plot is not None:
+        console.print(f"plot written to {plot}", highlight=False)
+
+
+def render(r: SweepResult, text: str, settings: dict[str, Any]) -> None:
+    how = f"{settings['mode']}, ctx {settings['ctx']}"
+    console.print(
+        f"[bold]{r.source}[/] against f32 (ppl {r.reference.ppl:.4f}) on {text}: {r.tokens_scored:,} tokens in "
+        f"{r.windows} windows ({how}); reference kept as {r.reference_form} ({human_bytes(r.reference_bytes)})",
+        highlight=False,
+    )
+    t = Table(title="Quantization sweep", title_justify="left", box=box.SIMPLE_HEAD)
+    for name, justify in (("type", "left"), ("bits/weight", "right"), ("file", "right"), ("ppl ratio", "right"),
+                          ("95% CI", "right"), ("mean KLD", "right"), ("p99 KLD", "right"), ("same top-1", "right"),
+                          ("decode tok/s", "right")):
+        t.add_column(name, justify=justify, no_wrap=True, style="bold" if name == "type" else None)
+    for row in r.rows:
+        c = row.comparison
+        lo, hi = c.ppl_ratio_ci95
+        t.add_row(
+            row.quant,
+            f"{row.bits_per_weight:.2f}",
+            human_bytes(row.file_bytes),
+            f"{c.ppl_ratio:.4f}",
+            f"{lo:.4f}–{hi:.4f}" if math.isfinite(lo) and math.isfinite(hi) else "n/a",
+            _sci(c.kl.mean) + (f" ± {_sci(c.kl.se)}" if math.isfinite(c.kl.se) and c.kl.mean > 0 else ""),
+            _sci(c.kl_quantiles["p99"]),
+            f"{100 * c.top1.mean:.2f}%",
+            f"{row.decode_tok_s:.1f}" if row.decode_tok_s else "-",
+        )
+    print_table(console, t)
+
+
+def _sci(x: float) -> str:
+    if not math.isfinite(x):
+        return "n/a"
+    return "0" if x == 0 else (f"{x:.4f}" if x >= 1e-3 else f"{x:.2e}")
+
+
+def _require_matplotlib() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise CortiqError("--plot needs matplotlib: pip install 'cortiq[plot]'") from None
+
+
+def draw(r: SweepResult, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [row for row in r.rows if row.comparison.kl.mean > 0]  # f32 has no point on a log KLD axis
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    a.scatter([x.bits_per_weight for x in rows], [x.comparison.kl.mean for x in rows])
+    a.set_yscale("log")
+    a.set_xlabel("bits per weight")
+    a.set_ylabel("mean KLD vs f32 (nats/token)")
+    for x in rows:
+        a.annotate(x.quant, (x.bits_per_weight, x.comparison.kl.mean), textcoords="offset points", xytext=(4, 4))
+    speed = [x for x in r.rows if x.decode_tok_s]
+    b.scatter([x.bits_per_weight for x in speed], [x.decode_tok_s for x in speed])
+    b.set_xlabel("bits per weight")
+    b.set_ylabel("decode tok/s")
+    for x in speed:
+        b.annotate(x.quant, (x.bits_per_weight, x.decode_tok_s), textcoords="offset points", xytext=(4, 4))
+    for ax in (a, b):
+        ax.grid(alpha=0.3)
+    name = "/".join(Path(r.source).parts[-2:])  # a checkpoint folder is often just "hf" or "model"
+    fig.suptitle(f"{name} against f32: {r.tokens_scored:,} tokens")
+    fig.tight_layout()
+    try:
+        fig.savefig(path)
+    except (ValueError, OSError) as e:
+        raise CortiqError(f"--plot {path}: {str(e).splitlines()[0][:160]}") from None
+    finally:
+        plt.close(fig)
