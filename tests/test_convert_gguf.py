@@ -119,7 +119,9 @@ def test_streamed_gguf_equals_the_hf_folder_route_byte_for_byte(tiny_quantized_g
     assert direct.read_bytes() == old.read_bytes()
     # Blocks are copied exactly where the chosen dtype has the source's layout.
     chosen = {t.name: t.dtype for t in rep.tensors}
-    layout = {"Q8_0": "q8", "Q4_1": "q4"}
+    from formats.quants import DTYPES
+
+    layout = {dt.ggml_type: name for name, dt in DTYPES.items() if dt.ggml_type}  # q8, q4, q5, q6k, q5k, q4k
     assert sorted(rep.block_copied) == sorted(n for n, t in TINY_QTYPES.items() if layout.get(t) == chosen[n])
     assert rep.block_copied or quant in ("f32", "bf16")
 
