@@ -78,8 +78,8 @@ class NumbaKernels(NumpyKernels):
 
     def __init__(self, small_n: int = SMALL_N, act_bits: int = ACT_BITS):
         self.small_n = small_n
-        # q8/q4 decode and verify on int8 activations (qdot.py) where the CPU has
-        # AVX2; None keeps every matmul on the float kernels.
+        # q8/q4 decode and verify on act_bits-wide integer activations (qdot.py)
+        # where the CPU has AVX2; None (act_bits 0, or no AVX2) keeps the float kernels.
         self._intdot = qdot.compile_intdot() if act_bits else None
         self.act_bits = act_bits if self._intdot is not None else 0
         # Per-thread scratch for dequantized tiles, reused so prefill matmuls do not

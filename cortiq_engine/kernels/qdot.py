@@ -123,6 +123,11 @@ _ONES16 = "<" + ", ".join(["i16 1"] * 16) + ">"
 _ARGS = "i8* %wq, i16* %wd, i16* %wm, i64 %r0, i64 %r1, i64 %nb, i8* %xq, float* %xd, float* %xs, float* %out, i64 %ostride"
 
 
+def _entry(kind: str, act: int) -> str:
+    """The IR name of ``kind``'s kernels on ``act``-bit activations (q8, q8a16, ...)."""
+    return kind if act == 8 else f"{kind}a16"
+
+
 class _Fn:
     """A tiny SSA writer: fresh value names and the lines of one function."""
 
@@ -220,7 +225,7 @@ def _body(kind: str, nx: int, act: int = 8) -> str:
     whatever ``nx`` is)."""
     q4 = kind == "q4"
     A = ACCS
-    name = kind if act == 8 else f"{kind}a16"
+    name = _entry(kind, act)
     f = _Fn()
     zero_v, zero_s = "zeroinitializer", "0.0"
     f(f"define internal void @{name}_rows{nx}({_ARGS}) nounwind alwaysinline {{")
@@ -324,7 +329,7 @@ def _body(kind: str, nx: int, act: int = 8) -> str:
 
 def _dispatch(kind: str, act: int = 8) -> str:
     """The exported entry: a switch on the number of input rows."""
-    name = kind if act == 8 else f"{kind}a16"
+    name = _entry(kind, act)
     L = [f"define void @{name}_rows(i64 %nx, {_ARGS}) nounwind {{", "entry:"]
     cases = " ".join(f"i64 {n}, label %n{n}" for n in range(1, MAX_ROWS + 1))
     L.append(f"  switch i64 %nx, label %done [{cases}]")
@@ -388,9 +393,8 @@ class IntDot:
                 )
                 engine = llvm.create_mcjit_compiler(mod, tm)
                 engine.finalize_object()
-                name = kind if act == 8 else f"{kind}a16"
                 self._engines.append(engine)
-                self._fns[key] = _FN(engine.get_function_address(f"{name}_rows"))
+                self._fns[key] = _FN(engine.get_function_address(f"{_entry(kind, act)}_rows"))
             return self._fns[key]
 
 
