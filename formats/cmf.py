@@ -44,7 +44,7 @@ import numpy as np
 
 from formats.errors import CortiqError
 from formats.quants import ALIGN, DTYPES, align_up, get_dtype
-from formats.staging import hold, remove_stale
+from formats.staging import Staged, hold, remove_stale
 from formats.untrusted_json import loads as untrusted_loads
 
 MAGIC = b"CORTIQMF"
@@ -128,7 +128,7 @@ def _new_temp(path: Path) -> tuple[int, Path]:
     return fd, Path(tmp)
 
 
-class CmfWriter:
+class CmfWriter(Staged):
     """Streams tensors into ``path`` through a temporary file in the same folder.
 
     Use as a context manager: on a clean exit the file is renamed into place; on an
@@ -251,18 +251,6 @@ class CmfWriter:
             self._f.close()
         self._tmp.unlink(missing_ok=True)
 
-    def __enter__(self) -> "CmfWriter":
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            try:
-                self.commit()
-            except BaseException:
-                self.abort()
-                raise
-        else:
-            self.abort()
 
 
 def read_preamble(path: Path, f, size: int) -> Preamble:

@@ -52,7 +52,7 @@ from typing import Any
 import numpy as np
 
 from formats.errors import CortiqError
-from formats.staging import hold, remove_stale
+from formats.staging import Staged, hold, remove_stale
 from formats.untrusted_json import load_object
 
 MAGIC = b"CORTIQRF"
@@ -104,7 +104,7 @@ def _crc_of(buf: np.ndarray) -> int:
     return crc & 0xFFFFFFFF
 
 
-class CrefWriter:
+class CrefWriter(Staged):
     """Create a ``.cref``: ``tokens``/``windows`` given up front, rows written block by block
     with ``write_rows``, then ``commit`` (or ``abort``). A context manager commits on a
     clean exit and aborts on an exception (Ctrl-C included)."""
@@ -199,18 +199,6 @@ class CrefWriter:
             self._tmp.unlink(missing_ok=True)
         self._held.release()
 
-    def __enter__(self) -> "CrefWriter":
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            try:
-                self.commit()
-            except BaseException:
-                self.abort()
-                raise
-        else:
-            self.abort()
 
 
 def _int(v: Any, what: str, path: Path, lo: int = 0, hi: int = MAX_DIM) -> int:

@@ -20,6 +20,31 @@ import shutil
 from pathlib import Path
 
 
+class Staged:
+    """A writer into a staging file: ``with`` commits it under the final name on a
+    clean exit and aborts (removes the staging file) on any exception, including a
+    failing commit. Subclasses define ``commit`` and ``abort``."""
+
+    def commit(self) -> None:
+        raise NotImplementedError
+
+    def abort(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            try:
+                self.commit()
+            except BaseException:
+                self.abort()
+                raise
+        else:
+            self.abort()
+
+
 class Held:
     """An exclusive lock on a staging file or folder, released by ``release`` or when
     this object is collected (or the process dies)."""
