@@ -31,7 +31,7 @@ from cortiq_engine.model import Model, State, forward
 from cortiq_engine.models import build_model, read_arch
 from cortiq_engine.mtp import DraftStack, Drafter, load_draft_stack, make_drafter
 from cortiq_engine.sampling import SamplingConfig
-from cortiq_engine.threads import set_threads
+from cortiq_engine.threads import DecodeThreads, set_threads
 from cortiq_engine.tokenizer import Tokenizer, header_eos_ids
 
 DEFAULT_CTX = 4096
@@ -69,7 +69,8 @@ class SpeculativeConfig:
 
 class Engine:
     def __init__(
-        self, cmf: CmfFile, model: Model, tokenizer: Tokenizer | None, ctx: int, threads: int, drafts: DraftStack | None = None
+        self, cmf: CmfFile, model: Model, tokenizer: Tokenizer | None, ctx: int, threads: int, drafts: DraftStack | None = None,
+        adaptive_threads: bool = False,
     ):
         self.cmf = cmf
         self.path = cmf.path
@@ -78,6 +79,8 @@ class Engine:
         self.arch: ArchConfig = model.arch
         self.ctx = ctx
         self.threads = threads
+        # Adapts when the user left the count open (see DecodeThreads).
+        self.decode_threads = DecodeThreads(threads, adaptive=adaptive_threads)
         self.kernels = model.kernels
         self._tokenizer = tokenizer
         self.drafts = drafts  # the MTP draft layers, when loaded with mtp=...
@@ -119,7 +122,7 @@ class Engine:
         drafts = None
         if mtp is not False:
             drafts = load_draft_stack(cmf, arch, ks, path=None if mtp is True else mtp)
-        eng = cls(cmf, model, tok, int(ctx), n_threads, drafts)
+        eng = cls(cmf, model, tok, int(ctx), n_threads, drafts, adaptive_threads=threads is None)
         if warmup:
             eng.warmup()
         release_free_heap()
@@ -270,6 +273,7 @@ class Engine:
             logprobs=logprobs,
             history=history,
             drafter=drafter,
+            threads=self.decode_threads,
         )
         if note:
             res.extra["mtp_note"] = note

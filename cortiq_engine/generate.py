@@ -38,6 +38,7 @@ from formats.errors import CortiqError
 from cortiq_engine.acceptance import Acceptance
 from cortiq_engine.model import Model, State, forward
 from cortiq_engine.sampling import Sampler, SamplingConfig, token_probability
+from cortiq_engine.threads import DecodeThreads, current_threads
 from cortiq_engine.tokenizer import StreamDecoder, Tokenizer
 
 if TYPE_CHECKING:
@@ -301,6 +302,7 @@ def generate(
     logprobs: int = 0,
     history: Sequence[int] = (),
     drafter: Drafter | None = None,
+    threads: DecodeThreads | None = None,
 ) -> GenerationResult:
     """Generate up to ``max_tokens`` tokens after ``prompt_ids`` (see the module doc).
 
@@ -314,6 +316,7 @@ def generate(
     stop strings held back), for streaming to a terminal. ``logprobs`` > 0 adds each
     step's top-``logprobs`` log-probabilities to the token events. ``drafter``:
     speculative decoding; ``result.extra["mtp"]`` holds its ``Acceptance`` counts.
+    ``threads`` picks each decode step's thread count (``result.extra["decode_threads"]``).
     """
     prompt_ids = [int(i) for i in prompt_ids]
     history = [int(i) for i in history]
@@ -355,6 +358,7 @@ def generate(
 
     # A verify batch stays within the rows the kernel set declares row-exact.
     max_verify = model.kernels.row_exact_rows
+    threads = threads or DecodeThreads(current_threads(), adaptive=False)
     evictions = 0
     finish = out.emit(sampler(logits, out.seen), logits)
     while finish is None:
@@ -365,23 +369,24 @@ def generate(
             state.evict(max(state.capacity // 2, 1))
             evictions += 1
         t = state.position - 1  # the last forwarded position; out.ids[-1] is pending
-        ta = time.perf_counter()
         k = 0 if drafter is None else min(drafter.depth, max_tokens - len(out.ids) - 1, state.free() - 1, max_verify - 1)
-        drafts = drafter.draft(t, out.seen, k) if k > 0 else []
-        tb = time.perf_counter()
-        hb = forward(state, [out.ids[-1], *drafts])
-        normed = model.final_norm(hb)
-        # The head of row 0 first: the rest is needed only once d1 is accepted.
-        rows = model.lm_head(normed[:1])
-        used = 0
-        for i in range(len(drafts) + 1):
-            if i == 1:
-                rows = np.concatenate([rows, model.lm_head(normed[1:])])
-            tok = sampler(rows[i], out.seen)
-            used = i + 1
-            finish = out.emit(tok, rows[i])
-            if finish is not None or i == len(drafts) or tok != drafts[i]:
-                break
+        with threads.step(k + 1):
+            ta = time.perf_counter()
+            drafts = drafter.draft(t, out.seen, k) if k > 0 else []
+            tb = time.perf_counter()
+            hb = forward(state, [out.ids[-1], *drafts])
+            normed = model.final_norm(hb)
+            # The head of row 0 first: the rest is needed only once d1 is accepted.
+            rows = model.lm_head(normed[:1])
+            used = 0
+            for i in range(len(drafts) + 1):
+                if i == 1:
+                    rows = np.concatenate([rows, model.lm_head(normed[1:])])
+                tok = sampler(rows[i], out.seen)
+                used = i + 1
+                finish = out.emit(tok, rows[i])
+                if finish is not None or i == len(drafts) or tok != drafts[i]:
+                    break
         if drafter is not None:
             # Rows past the last one whose output was used held rejected drafts.
             state.truncate(state.length - (len(drafts) + 1 - used))
@@ -390,7 +395,7 @@ def generate(
     t2 = time.perf_counter()
 
     text = out.close(finish)
-    extra = {}
+    extra = {"decode_threads": threads.to_json()}
     if drafter is not None:
         extra["mtp"] = {"source": drafter.stack.source, "chain": drafter.chain, "hidden": drafter.hidden, **counts.to_json()}
     return GenerationResult(

@@ -24,11 +24,11 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from cortiq_engine.threads import prefer_passive_waiting
+from cortiq_engine.threads import prefer_short_spin
 
-# Before any parallel kernel starts the OpenMP pool: idle workers sleep instead of
-# spinning, which keeps 2 threads fast beside a busy process (see threads.py).
-prefer_passive_waiting()
+# Before any parallel kernel starts the OpenMP pool: idle workers spin briefly, then
+# sleep (see threads.py).
+prefer_short_spin()
 
 QB = 32  # quantization block (formats.quants.QBLOCK)
 
