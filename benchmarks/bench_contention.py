@@ -10,10 +10,11 @@ machines are shared.
 
 Systems (same SmolLM2 weights and token ids as ``bench_engine.py``):
 
-* ``cortiq-q8``            the default: no ``--threads``, idle OpenMP workers sleep
+* ``cortiq-q8``            the default: no ``--threads``; the decode thread count adapts
+                           by measuring, idle OpenMP workers spin briefly then sleep
 * ``cortiq-q8-t1``         ``--threads 1``
-* ``cortiq-q8-spin``       the default thread count with ``OMP_WAIT_POLICY=ACTIVE``
-                           (spinning workers: the behaviour before the fix)
+* ``cortiq-q8-t2``         ``--threads 2`` (fixed: no adapting)
+* ``cortiq-q8-passive``    the default with ``OMP_WAIT_POLICY=PASSIVE`` (the previous default)
 * ``llama.cpp-q8_0`` (+ ``-t1``) when llama-cpp-python is installed
 
 Ratios printed: busy default / quiet 1-thread (target >= 0.5), cortiq / llama.cpp
@@ -52,7 +53,8 @@ class Variant:
 VARIANTS = [
     Variant("cortiq-q8", "cortiq", "cmf:q8", 0),
     Variant("cortiq-q8-t1", "cortiq", "cmf:q8", 1),
-    Variant("cortiq-q8-spin", "cortiq", "cmf:q8", 0, (("OMP_WAIT_POLICY", "ACTIVE"),)),
+    Variant("cortiq-q8-t2", "cortiq", "cmf:q8", 2),
+    Variant("cortiq-q8-passive", "cortiq", "cmf:q8", 0, (("OMP_WAIT_POLICY", "PASSIVE"),)),
     Variant("llama.cpp-q8_0", "llama.cpp", "gguf:q8_0", 2),
     Variant("llama.cpp-q8_0-t1", "llama.cpp", "gguf:q8_0", 1),
 ]

@@ -134,7 +134,7 @@ class DecodeThreads:
 
     ``adaptive`` (the user left ``--threads`` unset): the current count runs; every
     ``interval`` steps, ``PROBE`` steps run on the next candidate count. When the
-    probe's best time beats the median of the current count's recent times (same
+    probe's median time beats the median of the current count's recent times (same
     step key: the number of rows a step forwards) by the factor ``margin``, it becomes the
     current count and probing restarts at ``interval``; otherwise the interval
     doubles up to ``max_interval``. A losing probe costs at most PROBE/interval
@@ -142,7 +142,7 @@ class DecodeThreads:
     Thread counts never change results: every kernel is deterministic per row.
     """
 
-    PROBE = 2
+    PROBE = 3
     HISTORY = 8
 
     def __init__(
@@ -186,8 +186,10 @@ class DecodeThreads:
             return
         probe, self._probe = self._probe, None
         mine = self._times.get((self.current, key))
-        best = min(list(self._times[(probe, key)])[-self.PROBE :])
-        if mine and best < self.margin * sorted(mine)[len(mine) // 2]:
+        # Medians on both sides: interference makes step times skewed, and a probe's
+        # best time against the current count's median switched to the worse count.
+        trial = sorted(list(self._times[(probe, key)])[-self.PROBE :])[self.PROBE // 2]
+        if mine and trial < self.margin * sorted(mine)[len(mine) // 2]:
             # Switch: the probe's times are fresh, the current count's may be stale.
             self.current = probe
             self._interval = self.interval

@@ -119,14 +119,14 @@ def test_busy_core_moves_decode_to_one_thread():
     # A 2-thread step waits for the thread on the busy core: 3x slower than one thread.
     m = FakeMachine(lambda n, i: 0.03 if n == 2 else 0.01)
     chosen = m.run(_tuner(m), 200)
-    assert chosen[:4] == [2, 2, 2, 2] and chosen.count(1) >= 190
+    assert chosen[:4] == [2, 2, 2, 2] and chosen.count(1) >= 180
 
 
 def test_quiet_machine_keeps_every_core_and_probes_rarely():
     m = FakeMachine(lambda n, i: 0.01 if n == 2 else 0.016)
     chosen = m.run(_tuner(m), 600)
-    # Probes double their interval while they lose: 2 steps at 4, 20, 52, 116, 244, 500.
-    assert chosen.count(1) <= 12 and chosen[-50:].count(2) == 50
+    # Probes double their interval while they lose: 3 steps at 4, 21, 54, 119, 248, 505.
+    assert chosen.count(1) <= 18 and chosen[-50:].count(2) == 50
 
 
 def test_neighbour_that_comes_and_goes_is_followed():
