@@ -141,7 +141,7 @@ def chat(
     evict: Annotated[
         bool, typer.Option("--evict", help="When the context is full: drop the oldest turns before a turn, the oldest half of the cache during an answer.", rich_help_panel=CONTEXT)
     ] = False,
-    threads: Annotated[Optional[int], typer.Option("--threads", "-t", min=1, help="Compute threads (default: all cores).")] = None,
+    threads: Annotated[Optional[int], typer.Option("--threads", "-t", min=1, help="Compute threads, fixed (default: all cores for the prompt; each decode step runs on 1 or all cores, whichever measures faster).")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="One JSON object per turn (JSON lines) instead of streamed text.")] = False,
     logprobs: Annotated[int, typer.Option("--logprobs", min=0, max=MAX_LOGPROBS, help="Each step's N most likely tokens and log-probabilities (in --json; else listed after each answer).")] = 0,
     mtp: mtp_opt.MtpPath = None,

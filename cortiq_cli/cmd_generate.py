@@ -56,7 +56,7 @@ def generate(
         typer.Option("--evict", help="When the context is full, drop its oldest half and go on (positions keep increasing) instead of stopping.", rich_help_panel=CONTEXT),
     ] = False,
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Do not stop at end-of-sequence tokens (benchmarks).")] = False,
-    threads: Annotated[Optional[int], typer.Option("--threads", "-t", min=1, help="Compute threads (default: all cores).")] = None,
+    threads: Annotated[Optional[int], typer.Option("--threads", "-t", min=1, help="Compute threads, fixed (default: all cores for the prompt; each decode step runs on 1 or all cores, whichever measures faster).")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of streaming text.")] = False,
     logprobs: Annotated[
         int, typer.Option("--logprobs", min=0, max=MAX_LOGPROBS, help="Each step's N most likely tokens with their log-probabilities (in --json; else listed after the text).")
