@@ -77,3 +77,16 @@ def test_module_ir_declares_one_entry_per_dtype():
     for entry in ("q8", "q4", "q8a16", "q4a16"):
         assert f"define void @{entry}_rows(" in ir
     assert ir.count("define internal void @q8_rows") == qdot.MAX_ROWS
+
+
+@needs_simd
+def test_default_widths_are_int16_for_q8_and_int8_for_q4():
+    # q8 keeps int16 activations (its KL to f32 stays the float kernels'); q4 takes
+    # ggml's int8 path, whose rounding is small beside q4's own weight error.
+    default, i16, i8 = (get_kernels(k) for k in ("numba", "numba-i16", "numba-i8"))
+    X = RNG.standard_normal((3, 160)).astype(np.float32)
+    for dtype, same, other in (("q8", i16, i8), ("q4", i8, i16)):
+        w, _ = _weight(dtype, 40, 160, seed=5)
+        got = default.matmul([w], X)
+        assert np.array_equal(got, same.matmul([w], X))
+        assert not np.array_equal(got, other.matmul([w], X))

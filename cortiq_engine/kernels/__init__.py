@@ -2,9 +2,9 @@
 
 ``numba`` (default) is the fast path; ``numpy`` is the readable reference that
 tests hold the fast path against. The documented override ``CORTIQ_KERNELS``
-selects one without code changes: ``numba`` (q8/q4 decode on int16 activations,
-``qdot.py``), ``numba-i8`` (int8 activations: faster q4, 4-5x the q8 KL),
-``numba-float`` (float activations everywhere) or ``numpy``.
+selects one without code changes: ``numba`` (integer decode kernels, ``qdot.py``:
+q8 on int16 activations, q4 on int8), ``numba-i16`` / ``numba-i8`` (one width for
+both: int8 has 4x q8's KL), ``numba-float`` (float activations everywhere) or ``numpy``.
 
 Every set has ``matmul``, ``rms_norm``, ``add_rms_norm``, ``silu_mul``,
 ``gelu_tanh_mul``, ``rope``, ``attend(..., sinks=None)`` (softmax attention over a
@@ -22,7 +22,8 @@ from cortiq_engine.kernels.reference import NumpyKernels
 from cortiq_engine.kernels.row_exact import RowExact
 
 KERNEL_ENV = "CORTIQ_KERNELS"
-KERNEL_CHOICES = ("numba", "numba-i8", "numba-float", "numpy")
+KERNEL_CHOICES = ("numba", "numba-i16", "numba-i8", "numba-float", "numpy")
+_WIDTHS = {"numba-i16": 16, "numba-i8": 8, "numba-float": 0}
 # Rows up to which the reference set is made row-exact (numba's set declares its own
 # bound): the longest speculative verify it runs; past it, prefill batches through BLAS.
 NUMPY_ROW_EXACT_ROWS = 16
@@ -37,10 +38,10 @@ def get_kernels(name: str | None = None):
         from cortiq_engine.kernels.fast import NumbaKernels
 
         return NumbaKernels()
-    if name in ("numba-i8", "numba-float"):
+    if name in _WIDTHS:
         from cortiq_engine.kernels.fast import NumbaKernels
 
-        return NumbaKernels(act_bits=8 if name == "numba-i8" else 0)
+        return NumbaKernels(act_bits=_WIDTHS[name])
     raise CortiqError(f"unknown kernel set {name!r} ({KERNEL_ENV}); choose one of {', '.join(KERNEL_CHOICES)}")
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numba
 import numpy as np
@@ -29,8 +29,11 @@ from cortiq_engine.weights import Weight
 # SmolLM2 q8, 2 threads: the small-batch kernel wins up to n = 16 for both a layer
 # (gate|up 1.0 vs 1.2 ms) and the 49152-row lm_head (17 vs 23 ms); tiles win at 32.
 SMALL_N = 16
-# Integer width q8/q4 decode and verify quantize activations to (qdot.py); 0 = float.
-ACT_BITS = 16
+# Integer width each dtype's decode and verify quantize activations to (qdot.py).
+# q8: int16. int8 rounding quadrupled q8's KL to f32 on SmolLM2 (0.00096 -> 0.0040).
+# q4: int8 (ggml's vpmaddubsw path): faster, and its rounding is small beside q4's own
+# weight error (docs/performance.md, "Activation width per dtype").
+ACT_BITS: dict[str, int] = {"q8": 16, "q4": 8}
 # Above this many new queries attention goes through BLAS (reference code path).
 SMALL_ATTN = 16
 # Matrices one small-batch kernel call can fuse (q|k|v).
@@ -76,12 +79,15 @@ class NumbaKernels(NumpyKernels):
         bit for bit its one-row result. Beyond it BLAS batches the rows."""
         return min(self.small_n, SMALL_ATTN)
 
-    def __init__(self, small_n: int = SMALL_N, act_bits: int = ACT_BITS):
+    def __init__(self, small_n: int = SMALL_N, act_bits: int | Mapping[str, int] | None = None):
         self.small_n = small_n
-        # q8/q4 decode and verify on act_bits-wide integer activations (qdot.py)
-        # where the CPU has AVX2; None (act_bits 0, or no AVX2) keeps the float kernels.
-        self._intdot = qdot.compile_intdot() if act_bits else None
-        self.act_bits = act_bits if self._intdot is not None else 0
+        # q8/q4 decode and verify on integer activations (qdot.py) where the CPU has
+        # AVX2: ``act_bits`` per dtype (default ACT_BITS), or one width for all; a
+        # width 0 (or no AVX2) keeps that dtype on the float kernels.
+        widths = dict(ACT_BITS if act_bits is None else act_bits if isinstance(act_bits, Mapping)
+                      else {k: int(act_bits) for k in ACT_BITS})
+        self._intdot = qdot.compile_intdot() if any(widths.values()) else None
+        self.act_bits = {k: v for k, v in widths.items() if v} if self._intdot is not None else {}
         # Per-thread scratch for dequantized tiles, reused so prefill matmuls do not
         # page-fault a fresh buffer per call.
         self._tiles = threading.local()
@@ -159,22 +165,23 @@ class NumbaKernels(NumpyKernels):
     def _small(self, run: list[Weight], X: np.ndarray, out: np.ndarray) -> None:
         count, offs, parts = self._small_args(run)
         ops = ops_for(run[0].dtype)
-        int_parts = ops.int_parts(parts) if self._intdot is not None else None
+        bits = self.act_bits.get(ops.dtype, 0)
+        int_parts = ops.int_parts(parts) if bits else None
         if int_parts is None:
             ops.small(parts, count, offs, X, out)
         else:
-            self._small_int(ops.dtype, int_parts, count, offs, X, out)
+            self._small_int(ops.dtype, bits, int_parts, count, offs, X, out)
 
-    def _small_int(self, dtype: str, int_parts, count, offs, X: np.ndarray, out: np.ndarray) -> None:
-        """Decode/verify on integer activations: X quantized once for every matrix."""
+    def _small_int(self, dtype: str, bits: int, int_parts, count, offs, X: np.ndarray, out: np.ndarray) -> None:
+        """Decode/verify on ``bits``-wide integer activations: X quantized once per call."""
         n, cols = X.shape
         nb = cols // jit.QB
-        xq = np.empty((n, cols), np.int8 if self.act_bits == 8 else np.int16)
+        xq = np.empty((n, cols), np.int8 if bits == 8 else np.int16)
         xd = np.empty((n, nb), np.float32)
         xs = np.empty((n, nb), np.float32)
-        qdot.quantize_rows(X, xq, xd, xs, (1 << (self.act_bits - 1)) - 1)
+        qdot.quantize_rows(X, xq, xd, xs, (1 << (bits - 1)) - 1)
         ds, ms, qss = int_parts
-        qdot.intdot_small(self._intdot.fn(dtype, self.act_bits), ds, ms, qss, count, offs, xq, xd, xs, out)
+        qdot.intdot_small(self._intdot.fn(dtype, bits), ds, ms, qss, count, offs, xq, xd, xs, out)
 
     def _small_args(self, run: list[Weight]) -> tuple[int, np.ndarray, list[tuple[np.ndarray, ...]]]:
         """(count, row offsets, part 3-tuples padded with empty arrays) for a fused run."""

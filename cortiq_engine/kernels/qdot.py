@@ -11,14 +11,15 @@ called from numba's parallel loops through a function pointer. Hosts without
 AVX2/FMA/F16C use the float kernels; ``qdot_ref`` is the float64 twin the tests
 hold the kernels against.
 
-Two activation widths:
-- int16 (the default): ``vpmaddwd`` on sign-extended weights. Rounding the
-  activations to 1/32767 of a block's maximum leaves the logits' error where the
-  float kernels have it: SmolLM2 q8 decode KL to f32 0.000960 with both
-  (``benchmarks/bench_int8_error.py``).
-- int8 (``CORTIQ_KERNELS=numba-i8``): ggml's ``vpmaddubsw`` sign trick, up to 25%
-  faster for q4, but the rounding quadruples q8's KL (0.00398) on SmolLM2, whose
-  activations have large outliers inside a block.
+Two activation widths (the default kernel set: int16 for q8, int8 for q4):
+- int16: ``vpmaddwd`` on sign-extended weights. Rounding the activations to
+  1/32767 of a block's maximum leaves the logits' error where the float kernels
+  have it: SmolLM2 q8 decode KL to f32 0.000960 with both, Gemma 3 q8 0.000371
+  with both (``benchmarks/bench_int8_error.py``).
+- int8: ggml's ``vpmaddubsw`` sign trick, faster (a 4-row q4 verify at 1.1B:
+  126 vs 147 ms), but the rounding multiplies q8's KL by 4-6 (SmolLM2 0.00398,
+  Gemma 3 0.00216), whose activations have large outliers inside a block. For q4 it
+  is lost in the weights' own error: Gemma 3 q4 KL 0.1814 vs 0.1795.
 
 Per weight row and input row the result is
     sum_b  d_w[b] * d_x[b] * sum_j q_w[b, j] * q_x[b, j]      (q8)
