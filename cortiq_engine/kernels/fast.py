@@ -14,6 +14,7 @@ Strategy per matmul of n input rows:
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from concurrent.futures import ThreadPoolExecutor
 from typing import Mapping, Sequence
 
@@ -21,7 +22,7 @@ import numba
 import numpy as np
 
 from cortiq_engine.kernels import jit, qdot
-from cortiq_engine.kernels.dtype_ops import ops_for
+from cortiq_engine.kernels.dtype_ops import DtypeOps, ops_for
 from cortiq_engine.kernels.reference import NumpyKernels, attend_block, attention_jobs
 from cortiq_engine.weights import Weight
 
@@ -63,6 +64,20 @@ def _runs(ws: Sequence[Weight], most: int) -> list[list[Weight]]:
     return runs
 
 
+@dataclass(frozen=True)
+class _Plan:
+    """One fused small-batch kernel call: its weights' padded parts and its kernel."""
+
+    width: int  # output columns: the run's rows
+    count: int
+    offs: np.ndarray
+    parts: list
+    ops: DtypeOps
+    bits: int  # integer activation width, 0 = the float kernel
+    int_parts: tuple | None
+    fn: object | None  # the compiled integer kernel (qdot.IntDot.fn)
+
+
 def _readonly(a: np.ndarray) -> np.ndarray:
     v = np.ascontiguousarray(a).view()
     v.flags.writeable = False
@@ -95,27 +110,49 @@ class NumbaKernels(NumpyKernels):
         self._pool_size = 0
         # Read-only part views per weight (the entry keeps the weight, so an id is never reused).
         self._view_cache: dict[int, tuple[Weight, tuple[np.ndarray, ...]]] = {}
+        self._plan_cache: dict[tuple[int, ...], tuple[tuple[Weight, ...], list[_Plan], int]] = {}
         self._pads: dict[tuple, np.ndarray] = {}
 
     # ------------------------------------------------------------ matmul
     def matmul(self, ws: Sequence[Weight], X: np.ndarray) -> np.ndarray:
         X = np.ascontiguousarray(X, dtype=np.float32)
         n = X.shape[0]
-        out = np.empty((n, sum(w.rows for w in ws)), np.float32)
         if n > self.small_n:
+            out = np.empty((n, sum(w.rows for w in ws)), np.float32)
             self._large(ws, X, out)
             return out
-        runs = _runs(ws, FUSE_MAX)
+        plans, width = self._plans_for(ws)
+        out = np.empty((n, width), np.float32)
         c0 = 0
-        for run in runs:
-            width = sum(w.rows for w in run)
+        for plan in plans:
             # The kernel writes a contiguous [n, width] block.
-            tgt = out if len(runs) == 1 else np.empty((n, width), np.float32)
-            self._small(run, X, tgt)
+            tgt = out if len(plans) == 1 else np.empty((n, plan.width), np.float32)
+            self._small(plan, X, tgt)
             if tgt is not out:
-                out[:, c0 : c0 + width] = tgt
-            c0 += width
+                out[:, c0 : c0 + plan.width] = tgt
+            c0 += plan.width
         return out
+
+    def _plans_for(self, ws: Sequence[Weight]) -> tuple[list["_Plan"], int]:
+        """The fused kernel calls of a matmul over ``ws``, built once per weight list:
+        a decode step makes ~150 small calls, and rebuilding their arguments each time
+        cost about a third of a call's Python time."""
+        key = tuple(id(w) for w in ws)
+        hit = self._plan_cache.get(key)
+        if hit is not None and all(a is b for a, b in zip(hit[0], ws)):
+            return hit[1], hit[2]
+        plans = [self._plan(run) for run in _runs(ws, FUSE_MAX)]
+        width = sum(p.width for p in plans)
+        self._plan_cache[key] = (tuple(ws), plans, width)  # the entry keeps the weights: ids stay unique
+        return plans, width
+
+    def _plan(self, run: list[Weight]) -> "_Plan":
+        count, offs, parts = self._small_args(run)
+        ops = ops_for(run[0].dtype)
+        bits = self.act_bits.get(ops.dtype, 0)
+        int_parts = ops.int_parts(parts) if bits else None
+        fn = self._intdot.fn(ops.dtype, bits) if int_parts is not None else None
+        return _Plan(sum(w.rows for w in run), count, offs, parts, ops, bits if fn is not None else 0, int_parts, fn)
 
     def _large(self, ws: Sequence[Weight], X: np.ndarray, out: np.ndarray) -> None:
         """Prefill: row slices of the weights, each dequantized into a per-thread tile
@@ -162,26 +199,19 @@ class NumbaKernels(NumpyKernels):
             tile = self._tiles.buf = np.empty(max(rows * cols, TILE_ELEMS // 4), np.float32)
         return tile[: rows * cols].reshape(rows, cols)
 
-    def _small(self, run: list[Weight], X: np.ndarray, out: np.ndarray) -> None:
-        count, offs, parts = self._small_args(run)
-        ops = ops_for(run[0].dtype)
-        bits = self.act_bits.get(ops.dtype, 0)
-        int_parts = ops.int_parts(parts) if bits else None
-        if int_parts is None:
-            ops.small(parts, count, offs, X, out)
-        else:
-            self._small_int(ops.dtype, bits, int_parts, count, offs, X, out)
-
-    def _small_int(self, dtype: str, bits: int, int_parts, count, offs, X: np.ndarray, out: np.ndarray) -> None:
-        """Decode/verify on ``bits``-wide integer activations: X quantized once per call."""
+    def _small(self, plan: "_Plan", X: np.ndarray, out: np.ndarray) -> None:
+        if plan.fn is None:
+            plan.ops.small(plan.parts, plan.count, plan.offs, X, out)
+            return
+        # Decode/verify on integer activations: X quantized once per call.
         n, cols = X.shape
         nb = cols // jit.QB
-        xq = np.empty((n, cols), np.int8 if bits == 8 else np.int16)
+        xq = np.empty((n, cols), np.int8 if plan.bits == 8 else np.int16)
         xd = np.empty((n, nb), np.float32)
         xs = np.empty((n, nb), np.float32)
-        qdot.quantize_rows(X, xq, xd, xs, (1 << (bits - 1)) - 1)
-        ds, ms, qss = int_parts
-        qdot.intdot_small(self._intdot.fn(dtype, bits), ds, ms, qss, count, offs, xq, xd, xs, out)
+        qdot.quantize_rows(X, xq, xd, xs, (1 << (plan.bits - 1)) - 1)
+        ds, ms, qss = plan.int_parts
+        qdot.intdot_small(plan.fn, ds, ms, qss, plan.count, plan.offs, xq, xd, xs, out)
 
     def _small_args(self, run: list[Weight]) -> tuple[int, np.ndarray, list[tuple[np.ndarray, ...]]]:
         """(count, row offsets, part 3-tuples padded with empty arrays) for a fused run."""
