@@ -32,11 +32,12 @@ verify relies on this).
 
 from __future__ import annotations
 
-import ctypes
 import platform
 import threading
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
 
 QB = 32
 # Input rows one IR call handles with all accumulators in registers (AVX2 has 16),
@@ -351,11 +352,25 @@ def module_ir(kind: str | None = None, act: int | None = None) -> str:
     return "\n".join(parts)
 
 
-_FN = ctypes.CFUNCTYPE(
-    None, ctypes.c_int64,
-    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-)
+# The IR entries' signature, every pointer passed as an i64 address (the x86-64 ABI
+# passes both in the same registers): numba then calls the kernel by address
+# (``_call_rows``), where a ctypes function argument cost a ctypes cast per call.
+_ENTRY_ARGS = 12
+
+
+@intrinsic
+def _call_rows(typingctx, addr, nx, wq, wd, wm, r0, r1, nb, xq, xd, xs, out, ostride):
+    """Call the compiled ``*_rows`` entry at ``addr`` (every argument an int64)."""
+    sig = types.void(*([types.int64] * (_ENTRY_ARGS + 1)))
+
+    def codegen(context, builder, signature, args):
+        i64 = ir.IntType(64)
+        fnty = ir.FunctionType(ir.VoidType(), [i64] * _ENTRY_ARGS)
+        fn = builder.inttoptr(args[0], fnty.as_pointer())
+        builder.call(fn, args[1:])
+        return context.get_dummy_value()
+
+    return sig, codegen
 
 
 def host_supports() -> bool:
@@ -395,7 +410,7 @@ class IntDot:
                 engine = llvm.create_mcjit_compiler(mod, tm)
                 engine.finalize_object()
                 self._engines.append(engine)
-                self._fns[key] = _FN(engine.get_function_address(f"{_entry(kind, act)}_rows"))
+                self._fns[key] = int(engine.get_function_address(f"{_entry(kind, act)}_rows"))
             return self._fns[key]
 
 
@@ -429,8 +444,9 @@ def intdot_small(fn, ds, ms, qss, count, offs, xq, xd, xs, out):
             r1 = min(rows, r0 + GRAIN)
             for i0 in range(0, n, MAX_ROWS):
                 nx = min(MAX_ROWS, n - i0)
-                fn(
-                    nx, q.ctypes.data, d.ctypes.data, mn.ctypes.data, r0, r1, nb,
-                    xq.ctypes.data + i0 * xq.strides[0], xd.ctypes.data + 4 * i0 * nb, xs.ctypes.data + 4 * i0 * nb,
-                    out.ctypes.data + 4 * (i0 * width + base), width,
+                _call_rows(
+                    fn, np.int64(nx), np.int64(q.ctypes.data), np.int64(d.ctypes.data), np.int64(mn.ctypes.data),
+                    np.int64(r0), np.int64(r1), np.int64(nb), np.int64(xq.ctypes.data + i0 * xq.strides[0]),
+                    np.int64(xd.ctypes.data + 4 * i0 * nb), np.int64(xs.ctypes.data + 4 * i0 * nb),
+                    np.int64(out.ctypes.data + 4 * (i0 * width + base)), np.int64(width),
                 )
