@@ -146,6 +146,7 @@ def test_quantized_fast_equals_reference(tmp_path, quant):
                            + [forward(st, ids[i : i + 1]) for i in range(36, 40)])
         out[k] = eng.model.lm_head(eng.model.final_norm(h))
     assert _rel(out["numba-float"], out["numpy"]) <= 1e-5
-    # the default rounds decode/verify activations to int16 per block of 32 (kernels/qdot.py)
-    assert _rel(out["numba"], out["numpy"]) <= 1e-4
+    # the default rounds decode/verify activations per block of 32 (kernels/qdot.py):
+    # to int16 for q8, to int8 for q4 (1/127 of a block's maximum)
+    assert _rel(out["numba"], out["numpy"]) <= (1e-2 if quant == "q4" else 1e-4)
     assert _rel(out["numba"][:30], out["numpy"][:30]) <= 1e-5  # prefill stays on float activations
