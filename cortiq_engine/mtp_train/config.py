@@ -9,8 +9,11 @@ from formats.errors import CortiqError
 
 HIDDEN_CHOICES = ("pre", "post")
 VOCAB_CHOICES = ("active", "full")
+CHAIN_CHOICES = ("independent", "recursive")
+FEATURE_DTYPES = ("f16", "f32")
 # Settings a resumed run must share with the checkpoint (the rest may change, e.g. steps).
-RESUME_KEYS = ("layers", "seq", "batch", "lr", "warmup", "topk", "intermediate", "init_layer", "hidden", "vocab", "negatives", "seed", "holdout")
+RESUME_KEYS = ("layers", "seq", "batch", "lr", "warmup", "topk", "intermediate", "init_layer", "hidden", "vocab", "negatives", "seed", "holdout",
+               "ttt", "chain", "depth")
 
 
 @dataclass
@@ -31,6 +34,18 @@ class TrainConfig:
     max_tokens: int | None = None
     seed: int = 0
     checkpoint_every: int = 50
+    # Training-time test: depth k reads this round's drafts of depths < k where inference
+    # does (cortiq_engine.mtp.Drafter); False = teacher forcing with the true tokens.
+    ttt: bool = True
+    chain: str = "independent"  # how the drafts chain at inference: K layers, or layer 0 re-fed
+    depth: int = 0  # depths trained; 0 = layers (independent) or 3 (recursive)
+    feature_dtype: str = "f16"  # the cached backbone hidden rows
+
+    @property
+    def depths(self) -> int:
+        if self.depth:
+            return self.depth
+        return self.layers if self.chain == "independent" else 3
 
     def check(self, num_layers: int) -> None:
         if self.layers < 1:
@@ -57,6 +72,18 @@ class TrainConfig:
             raise CortiqError(f"--lr must be positive (got {self.lr})")
         if self.checkpoint_every < 0:
             raise CortiqError(f"--checkpoint-every must be >= 0 (got {self.checkpoint_every})")
+        if self.chain not in CHAIN_CHOICES:
+            raise CortiqError(f"--chain {self.chain!r}: choose one of {', '.join(CHAIN_CHOICES)}")
+        if self.feature_dtype not in FEATURE_DTYPES:
+            raise CortiqError(f"--feature-dtype {self.feature_dtype!r}: choose one of {', '.join(FEATURE_DTYPES)}")
+        if self.depth < 0:
+            raise CortiqError(f"--depth must be >= 0 (got {self.depth})")
+        if self.chain == "independent" and self.depth not in (0, self.layers):
+            raise CortiqError(f"--depth {self.depth} with independent layers must equal --layers {self.layers}")
+        if self.chain == "recursive" and self.layers != 1:
+            raise CortiqError(f"--chain recursive trains one layer re-fed to each depth (got --layers {self.layers})")
+        if self.seq < self.depths + 2:
+            raise CortiqError(f"--seq {self.seq} is too short for depth {self.depths} (needs >= {self.depths + 2})")
         if self.max_tokens is not None and self.max_tokens < 2:
             raise CortiqError(f"--max-tokens must be at least 2 (got {self.max_tokens})")
 

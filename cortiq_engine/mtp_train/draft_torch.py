@@ -94,6 +94,32 @@ class TorchBlock(nn.Module):
         x = self.post_attention_layernorm(u)
         return u + self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
+    def attend(self, u: torch.Tensor, pos: torch.Tensor, q0: int, mask: torch.Tensor,
+               cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The block over rows ``u`` [B, R, H] at RoPE positions ``pos`` [R] where only rows
+        ``q0:`` are queries and ``mask`` [R - q0, R] (True = attend) says which rows each
+        sees: the training-time test's view of a round's provisional rows. Returns the
+        query rows' outputs [B, R - q0, H]."""
+        b, r, _ = u.shape
+        nq = r - q0
+        x = self.input_layernorm(u)
+        xq = x[:, q0:]
+        q = self.q_proj(xq).view(b, nq, self.nh, self.hd).transpose(1, 2)
+        k = self.k_proj(x).view(b, r, self.nkv, self.hd).transpose(1, 2)
+        v = self.v_proj(x).view(b, r, self.nkv, self.vd).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = _rotate(q, cos[pos[q0:]], sin[pos[q0:]], self.rd)
+        k = _rotate(k, cos[pos], sin[pos], self.rd)
+        rep = self.nh // self.nkv
+        if rep > 1:
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        uq = u[:, q0:] + self.o_proj(a.transpose(1, 2).reshape(b, nq, self.nh * self.vd))
+        x = self.post_attention_layernorm(uq)
+        return uq + self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
     def named_arrays(self) -> dict[str, torch.Tensor]:
         out = {
             "input_layernorm.weight": self.input_layernorm.weight,
@@ -135,6 +161,17 @@ class DraftLayer(nn.Module):
         """emb, hid [B, T, H] (row j: embed of x_{j+k+1}, backbone hidden h_j) -> final-normed [B, T, H]."""
         u = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(hid)], -1))
         return self.final_layernorm(self.block(u, cos, sin))
+
+    def pre_norm(self, emb: torch.Tensor, hid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced rows before ``final_layernorm`` (what the recursive chain feeds back)."""
+        return self.block(self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(hid)], -1)), cos, sin)
+
+    def attend(self, emb: torch.Tensor, hid: torch.Tensor, pos: torch.Tensor, q0: int, mask: torch.Tensor,
+               cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rows (emb, hid) [B, R, H] at positions ``pos``; queries ``q0:`` under ``mask``
+        (``TorchBlock.attend``). Returns the query rows before ``final_layernorm``."""
+        u = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(hid)], -1))
+        return self.block.attend(u, pos, q0, mask, cos, sin)
 
     def named_arrays(self) -> dict[str, torch.Tensor]:
         """The trainable tensors under their sidecar names (relative to ``model.mtp.layers.{k}.``)."""
@@ -197,7 +234,8 @@ def build_stack(backbone, k: int, inter: int | None, init_layer: int, hnorm_scal
     width = inter or block["mlp.gate_proj.weight"].shape[0]
     final = backbone.final_norm_weight()
     layers = [DraftLayer(arch, block, width, hnorm_scale, final, seed + i) for i in range(k)]
-    return DraftStack(layers, *rope_tables(arch, seq))
+    # Recursive drafts sit up to K positions past the last row.
+    return DraftStack(layers, *rope_tables(arch, seq + k + 1))
 
 
 def rope_tables(arch: ArchConfig, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -220,6 +258,8 @@ class TorchBackbone:
         self.norm_w = torch.tensor(backbone.final_norm_weight())
         self.eps = arch.norm_eps
         self.head = torch.tensor(backbone.head_f32())
+        self.hidden_size = arch.hidden_size
+        self.vocab_size = int(self.head.shape[0])
 
     @torch.no_grad()
     def hidden(self, ids: np.ndarray) -> np.ndarray:
@@ -236,3 +276,62 @@ class TorchBackbone:
     @torch.no_grad()
     def logits(self, normed: np.ndarray) -> np.ndarray:
         return (torch.from_numpy(np.ascontiguousarray(normed, np.float32)) @ self.head.T).numpy()
+
+
+def depth_outputs(stack: DraftStack, embed, tokens: np.ndarray, hid: torch.Tensor, depth: int, chain: str,
+                  ttt: bool, pick) -> list[torch.Tensor]:
+    """Final-normed draft rows of every depth over windows ``tokens`` [B, T] with backbone
+    hidden ``hid`` [B, T, H]; depth d's row j is the round after position j (it drafts the
+    token j+d+1, 0-based d). ``embed(ids [B, n]) -> [B, n, H]``; ``pick(d, rows) -> ids
+    [B, n]`` is depth d's draft (argmax), which the later depths read.
+
+    With ``ttt`` (the training-time test) each depth sees what ``cortiq_engine.mtp.Drafter``
+    feeds it at inference: the round's earlier drafts where the text is not known yet.
+    ``independent``: layer d's row t reads (embed(x_{t+d+1}), h_t) and its provisional rows
+    t-i (i < d) read this round's draft of depth d-i, the rows <= t-d the true tokens; so
+    each query row attends true rows r <= j-d and one row of each draft copy. ``recursive``:
+    layer 0 only; depth d's row j sits at position j+d, reads the draft of depth d and the
+    pre-norm output of depth d-1 at row j, and attends true rows <= j plus row j of every
+    earlier depth. Without ``ttt`` the true tokens stand in for the drafts (teacher forcing).
+    """
+    t = tokens.shape[1]
+    cos, sin = stack.cos, stack.sin
+    outs: list[torch.Tensor] = []
+    drafts: list[np.ndarray] = []  # [B, T-d-1]: depth d's draft in the round after row j
+    pre: list[torch.Tensor] = []  # recursive: each depth's pre-norm rows
+    for d in range(depth):
+        n = t - d - 1
+        layer = stack.layers[d if chain == "independent" else 0]
+        if d == 0 or (chain == "independent" and not ttt):
+            u = layer.pre_norm(embed(tokens[:, d + 1 : t]), hid[:, :n], cos, sin)
+        elif chain == "independent":
+            # Copies m = 1..d: row j reads the draft of depth m for position j+d+1 (made in the
+            # round after j-d+m), or the true token when not ttt; copy 0 is the true text.
+            toks = [tokens[:, d + 1 : t]]
+            for m in range(1, d + 1):
+                toks.append(drafts[m - 1][:, d - m : d - m + n] if ttt else tokens[:, d + 1 : t])
+            emb = embed(np.concatenate(toks, axis=1))
+            hh = hid[:, :n].repeat(1, d + 1, 1)
+            pos = torch.arange(n).repeat(d + 1)
+            j = torch.arange(n)[:, None]
+            r = torch.arange(n)[None, :]
+            mask = torch.cat([r <= j - d] + [r == j - d + m for m in range(1, d + 1)], dim=1)
+            u = layer.attend(emb, hh, pos, d * n, mask, cos, sin)
+        else:
+            toks = [tokens[:, 1 : 1 + n]]
+            hs = [hid[:, :n]]
+            ps = [torch.arange(n)]
+            for m in range(1, d + 1):
+                toks.append(drafts[m - 1][:, :n] if ttt else tokens[:, m + 1 : m + 1 + n])
+                hs.append(pre[m - 1][:, :n])
+                ps.append(torch.arange(n) + m)
+            j = torch.arange(n)[:, None]
+            r = torch.arange(n)[None, :]
+            mask = torch.cat([r <= j] + [r == j] * d, dim=1)
+            u = layer.attend(embed(np.concatenate(toks, axis=1)), torch.cat(hs, 1), torch.cat(ps), d * n, mask, cos, sin)
+        pre.append(u)
+        y = layer.final_layernorm(u)
+        outs.append(y)
+        if d + 1 < depth:
+            drafts.append(pick(d, y))
+    return outs

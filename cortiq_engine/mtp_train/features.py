@@ -10,7 +10,11 @@ token, the one a draft must match to be accepted.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 
@@ -21,8 +25,8 @@ HEAD_ROWS = 64  # lm_head rows per block: bounds the [rows, vocab] logits buffer
 
 @dataclass
 class Features:
-    tokens: np.ndarray  # int64 [W, T]
-    hidden: np.ndarray  # f32 [W, T, H]: the draft layers' hidden input (pre or post norm)
+    tokens: np.ndarray  # int [W, T]
+    hidden: np.ndarray  # f16/f32 [W, T, H]: the draft layers' hidden input (pre or post norm); maybe memory-mapped
     top_idx: np.ndarray  # int32 [W, T, k]: teacher top-k at each position, best first
     top_logp: np.ndarray  # f32 [W, T, k]: their log-probabilities (not renormalized)
     train: np.ndarray  # int64: window indices used for training
@@ -57,6 +61,8 @@ class EngineRunner:
 
     def __init__(self, backbone):
         self.model = backbone.model
+        self.hidden_size = backbone.arch.hidden_size
+        self.vocab_size = int(backbone.model.head.shape[0])
 
     def hidden(self, ids: np.ndarray) -> np.ndarray:
         from cortiq_engine.model import forward
@@ -70,6 +76,73 @@ class EngineRunner:
         return self.model.lm_head(normed)
 
 
+CACHE_VERSION = 1
+CACHE_META = "meta.json"
+FEATURE_DTYPES = {"f16": np.float16, "f32": np.float32}
+
+
+def cache_key(ids: np.ndarray, *, seq: int, topk: int, hidden: str, dtype: str, backbone: str | None, runner: str) -> str:
+    """What the cached rows are a function of: the backbone, the token ids and the settings."""
+    h = hashlib.sha256(json.dumps([CACHE_VERSION, backbone, runner, seq, topk, hidden, dtype]).encode())
+    h.update(np.ascontiguousarray(ids, np.int64).tobytes())
+    return h.hexdigest()[:32]
+
+
+class FeatureCache:
+    """Collected windows in a folder of memory-mapped ``.npy`` files (hidden rows in f16 or
+    f32, teacher top-k, tokens) and ``meta.json`` (the key and how many windows are done),
+    so collection holds one window in RAM and a killed run resumes at its last window.
+    A folder of another key (other text, backbone or settings) is started afresh."""
+
+    def __init__(self, folder: Path, key: str, shapes: dict[str, tuple[tuple[int, ...], Any]]):
+        self.folder, self.key = Path(folder), key
+        meta = self._meta()
+        fresh = meta.get("key") != key or not all((self.folder / f"{n}.npy").is_file() for n in shapes)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.arrays: dict[str, np.ndarray] = {}
+        for name, (shape, dtype) in shapes.items():
+            f = self.folder / f"{name}.npy"
+            arr = None
+            if not fresh:
+                try:
+                    arr = np.load(f, mmap_mode="r+")
+                except (OSError, ValueError):
+                    arr = None
+                if arr is None or arr.shape != shape or arr.dtype != np.dtype(dtype):
+                    fresh, arr = True, None
+            if arr is None:
+                arr = np.lib.format.open_memmap(f, mode="w+", dtype=dtype, shape=shape)
+            self.arrays[name] = arr
+        if fresh:
+            # Files opened before a mismatch are rewritten too.
+            self.arrays = {n: np.lib.format.open_memmap(self.folder / f"{n}.npy", mode="w+", dtype=dt, shape=sh)
+                           for n, (sh, dt) in shapes.items()}
+            self.done = 0
+            self._write_meta()
+        else:
+            d = meta.get("done")
+            self.done = d if isinstance(d, int) and 0 <= d else 0
+
+    def _meta(self) -> dict[str, Any]:
+        try:
+            m = json.loads((self.folder / CACHE_META).read_text())
+            return m if isinstance(m, dict) else {}
+        except (OSError, ValueError):
+            return {}
+
+    def _write_meta(self) -> None:
+        tmp = self.folder / f".{CACHE_META}.tmp"
+        tmp.write_text(json.dumps({"version": CACHE_VERSION, "key": self.key, "done": self.done}))
+        os.replace(tmp, self.folder / CACHE_META)
+
+    def commit(self, done: int) -> None:
+        """Windows < done are on disk: flush them before the count says so."""
+        for a in self.arrays.values():
+            a.flush()
+        self.done = done
+        self._write_meta()
+
+
 def collect(
     runner,
     ids: list[int] | np.ndarray,
@@ -80,29 +153,50 @@ def collect(
     holdout: float,
     min_len: int,
     progress: Callable[[int, int], None] | None = None,
+    cache: str | Path | None = None,
+    dtype: str = "f32",
+    backbone: str | None = None,
 ) -> Features:
+    """Run the backbone over every window; ``progress(tokens done, tokens total)`` after each.
+
+    With ``cache`` (a folder) the rows go to memory-mapped files there and a run that
+    finds the folder with the same key (``backbone`` fingerprint, ids, settings) skips
+    the windows already done; without it they stay in RAM."""
     ids = np.asarray(ids, dtype=np.int64)
     n, train, held = split_windows(len(ids), seq, holdout, min_len)
-    x0 = runner.hidden(ids[:1])
-    h = x0.shape[1]
-    vocab = runner.logits(runner.final_norm(x0)).shape[1]
+    h = runner.hidden_size
+    vocab = runner.vocab_size
     k = min(topk, vocab)
+    hdt = FEATURE_DTYPES[dtype]
+    shapes = {"tokens": ((n, seq), np.int32), "hidden": ((n, seq, h), hdt),
+              "top_idx": ((n, seq, k), np.int32), "top_logp": ((n, seq, k), np.float32)}
+    if cache is not None:
+        key = cache_key(ids[: n * seq], seq=seq, topk=k, hidden=hidden, dtype=dtype, backbone=backbone,
+                        runner=type(runner).__name__)
+        store = FeatureCache(Path(cache), key, shapes)
+        arrays, start = store.arrays, store.done
+    else:
+        store = None
+        arrays = {name: np.empty(shape, dt) for name, (shape, dt) in shapes.items()}
+        start = 0
     tokens = ids[: n * seq].reshape(n, seq)
-    hid = np.empty((n, seq, h), np.float32)
-    top_idx = np.empty((n, seq, k), np.int32)
-    top_logp = np.empty((n, seq, k), np.float32)
-    for w in range(n):
+    if progress and start:
+        progress(start * seq, n * seq)
+    for w in range(start, n):
         x = runner.hidden(tokens[w])
         normed = runner.final_norm(x)
-        hid[w] = normed if hidden == "post" else x
+        arrays["hidden"][w] = normed if hidden == "post" else x
+        arrays["tokens"][w] = tokens[w]
         for r0 in range(0, seq, HEAD_ROWS):
             logits = runner.logits(normed[r0 : r0 + HEAD_ROWS]).astype(np.float64)
             i, lp = _top_logp(logits, k)
-            top_idx[w, r0 : r0 + len(i)] = i
-            top_logp[w, r0 : r0 + len(i)] = lp
+            arrays["top_idx"][w, r0 : r0 + len(i)] = i
+            arrays["top_logp"][w, r0 : r0 + len(i)] = lp
+        if store is not None:
+            store.commit(w + 1)
         if progress:
-            progress(w + 1, n)
-    return Features(tokens, hid, top_idx, top_logp, train, held)
+            progress((w + 1) * seq, n * seq)
+    return Features(arrays["tokens"], arrays["hidden"], arrays["top_idx"], arrays["top_logp"], train, held)
 
 
 def _top_logp(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

@@ -7,11 +7,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
+
 from formats.errors import CortiqError
 from formats.untrusted_json import section
 from formats.sidecar import sidecar_path
 from cortiq_engine.acceptance import Acceptance
 from cortiq_engine.mtp_train.config import TrainConfig
+
+
+EVAL_WINDOWS = 32
+
+
+def features_path(out: Path) -> Path:
+    stem = out.name[: -len(".cmf")] if out.name.endswith(".cmf") else out.name
+    return out.with_name(f"{stem}.features")
 
 
 @dataclass
@@ -76,7 +86,11 @@ def train_mtp(
     kernels: str | None = None,
     backend: str = "torch",
     callbacks: Callbacks | None = None,
+    features: str | Path | None = None,
 ) -> RunResult:
+    """``features``: the folder of the collected backbone rows (memory-mapped, resumable;
+    default OUT stem + ``.features`` beside the sidecar; reused by any run of the same
+    backbone, text and collection settings)."""
     from cortiq_engine.mtp_train.backbone import open_backbone
     from cortiq_engine.mtp_train.export import write_sidecar
     from cortiq_engine.mtp_train.features import EngineRunner, collect
@@ -117,10 +131,14 @@ def train_mtp(
     else:
         raise CortiqError(f"--backbone {backend!r}: choose torch or engine")
     feats = collect(runner, ids, seq=cfg.seq, topk=cfg.topk, hidden=cfg.hidden, holdout=cfg.holdout,
-                    min_len=cfg.layers + 2, progress=cb.collect)
+                    min_len=cfg.depths + 2, progress=cb.collect, cache=Path(features) if features else features_path(out),
+                    dtype=cfg.feature_dtype, backbone=backbone.fingerprint or str(model_path.resolve()))
     collect_s = time.perf_counter() - t0
     del runner  # the f32 backbone copy is not needed for training
 
+    # The report's held-out windows: the first EVAL_WINDOWS (a large text's tenth would
+    # take longer to draft through the engine than the training).
+    held = feats.held[:EVAL_WINDOWS]
     trainer = Trainer(backbone, feats, cfg, threads=threads)
     if resume:
         trainer.load(ckpt)
@@ -130,25 +148,26 @@ def train_mtp(
 
     result = RunResult(
         sidecar=out, checkpoint=ckpt if ckpt.is_file() else None, config=cfg, source=source,
-        tokens=len(ids), train_windows=len(feats.train), held_windows=len(feats.held),
+        tokens=len(ids), train_windows=len(feats.train), held_windows=len(held),
         active_vocab=len(trainer.active), start_step=res.start_step, steps=res.steps_done,
         losses=res.losses, train_seconds=res.seconds, collect_seconds=collect_s,
     )
     if cb.phase:
         cb.phase("evaluate")
-    if len(feats.held):
-        result.held_torch = trainer.evaluate(feats.held)
+    if len(held):
+        result.held_torch = trainer.evaluate(held)
     trained = {
-        "text": source, "tokens": len(ids), "train_windows": len(feats.train), "held_windows": len(feats.held),
+        "text": source, "tokens": len(ids), "train_windows": len(feats.train), "held_windows": len(held),
         "steps": res.steps_done, "loss": res.last_loss, "config": cfg.to_json(),
         "held_out": result.held_torch.to_json() if result.held_torch else None,
     }
     write_sidecar(out, backbone.header, model_path.name, res.stack.tensors(), quant=quant, hidden=cfg.hidden,
                   trained=trained, force=force or resume)
-    if len(feats.held):
+    if len(held):
         from cortiq_engine.mtp_train.engine_drafts import engine_drafts, load_draft_layers
 
         layers = load_draft_layers(out, backbone)
-        drafts = engine_drafts(backbone, layers, feats.tokens[feats.held], feats.hidden[feats.held])
-        result.held_engine = Acceptance.from_arrays(drafts, feats.greedy[feats.held])
+        drafts = engine_drafts(backbone, layers, np.asarray(feats.tokens[held], np.int64),
+                               np.asarray(feats.hidden[held], np.float32))
+        result.held_engine = Acceptance.from_arrays(drafts, np.asarray(feats.greedy[held]))
     return result

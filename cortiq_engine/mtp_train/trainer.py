@@ -105,18 +105,19 @@ class Trainer:
         elif backbone.arch.hidden_size < 256:
             torch.set_num_threads(1)  # tiny matrices: thread hand-offs cost more than they save
         self.backbone, self.f, self.cfg = backbone, feats, cfg
-        tr = feats.hidden[feats.train]
-        self.hnorm_scale = float(np.sqrt((tr.astype(np.float64) ** 2).mean(-1)).mean())
+        # Statistics from a sample of windows: the features may be a memory-mapped file
+        # far larger than RAM, read a batch at a time.
+        sample = feats.train[:64]
+        tr = np.asarray(feats.hidden[np.sort(sample)], np.float64)
+        self.hnorm_scale = float(np.sqrt((tr ** 2).mean(-1)).mean())
+        del tr
         torch.manual_seed(cfg.seed)
-        self.stack = build_stack(backbone, cfg.layers, cfg.intermediate, cfg.init_layer, self.hnorm_scale, feats.seq, cfg.seed)
+        self.stack = build_stack(backbone, cfg.layers, cfg.intermediate, cfg.init_layer, self.hnorm_scale,
+                                 feats.seq + cfg.depths, cfg.seed)
         self.head = torch.tensor(backbone.head_f32())  # frozen, shared
         self.vocab = self.head.shape[0]
-        # Embedding rows of every token the windows hold, looked up per step.
-        self.emb = torch.tensor(backbone.embed_f32(feats.tokens.reshape(-1)).reshape(*feats.tokens.shape, -1))
-        self.hidden = torch.tensor(feats.hidden)
         if cfg.vocab == "active":
-            used = np.concatenate([feats.top_idx[feats.train].ravel(), feats.tokens[feats.train].ravel()])
-            self.active = np.unique(used).astype(np.int64)
+            self.active = _active_vocab(feats)
         else:
             self.active = np.arange(self.vocab, dtype=np.int64)
         self.params = [p for p in self.stack.parameters() if p.requires_grad]
@@ -221,7 +222,17 @@ class Trainer:
         neg = rng.choice(rest, size=min(self.cfg.negatives, len(rest)), replace=False)
         return np.concatenate([self.active, np.sort(neg)])
 
+    def embed(self, ids: np.ndarray):
+        """Embedding rows [.., H] of token ids [..] (looked up per step: the table of
+        every window's rows would be as large as the hidden rows)."""
+        return self.torch.from_numpy(self.backbone.embed_f32(ids.reshape(-1)).reshape(*ids.shape, -1))
+
+    def hidden_rows(self, wins: np.ndarray):
+        return self.torch.from_numpy(np.asarray(self.f.hidden[wins], np.float32))
+
     def train_step(self) -> tuple[float, list[float]]:
+        from cortiq_engine.mtp_train.draft_torch import depth_outputs
+
         torch, cfg, f = self.torch, self.cfg, self.f
         rng = np.random.default_rng([cfg.seed, self.step])
         wins = rng.choice(f.train, size=cfg.batch, replace=len(f.train) < cfg.batch)
@@ -230,22 +241,31 @@ class Trainer:
         lut[cand] = np.arange(len(cand))
         w_c = self.head[torch.from_numpy(cand)]
         t = f.seq
+        tokens = np.asarray(f.tokens[wins], np.int64)
+        top_idx = np.asarray(f.top_idx[wins])
+        top_logp = np.asarray(f.top_logp[wins], np.float32)
         for g in self.opt.param_groups:
             g["lr"] = lr_at(cfg, self.step)
         self.opt.zero_grad(set_to_none=True)
-        wi = torch.from_numpy(wins)
+        logits: list = []
+
+        def pick(d, rows):
+            # The draft later depths read: the argmax over the step's candidate rows (the
+            # teacher's vocabulary + negatives); with --vocab full, the engine's argmax.
+            lg = rows @ w_c.T
+            logits.append(lg)
+            return cand[lg.detach().argmax(-1).numpy()]
+
+        outs = depth_outputs(self.stack, self.embed, tokens, self.hidden_rows(wins), cfg.depths, cfg.chain, cfg.ttt, pick)
         total = torch.zeros(())
         agree = []
-        for k in range(cfg.layers):
-            n = t - k - 1
-            emb = self.emb[wi, k + 1 : t]
-            hid = self.hidden[wi, :n]
-            out = self.stack.layer_out(k, emb, hid)
-            logq = torch.log_softmax(out @ w_c.T, dim=-1)
-            tgt = torch.from_numpy(lut[f.top_idx[wins, k + 1 : t]])
-            p = torch.softmax(torch.from_numpy(f.top_logp[wins, k + 1 : t]), dim=-1)
+        for k, y in enumerate(outs):
+            lg = logits[k] if k < len(logits) else y @ w_c.T
+            logq = torch.log_softmax(lg, dim=-1)
+            tgt = torch.from_numpy(lut[top_idx[:, k + 1 : t]])
+            p = torch.softmax(torch.from_numpy(top_logp[:, k + 1 : t]), dim=-1)
             loss_k = -(p * logq.gather(-1, tgt)).sum(-1).mean()
-            total = total + loss_k / cfg.layers
+            total = total + loss_k / len(outs)
             with torch.no_grad():
                 agree.append(float((logq.argmax(-1) == tgt[..., 0]).float().mean()))
         total.backward()
@@ -269,18 +289,38 @@ class Trainer:
         return TrainResult(self.stack, self.step, start, list(self.losses), time.perf_counter() - t0, self.hnorm_scale)
 
     # ------------------------------------------------------------ evaluation
-    def drafts(self, windows: np.ndarray) -> list[np.ndarray]:
-        """Full-vocabulary argmax drafts [W, T] per depth (torch weights, f32)."""
-        torch, f = self.torch, self.f
+    def drafts(self, windows: np.ndarray, ttt: bool = False) -> list[np.ndarray]:
+        """Full-vocabulary argmax drafts [W, T] per depth (torch weights, f32). Teacher-forced
+        by default, as the engine's check (``engine_drafts``) and ``mtp-probe`` read the
+        text; ``ttt`` feeds each depth the earlier depths' drafts, as the Drafter does."""
+        from cortiq_engine.mtp_train.draft_torch import depth_outputs
+
+        torch, f, cfg = self.torch, self.f, self.cfg
         t = f.seq
-        out = [np.full((len(windows), t), -1, np.int64) for _ in range(self.cfg.layers)]
+        out = [np.full((len(windows), t), -1, np.int64) for _ in range(cfg.depths)]
+
+        def pick(d, rows):
+            return (rows @ self.head.T).argmax(-1).numpy()
+
         with torch.no_grad():
             for i, w in enumerate(windows):
-                for k in range(self.cfg.layers):
-                    n = t - k - 1
-                    y = self.stack.layer_out(k, self.emb[w, k + 1 : t][None], self.hidden[w, :n][None])[0]
-                    out[k][i, :n] = (y @ self.head.T).argmax(-1).numpy()
+                ys = depth_outputs(self.stack, self.embed, np.asarray(f.tokens[w : w + 1], np.int64),
+                                   self.hidden_rows(np.array([w])), cfg.depths, cfg.chain, ttt, pick)
+                for k, y in enumerate(ys):
+                    out[k][i, : t - k - 1] = pick(k, y[0])
         return out
 
     def evaluate(self, windows: np.ndarray) -> Acceptance:
         return Acceptance.from_arrays(self.drafts(windows), self.f.greedy[windows])
+
+
+def _active_vocab(feats: Features, chunk: int = 256) -> np.ndarray:
+    """Every token the teacher ranks in its top-k on the training windows, and the text's
+    own tokens (read in chunks of windows: the arrays may be memory-mapped)."""
+    seen = np.zeros(0, np.int64)
+    tr = np.sort(feats.train)
+    for s in range(0, len(tr), chunk):
+        w = tr[s : s + chunk]
+        part = np.concatenate([np.asarray(feats.top_idx[w]).ravel(), np.asarray(feats.tokens[w]).ravel()])
+        seen = np.union1d(seen, part.astype(np.int64))
+    return seen
