@@ -44,6 +44,8 @@ def mtp_train(
     depth: Annotated[int, typer.Option("--depth", help="Depths trained with --chain recursive (0: 3).", rich_help_panel=TRAIN_PANEL)] = 0,
     features: Annotated[Optional[Path], typer.Option("--features", help="Folder of the collected backbone rows (memory-mapped, resumed after a kill, reused by runs on the same text; default OUT stem + .features).", rich_help_panel=TRAIN_PANEL)] = None,
     feature_dtype: Annotated[str, typer.Option("--feature-dtype", help="Stored hidden rows: f16 (half the disk) or f32.", rich_help_panel=TRAIN_PANEL)] = "f16",
+    self_distill: Annotated[int, typer.Option("--self-distill", help="Train on the backbone's own text: each window keeps this many real tokens and the backbone continues it (0: real text only).", rich_help_panel=TRAIN_PANEL)] = 0,
+    self_temperature: Annotated[float, typer.Option("--self-temperature", help="With --self-distill: sample the continuations at this temperature (0: greedy).", rich_help_panel=TRAIN_PANEL)] = 0.0,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the window choice and negatives.", rich_help_panel=TRAIN_PANEL)] = 0,
     checkpoint_every: Annotated[int, typer.Option("--checkpoint-every", help="Save a checkpoint (OUT stem + .train.safetensors; no pickle) every N steps; 0 = never.", rich_help_panel=TRAIN_PANEL)] = 50,
     resume: Annotated[bool, typer.Option("--resume", help="Continue from the checkpoint beside the output.", rich_help_panel=TRAIN_PANEL)] = False,
@@ -62,6 +64,7 @@ def mtp_train(
         intermediate=intermediate, init_layer=init_layer, hidden=mtp_hidden, vocab=vocab, holdout=holdout,
         max_tokens=max_tokens, seed=seed, checkpoint_every=checkpoint_every,
         ttt=ttt, chain=chain, depth=depth, feature_dtype=feature_dtype,
+        self_distill=self_distill, self_temperature=self_temperature,
     )
     cfg.check(num_layers=1 << 30)  # the one-line messages before any file is read; layers are checked again
     source = load_text(opt.text_spec(text, dataset, config, split, column, data_files))
@@ -88,6 +91,11 @@ def mtp_train(
                 tasks["collect"] = bar.add_task("backbone", total=total, info="tokens")
             bar.update(tasks["collect"], completed=done)
 
+        def generate(done: int, total: int) -> None:
+            if "generate" not in tasks:
+                tasks["generate"] = bar.add_task("backbone text", total=total, info="windows")
+            bar.update(tasks["generate"], completed=done)
+
         def step(done: int, total: int, loss: float, agree: list[float]) -> None:
             if "train" not in tasks:
                 tasks["train"] = bar.add_task("training", total=total, completed=done - 1, info="")
@@ -95,7 +103,7 @@ def mtp_train(
             bar.update(tasks["train"], completed=done, info=f"loss [cyan]{loss:.4f}[/]  top-1 {acc}")
 
         result = train_mtp(model, source.text, source.source, cfg, out=out, quant=quant, resume=resume,
-                           force=force, threads=threads, backend=backbone, callbacks=Callbacks(collect=collect, step=step),
+                           force=force, threads=threads, backend=backbone, callbacks=Callbacks(collect=collect, step=step, generate=generate),
                            features=features)
     render(result)
 

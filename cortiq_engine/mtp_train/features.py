@@ -215,3 +215,35 @@ def _top_logp(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     idx[:, 0] = np.argmax(logits, axis=1)
     lp = np.take_along_axis(logits, idx, axis=1) - lse
     return idx.astype(np.int32), lp.astype(np.float32)
+
+
+def continuations(model, ids: np.ndarray, *, seq: int, prompt: int, temperature: float = 0.0, seed: int = 0,
+                  progress: Callable[[int, int], None] | None = None) -> np.ndarray:
+    """The text speculative decoding must predict: every window of ``seq`` tokens keeps its
+    first ``prompt`` real tokens and the rest is the backbone's own continuation (greedy,
+    or sampled at ``temperature``), decoded by the engine with its KV cache. Returns the
+    new ids, ``len(ids) // seq`` whole windows; ``progress(windows done, windows)``."""
+    from cortiq_engine.model import forward
+
+    if not 1 <= prompt < seq:
+        raise CortiqError(f"--self-distill {prompt}: the real prompt must be 1..{seq - 1} tokens of each window")
+    ids = np.asarray(ids, np.int64)
+    n = len(ids) // seq
+    out = ids[: n * seq].reshape(n, seq).copy()
+    rng = np.random.default_rng(seed)
+    for w in range(n):
+        state = model.new_state(seq)
+        h = forward(state, out[w, :prompt])[-1:]
+        for j in range(prompt, seq):
+            logits = model.lm_head(model.final_norm(h))[0].astype(np.float64)
+            if temperature > 0:
+                p = np.exp((logits - logits.max()) / temperature)
+                tok = int(rng.choice(len(p), p=p / p.sum()))
+            else:
+                tok = int(np.argmax(logits))
+            out[w, j] = tok
+            if j + 1 < seq:
+                h = forward(state, [tok])
+        if progress:
+            progress(w + 1, n)
+    return out.reshape(-1)

@@ -28,6 +28,7 @@ def features_path(out: Path) -> Path:
 class Callbacks:
     phase: Callable[[str], None] | None = None
     collect: Callable[[int, int], None] | None = None
+    generate: Callable[[int, int], None] | None = None  # windows continued by the backbone
     step: Callable[[int, int, float, list[float]], None] | None = None
 
 
@@ -119,6 +120,13 @@ def train_mtp(
         ids = ids[: cfg.max_tokens]
     if len(ids) < 2:
         raise CortiqError(f"{source}: too little text ({len(ids)} token)")
+    if cfg.self_distill:
+        from cortiq_engine.mtp_train.features import continuations
+
+        if cb.phase:
+            cb.phase("continue")
+        ids = continuations(backbone.model, ids, seq=cfg.seq, prompt=cfg.self_distill,
+                            temperature=cfg.self_temperature, seed=cfg.seed, progress=cb.generate)
     if cb.phase:
         cb.phase("collect")
     t0 = time.perf_counter()
