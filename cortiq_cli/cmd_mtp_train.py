@@ -39,7 +39,7 @@ def mtp_train(
     topk: Annotated[int, typer.Option("--topk", help="Teacher probabilities kept per position.", rich_help_panel=TRAIN_PANEL)] = 32,
     vocab: Annotated[str, typer.Option("--vocab", help="Draft softmax during training: active (tokens the teacher uses, + random negatives) or full.", rich_help_panel=TRAIN_PANEL)] = "active",
     backbone: Annotated[str, typer.Option("--backbone", help="Who runs the frozen backbone to collect its hidden rows: torch (fast on CPU) or engine (the decode path's exact numbers).", rich_help_panel=TRAIN_PANEL)] = "torch",
-    ttt: Annotated[bool, typer.Option("--ttt/--teacher-forcing", help="Training-time test: depth k reads the drafts of depths < k where inference does (default), or the true tokens.", rich_help_panel=TRAIN_PANEL)] = True,
+    ttt: Annotated[Optional[bool], typer.Option("--ttt/--teacher-forcing", help="Training-time test: depth k reads the drafts of depths < k where inference does, or the true tokens (default: TTT for --chain recursive, teacher forcing for independent).", show_default=False, rich_help_panel=TRAIN_PANEL)] = None,
     chain: Annotated[str, typer.Option("--chain", help="How the drafts chain: independent (K layers) or recursive (one layer re-fed, --layers 1).", rich_help_panel=TRAIN_PANEL)] = "independent",
     depth: Annotated[int, typer.Option("--depth", help="Depths trained with --chain recursive (0: 3).", rich_help_panel=TRAIN_PANEL)] = 0,
     features: Annotated[Optional[Path], typer.Option("--features", help="Folder of the collected backbone rows (memory-mapped, resumed after a kill, reused by runs on the same text; default OUT stem + .features).", rich_help_panel=TRAIN_PANEL)] = None,

@@ -96,6 +96,13 @@ def test_ttt_inputs_are_what_the_drafter_feeds(tiny, tmp_path, chain, layers, de
     np.testing.assert_array_equal(forced[:, 0], ttt[:, 0])  # depth 1 reads no draft
 
 
+def test_ttt_default_follows_the_chain():
+    assert TrainConfig(chain="recursive").use_ttt and not TrainConfig().use_ttt
+    assert TrainConfig(ttt=True).use_ttt and not TrainConfig(chain="recursive", ttt=False).use_ttt
+    with pytest.raises(CortiqError, match="--layers"):
+        TrainConfig(chain="recursive", layers=3).check(30)
+
+
 def test_ttt_training_lowers_the_loss(tiny, tmp_path):
     cfg = TrainConfig(layers=1, chain="recursive", depth=3, steps=25, seq=32, batch=2, lr=3e-3, warmup=3, topk=8,
                       holdout=0.2, max_tokens=1200, checkpoint_every=0, negatives=16)
@@ -142,7 +149,7 @@ def test_training_resumes_after_a_kill_during_collection(tiny, tmp_path):
     from cortiq_engine.mtp_train.run import Callbacks
 
     cfg = TrainConfig(layers=2, steps=4, seq=32, batch=2, lr=3e-3, warmup=1, topk=8, holdout=0.0,
-                      max_tokens=600, checkpoint_every=0, negatives=16)
+                      max_tokens=600, checkpoint_every=0, negatives=16, ttt=True)
     full = train_mtp(tiny, TEXT, "alice", cfg, out=tmp_path / "a.mtp.cmf", kernels="numpy")
 
     def stop(d, n):

@@ -35,8 +35,10 @@ class TrainConfig:
     seed: int = 0
     checkpoint_every: int = 50
     # Training-time test: depth k reads this round's drafts of depths < k where inference
-    # does (cortiq_engine.mtp.Drafter); False = teacher forcing with the true tokens.
-    ttt: bool = True
+    # does (cortiq_engine.mtp.Drafter); False = teacher forcing with the true tokens;
+    # None = on for the recursive chain only (unmeasured on the independent one yet:
+    # there, chained acceptance sees the same inputs either way).
+    ttt: bool | None = None
     chain: str = "independent"  # how the drafts chain at inference: K layers, or layer 0 re-fed
     depth: int = 0  # depths trained; 0 = layers (independent) or 3 (recursive)
     feature_dtype: str = "f16"  # the cached backbone hidden rows
@@ -44,6 +46,10 @@ class TrainConfig:
     # continuation (greedy, or sampled at self_temperature): the drafts' real task.
     self_distill: int = 0
     self_temperature: float = 0.0
+
+    @property
+    def use_ttt(self) -> bool:
+        return self.ttt if self.ttt is not None else self.chain == "recursive"
 
     @property
     def depths(self) -> int:

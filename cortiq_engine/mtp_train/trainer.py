@@ -256,7 +256,7 @@ class Trainer:
             logits.append(lg)
             return cand[lg.detach().argmax(-1).numpy()]
 
-        outs = depth_outputs(self.stack, self.embed, tokens, self.hidden_rows(wins), cfg.depths, cfg.chain, cfg.ttt, pick)
+        outs = depth_outputs(self.stack, self.embed, tokens, self.hidden_rows(wins), cfg.depths, cfg.chain, cfg.use_ttt, pick)
         total = torch.zeros(())
         agree = []
         for k, y in enumerate(outs):
