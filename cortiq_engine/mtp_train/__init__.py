@@ -9,8 +9,10 @@ imported only when training starts), are written as a standard MTP sidecar
 
 - ``config``       TrainConfig, its checks
 - ``backbone``     open a CMF backbone: engine model, tokenizer, f32 tensors
-- ``features``     hidden rows + teacher top-k, split into windows
-- ``draft_torch``  the draft layers as torch modules, initialized from the backbone
+- ``features``     hidden rows + teacher top-k, split into windows, cached in
+                   memory-mapped files (resumable); the backbone's own continuations
+- ``draft_torch``  the draft layers as torch modules, initialized from the backbone;
+                   ``depth_outputs``: every depth's rows, teacher-forced or as drafted
 - ``trainer``      the loop: distillation loss, checkpoints, resume
 - ``export``       the sidecar file
 - ``engine_drafts`` the sidecar run by the engine's numpy/numba layers

@@ -8,6 +8,12 @@ the tokens the teacher ever ranks in its top-k on the training windows plus the
 text's own tokens, plus ``negatives`` random others per step (a draft vocabulary,
 as EAGLE-3 uses): the shared lm_head is the costliest product by far on a CPU.
 
+Depth k's inputs follow ``cfg.chain`` and ``cfg.use_ttt`` (``draft_torch.depth_outputs``):
+with the training-time test the later depths read the round's own drafts (argmax over
+the step's candidate rows) wherever the engine's Drafter would, else the true tokens.
+The features may be memory-mapped files (``features.FeatureCache``): each step reads
+only its windows' rows.
+
 Every random choice is a function of (seed, step), and the checkpoint holds the
 weights, the optimizer and the step, so a resumed run equals an uninterrupted one.
 The checkpoint (``OUT stem + .train.safetensors``) is a safetensors file: tensors
