@@ -1,6 +1,10 @@
 """Plain greedy vs MTP speculative greedy decoding, same prompts, same tokens and text checked.
 
-    python benchmarks/mtp_speedup.py MODEL.cmf SIDECAR.mtp.cmf TEXT.txt --prompts 4 --tokens 64 --depths 1,2,3
+    python benchmarks/mtp_speedup.py MODEL.cmf SIDECAR.mtp.cmf TEXT.txt --prompts 4 --tokens 64 --depths 1,2,3 \
+        [--vocabs full,8192] [--thresholds 0,0.3]
+
+Every (depth, draft vocabulary, threshold) combination runs on every prompt; ``--vocabs``
+takes ``full``, ``sidecar`` (the sidecar's own) or a count of the sidecar's first ids.
 
 Prompts are the first 400 characters of the text's paragraphs longer than 300
 characters. Plain decoding runs again after each speculative run and the faster
@@ -13,9 +17,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 from cortiq_engine.acceptance import Acceptance
 from cortiq_engine.engine import Engine, SpeculativeConfig
+
+
+def _vocab(v: str):
+    return None if v == "sidecar" else v if v == "full" else int(v)
 
 
 def main() -> None:
@@ -27,31 +36,39 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--depths", default="1,2,3")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--vocabs", default="sidecar", help="comma list of full, sidecar, or N")
+    ap.add_argument("--thresholds", default="0", help="comma list of adaptive-depth thresholds (0 = off)")
     a = ap.parse_args()
+    print(json.dumps({"loadavg_start": os.getloadavg()}), flush=True)
     eng = Engine.load(a.model, threads=a.threads, mtp=a.sidecar)
     paras = [p for p in open(a.text, encoding="utf-8").read().split("\n\n") if len(p) > 300][: a.prompts]
     depths = [int(x) for x in a.depths.split(",")]
+    combos = [(d, v, float(t)) for d in depths for v in a.vocabs.split(",") for t in a.thresholds.split(",")]
     rows = []
     for p in paras:
         ids = eng.tokenizer.encode(p[:400])
         plain = eng.generate(ids, max_tokens=a.tokens, ignore_eos=True, speculative=False)
-        for depth in depths:
-            spec = eng.generate(ids, max_tokens=a.tokens, ignore_eos=True, speculative=SpeculativeConfig(depth=depth))
+        for depth, vocab, th in combos:
+            cfg = SpeculativeConfig(depth=depth, vocab=_vocab(vocab), threshold=th)
+            spec = eng.generate(ids, max_tokens=a.tokens, ignore_eos=True, speculative=cfg)
             again = eng.generate(ids, max_tokens=a.tokens, ignore_eos=True, speculative=False)
             if again.decode_seconds < plain.decode_seconds:
                 plain = again
-            rows.append(dict(depth=depth, same=plain.token_ids == spec.token_ids and plain.text == spec.text,
+            rows.append(dict(depth=depth, vocab=vocab, threshold=th, same=plain.token_ids == spec.token_ids and plain.text == spec.text,
                              plain_s=plain.decode_seconds, spec_s=spec.decode_seconds, plain_tok_s=plain.decode_tok_s,
                              spec_tok_s=spec.decode_tok_s, mtp=spec.extra["mtp"]))
             print(json.dumps(rows[-1]), flush=True)
             rows[-1]["counts"] = spec.acceptance
-    for depth in depths:
-        rs = [r for r in rows if r["depth"] == depth]
+    for depth, vocab, th in combos:
+        rs = [r for r in rows if (r["depth"], r["vocab"], r["threshold"]) == (depth, vocab, th)]
         total = Acceptance(depth)
         for r in rs:
             total.merge(r.pop("counts"))
-        print(json.dumps({"depth": depth, "all_same": all(r["same"] for r in rs),
-                          "speedup": sum(r["plain_s"] for r in rs) / sum(r["spec_s"] for r in rs), **total.to_json()}))
+        print(json.dumps({"depth": depth, "vocab": vocab, "threshold": th, "all_same": all(r["same"] for r in rs),
+                          "speedup": sum(r["plain_s"] for r in rs) / sum(r["spec_s"] for r in rs),
+                          "plain_tok_s": sum(r["plain_tok_s"] for r in rs) / len(rs),
+                          "spec_tok_s": sum(r["spec_tok_s"] for r in rs) / len(rs), **total.to_json()}))
+    print(json.dumps({"loadavg_end": os.getloadavg()}), flush=True)
 
 
 if __name__ == "__main__":

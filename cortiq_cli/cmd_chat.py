@@ -149,6 +149,8 @@ def chat(
     mtp_depth: mtp_opt.MtpDepth = None,
     mtp_chain: mtp_opt.MtpChain = None,
     mtp_hidden: mtp_opt.MtpHidden = None,
+    mtp_vocab: mtp_opt.MtpVocab = None,
+    mtp_threshold: mtp_opt.MtpThreshold = None,
 ) -> None:
     """Chat with a model: multi-turn, streaming, the KV cache kept across turns.
 
@@ -169,7 +171,7 @@ def chat(
     if not tok.chat_template:
         raise CortiqError(f"{model}: no chat template in the header; use cortiq generate for plain text")
     # The conversation keeps one drafter (its rows of the cached prefix) across turns.
-    drafter, mtp_note = eng.drafter(mtp_opt.speculative_arg(no_mtp, mtp_depth, mtp_chain, mtp_hidden), config, evict=evict)
+    drafter, mtp_note = eng.drafter(mtp_opt.speculative_arg(no_mtp, mtp_depth, mtp_chain, mtp_hidden, mtp_vocab, mtp_threshold), config, evict=evict)
     session = ChatSession(eng, drafter)
     interactive = sys.stdin.isatty() and not json_out
     if interactive:

@@ -69,6 +69,8 @@ def generate(
     mtp_depth: mtp_opt.MtpDepth = None,
     mtp_chain: mtp_opt.MtpChain = None,
     mtp_hidden: mtp_opt.MtpHidden = None,
+    mtp_vocab: mtp_opt.MtpVocab = None,
+    mtp_threshold: mtp_opt.MtpThreshold = None,
     mtp_compare: mtp_opt.MtpCompare = False,
 ) -> None:
     """Generate text from a prompt with a CMF model (greedy by default)."""
@@ -83,7 +85,7 @@ def generate(
     # MTP draft layers (inline, the sidecar beside the model, or --mtp): the engine decodes
     # speculatively (exact greedy) when it can, and says why not when it cannot.
     eng = load_engine(model, threads=threads, ctx=ctx, quiet=json_out, mtp=mtp_opt.load_arg(mtp, no_mtp))
-    speculative = mtp_opt.speculative_arg(no_mtp, mtp_depth, mtp_chain, mtp_hidden)
+    speculative = mtp_opt.speculative_arg(no_mtp, mtp_depth, mtp_chain, mtp_hidden, mtp_vocab, mtp_threshold)
     tok = eng.tokenizer
     if chat or system is not None:
         messages = ([{"role": "system", "content": system}] if system is not None else []) + [{"role": "user", "content": prompt}]

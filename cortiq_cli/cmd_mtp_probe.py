@@ -11,7 +11,7 @@ from rich.table import Table
 
 from cortiq_cli import text_options as opt
 from cortiq_cli.common import console, err_console, handle_errors, print_json, print_table
-from cortiq_cli.mtp_options import MTP_PANEL, MtpDepth, MtpPath
+from cortiq_cli.mtp_options import MTP_PANEL, MtpDepth, MtpPath, MtpThreshold, MtpVocab, vocab_arg
 from formats.errors import CortiqError
 
 
@@ -37,6 +37,9 @@ def mtp_probe(
     depth: MtpDepth = None,
     chain: Annotated[str, typer.Option("--mtp-chain", help="all, independent (layer k drafts depth k+1) or recursive (layer 0 on its own output).", rich_help_panel=MTP_PANEL)] = "all",
     hidden: Annotated[str, typer.Option("--mtp-hidden", help="all, pre or post: the backbone hidden before or after its final norm.", rich_help_panel=MTP_PANEL)] = "all",
+    vocab: MtpVocab = None,
+    threshold: MtpThreshold = None,
+    choose_threshold: Annotated[bool, typer.Option("--choose-threshold", help="Also time a verify of 1..depth+1 rows and replay the rounds under candidate --mtp-threshold values: modelled ms per token for each (pick the least).", rich_help_panel=MTP_PANEL)] = False,
     threads: opt.Threads = None,
     json_out: opt.Json = False,
 ) -> None:
@@ -44,7 +47,7 @@ def mtp_probe(
     previous tokens, against the true next tokens (per depth alone and chained)."""
     from cortiq_engine import Engine
     from cortiq_engine.mtp import CHAINS, HIDDENS
-    from evals.mtp_probe import default_variants, probe
+    from evals.mtp_probe import default_variants, probe, threshold_table, verify_costs
     from evals.text_source import load_text
 
     loaded = load_text(opt.text_spec(text, dataset, config, split, column, data_files))
@@ -63,15 +66,20 @@ def mtp_probe(
         raise CortiqError(f"--mtp-chain independent needs a draft layer per depth: depth {k}, {stack.num_layers} layers")
 
     steps = max(len(ids) - k - 1, 0) * len(variants)
+    if choose_threshold and threshold:
+        raise CortiqError("--choose-threshold replays thresholds itself; leave --mtp-threshold out")
+    head = eng.draft_head(vocab_arg(vocab))
+    traces = [] if choose_threshold else None
+    kw = dict(head=head, threshold=threshold or 0.0, traces=traces)
     if json_out:
-        results = probe(eng.model, stack, ids, k, variants)
+        results = probe(eng.model, stack, ids, k, variants, **kw)
     else:
         with Progress(
             TextColumn("[bold]probing"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=err_console, transient=True,
             disable=not err_console.is_terminal,
         ) as bar:
             task = bar.add_task("probe", total=steps)
-            results = probe(eng.model, stack, ids, k, variants, progress=lambda n: bar.advance(task, n))
+            results = probe(eng.model, stack, ids, k, variants, progress=lambda n: bar.advance(task, n), **kw)
 
     doc = {
         "model": str(model),
@@ -81,13 +89,22 @@ def mtp_probe(
         "depth": k,
         "text": loaded.source,
         "tokens": len(ids),
+        "draft_vocab": head.label,
+        "threshold": threshold or 0.0,
         "variants": [{"chain": v.chain, "hidden": v.hidden, **counts.to_json()} for v, counts in results],
     }
+    if traces is not None:
+        verify_ms = verify_costs(eng.model, k + 1)
+        doc["verify_ms_by_rows"] = verify_ms
+        for entry, (v, counts), trace in zip(doc["variants"], results, traces):
+            draft_ms = 1e3 * counts.draft_seconds / max(counts.drafting_rounds, 1) / k  # per computed draft
+            entry["thresholds"] = [r.to_json() for r in threshold_table(trace, draft_ms, verify_ms)]
     if json_out:
         print_json(doc)
         return
     # One column per variant, side by side; one row per measure.
-    table = Table(title=f"MTP teacher-forced acceptance ({len(ids)} tokens of {loaded.source}; {stack.num_layers} draft layer(s): {stack.source})")
+    table = Table(title=f"MTP teacher-forced acceptance ({len(ids)} tokens of {loaded.source}; {stack.num_layers} draft layer(s): "
+                        f"{stack.source}; draft vocab {head.label}; threshold {threshold or 0:g})")
     table.add_column("chain/hidden", style="bold")
     counted = [c for _, c in results]
     for v, _ in results:
@@ -98,5 +115,17 @@ def mtp_probe(
         table.add_row("&".join(f"d{i + 1}" for i in range(d + 1)), *(f"{c.chained[d]:.1%}" for c in counted))
     table.add_row("tokens/round", *(f"{c.tokens_per_round:.3f}" for c in counted), style="bold")
     table.add_row("draft ms/round", *(f"{1e3 * c.draft_seconds / max(c.rounds, 1):.2f}" for c in counted))
-    table.add_row("positions", *(str(c.rounds) for c in counted), style="dim")
+    table.add_row("drafts/round", *(f"{c.to_json()['mean_depth']:.2f}" for c in counted))
+    table.add_row("positions", *(str(c.drafting_rounds) for c in counted), style="dim")
     print_table(console, table)
+    if traces is not None:
+        t = Table(title=f"adaptive depth: modelled ms per token by --mtp-threshold (verify of 1..{k + 1} rows: "
+                        + ", ".join(f"{m:.1f}" for m in doc["verify_ms_by_rows"]) + " ms; plain = 1 row)")
+        t.add_column("threshold", justify="right")
+        for v, _ in results:
+            t.add_column(f"{v.chain}/{v.hidden}\ntok/step · drafts · ms/tok · speedup", justify="right")
+        tables = [e["thresholds"] for e in doc["variants"]]
+        for i, row in enumerate(tables[0]):
+            t.add_row(f"{row['threshold']:g}", *(f"{tb[i]['tokens_per_step']:.2f} · {tb[i]['mean_depth']:.2f} · "
+                                                    f"{tb[i]['ms_per_token']:.2f} · {tb[i]['speedup']:.2f}x" for tb in tables))
+        print_table(console, t)

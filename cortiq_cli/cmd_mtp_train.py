@@ -49,6 +49,7 @@ def mtp_train(
     seed: Annotated[int, typer.Option("--seed", help="Seed of the window choice and negatives.", rich_help_panel=TRAIN_PANEL)] = 0,
     checkpoint_every: Annotated[int, typer.Option("--checkpoint-every", help="Save a checkpoint (OUT stem + .train.safetensors; no pickle) every N steps; 0 = never.", rich_help_panel=TRAIN_PANEL)] = 50,
     resume: Annotated[bool, typer.Option("--resume", help="Continue from the checkpoint beside the output.", rich_help_panel=TRAIN_PANEL)] = False,
+    draft_vocab: Annotated[Optional[int], typer.Option("--draft-vocab", min=1, help="Also store a draft vocabulary of N ids chosen from the training text (the drafts then score only those; `cortiq mtp-vocab` changes it later).", rich_help_panel=TRAIN_PANEL)] = None,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Sidecar to write (default: MODEL.mtp.cmf beside MODEL.cmf).")] = None,
     quant: Annotated[Optional[str], typer.Option("--quant", help="Sidecar matrices' dtype (default: the backbone's).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing sidecar.")] = False,
@@ -70,7 +71,7 @@ def mtp_train(
     source = load_text(opt.text_spec(text, dataset, config, split, column, data_files))
     if json_out:
         result = train_mtp(model, source.text, source.source, cfg, out=out, quant=quant, resume=resume,
-                           force=force, threads=threads, backend=backbone, features=features)
+                           force=force, threads=threads, backend=backbone, features=features, draft_vocab=draft_vocab)
         print_json(result.to_json())
         return
     with Progress(
@@ -104,7 +105,7 @@ def mtp_train(
 
         result = train_mtp(model, source.text, source.source, cfg, out=out, quant=quant, resume=resume,
                            force=force, threads=threads, backend=backbone, callbacks=Callbacks(collect=collect, step=step, generate=generate),
-                           features=features)
+                           features=features, draft_vocab=draft_vocab)
     render(result)
 
 

@@ -37,6 +37,7 @@ COMMANDS = [
     ("calibrate", "cmd_calibrate", "calibrate"),
     ("mtp-probe", "cmd_mtp_probe", "mtp_probe"),
     ("mtp-train", "cmd_mtp_train", "mtp_train"),
+    ("mtp-vocab", "cmd_mtp_vocab", "mtp_vocab"),
     ("chat", "cmd_chat", "chat"),
     ("bench", "cmd_bench", "bench"),
     ("imatrix", "cmd_imatrix", "imatrix"),

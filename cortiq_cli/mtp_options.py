@@ -29,6 +29,14 @@ MtpChain = Annotated[
     typer.Option("--mtp-chain", help="independent (layer k drafts depth k+1; default when there is a layer per depth) or recursive (layer 0 on its own output).", rich_help_panel=MTP_PANEL),
 ]
 MtpHidden = Annotated[Optional[str], typer.Option("--mtp-hidden", help="pre (default) or post: the backbone hidden before or after its final norm.", rich_help_panel=MTP_PANEL)]
+MtpVocab = Annotated[
+    Optional[str],
+    typer.Option("--mtp-vocab", metavar="N|full", help="Draft vocabulary: the first N ids of the sidecar's (most useful first), or full (the whole lm_head). Default: the sidecar's when it has one (`cortiq mtp-vocab` adds one), else full.", rich_help_panel=MTP_PANEL),
+]
+MtpThreshold = Annotated[
+    Optional[float],
+    typer.Option("--mtp-threshold", metavar="P", min=0.0, max=0.999, help="Adaptive depth: a round stops drafting at the first draft whose own probability is below P (0 = off; default: the engine's measured one).", rich_help_panel=MTP_PANEL),
+]
 MtpCompare = Annotated[
     bool,
     typer.Option("--mtp-compare/--no-mtp-compare", help="Also run plain decoding of the same prompt: checks the outputs are equal and measures the speedup.", rich_help_panel=MTP_PANEL),
@@ -42,11 +50,25 @@ def load_arg(mtp: Path | None, no_mtp: bool) -> bool | Path:
     return False if no_mtp else (mtp if mtp is not None else True)
 
 
-def speculative_arg(no_mtp: bool, depth: int | None, chain: str | None, hidden: str | None):
+def speculative_arg(no_mtp: bool, depth: int | None, chain: str | None, hidden: str | None,
+                    vocab: str | None = None, threshold: float | None = None):
     """``Engine.generate(speculative=...)`` from the flags (the engine decides the rest)."""
     from cortiq_engine import SpeculativeConfig
 
-    return False if no_mtp else SpeculativeConfig(depth=depth, chain=chain, hidden=hidden)
+    return False if no_mtp else SpeculativeConfig(depth=depth, chain=chain, hidden=hidden, vocab=vocab_arg(vocab), threshold=threshold)
+
+
+def vocab_arg(vocab: str | None) -> int | str | None:
+    """``--mtp-vocab``: None, "full", or a positive count."""
+    if vocab is None or vocab == "full":
+        return vocab
+    try:
+        n = int(vocab)
+    except ValueError:
+        raise CortiqError(f"--mtp-vocab {vocab!r}: give a number of ids or full") from None
+    if n < 1:
+        raise CortiqError(f"--mtp-vocab {n}: give a positive number of ids or full")
+    return n
 
 
 def compare_with_plain(engine, res, prompt_ids, config, *, max_tokens: int, stop=(), ignore_eos: bool = False) -> None:
@@ -68,7 +90,8 @@ def compare_with_plain(engine, res, prompt_ids, config, *, max_tokens: int, stop
 
 def render(console, mtp: dict[str, Any]) -> None:
     """The closing rich table of a speculative generation."""
-    t = Table(title=f"speculative decoding · {mtp['chain']} chain · {mtp['hidden']}-norm hidden · {mtp['source']}", show_header=False)
+    t = Table(title=f"speculative decoding · {mtp['chain']} chain · {mtp['hidden']}-norm hidden · draft vocab {mtp['draft_vocab']} · "
+                    f"threshold {mtp['threshold']:g} · {mtp['source']}", show_header=False)
     t.add_column(style="bold")
     t.add_column()
     t.add_row("rounds", f"{mtp['rounds']} (+{mtp['plain_steps']} plain steps)")
@@ -76,6 +99,7 @@ def render(console, mtp: dict[str, Any]) -> None:
     t.add_row("accepted drafts", f"{mtp['accepted']}/{mtp['drafted']} ({mtp['acceptance']:.1%})")
     t.add_row("acceptance per depth", "  ".join(f"d{i + 1} {r:.1%}" for i, r in enumerate(mtp["acceptance_per_depth"])))
     t.add_row("accepted per round", "  ".join(f"{a}: {n}" for a, n in enumerate(mtp["accept_histogram"])))
+    t.add_row("drafts per round", "  ".join(f"{a}: {n}" for a, n in enumerate(mtp["depth_histogram"])) + f"  (mean {mtp['mean_depth']:.2f})")
     t.add_row("draft / verify per round", f"{mtp['draft_ms_per_round']:.1f} ms / {mtp['verify_ms_per_round']:.1f} ms")
     if "speedup" in mtp:
         same = "[green]same tokens[/]" if mtp["same_tokens_as_plain"] else "[bold red]DIFFERENT tokens[/]"

@@ -10,7 +10,15 @@ under the same names. Lists are per depth (index 0 = depth 1):
 - ``checked[d]``, ``right[d]``: drafts of depth d+1 compared with the truth on their own
   (teacher-forced only: live decoding never learns the truth past the first rejection);
 - tokens per round = 1 + sum(accepted) / rounds: the accepted drafts plus the verify's
-  own token.
+  own token;
+- ``depth_hist[k]``: rounds that drafted and proposed exactly k drafts (adaptive depth
+  stops a round early; ``depth_hist[0]``: its first draft was already too unlikely, the
+  step decoded one token plainly). A step with no room for drafts (the token budget or
+  the context) is a ``plain_step`` only.
+
+Draft and verify times are summed over every round that drafted (``drafting_rounds``,
+which includes the ``depth_hist[0]`` ones), so ``draft_ms_per_round`` is what drafting
+costs per decode step that tried it.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ class Acceptance:
     checked: list[int] = field(default_factory=list)
     right: list[int] = field(default_factory=list)
     accept_hist: list[int] = field(default_factory=list)  # [a] = rounds that accepted exactly a drafts
+    depth_hist: list[int] = field(default_factory=list)  # [k] = drafting rounds that proposed exactly k drafts
     plain_steps: int = 0  # decode steps without drafts (the token budget or context left no room)
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
@@ -37,10 +46,16 @@ class Acceptance:
         for name in ("drafted", "accepted", "checked", "right"):
             setattr(self, name, getattr(self, name) or [0] * self.depth)
         self.accept_hist = self.accept_hist or [0] * (self.depth + 1)
+        self.depth_hist = self.depth_hist or [0] * (self.depth + 1)
 
     # ------------------------------------------------------------ counting
-    def record(self, drafted: int, accepted: int, draft_s: float = 0.0, verify_s: float = 0.0) -> None:
-        """One speculative round: ``drafted`` drafts, the first ``accepted`` of them kept."""
+    def record(self, drafted: int, accepted: int, draft_s: float = 0.0, verify_s: float = 0.0, *, tried: bool = True) -> None:
+        """One decode step: ``drafted`` drafts proposed, the first ``accepted`` of them kept.
+        ``tried``: the step ran the drafter (False: no room for drafts, a plain step)."""
+        if tried:
+            self.depth_hist[drafted] += 1
+            self.draft_seconds += draft_s
+            self.verify_seconds += verify_s
         if drafted == 0:
             self.plain_steps += 1
             return
@@ -48,8 +63,6 @@ class Acceptance:
             self.drafted[d] += 1
             self.accepted[d] += d < accepted
         self.accept_hist[accepted] += 1
-        self.draft_seconds += draft_s
-        self.verify_seconds += verify_s
 
     def record_forced(self, drafts: Sequence[int], truth: Sequence[int], draft_s: float = 0.0) -> None:
         """One teacher-forced round: each draft against the true token of its depth."""
@@ -85,13 +98,14 @@ class Acceptance:
             acc.drafted[k], acc.accepted[k] = int(run.size), int(run.sum())
             runs += run
         acc.accept_hist = np.bincount(runs.ravel(), minlength=kk + 1).tolist()
+        acc.depth_hist[kk] = int(run.size)
         return acc
 
     def merge(self, other: "Acceptance") -> None:
         """Add another run's counts (same depth), e.g. over a benchmark's prompts."""
         if other.depth != self.depth:
             raise ValueError(f"merging counts of depth {other.depth} into depth {self.depth}")
-        for name in ("drafted", "accepted", "checked", "right", "accept_hist"):
+        for name in ("drafted", "accepted", "checked", "right", "accept_hist", "depth_hist"):
             setattr(self, name, [x + y for x, y in zip(getattr(self, name), getattr(other, name))])
         self.plain_steps += other.plain_steps
         self.draft_seconds += other.draft_seconds
@@ -104,8 +118,14 @@ class Acceptance:
         return self.drafted[0] if self.depth else 0
 
     @property
+    def drafting_rounds(self) -> int:
+        """Steps that ran the drafter (those that proposed no draft included)."""
+        return sum(self.depth_hist)
+
+    @property
     def tokens_per_round(self) -> float:
-        return 1.0 + sum(self.accepted) / self.rounds if self.rounds else 1.0
+        """Tokens a drafting step emits on average (a step that proposed nothing: 1)."""
+        return 1.0 + sum(self.accepted) / self.drafting_rounds if self.drafting_rounds else 1.0
 
     @property
     def acceptance(self) -> float:
@@ -124,7 +144,7 @@ class Acceptance:
         return [r / n if n else 0.0 for r, n in zip(self.right, self.checked)]
 
     def to_json(self) -> dict:
-        r = max(self.rounds, 1)
+        r = max(self.drafting_rounds, 1)
         return {
             "depth": self.depth,
             "rounds": self.rounds,
@@ -140,6 +160,9 @@ class Acceptance:
             "depth_checked": self.checked,
             "depth_right": self.right,
             "accept_histogram": self.accept_hist,
+            "depth_histogram": self.depth_hist,
+            "drafting_rounds": self.drafting_rounds,
+            "mean_depth": sum(k * n for k, n in enumerate(self.depth_hist)) / r,
             "draft_ms_per_round": 1e3 * self.draft_seconds / r,
             "verify_ms_per_round": 1e3 * self.verify_seconds / r,
         }

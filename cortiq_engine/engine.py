@@ -29,7 +29,8 @@ from cortiq_engine.kernels import get_kernels
 from cortiq_engine.memory import release_free_heap
 from cortiq_engine.model import Model, State, forward
 from cortiq_engine.models import build_model, read_arch
-from cortiq_engine.mtp import DraftStack, Drafter, load_draft_stack, make_drafter
+from cortiq_engine.draft_vocab import DraftHead, full_head, pick_vocab, sub_head
+from cortiq_engine.mtp import DEFAULT_THRESHOLD, DraftStack, Drafter, load_draft_stack, make_drafter
 from cortiq_engine.sampling import SamplingConfig
 from cortiq_engine.threads import DecodeThreads, set_threads
 from cortiq_engine.tokenizer import Tokenizer, header_eos_ids
@@ -56,15 +57,20 @@ def check_ctx_memory(model: Model, ctx: int) -> None:
 class SpeculativeConfig:
     """How to draft: ``depth`` drafts per round (default: every draft layer), ``chain``
     "independent" | "recursive" (default: independent when there is a layer per depth),
-    ``hidden`` "pre" | "post" (the backbone hidden before or after its final norm)."""
+    ``hidden`` "pre" | "post" (the backbone hidden before or after its final norm),
+    ``vocab`` the draft vocabulary: None, the sidecar's when it has one; "full" (or 0),
+    the full lm_head; n, the first n ids of the sidecar's; ``threshold`` the adaptive-depth
+    probability below which a round stops drafting (None: ``mtp.DEFAULT_THRESHOLD``; 0: off)."""
 
     depth: int | None = None
     chain: str | None = None
     hidden: str | None = None
+    vocab: int | str | None = None
+    threshold: float | None = None
 
     @property
     def explicit(self) -> bool:
-        return any(v is not None for v in (self.depth, self.chain, self.hidden))
+        return any(v is not None for v in (self.depth, self.chain, self.hidden, self.vocab, self.threshold))
 
 
 class Engine:
@@ -84,6 +90,8 @@ class Engine:
         self.kernels = model.kernels
         self._tokenizer = tokenizer
         self.drafts = drafts  # the MTP draft layers, when loaded with mtp=...
+        # Draft heads built so far, by vocabulary size (the row gather runs once per size).
+        self._draft_heads: dict[int | None, DraftHead] = {}
 
     # ---------------------------------------------------------------- loading
     @classmethod
@@ -123,6 +131,8 @@ class Engine:
         if mtp is not False:
             drafts = load_draft_stack(cmf, arch, ks, path=None if mtp is True else mtp)
         eng = cls(cmf, model, tok, int(ctx), n_threads, drafts, adaptive_threads=threads is None)
+        if drafts is not None and drafts.vocab is not None:
+            eng.draft_head()  # the row gather at load, not in the first generation
         if warmup:
             eng.warmup()
         release_free_heap()
@@ -232,8 +242,18 @@ class Engine:
             if required:
                 raise CortiqError(f"speculative decoding: {why}")
             return None, f"speculative decoding is off: {why}"
-        d = make_drafter(self.model, self.drafts, self.ctx, depth=spec.depth, chain=spec.chain, hidden=spec.hidden or "pre")
+        threshold = DEFAULT_THRESHOLD if spec.threshold is None else spec.threshold
+        d = make_drafter(self.model, self.drafts, self.ctx, depth=spec.depth, chain=spec.chain, hidden=spec.hidden or "pre",
+                         head=self.draft_head(spec.vocab), threshold=threshold)
         return d, ""
+
+    def draft_head(self, vocab: int | str | None = None) -> DraftHead:
+        """The lm_head rows drafts score (see ``SpeculativeConfig.vocab``), built once per size."""
+        ids = pick_vocab(self.drafts.vocab if self.drafts is not None else None, vocab)
+        key = None if ids is None else int(ids.size)
+        if key not in self._draft_heads:
+            self._draft_heads[key] = full_head(self.model.head) if ids is None else sub_head(self.model.head, ids)
+        return self._draft_heads[key]
 
     def generate(
         self,

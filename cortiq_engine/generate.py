@@ -14,7 +14,7 @@ row-exact batch (at most the kernel set's ``row_exact_rows``, see
 sampler over the same history plain decoding would have; while it equals d_{i+1}
 the next row is valid too; the first disagreement (or the row after the last draft)
 gives the step's own token, and the rows of rejected drafts are truncated from the
-cache. The drafts only choose which tokens get verified, so the emitted stream is
+cache. A drafter may propose fewer than K (adaptive depth), even none (a plain step). The drafts only choose which tokens get verified, so the emitted stream is
 the plain greedy stream token for token. Without a drafter K = 0: plain decoding.
 
 ``Emitter`` commits every token, plain or verified alike: its event (confidence,
@@ -391,13 +391,14 @@ def generate(
             # Rows past the last one whose output was used held rejected drafts.
             state.truncate(state.length - (len(drafts) + 1 - used))
             drafter.note(t + 1, hb[:used])
-            counts.record(len(drafts), used - 1, tb - ta, time.perf_counter() - tb)
+            counts.record(len(drafts), used - 1, tb - ta, time.perf_counter() - tb, tried=k > 0)
     t2 = time.perf_counter()
 
     text = out.close(finish)
     extra = {"decode_threads": threads.to_json()}
     if drafter is not None:
-        extra["mtp"] = {"source": drafter.stack.source, "chain": drafter.chain, "hidden": drafter.hidden, **counts.to_json()}
+        extra["mtp"] = {"source": drafter.stack.source, "chain": drafter.chain, "hidden": drafter.hidden,
+                        "draft_vocab": drafter.head.label, "threshold": drafter.threshold, **counts.to_json()}
     return GenerationResult(
         token_ids=out.ids,
         text=text,

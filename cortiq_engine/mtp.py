@@ -27,6 +27,12 @@ per accepted token per layer, and every committed row enters a cache once.
 
 The layers themselves are the backbone family's (``Family.draft_layer`` in
 ``cortiq_engine/models/<family>.py``), built by ``load_draft_stack``: the one loader.
+A draft scores the lm_head rows of its ``DraftHead`` (``cortiq_engine.draft_vocab``):
+the full vocabulary, or the sidecar's draft vocabulary. With a ``threshold`` > 0 a
+round stops drafting at the first draft whose own probability (softmax of the draft
+logits over the ids it scored) is below it, and does not propose that draft: a weak
+draft then costs its draft step only, not a verify row (adaptive depth).
+
 ``Drafter.draft`` is the one draft path: speculative decoding calls it with the
 committed tokens, the teacher-forced probe (evals/mtp_probe.py) with the true
 text, whose later tokens then stand in for the drafts.
@@ -43,8 +49,9 @@ import numpy as np
 from formats.arch import ArchConfig
 from formats.cmf import CmfFile
 from formats.errors import CortiqError
-from formats.sidecar import count_mtp_layers, open_sidecar
+from formats.sidecar import count_mtp_layers, open_sidecar, read_draft_vocab
 from cortiq_engine.cache import KVCache
+from cortiq_engine.draft_vocab import DraftHead, full_head
 from cortiq_engine.layers import Step
 from cortiq_engine.model import Model
 from cortiq_engine.models import draft_layer, read_arch
@@ -54,6 +61,10 @@ from cortiq_engine.weights import Weight
 CHAINS = ("independent", "recursive")
 HIDDENS = ("pre", "post")
 NO_MTP_HINT = "--no-mtp runs without it"
+# The adaptive-depth threshold a generation uses unless told (SpeculativeConfig.threshold,
+# --mtp-threshold): chosen on held-out text by the expected time per token
+# (docs/performance.md, "Draft vocabulary and adaptive depth").
+DEFAULT_THRESHOLD = 0.0
 
 
 # ------------------------------------------------------------------ the layers
@@ -64,6 +75,7 @@ class DraftStack:
     layers: tuple[DraftLayer, ...]
     style: str
     source: str  # where they came from: the sidecar path, or "inline"
+    vocab: np.ndarray | None = None  # the stored draft vocabulary (ids, most useful first)
 
     @property
     def num_layers(self) -> int:
@@ -102,9 +114,11 @@ def load_draft_stack(main: CmfFile, arch: ArchConfig, kernels, path: str | Path 
     n = count_mtp_layers(src)
     try:
         layers = tuple(draft_layer(src, k, arch, kernels) for k in range(n))
+        vocab = read_draft_vocab(src, arch.vocab_size)
     except CortiqError as e:
         raise CortiqError(f"{e} ({NO_MTP_HINT})") from None
-    return DraftStack(layers, arch.mtp.style if arch.mtp else "deepseek", source)
+    return DraftStack(layers, arch.mtp.style if arch.mtp else "deepseek", source, vocab)
+
 
 
 # ------------------------------------------------------------------ per-sequence state
@@ -121,6 +135,10 @@ class Drafter:
     capacity: int
     # Test hook: draft from this function of (t, ids, depth) instead of the layers.
     override: Callable[[int, Sequence[int], int], list[int]] | None = None
+    head: DraftHead | None = None  # the rows drafts score (None: the full lm_head)
+    threshold: float = 0.0  # adaptive depth: stop at a draft less probable than this (0: off)
+    record_probs: bool = False  # keep each draft's probability in ``probs`` (the probe)
+    probs: list[float] = field(init=False, default_factory=list)  # the last round's, incl. a stopping one
     caches: list[KVCache] = field(init=False)
     committed: list[int] = field(init=False)
     hist: np.ndarray = field(init=False)
@@ -133,6 +151,10 @@ class Drafter:
             raise CortiqError(f"unknown MTP hidden {self.hidden!r}; choose one of {', '.join(HIDDENS)}")
         if self.depth < 1:
             raise CortiqError(f"MTP depth must be >= 1, got {self.depth}")
+        if not 0.0 <= self.threshold < 1.0:
+            raise CortiqError(f"MTP threshold must be in [0, 1), got {self.threshold}")
+        if self.head is None:
+            self.head = full_head(self.model.head)
         if self.chain == "independent" and self.depth > self.stack.num_layers:
             raise CortiqError(
                 f"MTP depth {self.depth} with independent layers needs {self.depth} draft layers, "
@@ -175,14 +197,25 @@ class Drafter:
         self.hist_len += n
 
     # -------------------------------------------------------------- drafting
-    def _logits(self, layer: DraftLayer, out_row: np.ndarray) -> np.ndarray:
-        return self.model.lm_head(layer.final_norm(out_row))[0]
+    def _choose(self, layer: DraftLayer, out_row: np.ndarray) -> int | None:
+        """The draft (a full id) from a layer's output row; None when its probability is
+        below the threshold (the round stops drafting)."""
+        z = self.head.logits(self.model.kernels, layer.final_norm(out_row))[0]
+        i = int(np.argmax(z))
+        if self.threshold > 0 or self.record_probs:
+            # Softmax probability of the argmax over the scored ids: 1 / sum exp(z - max).
+            p = 1.0 / float(np.exp((z - z[i]).astype(np.float64)).sum())
+            self.probs.append(p)
+            if p < self.threshold:
+                return None
+        return self.head.full_id(i)
 
     def draft(self, t: int, ids: Sequence[int], depth: int | None = None) -> list[int]:
         """Up to ``depth`` drafts for positions t+2, t+3, ... after the backbone processed
         position t; ``ids[:t+2]`` are known (committed tokens and the next one). When
         ``ids`` goes further (the teacher-forced probe) its tokens replace the drafts."""
         k_max = min(depth or self.depth, self.depth)
+        self.probs = []
         if len(ids) < t + 2 or t >= self.hist_len:
             raise ValueError(f"draft at t={t} needs {t + 2} ids and hidden rows through t")
         if self.override is not None:
@@ -207,18 +240,27 @@ class Drafter:
         drafts: list[int] = []
         for k in range(k_max):
             u = self._catch_up(k, t, ids, drafts, shift=k + 1)
-            drafts.append(int(np.argmax(self._logits(self.stack.layers[k], u))))
+            d = self._choose(self.stack.layers[k], u)
+            if d is None:
+                break
+            drafts.append(d)
         return drafts
 
     def _draft_recursive(self, t: int, ids: Sequence[int], k_max: int) -> list[int]:
         layer = self.stack.layers[0]
         u = self._catch_up(0, t, ids, [], shift=1)
-        drafts = [int(np.argmax(self._logits(layer, u)))]
+        first = self._choose(layer, u)
+        if first is None:
+            return []
+        drafts = [first]
         for d in range(1, k_max):
             pos = t + d  # depth d+1 sits one position past depth d, provisional
             tok = ids[pos + 1] if pos + 1 < len(ids) else drafts[-1]
             u = layer(self.model.kernels, self.model.embed_ids([tok]), u, self.caches[0], Step(np.array([pos])))
-            drafts.append(int(np.argmax(self._logits(layer, u))))
+            nxt = self._choose(layer, u)
+            if nxt is None:
+                break
+            drafts.append(nxt)
         return drafts
 
 
@@ -231,9 +273,14 @@ def make_drafter(
     chain: str | None = None,
     hidden: str = "pre",
     override: Callable[[int, Sequence[int], int], list[int]] | None = None,
+    head: DraftHead | None = None,
+    threshold: float = 0.0,
+    record_probs: bool = False,
 ) -> Drafter:
     """A fresh per-sequence drafter; depth defaults to every layer, the chain to
-    independent when there are enough layers for the depth, else recursive."""
+    independent when there are enough layers for the depth, else recursive; ``head``
+    to the full lm_head (``cortiq_engine.draft_vocab.sub_head`` makes a vocabulary's);
+    ``threshold`` to 0 (adaptive depth off)."""
     depth = stack.num_layers if depth is None else int(depth)
     chain = chain or stack.default_chain(depth)
-    return Drafter(model, stack, depth, chain, hidden, capacity, override)
+    return Drafter(model, stack, depth, chain, hidden, capacity, override, head, float(threshold), record_probs)

@@ -155,6 +155,10 @@ class Tokenizer:
     def id_to_token(self, i: int) -> str | None:
         return self._tok.id_to_token(int(i))
 
+    def special_ids(self) -> list[int]:
+        """Ids of the added tokens marked special (chat markers, EOS, padding), ascending."""
+        return sorted(int(i) for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
+
     # ---------------------------------------------------------------- chat
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         """Render the header's chat template as transformers does (sandboxed jinja2).

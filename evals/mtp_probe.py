@@ -14,6 +14,13 @@ speculative decoding calls; only the ids it reads go past the pending token. The
 counts go into ``cortiq_engine.acceptance.Acceptance``, the counter speculative
 decoding and the trainer report, so the figures compare one to one (draft time is
 per round; a teacher-forced round has no verify).
+
+Adaptive depth: with a ``threshold`` the drafter stops a round at its first draft less
+probable than it (the probe then counts fewer depths for that round). ``ProbeTrace``
+keeps every draft's own probability and whether it was right, and ``threshold_table``
+replays the rounds under candidate thresholds with a cost model (a computed draft
+costs ``draft_ms``, a verify of r rows ``verify_ms[r-1]``) to choose the one with the
+least expected time per token.
 """
 
 from __future__ import annotations
@@ -26,6 +33,69 @@ import numpy as np
 
 from formats.errors import CortiqError
 from cortiq_engine.acceptance import Acceptance
+
+
+@dataclass
+class ProbeTrace:
+    """Per round and depth of a threshold-free probe: the draft's own probability and
+    whether it equals the true token (alone)."""
+
+    probs: np.ndarray  # f64 [rounds, depth]
+    right: np.ndarray  # bool [rounds, depth]
+
+
+@dataclass(frozen=True)
+class ThresholdRow:
+    threshold: float
+    tokens_per_step: float  # tokens a drafting step emits (accepted drafts + 1)
+    mean_depth: float  # drafts proposed per step
+    ms_per_token: float  # modelled: (computed drafts x draft_ms + verify of the kept rows) / tokens
+    speedup: float  # plain ms per token (verify_ms[0]) over ms_per_token
+
+    def to_json(self) -> dict:
+        return self.__dict__.copy()
+
+
+def threshold_table(trace: ProbeTrace, draft_ms: float, verify_ms: Sequence[float],
+                    candidates: Sequence[float] = (0.0, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)) -> list[ThresholdRow]:
+    """Replay the traced rounds under each threshold: a round computes drafts up to and
+    including the first one below it, proposes those before it, keeps the right prefix."""
+    rounds, depth = trace.probs.shape
+    if len(verify_ms) < depth + 1:
+        raise ValueError(f"verify_ms needs {depth + 1} entries (1..{depth + 1} rows)")
+    rows = []
+    for th in candidates:
+        below = trace.probs < th
+        kept = np.where(below.any(axis=1), below.argmax(axis=1), depth)  # drafts proposed
+        computed = np.minimum(kept + 1, depth)
+        run = np.cumprod(trace.right, axis=1)  # chained: drafts 1..k all right
+        accepted = np.array([run[r, : kept[r]].sum() for r in range(rounds)])
+        cost = computed * draft_ms + np.asarray(verify_ms, dtype=np.float64)[kept]
+        tokens = 1 + accepted
+        ms_tok = float(cost.sum() / tokens.sum()) if rounds else 0.0
+        rows.append(ThresholdRow(float(th), float(tokens.mean()) if rounds else 1.0, float(kept.mean()) if rounds else 0.0,
+                                 ms_tok, float(verify_ms[0] / ms_tok) if ms_tok else 0.0))
+    return rows
+
+
+def verify_costs(model, rows_max: int, context: int = 128, reps: int = 15) -> list[float]:
+    """Median ms of a backbone forward of 1..rows_max rows plus their lm_head, after a
+    ``context``-token prefix (what a verify of r rows costs; r = 1 is a plain decode step)."""
+    from cortiq_engine.model import forward
+
+    state = model.new_state(context + rows_max)
+    forward(state, [0] * context)
+    out = []
+    for r in range(1, rows_max + 1):
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            h = forward(state, [1] * r)
+            model.lm_head(model.final_norm(h))
+            times.append(time.perf_counter() - t0)
+            state.truncate(context)
+        out.append(1e3 * float(np.median(times)))
+    return out
 
 
 @dataclass(frozen=True)
@@ -66,8 +136,14 @@ def probe(
     depth: int,
     variants: Sequence[Variant],
     progress: Callable[[int], None] | None = None,
+    *,
+    head=None,
+    threshold: float = 0.0,
+    traces: list[ProbeTrace] | None = None,
 ) -> list[tuple[Variant, Acceptance]]:
-    """Teacher-forced acceptance of each variant over ``ids`` (``progress(1)`` per position per variant)."""
+    """Teacher-forced acceptance of each variant over ``ids`` (``progress(1)`` per position per variant).
+    ``head``: the draft head (``Engine.draft_head``; default the full lm_head); ``threshold``:
+    adaptive depth; ``traces``: a list that receives each variant's ``ProbeTrace``."""
     from cortiq_engine.mtp import make_drafter
 
     ids = np.asarray(ids, dtype=np.int64)
@@ -80,15 +156,24 @@ def probe(
     id_list = [int(i) for i in ids]
     results = []
     for v in variants:
-        drafter = make_drafter(model, stack, T, depth=depth, chain=v.chain, hidden=v.hidden)
+        drafter = make_drafter(model, stack, T, depth=depth, chain=v.chain, hidden=v.hidden, head=head,
+                               threshold=threshold, record_probs=traces is not None)
         drafter.note(0, hidden)
         counts = Acceptance(depth)
+        probs, right = [], []
         # Round starts t whose every depth has a true token: t + depth + 1 <= T - 1.
         for t in range(T - depth - 1):
             t0 = time.perf_counter()
             drafts = drafter.draft(t, id_list, depth)
-            counts.record_forced(drafts, id_list[t + 2 : t + 2 + depth], time.perf_counter() - t0)
+            truth = id_list[t + 2 : t + 2 + depth]
+            counts.record_forced(drafts, truth, time.perf_counter() - t0)
+            if traces is not None:
+                # Without a threshold every depth is drafted; with one, the trace is partial.
+                probs.append(drafter.probs + [0.0] * (depth - len(drafter.probs)))
+                right.append([int(d) == int(y) for d, y in zip(drafts, truth)] + [False] * (depth - len(drafts)))
             if progress is not None:
                 progress(1)
+        if traces is not None:
+            traces.append(ProbeTrace(np.array(probs, np.float64).reshape(-1, depth), np.array(right, bool).reshape(-1, depth)))
         results.append((v, counts))
     return results

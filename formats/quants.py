@@ -361,6 +361,24 @@ class U8(_Dense):
         return np.array(parts["data"]).reshape(shape)
 
 
+class I32(_Dense):
+    """Signed 32-bit integers, little-endian (id tables such as an MTP draft vocabulary)."""
+
+    name = "i32"
+    store = np.dtype("<i4")
+    matrix = False
+    bits = 32.0
+
+    def encode(self, x: np.ndarray, importance: np.ndarray | None = None) -> list[np.ndarray]:
+        a = np.asarray(x)
+        if a.dtype.kind not in "iu":
+            raise CortiqError(f"i32 holds integers, got {a.dtype}")
+        return [np.ascontiguousarray(a, dtype="<i4").reshape(-1)]
+
+    def _decode(self, parts, shape):
+        return np.array(parts["data"]).reshape(shape)
+
+
 class Blocked(DType):
     """A quantized dtype: blocks of ``block`` elements along the last dim, stored
     planar: each field of a block (scale, min, quants...) is its own array

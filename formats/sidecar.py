@@ -4,12 +4,20 @@ A sidecar is only meaningful next to the exact backbone it was cut from, so its
 header (``role: "mtp_sidecar"``) carries a ``backbone`` record: the backbone's
 geometry and its fingerprint. ``check_sidecar`` compares that record with a
 backbone's header and names every difference.
+
+A sidecar may also carry a *draft vocabulary* (``DRAFT_VOCAB_TENSOR``, i32 [N], token
+ids most useful first, with the header record ``mtp.draft_vocab``): the drafts score
+only those rows of the backbone's lm_head. ``read_draft_vocab`` validates it;
+``copy_with_draft_vocab`` writes a sidecar's tensors byte for byte with a new one.
 """
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from formats.errors import CortiqError
 from formats.mtp_names import MTP_PREFIX
@@ -17,6 +25,7 @@ from formats.untrusted_json import section
 
 ROLE_MODEL = "model"
 ROLE_SIDECAR = "mtp_sidecar"
+DRAFT_VOCAB_TENSOR = "mtp.draft_vocab"
 # backbone key -> (label in messages, where the value sits in a model header)
 _GEOMETRY = {
     "arch": ("arch", ("arch", "arch")),
@@ -105,7 +114,76 @@ def open_sidecar(main_path: str | Path, main_header: dict[str, Any], path: str |
         backbone_mtp = section(main_header, "mtp")
         if backbone_mtp.get("location") == "sidecar" and backbone_mtp.get("num_layers") not in (None, have):
             raise CortiqError(f"MTP layer count {backbone_mtp['num_layers']} in the backbone, {have} in the sidecar")
+        read_draft_vocab(cmf, _get(main_header, ("arch", "vocab_size")))
     except CortiqError as e:
         cmf.close()
         raise CortiqError(f"MTP sidecar {side}: {e}") from None
     return cmf
+
+
+def read_draft_vocab(cmf, vocab_size: Any) -> np.ndarray | None:
+    """The draft vocabulary of a sidecar (int64 ids, most useful first), None when it has
+    none. Valid: the header record and the tensor both present or both absent, i32 [N]
+    with N the record's ``size``, 1 <= N <= vocab_size, every id in range, no repeats;
+    else a one-line ``CortiqError``."""
+    rec = section(cmf.header, "mtp").get("draft_vocab")
+    has = DRAFT_VOCAB_TENSOR in cmf
+    if rec is None and not has:
+        return None
+    if rec is None or not has:
+        missing = "header record mtp.draft_vocab" if rec is None else f"tensor {DRAFT_VOCAB_TENSOR}"
+        raise CortiqError(f"draft vocabulary: the {missing} is missing")
+    if not isinstance(rec, dict):
+        raise CortiqError(f"draft vocabulary: header record mtp.draft_vocab is {type(rec).__name__}, expected an object")
+    size = rec.get("size")
+    if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < 1:
+        raise CortiqError(f"draft vocabulary: the backbone's vocab size {vocab_size!r} is not a positive integer")
+    if not isinstance(size, int) or isinstance(size, bool) or not 1 <= size <= vocab_size:
+        raise CortiqError(f"draft vocabulary: size {size!r} is not between 1 and the vocab size {vocab_size}")
+    info = cmf.info(DRAFT_VOCAB_TENSOR)
+    if info.dtype != "i32" or tuple(info.shape) != (size,):
+        raise CortiqError(f"draft vocabulary: tensor is {info.dtype}{list(info.shape)}, expected i32[{size}]")
+    ids = cmf.tensor_parts(DRAFT_VOCAB_TENSOR)["data"].astype(np.int64)
+    bad = ids[(ids < 0) | (ids >= vocab_size)]
+    if bad.size:
+        raise CortiqError(f"draft vocabulary: token id {int(bad[0])} outside the vocabulary 0..{vocab_size - 1}")
+    if np.unique(ids).size != ids.size:
+        s = np.sort(ids)
+        raise CortiqError(f"draft vocabulary: token id {int(s[1:][s[1:] == s[:-1]][0])} appears twice")
+    return ids
+
+
+def draft_vocab_record(ids: np.ndarray, source: str, tokens: int) -> dict[str, Any]:
+    """The header record ``mtp.draft_vocab`` of a vocabulary chosen from ``tokens`` tokens of ``source``."""
+    return {"size": int(len(ids)), "tensor": DRAFT_VOCAB_TENSOR, "order": "most useful first",
+            "text": source, "tokens": int(tokens)}
+
+
+def copy_with_draft_vocab(src: str | Path, out: str | Path, ids: np.ndarray | None, record: dict[str, Any] | None,
+                          *, force: bool = False) -> Path:
+    """Write sidecar ``src`` to ``out`` with the draft vocabulary ``ids`` (None: without
+    one); every other tensor is copied byte for byte, the header keeps all else. ``out``
+    may be ``src`` (with ``force``): the writer stages a new file and renames it over."""
+    from formats.cmf import CmfFile, CmfWriter
+
+    out = Path(out)
+    if out.exists() and not force:
+        raise CortiqError(f"{out} exists (use --force to overwrite)")
+    with CmfFile(src) as cmf:
+        if cmf.header.get("role") != ROLE_SIDECAR:
+            raise CortiqError(f"{src}: not an MTP sidecar (role {cmf.header.get('role')!r})")
+        header = copy.deepcopy(cmf.header)
+        mtp = header.get("mtp") if isinstance(header.get("mtp"), dict) else {}
+        mtp.pop("draft_vocab", None)
+        if ids is not None:
+            mtp["draft_vocab"] = record
+        header["mtp"] = mtp
+        with CmfWriter(out, header, force=True) as w:
+            for name in cmf.names():
+                if name == DRAFT_VOCAB_TENSOR:
+                    continue
+                info = cmf.info(name)
+                w.add_encoded(name, info.dtype, tuple(info.shape), list(cmf.tensor_parts(name).values()))
+            if ids is not None:
+                w.add(DRAFT_VOCAB_TENSOR, "i32", np.asarray(ids, dtype=np.int64))
+    return out

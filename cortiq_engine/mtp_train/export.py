@@ -17,7 +17,7 @@ import numpy as np
 from formats.cmf import FORMAT_MINOR, FORMAT_VERSION, CmfWriter
 from formats.errors import CortiqError
 from formats.policy import QuantPolicy
-from formats.sidecar import ROLE_SIDECAR, backbone_identity, check_sidecar
+from formats.sidecar import DRAFT_VOCAB_TENSOR, ROLE_SIDECAR, backbone_identity, check_sidecar
 
 MTP_STYLE = "mimo"  # independent layers: layer k drafts depth k+1 from the backbone hidden
 TRAINER_NAME = "cortiq mtp-train"
@@ -51,14 +51,18 @@ def sidecar_header(main_header: dict[str, Any], main_name: str, n_layers: int, q
 
 
 def write_sidecar(out: Path, main_header: dict[str, Any], main_name: str, tensors: dict[str, np.ndarray],
-                  *, quant: str, hidden: str, trained: dict[str, Any], force: bool = False) -> Path:
-    """Encode ``tensors`` (sidecar names -> f32) into ``out``; returns the path."""
+                  *, quant: str, hidden: str, trained: dict[str, Any], force: bool = False,
+                  draft_vocab: tuple[np.ndarray, dict[str, Any]] | None = None) -> Path:
+    """Encode ``tensors`` (sidecar names -> f32) into ``out``; returns the path.
+    ``draft_vocab``: (ids most useful first, its header record), see formats/sidecar.py."""
     layers = sorted({int(n.split(".")[3]) for n in tensors})
     if layers != list(range(len(layers))):
         raise AssertionError(f"draft layers {layers} are not numbered 0..K-1")
     inter = int(tensors["model.mtp.layers.0.mlp.gate_proj.weight"].shape[0])
     header = sidecar_header(main_header, main_name, len(layers), quant, inter, hidden, trained)
     check_sidecar(main_header, header)  # the engine will run the same check on load
+    if draft_vocab is not None:
+        header["mtp"]["draft_vocab"] = draft_vocab[1]
     policy = QuantPolicy(quant)
     if out.exists() and not force:
         raise CortiqError(f"{out} exists (use --force to overwrite)")
@@ -68,4 +72,6 @@ def write_sidecar(out: Path, main_header: dict[str, Any], main_name: str, tensor
             if not np.isfinite(a).all():
                 raise CortiqError(f"training diverged: {name} has NaN or Inf (lower --lr)")
             w.add(name, policy.dtype_for(name, a.shape), a)
+        if draft_vocab is not None:
+            w.add(DRAFT_VOCAB_TENSOR, "i32", np.asarray(draft_vocab[0], dtype=np.int64))
     return out

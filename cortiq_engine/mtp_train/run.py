@@ -88,6 +88,7 @@ def train_mtp(
     backend: str = "torch",
     callbacks: Callbacks | None = None,
     features: str | Path | None = None,
+    draft_vocab: int | None = None,
 ) -> RunResult:
     """``features``: the folder of the collected backbone rows (memory-mapped, resumable;
     default OUT stem + ``.features`` beside the sidecar; reused by any run of the same
@@ -169,8 +170,16 @@ def train_mtp(
         "steps": res.steps_done, "loss": res.last_loss, "config": cfg.to_json(),
         "held_out": result.held_torch.to_json() if result.held_torch else None,
     }
+    vocab = None
+    if draft_vocab:  # the draft vocabulary from the training text (cortiq_engine/draft_vocab.py)
+        from cortiq_engine.draft_vocab import vocab_from_text
+        from formats.sidecar import draft_vocab_record
+
+        v_ids, n_tok = vocab_from_text(backbone.tokenizer, backbone.arch.vocab_size, backbone.tokenizer.eos_ids, text, draft_vocab,
+                                       cfg.max_tokens)
+        vocab = (v_ids, draft_vocab_record(v_ids, source, n_tok))
     write_sidecar(out, backbone.header, model_path.name, res.stack.tensors(), quant=quant, hidden=cfg.hidden,
-                  trained=trained, force=force or resume)
+                  trained=trained, force=force or resume, draft_vocab=vocab)
     if len(held):
         from cortiq_engine.mtp_train.engine_drafts import engine_drafts, load_draft_layers
 
