@@ -16,8 +16,10 @@ so the first n of a stored vocabulary are the best n (``--mtp-vocab n``).
 ``DraftHead`` is the head a ``Drafter`` scores with: the full lm_head, or its rows
 of the vocabulary copied once at load into a matrix of the same dtype (quantized
 rows are contiguous blocks, so the copy is a row gather), whose argmax maps back
-to full ids. Each of its logits is bit for bit the full head's at that id: the
-kernels compute every output row from its own weight row.
+to full ids. On the numba kernels each of its logits is bit for bit the full head's
+at that id (they compute every output row from its own weight row); the numpy set's
+BLAS may round a row differently in a smaller matrix (float64-close, tested). Either
+way the verify scores the full head, so the output is unchanged.
 """
 
 from __future__ import annotations
