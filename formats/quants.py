@@ -373,6 +373,8 @@ class I32(_Dense):
         a = np.asarray(x)
         if a.dtype.kind not in "iu":
             raise CortiqError(f"i32 holds integers, got {a.dtype}")
+        if a.size and (int(a.min()) < -(2**31) or int(a.max()) >= 2**31):
+            raise CortiqError("i32 value out of the 32-bit range")
         return [np.ascontiguousarray(a, dtype="<i4").reshape(-1)]
 
     def _decode(self, parts, shape):

@@ -436,3 +436,38 @@ def test_smollm2_exact_with_a_draft_vocabulary_and_adaptive_depth(smollm2_cmf, e
             spec = eng.generate(prompt, max_tokens=24, speculative=SpeculativeConfig(threshold=th))
             _assert_same(plain, spec)
             assert spec.extra["mtp"]["draft_vocab"] == 4096
+
+
+def test_i32_dtype_round_trips_and_refuses_floats(tmp_path):
+    from formats.quants import get_dtype
+
+    i32 = get_dtype("i32")
+    assert not i32.matrix and i32.bits == 32.0
+    a = np.array([0, -5, 2**31 - 1, 49151], dtype=np.int64)
+    (part,) = i32.encode(a)
+    assert part.dtype == np.dtype("<i4") and np.array_equal(i32.decode({"data": part}, a.shape), a)
+    with pytest.raises(CortiqError, match="i32 holds integers"):
+        i32.encode(np.zeros(3, np.float32))
+    with pytest.raises(CortiqError, match="out of the 32-bit range"):
+        i32.encode(np.array([2**31]))
+
+
+def test_write_sidecar_stores_a_draft_vocabulary(tiny, tmp_path):
+    """The trainer's writer (``mtp-train --draft-vocab``): the vocabulary and its record
+    land in the sidecar, and the engine reads them back."""
+    from cortiq_engine.mtp_train.export import write_sidecar
+
+    path, side = tiny["mimo", "f32"]
+    with CmfFile(side) as s, CmfFile(path) as m:
+        tensors = {n: s.tensor_f32(n) for n in s.names() if n.startswith("model.mtp.layers.")}
+        main_header = m.header
+    ids = np.array([7, 3, 250, 0, 42])
+    out = write_sidecar(tmp_path / "t.mtp.cmf", main_header, path.name, tensors, quant="f32", hidden="pre",
+                        trained={"text": "test"}, draft_vocab=(ids, draft_vocab_record(ids, "test", 99)))
+    eng = Engine.load(path, threads=1, mtp=out)
+    assert eng.drafts.vocab.tolist() == ids.tolist() and eng.draft_head().size == 5
+    with CmfFile(out) as f:
+        assert f.header["mtp"]["draft_vocab"] == {"size": 5, "tensor": DRAFT_VOCAB_TENSOR, "order": "most useful first",
+                                                  "text": "test", "tokens": 99}
+    plain = eng.generate([1, 2, 3], max_tokens=8, speculative=False)
+    _assert_same(plain, eng.generate([1, 2, 3], max_tokens=8, speculative=SpeculativeConfig(threshold=0)))
