@@ -15,7 +15,7 @@ from cortiq_engine.models import parse_config
 from formats.cmf import CmfFile
 from cortiq_engine.convert import convert_checkpoint
 from formats.errors import CortiqError
-from cortiq_engine import Engine, forward
+from cortiq_engine import Engine, SpeculativeConfig, forward
 from tests import arch_tiny
 
 MT = "mimo_v2_flash"
@@ -209,6 +209,8 @@ def test_speculative_with_the_mimo_sidecar_equals_greedy(mimo, tmp_path):
         assert stack is not None and stack.num_layers == 3 and stack.style == "mimo"
         prompt = arch_tiny.sample_ids(12, seed=3)
         plain = eng.generate(prompt, max_tokens=20, ignore_eos=True, speculative=False).token_ids
-        res = eng.generate(prompt, max_tokens=20, ignore_eos=True)  # speculative: the draft layers are loaded
+        # Speculative (the draft layers are loaded); threshold 0: the random draft layers are
+        # unsure of everything, and the default adaptive depth would propose no drafts.
+        res = eng.generate(prompt, max_tokens=20, ignore_eos=True, speculative=SpeculativeConfig(threshold=0))
     assert res.token_ids == plain
     assert res.extra["mtp"]["rounds"] > 0 and res.expert_usage
