@@ -173,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--types", default="q8_0,q4_0,q4_k_m", help=f"with --quantize: of {', '.join(FTYPES)}")
     ap.add_argument("--out-dir", type=Path, default=Path("."), help="with --quantize: where the GGUFs go (kept, reused)")
     ap.add_argument("--imatrix", type=Path, default=None, help="with --quantize: also each type re-quantized by llama.cpp with this cortiq imatrix")
+    ap.add_argument("--imatrix-only", action="store_true", help="with --imatrix: score only the imatrix files")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--batch", type=int, default=512)
     ap.add_argument("--json", action="store_true")
@@ -188,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
             if not dst.exists():
                 print(f"llama.cpp quantize -> {dst}", file=sys.stderr)
                 quantize(args.quantize, dst, q, args.threads)
-            todo.append((q, dst))
+            if not (args.imatrix is not None and args.imatrix_only):
+                todo.append((q, dst))
             if args.imatrix is not None and q != "q8_0":  # ggml's Q8_0 ignores an imatrix
                 wdst = args.out_dir / f"{args.quantize.stem}-{q}-imatrix.gguf"
                 if not wdst.exists():
