@@ -9,8 +9,21 @@ time from an empty cache, and computes the same statistics ``cortiq ppl --ref`` 
 An F32 GGUF of the same weights shows the floor (two engines, same numbers). With
 ``--quantize F32.gguf`` it first makes Q8_0/Q4_0/Q4_K_M/... with llama.cpp's quantizer.
 
+With ``--imatrix FILE`` (a ``cortiq imatrix`` file) it also scores llama.cpp's own
+importance-weighted quantization: llama-cpp-python's ``llama_model_quantize`` takes an
+imatrix only as a C++ map (not reachable from Python), so each tensor of llama.cpp's
+plain file is re-quantized from the F32 GGUF in the same GGML type by llama.cpp's
+library (``ggml_quantize_chunk``, which is what ``llama-quantize --imatrix`` calls per
+tensor) with the imatrix entry of its input columns, and written over the plain
+file's bytes (same types, same sizes, same layout): ``NAME+imatrix`` rows.
+
     python benchmarks/kld_vs_llamacpp.py REF.cref --gguf f32=F32.gguf --gguf q8_0=Q8.gguf ... [--json]
-    python benchmarks/kld_vs_llamacpp.py REF.cref --quantize F32.gguf --types q8_0,q4_0,q4_k_m --out-dir DIR
+    python benchmarks/kld_vs_llamacpp.py REF.cref --quantize F32.gguf --types q8_0,q4_0,q4_k_m --out-dir DIR \
+        [--imatrix train.imatrix.safetensors]
+
+Bits/weight are exact (``gguf_bits``): 8 x tensor bytes / parameters over every
+tensor, as llama.cpp's BPW and cortiq's ``benchmarks/quant_bits.py``; the file's
+metadata (vocabulary, settings) is counted only in ``file_bits_per_weight``.
 """
 
 from __future__ import annotations
@@ -53,6 +66,70 @@ def gguf_bpw(path: Path) -> tuple[float, int]:
     return 8.0 * nbytes / params, params
 
 
+def _ggml_quantize_chunk():
+    import ctypes
+    import os
+
+    import llama_cpp
+
+    lib = ctypes.CDLL(os.path.join(os.path.dirname(llama_cpp.__file__), "lib", "libggml-base.so"))
+    fn = lib.ggml_quantize_chunk
+    fn.restype = ctypes.c_size_t
+    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                   ctypes.c_void_p]
+    return fn
+
+
+def cmf_name(gguf_name: str) -> str | None:
+    """The CMF (HF) name of a GGUF weight, for its imatrix entry."""
+    from formats.gguf_import import _BLOCK_NAMES, _BLOCK_RE, _GLOBAL_NAMES
+
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = _BLOCK_RE.fullmatch(gguf_name)
+    if m is None or m.group(2) not in _BLOCK_NAMES:
+        return None
+    return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
+
+
+def requantize_with_imatrix(f32: Path, like: Path, dst: Path, imatrix_path: Path) -> dict:
+    """``like`` (llama.cpp's quantization of ``f32``) with every quantized tensor re-made from
+    ``f32`` in its own GGML type by llama.cpp's ``ggml_quantize_chunk`` with the imatrix."""
+    import shutil
+
+    from gguf import GGMLQuantizationType as GT
+    from gguf import GGUFReader
+
+    from formats.imatrix import read_imatrix
+
+    im = read_imatrix(imatrix_path)
+    fn = _ggml_quantize_chunk()
+    src = {t.name: t for t in GGUFReader(str(f32)).tensors}
+    tmp = dst.with_suffix(".tmp")
+    shutil.copyfile(like, tmp)
+    weighted = plain = 0
+    with open(tmp, "r+b") as out:
+        for t in GGUFReader(str(like)).tensors:
+            if t.tensor_type in (GT.F32, GT.F16, GT.BF16):
+                continue
+            x = np.ascontiguousarray(np.asarray(src[t.name].data, np.float32)).reshape(-1, int(t.shape[0]))
+            rows, cols = x.shape
+            name = cmf_name(t.name)
+            imp = im.for_tensor(name, cols) if name is not None else None
+            buf = np.zeros(int(t.n_bytes), np.uint8)
+            imp_c = None if imp is None else np.ascontiguousarray(imp, np.float32)
+            n = fn(int(t.tensor_type), x.ctypes.data, buf.ctypes.data, 0, rows, cols,
+                   None if imp_c is None else imp_c.ctypes.data)
+            if n != buf.nbytes:
+                raise RuntimeError(f"{t.name}: ggml_quantize_chunk wrote {n} bytes, expected {buf.nbytes}")
+            out.seek(int(t.data_offset))
+            out.write(buf.tobytes())
+            weighted += imp is not None
+            plain += imp is None
+    tmp.replace(dst)
+    return {"weighted_tensors": weighted, "unweighted_tensors": plain}
+
+
 def score(path: Path, ref_path: Path, threads: int, batch: int) -> dict:
     import llama_cpp
 
@@ -82,7 +159,9 @@ def score(path: Path, ref_path: Path, threads: int, batch: int) -> dict:
     seconds = time.perf_counter() - t0
     _, (c,) = build_reports(acc, ["reference", path.name], 0, ref.form)
     bpw, params = gguf_bpw(path)
-    return {"gguf": str(path), "bits_per_weight": bpw, "params": params, "file_bytes": path.stat().st_size,
+    size = path.stat().st_size
+    return {"gguf": str(path), "bits_per_weight": bpw, "params": params, "file_bytes": size,
+            "file_bits_per_weight": 8.0 * size / params,
             "seconds": seconds, "reference_form": ref.form, **c.to_json()}
 
 
@@ -93,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quantize", type=Path, default=None, help="an F32 GGUF to quantize with llama.cpp first")
     ap.add_argument("--types", default="q8_0,q4_0,q4_k_m", help=f"with --quantize: of {', '.join(FTYPES)}")
     ap.add_argument("--out-dir", type=Path, default=Path("."), help="with --quantize: where the GGUFs go (kept, reused)")
+    ap.add_argument("--imatrix", type=Path, default=None, help="with --quantize: also each type re-quantized by llama.cpp with this cortiq imatrix")
+    ap.add_argument("--imatrix-only", action="store_true", help="with --imatrix: score only the imatrix files")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--batch", type=int, default=512)
     ap.add_argument("--json", action="store_true")
@@ -108,13 +189,20 @@ def main(argv: list[str] | None = None) -> int:
             if not dst.exists():
                 print(f"llama.cpp quantize -> {dst}", file=sys.stderr)
                 quantize(args.quantize, dst, q, args.threads)
-            todo.append((q, dst))
+            if not (args.imatrix is not None and args.imatrix_only):
+                todo.append((q, dst))
+            if args.imatrix is not None and q != "q8_0":  # ggml's Q8_0 ignores an imatrix
+                wdst = args.out_dir / f"{args.quantize.stem}-{q}-imatrix.gguf"
+                if not wdst.exists():
+                    print(f"llama.cpp quantize with {args.imatrix} -> {wdst}", file=sys.stderr)
+                    print(requantize_with_imatrix(args.quantize, dst, wdst, args.imatrix), file=sys.stderr)
+                todo.append((f"{q}+imatrix", wdst))
     out = {}
     for name, p in todo:
         r = score(p, args.ref, args.threads, args.batch)
         out[name] = r
         if not args.json:
-            print(f"{name:8s} {r['bits_per_weight']:6.3f} bpw  ppl ratio {r['ppl_ratio']:.4f}  mean KLD {r['kl_mean']:.6f} "
+            print(f"{name:8s} {r['bits_per_weight']:7.4f} bpw  ppl ratio {r['ppl_ratio']:.4f}  mean KLD {r['kl_mean']:.6f} "
                   f"± {r['kl_se']:.6f}  p99 {r['kl_quantiles']['p99']:.5f}  same top-1 {100 * r['top1_agreement']:.2f}%  "
                   f"RMS Δp {100 * r['delta_p_rms']:.3f}%  ({r['seconds']:.0f} s)", flush=True)
     if args.json:

@@ -29,7 +29,7 @@ def imatrix(
     max_tokens: opt.MaxTokens = None,
     ctx: opt.Ctx = 512,
     threads: opt.Threads = None,
-    force: bool = typer.Option(False, "--force", "-f", help="Overwrite OUT if it exists."),
+    force: bool = typer.Option(False, "--force", help="Overwrite OUT if it exists."),
     json_out: opt.Json = False,
 ) -> None:
     """Collect an importance matrix for ``cortiq convert --imatrix``: for every weight, the

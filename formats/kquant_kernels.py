@@ -364,3 +364,169 @@ def quantize_q6k(x: np.ndarray, importance: np.ndarray | None = None) -> tuple[n
     d = np.empty((rows, nb), np.float32)
     q6k_rows(x, imp, use, ql, qh, scales, d)
     return ql, qh, scales, d.astype(np.float16)
+
+
+# ---------------------------------------------------------------- q4_0 and q5 (blocks of 32)
+# Symmetric blocks: value = d * l, l in [lo, hi] (Q4_0: -8..7, Q5_0: -16..15), one f16 d
+# per 32 values. ggml's reference picks d = (the signed value of largest |x|) / lo; the
+# search below tries that choice and ``SYM_FACTORS`` scalings of it towards either
+# end of the range, refits the best by (weighted) least squares, and keeps whatever
+# has the least weighted squared error as decoded (f16 d, f32 products): never more
+# than ggml's own choice, which is one of the candidates.
+
+QB = 32
+SYM_FACTORS = np.arange(0.75, 1.17, 0.03125).astype(np.float32)  # 14 scalings
+SYM_REFITS = 2
+
+
+@njit(inline="always")
+def _sym_levels(xb, w, dd, lo, hi, L):
+    """Levels of xb at scale dd (nearest, clamped to [lo, hi]) and their weighted squared error (f64)."""
+    inv = _F1 / dd if dd != _F0 else _F0
+    err = 0.0
+    for j in range(QB):
+        l = min(max(_nearest(xb[j] * inv), lo), hi)
+        L[j] = l
+        e = np.float64(xb[j] - dd * np.float32(l))  # the decoder's f32 product
+        err += np.float64(w[j]) * e * e
+    return err
+
+
+@njit(inline="always")
+def _sym_block(xb, w, lo, hi, factors, L, Lt):
+    """The stored (f16-exact) scale of one block; its levels (in [lo, hi]) go to L."""
+    amax = _F0
+    mx = _F0
+    for j in range(QB):
+        a = abs(xb[j])
+        if amax < a:  # ggml's strict <: the first of equal magnitudes
+            amax = a
+            mx = xb[j]
+    if amax == _F0:
+        for j in range(QB):
+            L[j] = 0
+        return _F0
+    # ggml's own choice, with its own rounding: trunc(x / d + off + 0.5), capped
+    off = -lo
+    d0 = mx / np.float32(lo)
+    id0 = _F1 / d0
+    dd = _f16_round(d0)
+    best = 0.0
+    for j in range(QB):
+        l = min(np.int32(xb[j] * id0 + np.float32(off + 0.5)), hi + off) - off
+        L[j] = l
+        e = np.float64(xb[j] - dd * np.float32(l))
+        best += np.float64(w[j]) * e * e
+    for side in range(2):
+        end = np.float32(lo) if side == 0 else np.float32(hi)
+        for k in range(factors.shape[0]):
+            c = _f16_round(mx / (end * factors[k]))
+            if c == _F0:
+                continue
+            err = _sym_levels(xb, w, c, lo, hi, Lt)
+            if err < best:
+                best = err
+                dd = c
+                for j in range(QB):
+                    L[j] = Lt[j]
+    for _ in range(SYM_REFITS):
+        sxl = 0.0
+        sll = 0.0
+        for j in range(QB):
+            lf = np.float64(L[j])
+            sxl += np.float64(w[j]) * np.float64(xb[j]) * lf
+            sll += np.float64(w[j]) * lf * lf
+        if sll <= 0.0:
+            break
+        c = _f16_round(np.float32(sxl / sll))
+        if c == _F0 or c == dd:
+            break
+        err = _sym_levels(xb, w, c, lo, hi, Lt)
+        if not err < best:
+            break
+        best = err
+        dd = c
+        for j in range(QB):
+            L[j] = Lt[j]
+    return dd
+
+
+@njit(inline="always")
+def _sym_weights(xr, o, imp, use_imp, sigma2, w):
+    """ggml's Q4_0/Q5_0 imatrix weighting: importance * sqrt(sigma2 + x^2), sigma2 = mean x^2 of the row."""
+    for j in range(QB):
+        if use_imp:
+            w[j] = imp[o + j] * np.sqrt(sigma2 + xr[o + j] * xr[o + j])
+        else:
+            w[j] = _F1
+
+
+@njit(inline="always")
+def _row_sigma2(xr):
+    s = _F0
+    for j in range(xr.shape[0]):
+        s += xr[j] * xr[j]
+    return s / np.float32(xr.shape[0])
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def q4_0_rows(x, imp, use_imp, factors, d, qs):  # pragma: no cover - compiled
+    rows, cols = x.shape
+    for r in prange(rows):
+        L = np.empty(QB, np.int32)
+        Lt = np.empty(QB, np.int32)
+        w = np.empty(QB, np.float32)
+        xr = x[r]
+        sigma2 = _row_sigma2(xr) if use_imp else _F0
+        for b in range(cols // QB):
+            o = QB * b
+            _sym_weights(xr, o, imp, use_imp, sigma2, w)
+            d[r, b] = _sym_block(xr[o : o + QB], w, -8, 7, factors, L, Lt)
+            for j in range(16):
+                qs[r, 16 * b + j] = np.uint8((L[j] + 8) | ((L[j + 16] + 8) << 4))
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def q5_rows(x, imp, use_imp, factors, d, qh, qs):  # pragma: no cover - compiled
+    rows, cols = x.shape
+    for r in prange(rows):
+        L = np.empty(QB, np.int32)
+        Lt = np.empty(QB, np.int32)
+        w = np.empty(QB, np.float32)
+        xr = x[r]
+        sigma2 = _row_sigma2(xr) if use_imp else _F0
+        for b in range(cols // QB):
+            o = QB * b
+            _sym_weights(xr, o, imp, use_imp, sigma2, w)
+            d[r, b] = _sym_block(xr[o : o + QB], w, -16, 15, factors, L, Lt)
+            h = np.uint32(0)
+            for j in range(16):
+                a = L[j] + 16
+                c = L[j + 16] + 16
+                qs[r, 16 * b + j] = np.uint8((a & 15) | ((c & 15) << 4))
+                h |= np.uint32((a >> 4) & 1) << np.uint32(j)
+                h |= np.uint32((c >> 4) & 1) << np.uint32(j + 16)
+            qh[r, b] = h
+
+
+def quantize_q4_0(x: np.ndarray, importance: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """f32[rows, cols] -> (d f16[rows, nb], qs u8[rows, cols/2]); the searched scale,
+    weighted by ``importance`` (ggml's imatrix weighting) when given."""
+    x, imp, use = _prep(x, importance)
+    rows, cols = x.shape
+    d = np.empty((rows, cols // QB), np.float32)
+    qs = np.empty((rows, cols // 2), np.uint8)
+    q4_0_rows(x, imp, use, SYM_FACTORS, d, qs)
+    return d.astype(np.float16), qs
+
+
+def quantize_q5_weighted(x: np.ndarray, importance: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """f32[rows, cols] -> Q5_0 (d f16[rows, nb], qh u32[rows, nb], qs u8[rows, cols/2]), the
+    scale searched to minimize the importance-weighted error (``--imatrix``)."""
+    x, imp, use = _prep(x, importance)
+    rows, cols = x.shape
+    d = np.empty((rows, cols // QB), np.float32)
+    qh = np.empty((rows, cols // QB), np.uint32)
+    qs = np.empty((rows, cols // 2), np.uint8)
+    q5_rows(x, imp, use, SYM_FACTORS, d, qh, qs)
+    return d.astype(np.float16), qh, qs

@@ -52,6 +52,9 @@ RECIPES: dict[str, Recipe] = {
         Recipe("q4", "q4", "q8"),
         Recipe("q4km", "q4k", "q6k", more="q6k"),
         Recipe("q4k", "q4k", "q6k"),
+        # llama.cpp's Q4_0 file: Q4_0 everywhere, the output / tied embeddings Q6_K (Q8_0
+        # where a row is not a multiple of 256, the q6k fallback)
+        Recipe("q4_0", "q4_0", "q6k"),
         Recipe("f16", "f16", "f16"),
         Recipe("bf16", "bf16", "bf16"),
         Recipe("f32", "f32", "f32"),

@@ -19,6 +19,8 @@ for a 2-D weight [out, in] that is rows = out, cols = in). Full spec: docs/cmf.m
   nibble and element j+16 in its high nibble; value = d * q + m, q in 0..15.
 - ``q5`` (llama.cpp Q5_0): ``d`` f16[rows, nb], ``qh`` uint32[rows, nb], ``qs`` uint8[rows, cols/2];
   value = d * (q - 16), q = nibble | fifth bit << 4.
+- ``q4_0`` (llama.cpp Q4_0): ``d`` f16[rows, nb], ``qs`` uint8[rows, cols/2] (nibbles as q4);
+  value = d * (q - 8); the encoder searches the scale.
 - ``q6k``, ``q5k``, ``q4k`` (llama.cpp Q6_K, Q5_K, Q4_K): super-blocks of 256, the
   fields of ggml's block structs as planar parts (see the classes below).
 - ``u8``: raw bytes (embedded files such as tokenizer.json).
@@ -530,7 +532,8 @@ class Q5(Blocked):
     """llama.cpp Q5_0 semantics: ``d`` f16[rows, nb], ``qh`` uint32[rows, nb] (the fifth
     bits), ``qs`` uint8[rows, cols/2] (nibbles as q4); value = d * (q - 16), q in 0..31:
     22 bytes per 32 values = 5.5 bits/weight. The K-quants fall back to it (as
-    llama.cpp's do) where a row is not a multiple of 256."""
+    llama.cpp's do) where a row is not a multiple of 256. Without an imatrix the bytes
+    are ggml's reference encoder's; with one, the scale is searched as q4_0's."""
 
     name = "q5"
     fields = (("d", "<f2", 1), ("qh", "<u4", 1), ("qs", "u1", QBLOCK // 2))
@@ -539,10 +542,60 @@ class Q5(Blocked):
     ggml_type = "Q5_0"
 
     def encode_rows(self, x2, importance=None):
-        return quantize_q5(x2)
+        if importance is None:
+            return quantize_q5(x2)
+        from formats import kquant_kernels
+
+        return kquant_kernels.quantize_q5_weighted(x2, importance)
 
     def _decode(self, parts, shape):
         return dequantize_q5(parts["d"], parts["qh"], parts["qs"]).reshape(shape)
+
+
+def quantize_q4_0_ggml(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """ggml's ``quantize_row_q4_0_ref`` bit for bit: x f32[rows, cols] -> (d f16[rows, nb],
+    qs uint8[rows, cols/2]); d = -(the signed max-|x| value) / 8, q = min(15, trunc(x / d + 8.5))."""
+    rows, cols = x.shape
+    nb = cols // QBLOCK
+    b = np.asarray(x, dtype=np.float32).reshape(rows, nb, QBLOCK)
+    idx = np.abs(b).argmax(axis=2)[:, :, None]  # the first largest |x|, as ggml's strict <
+    mx = np.take_along_axis(b, idx, axis=2)[:, :, 0]
+    d = mx / np.float32(-8)
+    v = b * _inverse(d)[:, :, None]
+    v += np.float32(8.5)
+    q = np.minimum(np.trunc(v).astype(np.int8), 15).astype(np.uint8)  # C's (int8_t) cast truncates
+    packed = q[:, :, :16] | (q[:, :, 16:] << np.uint8(4))
+    return d.astype(np.float16), packed.reshape(rows, cols // 2)
+
+
+def dequantize_q4_0(d: np.ndarray, qs: np.ndarray) -> np.ndarray:
+    """value = d * (q - 8); element j of a block in the low nibble of byte j, j + 16 in its high nibble."""
+    rows = qs.shape[0]
+    nb = d.shape[1]
+    p = qs.reshape(rows, nb, 16)
+    q = np.concatenate([p & 0x0F, p >> 4], axis=2).astype(np.int8) - np.int8(8)
+    return (d.astype(np.float32)[:, :, None] * q.astype(np.float32)).reshape(rows, nb * QBLOCK)
+
+
+class Q4_0(Blocked):
+    """llama.cpp Q4_0 semantics: ``d`` f16[rows, nb], ``qs`` uint8[rows, cols/2] (nibbles as
+    q4); value = d * (q - 8), q in 0..15: 18 bytes per 32 values = 4.5 bits/weight, for
+    rows no K-quant fits. The encoder searches the scale (``formats.kquant_kernels``):
+    ggml's choice and scalings of it, least weighted squared error, ``--imatrix`` aware."""
+
+    name = "q4_0"
+    fields = (("d", "<f2", 1), ("qs", "u1", QBLOCK // 2))
+    kernel_parts = ("d", "qs")
+    bits = 4.5
+    ggml_type = "Q4_0"
+
+    def encode_rows(self, x2, importance=None):
+        from formats import kquant_kernels
+
+        return kquant_kernels.quantize_q4_0(x2, importance)
+
+    def _decode(self, parts, shape):
+        return dequantize_q4_0(parts["d"], parts["qs"]).reshape(shape)
 
 
 # ---------------------------------------------------------------- K-quants

@@ -73,9 +73,15 @@ def test_imatrix_collects_transformers_activation_energy(tiny, tmp_path):
     assert set(want) <= set(im.means)  # every Linear (lm_head included)
     for k, v in want.items():
         np.testing.assert_allclose(im.means[k], v, rtol=2e-4, atol=1e-7)
-    # refuses to overwrite
-    r = runner.invoke(app, ["imatrix", str(f32), "--text", str(text), "-o", str(out)])
+    # refuses to overwrite; -f is --text, as in every text command (it was --force's too)
+    r = runner.invoke(app, ["imatrix", str(f32), "-f", str(text), "-o", str(out)])
     assert r.exit_code != 0 and "exists" in r.output
+    r = runner.invoke(app, ["imatrix", str(f32), "-f", str(text), "--max-tokens", "300", "--ctx", "128",
+                            "-o", str(out), "--force", "--json"])
+    assert r.exit_code == 0, r.output
+    again = read_imatrix(out)
+    for k, v in im.means.items():
+        np.testing.assert_allclose(again.means[k], v, rtol=1e-6)
 
 
 def test_convert_with_imatrix_weights_the_error(tiny, tmp_path):

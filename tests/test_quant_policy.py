@@ -42,6 +42,18 @@ def test_q4km_is_llama_cpps_q4_k_m_tensor_by_tensor(gemma3_gguf):
     assert checked == 7 * layers + 1
 
 
+def test_q4_0_preset_is_llama_cpps_q4_0_choice():
+    """llama.cpp's Q4_0 file: Q4_0 matrices, the output (here the tied embeddings) Q6_K,
+    Q8_0 where its rows are not a multiple of 256 (SmolLM2's 576, Gemma's 640)."""
+    p = QuantPolicy("q4_0", layers=30)
+    assert p.choose("model.embed_tokens.weight", (49152, 576)) == ("q8", False)
+    assert p.choose("model.embed_tokens.weight", (262144, 640)) == ("q8", False)
+    assert p.choose("lm_head.weight", (32000, 4096)) == ("q6k", False)
+    for name, shape in (("self_attn.q_proj", (576, 576)), ("self_attn.v_proj", (192, 576)), ("mlp.down_proj", (576, 1536))):
+        assert p.choose(f"model.layers.0.{name}.weight", shape) == ("q4_0", False)
+    assert p.choose("model.layers.0.mlp.up_proj.weight", (64, 48)) == ("f16", True)
+
+
 def test_mixed_presets_and_fallbacks():
     p = QuantPolicy("q4km", layers=30)
     more = [i for i in range(30) if use_more_bits(i, 30)]

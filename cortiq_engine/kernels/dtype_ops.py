@@ -110,6 +110,14 @@ class Q5Ops(DtypeOps, dtype="q5"):
         jit.q5_dequant(parts[0], parts[1], parts[2], r0, r1, out)
 
 
+class Q4_0Ops(DtypeOps, dtype="q4_0"):
+    def small(self, parts, count, offs, X, out):
+        kq.q4_0_matmul_small(parts[0], parts[1], count, offs, X, out)
+
+    def dequant(self, parts, r0, r1, out):
+        kq.q4_0_dequant(parts[0], parts[1], r0, r1, out)
+
+
 def _group_sums(X: np.ndarray) -> np.ndarray:
     """Sum of each input row over each 32-value group: the K-quant min term's factor."""
     return X.reshape(X.shape[0], -1, 32).sum(axis=2, dtype=np.float32)

@@ -1,5 +1,6 @@
 """Compiled (numba) kernels of the K-quant dtypes q6k, q5k, q4k (ggml's Q6_K, Q5_K,
-Q4_K super-blocks of 256 values, stored planar: ``formats.quants``).
+Q4_K super-blocks of 256 values, stored planar: ``formats.quants``), and of q4_0
+(ggml's Q4_0, blocks of 32: the 4.5-bit type for rows no K-quant fits).
 
 Two kernels per dtype, beside their numpy twins (``formats.quants.dequantize_q*k``):
 ``*_dequant`` turns rows r0..r1 into f32 exactly as the twin does (same f32
@@ -223,4 +224,47 @@ def q6k_matmul_small(qls, qhs, scs, ds, count, offs, X, out):
                                 v3 = np.float32(np.int32((c >> 4) | (((hb >> 6) & 3) << 4)) - 32)
                                 acc[l] += (d0 * (v0 * X[i, xo + l]) + d1 * (v1 * X[i, xo + 32 + l])
                                            + d2 * (v2 * X[i, xo + 64 + l]) + d3 * (v3 * X[i, xo + 96 + l]))
+                out[i, base + r] = acc.sum()
+
+
+# ------------------------------------------------------------ q4_0 (blocks of 32)
+
+QB = 32
+
+
+@njit(parallel=False, nogil=True, cache=True)
+def q4_0_dequant(d, qs, r0, r1, out):
+    nb = d.shape[1]
+    for r in range(r0, r1):
+        for b in range(nb):
+            sc = f16_to_f32(d[r, b])
+            o = QB * b
+            ob = 16 * b
+            for j in range(16):
+                byte = np.int32(qs[r, ob + j])
+                out[r - r0, o + j] = sc * np.float32((byte & 15) - 8)
+                out[r - r0, o + j + 16] = sc * np.float32((byte >> 4) - 8)
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def q4_0_matmul_small(ds, qss, count, offs, X, out):
+    """value = d * (q - 8): each (weight row, input row) summed on its own in 32 lanes."""
+    n, cols = X.shape
+    nb = cols // QB
+    for m in range(count):
+        d = ds[m]
+        q = qss[m]
+        base = offs[m]
+        for r in prange(q.shape[0]):
+            prefetch_row(q, r + PREFETCH_ROWS)
+            for i in range(n):
+                acc = np.zeros(QB, np.float32)
+                for b in range(nb):
+                    sc = f16_to_f32(d[r, b])
+                    o = QB * b
+                    ob = 16 * b
+                    for j in range(16):
+                        byte = np.int32(q[r, ob + j])
+                        acc[j] += sc * (np.float32((byte & 15) - 8) * X[i, o + j])
+                        acc[j + 16] += sc * (np.float32((byte >> 4) - 8) * X[i, o + j + 16])
                 out[i, base + r] = acc.sum()

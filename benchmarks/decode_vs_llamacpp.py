@@ -1,0 +1,86 @@
+#!/usr/bin/env python3
+"""Decode tok/s of cortiq types against llama.cpp types, side by side, in interleaved rounds.
+
+Each pair is a cortiq CMF and a llama.cpp GGUF (e.g. the same weights at the same
+bits/weight). For every round, cortiq decodes ``--tokens`` greedy tokens (the sweep's
+``tg`` test: ``evals.speed.decode``, EOS ignored) and then llama.cpp evaluates the same
+number of single-token steps from an empty cache (logits of the last token only, its
+plain CPU kernels); the two alternate so a busy machine slows both alike. Reported:
+the median tok/s of each, their ratio, and the load average before and after (the
+machine is shared: quote medians and the load).
+
+    python benchmarks/decode_vs_llamacpp.py q8=smol-q8.cmf:smol-Q8_0.gguf q4_0=smol-q4_0.cmf:smol-Q4_0.gguf \
+        [--tokens 64] [--rounds 5] [--threads 2] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+
+def llama_decode(llm, ids: list[int]) -> float:
+    """tok/s of single-token steps over ``ids`` from an empty cache."""
+    llm.reset()
+    llm.eval(ids[:1])
+    t0 = time.perf_counter()
+    for t in ids[1:]:
+        llm.eval([t])
+    return (len(ids) - 1) / (time.perf_counter() - t0)
+
+
+def pair(name: str, cmf: Path, gguf: Path, tokens: int, rounds: int, threads: int) -> dict:
+    import llama_cpp
+
+    from cortiq_engine import Engine
+    from evals.speed import decode, random_ids
+
+    load0 = os.getloadavg()
+    ours, theirs = [], []
+    with Engine.load(cmf, threads=threads, ctx=tokens + 8) as eng:
+        llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=tokens + 8, n_threads=threads, n_threads_batch=threads,
+                              use_extra_bufts=False, verbose=False)
+        ids = random_ids(eng.vocab_size, tokens + 1, seed=1)
+        llama_decode(llm, ids[:5])  # warm-up (cortiq's decode warms itself up)
+        for _ in range(rounds):
+            ours.append(decode(eng, tokens, 1).tok_s[0])
+            theirs.append(llama_decode(llm, ids))
+        del llm
+    a, b = statistics.median(ours), statistics.median(theirs)
+    return {"name": name, "cmf": str(cmf), "gguf": str(gguf), "tokens": tokens, "rounds": rounds, "threads": threads,
+            "cortiq_tok_s": a, "llama_tok_s": b, "ratio": a / b, "cortiq_samples": ours, "llama_samples": theirs,
+            "loadavg_before": load0[0], "loadavg_after": os.getloadavg()[0]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("pairs", nargs="+", help="NAME=CMF:GGUF")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    out = []
+    for spec in args.pairs:
+        name, _, files = spec.partition("=")
+        cmf, _, gguf = files.partition(":")
+        r = pair(name, Path(cmf), Path(gguf), args.tokens, args.rounds, args.threads)
+        out.append(r)
+        if not args.json:
+            print(f"{name:8s} cortiq {r['cortiq_tok_s']:7.1f} tok/s  llama.cpp {r['llama_tok_s']:7.1f} tok/s  "
+                  f"ratio {r['ratio']:.2f}  (load {r['loadavg_before']:.1f} -> {r['loadavg_after']:.1f})", flush=True)
+    if args.json:
+        print(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
