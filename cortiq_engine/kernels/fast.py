@@ -108,8 +108,7 @@ class NumbaKernels(NumpyKernels):
         self._tiles = threading.local()
         self._pool: ThreadPoolExecutor | None = None
         self._pool_size = 0
-        # Read-only part views per weight (the entry keeps the weight, so an id is never reused).
-        self._view_cache: dict[int, tuple[Weight, tuple[np.ndarray, ...]]] = {}
+        # Fused kernel calls per weight list (the entry keeps the weights, so an id is never reused).
         self._plan_cache: dict[tuple[int, ...], tuple[tuple[Weight, ...], list[_Plan], int]] = {}
         self._pads: dict[tuple, np.ndarray] = {}
 
@@ -139,7 +138,7 @@ class NumbaKernels(NumpyKernels):
         cost about a third of a call's Python time."""
         key = tuple(id(w) for w in ws)
         hit = self._plan_cache.get(key)
-        if hit is not None and all(a is b for a, b in zip(hit[0], ws)):
+        if hit is not None:
             return hit[1], hit[2]
         plans = [self._plan(run) for run in _runs(ws, FUSE_MAX)]
         width = sum(p.width for p in plans)
@@ -217,7 +216,9 @@ class NumbaKernels(NumpyKernels):
         """(count, row offsets, part 3-tuples padded with empty arrays) for a fused run."""
         if len(run) > FUSE_MAX:
             raise ValueError(f"at most {FUSE_MAX} matrices fuse into one kernel call")
-        views = [self._views(w) for w in run]
+        # Read-only views (map views are read-only; making every member read-only gives a
+        # tuple one numba type), made once per plan.
+        views = [tuple(_readonly(a) for a in w.kernel_parts()) for w in run]
         parts = []
         for k in range(len(views[0])):
             real = [v[k] for v in views]
@@ -227,16 +228,6 @@ class NumbaKernels(NumpyKernels):
             ends.append(ends[-1] + w.rows)
         ends += [ends[-1]] * (FUSE_MAX + 1 - len(ends))
         return len(run), np.array(ends, np.int64), parts
-
-    def _views(self, w: Weight) -> tuple[np.ndarray, ...]:
-        """Read-only views of a weight's parts in kernel order (map views are read-only;
-        making every member read-only gives a tuple one numba type), cached per weight."""
-        hit = self._view_cache.get(id(w))
-        if hit is not None and hit[0] is w:
-            return hit[1]
-        views = tuple(_readonly(a) for a in w.kernel_parts())
-        self._view_cache[id(w)] = (w, views)
-        return views
 
     def _pad(self, like: np.ndarray) -> np.ndarray:
         key = (like.dtype.str, like.shape[1:])
