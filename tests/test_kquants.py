@@ -113,7 +113,7 @@ def _weight(name: str, x: np.ndarray) -> Weight:
 def test_kernels_match_the_numpy_twin_and_float64(name):
     rng = np.random.default_rng(5)
     ws = [_weight(name, rng.standard_normal((r, 512)).astype(np.float32)) for r in (40, 24, 8)]
-    fast, ref = get_kernels("numba"), get_kernels("numpy")
+    fast, ref, default = get_kernels("numba-float"), get_kernels("numpy"), get_kernels("numba")
     # dequantize tile: bit for bit the numpy decoder
     w = ws[0]
     buf = np.empty((w.rows - 5, w.cols), np.float32)
@@ -126,6 +126,14 @@ def test_kernels_match_the_numpy_twin_and_float64(name):
         for ks in (fast, ref):
             got = ks.matmul(ws, X)
             assert np.abs(got - want).max() <= 2e-5 * np.abs(want).max(), (ks.name, n)
+        # the default set: int8 activations up to SMALL_N rows (tests/test_qdot.py holds
+        # them to their float64 twin), float ones for prefill
+        got = default.matmul(ws, X)
+        if n <= 16:
+            assert not np.array_equal(got, fast.matmul(ws, X))  # the integer kernel is taken
+            assert np.linalg.norm(got - want) / np.linalg.norm(want) < 0.01, n
+        else:
+            assert np.abs(got - want).max() <= 2e-5 * np.abs(want).max(), n
 
 
 @pytest.mark.parametrize("name", [n for n, _ in DECODED])

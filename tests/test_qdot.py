@@ -1,4 +1,4 @@
-"""The integer (int8-activation) q8/q4 kernels against their float64 twin, row for row.
+"""The integer-activation kernels (q8, q4, q4_0, q4k, q5k, q6k) against their float64 twin, row for row.
 
 ``kernels/qdot.py`` quantizes input rows to int16 (default) or int8 blocks and multiplies them by the
 weight blocks in integers. Its oracle is ``qdot_ref``: the same quantized operands
@@ -13,6 +13,7 @@ import pytest
 
 from cortiq_engine.kernels import get_kernels, qdot
 from cortiq_engine.kernels.fast import NumbaKernels
+from cortiq_engine.weights import Weight
 from tests.test_engine_kernels import _weight
 
 RNG = np.random.default_rng(7)
@@ -36,27 +37,68 @@ def test_quantize_rows_equals_numpy_twin(bits):
     assert np.all(np.abs(back.reshape(5, 128) - X) <= xd.repeat(32, axis=1) * 0.5 + 1e-7)
 
 
+# (dtype, activation widths, columns): K-quant rows are super-blocks of 256.
+# 32-block rows of 608 = two groups of 8 blocks and 3 left over (qdot._gbody).
+INT_DTYPES = [("q8", (16, 8), 608), ("q4", (16, 8), 608), ("q4_0", (16, 8), 608), ("q5", (16, 8), 608),
+              ("q4k", (8,), 512), ("q5k", (8,), 512), ("q6k", (8,), 768)]
+
+
 @needs_simd
-@pytest.mark.parametrize("bits", [16, 8])
-@pytest.mark.parametrize("dtype", ["q8", "q4"])
+@pytest.mark.parametrize("dtype,bits,cols", [(d, b, c) for d, bs, c in INT_DTYPES for b in bs])
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 8, 9, 13, 16])
-def test_intdot_equals_float64_twin_and_is_row_exact(dtype, n, bits):
+def test_intdot_equals_float64_twin_and_is_row_exact(dtype, n, bits, cols):
     ks = NumbaKernels(act_bits=bits)
-    ws = [_weight(dtype, r, 160, seed=i) for i, r in enumerate((50, 17, 33))]
-    X = RNG.standard_normal((n, 160)).astype(np.float32)
+    ws = [_weight(dtype, r, cols, seed=i) for i, r in enumerate((50, 17, 33))]
+    plan = ks._plans_for([w for w, _ in ws])[0][0]
+    assert plan.fn is not None and plan.bits == bits  # the integer kernel is the one under test
+    X = RNG.standard_normal((n, cols)).astype(np.float32)
     fast = ks.matmul([w for w, _ in ws], X)
-    twin = np.concatenate(
-        [qdot.qdot_ref(dtype, tuple(w.parts[k] for k in (("d", "qs") if dtype == "q8" else ("d", "m", "qs"))), X, bits) for w, _ in ws],
-        axis=1,
-    )
+    twin = np.concatenate([qdot.qdot_ref(dtype, w.parts, X, bits) for w, _ in ws], axis=1)
     assert np.abs(fast - twin).max() / np.abs(twin).max() < 2e-6
     # row-exact: each row alone gives the same bits (the speculative verify needs this)
     for i in range(n):
         assert np.array_equal(ks.matmul([w for w, _ in ws], X[i : i + 1])[0], fast[i])
-    # the error int8 activations add, against float activations and exact weights
+    # the error integer activations add, against float activations and exact weights
     exact = X.astype(np.float64) @ np.concatenate([d for _, d in ws]).astype(np.float64).T
     rel = np.linalg.norm(fast - exact) / np.linalg.norm(exact)
     assert rel < (0.01 if bits == 8 else 1e-4), rel
+
+
+@needs_simd
+@pytest.mark.parametrize("dtype", ["q8", "q4", "q4_0", "q5"])
+@pytest.mark.parametrize("cols", [32, 160, 256, 288, 1024])
+@pytest.mark.parametrize("bits", [8, 16])
+def test_grouped_kernel_every_group_and_tail_split(dtype, cols, bits):
+    """Rows of whole groups only, leftover blocks only, and both: the float64 twin, row-exact."""
+    ks = NumbaKernels(act_bits=bits)
+    w, _ = _weight(dtype, 37, cols, seed=cols)
+    X = RNG.standard_normal((6, cols)).astype(np.float32)
+    fast = ks.matmul([w], X)
+    twin = qdot.qdot_ref(dtype, w.parts, X, bits)
+    assert np.abs(fast - twin).max() / np.abs(twin).max() < 2e-6
+    for i in range(6):
+        assert np.array_equal(ks.matmul([w], X[i : i + 1])[0], fast[i])
+
+
+@needs_simd
+@pytest.mark.parametrize("dtype", ["q4k", "q5k", "q6k"])
+def test_kquant_integer_kernel_reads_every_scale_and_bit(dtype):
+    """Extreme super-blocks (every 6-bit scale/min at its top bits, all-zero and
+    all-max quants, q6k's negative scales) against the float64 twin."""
+    cols, rows = 512, 24
+    ks = NumbaKernels()
+    w, _ = _weight(dtype, rows, cols, seed=11)
+    rng = np.random.default_rng(5)
+    parts = {k: np.ascontiguousarray(v).copy() for k, v in w.parts.items()}
+    for k, v in parts.items():  # random bytes in every field but the f16 scales
+        if k not in ("d", "dmin"):
+            parts[k] = rng.integers(0, 256, v.shape, dtype=np.uint8).view(v.dtype)
+    parts[next(k for k in parts if k not in ("d", "dmin"))][0] = 0xFF
+    w2 = Weight("w", dtype, rows, cols, parts)
+    X = rng.standard_normal((3, cols)).astype(np.float32)
+    fast = ks.matmul([w2], X)
+    twin = qdot.qdot_ref(dtype, parts, X, 8)
+    assert np.abs(fast - twin).max() / np.abs(twin).max() < 2e-6
 
 
 @needs_simd
@@ -74,7 +116,7 @@ def test_integer_and_float_kernel_sets_differ_only_by_activation_rounding(kernel
 
 def test_module_ir_declares_one_entry_per_dtype():
     ir = qdot.module_ir()
-    for entry in ("q8", "q4", "q8a16", "q4a16"):
+    for entry in ("q8", "q4", "q8a16", "q4a16", "q4_0", "q4_0a16", "q5", "q5a16", "q4k", "q5k", "q6k"):
         assert f"define void @{entry}_rows(" in ir
     assert ir.count("define internal void @q8_rows") == qdot.MAX_ROWS
 

@@ -3,8 +3,10 @@
 ``numba`` (default) is the fast path; ``numpy`` is the readable reference that
 tests hold the fast path against. The documented override ``CORTIQ_KERNELS``
 selects one without code changes: ``numba`` (integer decode kernels, ``qdot.py``:
-q8 on int16 activations, q4 on int8), ``numba-i16`` / ``numba-i8`` (one width for
-both: int8 has 4x q8's KL), ``numba-float`` (float activations everywhere) or ``numpy``.
+q8 on int16 activations; q4, q4_0, q5, q4k, q5k, q6k on int8), ``numba-i16`` /
+``numba-i8`` (one width for all: int8 has 4x q8's KL; the K-quants have int8
+kernels only and take the float ones under ``numba-i16``), ``numba-float`` (float
+activations everywhere) or ``numpy``.
 
 Every set has ``matmul``, ``rms_norm``, ``add_rms_norm``, ``silu_mul``,
 ``gelu_tanh_mul``, ``rope``, ``attend(..., sinks=None)`` (softmax attention over a

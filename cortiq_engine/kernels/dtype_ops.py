@@ -43,10 +43,14 @@ class DtypeOps:
     def dequant(self, parts: tuple[np.ndarray, ...], r0: int, r1: int, out: np.ndarray) -> None:
         raise NotImplementedError
 
+    # The integer-activation kernels (``qdot.py``) exist for this dtype: they take its
+    # kernel parts in ``DType.kernel_parts`` order.
+    integer: ClassVar[bool] = False
+
     def int_parts(self, parts):
-        """(scales, mins, quants) part tuples for the integer-activation kernels
-        (``qdot.py``), or None: this dtype has none and takes ``small``."""
-        return None
+        """The part tuples the integer-activation kernels take, or None: this dtype
+        has none and takes ``small``."""
+        return tuple(parts) if self.integer else None
 
 
 def ops_for(dtype: str) -> DtypeOps:
@@ -79,17 +83,18 @@ class BF16Ops(F16Ops, dtype="bf16"):
 
 
 class Q8Ops(DtypeOps, dtype="q8"):
+    integer = True
+
     def small(self, parts, count, offs, X, out):
         jit.q8_matmul_small(parts[0], parts[1], count, offs, X, out)
 
     def dequant(self, parts, r0, r1, out):
         jit.q8_dequant(parts[0], parts[1], r0, r1, out)
 
-    def int_parts(self, parts):
-        return parts[0], parts[0], parts[1]  # no mins: the scales stand in, unread
-
 
 class Q4Ops(DtypeOps, dtype="q4"):
+    integer = True
+
     def small(self, parts, count, offs, X, out):
         # The Q4_1 min term factors out of the dot: sum of X over each block.
         xsum = X.reshape(X.shape[0], -1, jit.QB).sum(axis=2, dtype=np.float32)
@@ -98,11 +103,10 @@ class Q4Ops(DtypeOps, dtype="q4"):
     def dequant(self, parts, r0, r1, out):
         jit.q4_dequant(parts[0], parts[1], parts[2], r0, r1, out)
 
-    def int_parts(self, parts):
-        return parts[0], parts[1], parts[2]
-
 
 class Q5Ops(DtypeOps, dtype="q5"):
+    integer = True
+
     def small(self, parts, count, offs, X, out):
         jit.q5_matmul_small(parts[0], parts[1], parts[2], count, offs, X, out)
 
@@ -111,6 +115,8 @@ class Q5Ops(DtypeOps, dtype="q5"):
 
 
 class Q4_0Ops(DtypeOps, dtype="q4_0"):
+    integer = True
+
     def small(self, parts, count, offs, X, out):
         kq.q4_0_matmul_small(parts[0], parts[1], count, offs, X, out)
 
@@ -124,6 +130,8 @@ def _group_sums(X: np.ndarray) -> np.ndarray:
 
 
 class Q4KOps(DtypeOps, dtype="q4k"):
+    integer = True
+
     def small(self, parts, count, offs, X, out):
         kq.q4k_matmul_small(parts[0], parts[1], parts[2], parts[3], count, offs, X, _group_sums(X), out)
 
@@ -132,6 +140,8 @@ class Q4KOps(DtypeOps, dtype="q4k"):
 
 
 class Q5KOps(DtypeOps, dtype="q5k"):
+    integer = True
+
     def small(self, parts, count, offs, X, out):
         kq.q5k_matmul_small(parts[0], parts[1], parts[2], parts[3], parts[4], count, offs, X, _group_sums(X), out)
 
@@ -140,6 +150,8 @@ class Q5KOps(DtypeOps, dtype="q5k"):
 
 
 class Q6KOps(DtypeOps, dtype="q6k"):
+    integer = True
+
     def small(self, parts, count, offs, X, out):
         kq.q6k_matmul_small(parts[0], parts[1], parts[2], parts[3], count, offs, X, out)
 

@@ -34,7 +34,10 @@ SMALL_N = 16
 # q8: int16. int8 rounding quadrupled q8's KL to f32 on SmolLM2 (0.00096 -> 0.0040).
 # q4: int8 (ggml's vpmaddubsw path): faster, and its rounding is small beside q4's own
 # weight error (docs/performance.md, "Activation width per dtype").
-ACT_BITS: dict[str, int] = {"q8": 16, "q4": 8}
+# q4_0, q5 and the K-quants: int8, as ggml's own dot products (its Q8_0 / Q8_K activations).
+ACT_BITS: dict[str, int] = {"q8": 16, "q4": 8, "q4_0": 8, "q5": 8, "q4k": 8, "q5k": 8, "q6k": 8}
+# An empty array of each activation width's integer type (``qdot.intdot`` allocates its like).
+_ACT_PROTO = {8: np.empty(0, np.int8), 16: np.empty(0, np.int16)}
 # Above this many new queries attention goes through BLAS (reference code path).
 SMALL_ATTN = 16
 # Matrices one small-batch kernel call can fuse (q|k|v).
@@ -74,8 +77,10 @@ class _Plan:
     parts: list
     ops: DtypeOps
     bits: int  # integer activation width, 0 = the float kernel
-    int_parts: tuple | None
+    int_parts: tuple | None  # held: ``addrs`` points into these arrays
     fn: object | None  # the compiled integer kernel (qdot.IntDot.fn)
+    addrs: np.ndarray | None  # int64[FUSE_MAX, qdot.NPARTS]: each matrix's part addresses
+    rows: np.ndarray | None  # int64[FUSE_MAX]: each matrix's rows
 
 
 def _readonly(a: np.ndarray) -> np.ndarray:
@@ -149,9 +154,19 @@ class NumbaKernels(NumpyKernels):
         count, offs, parts = self._small_args(run)
         ops = ops_for(run[0].dtype)
         bits = self.act_bits.get(ops.dtype, 0)
+        if bits not in qdot.WIDTHS.get(ops.dtype, ()):
+            bits = 0  # no integer kernel of this width for this dtype: the float one
         int_parts = ops.int_parts(parts) if bits else None
         fn = self._intdot.fn(ops.dtype, bits) if int_parts is not None else None
-        return _Plan(sum(w.rows for w in run), count, offs, parts, ops, bits if fn is not None else 0, int_parts, fn)
+        addrs = rows = None
+        if fn is not None:
+            addrs = np.zeros((FUSE_MAX, qdot.NPARTS), np.int64)
+            for k, part in enumerate(int_parts):
+                for m in range(count):
+                    addrs[m, k] = part[m].ctypes.data
+            rows = np.array([w.rows for w in run] + [0] * (FUSE_MAX - count), np.int64)
+        return _Plan(sum(w.rows for w in run), count, offs, parts, ops, bits if fn is not None else 0, int_parts, fn,
+                     addrs, rows)
 
     def _large(self, ws: Sequence[Weight], X: np.ndarray, out: np.ndarray) -> None:
         """Prefill: row slices of the weights, each dequantized into a per-thread tile
@@ -202,15 +217,8 @@ class NumbaKernels(NumpyKernels):
         if plan.fn is None:
             plan.ops.small(plan.parts, plan.count, plan.offs, X, out)
             return
-        # Decode/verify on integer activations: X quantized once per call.
-        n, cols = X.shape
-        nb = cols // jit.QB
-        xq = np.empty((n, cols), np.int8 if plan.bits == 8 else np.int16)
-        xd = np.empty((n, nb), np.float32)
-        xs = np.empty((n, nb), np.float32)
-        qdot.quantize_rows(X, xq, xd, xs, (1 << (plan.bits - 1)) - 1)
-        ds, ms, qss = plan.int_parts
-        qdot.intdot_small(plan.fn, ds, ms, qss, plan.count, plan.offs, xq, xd, xs, out)
+        # Decode/verify on integer activations: X quantized once per call, inside it.
+        qdot.intdot(plan.fn, plan.addrs, plan.rows, plan.count, plan.offs, X, _ACT_PROTO[plan.bits], out)
 
     def _small_args(self, run: list[Weight]) -> tuple[int, np.ndarray, list[tuple[np.ndarray, ...]]]:
         """(count, row offsets, part 3-tuples padded with empty arrays) for a fused run."""

@@ -11,7 +11,8 @@ called from numba's parallel loops through a function pointer. Hosts without
 AVX2/FMA/F16C use the float kernels; ``qdot_ref`` is the float64 twin the tests
 hold the kernels against.
 
-Two activation widths (the default kernel set: int16 for q8, int8 for q4):
+Two activation widths (the default kernel set: int16 for q8, int8 for the others; the
+K-quants have int8 bodies only, as ggml's):
 - int16: ``vpmaddwd`` on sign-extended weights. Rounding the activations to
   1/32767 of a block's maximum leaves the logits' error where the float kernels
   have it: SmolLM2 q8 decode KL to f32 0.000960 with both, Gemma 3 q8 0.000371
@@ -24,16 +25,25 @@ Two activation widths (the default kernel set: int16 for q8, int8 for q4):
 Per weight row and input row the result is
     sum_b  d_w[b] * d_x[b] * sum_j q_w[b, j] * q_x[b, j]      (q8)
     sum_b  d_w[b] * d_x[b] * sum_j q_w[b, j] * q_x[b, j] + m_w[b] * s_x[b]   (q4: Q4_1 layout)
-with s_x[b] = d_x[b] * sum_j q_x[b, j]. The block sums are exact integers and the
-float accumulation order of one input row never depends on the others, so a row's
-result in a k-row call is bit for bit its result in a 1-row call (the speculative
-verify relies on this).
+with s_x[b] = d_x[b] * sum_j q_x[b, j]. q4_0 and q5 (Q5_0) are q4 with a derived
+min, m_w = -8 d_w and -16 d_w. The K-quants (q4k, q5k, q6k: ggml's Q4_K, Q5_K, Q6_K
+super-blocks of 256) split into 8 groups of 32 aligned with the activation blocks:
+    sum_g  (d * sc_g) * d_x[g] * isum_g  -  sum_g (dmin * m_g) * s_x[g]   (q4k, q5k)
+    sum_g  d * d_x[g] * sum_h sc_{g,h} * isum_{g,h}                        (q6k, two
+                                                     8-bit scales per group, integer)
+ggml itself quantizes K-quant activations per 256 (Q8_K); per 32 costs a float
+multiply per group and keeps the rounding finer. The block sums are exact integers
+and the float accumulation order of one input row never depends on the others, so a
+row's result in a k-row call is bit for bit its result in a 1-row call (the
+speculative verify relies on this).
 """
 
 from __future__ import annotations
 
 import platform
 import threading
+from typing import Mapping
+
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
@@ -86,26 +96,19 @@ def quantize_rows_ref(X: np.ndarray, bits: int = 8) -> tuple[np.ndarray, np.ndar
     return q.reshape(n, cols), d, s
 
 
-def qdot_ref(dtype: str, parts: tuple[np.ndarray, ...], X: np.ndarray, bits: int = 8) -> np.ndarray:
-    """float64 reference of the integer kernels: [n, rows] for X f32[n, cols]."""
-    xq, xd, xs = quantize_rows_ref(X, bits)
+def qdot_ref(dtype: str, parts: Mapping[str, np.ndarray], X: np.ndarray, bits: int = 8) -> np.ndarray:
+    """float64 reference of the integer kernels: [n, rows] for X f32[n, cols] and the
+    weight ``parts`` (name -> array, as stored): the same rounded activations, the
+    weights decoded by their numpy twin (``formats.quants``), multiplied in float64."""
+    from formats.quants import get_dtype
+
+    xq, xd, _ = quantize_rows_ref(X, bits)
     n, cols = X.shape
-    nb = cols // QB
-    xb = xq.reshape(n, nb, QB).astype(np.float64)
-    if dtype == "q8":
-        d, qs = parts
-        rows = qs.shape[0]
-        wb = qs.reshape(rows, nb, QB).astype(np.float64)
-        isum = np.einsum("rbk,nbk->nrb", wb, xb)
-        return np.einsum("nrb,rb,nb->nr", isum, d.view(np.float16).astype(np.float64), xd.astype(np.float64))
-    d, m, qs = parts
-    rows = qs.shape[0]
-    p = qs.reshape(rows, nb, QB // 2)
-    wb = np.concatenate([p & 15, p >> 4], axis=2).astype(np.float64)
-    isum = np.einsum("rbk,nbk->nrb", wb, xb)
-    dw = d.view(np.float16).astype(np.float64)
-    mw = m.view(np.float16).astype(np.float64)
-    return np.einsum("nrb,rb,nb->nr", isum, dw, xd.astype(np.float64)) + np.einsum("rb,nb->nr", mw, xs.astype(np.float64))
+    xa = (xq.reshape(n, cols // QB, QB).astype(np.float64) * xd[:, :, None]).reshape(n, cols)
+    dt = get_dtype(dtype)
+    rows = next(iter(parts.values())).shape[0]
+    W = dt.decode(dict(parts), (rows, cols)).astype(np.float64)
+    return xa @ W.T
 
 
 # ------------------------------------------------------------ LLVM IR
@@ -114,15 +117,30 @@ declare <32 x i8> @llvm.abs.v32i8(<32 x i8>, i1)
 declare <32 x i8> @llvm.x86.avx2.psign.b(<32 x i8>, <32 x i8>)
 declare <16 x i16> @llvm.x86.avx2.pmadd.ub.sw(<32 x i8>, <32 x i8>)
 declare <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16>, <16 x i16>)
+declare <8 x i32> @llvm.x86.avx2.phadd.d(<8 x i32>, <8 x i32>)
 declare <8 x float> @llvm.fma.v8f32(<8 x float>, <8 x float>, <8 x float>)
 declare float @llvm.fma.f32(float, float, float)
 declare void @llvm.prefetch.p0i8(i8*, i32, i32, i32)
 """
 _ONES16 = "<" + ", ".join(["i16 1"] * 16) + ">"
-# The signature both dtypes share (q4 passes its mins as ``wm`` and ``xs``):
-#   (nx, wq, wd, wm, r0, r1, nb, xq, xd, xs, out, ostride)
-# out[i * ostride + r] for input rows i < nx and weight rows r0 <= r < r1.
-_ARGS = "i8* %wq, i16* %wd, i16* %wm, i64 %r0, i64 %r1, i64 %nb, i8* %xq, float* %xd, float* %xs, float* %out, i64 %ostride"
+# The signature every dtype shares: its kernel parts (``DType.kernel_parts`` order,
+# up to five, unused ones null), then the rows and the activations:
+#   (nx, p0..p4, r0, r1, nb, xq, xd, xs, out, ostride)
+# out[i * ostride + r] for input rows i < nx and weight rows r0 <= r < r1; nb counts
+# blocks of 32 per row (a K-quant super-block is 8 of them).
+NPARTS = 5
+_PARGS = ", ".join(f"i8* %p{k}" for k in range(NPARTS))
+_ARGS = _PARGS + ", i64 %r0, i64 %r1, i64 %nb, i8* %xq, float* %xd, float* %xs, float* %out, i64 %ostride"
+_CALL_ARGS = _PARGS + ", i64 %r0, i64 %r1, i64 %nb, i8* %xq, float* %xd, float* %xs, float* %out, i64 %ostride"
+# Which part each role of the 32-block bodies is (scale, min, quants); q8 and q4_0
+# have no min part (q4_0's is derived: -8 * d).
+_ROLES = {"q8": (0, None, 1), "q4": (0, 1, 2), "q4_0": (0, None, 1), "q5": (0, None, 2)}
+# q4_0 and q5 (Q5_0) are symmetric: d * (q - z) = d * q + (-z * d), a min derived
+# from the scale (exact in f32), so they take the q4 body with that min.
+_ZERO = {"q4_0": 8, "q5": 16}
+# Integer widths each dtype's kernels exist for: the K-quants take ggml's int8 path only.
+WIDTHS = {"q8": (8, 16), "q4": (8, 16), "q4_0": (8, 16), "q5": (8, 16), "q4k": (8,), "q5k": (8,), "q6k": (8,)}
+KQUANTS = ("q4k", "q5k", "q6k")
 
 
 def _entry(kind: str, act: int) -> str:
@@ -154,58 +172,78 @@ def _half(f: _Fn, base: str, index: str) -> str:
     return f.v(f"fpext half {h} to float")
 
 
-def _block(f: _Fn, kind: str, act: int, nx: int, b: str, accs: list[str], maccs: list[str]) -> tuple[list[str], list[str]]:
-    """Multiply weight block ``b`` of the current row by block ``b`` of each input row
-    and add it into ``accs[r]`` (and the q4 min term into ``maccs[r]``); the new names."""
-    q4 = kind == "q4"
+def _wunpack(f: _Fn, kind: str, act: int, b: str, prefetch: bool = True) -> tuple[str, ...]:
+    """Weight block ``b`` of the current row as the integer operand(s) of ``_isum``:
+    act 8: (w <32 x i8>, |w| for q8); act 16: (w0, w1 <16 x i16>)."""
+    q4 = kind in ("q4", "q4_0", "q5")
     wbytes = 16 if q4 else 32
     bw = f.v(f"mul i64 {b}, {wbytes}")
     wo = f.v(f"add i64 %wqrow, {bw}")
     wp = f.v(f"getelementptr i8, i8* %wq, i64 {wo}")
-    pfp = f.v(f"getelementptr i8, i8* {wp}, i64 %pf_ahead")
-    f(f"  call void @llvm.prefetch.p0i8(i8* {pfp}, i32 0, i32 3, i32 1)")
+    if prefetch:
+        pfp = f.v(f"getelementptr i8, i8* {wp}, i64 %pf_ahead")
+        f(f"  call void @llvm.prefetch.p0i8(i8* {pfp}, i32 0, i32 3, i32 1)")
     v16 = "<" + ", ".join(["i8 15"] * 16) + ">"
     v4 = "<" + ", ".join(["i8 4"] * 16) + ">"
     if q4:
         pk = f.v(f"load <16 x i8>, <16 x i8>* {f.v(f'bitcast i8* {wp} to <16 x i8>*')}, align 1")
         lo, hi = f.v(f"and <16 x i8> {pk}, {v16}"), f.v(f"lshr <16 x i8> {pk}, {v4}")
+        w = f.v(f"shufflevector <16 x i8> {lo}, <16 x i8> {hi}, <32 x i32> <" + ", ".join(f"i32 {k}" for k in range(32)) + ">")
+        if kind == "q5":  # the fifth bits: bit j of the block's u32 -> element j
+            hp = f.v(f"getelementptr i32, i32* %wh, i64 {f.v(f'add i64 %wdrow, {b}')}")
+            bits = f.v(f"bitcast i32 {f.v(f'load i32, i32* {hp}, align 4')} to <32 x i1>")
+            hb = f.v(f"shl <32 x i8> {f.v(f'zext <32 x i1> {bits} to <32 x i8>')}, " + "<" + ", ".join(["i8 4"] * 32) + ">")
+            w = f.v(f"or <32 x i8> {w}, {hb}")
         if act == 8:
-            w = f.v(f"shufflevector <16 x i8> {lo}, <16 x i8> {hi}, <32 x i32> <" + ", ".join(f"i32 {k}" for k in range(32)) + ">")
-        else:
-            w0, w1 = f.v(f"zext <16 x i8> {lo} to <16 x i16>"), f.v(f"zext <16 x i8> {hi} to <16 x i16>")
-    elif act == 8:
+            return (w,)
+        lo = f.v(f"shufflevector <32 x i8> {w}, <32 x i8> undef, <16 x i32> <" + ", ".join(f"i32 {k}" for k in range(16)) + ">")
+        hi = f.v(f"shufflevector <32 x i8> {w}, <32 x i8> undef, <16 x i32> <" + ", ".join(f"i32 {k}" for k in range(16, 32)) + ">")
+        return f.v(f"zext <16 x i8> {lo} to <16 x i16>"), f.v(f"zext <16 x i8> {hi} to <16 x i16>")
+    if act == 8:
         w = f.v(f"load <32 x i8>, <32 x i8>* {f.v(f'bitcast i8* {wp} to <32 x i8>*')}, align 1")
         # maddubs takes one unsigned operand: |w|, and x carries w's sign (ggml's trick).
-        aw = f.v(f"call <32 x i8> @llvm.abs.v32i8(<32 x i8> {w}, i1 false)")
-    else:
-        wp1 = f.v(f"getelementptr i8, i8* {wp}, i64 16")
-        l0 = f.v(f"load <16 x i8>, <16 x i8>* {f.v(f'bitcast i8* {wp} to <16 x i8>*')}, align 1")
-        l1 = f.v(f"load <16 x i8>, <16 x i8>* {f.v(f'bitcast i8* {wp1} to <16 x i8>*')}, align 1")
-        w0, w1 = f.v(f"sext <16 x i8> {l0} to <16 x i16>"), f.v(f"sext <16 x i8> {l1} to <16 x i16>")
+        return w, f.v(f"call <32 x i8> @llvm.abs.v32i8(<32 x i8> {w}, i1 false)")
+    wp1 = f.v(f"getelementptr i8, i8* {wp}, i64 16")
+    l0 = f.v(f"load <16 x i8>, <16 x i8>* {f.v(f'bitcast i8* {wp} to <16 x i8>*')}, align 1")
+    l1 = f.v(f"load <16 x i8>, <16 x i8>* {f.v(f'bitcast i8* {wp1} to <16 x i8>*')}, align 1")
+    return f.v(f"sext <16 x i8> {l0} to <16 x i16>"), f.v(f"sext <16 x i8> {l1} to <16 x i16>")
+
+
+def _isum(f: _Fn, kind: str, act: int, wv: tuple[str, ...], r: int, b: str) -> str:
+    """The exact integer products of weight block ``wv`` and block ``b`` of input row
+    ``r``, as <8 x i32> partial sums (their total is the block's dot product)."""
+    xo = f.v(f"add i64 {f.v(f'mul i64 %cols, {r}')}, {f.v(f'mul i64 {b}, 32')}")
+    if act == 8:
+        x = f.v(f"load <32 x i8>, <32 x i8>* {f.v(f'bitcast i8* ' + f.v(f'getelementptr i8, i8* %xq, i64 {xo}') + ' to <32 x i8>*')}, align 1")
+        if kind == "q8":
+            sx = f.v(f"call <32 x i8> @llvm.x86.avx2.psign.b(<32 x i8> {x}, <32 x i8> {wv[0]})")
+            p16 = f.v(f"call <16 x i16> @llvm.x86.avx2.pmadd.ub.sw(<32 x i8> {wv[1]}, <32 x i8> {sx})")
+        else:
+            p16 = f.v(f"call <16 x i16> @llvm.x86.avx2.pmadd.ub.sw(<32 x i8> {wv[0]}, <32 x i8> {x})")
+        return f.v(f"call <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16> {p16}, <16 x i16> {_ONES16})")
+    xp = f.v(f"getelementptr i16, i16* %xq16, i64 {xo}")
+    xp1 = f.v(f"getelementptr i16, i16* {xp}, i64 16")
+    x0 = f.v(f"load <16 x i16>, <16 x i16>* {f.v(f'bitcast i16* {xp} to <16 x i16>*')}, align 2")
+    x1 = f.v(f"load <16 x i16>, <16 x i16>* {f.v(f'bitcast i16* {xp1} to <16 x i16>*')}, align 2")
+    p0 = f.v(f"call <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16> {wv[0]}, <16 x i16> {x0})")
+    p1 = f.v(f"call <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16> {wv[1]}, <16 x i16> {x1})")
+    return f.v(f"add <8 x i32> {p0}, {p1}")
+
+
+def _block(f: _Fn, kind: str, act: int, nx: int, b: str, accs: list[str], maccs: list[str]) -> tuple[list[str], list[str]]:
+    """Multiply weight block ``b`` of the current row by block ``b`` of each input row
+    and add it into ``accs[r]`` (and the q4 min term into ``maccs[r]``); the new names."""
+    q4 = kind in ("q4", "q4_0", "q5")
+    wv = _wunpack(f, kind, act, b)
     wdo = f.v(f"add i64 %wdrow, {b}")
     dw = _half(f, "%wd", wdo)
-    if q4:
+    if kind == "q4":
         mw = _half(f, "%wm", wdo)
-    xb = f.v(f"mul i64 {b}, 32")
+    elif q4:  # q4_0, q5: d * (q - z) = d * q + (-z * d), exact in f32
+        mw = f.v(f"fmul float {dw}, -{_ZERO[kind]}.0")
     new_accs, new_maccs = [], []
     for r in range(nx):
-        xo = f.v(f"add i64 {f.v(f'mul i64 %cols, {r}')}, {xb}")
-        if act == 8:
-            x = f.v(f"load <32 x i8>, <32 x i8>* {f.v(f'bitcast i8* ' + f.v(f'getelementptr i8, i8* %xq, i64 {xo}') + ' to <32 x i8>*')}, align 1")
-            if q4:
-                p16 = f.v(f"call <16 x i16> @llvm.x86.avx2.pmadd.ub.sw(<32 x i8> {w}, <32 x i8> {x})")
-            else:
-                sx = f.v(f"call <32 x i8> @llvm.x86.avx2.psign.b(<32 x i8> {x}, <32 x i8> {w})")
-                p16 = f.v(f"call <16 x i16> @llvm.x86.avx2.pmadd.ub.sw(<32 x i8> {aw}, <32 x i8> {sx})")
-            p32 = f.v(f"call <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16> {p16}, <16 x i16> {_ONES16})")
-        else:
-            xp = f.v(f"getelementptr i16, i16* %xq16, i64 {xo}")
-            xp1 = f.v(f"getelementptr i16, i16* {xp}, i64 16")
-            x0 = f.v(f"load <16 x i16>, <16 x i16>* {f.v(f'bitcast i16* {xp} to <16 x i16>*')}, align 2")
-            x1 = f.v(f"load <16 x i16>, <16 x i16>* {f.v(f'bitcast i16* {xp1} to <16 x i16>*')}, align 2")
-            p0 = f.v(f"call <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16> {w0}, <16 x i16> {x0})")
-            p1 = f.v(f"call <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16> {w1}, <16 x i16> {x1})")
-            p32 = f.v(f"add <8 x i32> {p0}, {p1}")
+        p32 = _isum(f, kind, act, wv, r, b)
         pf = f.v(f"sitofp <8 x i32> {p32} to <8 x float>")
         xdo = f.v(f"add i64 {f.v(f'mul i64 %nb, {r}')}, {b}")
         dx = f.v(f"load float, float* {f.v(f'getelementptr float, float* %xd, i64 {xdo}')}, align 4")
@@ -225,13 +263,18 @@ def _body(kind: str, nx: int, act: int = 8) -> str:
     row (block b adds into accumulator b % ACCS: independent FMA chains hide their
     latency; the split depends on b only, so every row sums in the same order
     whatever ``nx`` is)."""
-    q4 = kind == "q4"
+    q4 = kind in ("q4", "q4_0", "q5")
     A = ACCS
     name = _entry(kind, act)
     f = _Fn()
     zero_v, zero_s = "zeroinitializer", "0.0"
     f(f"define internal void @{name}_rows{nx}({_ARGS}) nounwind alwaysinline {{")
     f("entry:")
+    sd, sm, sq = _ROLES[kind]
+    f(f"  %wd = bitcast i8* %p{sd} to i16*")
+    f(f"  %wm = bitcast i8* %p{sd if sm is None else sm} to i16*")
+    f(f"  %wq = getelementptr i8, i8* %p{sq}, i64 0")
+    f("  %wh = bitcast i8* %p1 to i32*")  # q5's fifth bits (unread by the others)
     f("  %cols = mul i64 %nb, 32")
     f(f"  %wrow_bytes = mul i64 %nb, {16 if q4 else 32}")
     f(f"  %pf_ahead = mul i64 %wrow_bytes, {PREFETCH_ROWS}")
@@ -329,25 +372,388 @@ def _body(kind: str, nx: int, act: int = 8) -> str:
     return "\n".join(f.lines)
 
 
+# Blocks of 32 a grouped body takes per step: their eight integer sums reduce into
+# one <8 x i32> (lane k = block k), met by eight scales at once.
+GROUP = 8
+
+
+def _reduce8(f: _Fn, ps: list[str]) -> str:
+    """Eight <8 x i32> partial-sum vectors -> one whose lane k is the total of ps[k]
+    (exact integer adds: vphaddd twice, then the two 128-bit halves)."""
+    hadd = "call <8 x i32> @llvm.x86.avx2.phadd.d(<8 x i32> {}, <8 x i32> {})"
+    s = [f.v(hadd.format(ps[2 * k], ps[2 * k + 1])) for k in range(4)]
+    t0, t1 = f.v(hadd.format(s[0], s[1])), f.v(hadd.format(s[2], s[3]))
+    lo = f.v(f"shufflevector <8 x i32> {t0}, <8 x i32> {t1}, <8 x i32> <i32 0, i32 1, i32 2, i32 3, i32 8, i32 9, i32 10, i32 11>")
+    hi = f.v(f"shufflevector <8 x i32> {t0}, <8 x i32> {t1}, <8 x i32> <i32 4, i32 5, i32 6, i32 7, i32 12, i32 13, i32 14, i32 15>")
+    return f.v(f"add <8 x i32> {lo}, {hi}")
+
+
+def _hsum(f: _Fn, v: str) -> str:
+    """The lanes of an <8 x float> added in one fixed order."""
+    lo = f.v(f"shufflevector <8 x float> {v}, <8 x float> undef, <4 x i32> <i32 0, i32 1, i32 2, i32 3>")
+    hi = f.v(f"shufflevector <8 x float> {v}, <8 x float> undef, <4 x i32> <i32 4, i32 5, i32 6, i32 7>")
+    c = f.v(f"fadd <4 x float> {lo}, {hi}")
+    c0 = f.v(f"shufflevector <4 x float> {c}, <4 x float> undef, <2 x i32> <i32 0, i32 1>")
+    c1 = f.v(f"shufflevector <4 x float> {c}, <4 x float> undef, <2 x i32> <i32 2, i32 3>")
+    d = f.v(f"fadd <2 x float> {c0}, {c1}")
+    return f.v(f"fadd float {f.v(f'extractelement <2 x float> {d}, i32 0')}, {f.v(f'extractelement <2 x float> {d}, i32 1')}")
+
+
+def _gbody(kind: str, nx: int, act: int = 8) -> str:
+    """The 32-block dtypes (q8, q4, q4_0, q5) for ``nx`` input rows, eight blocks per
+    step: the eight exact block sums of an input row reduce into one vector (lane k =
+    block k), which meets the eight weight scales (one f16 load and convert) times
+    the eight activation scales in one FMA, and q4's mins meet the eight block sums
+    of x in another. Per block and input row that leaves the integer multiply and a
+    share of the reduction, where the one-block body (``_body``) spends a convert, a
+    scalar scale product, a broadcast and an FMA: the part a verify pays per row.
+    The nb % 8 leftover blocks take ``_block``. Every input row sums in an order
+    fixed by nb alone: row-exact."""
+    q4 = kind in ("q4", "q4_0", "q5")
+    wbytes = 16 if q4 else 32
+    name = _entry(kind, act)
+    f = _Fn()
+    f(f"define internal void @{name}_rows{nx}({_ARGS}) nounwind alwaysinline {{")
+    f("entry:")
+    sd, sm, sq = _ROLES[kind]
+    f(f"  %wd = bitcast i8* %p{sd} to i16*")
+    f(f"  %wm = bitcast i8* %p{sd if sm is None else sm} to i16*")
+    f(f"  %wq = getelementptr i8, i8* %p{sq}, i64 0")
+    f("  %wh = bitcast i8* %p1 to i32*")
+    f("  %cols = mul i64 %nb, 32")
+    f(f"  %wrow_bytes = mul i64 %nb, {wbytes}")
+    f(f"  %pf_ahead = mul i64 %wrow_bytes, {PREFETCH_ROWS}")
+    f("  %xq16 = bitcast i8* %xq to i16*")
+    f(f"  %ngroups = udiv i64 %nb, {GROUP}")
+    f(f"  %gmain = mul i64 %ngroups, {GROUP}")
+    f("  %hastail = icmp slt i64 %gmain, %nb")
+    f("  %empty = icmp sge i64 %r0, %r1")
+    f("  br i1 %empty, label %exit, label %rowloop")
+    f("rowloop:")
+    f("  %row = phi i64 [%r0, %entry], [%rownext, %rowend]")
+    f("  %wqrow = mul i64 %row, %wrow_bytes")
+    f("  %wdrow = mul i64 %row, %nb")
+    f("  %hasg = icmp sgt i64 %ngroups, 0")
+    f("  br i1 %hasg, label %grp, label %gdone")
+    f("grp:")
+    f("  %g = phi i64 [0, %rowloop], [%gnext, %grp]")
+    facc = [f"%facc{r}" for r in range(nx)]
+    macc = [f"%macc{r}" for r in range(nx)]
+    phi_at = len(f.lines)
+    b0 = f.v(f"mul i64 %g, {GROUP}")
+    gbase = f.v(f"add i64 %wqrow, {f.v(f'mul i64 {b0}, {wbytes}')}")
+    for off in range(0, GROUP * wbytes, 64):
+        o = f.v(f"add i64 {gbase}, {off}")
+        pp = f.v(f"getelementptr i8, i8* %wq, i64 {f.v(f'add i64 {o}, %pf_ahead')}")
+        f(f"  call void @llvm.prefetch.p0i8(i8* {pp}, i32 0, i32 3, i32 1)")
+    wvs = [_wunpack(f, kind, act, f.v(f"add i64 {b0}, {k}"), prefetch=False) for k in range(GROUP)]
+    bks = [f.v(f"add i64 {b0}, {k}") for k in range(GROUP)]
+    wdo = f.v(f"add i64 %wdrow, {b0}")
+
+    def half8(base: str) -> str:
+        p = f.v(f"getelementptr i16, i16* {base}, i64 {wdo}")
+        h = f.v(f"load <8 x half>, <8 x half>* {f.v(f'bitcast i16* {p} to <8 x half>*')}, align 2")
+        return f.v(f"fpext <8 x half> {h} to <8 x float>")
+
+    dw8 = half8("%wd")
+    mw8 = None
+    if kind == "q4":
+        mw8 = half8("%wm")
+    elif q4:
+        mw8 = f.v(f"fmul <8 x float> {dw8}, {_splat(f, 'float', 8, f'-{_ZERO[kind]}.0')}")
+    new_f, new_m = [], []
+    for r in range(nx):
+        u = _reduce8(f, [_isum(f, kind, act, wvs[k], r, bks[k]) for k in range(GROUP)])
+        uf = f.v(f"sitofp <8 x i32> {u} to <8 x float>")
+        xo = f.v(f"add i64 {f.v(f'mul i64 %nb, {r}')}, {b0}")
+        dxp = f.v(f"getelementptr float, float* %xd, i64 {xo}")
+        dx8 = f.v(f"load <8 x float>, <8 x float>* {f.v(f'bitcast float* {dxp} to <8 x float>*')}, align 4")
+        sc8 = f.v(f"fmul <8 x float> {dw8}, {dx8}")
+        new_f.append(f.v(f"call <8 x float> @llvm.fma.v8f32(<8 x float> {uf}, <8 x float> {sc8}, <8 x float> {facc[r]})"))
+        if q4:
+            xsp = f.v(f"getelementptr float, float* %xs, i64 {xo}")
+            xs8 = f.v(f"load <8 x float>, <8 x float>* {f.v(f'bitcast float* {xsp} to <8 x float>*')}, align 4")
+            new_m.append(f.v(f"call <8 x float> @llvm.fma.v8f32(<8 x float> {mw8}, <8 x float> {xs8}, <8 x float> {macc[r]})"))
+    f("  %gnext = add i64 %g, 1")
+    f("  %gmore = icmp slt i64 %gnext, %ngroups")
+    f("  br i1 %gmore, label %grp, label %gdone")
+    phis = []
+    for r in range(nx):
+        phis.append(f"  {facc[r]} = phi <8 x float> [zeroinitializer, %rowloop], [{new_f[r]}, %grp]")
+        if q4:
+            phis.append(f"  {macc[r]} = phi <8 x float> [zeroinitializer, %rowloop], [{new_m[r]}, %grp]")
+    f.lines[phi_at:phi_at] = phis
+    f("gdone:")
+    for r in range(nx):
+        f(f"  %gf{r} = phi <8 x float> [zeroinitializer, %rowloop], [{new_f[r]}, %grp]")
+        if q4:
+            f(f"  %gm{r} = phi <8 x float> [zeroinitializer, %rowloop], [{new_m[r]}, %grp]")
+    f("  br i1 %hastail, label %tloop, label %fin")
+    # the nb % 8 leftover blocks, one at a time
+    f("tloop:")
+    f("  %tb = phi i64 [%gmain, %gdone], [%tbnext, %tloop]")
+    tacc = [f"%tacc{r}" for r in range(nx)]
+    tmacc = [f"%tmacc{r}" for r in range(nx)]
+    tphi_at = len(f.lines)
+    na, nm = _block(f, kind, act, nx, "%tb", tacc, tmacc if q4 else ["0.0"] * nx)
+    f("  %tbnext = add i64 %tb, 1")
+    f("  %tmore = icmp slt i64 %tbnext, %nb")
+    f("  br i1 %tmore, label %tloop, label %fin")
+    tphis = []
+    for r in range(nx):
+        tphis.append(f"  {tacc[r]} = phi <8 x float> [zeroinitializer, %gdone], [{na[r]}, %tloop]")
+        if q4:
+            tphis.append(f"  {tmacc[r]} = phi float [0.0, %gdone], [{nm[r]}, %tloop]")
+    f.lines[tphi_at:tphi_at] = tphis
+    f("fin:")
+    # fin's predecessors: gdone (no tail) and tloop; the group sums come from gdone either way
+    tas = [f.v(f"phi <8 x float> [zeroinitializer, %gdone], [{na[r]}, %tloop]") for r in range(nx)]
+    tms = [f.v(f"phi float [0.0, %gdone], [{nm[r]}, %tloop]") if q4 else None for r in range(nx)]
+    for r in range(nx):
+        ta, tm = tas[r], tms[r]
+        h = _hsum(f, f"%gf{r}")
+        if q4:
+            h = f.v(f"fadd float {h}, {_hsum(f, f'%gm{r}')}")
+        h = f.v(f"fadd float {h}, {_hsum(f, ta)}")
+        if q4:
+            h = f.v(f"fadd float {h}, {tm}")
+        oo = f.v(f"add i64 {f.v(f'mul i64 %ostride, {r}')}, %row")
+        f(f"  store float {h}, float* {f.v(f'getelementptr float, float* %out, i64 {oo}')}, align 4")
+    f("  br label %rowend")
+    f("rowend:")
+    f("  %rownext = add i64 %row, 1")
+    f("  %rdone = icmp eq i64 %rownext, %r1")
+    f("  br i1 %rdone, label %exit, label %rowloop")
+    f("exit:")
+    f("  ret void")
+    f("}")
+    return "\n".join(f.lines)
+
+
+def _splat(f: _Fn, ty: str, n: int, scalar: str) -> str:
+    """<n x ty> with every lane ``scalar``."""
+    v = f.v(f"insertelement <{n} x {ty}> undef, {ty} {scalar}, i32 0")
+    return f.v(f"shufflevector <{n} x {ty}> {v}, <{n} x {ty}> undef, <{n} x i32> zeroinitializer")
+
+
+def _const(ty: str, n: int, value: int) -> str:
+    return "<" + ", ".join([f"{ty} {value}"] * n) + ">"
+
+
+def _load32(f: _Fn, base: str, off: str) -> str:
+    """32 bytes at base + off as <32 x i8>."""
+    p = f.v(f"getelementptr i8, i8* {base}, i64 {off}")
+    return f.v(f"load <32 x i8>, <32 x i8>* {f.v(f'bitcast i8* {p} to <32 x i8>*')}, align 1")
+
+
+def _byte(f: _Fn, base: str, off: str) -> str:
+    return f.v(f"load i8, i8* {f.v(f'getelementptr i8, i8* {base}, i64 {off}')}, align 1")
+
+
+def _k4_scales(f: _Fn, sc: str, o: str) -> list[tuple[str, str]]:
+    """The eight 6-bit (scale, min) pairs of the 12 bytes at sc + o, as i8 (get_scale_min_k4)."""
+    b = [_byte(f, sc, f.v(f"add i64 {o}, {k}")) for k in range(12)]
+    out = []
+    for j in range(8):
+        if j < 4:
+            out.append((f.v(f"and i8 {b[j]}, 63"), f.v(f"and i8 {b[j + 4]}, 63")))
+        else:
+            hs = f.v(f"shl i8 {f.v(f'lshr i8 {b[j - 4]}, 6')}, 4")
+            hm = f.v(f"shl i8 {f.v(f'lshr i8 {b[j]}, 6')}, 4")
+            ls, lm = f.v(f"and i8 {b[j + 4]}, 15"), f.v(f"lshr i8 {b[j + 4]}, 4")
+            out.append((f.v(f"or i8 {ls}, {hs}"), f.v(f"or i8 {lm}, {hm}")))
+    return out
+
+
+def _kbody(kind: str, nx: int, act: int = 8) -> str:
+    """One K-quant super-block body (q4k, q5k, q6k) for ``nx`` input rows on int8
+    activations. A super-block holds 8 groups of 32 values, each aligned with one
+    activation block, so per (group g, input row) the exact integer sum is taken in
+    SIMD; the eight sums of a super-block reduce into one vector (lane g = group g,
+    as ``_gbody``) and meet the eight scales (d * sc_g) times the eight activation
+    scales in one FMA:  acc += isum * (d * sc * xd)  lane-wise (and, for q4k/q5k,
+    macc += (dmin * m) * xs, subtracted at the end). q6k's two signed 8-bit scales
+    per group (16 values each) multiply the pair sums in the integer domain
+    (``vpmaddwd``), so only its f16 ``d`` meets the float side. The order depends on
+    nothing but the column count: row-exact."""
+    assert act == 8 and kind in KQUANTS
+    f = _Fn()
+    mins = kind != "q6k"
+    f(f"define internal void @{kind}_rows{nx}({_ARGS}) nounwind alwaysinline {{")
+    f("entry:")
+    f("  %nsb = udiv i64 %nb, 8")
+    f("  %cols = mul i64 %nb, 32")
+    # part roles and their bytes per super-block
+    if kind == "q6k":  # (ql, qh, scales, d)
+        f("  %kd = bitcast i8* %p3 to i16*")
+        f("  %ql_row = mul i64 %nsb, 128")
+        f("  %qh_row = mul i64 %nsb, 64")
+        f("  %sc_row = mul i64 %nsb, 16")
+        f(f"  %pf_ahead = mul i64 %ql_row, {PREFETCH_ROWS}")
+        f(f"  %pf_ahead_h = mul i64 %qh_row, {PREFETCH_ROWS}")
+    else:  # (d, dmin, scales, [qh,] qs)
+        f("  %kd = bitcast i8* %p0 to i16*")
+        f("  %kdm = bitcast i8* %p1 to i16*")
+        f("  %sc_row = mul i64 %nsb, 12")
+        f("  %qs_row = mul i64 %nsb, 128")
+        f(f"  %pf_ahead = mul i64 %qs_row, {PREFETCH_ROWS}")
+        if kind == "q5k":
+            f("  %qh_row = mul i64 %nsb, 32")
+            f(f"  %pf_ahead_h = mul i64 %qh_row, {PREFETCH_ROWS}")
+    f("  %empty = icmp sge i64 %r0, %r1")
+    f("  br i1 %empty, label %exit, label %rowloop")
+    f("rowloop:")
+    f("  %row = phi i64 [%r0, %entry], [%rownext, %rowend]")
+    f("  %drow = mul i64 %row, %nsb")
+    f("  br label %blk")
+    f("blk:")
+    f("  %s = phi i64 [0, %rowloop], [%snext, %blk]")
+    acc = [f"%acc{r}" for r in range(nx)]
+    macc = [f"%macc{r}" for r in range(nx)]
+    phi_at = len(f.lines)
+    cur_a, cur_m = acc[:], macc[:]
+    di = f.v("add i64 %drow, %s")
+    dd = _half(f, "%kd", di)
+    ones16 = _const("i16", 16, 1)
+    groups: list[tuple[str, str, str | None]] = []  # (weights <32 x i8>, float scale, float min)
+    if kind == "q6k":
+        qlo = f.v(f"add i64 {f.v('mul i64 %row, %ql_row')}, {f.v('mul i64 %s, 128')}")
+        qho = f.v(f"add i64 {f.v('mul i64 %row, %qh_row')}, {f.v('mul i64 %s, 64')}")
+        sco = f.v(f"add i64 {f.v('mul i64 %row, %sc_row')}, {f.v('mul i64 %s, 16')}")
+        for off, base, ahead in (("0", "%p0", "%pf_ahead"), ("64", "%p0", "%pf_ahead"), ("0", "%p1", "%pf_ahead_h")):
+            src = qlo if base == "%p0" else qho
+            o1 = f.v(f"add i64 {src}, {off}")
+            pp = f.v(f"getelementptr i8, i8* {base}, i64 {f.v(f'add i64 {o1}, {ahead}')}")
+            f(f"  call void @llvm.prefetch.p0i8(i8* {pp}, i32 0, i32 3, i32 1)")
+        m15, m3 = _const("i8", 32, 15), _const("i8", 32, 3)
+        for h in range(2):
+            qa = _load32(f, "%p0", f.v(f"add i64 {qlo}, {64 * h}"))
+            qb = _load32(f, "%p0", f.v(f"add i64 {qlo}, {64 * h + 32}"))
+            qh = _load32(f, "%p1", f.v(f"add i64 {qho}, {32 * h}"))
+            for t, (src, shift_lo) in enumerate(((qa, 0), (qb, 0), (qa, 4), (qb, 4))):
+                lo = f.v(f"and <32 x i8> {src}, {m15}") if shift_lo == 0 else f.v(f"lshr <32 x i8> {src}, {_const('i8', 32, 4)}")
+                hb = qh if t == 0 else f.v(f"lshr <32 x i8> {qh}, {_const('i8', 32, 2 * t)}")
+                hb = f.v(f"and <32 x i8> {hb}, {m3}")
+                hb = f.v(f"shl <32 x i8> {hb}, {_const('i8', 32, 4)}")
+                q = f.v(f"or <32 x i8> {lo}, {hb}")
+                w = f.v(f"sub <32 x i8> {q}, {_const('i8', 32, 32)}")
+                g = 4 * h + t
+                ba = _byte(f, "%p2", f.v(f"add i64 {sco}, {2 * g}"))
+                bb = _byte(f, "%p2", f.v(f"add i64 {sco}, {2 * g + 1}"))
+                sa, sb = f.v(f"sext i8 {ba} to i16"), f.v(f"sext i8 {bb} to i16")
+                va, vb = _splat(f, "i16", 8, sa), _splat(f, "i16", 8, sb)
+                sv = f.v(f"shufflevector <8 x i16> {va}, <8 x i16> {vb}, <16 x i32> <" + ", ".join(f"i32 {k}" for k in range(16)) + ">")
+                groups.append((w, sv, None))
+    else:
+        qso = f.v(f"add i64 {f.v('mul i64 %row, %qs_row')}, {f.v('mul i64 %s, 128')}")
+        sco = f.v(f"add i64 {f.v('mul i64 %row, %sc_row')}, {f.v('mul i64 %s, 12')}")
+        for off in ("0", "64"):
+            o1 = f.v(f"add i64 {qso}, {off}")
+            o2 = f.v(f"add i64 {o1}, %pf_ahead")
+            pp = f.v(f"getelementptr i8, i8* %p{4 if kind == 'q5k' else 3}, i64 {o2}")
+            f(f"  call void @llvm.prefetch.p0i8(i8* {pp}, i32 0, i32 3, i32 1)")
+        dm = _half(f, "%kdm", di)
+        scm = _k4_scales(f, "%p2", sco)
+        qs_p = "%p4" if kind == "q5k" else "%p3"
+        if kind == "q5k":
+            qho = f.v(f"add i64 {f.v('mul i64 %row, %qh_row')}, {f.v('mul i64 %s, 32')}")
+            pp = f.v(f"getelementptr i8, i8* %p3, i64 {f.v(f'add i64 {qho}, %pf_ahead_h')}")
+            f(f"  call void @llvm.prefetch.p0i8(i8* {pp}, i32 0, i32 3, i32 1)")
+            qh = _load32(f, "%p3", qho)
+        for k in range(4):
+            pk = _load32(f, qs_p, f.v(f"add i64 {qso}, {32 * k}"))
+            for half in range(2):
+                j = 2 * k + half
+                q = f.v(f"and <32 x i8> {pk}, {_const('i8', 32, 15)}") if half == 0 else f.v(f"lshr <32 x i8> {pk}, {_const('i8', 32, 4)}")
+                if kind == "q5k":
+                    hb = qh if j == 0 else f.v(f"lshr <32 x i8> {qh}, {_const('i8', 32, j)}")
+                    hb = f.v(f"and <32 x i8> {hb}, {_const('i8', 32, 1)}")
+                    hb = f.v(f"shl <32 x i8> {hb}, {_const('i8', 32, 4)}")
+                    q = f.v(f"or <32 x i8> {q}, {hb}")
+                sc_i, m_i = scm[j]
+                scu, mu = f.v(f"uitofp i8 {sc_i} to float"), f.v(f"uitofp i8 {m_i} to float")
+                scf, mnf = f.v(f"fmul float {dd}, {scu}"), f.v(f"fmul float {dm}, {mu}")
+                groups.append((q, scf, mnf))
+    # The eight groups' scales as vectors (lane g = group g), shared by every input row.
+    if kind == "q6k":
+        sc8 = _splat(f, "float", 8, dd)
+    else:
+        sc8 = mn8 = "undef"
+        for g, (_, scale, mn) in enumerate(groups):
+            sc8 = f.v(f"insertelement <8 x float> {sc8}, float {scale}, i32 {g}")
+            mn8 = f.v(f"insertelement <8 x float> {mn8}, float {mn}, i32 {g}")
+    aws = [f.v(f"call <32 x i8> @llvm.abs.v32i8(<32 x i8> {w}, i1 false)") if kind == "q6k" else None for w, _, _ in groups]
+    xg0 = f.v("mul i64 %s, 8")
+    for r in range(nx):
+        ps = []
+        for g, (w, scale, _) in enumerate(groups):
+            xo = f.v(f"add i64 {f.v(f'mul i64 %cols, {r}')}, {f.v(f'mul i64 {xg0}, 32')}")
+            x = _load32(f, "%xq", f.v(f"add i64 {xo}, {32 * g}"))
+            if kind == "q6k":
+                sx = f.v(f"call <32 x i8> @llvm.x86.avx2.psign.b(<32 x i8> {x}, <32 x i8> {w})")
+                p16 = f.v(f"call <16 x i16> @llvm.x86.avx2.pmadd.ub.sw(<32 x i8> {aws[g]}, <32 x i8> {sx})")
+                ps.append(f.v(f"call <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16> {p16}, <16 x i16> {scale})"))
+            else:
+                p16 = f.v(f"call <16 x i16> @llvm.x86.avx2.pmadd.ub.sw(<32 x i8> {w}, <32 x i8> {x})")
+                ps.append(f.v(f"call <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16> {p16}, <16 x i16> {ones16})"))
+        uf = f.v(f"sitofp <8 x i32> {_reduce8(f, ps)} to <8 x float>")
+        xdo = f.v(f"add i64 {f.v(f'mul i64 %nb, {r}')}, {xg0}")
+        dxp = f.v(f"getelementptr float, float* %xd, i64 {xdo}")
+        dx8 = f.v(f"load <8 x float>, <8 x float>* {f.v(f'bitcast float* {dxp} to <8 x float>*')}, align 4")
+        s8 = f.v(f"fmul <8 x float> {sc8}, {dx8}")
+        cur_a[r] = f.v(f"call <8 x float> @llvm.fma.v8f32(<8 x float> {uf}, <8 x float> {s8}, <8 x float> {cur_a[r]})")
+        if mins:
+            xsp = f.v(f"getelementptr float, float* %xs, i64 {xdo}")
+            xs8 = f.v(f"load <8 x float>, <8 x float>* {f.v(f'bitcast float* {xsp} to <8 x float>*')}, align 4")
+            cur_m[r] = f.v(f"call <8 x float> @llvm.fma.v8f32(<8 x float> {mn8}, <8 x float> {xs8}, <8 x float> {cur_m[r]})")
+    f("  %snext = add i64 %s, 1")
+    f("  %more = icmp slt i64 %snext, %nsb")
+    f("  br i1 %more, label %blk, label %rowdone")
+    phis = []
+    for r in range(nx):
+        phis.append(f"  {acc[r]} = phi <8 x float> [zeroinitializer, %rowloop], [{cur_a[r]}, %blk]")
+        if mins:
+            phis.append(f"  {macc[r]} = phi <8 x float> [zeroinitializer, %rowloop], [{cur_m[r]}, %blk]")
+    f.lines[phi_at:phi_at] = phis
+    f("rowdone:")
+    for r in range(nx):
+        h = _hsum(f, cur_a[r])
+        if mins:
+            h = f.v(f"fsub float {h}, {_hsum(f, cur_m[r])}")
+        oo = f.v(f"add i64 {f.v(f'mul i64 %ostride, {r}')}, %row")
+        f(f"  store float {h}, float* {f.v(f'getelementptr float, float* %out, i64 {oo}')}, align 4")
+    f("  br label %rowend")
+    f("rowend:")
+    f("  %rownext = add i64 %row, 1")
+    f("  %rdone = icmp eq i64 %rownext, %r1")
+    f("  br i1 %rdone, label %exit, label %rowloop")
+    f("exit:")
+    f("  ret void")
+    f("}")
+    return "\n".join(f.lines)
+
+
 def _dispatch(kind: str, act: int = 8) -> str:
     """The exported entry: a switch on the number of input rows."""
     name = _entry(kind, act)
     L = [f"define void @{name}_rows(i64 %nx, {_ARGS}) nounwind {{", "entry:"]
     cases = " ".join(f"i64 {n}, label %n{n}" for n in range(1, MAX_ROWS + 1))
     L.append(f"  switch i64 %nx, label %done [{cases}]")
-    args = "i8* %wq, i16* %wd, i16* %wm, i64 %r0, i64 %r1, i64 %nb, i8* %xq, float* %xd, float* %xs, float* %out, i64 %ostride"
     for n in range(1, MAX_ROWS + 1):
-        L += [f"n{n}:", f"  call void @{name}_rows{n}({args})", "  br label %done"]
+        L += [f"n{n}:", f"  call void @{name}_rows{n}({_CALL_ARGS})", "  br label %done"]
     L += ["done:", "  ret void", "}"]
     return "\n".join(L)
 
 
 def module_ir(kind: str | None = None, act: int | None = None) -> str:
-    """LLVM IR of the entries for ``kind`` (q8|q4) and ``act`` (8|16), default all."""
+    """LLVM IR of the entries for ``kind`` (a ``WIDTHS`` key) and ``act`` (8|16), default all."""
     parts = [_DECLS]
-    for k in (kind,) if kind else ("q8", "q4"):
-        for bits in (act,) if act else (8, 16):
-            parts += [_body(k, n, bits) for n in range(1, MAX_ROWS + 1)]
+    for k in (kind,) if kind else tuple(WIDTHS):
+        for bits in (act,) if act else WIDTHS[k]:
+            if bits not in WIDTHS[k]:
+                raise ValueError(f"no {bits}-bit activation kernel for {k}")
+            body = _kbody if k in KQUANTS else _gbody
+            parts += [body(k, n, bits) for n in range(1, MAX_ROWS + 1)]
             parts.append(_dispatch(k, bits))
     return "\n".join(parts)
 
@@ -355,11 +761,11 @@ def module_ir(kind: str | None = None, act: int | None = None) -> str:
 # The IR entries' signature, every pointer passed as an i64 address (the x86-64 ABI
 # passes both in the same registers): numba then calls the kernel by address
 # (``_call_rows``), where a ctypes function argument cost a ctypes cast per call.
-_ENTRY_ARGS = 12
+_ENTRY_ARGS = 14
 
 
 @intrinsic
-def _call_rows(typingctx, addr, nx, wq, wd, wm, r0, r1, nb, xq, xd, xs, out, ostride):
+def _call_rows(typingctx, addr, nx, p0, p1, p2, p3, p4, r0, r1, nb, xq, xd, xs, out, ostride):
     """Call the compiled ``*_rows`` entry at ``addr`` (every argument an int64)."""
     sig = types.void(*([types.int64] * (_ENTRY_ARGS + 1)))
 
@@ -426,26 +832,32 @@ GRAIN = 16
 
 
 @njit(parallel=True, cache=True)
-def intdot_small(fn, ds, ms, qss, count, offs, xq, xd, xs, out):
-    """out[i, offs[m] + r] = W_m[r] . X[i] for the first ``count`` fused matrices;
-    ``ms`` are the q4 mins (q8 passes its scales again, unused)."""
-    n = xq.shape[0]
-    nb = xd.shape[1]
+def intdot(fn, addrs, rows, count, offs, X, proto, out):
+    """out[i, offs[m] + r] = W_m[r] . X[i] for the first ``count`` fused matrices:
+    ``addrs[m, k]`` is the address of part k of matrix m (``int_parts`` order, 0
+    where unused), ``rows[m]`` its rows. The plan that built ``addrs`` holds the
+    arrays, so the addresses outlive the call. X is quantized here, to the integer
+    type of ``proto`` (int8 or int16): one compiled call per matmul, where a separate
+    quantize call and its scratch arrays cost ~5 us of dispatch per matmul (120 per
+    SmolLM2 token)."""
+    n, cols = X.shape
+    nb = cols // QB
+    xq = np.empty((n, cols), proto.dtype)
+    xd = np.empty((n, nb), np.float32)
+    xs = np.empty((n, nb), np.float32)
+    quantize_rows(X, xq, xd, xs, 127 if proto.itemsize == 1 else 32767)
     width = out.shape[1]
     for m in range(count):
-        d = ds[m]
-        mn = ms[m]
-        q = qss[m]
-        rows = q.shape[0]
         base = offs[m]
-        nchunk = (rows + GRAIN - 1) // GRAIN
+        nrow = rows[m]
+        nchunk = (nrow + GRAIN - 1) // GRAIN
         for c in prange(nchunk):
             r0 = c * GRAIN
-            r1 = min(rows, r0 + GRAIN)
+            r1 = min(nrow, r0 + GRAIN)
             for i0 in range(0, n, MAX_ROWS):
                 nx = min(MAX_ROWS, n - i0)
                 _call_rows(
-                    fn, np.int64(nx), np.int64(q.ctypes.data), np.int64(d.ctypes.data), np.int64(mn.ctypes.data),
+                    fn, np.int64(nx), addrs[m, 0], addrs[m, 1], addrs[m, 2], addrs[m, 3], addrs[m, 4],
                     np.int64(r0), np.int64(r1), np.int64(nb), np.int64(xq.ctypes.data + i0 * xq.strides[0]),
                     np.int64(xd.ctypes.data + 4 * i0 * nb), np.int64(xs.ctypes.data + 4 * i0 * nb),
                     np.int64(out.ctypes.data + 4 * (i0 * width + base)), np.int64(width),
