@@ -40,7 +40,7 @@ def test_quantize_rows_equals_numpy_twin(bits):
 # (dtype, activation widths, columns): K-quant rows are super-blocks of 256.
 # 32-block rows of 608 = two groups of 8 blocks and 3 left over (qdot._gbody).
 INT_DTYPES = [("q8", (16, 8), 608), ("q4", (16, 8), 608), ("q4_0", (16, 8), 608), ("q5", (16, 8), 608),
-              ("q4k", (8,), 512), ("q5k", (8,), 512), ("q6k", (8,), 768)]
+              ("q4k", (16, 8), 512), ("q5k", (16, 8), 512), ("q6k", (16, 8), 768)]
 
 
 @needs_simd
@@ -80,6 +80,21 @@ def test_grouped_kernel_every_group_and_tail_split(dtype, cols, bits):
         assert np.array_equal(ks.matmul([w], X[i : i + 1])[0], fast[i])
 
 
+@pytest.mark.skipif(not qdot.host_vnni(), reason="this CPU has no VNNI: only the AVX2 form can run")
+@pytest.mark.parametrize("dtype,bits,cols", [(d, b, c) for d, bs, c in INT_DTYPES for b in bs])
+def test_vnni_and_avx2_forms_give_the_same_bits(dtype, bits, cols):
+    """vpdpbusd/vpdpwssd add the same integers as vpmaddubsw + vpmaddwd: identical outputs."""
+    ws = [_weight(dtype, r, cols, seed=i)[0] for i, r in enumerate((40, 9))]
+    X = RNG.standard_normal((7, cols)).astype(np.float32) * np.float32(4)
+    a = NumbaKernels(act_bits=bits, vnni=True).matmul(ws, X)
+    b = NumbaKernels(act_bits=bits, vnni=False).matmul(ws, X)
+    assert np.array_equal(a, b)
+    # the VNNI form really calls them (q6k's int8 path keeps vpmaddwd for its per-16 scales)
+    calls = qdot.module_ir(dtype, bits, vnni=True).count("call <8 x i32> @llvm.x86.avx512.vpdp")
+    assert (calls == 0) if (dtype, bits) == ("q6k", 8) else (calls > 0)
+    assert qdot.module_ir(dtype, bits, vnni=False).count("call <8 x i32> @llvm.x86.avx512.vpdp") == 0
+
+
 @needs_simd
 @pytest.mark.parametrize("dtype", ["q4k", "q5k", "q6k"])
 def test_kquant_integer_kernel_reads_every_scale_and_bit(dtype):
@@ -97,7 +112,7 @@ def test_kquant_integer_kernel_reads_every_scale_and_bit(dtype):
     w2 = Weight("w", dtype, rows, cols, parts)
     X = rng.standard_normal((3, cols)).astype(np.float32)
     fast = ks.matmul([w2], X)
-    twin = qdot.qdot_ref(dtype, parts, X, 8)
+    twin = qdot.qdot_ref(dtype, parts, X, ks.act_bits[dtype])
     assert np.abs(fast - twin).max() / np.abs(twin).max() < 2e-6
 
 
@@ -132,3 +147,20 @@ def test_default_widths_are_int16_for_q8_and_int8_for_q4():
         got = default.matmul([w], X)
         assert np.array_equal(got, same.matmul([w], X))
         assert not np.array_equal(got, other.matmul([w], X))
+
+
+@needs_simd
+def test_q6k_int16_worst_case_group_fits_an_i32():
+    """Every |q - 32| = 32, every scale -128, every activation at its top (16383 for q6k):
+    each group's integer sum is 2,147,352,576, just under 2^31; the result is exact."""
+    cols, rows = 512, 16
+    w, _ = _weight("q6k", rows, cols, seed=2)
+    parts = {k: np.ascontiguousarray(v).copy() for k, v in w.parts.items()}
+    parts["ql"][:] = 0
+    parts["qh"][:] = 0
+    parts["scales"][:] = -128
+    parts["d"][:] = np.float16(1.0).view(np.uint16)
+    X = np.ones((1, cols), np.float32)
+    got = NumbaKernels(act_bits=16).matmul([Weight("w", "q6k", rows, cols, parts)], X)
+    assert qdot.qmax("q6k", 16) == 16383 and 32 * 32 * 128 * 16383 < 2**31
+    np.testing.assert_array_equal(got, np.full((1, rows), 32 * 128 * cols, np.float32))

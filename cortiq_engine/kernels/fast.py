@@ -34,8 +34,11 @@ SMALL_N = 16
 # q8: int16. int8 rounding quadrupled q8's KL to f32 on SmolLM2 (0.00096 -> 0.0040).
 # q4: int8 (ggml's vpmaddubsw path): faster, and its rounding is small beside q4's own
 # weight error (docs/performance.md, "Activation width per dtype").
-# q4_0, q5 and the K-quants: int8, as ggml's own dot products (its Q8_0 / Q8_K activations).
-ACT_BITS: dict[str, int] = {"q8": 16, "q4": 8, "q4_0": 8, "q5": 8, "q4k": 8, "q5k": 8, "q6k": 8}
+# q6k: int16 (15 bits, qdot.QMAX): int8 multiplied its decode KL to f32 by 1.60 on
+# SmolLM2 (0.0058 -> 0.0092, llama.cpp Q6_K's own level), int16 by 1.00.
+# q4_0, q5, q4k, q5k: int8, as ggml's dot products (its Q8_0 / Q8_K activations): KL
+# x1.00-1.06 beside the weights' own error, and 1.3x faster than int16 for q4k/q5k.
+ACT_BITS: dict[str, int] = {"q8": 16, "q4": 8, "q4_0": 8, "q5": 8, "q4k": 8, "q5k": 8, "q6k": 16}
 # An empty array of each activation width's integer type (``qdot.intdot`` allocates its like).
 _ACT_PROTO = {8: np.empty(0, np.int8), 16: np.empty(0, np.int16)}
 # Above this many new queries attention goes through BLAS (reference code path).
@@ -99,14 +102,16 @@ class NumbaKernels(NumpyKernels):
         bit for bit its one-row result. Beyond it BLAS batches the rows."""
         return min(self.small_n, SMALL_ATTN)
 
-    def __init__(self, small_n: int = SMALL_N, act_bits: int | Mapping[str, int] | None = None):
+    def __init__(self, small_n: int = SMALL_N, act_bits: int | Mapping[str, int] | None = None,
+                 vnni: bool | None = None):
         self.small_n = small_n
         # q8/q4 decode and verify on integer activations (qdot.py) where the CPU has
         # AVX2: ``act_bits`` per dtype (default ACT_BITS), or one width for all; a
         # width 0 (or no AVX2) keeps that dtype on the float kernels.
         widths = dict(ACT_BITS if act_bits is None else act_bits if isinstance(act_bits, Mapping)
                       else {k: int(act_bits) for k in ACT_BITS})
-        self._intdot = qdot.compile_intdot() if any(widths.values()) else None
+        # ``vnni``: the integer kernels' VNNI form (default where the CPU has it; same results).
+        self._intdot = qdot.compile_intdot(vnni) if any(widths.values()) else None
         self.act_bits = {k: v for k, v in widths.items() if v} if self._intdot is not None else {}
         # Per-thread scratch for dequantized tiles, reused so prefill matmuls do not
         # page-fault a fresh buffer per call.
@@ -218,7 +223,8 @@ class NumbaKernels(NumpyKernels):
             plan.ops.small(plan.parts, plan.count, plan.offs, X, out)
             return
         # Decode/verify on integer activations: X quantized once per call, inside it.
-        qdot.intdot(plan.fn, plan.addrs, plan.rows, plan.count, plan.offs, X, _ACT_PROTO[plan.bits], out)
+        qdot.intdot(plan.fn, plan.addrs, plan.rows, plan.count, plan.offs, X, _ACT_PROTO[plan.bits],
+                    qdot.qmax(plan.ops.dtype, plan.bits), out)
 
     def _small_args(self, run: list[Weight]) -> tuple[int, np.ndarray, list[tuple[np.ndarray, ...]]]:
         """(count, row offsets, part 3-tuples padded with empty arrays) for a fused run."""

@@ -85,11 +85,11 @@ def quantize_rows(X, xq, xd, xs, qmax):
             xs[i, b] = d * np.float32(s)
 
 
-def quantize_rows_ref(X: np.ndarray, bits: int = 8) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """numpy twin of ``quantize_rows``."""
+def quantize_rows_ref(X: np.ndarray, bits: int = 8, top: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """numpy twin of ``quantize_rows`` (``top``: the largest integer, default 2^(bits-1) - 1)."""
     n, cols = X.shape
     b = X.reshape(n, cols // QB, QB).astype(np.float32)
-    d = np.abs(b).max(axis=2) / np.float32(2 ** (bits - 1) - 1)
+    d = np.abs(b).max(axis=2) / np.float32(top or 2 ** (bits - 1) - 1)
     inv = np.where(d > 0, np.float32(1.0) / np.where(d > 0, d, 1), 0).astype(np.float32)
     q = np.rint(b * inv[:, :, None]).astype(np.int8 if bits == 8 else np.int16)
     s = (d * q.sum(axis=2, dtype=np.int32).astype(np.float32)).astype(np.float32)
@@ -102,7 +102,7 @@ def qdot_ref(dtype: str, parts: Mapping[str, np.ndarray], X: np.ndarray, bits: i
     weights decoded by their numpy twin (``formats.quants``), multiplied in float64."""
     from formats.quants import get_dtype
 
-    xq, xd, _ = quantize_rows_ref(X, bits)
+    xq, xd, _ = quantize_rows_ref(X, bits, qmax(dtype, bits))
     n, cols = X.shape
     xa = (xq.reshape(n, cols // QB, QB).astype(np.float64) * xd[:, :, None]).reshape(n, cols)
     dt = get_dtype(dtype)
@@ -118,6 +118,8 @@ declare <32 x i8> @llvm.x86.avx2.psign.b(<32 x i8>, <32 x i8>)
 declare <16 x i16> @llvm.x86.avx2.pmadd.ub.sw(<32 x i8>, <32 x i8>)
 declare <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16>, <16 x i16>)
 declare <8 x i32> @llvm.x86.avx2.phadd.d(<8 x i32>, <8 x i32>)
+declare <8 x i32> @llvm.x86.avx512.vpdpbusd.256(<8 x i32>, <8 x i32>, <8 x i32>)
+declare <8 x i32> @llvm.x86.avx512.vpdpwssd.256(<8 x i32>, <8 x i32>, <8 x i32>)
 declare <8 x float> @llvm.fma.v8f32(<8 x float>, <8 x float>, <8 x float>)
 declare float @llvm.fma.f32(float, float, float)
 declare void @llvm.prefetch.p0i8(i8*, i32, i32, i32)
@@ -139,7 +141,15 @@ _ROLES = {"q8": (0, None, 1), "q4": (0, 1, 2), "q4_0": (0, None, 1), "q5": (0, N
 # from the scale (exact in f32), so they take the q4 body with that min.
 _ZERO = {"q4_0": 8, "q5": 16}
 # Integer widths each dtype's kernels exist for: the K-quants take ggml's int8 path only.
-WIDTHS = {"q8": (8, 16), "q4": (8, 16), "q4_0": (8, 16), "q5": (8, 16), "q4k": (8,), "q5k": (8,), "q6k": (8,)}
+WIDTHS = {"q8": (8, 16), "q4": (8, 16), "q4_0": (8, 16), "q5": (8, 16), "q4k": (8, 16), "q5k": (8, 16), "q6k": (8, 16)}
+# The largest activation integer per (dtype, width), where it is not 2^(width-1) - 1:
+# a q6k group sums 32 products of |q - 32| <= 32, |scale| <= 128 and the activation
+# in the integer domain; at 16383 the worst case (2,147,352,576) still fits an i32.
+QMAX = {("q6k", 16): 16383}
+
+
+def qmax(kind: str, act: int) -> int:
+    return QMAX.get((kind, act), (1 << (act - 1)) - 1)
 KQUANTS = ("q4k", "q5k", "q6k")
 
 
@@ -149,11 +159,13 @@ def _entry(kind: str, act: int) -> str:
 
 
 class _Fn:
-    """A tiny SSA writer: fresh value names and the lines of one function."""
+    """A tiny SSA writer: fresh value names and the lines of one function; ``vnni``:
+    the integer dot products use vpdpbusd / vpdpwssd (AVX512-VNNI or AVX-VNNI)."""
 
-    def __init__(self) -> None:
+    def __init__(self, vnni: bool = False) -> None:
         self.lines: list[str] = []
         self.n = 0
+        self.vnni = vnni
 
     def __call__(self, text: str) -> None:
         self.lines.append(text)
@@ -216,18 +228,38 @@ def _isum(f: _Fn, kind: str, act: int, wv: tuple[str, ...], r: int, b: str) -> s
     if act == 8:
         x = f.v(f"load <32 x i8>, <32 x i8>* {f.v(f'bitcast i8* ' + f.v(f'getelementptr i8, i8* %xq, i64 {xo}') + ' to <32 x i8>*')}, align 1")
         if kind == "q8":
-            sx = f.v(f"call <32 x i8> @llvm.x86.avx2.psign.b(<32 x i8> {x}, <32 x i8> {wv[0]})")
-            p16 = f.v(f"call <16 x i16> @llvm.x86.avx2.pmadd.ub.sw(<32 x i8> {wv[1]}, <32 x i8> {sx})")
+            u, v = wv[1], f.v(f"call <32 x i8> @llvm.x86.avx2.psign.b(<32 x i8> {x}, <32 x i8> {wv[0]})")
         else:
-            p16 = f.v(f"call <16 x i16> @llvm.x86.avx2.pmadd.ub.sw(<32 x i8> {wv[0]}, <32 x i8> {x})")
-        return f.v(f"call <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16> {p16}, <16 x i16> {_ONES16})")
+            u, v = wv[0], x
+        return _dot_u8s8(f, u, v)
     xp = f.v(f"getelementptr i16, i16* %xq16, i64 {xo}")
     xp1 = f.v(f"getelementptr i16, i16* {xp}, i64 16")
     x0 = f.v(f"load <16 x i16>, <16 x i16>* {f.v(f'bitcast i16* {xp} to <16 x i16>*')}, align 2")
     x1 = f.v(f"load <16 x i16>, <16 x i16>* {f.v(f'bitcast i16* {xp1} to <16 x i16>*')}, align 2")
-    p0 = f.v(f"call <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16> {wv[0]}, <16 x i16> {x0})")
-    p1 = f.v(f"call <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16> {wv[1]}, <16 x i16> {x1})")
+    return _dot_i16(f, wv[0], x0, wv[1], x1)
+
+
+def _dot_i16(f: _Fn, w0: str, x0: str, w1: str, x1: str) -> str:
+    """w0 . x0 + w1 . x1 on <16 x i16>, pair sums per i32 lane: two chained vpdpwssd
+    with VNNI, else two vpmaddwd and an add (the same integers)."""
+    if f.vnni:
+        c = [f.v(f"bitcast <16 x i16> {t} to <8 x i32>") for t in (w0, x0, w1, x1)]
+        p0 = f.v(f"call <8 x i32> @llvm.x86.avx512.vpdpwssd.256(<8 x i32> zeroinitializer, <8 x i32> {c[0]}, <8 x i32> {c[1]})")
+        return f.v(f"call <8 x i32> @llvm.x86.avx512.vpdpwssd.256(<8 x i32> {p0}, <8 x i32> {c[2]}, <8 x i32> {c[3]})")
+    p0 = f.v(f"call <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16> {w0}, <16 x i16> {x0})")
+    p1 = f.v(f"call <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16> {w1}, <16 x i16> {x1})")
     return f.v(f"add <8 x i32> {p0}, {p1}")
+
+
+def _dot_u8s8(f: _Fn, u: str, v: str) -> str:
+    """Unsigned bytes ``u`` times signed bytes ``v``, four adjacent products per i32
+    lane: one vpdpbusd with VNNI, else vpmaddubsw + vpmaddwd (the same integers: no
+    pair here reaches vpmaddubsw's i16 saturation, |u| <= 128 and |v| <= 127)."""
+    if f.vnni:
+        a, b = f.v(f"bitcast <32 x i8> {u} to <8 x i32>"), f.v(f"bitcast <32 x i8> {v} to <8 x i32>")
+        return f.v(f"call <8 x i32> @llvm.x86.avx512.vpdpbusd.256(<8 x i32> zeroinitializer, <8 x i32> {a}, <8 x i32> {b})")
+    p16 = f.v(f"call <16 x i16> @llvm.x86.avx2.pmadd.ub.sw(<32 x i8> {u}, <32 x i8> {v})")
+    return f.v(f"call <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16> {p16}, <16 x i16> {_ONES16})")
 
 
 def _block(f: _Fn, kind: str, act: int, nx: int, b: str, accs: list[str], maccs: list[str]) -> tuple[list[str], list[str]]:
@@ -258,7 +290,7 @@ def _block(f: _Fn, kind: str, act: int, nx: int, b: str, accs: list[str], maccs:
     return new_accs, new_maccs
 
 
-def _body(kind: str, nx: int, act: int = 8) -> str:
+def _body(kind: str, nx: int, act: int = 8, vnni: bool = False) -> str:
     """One specialized function: ``nx`` input rows, ``ACCS`` accumulators per input
     row (block b adds into accumulator b % ACCS: independent FMA chains hide their
     latency; the split depends on b only, so every row sums in the same order
@@ -266,7 +298,7 @@ def _body(kind: str, nx: int, act: int = 8) -> str:
     q4 = kind in ("q4", "q4_0", "q5")
     A = ACCS
     name = _entry(kind, act)
-    f = _Fn()
+    f = _Fn(vnni)
     zero_v, zero_s = "zeroinitializer", "0.0"
     f(f"define internal void @{name}_rows{nx}({_ARGS}) nounwind alwaysinline {{")
     f("entry:")
@@ -399,7 +431,7 @@ def _hsum(f: _Fn, v: str) -> str:
     return f.v(f"fadd float {f.v(f'extractelement <2 x float> {d}, i32 0')}, {f.v(f'extractelement <2 x float> {d}, i32 1')}")
 
 
-def _gbody(kind: str, nx: int, act: int = 8) -> str:
+def _gbody(kind: str, nx: int, act: int = 8, vnni: bool = False) -> str:
     """The 32-block dtypes (q8, q4, q4_0, q5) for ``nx`` input rows, eight blocks per
     step: the eight exact block sums of an input row reduce into one vector (lane k =
     block k), which meets the eight weight scales (one f16 load and convert) times
@@ -412,7 +444,7 @@ def _gbody(kind: str, nx: int, act: int = 8) -> str:
     q4 = kind in ("q4", "q4_0", "q5")
     wbytes = 16 if q4 else 32
     name = _entry(kind, act)
-    f = _Fn()
+    f = _Fn(vnni)
     f(f"define internal void @{name}_rows{nx}({_ARGS}) nounwind alwaysinline {{")
     f("entry:")
     sd, sm, sq = _ROLES[kind]
@@ -463,12 +495,12 @@ def _gbody(kind: str, nx: int, act: int = 8) -> str:
         mw8 = f.v(f"fmul <8 x float> {dw8}, {_splat(f, 'float', 8, f'-{_ZERO[kind]}.0')}")
     new_f, new_m = [], []
     for r in range(nx):
-        u = _reduce8(f, [_isum(f, kind, act, wvs[k], r, bks[k]) for k in range(GROUP)])
-        uf = f.v(f"sitofp <8 x i32> {u} to <8 x float>")
         xo = f.v(f"add i64 {f.v(f'mul i64 %nb, {r}')}, {b0}")
         dxp = f.v(f"getelementptr float, float* %xd, i64 {xo}")
         dx8 = f.v(f"load <8 x float>, <8 x float>* {f.v(f'bitcast float* {dxp} to <8 x float>*')}, align 4")
         sc8 = f.v(f"fmul <8 x float> {dw8}, {dx8}")
+        u = _reduce8(f, [_isum(f, kind, act, wvs[k], r, bks[k]) for k in range(GROUP)])
+        uf = f.v(f"sitofp <8 x i32> {u} to <8 x float>")
         new_f.append(f.v(f"call <8 x float> @llvm.fma.v8f32(<8 x float> {uf}, <8 x float> {sc8}, <8 x float> {facc[r]})"))
         if q4:
             xsp = f.v(f"getelementptr float, float* %xs, i64 {xo}")
@@ -565,7 +597,7 @@ def _k4_scales(f: _Fn, sc: str, o: str) -> list[tuple[str, str]]:
     return out
 
 
-def _kbody(kind: str, nx: int, act: int = 8) -> str:
+def _kbody(kind: str, nx: int, act: int = 8, vnni: bool = False) -> str:
     """One K-quant super-block body (q4k, q5k, q6k) for ``nx`` input rows on int8
     activations. A super-block holds 8 groups of 32 values, each aligned with one
     activation block, so per (group g, input row) the exact integer sum is taken in
@@ -576,11 +608,12 @@ def _kbody(kind: str, nx: int, act: int = 8) -> str:
     per group (16 values each) multiply the pair sums in the integer domain
     (``vpmaddwd``), so only its f16 ``d`` meets the float side. The order depends on
     nothing but the column count: row-exact."""
-    assert act == 8 and kind in KQUANTS
-    f = _Fn()
+    assert kind in KQUANTS and act in WIDTHS[kind]
+    f = _Fn(vnni)
     mins = kind != "q6k"
-    f(f"define internal void @{kind}_rows{nx}({_ARGS}) nounwind alwaysinline {{")
+    f(f"define internal void @{_entry(kind, act)}_rows{nx}({_ARGS}) nounwind alwaysinline {{")
     f("entry:")
+    f("  %xq16 = bitcast i8* %xq to i16*")
     f("  %nsb = udiv i64 %nb, 8")
     f("  %cols = mul i64 %nb, 32")
     # part roles and their bytes per super-block
@@ -614,7 +647,6 @@ def _kbody(kind: str, nx: int, act: int = 8) -> str:
     cur_a, cur_m = acc[:], macc[:]
     di = f.v("add i64 %drow, %s")
     dd = _half(f, "%kd", di)
-    ones16 = _const("i16", 16, 1)
     groups: list[tuple[str, str, str | None]] = []  # (weights <32 x i8>, float scale, float min)
     if kind == "q6k":
         qlo = f.v(f"add i64 {f.v('mul i64 %row, %ql_row')}, {f.v('mul i64 %s, 128')}")
@@ -682,20 +714,42 @@ def _kbody(kind: str, nx: int, act: int = 8) -> str:
         for g, (_, scale, mn) in enumerate(groups):
             sc8 = f.v(f"insertelement <8 x float> {sc8}, float {scale}, i32 {g}")
             mn8 = f.v(f"insertelement <8 x float> {mn8}, float {mn}, i32 {g}")
-    aws = [f.v(f"call <32 x i8> @llvm.abs.v32i8(<32 x i8> {w}, i1 false)") if kind == "q6k" else None for w, _, _ in groups]
+    aws = [f.v(f"call <32 x i8> @llvm.abs.v32i8(<32 x i8> {w}, i1 false)") if kind == "q6k" and act == 8 else None
+           for w, _, _ in groups]
+    if act == 16:
+        # int16 activations: each group's weights as two <16 x i16> halves; q6k's two
+        # 8-bit scales multiplied in (|(q - 32) * sc| <= 4096 fits i16).
+        halves = []
+        for w, scale, _ in groups:
+            ext = "sext" if kind == "q6k" else "zext"
+            hs = []
+            for k in range(2):
+                hk = f.v(f"shufflevector <32 x i8> {w}, <32 x i8> undef, <16 x i32> <" + ", ".join(f"i32 {16 * k + j}" for j in range(16)) + ">")
+                hk = f.v(f"{ext} <16 x i8> {hk} to <16 x i16>")
+                if kind == "q6k":
+                    sk = f.v(f"shufflevector <16 x i16> {scale}, <16 x i16> undef, <16 x i32> <" + ", ".join([f"i32 {8 * k}"] * 16) + ">")
+                    hk = f.v(f"mul <16 x i16> {hk}, {sk}")
+                hs.append(hk)
+            halves.append(hs)
     xg0 = f.v("mul i64 %s, 8")
     for r in range(nx):
         ps = []
         for g, (w, scale, _) in enumerate(groups):
             xo = f.v(f"add i64 {f.v(f'mul i64 %cols, {r}')}, {f.v(f'mul i64 {xg0}, 32')}")
+            if act == 16:
+                xp = f.v(f"getelementptr i16, i16* %xq16, i64 {f.v(f'add i64 {xo}, {32 * g}')}")
+                xp1 = f.v(f"getelementptr i16, i16* {xp}, i64 16")
+                x0 = f.v(f"load <16 x i16>, <16 x i16>* {f.v(f'bitcast i16* {xp} to <16 x i16>*')}, align 2")
+                x1 = f.v(f"load <16 x i16>, <16 x i16>* {f.v(f'bitcast i16* {xp1} to <16 x i16>*')}, align 2")
+                ps.append(_dot_i16(f, halves[g][0], x0, halves[g][1], x1))
+                continue
             x = _load32(f, "%xq", f.v(f"add i64 {xo}, {32 * g}"))
             if kind == "q6k":
                 sx = f.v(f"call <32 x i8> @llvm.x86.avx2.psign.b(<32 x i8> {x}, <32 x i8> {w})")
                 p16 = f.v(f"call <16 x i16> @llvm.x86.avx2.pmadd.ub.sw(<32 x i8> {aws[g]}, <32 x i8> {sx})")
                 ps.append(f.v(f"call <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16> {p16}, <16 x i16> {scale})"))
             else:
-                p16 = f.v(f"call <16 x i16> @llvm.x86.avx2.pmadd.ub.sw(<32 x i8> {w}, <32 x i8> {x})")
-                ps.append(f.v(f"call <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16> {p16}, <16 x i16> {ones16})"))
+                ps.append(_dot_u8s8(f, w, x))
         uf = f.v(f"sitofp <8 x i32> {_reduce8(f, ps)} to <8 x float>")
         xdo = f.v(f"add i64 {f.v(f'mul i64 %nb, {r}')}, {xg0}")
         dxp = f.v(f"getelementptr float, float* %xd, i64 {xdo}")
@@ -745,15 +799,16 @@ def _dispatch(kind: str, act: int = 8) -> str:
     return "\n".join(L)
 
 
-def module_ir(kind: str | None = None, act: int | None = None) -> str:
-    """LLVM IR of the entries for ``kind`` (a ``WIDTHS`` key) and ``act`` (8|16), default all."""
+def module_ir(kind: str | None = None, act: int | None = None, vnni: bool = False) -> str:
+    """LLVM IR of the entries for ``kind`` (a ``WIDTHS`` key) and ``act`` (8|16), default
+    all; ``vnni``: the dot products as VNNI instructions (the host must have them)."""
     parts = [_DECLS]
     for k in (kind,) if kind else tuple(WIDTHS):
         for bits in (act,) if act else WIDTHS[k]:
             if bits not in WIDTHS[k]:
                 raise ValueError(f"no {bits}-bit activation kernel for {k}")
             body = _kbody if k in KQUANTS else _gbody
-            parts += [body(k, n, bits) for n in range(1, MAX_ROWS + 1)]
+            parts += [body(k, n, bits, vnni) for n in range(1, MAX_ROWS + 1)]
             parts.append(_dispatch(k, bits))
     return "\n".join(parts)
 
@@ -788,11 +843,26 @@ def host_supports() -> bool:
     return all(feats.get(f, False) for f in NEEDED_FEATURES)
 
 
+def host_vnni() -> bool:
+    """The host has 256-bit VNNI dot products (AVX512-VNNI with VL, or AVX-VNNI)."""
+    if not host_supports():
+        return False
+    import llvmlite.binding as llvm
+
+    feats = llvm.get_host_cpu_features()
+    return bool(feats.get("avxvnni", False) or (feats.get("avx512vnni", False) and feats.get("avx512vl", False)))
+
+
 class IntDot:
     """The compiled integer kernels of one kernel set, each entry JIT-compiled for
-    this CPU on first use (0.1-0.5 s per entry: a q8 model compiles only q8's)."""
+    this CPU on first use (0.1-0.5 s per entry: a q8 model compiles only q8's).
+    ``vnni`` (default: the host has it) selects the VNNI dot products; both give the
+    same integers, so the same results bit for bit."""
 
-    def __init__(self) -> None:
+    def __init__(self, vnni: bool | None = None) -> None:
+        self.vnni = host_vnni() if vnni is None else bool(vnni)
+        if self.vnni and not host_vnni():
+            raise ValueError("this CPU has no VNNI dot products")
         self._lock = threading.Lock()
         self._fns: dict[tuple[str, int], object] = {}
         self._engines: list[object] = []  # the machine code lives as long as its engine
@@ -808,7 +878,7 @@ class IntDot:
 
                 llvm.initialize_native_target()
                 llvm.initialize_native_asmprinter()
-                mod = llvm.parse_assembly(module_ir(kind, act))
+                mod = llvm.parse_assembly(module_ir(kind, act, self.vnni))
                 mod.verify()
                 tm = llvm.Target.from_default_triple().create_target_machine(
                     cpu=llvm.get_host_cpu_name(), features=llvm.get_host_cpu_features().flatten(), opt=3
@@ -820,9 +890,9 @@ class IntDot:
             return self._fns[key]
 
 
-def compile_intdot() -> IntDot | None:
+def compile_intdot(vnni: bool | None = None) -> IntDot | None:
     """The integer kernels, or None where x86-64 AVX2/FMA/F16C are missing."""
-    return IntDot() if host_supports() else None
+    return IntDot(vnni) if host_supports() else None
 
 
 # ------------------------------------------------------------ numba drivers
@@ -832,12 +902,12 @@ GRAIN = 16
 
 
 @njit(parallel=True, cache=True)
-def intdot(fn, addrs, rows, count, offs, X, proto, out):
+def intdot(fn, addrs, rows, count, offs, X, proto, qmax, out):
     """out[i, offs[m] + r] = W_m[r] . X[i] for the first ``count`` fused matrices:
     ``addrs[m, k]`` is the address of part k of matrix m (``int_parts`` order, 0
     where unused), ``rows[m]`` its rows. The plan that built ``addrs`` holds the
     arrays, so the addresses outlive the call. X is quantized here, to the integer
-    type of ``proto`` (int8 or int16): one compiled call per matmul, where a separate
+    type of ``proto`` (int8 or int16) and at most ``qmax``: one compiled call per matmul, where a separate
     quantize call and its scratch arrays cost ~5 us of dispatch per matmul (120 per
     SmolLM2 token)."""
     n, cols = X.shape
@@ -845,7 +915,7 @@ def intdot(fn, addrs, rows, count, offs, X, proto, out):
     xq = np.empty((n, cols), proto.dtype)
     xd = np.empty((n, nb), np.float32)
     xs = np.empty((n, nb), np.float32)
-    quantize_rows(X, xq, xd, xs, 127 if proto.itemsize == 1 else 32767)
+    quantize_rows(X, xq, xd, xs, qmax)
     width = out.shape[1]
     for m in range(count):
         base = offs[m]
