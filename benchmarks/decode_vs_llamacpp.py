@@ -4,13 +4,14 @@
 Each pair is a cortiq CMF and a llama.cpp GGUF (e.g. the same weights at the same
 bits/weight). For every round, cortiq decodes ``--tokens`` greedy tokens (the sweep's
 ``tg`` test: ``evals.speed.decode``, EOS ignored) and then llama.cpp evaluates the same
-number of single-token steps from an empty cache (logits of the last token only, its
-plain CPU kernels); the two alternate so a busy machine slows both alike. Reported:
-the median tok/s of each, their ratio, and the load average before and after (the
+number of single-token steps from an empty cache (logits of the last token only; its
+plain CPU kernels on the mapped file, or with ``--llama-repack`` the layouts it repacks
+into RAM at load); the two alternate so a busy machine slows both alike. Reported: the
+median tok/s of each, their ratio, and the load average before and after (the
 machine is shared: quote medians and the load).
 
     python benchmarks/decode_vs_llamacpp.py q8=smol-q8.cmf:smol-Q8_0.gguf q4_0=smol-q4_0.cmf:smol-Q4_0.gguf \
-        [--tokens 64] [--rounds 5] [--threads 2] [--json]
+        [--tokens 64] [--rounds 5] [--threads 2] [--llama-repack] [--json]
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def llama_decode(llm, ids: list[int]) -> float:
     return (len(ids) - 1) / (time.perf_counter() - t0)
 
 
-def pair(name: str, cmf: Path, gguf: Path, tokens: int, rounds: int, threads: int) -> dict:
+def pair(name: str, cmf: Path, gguf: Path, tokens: int, rounds: int, threads: int, repack: bool = False) -> dict:
     import llama_cpp
 
     from cortiq_engine import Engine
@@ -47,7 +48,7 @@ def pair(name: str, cmf: Path, gguf: Path, tokens: int, rounds: int, threads: in
     ours, theirs = [], []
     with Engine.load(cmf, threads=threads, ctx=tokens + 8) as eng:
         llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=tokens + 8, n_threads=threads, n_threads_batch=threads,
-                              use_extra_bufts=False, verbose=False)
+                              use_extra_bufts=repack, verbose=False)
         ids = random_ids(eng.vocab_size, tokens + 1, seed=1)
         llama_decode(llm, ids[:5])  # warm-up (cortiq's decode warms itself up)
         for _ in range(rounds):
@@ -56,6 +57,7 @@ def pair(name: str, cmf: Path, gguf: Path, tokens: int, rounds: int, threads: in
         del llm
     a, b = statistics.median(ours), statistics.median(theirs)
     return {"name": name, "cmf": str(cmf), "gguf": str(gguf), "tokens": tokens, "rounds": rounds, "threads": threads,
+            "llama_repack": repack,
             "cortiq_tok_s": a, "llama_tok_s": b, "ratio": a / b, "cortiq_samples": ours, "llama_samples": theirs,
             "loadavg_before": load0[0], "loadavg_after": os.getloadavg()[0]}
 
@@ -66,13 +68,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--llama-repack", action="store_true",
+                    help="let llama.cpp repack weights into its CPU layouts at load (its default in "
+                         "llama-cli; e.g. Q4_0 -> interleaved 8x8 blocks): the extra RAM copy cortiq's mmap avoids")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     out = []
     for spec in args.pairs:
         name, _, files = spec.partition("=")
         cmf, _, gguf = files.partition(":")
-        r = pair(name, Path(cmf), Path(gguf), args.tokens, args.rounds, args.threads)
+        r = pair(name, Path(cmf), Path(gguf), args.tokens, args.rounds, args.threads, args.llama_repack)
         out.append(r)
         if not args.json:
             print(f"{name:8s} cortiq {r['cortiq_tok_s']:7.1f} tok/s  llama.cpp {r['llama_tok_s']:7.1f} tok/s  "

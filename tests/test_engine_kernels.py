@@ -99,6 +99,32 @@ def test_attention(n, window, sinks):
         np.testing.assert_allclose(got, exact, atol=1e-5, err_msg=name)
 
 
+def test_attention_over_a_long_cache():
+    """A decode row over 1,000+ keys (the value rows go four at a time) against float64."""
+    heads, kvh, d, dv, cap, start, n = 8, 2, 64, 64, 1100, 1037, 3
+    q = RNG.standard_normal((n, heads, d)).astype(np.float32)
+    kc = RNG.standard_normal((kvh, cap, d)).astype(np.float32)
+    vc = RNG.standard_normal((kvh, cap, dv)).astype(np.float32)
+    exact = _attention64(q, kc, vc, start, 0, d**-0.5, None)
+    np.testing.assert_allclose(get_kernels("numba").attend(q, kc, vc, start, 0, d**-0.5), exact, atol=2e-6)
+
+
+def test_vectorized_exp_against_float64():
+    from cortiq_engine.kernels import jit
+
+    x = np.concatenate([-np.abs(RNG.standard_normal(20000) * 12), np.linspace(-87, 0, 20001), [0.0, -1e-30, -0.5, -86.9]])
+    x = x.astype(np.float32)
+    got = np.empty_like(x)
+    jit.exp_nonpositive_array(x, got)
+    want = np.exp(x.astype(np.float64))
+    assert np.max(np.abs(got - want) / want) < 3e-7
+    assert got[-4] == 1.0 and got[-3] == 1.0
+    below = np.empty(2, np.float32)
+    jit.exp_nonpositive_array(np.array([-100.0, -np.float32(1e30)], np.float32), below)
+    # clamped at -87: exp(-87) ~ 1.6e-38, tiny and positive, never a denormal, 0 or garbage
+    assert np.allclose(below, np.exp(-87.0), rtol=3e-7, atol=0)
+
+
 def test_sink_softmax_by_hand():
     # One head, two keys, sink s: p = exp([a, b, s]) / sum; out = p0 v0 + p1 v1.
     q = np.array([[[1.0, 0.0]]], np.float32)
