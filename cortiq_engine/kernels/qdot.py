@@ -50,10 +50,8 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 QB = 32
-# Input rows one IR call handles with all accumulators in registers (AVX2 has 16),
-# and accumulators per input row.
+# Input rows one IR call handles with all accumulators in registers (AVX2 has 16).
 MAX_ROWS = 4
-ACCS = 2
 # Weight rows ahead whose block is prefetched (the CPU's prefetcher stops at pages).
 PREFETCH_ROWS = 8
 NEEDED_FEATURES = ("avx2", "fma", "f16c")
@@ -290,109 +288,8 @@ def _block(f: _Fn, kind: str, act: int, nx: int, b: str, accs: list[str], maccs:
     return new_accs, new_maccs
 
 
-def _body(kind: str, nx: int, act: int = 8, vnni: bool = False) -> str:
-    """One specialized function: ``nx`` input rows, ``ACCS`` accumulators per input
-    row (block b adds into accumulator b % ACCS: independent FMA chains hide their
-    latency; the split depends on b only, so every row sums in the same order
-    whatever ``nx`` is)."""
-    q4 = kind in ("q4", "q4_0", "q5")
-    A = ACCS
-    name = _entry(kind, act)
-    f = _Fn(vnni)
-    zero_v, zero_s = "zeroinitializer", "0.0"
-    f(f"define internal void @{name}_rows{nx}({_ARGS}) nounwind alwaysinline {{")
-    f("entry:")
-    sd, sm, sq = _ROLES[kind]
-    f(f"  %wd = bitcast i8* %p{sd} to i16*")
-    f(f"  %wm = bitcast i8* %p{sd if sm is None else sm} to i16*")
-    f(f"  %wq = getelementptr i8, i8* %p{sq}, i64 0")
-    f("  %wh = bitcast i8* %p1 to i32*")  # q5's fifth bits (unread by the others)
-    f("  %cols = mul i64 %nb, 32")
-    f(f"  %wrow_bytes = mul i64 %nb, {16 if q4 else 32}")
-    f(f"  %pf_ahead = mul i64 %wrow_bytes, {PREFETCH_ROWS}")
-    f("  %xq16 = bitcast i8* %xq to i16*")
-    f(f"  %nbrem = urem i64 %nb, {A}")
-    f("  %nbmain = sub i64 %nb, %nbrem")
-    f("  %empty = icmp sge i64 %r0, %r1")
-    f("  br i1 %empty, label %exit, label %rowloop")
-    f("rowloop:")
-    f("  %row = phi i64 [%r0, %entry], [%rownext, %rowend]")
-    f("  %wqrow = mul i64 %row, %wrow_bytes")
-    f("  %wdrow = mul i64 %row, %nb")
-    f("  %hasmain = icmp sgt i64 %nbmain, 0")
-    f("  br i1 %hasmain, label %blk, label %tail0")
-    # main loop: A blocks per iteration
-    f("blk:")
-    f("  %b = phi i64 [0, %rowloop], [%bnext, %blkend]")
-    acc = [[f"%acc{r}_{j}" for j in range(A)] for r in range(nx)]
-    macc = [[f"%macc{r}_{j}" for j in range(A)] for r in range(nx)]
-    phi_at = len(f.lines)
-    cur_a = [row[:] for row in acc]
-    cur_m = [row[:] for row in macc]
-    for j in range(A):
-        bj = f.v(f"add i64 %b, {j}")
-        na, nm = _block(f, kind, act, nx, bj, [cur_a[r][j] for r in range(nx)], [cur_m[r][j] for r in range(nx)])
-        for r in range(nx):
-            cur_a[r][j], cur_m[r][j] = na[r], nm[r]
-    f("  br label %blkend")
-    f("blkend:")
-    f(f"  %bnext = add i64 %b, {A}")
-    f("  %more = icmp slt i64 %bnext, %nbmain")
-    f("  br i1 %more, label %blk, label %tail0")
-    phis = []
-    for r in range(nx):
-        for j in range(A):
-            phis.append(f"  {acc[r][j]} = phi <8 x float> [{zero_v}, %rowloop], [{cur_a[r][j]}, %blkend]")
-            if q4:
-                phis.append(f"  {macc[r][j]} = phi float [{zero_s}, %rowloop], [{cur_m[r][j]}, %blkend]")
-    f.lines[phi_at:phi_at] = phis
-    # tail: the nb % A leftover blocks, each into its own accumulator
-    inc_a = {"rowloop": [[zero_v] * A for _ in range(nx)], "blkend": [row[:] for row in cur_a]}
-    inc_m = {"rowloop": [[zero_s] * A for _ in range(nx)], "blkend": [row[:] for row in cur_m]}
-    for t in range(A):
-        label = f"tail{t}"
-        f(f"{label}:")
-        here_a = [[f"%{label}a{r}_{j}" for j in range(A)] for r in range(nx)]
-        here_m = [[f"%{label}m{r}_{j}" for j in range(A)] for r in range(nx)]
-        for r in range(nx):
-            for j in range(A):
-                f(f"  {here_a[r][j]} = phi <8 x float> " + ", ".join(f"[{v[r][j]}, %{p}]" for p, v in inc_a.items()))
-                if q4:
-                    f(f"  {here_m[r][j]} = phi float " + ", ".join(f"[{v[r][j]}, %{p}]" for p, v in inc_m.items()))
-                else:
-                    here_m[r][j] = zero_s
-        if t == A - 1:
-            break
-        bt = f.v(f"add i64 %nbmain, {t}")
-        ct = f.v(f"icmp slt i64 {bt}, %nb")
-        f(f"  br i1 {ct}, label %tb{t}, label %tail{t + 1}")
-        f(f"tb{t}:")
-        na, nm = _block(f, kind, act, nx, bt, [here_a[r][t] for r in range(nx)], [here_m[r][t] for r in range(nx)])
-        f(f"  br label %tail{t + 1}")
-        new_a = [row[:] for row in here_a]
-        new_m = [row[:] for row in here_m]
-        for r in range(nx):
-            new_a[r][t], new_m[r][t] = na[r], nm[r]
-        inc_a = {label: here_a, f"tb{t}": new_a}
-        inc_m = {label: here_m, f"tb{t}": new_m}
-    # combine in one fixed order and store
-    for r in range(nx):
-        v = here_a[r][0]
-        m = here_m[r][0]
-        for j in range(1, A):
-            v = f.v(f"fadd <8 x float> {v}, {here_a[r][j]}")
-            if q4:
-                m = f.v(f"fadd float {m}, {here_m[r][j]}")
-        lo = f.v(f"shufflevector <8 x float> {v}, <8 x float> undef, <4 x i32> <i32 0, i32 1, i32 2, i32 3>")
-        hi = f.v(f"shufflevector <8 x float> {v}, <8 x float> undef, <4 x i32> <i32 4, i32 5, i32 6, i32 7>")
-        c = f.v(f"fadd <4 x float> {lo}, {hi}")
-        d = f.v(f"fadd <2 x float> {f.v(f'shufflevector <4 x float> {c}, <4 x float> undef, <2 x i32> <i32 0, i32 1>')}, "
-                f"{f.v(f'shufflevector <4 x float> {c}, <4 x float> undef, <2 x i32> <i32 2, i32 3>')}")
-        h = f.v(f"fadd float {f.v(f'extractelement <2 x float> {d}, i32 0')}, {f.v(f'extractelement <2 x float> {d}, i32 1')}")
-        if q4:
-            h = f.v(f"fadd float {h}, {m}")
-        oo = f.v(f"add i64 {f.v(f'mul i64 %ostride, {r}')}, %row")
-        f(f"  store float {h}, float* {f.v(f'getelementptr float, float* %out, i64 {oo}')}, align 4")
+def _close_rows(f: _Fn) -> str:
+    """The end every body shares: next weight row, or return; the function's text."""
     f("  br label %rowend")
     f("rowend:")
     f("  %rownext = add i64 %row, 1")
@@ -551,15 +448,7 @@ def _gbody(kind: str, nx: int, act: int = 8, vnni: bool = False) -> str:
             h = f.v(f"fadd float {h}, {tm}")
         oo = f.v(f"add i64 {f.v(f'mul i64 %ostride, {r}')}, %row")
         f(f"  store float {h}, float* {f.v(f'getelementptr float, float* %out, i64 {oo}')}, align 4")
-    f("  br label %rowend")
-    f("rowend:")
-    f("  %rownext = add i64 %row, 1")
-    f("  %rdone = icmp eq i64 %rownext, %r1")
-    f("  br i1 %rdone, label %exit, label %rowloop")
-    f("exit:")
-    f("  ret void")
-    f("}")
-    return "\n".join(f.lines)
+    return _close_rows(f)
 
 
 def _splat(f: _Fn, ty: str, n: int, scalar: str) -> str:
@@ -776,15 +665,7 @@ def _kbody(kind: str, nx: int, act: int = 8, vnni: bool = False) -> str:
             h = f.v(f"fsub float {h}, {_hsum(f, cur_m[r])}")
         oo = f.v(f"add i64 {f.v(f'mul i64 %ostride, {r}')}, %row")
         f(f"  store float {h}, float* {f.v(f'getelementptr float, float* %out, i64 {oo}')}, align 4")
-    f("  br label %rowend")
-    f("rowend:")
-    f("  %rownext = add i64 %row, 1")
-    f("  %rdone = icmp eq i64 %rownext, %r1")
-    f("  br i1 %rdone, label %exit, label %rowloop")
-    f("exit:")
-    f("  ret void")
-    f("}")
-    return "\n".join(f.lines)
+    return _close_rows(f)
 
 
 def _dispatch(kind: str, act: int = 8) -> str:
