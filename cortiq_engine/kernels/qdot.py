@@ -317,6 +317,24 @@ def _reduce8(f: _Fn, ps: list[str]) -> str:
     return f.v(f"add <8 x i32> {lo}, {hi}")
 
 
+def _meet8(f: _Fn, r: int, b0: str, u: str, w8: str, acc: str, m8: str | None, macc: str | None) -> tuple[str, str | None]:
+    """Eight exact block sums ``u`` (<8 x i32>, lane k = block b0 + k) of input row
+    ``r`` meet the eight weight scales ``w8`` times the row's eight activation scales:
+    acc + float(u) * w8 * xd[r, b0..b0+8]; with mins ``m8``, macc + m8 * xs[r, b0..b0+8]."""
+    xo = f.v(f"add i64 {f.v(f'mul i64 %nb, {r}')}, {b0}")
+
+    def row8(base: str) -> str:
+        p = f.v(f"getelementptr float, float* {base}, i64 {xo}")
+        return f.v(f"load <8 x float>, <8 x float>* {f.v(f'bitcast float* {p} to <8 x float>*')}, align 4")
+
+    uf = f.v(f"sitofp <8 x i32> {u} to <8 x float>")
+    s8 = f.v(f"fmul <8 x float> {w8}, {row8('%xd')}")
+    acc = f.v(f"call <8 x float> @llvm.fma.v8f32(<8 x float> {uf}, <8 x float> {s8}, <8 x float> {acc})")
+    if m8 is None:
+        return acc, None
+    return acc, f.v(f"call <8 x float> @llvm.fma.v8f32(<8 x float> {m8}, <8 x float> {row8('%xs')}, <8 x float> {macc})")
+
+
 def _hsum(f: _Fn, v: str) -> str:
     """The lanes of an <8 x float> added in one fixed order."""
     lo = f.v(f"shufflevector <8 x float> {v}, <8 x float> undef, <4 x i32> <i32 0, i32 1, i32 2, i32 3>")
@@ -392,17 +410,11 @@ def _gbody(kind: str, nx: int, act: int = 8, vnni: bool = False) -> str:
         mw8 = f.v(f"fmul <8 x float> {dw8}, {_splat(f, 'float', 8, f'-{_ZERO[kind]}.0')}")
     new_f, new_m = [], []
     for r in range(nx):
-        xo = f.v(f"add i64 {f.v(f'mul i64 %nb, {r}')}, {b0}")
-        dxp = f.v(f"getelementptr float, float* %xd, i64 {xo}")
-        dx8 = f.v(f"load <8 x float>, <8 x float>* {f.v(f'bitcast float* {dxp} to <8 x float>*')}, align 4")
-        sc8 = f.v(f"fmul <8 x float> {dw8}, {dx8}")
         u = _reduce8(f, [_isum(f, kind, act, wvs[k], r, bks[k]) for k in range(GROUP)])
-        uf = f.v(f"sitofp <8 x i32> {u} to <8 x float>")
-        new_f.append(f.v(f"call <8 x float> @llvm.fma.v8f32(<8 x float> {uf}, <8 x float> {sc8}, <8 x float> {facc[r]})"))
+        a, m = _meet8(f, r, b0, u, dw8, facc[r], mw8, macc[r] if q4 else None)
+        new_f.append(a)
         if q4:
-            xsp = f.v(f"getelementptr float, float* %xs, i64 {xo}")
-            xs8 = f.v(f"load <8 x float>, <8 x float>* {f.v(f'bitcast float* {xsp} to <8 x float>*')}, align 4")
-            new_m.append(f.v(f"call <8 x float> @llvm.fma.v8f32(<8 x float> {mw8}, <8 x float> {xs8}, <8 x float> {macc[r]})"))
+            new_m.append(m)
     f("  %gnext = add i64 %g, 1")
     f("  %gmore = icmp slt i64 %gnext, %ngroups")
     f("  br i1 %gmore, label %grp, label %gdone")
@@ -639,16 +651,9 @@ def _kbody(kind: str, nx: int, act: int = 8, vnni: bool = False) -> str:
                 ps.append(f.v(f"call <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16> {p16}, <16 x i16> {scale})"))
             else:
                 ps.append(_dot_u8s8(f, w, x))
-        uf = f.v(f"sitofp <8 x i32> {_reduce8(f, ps)} to <8 x float>")
-        xdo = f.v(f"add i64 {f.v(f'mul i64 %nb, {r}')}, {xg0}")
-        dxp = f.v(f"getelementptr float, float* %xd, i64 {xdo}")
-        dx8 = f.v(f"load <8 x float>, <8 x float>* {f.v(f'bitcast float* {dxp} to <8 x float>*')}, align 4")
-        s8 = f.v(f"fmul <8 x float> {sc8}, {dx8}")
-        cur_a[r] = f.v(f"call <8 x float> @llvm.fma.v8f32(<8 x float> {uf}, <8 x float> {s8}, <8 x float> {cur_a[r]})")
+        cur_a[r], m = _meet8(f, r, xg0, _reduce8(f, ps), sc8, cur_a[r], mn8 if mins else None, cur_m[r] if mins else None)
         if mins:
-            xsp = f.v(f"getelementptr float, float* %xs, i64 {xdo}")
-            xs8 = f.v(f"load <8 x float>, <8 x float>* {f.v(f'bitcast float* {xsp} to <8 x float>*')}, align 4")
-            cur_m[r] = f.v(f"call <8 x float> @llvm.fma.v8f32(<8 x float> {mn8}, <8 x float> {xs8}, <8 x float> {cur_m[r]})")
+            cur_m[r] = m
     f("  %snext = add i64 %s, 1")
     f("  %more = icmp slt i64 %snext, %nsb")
     f("  br i1 %more, label %blk, label %rowdone")
