@@ -79,3 +79,13 @@ def test_bad_types_are_one_line(tiny_hf, text, tmp_path, types, msg):
                             "--workdir", str(tmp_path / "w")])
     assert r.exit_code == 1
     assert msg in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_close_points_get_labels_that_do_not_overlap():
+    from cortiq_cli.cmd_quant_sweep import _label_offsets
+
+    # SmolLM2's sweep: q5km (6.27, 0.0471) and q4km (6.17, 0.0472) sat on one another
+    pts = [(8.5, 7.8e-4), (8.12, 4.5e-3), (6.27, 0.0471), (6.17, 0.0472), (5.74, 1e-8), (5.35, 0.259)]
+    assert _label_offsets(pts, log=True) == [(4, 4), (4, 4), (4, 4), (4, -8), (4, 4), (4, 4)]
+    assert _label_offsets([(6.27, 100.0), (6.17, 100.5), (6.2, 101.0), (8.5, 100.0)], log=False) == [
+        (4, 4), (4, -8), (4, -20), (4, 4)]
