@@ -11,7 +11,7 @@ from rich.table import Table
 
 from cortiq_cli import text_options as opt
 from cortiq_cli.common import console, err_console, handle_errors, print_json, print_table
-from cortiq_cli.mtp_options import MTP_PANEL, MtpDepth, MtpPath, MtpThreshold, MtpVocab, vocab_arg
+from cortiq_cli.mtp_options import MTP_PANEL, MtpDepth, MtpPath, MtpThreshold, MtpVocab
 from formats.errors import CortiqError
 
 
@@ -68,7 +68,7 @@ def mtp_probe(
     steps = max(len(ids) - k - 1, 0) * len(variants)
     if choose_threshold and threshold:
         raise CortiqError("--choose-threshold replays thresholds itself; leave --mtp-threshold out")
-    head = eng.draft_head(vocab_arg(vocab))
+    head = eng.draft_head(vocab)  # a string: read as --mtp-vocab is (draft_vocab.parse_vocab)
     traces = [] if choose_threshold else None
     kw = dict(head=head, threshold=threshold or 0.0, traces=traces)
     if json_out:

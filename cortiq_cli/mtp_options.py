@@ -54,21 +54,9 @@ def speculative_arg(no_mtp: bool, depth: int | None, chain: str | None, hidden: 
                     vocab: str | None = None, threshold: float | None = None):
     """``Engine.generate(speculative=...)`` from the flags (the engine decides the rest)."""
     from cortiq_engine import SpeculativeConfig
+    from cortiq_engine.draft_vocab import parse_vocab
 
-    return False if no_mtp else SpeculativeConfig(depth=depth, chain=chain, hidden=hidden, vocab=vocab_arg(vocab), threshold=threshold)
-
-
-def vocab_arg(vocab: str | None) -> int | str | None:
-    """``--mtp-vocab``: None, "full", or a positive count."""
-    if vocab is None or vocab == "full":
-        return vocab
-    try:
-        n = int(vocab)
-    except ValueError:
-        raise CortiqError(f"--mtp-vocab {vocab!r}: give a number of ids or full") from None
-    if n < 1:
-        raise CortiqError(f"--mtp-vocab {n}: give a positive number of ids or full")
-    return n
+    return False if no_mtp else SpeculativeConfig(depth=depth, chain=chain, hidden=hidden, vocab=parse_vocab(vocab), threshold=threshold)
 
 
 def compare_with_plain(engine, res, prompt_ids, config, *, max_tokens: int, stop=(), ignore_eos: bool = False) -> None:

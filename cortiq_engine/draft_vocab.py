@@ -86,18 +86,29 @@ def sub_head(head: Weight, vocab: np.ndarray) -> DraftHead:
     return DraftHead(Weight(f"{head.name}[draft vocab {ids.size}]", head.dtype, int(ids.size), head.cols, parts), ids)
 
 
+def parse_vocab(text: str | None) -> int | str | None:
+    """``--mtp-vocab`` as typed: None, "full", or a positive count of ids."""
+    if text is None or text == "full":
+        return text
+    try:
+        n = int(text)
+    except ValueError:
+        raise CortiqError(f"--mtp-vocab {text!r}: give a number of ids or full") from None
+    if n < 1:
+        raise CortiqError(f"--mtp-vocab {n}: give a positive number of ids or full")
+    return n
+
+
 def pick_vocab(stored: np.ndarray | None, want: int | str | None) -> np.ndarray | None:
     """The vocabulary a run drafts with: ``want`` None, the stored one (None: full); "full"
-    or 0, full; n, the first n of the stored one (most useful first)."""
+    or 0, full; n, the first n of the stored one (most useful first); a string is
+    read as ``--mtp-vocab`` is (``parse_vocab``)."""
+    if isinstance(want, str):
+        want = parse_vocab(want)
     if want is None:
         return stored
     if want == "full" or want == 0:
         return None
-    if isinstance(want, str):
-        try:
-            want = int(want)
-        except ValueError:
-            raise CortiqError(f"--mtp-vocab {want!r}: give a number of ids or full") from None
     if want < 0:
         raise CortiqError(f"--mtp-vocab {want}: give a positive number of ids or full")
     if stored is None:
