@@ -288,6 +288,18 @@ def _block(f: _Fn, kind: str, act: int, nx: int, b: str, accs: list[str], maccs:
     return new_accs, new_maccs
 
 
+def _loop_back(f: _Fn, i: str, nxt: str, limit: str, head: str, entry: str, out: str, phi_at: int,
+               carried: list[tuple[str, str, str, str]]) -> None:
+    """Close the counted loop whose block ``head`` was entered from ``entry`` (its
+    phis go at line ``phi_at``): ``nxt`` = ``i`` + 1, back to ``head`` while below
+    ``limit``, else on to ``out``; each carried (name, type, initial, next) value
+    gets its phi [initial, entry], [next, head]."""
+    f(f"  {nxt} = add i64 {i}, 1")
+    f(f"  %{head}_more = icmp slt i64 {nxt}, {limit}")
+    f(f"  br i1 %{head}_more, label %{head}, label %{out}")
+    f.lines[phi_at:phi_at] = [f"  {n} = phi {t} [{v0}, %{entry}], [{v1}, %{head}]" for n, t, v0, v1 in carried]
+
+
 def _close_rows(f: _Fn) -> str:
     """The end every body shares: next weight row, or return; the function's text."""
     f("  br label %rowend")
@@ -415,15 +427,10 @@ def _gbody(kind: str, nx: int, act: int = 8, vnni: bool = False) -> str:
         new_f.append(a)
         if q4:
             new_m.append(m)
-    f("  %gnext = add i64 %g, 1")
-    f("  %gmore = icmp slt i64 %gnext, %ngroups")
-    f("  br i1 %gmore, label %grp, label %gdone")
-    phis = []
-    for r in range(nx):
-        phis.append(f"  {facc[r]} = phi <8 x float> [zeroinitializer, %rowloop], [{new_f[r]}, %grp]")
-        if q4:
-            phis.append(f"  {macc[r]} = phi <8 x float> [zeroinitializer, %rowloop], [{new_m[r]}, %grp]")
-    f.lines[phi_at:phi_at] = phis
+    carried = [(facc[r], "<8 x float>", "zeroinitializer", new_f[r]) for r in range(nx)]
+    if q4:
+        carried += [(macc[r], "<8 x float>", "zeroinitializer", new_m[r]) for r in range(nx)]
+    _loop_back(f, "%g", "%gnext", "%ngroups", "grp", "rowloop", "gdone", phi_at, carried)
     f("gdone:")
     for r in range(nx):
         f(f"  %gf{r} = phi <8 x float> [zeroinitializer, %rowloop], [{new_f[r]}, %grp]")
@@ -437,15 +444,10 @@ def _gbody(kind: str, nx: int, act: int = 8, vnni: bool = False) -> str:
     tmacc = [f"%tmacc{r}" for r in range(nx)]
     tphi_at = len(f.lines)
     na, nm = _block(f, kind, act, nx, "%tb", tacc, tmacc if q4 else ["0.0"] * nx)
-    f("  %tbnext = add i64 %tb, 1")
-    f("  %tmore = icmp slt i64 %tbnext, %nb")
-    f("  br i1 %tmore, label %tloop, label %fin")
-    tphis = []
-    for r in range(nx):
-        tphis.append(f"  {tacc[r]} = phi <8 x float> [zeroinitializer, %gdone], [{na[r]}, %tloop]")
-        if q4:
-            tphis.append(f"  {tmacc[r]} = phi float [0.0, %gdone], [{nm[r]}, %tloop]")
-    f.lines[tphi_at:tphi_at] = tphis
+    carried = [(tacc[r], "<8 x float>", "zeroinitializer", na[r]) for r in range(nx)]
+    if q4:
+        carried += [(tmacc[r], "float", "0.0", nm[r]) for r in range(nx)]
+    _loop_back(f, "%tb", "%tbnext", "%nb", "tloop", "gdone", "fin", tphi_at, carried)
     f("fin:")
     # fin's predecessors: gdone (no tail) and tloop; the group sums come from gdone either way
     tas = [f.v(f"phi <8 x float> [zeroinitializer, %gdone], [{na[r]}, %tloop]") for r in range(nx)]
@@ -654,15 +656,10 @@ def _kbody(kind: str, nx: int, act: int = 8, vnni: bool = False) -> str:
         cur_a[r], m = _meet8(f, r, xg0, _reduce8(f, ps), sc8, cur_a[r], mn8 if mins else None, cur_m[r] if mins else None)
         if mins:
             cur_m[r] = m
-    f("  %snext = add i64 %s, 1")
-    f("  %more = icmp slt i64 %snext, %nsb")
-    f("  br i1 %more, label %blk, label %rowdone")
-    phis = []
-    for r in range(nx):
-        phis.append(f"  {acc[r]} = phi <8 x float> [zeroinitializer, %rowloop], [{cur_a[r]}, %blk]")
-        if mins:
-            phis.append(f"  {macc[r]} = phi <8 x float> [zeroinitializer, %rowloop], [{cur_m[r]}, %blk]")
-    f.lines[phi_at:phi_at] = phis
+    carried = [(acc[r], "<8 x float>", "zeroinitializer", cur_a[r]) for r in range(nx)]
+    if mins:
+        carried += [(macc[r], "<8 x float>", "zeroinitializer", cur_m[r]) for r in range(nx)]
+    _loop_back(f, "%s", "%snext", "%nsb", "blk", "rowloop", "rowdone", phi_at, carried)
     f("rowdone:")
     for r in range(nx):
         h = _hsum(f, cur_a[r])
