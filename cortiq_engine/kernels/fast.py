@@ -84,6 +84,7 @@ class _Plan:
     fn: object | None  # the compiled integer kernel (qdot.IntDot.fn)
     addrs: np.ndarray | None  # int64[FUSE_MAX, qdot.NPARTS]: each matrix's part addresses
     rows: np.ndarray | None  # int64[FUSE_MAX]: each matrix's rows
+    qmax: int  # the activations' largest integer (qdot.qmax)
 
 
 def _readonly(a: np.ndarray) -> np.ndarray:
@@ -105,9 +106,9 @@ class NumbaKernels(NumpyKernels):
     def __init__(self, small_n: int = SMALL_N, act_bits: int | Mapping[str, int] | None = None,
                  vnni: bool | None = None):
         self.small_n = small_n
-        # q8/q4 decode and verify on integer activations (qdot.py) where the CPU has
-        # AVX2: ``act_bits`` per dtype (default ACT_BITS), or one width for all; a
-        # width 0 (or no AVX2) keeps that dtype on the float kernels.
+        # Quantized dtypes decode and verify on integer activations (qdot.py) where the
+        # CPU has AVX2: ``act_bits`` per dtype (default ACT_BITS), or one width for all;
+        # a width 0, a width the dtype has no kernel for, or no AVX2 keeps the float kernels.
         widths = dict(ACT_BITS if act_bits is None else act_bits if isinstance(act_bits, Mapping)
                       else {k: int(act_bits) for k in ACT_BITS})
         # ``vnni``: the integer kernels' VNNI form (default where the CPU has it; same results).
@@ -170,8 +171,9 @@ class NumbaKernels(NumpyKernels):
                 for m in range(count):
                     addrs[m, k] = part[m].ctypes.data
             rows = np.array([w.rows for w in run] + [0] * (FUSE_MAX - count), np.int64)
-        return _Plan(sum(w.rows for w in run), count, offs, parts, ops, bits if fn is not None else 0, int_parts, fn,
-                     addrs, rows)
+        bits = bits if fn is not None else 0
+        return _Plan(sum(w.rows for w in run), count, offs, parts, ops, bits, int_parts, fn, addrs, rows,
+                     qdot.qmax(ops.dtype, bits) if bits else 0)
 
     def _large(self, ws: Sequence[Weight], X: np.ndarray, out: np.ndarray) -> None:
         """Prefill: row slices of the weights, each dequantized into a per-thread tile
@@ -223,8 +225,7 @@ class NumbaKernels(NumpyKernels):
             plan.ops.small(plan.parts, plan.count, plan.offs, X, out)
             return
         # Decode/verify on integer activations: X quantized once per call, inside it.
-        qdot.intdot(plan.fn, plan.addrs, plan.rows, plan.count, plan.offs, X, _ACT_PROTO[plan.bits],
-                    qdot.qmax(plan.ops.dtype, plan.bits), out)
+        qdot.intdot(plan.fn, plan.addrs, plan.rows, plan.count, plan.offs, X, _ACT_PROTO[plan.bits], plan.qmax, out)
 
     def _small_args(self, run: list[Weight]) -> tuple[int, np.ndarray, list[tuple[np.ndarray, ...]]]:
         """(count, row offsets, part 3-tuples padded with empty arrays) for a fused run."""
