@@ -12,7 +12,9 @@ fast kernel set needs of it, and registers itself for that dtype by subclassing
   tiles, then BLAS).
 
 A new dtype brings a ``formats.quants.DType`` subclass and a ``DtypeOps`` subclass;
-no kernel set code changes.
+no kernel set code changes. Its integer-activation decode kernel, if it has one, is
+an IR body in ``qdot.py`` listed in ``qdot.WIDTHS`` (the one place that says which
+dtypes have one).
 """
 
 from __future__ import annotations
@@ -42,15 +44,6 @@ class DtypeOps:
 
     def dequant(self, parts: tuple[np.ndarray, ...], r0: int, r1: int, out: np.ndarray) -> None:
         raise NotImplementedError
-
-    # The integer-activation kernels (``qdot.py``) exist for this dtype: they take its
-    # kernel parts in ``DType.kernel_parts`` order.
-    integer: ClassVar[bool] = False
-
-    def int_parts(self, parts):
-        """The part tuples the integer-activation kernels take, or None: this dtype
-        has none and takes ``small``."""
-        return tuple(parts) if self.integer else None
 
 
 def ops_for(dtype: str) -> DtypeOps:
@@ -83,8 +76,6 @@ class BF16Ops(F16Ops, dtype="bf16"):
 
 
 class Q8Ops(DtypeOps, dtype="q8"):
-    integer = True
-
     def small(self, parts, count, offs, X, out):
         jit.q8_matmul_small(parts[0], parts[1], count, offs, X, out)
 
@@ -93,8 +84,6 @@ class Q8Ops(DtypeOps, dtype="q8"):
 
 
 class Q4Ops(DtypeOps, dtype="q4"):
-    integer = True
-
     def small(self, parts, count, offs, X, out):
         # The Q4_1 min term factors out of the dot: sum of X over each block.
         xsum = X.reshape(X.shape[0], -1, jit.QB).sum(axis=2, dtype=np.float32)
@@ -105,8 +94,6 @@ class Q4Ops(DtypeOps, dtype="q4"):
 
 
 class Q5Ops(DtypeOps, dtype="q5"):
-    integer = True
-
     def small(self, parts, count, offs, X, out):
         jit.q5_matmul_small(parts[0], parts[1], parts[2], count, offs, X, out)
 
@@ -115,8 +102,6 @@ class Q5Ops(DtypeOps, dtype="q5"):
 
 
 class Q4_0Ops(DtypeOps, dtype="q4_0"):
-    integer = True
-
     def small(self, parts, count, offs, X, out):
         kq.q4_0_matmul_small(parts[0], parts[1], count, offs, X, out)
 
@@ -130,8 +115,6 @@ def _group_sums(X: np.ndarray) -> np.ndarray:
 
 
 class Q4KOps(DtypeOps, dtype="q4k"):
-    integer = True
-
     def small(self, parts, count, offs, X, out):
         kq.q4k_matmul_small(parts[0], parts[1], parts[2], parts[3], count, offs, X, _group_sums(X), out)
 
@@ -140,8 +123,6 @@ class Q4KOps(DtypeOps, dtype="q4k"):
 
 
 class Q5KOps(DtypeOps, dtype="q5k"):
-    integer = True
-
     def small(self, parts, count, offs, X, out):
         kq.q5k_matmul_small(parts[0], parts[1], parts[2], parts[3], parts[4], count, offs, X, _group_sums(X), out)
 
@@ -150,8 +131,6 @@ class Q5KOps(DtypeOps, dtype="q5k"):
 
 
 class Q6KOps(DtypeOps, dtype="q6k"):
-    integer = True
-
     def small(self, parts, count, offs, X, out):
         kq.q6k_matmul_small(parts[0], parts[1], parts[2], parts[3], count, offs, X, out)
 

@@ -162,8 +162,10 @@ class NumbaKernels(NumpyKernels):
         bits = self.act_bits.get(ops.dtype, 0)
         if bits not in qdot.WIDTHS.get(ops.dtype, ()):
             bits = 0  # no integer kernel of this width for this dtype: the float one
-        int_parts = ops.int_parts(parts) if bits else None
-        fn = self._intdot.fn(ops.dtype, bits) if int_parts is not None else None
+        # The integer kernels (qdot.WIDTHS names the dtypes and widths they exist for)
+        # take the dtype's kernel parts in ``DType.kernel_parts`` order.
+        int_parts = tuple(parts) if bits else None
+        fn = self._intdot.fn(ops.dtype, bits) if bits else None
         addrs = rows = None
         if fn is not None:
             addrs = np.zeros((FUSE_MAX, qdot.NPARTS), np.int64)
