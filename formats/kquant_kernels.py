@@ -530,3 +530,117 @@ def quantize_q5_weighted(x: np.ndarray, importance: np.ndarray) -> tuple[np.ndar
     qs = np.empty((rows, cols // 2), np.uint8)
     q5_rows(x, imp, use, SYM_FACTORS, d, qh, qs)
     return d.astype(np.float16), qh, qs
+
+
+# ---------------------------------------------------------------- q5_1 (blocks of 32, scale and min)
+# value = d * l + m, l in 0..31, d and m f16. The block's (d, m) is the best, by
+# squared error as decoded (importance-weighted with an imatrix), of: ggml's reference choice
+# (d = (max - min) / 31, m = min), ggml's own imatrix search (make_qkx3's grid:
+# ``nmax / (max - min)`` stepped by 0.05 from -0.9, each refit by weighted least
+# squares) and ``ASYM_REFITS`` least-squares refits of the best; each candidate is
+# rounded to f16 first and its levels are the nearest to it, so never worse than
+# ggml's reference, which is one of the candidates.
+
+ASYM_REFITS = 2
+
+
+@njit(inline="always")
+def _asym_levels(xb, w, dd, mm, nmax, L):
+    """Levels of xb for stored (dd, mm) (nearest, clamped to [0, nmax]) and their weighted squared error (f64)."""
+    inv = _F1 / dd if dd != _F0 else _F0
+    err = 0.0
+    for j in range(QB):
+        l = min(max(_nearest((xb[j] - mm) * inv), 0), nmax)
+        L[j] = l
+        e = np.float64(xb[j] - (dd * np.float32(l) + mm))  # the decoder's f32 operations
+        err += np.float64(w[j]) * e * e
+    return err
+
+
+@njit(inline="always")
+def _asym_block(xb, w, nmax, L, Lt, Laux):
+    """The stored (f16-exact) scale and min of one block; its levels go to L."""
+    mn = xb[0]
+    mx = xb[0]
+    for j in range(1, QB):
+        mn = min(mn, xb[j])
+        mx = max(mx, xb[j])
+    dd = _f16_round((mx - mn) / np.float32(nmax))
+    mm = _f16_round(mn)
+    best = _asym_levels(xb, w, dd, mm, nmax, L)
+    if mx == mn:
+        return dd, mm
+    # ggml's imatrix grid (make_qkx3_quants(32, nmax, ..., -0.9, 0.05, 36))
+    s, negmin = _make_qkx2(xb, w, Lt, Laux, nmax, np.float32(-0.9), np.float32(0.05), 36)
+    cands = 1 + ASYM_REFITS
+    for it in range(cands):
+        if it > 0:  # weighted least squares on the best levels so far
+            sw = 0.0
+            sl = 0.0
+            sll = 0.0
+            sx = 0.0
+            sxl = 0.0
+            for j in range(QB):
+                wj = np.float64(w[j])
+                lf = np.float64(L[j])
+                xj = np.float64(xb[j])
+                sw += wj
+                sl += wj * lf
+                sll += wj * lf * lf
+                sx += wj * xj
+                sxl += wj * xj * lf
+            det = sw * sll - sl * sl
+            if det <= 0.0:
+                break
+            s = np.float32((sw * sxl - sl * sx) / det)
+            negmin = -np.float32((sll * sx - sl * sxl) / det)
+        c = _f16_round(s)
+        cm = _f16_round(-negmin)
+        if c <= _F0:
+            continue
+        err = _asym_levels(xb, w, c, cm, nmax, Lt)
+        if err < best:
+            best = err
+            dd = c
+            mm = cm
+            for j in range(QB):
+                L[j] = Lt[j]
+    return dd, mm
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def q5_1_rows(x, imp, use_imp, d, m, qh, qs):  # pragma: no cover - compiled
+    rows, cols = x.shape
+    for r in prange(rows):
+        L = np.empty(QB, np.int32)
+        Lt = np.empty(QB, np.int32)
+        Laux = np.empty(QB, np.int32)
+        w = np.empty(QB, np.float32)
+        xr = x[r]
+        sigma2 = _row_sigma2(xr) if use_imp else _F0
+        for b in range(cols // QB):
+            o = QB * b
+            _sym_weights(xr, o, imp, use_imp, sigma2, w)  # ggml's quantize_q5_1 weighs as Q5_0
+            d[r, b], m[r, b] = _asym_block(xr[o : o + QB], w, 31, L, Lt, Laux)
+            h = np.uint32(0)
+            for j in range(16):
+                a = L[j]
+                c = L[j + 16]
+                qs[r, 16 * b + j] = np.uint8((a & 15) | ((c & 15) << 4))
+                h |= np.uint32((a >> 4) & 1) << np.uint32(j)
+                h |= np.uint32((c >> 4) & 1) << np.uint32(j + 16)
+            qh[r, b] = h
+
+
+def quantize_q5_1(x: np.ndarray, importance: np.ndarray | None = None) -> tuple[np.ndarray, ...]:
+    """f32[rows, cols] -> Q5_1 (d, m f16[rows, nb], qh u32[rows, nb], qs u8[rows, cols/2]),
+    scale and min searched to minimize the squared error, weighted by ``importance``
+    (ggml's imatrix weighting) when given."""
+    x, imp, use = _prep(x, importance)
+    rows, cols = x.shape
+    d = np.empty((rows, cols // QB), np.float32)
+    m = np.empty((rows, cols // QB), np.float32)
+    qh = np.empty((rows, cols // QB), np.uint32)
+    qs = np.empty((rows, cols // 2), np.uint8)
+    q5_1_rows(x, imp, use, d, m, qh, qs)
+    return d.astype(np.float16), m.astype(np.float16), qh, qs

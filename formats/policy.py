@@ -84,8 +84,8 @@ class QuantPolicy:
        attention V and FFN down of ``use_more_bits`` layers its ``more`` dtype
        (every layer when ``layers`` is unknown), everything else its ``base``;
     4. a quantized dtype that does not fit the shape falls back along the dtypes'
-       ``fallback`` (q6k -> q8, q5k/q4k -> q5 where a row is not a multiple of 256;
-       q8/q5/q4 -> f16 where it is not a multiple of 32).
+       ``fallback`` (q6k -> q8, q5k -> q5_1, q4k -> q5 where a row is not a multiple
+       of 256; the 32-blocks -> f16 where it is not a multiple of 32).
     """
 
     quant: str
@@ -145,7 +145,7 @@ class QuantPolicy:
         want = chosen
         while not get_dtype(chosen).supports(shape):
             chosen = get_dtype(chosen).fallback
-        # Reported: a quantized choice that ended unquantized (a K-quant that became q5/q8 is by design).
+        # Reported: a quantized choice that ended unquantized (a K-quant that became q5/q5_1/q8 is by design).
         return chosen, chosen != want and not get_dtype(chosen).quantized
 
     def importance(self, name: str, cols: int):

@@ -19,6 +19,7 @@ for a 2-D weight [out, in] that is rows = out, cols = in). Full spec: docs/cmf.m
   nibble and element j+16 in its high nibble; value = d * q + m, q in 0..15.
 - ``q5`` (llama.cpp Q5_0): ``d`` f16[rows, nb], ``qh`` uint32[rows, nb], ``qs`` uint8[rows, cols/2];
   value = d * (q - 16), q = nibble | fifth bit << 4.
+- ``q5_1`` (llama.cpp Q5_1): ``d``, ``m`` f16[rows, nb], ``qh``, ``qs`` as q5; value = d * q + m.
 - ``q4_0`` (llama.cpp Q4_0): ``d`` f16[rows, nb], ``qs`` uint8[rows, cols/2] (nibbles as q4);
   value = d * (q - 8); the encoder searches the scale.
 - ``q6k``, ``q5k``, ``q4k`` (llama.cpp Q6_K, Q5_K, Q4_K): super-blocks of 256, the
@@ -552,6 +553,60 @@ class Q5(Blocked):
         return dequantize_q5(parts["d"], parts["qh"], parts["qs"]).reshape(shape)
 
 
+def quantize_q5_1_ggml(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """ggml's ``quantize_row_q5_1_ref`` bit for bit: x f32[rows, cols] -> (d f16[rows, nb],
+    m f16[rows, nb], qh uint32[rows, nb], qs uint8[rows, cols/2]); d = (max - min) / 31,
+    m = min, q = trunc((x - min) / d + 0.5)."""
+    rows, cols = x.shape
+    nb = cols // QBLOCK
+    b = np.asarray(x, dtype=np.float32).reshape(rows, nb, QBLOCK)
+    lo = b.min(axis=2)
+    d = (b.max(axis=2) - lo) / np.float32(31)
+    v = b - lo[:, :, None]
+    v *= _inverse(d)[:, :, None]
+    v += np.float32(0.5)
+    q = np.trunc(v).astype(np.uint8)  # C's (uint8_t) cast; at most 31.5 -> 31
+    packed = (q[:, :, :16] & 0x0F) | ((q[:, :, 16:] & 0x0F) << np.uint8(4))
+    bits = ((q >> np.uint8(4)) & 1).astype(np.uint32) << np.arange(32, dtype=np.uint32)
+    return d.astype(np.float16), lo.astype(np.float16), bits.sum(axis=2, dtype=np.uint32), packed.reshape(rows, cols // 2)
+
+
+def dequantize_q5_1(d: np.ndarray, m: np.ndarray, qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
+    """value = d * q + m, q = nibble | bit << 4 (bits and nibbles placed as q5's)."""
+    rows = qs.shape[0]
+    nb = d.shape[1]
+    p = qs.reshape(rows, nb, 16)
+    lo = np.concatenate([p & 0x0F, p >> 4], axis=2)
+    hi = ((qh.reshape(rows, nb, 1) >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << np.uint8(4)
+    q = (lo | hi).astype(np.float32)
+    out = d.astype(np.float32)[:, :, None] * q + m.astype(np.float32)[:, :, None]
+    return out.reshape(rows, nb * QBLOCK)
+
+
+class Q5_1(Blocked):
+    """llama.cpp Q5_1 semantics: ``d``, ``m`` f16[rows, nb], ``qh`` uint32[rows, nb] (the
+    fifth bits), ``qs`` uint8[rows, cols/2] (nibbles as q4); value = d * q + m, q in
+    0..31: 24 bytes per 32 values = 6.0 bits/weight. q5k falls back to it (as
+    llama.cpp's Q5_K does) where a row is not a multiple of 256. The encoder searches
+    scale and min (``formats.kquant_kernels.quantize_q5_1``), ggml's reference choice
+    among the candidates, by squared error or, with an imatrix, importance-weighted
+    error; ``quantize_q5_1_ggml`` is ggml's reference encoder bit for bit."""
+
+    name = "q5_1"
+    fields = (("d", "<f2", 1), ("m", "<f2", 1), ("qh", "<u4", 1), ("qs", "u1", QBLOCK // 2))
+    kernel_parts = ("d", "m", "qh", "qs")
+    bits = 6.0
+    ggml_type = "Q5_1"
+
+    def encode_rows(self, x2, importance=None):
+        from formats import kquant_kernels
+
+        return kquant_kernels.quantize_q5_1(x2, importance)
+
+    def _decode(self, parts, shape):
+        return dequantize_q5_1(parts["d"], parts["m"], parts["qh"], parts["qs"]).reshape(shape)
+
+
 def quantize_q4_0_ggml(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """ggml's ``quantize_row_q4_0_ref`` bit for bit: x f32[rows, cols] -> (d f16[rows, nb],
     qs uint8[rows, cols/2]); d = -(the signed max-|x| value) / 8, q = min(15, trunc(x / d + 8.5))."""
@@ -691,7 +746,7 @@ class Q5K(_KQuant):
     kernel_parts = ("d", "dmin", "scales", "qh", "qs")
     bits = 5.5
     ggml_type = "Q5_K"
-    fallback = "q5"
+    fallback = "q5_1"
     dequantize = staticmethod(dequantize_q5k)
 
 

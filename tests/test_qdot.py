@@ -1,4 +1,4 @@
-"""The integer-activation kernels (q8, q4, q4_0, q4k, q5k, q6k) against their float64 twin, row for row.
+"""The integer-activation kernels (q8, q4, q4_0, q5, q5_1, q4k, q5k, q6k) against their float64 twin, row for row.
 
 ``kernels/qdot.py`` quantizes input rows to int16 (default) or int8 blocks and multiplies them by the
 weight blocks in integers. Its oracle is ``qdot_ref``: the same quantized operands
@@ -40,7 +40,7 @@ def test_quantize_rows_equals_numpy_twin(bits):
 # (dtype, activation widths, columns): K-quant rows are super-blocks of 256.
 # 32-block rows of 608 = two groups of 8 blocks and 3 left over (qdot._gbody).
 INT_DTYPES = [("q8", (16, 8), 608), ("q4", (16, 8), 608), ("q4_0", (16, 8), 608), ("q5", (16, 8), 608),
-              ("q4k", (16, 8), 512), ("q5k", (16, 8), 512), ("q6k", (16, 8), 768)]
+              ("q5_1", (16, 8), 608), ("q4k", (16, 8), 512), ("q5k", (16, 8), 512), ("q6k", (16, 8), 768)]
 
 
 @needs_simd
@@ -65,7 +65,7 @@ def test_intdot_equals_float64_twin_and_is_row_exact(dtype, n, bits, cols):
 
 
 @needs_simd
-@pytest.mark.parametrize("dtype", ["q8", "q4", "q4_0", "q5"])
+@pytest.mark.parametrize("dtype", ["q8", "q4", "q4_0", "q5", "q5_1"])
 @pytest.mark.parametrize("cols", [32, 160, 256, 288, 1024])
 @pytest.mark.parametrize("bits", [8, 16])
 def test_grouped_kernel_every_group_and_tail_split(dtype, cols, bits):

@@ -62,6 +62,8 @@ def test_mixed_presets_and_fallbacks():
     assert p.choose("model.layers.0.mlp.down_proj.weight", down) == ("q6k", False)
     assert p.choose("model.layers.4.mlp.down_proj.weight", down) == ("q4k", False)
     assert p.choose("model.layers.4.self_attn.q_proj.weight", (576, 576)) == ("q5", False)
+    # llama.cpp's fallbacks: Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0
+    assert QuantPolicy("q5km", layers=30).choose("model.layers.4.self_attn.q_proj.weight", (576, 576)) == ("q5_1", False)
     assert p.choose("model.layers.0.self_attn.v_proj.weight", (192, 576)) == ("q8", False)
     assert p.choose("model.embed_tokens.weight", (49152, 576)) == ("q8", False)
     assert p.choose("model.embed_tokens.weight", (49152, 1024)) == ("q6k", False)

@@ -83,22 +83,41 @@ class Q8Ops(DtypeOps, dtype="q8"):
         jit.q8_dequant(parts[0], parts[1], r0, r1, out)
 
 
+def _group_sums(X: np.ndarray) -> np.ndarray:
+    """Sum of each input row over each 32-value group: the min term's factor (q4, q5, the K-quants)."""
+    return X.reshape(X.shape[0], -1, 32).sum(axis=2, dtype=np.float32)
+
+
 class Q4Ops(DtypeOps, dtype="q4"):
     def small(self, parts, count, offs, X, out):
         # The Q4_1 min term factors out of the dot: sum of X over each block.
-        xsum = X.reshape(X.shape[0], -1, jit.QB).sum(axis=2, dtype=np.float32)
-        jit.q4_matmul_small(parts[0], parts[1], parts[2], count, offs, X, xsum, out)
+        jit.q4_matmul_small(parts[0], parts[1], parts[2], count, offs, X, _group_sums(X), out)
 
     def dequant(self, parts, r0, r1, out):
         jit.q4_dequant(parts[0], parts[1], parts[2], r0, r1, out)
 
 
 class Q5Ops(DtypeOps, dtype="q5"):
+    """Q5_0: the Q5_1 kernels with the min derived from the scale (-16 d)."""
+
+    stored_min: ClassVar[bool] = False
+
+    def _split(self, parts):
+        if self.stored_min:
+            return parts[0], parts[1], parts[2], parts[3]
+        return parts[0], parts[0], parts[1], parts[2]  # the min slot is unread
+
     def small(self, parts, count, offs, X, out):
-        jit.q5_matmul_small(parts[0], parts[1], parts[2], count, offs, X, out)
+        d, m, qh, qs = self._split(parts)
+        jit.q5_matmul_small(d, m, self.stored_min, qh, qs, count, offs, X, _group_sums(X), out)
 
     def dequant(self, parts, r0, r1, out):
-        jit.q5_dequant(parts[0], parts[1], parts[2], r0, r1, out)
+        d, m, qh, qs = self._split(parts)
+        jit.q5_dequant(d, m, self.stored_min, qh, qs, r0, r1, out)
+
+
+class Q5_1Ops(Q5Ops, dtype="q5_1"):
+    stored_min = True
 
 
 class Q4_0Ops(DtypeOps, dtype="q4_0"):
@@ -107,11 +126,6 @@ class Q4_0Ops(DtypeOps, dtype="q4_0"):
 
     def dequant(self, parts, r0, r1, out):
         kq.q4_0_dequant(parts[0], parts[1], r0, r1, out)
-
-
-def _group_sums(X: np.ndarray) -> np.ndarray:
-    """Sum of each input row over each 32-value group: the K-quant min term's factor."""
-    return X.reshape(X.shape[0], -1, 32).sum(axis=2, dtype=np.float32)
 
 
 class Q4KOps(DtypeOps, dtype="q4k"):

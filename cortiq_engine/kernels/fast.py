@@ -36,9 +36,9 @@ SMALL_N = 16
 # weight error (docs/performance.md, "Activation width per dtype").
 # q6k: int16 (15 bits, qdot.QMAX): int8 multiplied its decode KL to f32 by 1.60 on
 # SmolLM2 (0.0058 -> 0.0092, llama.cpp Q6_K's own level), int16 by 1.00.
-# q4_0, q5, q4k, q5k: int8, as ggml's dot products (its Q8_0 / Q8_K activations): KL
+# q4_0, q5, q5_1, q4k, q5k: int8, as ggml's dot products (its Q8_0 / Q8_K activations): KL
 # x1.00-1.06 beside the weights' own error, and 1.3x faster than int16 for q4k/q5k.
-ACT_BITS: dict[str, int] = {"q8": 16, "q4": 8, "q4_0": 8, "q5": 8, "q4k": 8, "q5k": 8, "q6k": 16}
+ACT_BITS: dict[str, int] = {"q8": 16, "q4": 8, "q4_0": 8, "q5": 8, "q5_1": 8, "q4k": 8, "q5k": 8, "q6k": 16}
 # An empty array of each activation width's integer type (``qdot.intdot`` allocates its like).
 _ACT_PROTO = {8: np.empty(0, np.int8), 16: np.empty(0, np.int16)}
 # Above this many new queries attention goes through BLAS (reference code path).

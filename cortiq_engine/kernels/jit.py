@@ -7,8 +7,8 @@ patterns (numba has no float16 on the CPU); two LLVM intrinsics widen them.
 
 Quantized layouts are the planar ones of ``formats.quants`` (blocks of 32):
 q8 ``d`` f16[rows, nb] + ``qs`` i8[rows, cols]; q4 ``d``, ``m`` f16[rows, nb] +
-``qs`` u8[rows, cols/2] (byte j of a block: element j low nibble, j+16 high); q5 as
-q4 with one ``d`` and a u32 ``qh`` of fifth bits. The K-quant kernels live in
+``qs`` u8[rows, cols/2] (byte j of a block: element j low nibble, j+16 high); q5_1 as
+q4 plus a u32 ``qh`` of fifth bits, q5 as q5_1 with the min derived (-16 d). The K-quant kernels live in
 ``kquant_jit.py``; ``dtype_ops.py`` maps each dtype to its kernels.
 
 The "small-batch" matmuls read each weight row once for all ``n`` input rows,
@@ -152,13 +152,16 @@ def q4_matmul_small(ds, mins, qss, count, offs, X, xsum, out):
 
 
 @njit(parallel=True, fastmath=True, cache=True)
-def q5_matmul_small(ds, qhs, qss, count, offs, X, out):
-    """Q5_0: value = d * (q - 16), q = nibble | (bit of qh) << 4."""
+def q5_matmul_small(ds, mins, stored_min, qhs, qss, count, offs, X, xsum, out):
+    """Q5_0 and Q5_1: value = d * q + min, q = nibble | (bit of qh) << 4; the min is
+    stored (Q5_1, ``stored_min``) or -16 d (Q5_0: value = d * (q - 16)). As q4's, the
+    min term factors out of the dot: xsum[i, b] = sum of X[i] over block b."""
     n, cols = X.shape
     nb = cols // QB
     half = QB // 2
     for m in range(count):
         d = ds[m]
+        mn = mins[m]
         qh = qhs[m]
         q = qss[m]
         base = offs[m]
@@ -166,6 +169,7 @@ def q5_matmul_small(ds, qhs, qss, count, offs, X, out):
             prefetch_row(q, r + PREFETCH_ROWS)
             for i in range(n):
                 acc = np.zeros(QB, np.float32)
+                macc = np.float32(0.0)
                 for b in range(nb):
                     sc = f16_to_f32(d[r, b])
                     h = qh[r, b]
@@ -173,11 +177,13 @@ def q5_matmul_small(ds, qhs, qss, count, offs, X, out):
                     ob = b * half
                     for j in range(half):
                         byte = np.int32(q[r, ob + j])
-                        v0 = np.float32(((byte & 15) | (np.int32((h >> j) & 1) << 4)) - 16)
-                        v1 = np.float32(((byte >> 4) | (np.int32((h >> (j + half)) & 1) << 4)) - 16)
+                        v0 = np.float32((byte & 15) | (np.int32((h >> j) & 1) << 4))
+                        v1 = np.float32((byte >> 4) | (np.int32((h >> (j + half)) & 1) << 4))
                         acc[j] += sc * (v0 * X[i, o + j])
                         acc[j + half] += sc * (v1 * X[i, o + j + half])
-                out[i, base + r] = acc.sum()
+                    lo = f16_to_f32(mn[r, b]) if stored_min else np.float32(-16.0) * sc
+                    macc += lo * xsum[i, b]
+                out[i, base + r] = acc.sum() + macc
 
 
 @njit(parallel=True, fastmath=True, cache=True)
@@ -265,20 +271,22 @@ def q4_dequant(d, mn, q, r0, r1, out):
 
 
 @njit(parallel=False, nogil=True, cache=True)
-def q5_dequant(d, qh, q, r0, r1, out):
+def q5_dequant(d, mn, stored_min, qh, q, r0, r1, out):
+    """Q5_0 / Q5_1 rows (see ``q5_matmul_small``)."""
     cols = q.shape[1] * 2
     nb = cols // QB
     half = QB // 2
     for r in range(r0, r1):
         for b in range(nb):
             sc = f16_to_f32(d[r, b])
+            lo = f16_to_f32(mn[r, b]) if stored_min else np.float32(-16.0) * sc
             h = qh[r, b]
             o = b * QB
             ob = b * half
             for j in range(half):
                 byte = np.int32(q[r, ob + j])
-                out[r - r0, o + j] = sc * np.float32(((byte & 15) | (np.int32((h >> j) & 1) << 4)) - 16)
-                out[r - r0, o + j + half] = sc * np.float32(((byte >> 4) | (np.int32((h >> (j + half)) & 1) << 4)) - 16)
+                out[r - r0, o + j] = sc * np.float32((byte & 15) | (np.int32((h >> j) & 1) << 4)) + lo
+                out[r - r0, o + j + half] = sc * np.float32((byte >> 4) | (np.int32((h >> (j + half)) & 1) << 4)) + lo
 
 
 @njit(parallel=False, nogil=True, cache=True)

@@ -25,8 +25,8 @@ K-quants have int8 bodies only, as ggml's):
 Per weight row and input row the result is
     sum_b  d_w[b] * d_x[b] * sum_j q_w[b, j] * q_x[b, j]      (q8)
     sum_b  d_w[b] * d_x[b] * sum_j q_w[b, j] * q_x[b, j] + m_w[b] * s_x[b]   (q4: Q4_1 layout)
-with s_x[b] = d_x[b] * sum_j q_x[b, j]. q4_0 and q5 (Q5_0) are q4 with a derived
-min, m_w = -8 d_w and -16 d_w. The K-quants (q4k, q5k, q6k: ggml's Q4_K, Q5_K, Q6_K
+with s_x[b] = d_x[b] * sum_j q_x[b, j]. q5_1 (Q5_1) is q4 with a fifth bit per
+quant; q4_0 and q5 (Q5_0) are q4 and q5_1 with a derived min, m_w = -8 d_w and -16 d_w. The K-quants (q4k, q5k, q6k: ggml's Q4_K, Q5_K, Q6_K
 super-blocks of 256) split into 8 groups of 32 aligned with the activation blocks:
     sum_g  (d * sc_g) * d_x[g] * isum_g  -  sum_g (dmin * m_g) * s_x[g]   (q4k, q5k)
     sum_g  d * d_x[g] * sum_h sc_{g,h} * isum_{g,h}                        (q6k, two
@@ -132,14 +132,26 @@ NPARTS = 5
 _PARGS = ", ".join(f"i8* %p{k}" for k in range(NPARTS))
 _ARGS = _PARGS + ", i64 %r0, i64 %r1, i64 %nb, i8* %xq, float* %xd, float* %xs, float* %out, i64 %ostride"
 _CALL_ARGS = _PARGS + ", i64 %r0, i64 %r1, i64 %nb, i8* %xq, float* %xd, float* %xs, float* %out, i64 %ostride"
-# Which part each role of the 32-block bodies is (scale, min, quants); q8 and q4_0
-# have no min part (q4_0's is derived: -8 * d).
-_ROLES = {"q8": (0, None, 1), "q4": (0, 1, 2), "q4_0": (0, None, 1), "q5": (0, None, 2)}
-# q4_0 and q5 (Q5_0) are symmetric: d * (q - z) = d * q + (-z * d), a min derived
-# from the scale (exact in f32), so they take the q4 body with that min.
+# Which kernel part each role of the 32-block bodies is: (scale, min, fifth bits,
+# quants), None where the dtype has no such part. q8 has no min term; q4_0 and q5
+# (Q5_0) derive theirs from the scale (``_ZERO``).
+_ROLES = {"q8": (0, None, None, 1), "q4": (0, 1, None, 2), "q4_0": (0, None, None, 1),
+          "q5": (0, None, 1, 2), "q5_1": (0, 1, 2, 3)}
+# q4_0 and q5 are symmetric: d * (q - z) = d * q + (-z * d), a min derived from the
+# scale (exact in f32), so they take the nibble body with that min.
 _ZERO = {"q4_0": 8, "q5": 16}
+
+
+def _nibbles(kind: str) -> bool:
+    """Packed 4-bit quants (16 bytes a block) and a min term: every 32-block dtype but q8."""
+    return kind != "q8"
+
+
+def _stored_min(kind: str) -> bool:
+    return _ROLES[kind][1] is not None
 # Integer widths each dtype's kernels exist for: the K-quants take ggml's int8 path only.
-WIDTHS = {"q8": (8, 16), "q4": (8, 16), "q4_0": (8, 16), "q5": (8, 16), "q4k": (8, 16), "q5k": (8, 16), "q6k": (8, 16)}
+WIDTHS = {"q8": (8, 16), "q4": (8, 16), "q4_0": (8, 16), "q5": (8, 16), "q5_1": (8, 16),
+          "q4k": (8, 16), "q5k": (8, 16), "q6k": (8, 16)}
 # The largest activation integer per (dtype, width), where it is not 2^(width-1) - 1:
 # a q6k group sums 32 products of |q - 32| <= 32, |scale| <= 128 and the activation
 # in the integer domain; at 16383 the worst case (2,147,352,576) still fits an i32.
@@ -185,7 +197,7 @@ def _half(f: _Fn, base: str, index: str) -> str:
 def _wunpack(f: _Fn, kind: str, act: int, b: str, prefetch: bool = True) -> tuple[str, ...]:
     """Weight block ``b`` of the current row as the integer operand(s) of ``_isum``:
     act 8: (w <32 x i8>, |w| for q8); act 16: (w0, w1 <16 x i16>)."""
-    q4 = kind in ("q4", "q4_0", "q5")
+    q4 = _nibbles(kind)
     wbytes = 16 if q4 else 32
     bw = f.v(f"mul i64 {b}, {wbytes}")
     wo = f.v(f"add i64 %wqrow, {bw}")
@@ -199,7 +211,7 @@ def _wunpack(f: _Fn, kind: str, act: int, b: str, prefetch: bool = True) -> tupl
         pk = f.v(f"load <16 x i8>, <16 x i8>* {f.v(f'bitcast i8* {wp} to <16 x i8>*')}, align 1")
         lo, hi = f.v(f"and <16 x i8> {pk}, {v16}"), f.v(f"lshr <16 x i8> {pk}, {v4}")
         w = f.v(f"shufflevector <16 x i8> {lo}, <16 x i8> {hi}, <32 x i32> <" + ", ".join(f"i32 {k}" for k in range(32)) + ">")
-        if kind == "q5":  # the fifth bits: bit j of the block's u32 -> element j
+        if _ROLES[kind][2] is not None:  # the fifth bits: bit j of the block's u32 -> element j
             hp = f.v(f"getelementptr i32, i32* %wh, i64 {f.v(f'add i64 %wdrow, {b}')}")
             bits = f.v(f"bitcast i32 {f.v(f'load i32, i32* {hp}, align 4')} to <32 x i1>")
             hb = f.v(f"shl <32 x i8> {f.v(f'zext <32 x i1> {bits} to <32 x i8>')}, " + "<" + ", ".join(["i8 4"] * 32) + ">")
@@ -263,11 +275,11 @@ def _dot_u8s8(f: _Fn, u: str, v: str) -> str:
 def _block(f: _Fn, kind: str, act: int, nx: int, b: str, accs: list[str], maccs: list[str]) -> tuple[list[str], list[str]]:
     """Multiply weight block ``b`` of the current row by block ``b`` of each input row
     and add it into ``accs[r]`` (and the q4 min term into ``maccs[r]``); the new names."""
-    q4 = kind in ("q4", "q4_0", "q5")
+    q4 = _nibbles(kind)
     wv = _wunpack(f, kind, act, b)
     wdo = f.v(f"add i64 %wdrow, {b}")
     dw = _half(f, "%wd", wdo)
-    if kind == "q4":
+    if _stored_min(kind):
         mw = _half(f, "%wm", wdo)
     elif q4:  # q4_0, q5: d * (q - z) = d * q + (-z * d), exact in f32
         mw = f.v(f"fmul float {dw}, -{_ZERO[kind]}.0")
@@ -359,7 +371,7 @@ def _hsum(f: _Fn, v: str) -> str:
 
 
 def _gbody(kind: str, nx: int, act: int = 8, vnni: bool = False) -> str:
-    """The 32-block dtypes (q8, q4, q4_0, q5) for ``nx`` input rows, eight blocks per
+    """The 32-block dtypes (q8, q4, q4_0, q5, q5_1) for ``nx`` input rows, eight blocks per
     step: the eight exact block sums of an input row reduce into one vector (lane k =
     block k), which meets the eight weight scales (one f16 load and convert) times
     the eight activation scales in one FMA, and q4's mins meet the eight block sums
@@ -368,17 +380,17 @@ def _gbody(kind: str, nx: int, act: int = 8, vnni: bool = False) -> str:
     scalar scale product, a broadcast and an FMA: the part a verify pays per row.
     The nb % 8 leftover blocks take ``_block``. Every input row sums in an order
     fixed by nb alone: row-exact."""
-    q4 = kind in ("q4", "q4_0", "q5")
+    q4 = _nibbles(kind)
     wbytes = 16 if q4 else 32
     name = _entry(kind, act)
     f = _Fn(vnni)
     f(f"define internal void @{name}_rows{nx}({_ARGS}) nounwind alwaysinline {{")
     f("entry:")
-    sd, sm, sq = _ROLES[kind]
+    sd, sm, sh, sq = _ROLES[kind]
     f(f"  %wd = bitcast i8* %p{sd} to i16*")
     f(f"  %wm = bitcast i8* %p{sd if sm is None else sm} to i16*")
     f(f"  %wq = getelementptr i8, i8* %p{sq}, i64 0")
-    f("  %wh = bitcast i8* %p1 to i32*")
+    f(f"  %wh = bitcast i8* %p{sd if sh is None else sh} to i32*")
     f("  %cols = mul i64 %nb, 32")
     f(f"  %wrow_bytes = mul i64 %nb, {wbytes}")
     f(f"  %pf_ahead = mul i64 %wrow_bytes, {PREFETCH_ROWS}")
@@ -416,7 +428,7 @@ def _gbody(kind: str, nx: int, act: int = 8, vnni: bool = False) -> str:
 
     dw8 = half8("%wd")
     mw8 = None
-    if kind == "q4":
+    if _stored_min(kind):
         mw8 = half8("%wm")
     elif q4:
         mw8 = f.v(f"fmul <8 x float> {dw8}, {_splat(f, 'float', 8, f'-{_ZERO[kind]}.0')}")
