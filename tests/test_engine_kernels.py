@@ -99,14 +99,27 @@ def test_attention(n, window, sinks):
         np.testing.assert_allclose(got, exact, atol=1e-5, err_msg=name)
 
 
-def test_attention_over_a_long_cache():
-    """A decode row over 1,000+ keys (the value rows go four at a time) against float64."""
-    heads, kvh, d, dv, cap, start, n = 8, 2, 64, 64, 1100, 1037, 3
+@pytest.mark.parametrize("window,sinks", [(0, False), (300, False), (0, True), (700, True)])
+def test_attention_over_a_long_cache(window, sinks):
+    """Decode and verify rows over 1,000+ keys against float64: the compiled kernel
+    splits each query's keys at multiples of jit.ATTN_CHUNK and combines the chunks'
+    partial softmaxes; windows that start inside a chunk, sinks, value rows four at a
+    time. Row-exact across a chunk boundary: each row alone gives the same bits."""
+    from cortiq_engine.kernels import jit
+
+    heads, kvh, d, dv, cap = 8, 2, 64, 48, 1100
+    start = 4 * jit.ATTN_CHUNK - 3  # the 7 rows straddle a chunk boundary
+    n = 7
     q = RNG.standard_normal((n, heads, d)).astype(np.float32)
     kc = RNG.standard_normal((kvh, cap, d)).astype(np.float32)
     vc = RNG.standard_normal((kvh, cap, dv)).astype(np.float32)
-    exact = _attention64(q, kc, vc, start, 0, d**-0.5, None)
-    np.testing.assert_allclose(get_kernels("numba").attend(q, kc, vc, start, 0, d**-0.5), exact, atol=2e-6)
+    sk = (RNG.standard_normal(heads) * 3).astype(np.float32) if sinks else None
+    ks = get_kernels("numba")
+    exact = _attention64(q, kc, vc, start, window, d**-0.5, sk)
+    got = ks.attend(q, kc, vc, start, window, d**-0.5, sk)
+    np.testing.assert_allclose(got, exact, atol=2e-6)
+    one = np.concatenate([ks.attend(q[i : i + 1].copy(), kc, vc, start + i, window, d**-0.5, sk) for i in range(n)])
+    assert np.array_equal(got, one)
 
 
 def test_vectorized_exp_against_float64():

@@ -394,6 +394,15 @@ def exp_nonpositive_array(x, out):
         out[j] = exp_nonpositive(x[j])
 
 
+# Keys per attention task. A query's keys split at multiples of ATTN_CHUNK (absolute
+# cache rows), so its chunks, and the order their partial results combine in, never
+# depend on how many queries share the call: row-exact. A chunk's keys and values
+# (64 KB each at head_dim 64) stay in L2 while every query and head of a group uses them.
+ATTN_CHUNK = 256
+# Partial results above this many (queries x heads x chunks) combine in parallel.
+ATTN_SERIAL_COMBINE = 512
+
+
 @njit(parallel=True, fastmath=True, cache=True)
 def attend(q, kc, vc, start, window, scale, sinks, out):
     """Causal GQA attention of n new queries over a KV cache (twin of
@@ -405,57 +414,108 @@ def attend(q, kc, vc, start, window, scale, sinks, out):
     sinks: f32 [heads] learned logits that join each softmax without a value row,
     or None (numba compiles the None case on its own, without the sink terms).
     out: [n, heads, dv]. Each query row is computed on its own, whatever n is.
+
+    Split-K (flash decoding): one task is a chunk of ATTN_CHUNK keys of one KV head,
+    for every query and every head of the KV head's group, so each key and value
+    row comes from memory once per call (8 query heads share it on TinyLlama's
+    shape, 3 on SmolLM2's; a verify's rows share it too), and a single decode row
+    still spreads over every core. A task leaves, per query and head, its chunk's
+    max, exp-sum and unnormalized output; ``_combine`` rescales and adds them in
+    chunk order.
     """
     n, heads, d = q.shape
     kvh = kc.shape[0]
     dv = vc.shape[2]
     group = heads // kvh
-    for t in prange(n * heads):
-        i = t // heads
-        h = t % heads
-        g = h // group
-        hi = start + i + 1
-        lo = 0
-        if window > 0 and hi - window > 0:
-            lo = hi - window
-        s = np.empty(hi - lo, np.float32)
-        if sinks is None:
-            mx = np.float32(-np.inf)
-        else:
-            mx = sinks[h]  # the sink joins the max, so a dominant sink cannot overflow exp
-        for j in range(lo, hi):
-            acc = np.float32(0.0)
-            for c in range(d):
-                acc += q[i, h, c] * kc[g, j, c]
-            acc *= scale
-            s[j - lo] = acc
-            if acc > mx:
-                mx = acc
-        if sinks is None:
-            tot = np.float32(0.0)
-        else:
-            tot = exp_nonpositive(sinks[h] - mx)
-        for j in range(hi - lo):
-            e = exp_nonpositive(s[j] - mx)
-            s[j] = e
-            tot += e
-        o = np.zeros(dv, np.float32)
-        # four value rows per pass over o: a quarter of the loads and stores of o,
-        # whose store-to-load chain bounded the one-row loop (fixed order: row-exact)
-        j = lo
-        while j + 4 <= hi:
-            p0, p1, p2, p3 = s[j - lo], s[j + 1 - lo], s[j + 2 - lo], s[j + 3 - lo]
-            for c in range(dv):
-                o[c] += (p0 * vc[g, j, c] + p1 * vc[g, j + 1, c]) + (p2 * vc[g, j + 2, c] + p3 * vc[g, j + 3, c])
-            j += 4
-        while j < hi:
-            p = s[j - lo]
-            for c in range(dv):
-                o[c] += p * vc[g, j, c]
-            j += 1
-        inv = np.float32(1.0) / tot
-        for c in range(dv):
-            out[i, h, c] = o[c] * inv
+    nch = (start + n + ATTN_CHUNK - 1) // ATTN_CHUNK
+    pmax = np.empty((n, heads, nch), np.float32)
+    # (np.empty: np.zeros would be a parallel region of its own, a second wake-up of the pool)
+    psum = np.empty((n, heads, nch), np.float32)  # 0: the query sees no key of the chunk
+    pout = np.empty((n, heads, nch, dv), np.float32)
+    for t in prange(kvh * nch):
+        g = t // nch
+        c = t % nch
+        s = np.empty(ATTN_CHUNK, np.float32)
+        o = np.empty(dv, np.float32)
+        for i in range(n):
+            hi = start + i + 1
+            lo = 0
+            if window > 0 and hi - window > 0:
+                lo = hi - window
+            j0 = max(lo, c * ATTN_CHUNK)
+            j1 = min(hi, (c + 1) * ATTN_CHUNK)
+            if j0 >= j1:
+                for h in range(g * group, (g + 1) * group):
+                    psum[i, h, c] = 0.0
+                continue
+            m = j1 - j0
+            # the group's heads one after another: the chunk's rows stay in L2 between them
+            for h in range(g * group, (g + 1) * group):
+                mx = np.float32(-np.inf)
+                for j in range(j0, j1):
+                    acc = np.float32(0.0)
+                    for e in range(d):
+                        acc += q[i, h, e] * kc[g, j, e]
+                    acc *= scale
+                    s[j - j0] = acc
+                    if acc > mx:
+                        mx = acc
+                tot = np.float32(0.0)
+                for j in range(m):
+                    ev = exp_nonpositive(s[j] - mx)
+                    s[j] = ev
+                    tot += ev
+                for e in range(dv):
+                    o[e] = 0.0
+                # four value rows per pass over o: a quarter of the loads and stores of o,
+                # whose store-to-load chain bounded the one-row loop (fixed order: row-exact)
+                j = j0
+                while j + 4 <= j1:
+                    p0, p1, p2, p3 = s[j - j0], s[j + 1 - j0], s[j + 2 - j0], s[j + 3 - j0]
+                    for e in range(dv):
+                        o[e] += (p0 * vc[g, j, e] + p1 * vc[g, j + 1, e]) + (p2 * vc[g, j + 2, e] + p3 * vc[g, j + 3, e])
+                    j += 4
+                while j < j1:
+                    p = s[j - j0]
+                    for e in range(dv):
+                        o[e] += p * vc[g, j, e]
+                    j += 1
+                pmax[i, h, c] = mx
+                psum[i, h, c] = tot
+                for e in range(dv):
+                    pout[i, h, c, e] = o[e]
+    if n * heads * nch > ATTN_SERIAL_COMBINE:
+        for t in prange(n * heads):
+            _combine(t // heads, t % heads, pmax, psum, pout, sinks, out)
+    else:  # a decode row: cheaper than starting the thread pool again
+        for t in range(n * heads):
+            _combine(t // heads, t % heads, pmax, psum, pout, sinks, out)
+
+
+@njit(inline="always", fastmath=True)
+def _combine(i, h, pmax, psum, pout, sinks, out):
+    """Query i, head h: its chunks' partial softmax results rescaled to one max and added in chunk order."""
+    nch = pmax.shape[2]
+    dv = pout.shape[3]
+    mx = np.float32(-np.inf) if sinks is None else sinks[h]  # a dominant sink cannot overflow exp
+    for c in range(nch):
+        if psum[i, h, c] != np.float32(0.0):
+            mx = max(mx, pmax[i, h, c])
+    tot = np.float32(0.0) if sinks is None else exp_nonpositive(sinks[h] - mx)
+    # (np.empty and a loop: outside a prange, np.zeros would start a parallel region of its own)
+    o = np.empty(dv, np.float32)
+    for e in range(dv):
+        o[e] = 0.0
+    for c in range(nch):
+        if psum[i, h, c] == np.float32(0.0):
+            continue
+        f = exp_nonpositive(pmax[i, h, c] - mx)
+        tot += f * psum[i, h, c]
+        for e in range(dv):
+            o[e] += f * pout[i, h, c, e]
+    inv = np.float32(1.0) / tot
+    for e in range(dv):
+        out[i, h, e] = o[e] * inv
 
 
 # ------------------------------------------------------------ the gated delta rule

@@ -812,18 +812,24 @@ def intdot(fn, addrs, rows, count, offs, X, proto, qmax, out):
     xs = np.empty((n, nb), np.float32)
     quantize_rows(X, xq, xd, xs, qmax)
     width = out.shape[1]
+    # One parallel loop over the row chunks of all fused matrices (q|k|v is one wake-up
+    # of the thread pool, not three): chunk t belongs to matrix m while t < first[m + 1].
+    first = np.empty(count + 1, np.int64)
+    first[0] = 0
     for m in range(count):
+        first[m + 1] = first[m] + (rows[m] + GRAIN - 1) // GRAIN
+    for t in prange(first[count]):
+        m = 0
+        while t >= first[m + 1]:
+            m += 1
         base = offs[m]
-        nrow = rows[m]
-        nchunk = (nrow + GRAIN - 1) // GRAIN
-        for c in prange(nchunk):
-            r0 = c * GRAIN
-            r1 = min(nrow, r0 + GRAIN)
-            for i0 in range(0, n, MAX_ROWS):
-                nx = min(MAX_ROWS, n - i0)
-                _call_rows(
-                    fn, np.int64(nx), addrs[m, 0], addrs[m, 1], addrs[m, 2], addrs[m, 3], addrs[m, 4],
-                    np.int64(r0), np.int64(r1), np.int64(nb), np.int64(xq.ctypes.data + i0 * xq.strides[0]),
-                    np.int64(xd.ctypes.data + 4 * i0 * nb), np.int64(xs.ctypes.data + 4 * i0 * nb),
-                    np.int64(out.ctypes.data + 4 * (i0 * width + base)), np.int64(width),
-                )
+        r0 = (t - first[m]) * GRAIN
+        r1 = min(rows[m], r0 + GRAIN)
+        for i0 in range(0, n, MAX_ROWS):
+            nx = min(MAX_ROWS, n - i0)
+            _call_rows(
+                fn, np.int64(nx), addrs[m, 0], addrs[m, 1], addrs[m, 2], addrs[m, 3], addrs[m, 4],
+                np.int64(r0), np.int64(r1), np.int64(nb), np.int64(xq.ctypes.data + i0 * xq.strides[0]),
+                np.int64(xd.ctypes.data + 4 * i0 * nb), np.int64(xs.ctypes.data + 4 * i0 * nb),
+                np.int64(out.ctypes.data + 4 * (i0 * width + base)), np.int64(width),
+            )
