@@ -7,7 +7,9 @@ Every (depth, draft vocabulary, threshold) combination runs on every prompt; ``-
 takes ``full``, ``sidecar`` (the sidecar's own) or a count of the sidecar's first ids.
 
 Prompts are the first 400 characters of the text's paragraphs longer than 300
-characters. Plain decoding runs again after each speculative run and the faster
+characters. ``--chat`` wraps each in the model's chat template as a user message with
+an instruction (CHAT_ASKS, cycled) and lets the answer end at its end-of-turn token,
+as ``cortiq generate --chat`` does. Plain decoding runs again after each speculative run and the faster
 of the plain runs is kept, so machine drift does not flatter speculation. The
 acceptance figures come from the engine's one counter (``cortiq_engine.acceptance``),
 summed over the prompts: what ``generate --json`` and ``mtp-probe`` report.
@@ -21,6 +23,15 @@ import os
 
 from cortiq_engine.acceptance import Acceptance
 from cortiq_engine.engine import Engine, SpeculativeConfig
+
+
+# What a chat user asks about a passage (cycled over the prompts).
+CHAT_ASKS = (
+    "Summarize this passage in a few sentences:\n\n{p}",
+    "What happens in this passage?\n\n{p}",
+    "Explain this passage to a child:\n\n{p}",
+    "Rewrite this passage in plain modern English:\n\n{p}",
+)
 
 
 def _vocab(v: str):
@@ -38,6 +49,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--vocabs", default="sidecar", help="comma list of full, sidecar, or N")
     ap.add_argument("--thresholds", default="0", help="comma list of adaptive-depth thresholds (0 = off)")
+    ap.add_argument("--chat", action="store_true", help="chat prompts (CHAT_ASKS) through the chat template; answers stop at end of turn")
     a = ap.parse_args()
     print(json.dumps({"loadavg_start": os.getloadavg()}), flush=True)
     eng = Engine.load(a.model, threads=a.threads, mtp=a.sidecar)
@@ -45,13 +57,18 @@ def main() -> None:
     depths = [int(x) for x in a.depths.split(",")]
     combos = [(d, v, float(t)) for d in depths for v in a.vocabs.split(",") for t in a.thresholds.split(",")]
     rows = []
-    for p in paras:
-        ids = eng.tokenizer.encode(p[:400])
-        plain = eng.generate(ids, max_tokens=a.tokens, ignore_eos=True, speculative=False)
+    ignore_eos = not a.chat
+    for n, p in enumerate(paras):
+        if a.chat:
+            msg = CHAT_ASKS[n % len(CHAT_ASKS)].format(p=p[:400])
+            ids = eng.tokenizer.encode(eng.tokenizer.apply_chat_template([{"role": "user", "content": msg}]), add_bos=False)
+        else:
+            ids = eng.tokenizer.encode(p[:400])
+        plain = eng.generate(ids, max_tokens=a.tokens, ignore_eos=ignore_eos, speculative=False)
         for depth, vocab, th in combos:
             cfg = SpeculativeConfig(depth=depth, vocab=_vocab(vocab), threshold=th)
-            spec = eng.generate(ids, max_tokens=a.tokens, ignore_eos=True, speculative=cfg)
-            again = eng.generate(ids, max_tokens=a.tokens, ignore_eos=True, speculative=False)
+            spec = eng.generate(ids, max_tokens=a.tokens, ignore_eos=ignore_eos, speculative=cfg)
+            again = eng.generate(ids, max_tokens=a.tokens, ignore_eos=ignore_eos, speculative=False)
             if again.decode_seconds < plain.decode_seconds:
                 plain = again
             rows.append(dict(depth=depth, vocab=vocab, threshold=th, same=plain.token_ids == spec.token_ids and plain.text == spec.text,

@@ -46,6 +46,7 @@ def mtp_train(
     feature_dtype: Annotated[str, typer.Option("--feature-dtype", help="Stored hidden rows: f16 (half the disk) or f32.", rich_help_panel=TRAIN_PANEL)] = "f16",
     self_distill: Annotated[int, typer.Option("--self-distill", help="Train on the backbone's own text: each window keeps this many real tokens and the backbone continues it (0: real text only).", rich_help_panel=TRAIN_PANEL)] = 0,
     self_temperature: Annotated[float, typer.Option("--self-temperature", help="With --self-distill: sample the continuations at this temperature (0: greedy).", rich_help_panel=TRAIN_PANEL)] = 0.0,
+    chat: Annotated[bool, typer.Option("--chat", help="Train on chat turns: each window asks about a passage of the text through the model's chat template and the backbone answers (greedy, or at --self-temperature); with --self-distill N, chat turns alternate with plain windows.", rich_help_panel=TRAIN_PANEL)] = False,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the window choice and negatives.", rich_help_panel=TRAIN_PANEL)] = 0,
     checkpoint_every: Annotated[int, typer.Option("--checkpoint-every", help="Save a checkpoint (OUT stem + .train.safetensors; no pickle) every N steps; 0 = never.", rich_help_panel=TRAIN_PANEL)] = 50,
     resume: Annotated[bool, typer.Option("--resume", help="Continue from the checkpoint beside the output.", rich_help_panel=TRAIN_PANEL)] = False,
@@ -65,7 +66,7 @@ def mtp_train(
         intermediate=intermediate, init_layer=init_layer, hidden=mtp_hidden, vocab=vocab, holdout=holdout,
         max_tokens=max_tokens, seed=seed, checkpoint_every=checkpoint_every,
         ttt=ttt, chain=chain, depth=depth, feature_dtype=feature_dtype,
-        self_distill=self_distill, self_temperature=self_temperature,
+        self_distill=self_distill, self_temperature=self_temperature, chat=chat,
     )
     cfg.check(num_layers=1 << 30)  # the one-line messages before any file is read; layers are checked again
     source = load_text(opt.text_spec(text, dataset, config, split, column, data_files))

@@ -199,3 +199,120 @@ def test_self_distill_windows_are_the_backbones_greedy_text(tiny):
     np.testing.assert_array_equal(f.tokens[:, 8:], f.greedy[:, 7:-1])
     sampled = continuations(bb.model, ids, seq=24, prompt=8, temperature=1.0, seed=3)
     assert (sampled != cont).any()
+
+
+def _stop_after(n_windows):
+    def progress(done, total):
+        if done >= n_windows:
+            raise Stop
+    return progress
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_continuations_resume_after_a_kill_equal_one_run(tiny, tmp_path, temperature):
+    """The backbone's own text is decoded token by token (the slow part of
+    self-distillation): a run killed after two windows and run again continues from the
+    folder, and every window equals an uninterrupted run's (each window has its own
+    generator, so sampled text does not depend on where a run stopped)."""
+    from cortiq_engine.mtp_train.features import continuations
+
+    bb = open_backbone(tiny, "numpy")
+    ids = np.array(bb.tokenizer.encode(TEXT))[: 4 * 20]
+    whole = continuations(bb.model, ids, seq=20, prompt=6, temperature=temperature, seed=5)
+    with pytest.raises(Stop):
+        continuations(bb.model, ids, seq=20, prompt=6, temperature=temperature, seed=5,
+                      cache=tmp_path / "c", backbone="x", progress=_stop_after(2))
+    seen = []
+    resumed = continuations(bb.model, ids, seq=20, prompt=6, temperature=temperature, seed=5,
+                            cache=tmp_path / "c", backbone="x", progress=lambda d, t: seen.append(d))
+    assert seen[0] == 2 and seen[-1] == 4  # windows 0-1 came from the folder
+    np.testing.assert_array_equal(resumed, whole)
+    # Another seed is another key: the folder is started afresh, not reused.
+    other = continuations(bb.model, ids, seq=20, prompt=6, temperature=temperature, seed=6,
+                          cache=tmp_path / "c", backbone="x")
+    if temperature:
+        assert (other != whole).any()
+    else:
+        np.testing.assert_array_equal(other, whole)
+
+
+def test_chat_windows_are_template_turns_answered_greedily(tiny, tmp_path):
+    """--chat: each window is an ask about a passage through the chat template, then the
+    backbone's greedy answer (every later token is the teacher's top-1 before it)."""
+    from tests.test_chat import TEMPLATE, _with_template
+    from cortiq_engine.mtp_train.features import EngineRunner, chat_prompts, continue_windows, passages
+
+    cut = passages(TEXT, 60)
+    assert len(cut) > 10 and all(30 < len(p) <= 60 for p in cut)
+    assert all(" ".join(p.split()) in " ".join(TEXT.split()) for p in cut)  # lines joined, never reworded
+
+    bb = open_backbone(_with_template(tiny, tmp_path / "chat.cmf", TEMPLATE), "numpy")
+    asks = ("Say what happens: {p}", "Retell: {p}")
+    prompts = chat_prompts(bb.tokenizer, TEXT, seq=140, limit=3, asks=asks, chars=60)
+    assert len(prompts) == 3
+    for i, p in enumerate(prompts):
+        want = bb.tokenizer.apply_chat_template([{"role": "user", "content": asks[i % 2].format(p=cut[i])}])
+        assert bb.tokenizer.decode(p) == want
+    wins = continue_windows(bb.model, prompts, seq=140)
+    f = collect(EngineRunner(bb), wins, seq=140, topk=4, hidden="pre", holdout=0.0, min_len=3)
+    for i, p in enumerate(prompts):
+        np.testing.assert_array_equal(f.tokens[i, : len(p)], p)
+        np.testing.assert_array_equal(f.tokens[i, len(p) :], f.greedy[i, len(p) - 1 : -1])
+    # A passage too long for the window is shortened to leave a quarter for the answer;
+    # when not even the ask fits, that is an error.
+    short = chat_prompts(bb.tokenizer, TEXT, seq=64, limit=2, asks=asks, chars=60)
+    assert len(short) == 2 and all(len(p) <= 48 for p in short)
+    assert bb.tokenizer.decode(short[0]).startswith("<user>Say what happens: " + cut[0][:7])
+    with pytest.raises(CortiqError, match="no passage"):
+        chat_prompts(bb.tokenizer, TEXT, seq=24, chars=60)
+    plain = open_backbone(tiny, "numpy")
+    with pytest.raises(CortiqError, match="no chat template"):
+        chat_prompts(plain.tokenizer, TEXT, seq=120)
+
+
+def test_chat_config_checks_and_old_checkpoints_resume():
+    cfg = TrainConfig()
+    saved = {k: v for k, v in cfg.to_json().items() if k != "chat"}  # a checkpoint older than --chat
+    assert cfg.resume_mismatch(saved) == []
+    assert TrainConfig(chat=True).resume_mismatch(saved) == ["chat False in the checkpoint, True now"]
+
+
+def test_mtp_train_chat_end_to_end(tiny, tmp_path):
+    """mtp-train --chat: windows of chat turns, a draft vocabulary chosen from those
+    windows (the backbone's answers included), a sidecar the engine loads."""
+    from tests.test_chat import TEMPLATE, _with_template
+    from formats.cmf import CmfFile
+
+    chat = _with_template(tiny, tmp_path / "chat.cmf", TEMPLATE)
+    cfg = TrainConfig(layers=1, steps=2, seq=128, batch=1, lr=3e-3, warmup=1, topk=8, holdout=0.0,
+                      max_tokens=3 * 128, checkpoint_every=0, negatives=16, chat=True)
+    r = train_mtp(chat, TEXT[:2000], "alice", cfg, out=tmp_path / "c.mtp.cmf", kernels="numpy", draft_vocab=40)
+    assert r.tokens == 3 * 128 and r.train_windows == 3
+    assert (tmp_path / "c.mtp.features" / "continuations" / "windows.npy").is_file()
+    from cortiq_engine.draft_vocab import choose_draft_vocab
+    from formats.sidecar import read_draft_vocab
+
+    bb = open_backbone(chat, "numpy")
+    wins = np.load(tmp_path / "c.mtp.features" / "continuations" / "windows.npy").ravel()
+    want = choose_draft_vocab(wins, 40, bb.arch.vocab_size, [*bb.tokenizer.eos_ids, *bb.tokenizer.special_ids()])
+    with CmfFile(tmp_path / "c.mtp.cmf") as f:
+        np.testing.assert_array_equal(read_draft_vocab(f, bb.arch.vocab_size), want)
+
+
+def test_mtp_train_chat_and_plain_windows_alternate(tiny, tmp_path):
+    """--chat with --self-distill N: chat turns and plain windows (N real tokens, then
+    the backbone) alternate, as many of each."""
+    from tests.test_chat import TEMPLATE, _with_template
+
+    chat = _with_template(tiny, tmp_path / "chat.cmf", TEMPLATE)
+    cfg = TrainConfig(layers=1, steps=1, seq=128, batch=1, warmup=1, topk=8, holdout=0.0,
+                      max_tokens=4 * 128, checkpoint_every=0, negatives=16, chat=True, self_distill=10)
+    r = train_mtp(chat, TEXT[:2000], "alice", cfg, out=tmp_path / "m.mtp.cmf", kernels="numpy")
+    assert r.train_windows == 4
+    wins = np.load(tmp_path / "m.mtp.features" / "continuations" / "windows.npy")
+    bb = open_backbone(chat, "numpy")
+    text_ids = np.array(bb.tokenizer.encode(TEXT[:2000], add_bos=True))
+    for w in (0, 2):
+        assert bb.tokenizer.decode(wins[w]).startswith("<user>")
+    for k, w in enumerate((1, 3)):
+        np.testing.assert_array_equal(wins[w, :10], text_ids[k * 128 : k * 128 + 10])

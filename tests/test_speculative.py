@@ -256,6 +256,36 @@ def test_smollm2_exact_with_random_and_rigged_drafts(smollm2_cmf, english_text, 
         assert spec.extra["mtp"]["tokens_per_round"] > 2.0
 
 
+@pytest.mark.slow
+def test_smollm2_exact_with_a_trained_sidecar(smollm2_cmf, english_text, tmp_path):
+    """A real model and draft layers trained by mtp-train on its own greedy text (chat
+    turns and plain windows, a draft vocabulary): speculative decoding at depths 1-3,
+    with and without adaptive depth, is plain greedy token for token, through the
+    plain and chat prompts, and the trained drafts are accepted."""
+    pytest.importorskip("torch")
+    from cortiq_engine.mtp_train.config import TrainConfig
+    from cortiq_engine.mtp_train.run import train_mtp
+
+    path = smollm2_cmf("q8")
+    cfg = TrainConfig(layers=3, steps=30, seq=160, batch=2, lr=2e-3, warmup=3, holdout=0.0, max_tokens=8 * 160,
+                      checkpoint_every=0, chat=True, self_distill=32)
+    side = train_mtp(path, english_text, "english", cfg, out=tmp_path / "t.mtp.cmf", draft_vocab=4096).sidecar
+    eng = Engine.load(path, threads=1, mtp=side)
+    assert eng.drafts.vocab is not None and len(eng.drafts.vocab) == 4096
+    words = english_text.split()
+    accepted = 0
+    for i in range(3):
+        text = " ".join(words[500 * i + 4000 : 500 * i + 4040])
+        for prompt in (eng.tokenizer.encode(text),
+                       eng.tokenizer.encode(eng.tokenizer.apply_chat_template([{"role": "user", "content": text}]), add_bos=False)):
+            plain = eng.generate(prompt, SamplingConfig(), max_tokens=32, ignore_eos=True, speculative=False)
+            for depth, th in ((1, 0.0), (3, 0.0), (3, 0.4)):
+                spec = eng.generate(prompt, max_tokens=32, ignore_eos=True, speculative=SpeculativeConfig(depth=depth, threshold=th))
+                _assert_same(plain, spec)
+                accepted += sum(spec.extra["mtp"]["depth_accepted"])
+    assert accepted > 0
+
+
 def _rigged_from(plain, prompt, j, V):
     stream = list(prompt) + plain.token_ids
 

@@ -13,7 +13,7 @@ CHAIN_CHOICES = ("independent", "recursive")
 FEATURE_DTYPES = ("f16", "f32")
 # Settings a resumed run must share with the checkpoint (the rest may change, e.g. steps).
 RESUME_KEYS = ("layers", "seq", "batch", "lr", "warmup", "topk", "intermediate", "init_layer", "hidden", "vocab", "negatives", "seed", "holdout",
-               "ttt", "chain", "depth", "self_distill", "self_temperature")
+               "ttt", "chain", "depth", "self_distill", "self_temperature", "chat")
 
 
 @dataclass
@@ -46,6 +46,10 @@ class TrainConfig:
     # continuation (greedy, or sampled at self_temperature): the drafts' real task.
     self_distill: int = 0
     self_temperature: float = 0.0
+    # True: every window is a chat turn (an ask about a passage of the text, through the
+    # chat template) answered by the backbone; the text supplies passages, not windows.
+    # With self_distill too, chat turns alternate with plain self-distilled windows.
+    chat: bool = False
 
     @property
     def use_ttt(self) -> bool:
@@ -107,4 +111,7 @@ class TrainConfig:
     def resume_mismatch(self, saved: dict[str, Any]) -> list[str]:
         """Settings that differ from a checkpoint's (a resume with them would not continue the same run)."""
         mine = self.to_json()
-        return [f"{k} {saved.get(k)!r} in the checkpoint, {mine[k]!r} now" for k in RESUME_KEYS if saved.get(k) != mine[k]]
+        default = asdict(TrainConfig())
+        # A setting newer than the checkpoint is read as its default (what that run used).
+        return [f"{k} {saved.get(k, default[k])!r} in the checkpoint, {mine[k]!r} now" for k in RESUME_KEYS
+                if saved.get(k, default[k]) != mine[k]]

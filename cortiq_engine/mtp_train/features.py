@@ -218,32 +218,133 @@ def _top_logp(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def continuations(model, ids: np.ndarray, *, seq: int, prompt: int, temperature: float = 0.0, seed: int = 0,
-                  progress: Callable[[int, int], None] | None = None) -> np.ndarray:
+                  progress: Callable[[int, int], None] | None = None, cache: str | Path | None = None,
+                  backbone: str | None = None) -> np.ndarray:
     """The text speculative decoding must predict: every window of ``seq`` tokens keeps its
     first ``prompt`` real tokens and the rest is the backbone's own continuation (greedy,
     or sampled at ``temperature``), decoded by the engine with its KV cache. Returns the
     new ids, ``len(ids) // seq`` whole windows; ``progress(windows done, windows)``."""
-    from cortiq_engine.model import forward
-
     if not 1 <= prompt < seq:
         raise CortiqError(f"--self-distill {prompt}: the real prompt must be 1..{seq - 1} tokens of each window")
     ids = np.asarray(ids, np.int64)
     n = len(ids) // seq
-    out = ids[: n * seq].reshape(n, seq).copy()
-    rng = np.random.default_rng(seed)
-    for w in range(n):
+    prompts = [ids[w * seq : w * seq + prompt] for w in range(n)]
+    return continue_windows(model, prompts, seq=seq, temperature=temperature, seed=seed, progress=progress,
+                            cache=cache, backbone=backbone)
+
+
+def continue_windows(model, prompts: list[np.ndarray], *, seq: int, temperature: float = 0.0, seed: int = 0,
+                     progress: Callable[[int, int], None] | None = None, cache: str | Path | None = None,
+                     backbone: str | None = None) -> np.ndarray:
+    """Each prompt (1..seq-1 ids) continued by the backbone to ``seq`` tokens: [n * seq] ids.
+
+    Window w samples with its own generator (``seed``, w), so a window's text does not
+    depend on the others and a run resumed from ``cache`` (a folder: the windows done so
+    far, memory-mapped, keyed by the backbone, prompts and settings) equals an
+    uninterrupted one. Decoding is the slow part of self-distillation: about one
+    decode step per generated token."""
+    from cortiq_engine.model import forward
+
+    n = len(prompts)
+    for p in prompts:
+        if not 1 <= len(p) < seq:
+            raise CortiqError(f"a window's prompt of {len(p)} tokens does not leave room in --seq {seq}")
+    if cache is not None:
+        h = hashlib.sha256(json.dumps([CACHE_VERSION, "continue", backbone, seq, float(temperature), int(seed)]).encode())
+        for p in prompts:
+            h.update(np.asarray(p, np.int64).tobytes() + b"|")
+        store = FeatureCache(Path(cache), h.hexdigest()[:32], {"windows": ((n, seq), np.int32)})
+        out, start = store.arrays["windows"], store.done
+    else:
+        store, out, start = None, np.empty((n, seq), np.int32), 0
+    if progress and start:
+        progress(start, n)
+    for w in range(start, n):
+        rng = np.random.default_rng([seed, w])
+        p = np.asarray(prompts[w], np.int64)
+        out[w, : len(p)] = p
         state = model.new_state(seq)
-        h = forward(state, out[w, :prompt])[-1:]
-        for j in range(prompt, seq):
-            logits = model.lm_head(model.final_norm(h))[0].astype(np.float64)
+        h_last = forward(state, p)[-1:]
+        for j in range(len(p), seq):
+            logits = model.lm_head(model.final_norm(h_last))[0].astype(np.float64)
             if temperature > 0:
-                p = np.exp((logits - logits.max()) / temperature)
-                tok = int(rng.choice(len(p), p=p / p.sum()))
+                q = np.exp((logits - logits.max()) / temperature)
+                tok = int(rng.choice(len(q), p=q / q.sum()))
             else:
                 tok = int(np.argmax(logits))
             out[w, j] = tok
             if j + 1 < seq:
-                h = forward(state, [tok])
+                h_last = forward(state, [tok])
+        if store is not None:
+            store.commit(w + 1)
         if progress:
             progress(w + 1, n)
-    return out.reshape(-1)
+    return np.asarray(out, np.int64).reshape(-1)
+
+
+# What a chat user asks about a passage, for --chat training windows (cycled). The
+# speed benchmark's chat prompts (benchmarks/mtp_speedup.py) are worded differently and
+# quote held-out text, so a sidecar is measured on requests it was not trained on.
+CHAT_TRAIN_ASKS = (
+    "Summarize the following text.\n\n{p}",
+    "Describe what is going on here:\n\n{p}",
+    "Who are the characters in this passage, and what do they do?\n\n{p}",
+    "Retell this in your own words:\n\n{p}",
+    "What is the main idea of this text?\n\n{p}",
+    "Write a short continuation of this passage:\n\n{p}",
+    "Explain the meaning of this passage:\n\n{p}",
+    "List the key events in this passage:\n\n{p}",
+)
+CHAT_PASSAGE_CHARS = 400  # a passage quoted in a chat window: about 100 tokens
+
+
+def passages(text: str, chars: int = CHAT_PASSAGE_CHARS) -> list[str]:
+    """The text cut into passages of about ``chars`` characters at line ends (lines are
+    joined; a passage never starts mid-line)."""
+    out, cur = [], ""
+    for line in text.splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        cur = f"{cur} {line}" if cur else line
+        if len(cur) >= chars:
+            cut = cur.rfind(" ", 0, chars)
+            out.append(cur[: cut if cut > chars // 2 else chars])
+            cur = ""
+    return out
+
+
+def chat_prompts(tokenizer, text: str, *, seq: int, limit: int | None = None,
+                 asks: tuple[str, ...] = CHAT_TRAIN_ASKS, chars: int = CHAT_PASSAGE_CHARS) -> list[np.ndarray]:
+    """Chat windows' prompts: passage i of the text inside ask i % len(asks), as one user
+    turn through the model's chat template with the assistant's turn opened. A prompt
+    leaves at least a quarter of the window for the answer: a passage too long for that
+    is shortened (at a space), and skipped if even a short one does not fit."""
+    if not tokenizer.chat_template:
+        raise CortiqError("--chat: the backbone has no chat template")
+    room = seq - max(2, seq // 4)
+
+    def render(ask: str, passage: str) -> list[int]:
+        return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": ask.format(p=passage)}]),
+                                add_bos=False)
+
+    out: list[np.ndarray] = []
+    for i, p in enumerate(passages(text, chars)):
+        if limit is not None and len(out) >= limit:
+            break
+        ask = asks[i % len(asks)]
+        ids = render(ask, p)
+        bare = len(render(ask, ""))  # the ask and the template without the passage
+        for _ in range(4):
+            if len(ids) <= room or bare >= room:
+                break
+            # Tokens per character of this passage, measured: shrink to what fits.
+            keep = int(len(p) * (room - bare) / (len(ids) - bare) * 0.95)
+            cut = p.rfind(" ", 0, keep)
+            p = p[: cut if cut > keep // 2 else keep]
+            ids = render(ask, p)
+        if 1 <= len(ids) <= room:
+            out.append(np.asarray(ids, np.int64))
+    if not out:
+        raise CortiqError(f"--chat: no passage of the text fits a window of {seq} tokens with room for an answer")
+    return out

@@ -117,17 +117,34 @@ def train_mtp(
     quant = quant or (q if isinstance(q, str) else None) or "f32"
 
     ids = backbone.tokenizer.encode(text, add_bos=True)
-    if cfg.max_tokens is not None:
+    if cfg.max_tokens is not None and not cfg.chat:
         ids = ids[: cfg.max_tokens]
     if len(ids) < 2:
         raise CortiqError(f"{source}: too little text ({len(ids)} token)")
-    if cfg.self_distill:
-        from cortiq_engine.mtp_train.features import continuations
+    fingerprint = backbone.fingerprint or str(model_path.resolve())
+    feature_dir = Path(features) if features else features_path(out)
+    if cfg.chat or cfg.self_distill:
+        from cortiq_engine.mtp_train.features import chat_prompts, continuations, continue_windows
 
         if cb.phase:
             cb.phase("continue")
-        ids = continuations(backbone.model, ids, seq=cfg.seq, prompt=cfg.self_distill,
-                            temperature=cfg.self_temperature, seed=cfg.seed, progress=cb.generate)
+        # The backbone's own text is decoded token by token (the slow part): resumable
+        # from its own folder beside the collected rows.
+        common = dict(seq=cfg.seq, temperature=cfg.self_temperature, seed=cfg.seed, progress=cb.generate,
+                      cache=feature_dir / "continuations", backbone=fingerprint)
+        if cfg.chat:
+            limit = cfg.max_tokens // cfg.seq if cfg.max_tokens else None
+            if cfg.self_distill:
+                limit = max(1, limit // 2) if limit else None
+            prompts = chat_prompts(backbone.tokenizer, text, seq=cfg.seq, limit=limit)
+            if cfg.self_distill:
+                # Both kinds: chat turns alternate with plain windows of the text, as many of each.
+                n = min(len(prompts), len(ids) // cfg.seq)
+                plain = [np.asarray(ids[w * cfg.seq : w * cfg.seq + cfg.self_distill]) for w in range(n)]
+                prompts = [p for pair in zip(prompts[:n], plain) for p in pair]
+            ids = continue_windows(backbone.model, prompts, **common)
+        else:
+            ids = continuations(backbone.model, ids, prompt=cfg.self_distill, **common)
     if cb.phase:
         cb.phase("collect")
     t0 = time.perf_counter()
@@ -140,8 +157,8 @@ def train_mtp(
     else:
         raise CortiqError(f"--backbone {backend!r}: choose torch or engine")
     feats = collect(runner, ids, seq=cfg.seq, topk=cfg.topk, hidden=cfg.hidden, holdout=cfg.holdout,
-                    min_len=cfg.depths + 2, progress=cb.collect, cache=Path(features) if features else features_path(out),
-                    dtype=cfg.feature_dtype, backbone=backbone.fingerprint or str(model_path.resolve()))
+                    min_len=cfg.depths + 2, progress=cb.collect, cache=feature_dir,
+                    dtype=cfg.feature_dtype, backbone=fingerprint)
     collect_s = time.perf_counter() - t0
     del runner  # the f32 backbone copy is not needed for training
 
@@ -175,8 +192,16 @@ def train_mtp(
         from cortiq_engine.draft_vocab import vocab_from_text
         from formats.sidecar import draft_vocab_record
 
-        v_ids, n_tok = vocab_from_text(backbone.tokenizer, backbone.arch.vocab_size, backbone.tokenizer.eos_ids, text, draft_vocab,
-                                       cfg.max_tokens)
+        if cfg.chat or cfg.self_distill:
+            # The windows trained on (the backbone's own text): what the drafts predict.
+            from cortiq_engine.draft_vocab import choose_draft_vocab
+
+            tok = backbone.tokenizer
+            v_ids = choose_draft_vocab(ids, draft_vocab, backbone.arch.vocab_size, [*tok.eos_ids, *tok.special_ids()])
+            n_tok = len(ids)
+        else:
+            v_ids, n_tok = vocab_from_text(backbone.tokenizer, backbone.arch.vocab_size, backbone.tokenizer.eos_ids, text,
+                                           draft_vocab, cfg.max_tokens)
         vocab = (v_ids, draft_vocab_record(v_ids, source, n_tok))
     write_sidecar(out, backbone.header, model_path.name, res.stack.tensors(), quant=quant, hidden=cfg.hidden,
                   trained=trained, force=force or resume, draft_vocab=vocab)
