@@ -316,3 +316,30 @@ def test_mtp_train_chat_and_plain_windows_alternate(tiny, tmp_path):
         assert bb.tokenizer.decode(wins[w]).startswith("<user>")
     for k, w in enumerate((1, 3)):
         np.testing.assert_array_equal(wins[w, :10], text_ids[k * 128 : k * 128 + 10])
+
+
+def test_f16_features_refuse_rows_beyond_its_range():
+    """Gemma's pre-norm rows pass f16's 65,504: an f16 feature cache would store Inf and
+    training would diverge, so collection stops with the remedy; f32 stores them."""
+
+    class Runner:
+        hidden_size, vocab_size = 4, 8
+
+        def hidden(self, ids):
+            x = np.ones((len(ids), 4), np.float32)
+            x[1, 2] = 7e4
+            return x
+
+        def final_norm(self, x):
+            return x / np.sqrt((x.astype(np.float64) ** 2).mean(-1, keepdims=True)).astype(np.float32)
+
+        def logits(self, normed):
+            return np.tile(np.arange(8, dtype=np.float32), (len(normed), 1))
+
+    ids = np.arange(16) % 8
+    with pytest.raises(CortiqError, match=r"7e\+04, beyond f16's range .*--feature-dtype f32"):
+        collect(Runner(), ids, seq=8, topk=2, hidden="pre", holdout=0.0, min_len=3, dtype="f16")
+    f = collect(Runner(), ids, seq=8, topk=2, hidden="pre", holdout=0.0, min_len=3, dtype="f32")
+    assert f.hidden[0, 1, 2] == 7e4
+    post = collect(Runner(), ids, seq=8, topk=2, hidden="post", holdout=0.0, min_len=3, dtype="f16")
+    assert np.isfinite(post.hidden).all()

@@ -185,7 +185,14 @@ def collect(
     for w in range(start, n):
         x = runner.hidden(tokens[w])
         normed = runner.final_norm(x)
-        arrays["hidden"][w] = normed if hidden == "post" else x
+        rows = normed if hidden == "post" else x
+        if hdt == np.float16 and np.abs(rows).max() > np.finfo(np.float16).max:
+            # Gemma's residual stream passes f16's 65,504 (measured: training on such
+            # rows diverges at the first step), so say so instead of storing Inf.
+            big = float(np.abs(rows).max())
+            raise CortiqError(f"the backbone's hidden rows reach {big:.4g}, beyond f16's range (65,504): "
+                              f"use --feature-dtype f32 (or --mtp-hidden post)")
+        arrays["hidden"][w] = rows
         arrays["tokens"][w] = tokens[w]
         for r0 in range(0, seq, HEAD_ROWS):
             logits = runner.logits(normed[r0 : r0 + HEAD_ROWS]).astype(np.float64)
