@@ -260,3 +260,22 @@ def test_k_and_iq_quant_sources_import_as_gguf_py_dequantizes(tmp_path: Path, qt
     with safe_open(tmp_path / "hf" / "model.safetensors", "np") as f:
         got = f.get_tensor("model.layers.1.mlp.down_proj.weight")
     assert got.shape == (64, 256) and np.array_equal(got, want, equal_nan=True)
+
+
+def test_mtp_train_torch_backbone_is_checked_against_the_engine(tiny, tmp_path):
+    """mtp-train's torch backbone re-implements llama-style blocks only: on Gemma 3 its
+    rows are another model's (found on the real 270M: relative difference 48, greedy
+    agreement 0 %), so the run stops before collecting; --backbone engine trains."""
+    pytest.importorskip("torch")
+    from cortiq_engine.mtp_train.config import TrainConfig
+    from cortiq_engine.mtp_train.run import train_mtp
+    from formats.errors import CortiqError
+
+    text = (Path(__file__).resolve().parents[1] / "evals" / "data" / "alice.txt").read_text()[:1500]
+    cfg = TrainConfig(layers=1, steps=2, seq=32, batch=1, warmup=1, topk=4, holdout=0.0, max_tokens=96,
+                      checkpoint_every=0, negatives=8)
+    with pytest.raises(CortiqError, match=r"--backbone torch does not reproduce the engine on this gemma3 model .*use --backbone engine"):
+        train_mtp(tiny[2], text, "alice", cfg, out=tmp_path / "t.mtp.cmf", kernels="numpy", backend="torch")
+    assert not (tmp_path / "t.mtp.features").exists()
+    r = train_mtp(tiny[2], text, "alice", cfg, out=tmp_path / "e.mtp.cmf", kernels="numpy", backend="engine")
+    assert r.steps == 2 and (tmp_path / "e.mtp.cmf").is_file()

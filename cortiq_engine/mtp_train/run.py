@@ -19,6 +19,24 @@ from cortiq_engine.mtp_train.config import TrainConfig
 EVAL_WINDOWS = 32
 
 
+TORCH_CHECK_TOKENS = 64
+TORCH_CHECK_TOLERANCE = 1e-3  # relative; SmolLM2 q8 measures 8.8e-7, Gemma 3 (unsupported) 48
+
+
+def check_torch_backbone(runner, backbone, ids: np.ndarray) -> None:
+    """--backbone torch re-implements the backbone's blocks in torch (llama-style blocks
+    only): its hidden rows must be the engine's, or the drafts learn another model. One
+    short window through both, before any collection."""
+    from cortiq_engine.mtp_train.features import EngineRunner
+
+    e = EngineRunner(backbone).hidden(ids)
+    t = runner.hidden(ids)
+    rel = float(np.linalg.norm(e - t) / max(float(np.linalg.norm(e)), 1e-30))
+    if not rel <= TORCH_CHECK_TOLERANCE:
+        raise CortiqError(f"--backbone torch does not reproduce the engine on this {backbone.arch.arch} model "
+                          f"(relative difference {rel:.3g} over {len(ids)} tokens): use --backbone engine")
+
+
 def features_path(out: Path) -> Path:
     stem = out.name[: -len(".cmf")] if out.name.endswith(".cmf") else out.name
     return out.with_name(f"{stem}.features")
@@ -152,6 +170,7 @@ def train_mtp(
         from cortiq_engine.mtp_train.draft_torch import TorchBackbone
 
         runner = TorchBackbone(backbone, cfg.seq)
+        check_torch_backbone(runner, backbone, np.asarray(ids[: min(len(ids), cfg.seq, TORCH_CHECK_TOKENS)]))
     elif backend == "engine":
         runner = EngineRunner(backbone)
     else:
