@@ -186,11 +186,11 @@ def collect(
         x = runner.hidden(tokens[w])
         normed = runner.final_norm(x)
         rows = normed if hidden == "post" else x
-        if hdt == np.float16 and np.abs(rows).max() > np.finfo(np.float16).max:
+        peak = float(np.abs(rows).max()) if hdt == np.float16 else 0.0
+        if peak > np.finfo(np.float16).max:
             # Gemma's residual stream passes f16's 65,504 (measured: training on such
             # rows diverges at the first step), so say so instead of storing Inf.
-            big = float(np.abs(rows).max())
-            raise CortiqError(f"the backbone's hidden rows reach {big:.4g}, beyond f16's range (65,504): "
+            raise CortiqError(f"the backbone's hidden rows reach {peak:.4g}, beyond f16's range (65,504): "
                               f"use --feature-dtype f32 (or --mtp-hidden post)")
         arrays["hidden"][w] = rows
         arrays["tokens"][w] = tokens[w]
@@ -341,7 +341,7 @@ def chat_prompts(tokenizer, text: str, *, seq: int, limit: int | None = None,
             break
         ask = asks[i % len(asks)]
         ids = render(ask, p)
-        bare = len(render(ask, ""))  # the ask and the template without the passage
+        bare = len(render(ask, "")) if len(ids) > room else 0  # the ask and template alone
         for _ in range(4):
             if len(ids) <= room or bare >= room:
                 break
