@@ -95,6 +95,52 @@ def test_vnni_and_avx2_forms_give_the_same_bits(dtype, bits, cols):
     assert qdot.module_ir(dtype, bits, vnni=False).count("call <8 x i32> @llvm.x86.avx512.vpdp") == 0
 
 
+@pytest.mark.skipif(not qdot.host_zmm(), reason="this CPU has no AVX-512 VNNI: the 4-row zmm bodies cannot run")
+@pytest.mark.parametrize("dtype,bits", qdot.ZBODIES)
+@pytest.mark.parametrize("cols", [32, 160, 256, 608, 2048])
+def test_zmm_bodies_give_the_per_row_bodies_bits(dtype, bits, cols):
+    """3- and 4-row calls on the zmm bodies (rows side by side in 128-bit lanes) give
+    exactly what the per-row bodies give, for whole groups, leftover blocks and both,
+    with every split of 3..9 rows into calls of at most 4."""
+    ws = [_weight(dtype, r, cols, seed=i + cols)[0] for i, r in enumerate((37, 16, 5))]
+    zk, rk = NumbaKernels(act_bits=bits, zmm=True), NumbaKernels(act_bits=bits, zmm=False)
+    assert zk._plans_for(ws)[0][0].zmm and not rk._plans_for(ws)[0][0].zmm
+    X = RNG.standard_normal((9, cols)).astype(np.float32) * np.float32(3)
+    X[2, : min(cols, 64)] = 0  # an all-zero block: scale 0
+    for n in (3, 4, 5, 7, 8, 9):
+        z = zk.matmul(ws, X[:n])
+        assert np.array_equal(z, rk.matmul(ws, X[:n]))
+        assert np.array_equal(z[n - 1], zk.matmul(ws, X[n - 1 : n])[0])
+    twin = np.concatenate([qdot.qdot_ref(dtype, w.parts, X, bits) for w in ws], axis=1)
+    assert np.abs(zk.matmul(ws, X) - twin).max() / np.abs(twin).max() < 2e-6
+
+
+def test_interleave_rows_layout():
+    """The zmm bodies' copy: xt[b, k, r] is row r's k-th 16-byte chunk of block b, rows
+    past nx zero; xdt / xst hold 4 blocks' scales of each row side by side."""
+    n, cols = 3, 256
+    xq = RNG.integers(-127, 128, (n, cols)).astype(np.int8)
+    xd, xs = RNG.random((n, cols // 32), np.float32), RNG.random((n, cols // 32), np.float32)
+    xt = np.full((cols // 32, 2, qdot.ZROWS, 16), 99, np.int8)
+    xdt, xst = (np.full((cols // 128, qdot.ZROWS, 4), 9, np.float32) for _ in range(2))
+    qdot.interleave_rows(xq, xd, xs, 0, n, xt, xdt, xst)
+    want = np.zeros((cols // 32, 2, qdot.ZROWS, 16), np.int8)
+    want[:, :, :n] = xq.reshape(n, cols // 32, 2, 16).transpose(1, 2, 0, 3)
+    assert np.array_equal(xt, want)
+    assert np.array_equal(xdt[:, :n], xd.reshape(n, -1, 4).transpose(1, 0, 2)) and not xdt[:, n:].any()
+    assert np.array_equal(xst[:, :n], xs.reshape(n, -1, 4).transpose(1, 0, 2)) and not xst[:, n:].any()
+
+
+def test_module_ir_zmm_entries():
+    """With zmm, q4's 3- and 4-row cases call the zmm bodies and they use 512-bit vpdpbusd;
+    q8 keeps its per-row bodies."""
+    ir = qdot.module_ir("q4", 8, vnni=True, zmm=True)
+    assert "call void @q4_rows4z(" in ir and "call void @q4_rows3z(" in ir and "call void @q4_rows2(" in ir
+    assert "@llvm.x86.avx512.vpdpbusd.512(" in ir
+    assert "_rows4z" not in qdot.module_ir("q8", 16, vnni=True, zmm=True)
+    assert "_rows4z" not in qdot.module_ir("q4", 8, vnni=True, zmm=False)
+
+
 @needs_simd
 @pytest.mark.parametrize("dtype", ["q4k", "q5k", "q6k"])
 def test_kquant_integer_kernel_reads_every_scale_and_bit(dtype):

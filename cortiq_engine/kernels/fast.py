@@ -85,6 +85,7 @@ class _Plan:
     addrs: np.ndarray | None  # int64[FUSE_MAX, qdot.NPARTS]: each matrix's part addresses
     rows: np.ndarray | None  # int64[FUSE_MAX]: each matrix's rows
     qmax: int  # the activations' largest integer (qdot.qmax)
+    zmm: bool  # the kernel's 3- and 4-row bodies read interleaved rows (qdot.IntDot.interleaves)
 
 
 def _readonly(a: np.ndarray) -> np.ndarray:
@@ -104,7 +105,7 @@ class NumbaKernels(NumpyKernels):
         return min(self.small_n, SMALL_ATTN)
 
     def __init__(self, small_n: int = SMALL_N, act_bits: int | Mapping[str, int] | None = None,
-                 vnni: bool | None = None):
+                 vnni: bool | None = None, zmm: bool | None = None):
         self.small_n = small_n
         # Quantized dtypes decode and verify on integer activations (qdot.py) where the
         # CPU has AVX2: ``act_bits`` per dtype (default ACT_BITS), or one width for all;
@@ -112,7 +113,8 @@ class NumbaKernels(NumpyKernels):
         widths = dict(ACT_BITS if act_bits is None else act_bits if isinstance(act_bits, Mapping)
                       else {k: int(act_bits) for k in ACT_BITS})
         # ``vnni``: the integer kernels' VNNI form (default where the CPU has it; same results).
-        self._intdot = qdot.compile_intdot(vnni) if any(widths.values()) else None
+        # ``zmm``: 3- and 4-row calls on AVX-512 VNNI bodies (default where the CPU has it; same results).
+        self._intdot = qdot.compile_intdot(vnni, zmm) if any(widths.values()) else None
         self.act_bits = {k: v for k, v in widths.items() if v} if self._intdot is not None else {}
         # Per-thread scratch for dequantized tiles, reused so prefill matmuls do not
         # page-fault a fresh buffer per call.
@@ -175,7 +177,8 @@ class NumbaKernels(NumpyKernels):
             rows = np.array([w.rows for w in run] + [0] * (FUSE_MAX - count), np.int64)
         bits = bits if fn is not None else 0
         return _Plan(sum(w.rows for w in run), count, offs, parts, ops, bits, int_parts, fn, addrs, rows,
-                     qdot.qmax(ops.dtype, bits) if bits else 0)
+                     qdot.qmax(ops.dtype, bits) if bits else 0,
+                     bool(bits) and self._intdot.interleaves(ops.dtype, bits))
 
     def _large(self, ws: Sequence[Weight], X: np.ndarray, out: np.ndarray) -> None:
         """Prefill: row slices of the weights, each dequantized into a per-thread tile
@@ -227,7 +230,8 @@ class NumbaKernels(NumpyKernels):
             plan.ops.small(plan.parts, plan.count, plan.offs, X, out)
             return
         # Decode/verify on integer activations: X quantized once per call, inside it.
-        qdot.intdot(plan.fn, plan.addrs, plan.rows, plan.count, plan.offs, X, _ACT_PROTO[plan.bits], plan.qmax, out)
+        qdot.intdot(plan.fn, plan.addrs, plan.rows, plan.count, plan.offs, X, _ACT_PROTO[plan.bits], plan.qmax,
+                    plan.zmm, out)
 
     def _small_args(self, run: list[Weight]) -> tuple[int, np.ndarray, list[tuple[np.ndarray, ...]]]:
         """(count, row offsets, part 3-tuples padded with empty arrays) for a fused run."""

@@ -52,8 +52,12 @@ from numba.extending import intrinsic
 QB = 32
 # Input rows one IR call handles with all accumulators in registers (AVX2 has 16).
 MAX_ROWS = 4
-# Weight rows ahead whose block is prefetched (the CPU's prefetcher stops at pages).
-PREFETCH_ROWS = 8
+# How far ahead of the block being multiplied the weights are prefetched (the CPU's own
+# prefetcher stops at pages). A fixed distance in bytes, not in rows: 8 rows ahead suits
+# SmolLM2's 576-column rows (4.6 KB), but at 2,048 columns (16 KB ahead) a 1.1B q8 decode
+# step took 57-61 ms where 2-3 KB ahead took 47-53 (a 4-row verify 78 vs 70-74 ms;
+# Sapphire Rapids, 2 threads; SmolLM2 within noise from 2 to 16 KB).
+PREFETCH_BYTES = 3072
 NEEDED_FEATURES = ("avx2", "fma", "f16c")
 
 
@@ -130,8 +134,10 @@ _ONES16 = "<" + ", ".join(["i16 1"] * 16) + ">"
 # blocks of 32 per row (a K-quant super-block is 8 of them).
 NPARTS = 5
 _PARGS = ", ".join(f"i8* %p{k}" for k in range(NPARTS))
-_ARGS = _PARGS + ", i64 %r0, i64 %r1, i64 %nb, i8* %xq, float* %xd, float* %xs, float* %out, i64 %ostride"
-_CALL_ARGS = _PARGS + ", i64 %r0, i64 %r1, i64 %nb, i8* %xq, float* %xd, float* %xs, float* %out, i64 %ostride"
+# The 4-row zmm bodies (``_zbody``) also read the rows' interleaved copy: xt, xdt, xst.
+_ARGS = _PARGS + (", i64 %r0, i64 %r1, i64 %nb, i8* %xq, float* %xd, float* %xs, float* %out, i64 %ostride,"
+                  " i8* %xt, float* %xdt, float* %xst")
+_CALL_ARGS = _ARGS
 # Which kernel part each role of the 32-block bodies is: (scale, min, fifth bits,
 # quants), None where the dtype has no such part. q8 has no min term; q4_0 and q5
 # (Q5_0) derive theirs from the scale (``_ZERO``).
@@ -393,7 +399,7 @@ def _gbody(kind: str, nx: int, act: int = 8, vnni: bool = False) -> str:
     f(f"  %wh = bitcast i8* %p{sd if sh is None else sh} to i32*")
     f("  %cols = mul i64 %nb, 32")
     f(f"  %wrow_bytes = mul i64 %nb, {wbytes}")
-    f(f"  %pf_ahead = mul i64 %wrow_bytes, {PREFETCH_ROWS}")
+    f(f"  %pf_ahead = add i64 0, {PREFETCH_BYTES}")
     f("  %xq16 = bitcast i8* %xq to i16*")
     f(f"  %ngroups = udiv i64 %nb, {GROUP}")
     f(f"  %gmain = mul i64 %ngroups, {GROUP}")
@@ -537,17 +543,17 @@ def _kbody(kind: str, nx: int, act: int = 8, vnni: bool = False) -> str:
         f("  %ql_row = mul i64 %nsb, 128")
         f("  %qh_row = mul i64 %nsb, 64")
         f("  %sc_row = mul i64 %nsb, 16")
-        f(f"  %pf_ahead = mul i64 %ql_row, {PREFETCH_ROWS}")
-        f(f"  %pf_ahead_h = mul i64 %qh_row, {PREFETCH_ROWS}")
+        f(f"  %pf_ahead = add i64 0, {PREFETCH_BYTES}")
+        f(f"  %pf_ahead_h = add i64 0, {PREFETCH_BYTES // 2}")  # qh: half of ql's bytes
     else:  # (d, dmin, scales, [qh,] qs)
         f("  %kd = bitcast i8* %p0 to i16*")
         f("  %kdm = bitcast i8* %p1 to i16*")
         f("  %sc_row = mul i64 %nsb, 12")
         f("  %qs_row = mul i64 %nsb, 128")
-        f(f"  %pf_ahead = mul i64 %qs_row, {PREFETCH_ROWS}")
+        f(f"  %pf_ahead = add i64 0, {PREFETCH_BYTES}")
         if kind == "q5k":
             f("  %qh_row = mul i64 %nsb, 32")
-            f(f"  %pf_ahead_h = mul i64 %qh_row, {PREFETCH_ROWS}")
+            f(f"  %pf_ahead_h = add i64 0, {PREFETCH_BYTES // 4}")  # qh: a quarter of qs's bytes
     f("  %empty = icmp sge i64 %r0, %r1")
     f("  br i1 %empty, label %exit, label %rowloop")
     f("rowloop:")
@@ -682,40 +688,259 @@ def _kbody(kind: str, nx: int, act: int = 8, vnni: bool = False) -> str:
     return _close_rows(f)
 
 
-def _dispatch(kind: str, act: int = 8) -> str:
-    """The exported entry: a switch on the number of input rows."""
+# ------------------------------------------------------------ 4-row zmm bodies
+# Where the CPU has AVX-512 VNNI, a call of 3 or 4 input rows takes ``_zbody``: the
+# rows share every 512-bit dot product. Lane (r, k) of a zmm register holds input
+# row r's 16-byte chunk of a block (``interleave_rows`` lays the rows out so), the
+# weight chunk is repeated in all four 128-bit lanes, and one vpdpbusd / vpdpwssd
+# multiplies a weight chunk by four rows at once. Four blocks' sums then reduce into
+# one register (lane (r, j) = block j of row r) in 9 shuffles and adds, where the
+# per-row bodies spend a reduction per row (2.6 of their 5-6 vector instructions per
+# block and row). The float side meets scales in the per-row bodies' order: the
+# same FMAs on the same values, the same final sum tree, so a row's result in a 4-row
+# call is bit for bit its result in a 1-row call.
+ZROWS = 4
+ZROWS_FROM = 3  # fewer rows keep the per-row bodies (a 4-lane pass would idle half its lanes)
+# (dtype, activation width) pairs with a zmm body: q4 and q4_0 on their default int8
+# activations, where a weight chunk is one broadcast load, a mask and a shift. q4 4-row
+# call on a 5632 x 2048 matrix, one thread: 0.74 -> 0.60 ms (Sapphire Rapids). q8's
+# int16 chunks must be sign-extended and repeated across lanes (8 port-5 shuffles a
+# block): its zmm body measured slower than the per-row one (1.37 vs 1.11 ms), so q8,
+# the int16 forms, q5/q5_1 (fifth bits) and the K-quants keep the per-row bodies.
+ZBODIES = (("q4", 8), ("q4_0", 8))
+ZFEATURES = ("avx512f", "avx512bw", "avx512vnni")
+_DECLS_Z = """
+declare <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32>, <16 x i32>, <16 x i32>)
+declare <16 x i32> @llvm.x86.avx512.vpdpwssd.512(<16 x i32>, <16 x i32>, <16 x i32>)
+declare <16 x float> @llvm.fma.v16f32(<16 x float>, <16 x float>, <16 x float>)
+"""
+
+
+def chunk_elems(act: int) -> int:
+    """Activation integers per 16-byte chunk: 16 int8 or 8 int16 (a block is 32 / this chunks)."""
+    return 16 if act == 8 else 8
+
+
+def _mask(idx) -> str:
+    """A shufflevector mask operand: <n x i32> <i32 a, ...>."""
+    idx = list(idx)
+    return f"<{len(idx)} x i32> <" + ", ".join(f"i32 {i}" for i in idx) + ">"
+
+
+def _lanes4(f: _Fn, ty: str, v: str, n: int) -> str:
+    """<n x ty> -> <4n x ty>: the vector repeated in each of four 128-bit lanes."""
+    return f.v(f"shufflevector <{n} x {ty}> {v}, <{n} x {ty}> undef, {_mask(list(range(n)) * 4)}")
+
+
+def _reduce4z(f: _Fn, vs: list[str]) -> str:
+    """Four <16 x i32> vectors, lane (r, k) = partial sum k of row r -> one whose lane
+    (r, j) is row r's total of vs[j] (exact integer adds, within 128-bit lanes)."""
+    def pair(a: str, b: str, lo: list[int], hi: list[int]) -> str:
+        x = f.v(f"shufflevector <16 x i32> {a}, <16 x i32> {b}, {_mask(lo)}")
+        y = f.v(f"shufflevector <16 x i32> {a}, <16 x i32> {b}, {_mask(hi)}")
+        return f.v(f"add <16 x i32> {x}, {y}")
+    # level 1 (unpack dwords): [a0+a2, b0+b2, a1+a3, b1+b3] per lane
+    lo1 = [x for L in range(4) for x in (4 * L, 16 + 4 * L, 4 * L + 1, 16 + 4 * L + 1)]
+    hi1 = [x for L in range(4) for x in (4 * L + 2, 16 + 4 * L + 2, 4 * L + 3, 16 + 4 * L + 3)]
+    t01, t23 = pair(vs[0], vs[1], lo1, hi1), pair(vs[2], vs[3], lo1, hi1)
+    # level 2 (unpack qwords): [t01_0 + t01_2, t01_1 + t01_3, t23_0 + t23_2, t23_1 + t23_3]
+    lo2 = [x for L in range(4) for x in (4 * L, 4 * L + 1, 16 + 4 * L, 16 + 4 * L + 1)]
+    hi2 = [x for L in range(4) for x in (4 * L + 2, 4 * L + 3, 16 + 4 * L + 2, 16 + 4 * L + 3)]
+    return pair(t01, t23, lo2, hi2)
+
+
+def _zbody(kind: str, act: int, nx: int) -> str:
+    """``kind``'s zmm body for ``nx`` (3 or 4) input rows (see above); the interleaved
+    copy's rows past nx are zeros, computed alongside and never stored. Groups of 8 blocks as ``_gbody`` (two
+    4-block halves: accumulator A holds blocks 0-3 of every group, B blocks 4-7, so
+    A + B is ``_gbody``'s first sum step); the nb % 8 leftover blocks take
+    ``_block`` per row, on the per-row layout."""
+    assert (kind, act) in ZBODIES and ZROWS_FROM <= nx <= ZROWS
+    q4 = _nibbles(kind)
+    wbytes = 16 if q4 else 32
+    E = chunk_elems(act)
+    ch = QB // E  # chunks per block: 2 (int8) or 4 (int16)
+    ity = "i8" if act == 8 else "i16"
     name = _entry(kind, act)
-    L = [f"define void @{name}_rows(i64 %nx, {_ARGS}) nounwind {{", "entry:"]
+    f = _Fn(True)
+    f(f"define internal void @{name}_rows{nx}z({_ARGS}) nounwind alwaysinline \"min-legal-vector-width\"=\"512\" {{")
+    f("entry:")
+    sd, sm, sh, sq = _ROLES[kind]
+    f(f"  %wd = bitcast i8* %p{sd} to i16*")
+    f(f"  %wm = bitcast i8* %p{sd if sm is None else sm} to i16*")
+    f(f"  %wq = getelementptr i8, i8* %p{sq}, i64 0")
+    f(f"  %wh = bitcast i8* %p{sd if sh is None else sh} to i32*")
+    f("  %cols = mul i64 %nb, 32")
+    f(f"  %wrow_bytes = mul i64 %nb, {wbytes}")
+    f(f"  %pf_ahead = add i64 0, {PREFETCH_BYTES}")
+    f("  %xq16 = bitcast i8* %xq to i16*")
+    f(f"  %ngroups = udiv i64 %nb, {GROUP}")
+    f(f"  %gmain = mul i64 %ngroups, {GROUP}")
+    f("  %hastail = icmp slt i64 %gmain, %nb")
+    f("  %empty = icmp sge i64 %r0, %r1")
+    f("  br i1 %empty, label %exit, label %rowloop")
+    f("rowloop:")
+    f("  %row = phi i64 [%r0, %entry], [%rownext, %rowend]")
+    f("  %wqrow = mul i64 %row, %wrow_bytes")
+    f("  %wdrow = mul i64 %row, %nb")
+    f("  %hasg = icmp sgt i64 %ngroups, 0")
+    f("  br i1 %hasg, label %grp, label %gdone")
+    f("grp:")
+    f("  %g = phi i64 [0, %rowloop], [%gnext, %grp]")
+    names = ["%zA", "%zB"] + (["%zmA", "%zmB"] if q4 else [])
+    phi_at = len(f.lines)
+    b0 = f.v(f"mul i64 %g, {GROUP}")
+    gbase = f.v(f"add i64 %wqrow, {f.v(f'mul i64 {b0}, {wbytes}')}")
+    for off in range(0, GROUP * wbytes, 64):
+        o = f.v(f"add i64 {gbase}, {off}")
+        pp = f.v(f"getelementptr i8, i8* %wq, i64 {f.v(f'add i64 {o}, %pf_ahead')}")
+        f(f"  call void @llvm.prefetch.p0i8(i8* {pp}, i32 0, i32 3, i32 1)")
+    new = {}
+    for half, (acc, macc) in enumerate((("%zA", "%zmA"), ("%zB", "%zmB"))):
+        sums = []
+        for j in range(4):
+            b = f.v(f"add i64 {b0}, {4 * half + j}")
+            bo = f.v(f"mul i64 {b}, {wbytes}")
+            wp = f.v(f"getelementptr i8, i8* %wq, i64 {f.v(f'add i64 %wqrow, {bo}')}")
+            if q4 and act == 8:
+                pk = f.v(f"load <16 x i8>, <16 x i8>* {f.v(f'bitcast i8* {wp} to <16 x i8>*')}, align 1")
+                rep = _lanes4(f, "i8", pk, 16)
+                wch = [f.v(f"and <64 x i8> {rep}, {_const('i8', 64, 15)}"),
+                       f.v(f"lshr <64 x i8> {rep}, {_const('i8', 64, 4)}")]
+            elif q4:  # int16: each 8-quant chunk zero-extended, then repeated
+                pk = f.v(f"load <16 x i8>, <16 x i8>* {f.v(f'bitcast i8* {wp} to <16 x i8>*')}, align 1")
+                lo, hi = f.v(f"and <16 x i8> {pk}, {_const('i8', 16, 15)}"), f.v(f"lshr <16 x i8> {pk}, {_const('i8', 16, 4)}")
+                wch = []
+                for k in range(ch):
+                    part = f.v(f"shufflevector <16 x i8> {lo if k < 2 else hi}, <16 x i8> undef, {_mask(range(8 * (k % 2), 8 * (k % 2) + 8))}")
+                    wch.append(_lanes4(f, "i16", f.v(f"zext <8 x i8> {part} to <8 x i16>"), 8))
+            else:
+                wfull = f.v(f"load <32 x i8>, <32 x i8>* {f.v(f'bitcast i8* {wp} to <32 x i8>*')}, align 1")
+                wch = []
+                for k in range(ch):
+                    part = f.v(f"shufflevector <32 x i8> {wfull}, <32 x i8> undef, {_mask(range(E * k, E * k + E))}")
+                    if act == 16:
+                        part = f.v(f"sext <8 x i8> {part} to <8 x i16>")
+                    wch.append(_lanes4(f, ity, part, E))
+            acc32 = "zeroinitializer"
+            for k in range(ch):
+                bk = f.v(f"mul i64 {b}, {ch}")
+                xo = f.v(f"mul i64 {f.v(f'add i64 {bk}, {k}')}, 64")
+                xp = f.v(f"getelementptr i8, i8* %xt, i64 {xo}")
+                xv = f.v(f"load <16 x i32>, <16 x i32>* {f.v(f'bitcast i8* {xp} to <16 x i32>*')}, align 4")
+                wv = f.v(f"bitcast <{4 * E} x {ity}> {wch[k]} to <16 x i32>")
+                if act == 8:  # unsigned weights (nibbles) times signed activations
+                    acc32 = f.v(f"call <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32> {acc32}, <16 x i32> {wv}, <16 x i32> {xv})")
+                else:
+                    acc32 = f.v(f"call <16 x i32> @llvm.x86.avx512.vpdpwssd.512(<16 x i32> {acc32}, <16 x i32> {wv}, <16 x i32> {xv})")
+            sums.append(acc32)
+        u = _reduce4z(f, sums)
+        bh = f.v(f"add i64 {b0}, {4 * half}")
+        wdo = f.v(f"add i64 %wdrow, {bh}")
+
+        def half4(base: str) -> str:
+            p = f.v(f"getelementptr i16, i16* {base}, i64 {wdo}")
+            h = f.v(f"load <4 x half>, <4 x half>* {f.v(f'bitcast i16* {p} to <4 x half>*')}, align 2")
+            return _lanes4(f, "float", f.v(f"fpext <4 x half> {h} to <4 x float>"), 4)
+
+        def rows16(base: str) -> str:  # xdt / xst: [nb / 4][4 rows][4 blocks]
+            p = f.v(f"getelementptr float, float* {base}, i64 {f.v(f'mul i64 {bh}, 4')}")
+            return f.v(f"load <16 x float>, <16 x float>* {f.v(f'bitcast float* {p} to <16 x float>*')}, align 4")
+
+        dw = half4("%wd")
+        s = f.v(f"fmul <16 x float> {dw}, {rows16('%xdt')}")
+        uf = f.v(f"sitofp <16 x i32> {u} to <16 x float>")
+        new[acc] = f.v(f"call <16 x float> @llvm.fma.v16f32(<16 x float> {uf}, <16 x float> {s}, <16 x float> {acc})")
+        if q4:
+            if _stored_min(kind):
+                mw = half4("%wm")
+            else:  # q4_0: the min -8 d, exact in f32, as _gbody
+                mw = f.v(f"fmul <16 x float> {dw}, {_splat(f, 'float', 16, f'-{_ZERO[kind]}.0')}")
+            new[macc] = f.v(f"call <16 x float> @llvm.fma.v16f32(<16 x float> {mw}, <16 x float> {rows16('%xst')}, <16 x float> {macc})")
+    carried = [(n, "<16 x float>", "zeroinitializer", new[n]) for n in names]
+    _loop_back(f, "%g", "%gnext", "%ngroups", "grp", "rowloop", "gdone", phi_at, carried)
+    f("gdone:")
+    for n in names:
+        f(f"  {n}_end = phi <16 x float> [zeroinitializer, %rowloop], [{new[n]}, %grp]")
+    f("  br i1 %hastail, label %tloop, label %fin")
+    # the nb % 8 leftover blocks, per row on the per-row layout (as _gbody's tail)
+    f("tloop:")
+    f("  %tb = phi i64 [%gmain, %gdone], [%tbnext, %tloop]")
+    tacc = [f"%tacc{r}" for r in range(nx)]
+    tmacc = [f"%tmacc{r}" for r in range(nx)]
+    tphi_at = len(f.lines)
+    na, nm = _block(f, kind, act, nx, "%tb", tacc, tmacc if q4 else ["0.0"] * nx)
+    carried = [(tacc[r], "<8 x float>", "zeroinitializer", na[r]) for r in range(nx)]
+    if q4:
+        carried += [(tmacc[r], "float", "0.0", nm[r]) for r in range(nx)]
+    _loop_back(f, "%tb", "%tbnext", "%nb", "tloop", "gdone", "fin", tphi_at, carried)
+    f("fin:")
+    tas = [f.v(f"phi <8 x float> [zeroinitializer, %gdone], [{na[r]}, %tloop]") for r in range(nx)]
+    tms = [f.v(f"phi float [0.0, %gdone], [{nm[r]}, %tloop]") if q4 else None for r in range(nx)]
+
+    def hsum_rows(a: str, b: str) -> str:
+        """_hsum of each row's 8 lanes (A's 4 then B's 4), for all rows at once: lane (r, 0)."""
+        c = f.v(f"fadd <16 x float> {a}, {b}")  # c_k = v_k + v_{k+4}
+        c2 = f.v(f"shufflevector <16 x float> {c}, <16 x float> undef, {_mask([4 * (i // 4) + (i % 4 + 2) % 4 for i in range(16)])}")
+        d = f.v(f"fadd <16 x float> {c}, {c2}")  # d0 = c0 + c2, d1 = c1 + c3
+        d1 = f.v(f"shufflevector <16 x float> {d}, <16 x float> undef, {_mask([4 * (i // 4) + (i % 4 + 1) % 4 for i in range(16)])}")
+        return f.v(f"fadd <16 x float> {d}, {d1}")
+
+    hf = hsum_rows("%zA_end", "%zB_end")
+    hm = hsum_rows("%zmA_end", "%zmB_end") if q4 else None
+    for r in range(nx):
+        h = f.v(f"extractelement <16 x float> {hf}, i32 {4 * r}")
+        if q4:
+            h = f.v(f"fadd float {h}, {f.v(f'extractelement <16 x float> {hm}, i32 {4 * r}')}")
+        h = f.v(f"fadd float {h}, {_hsum(f, tas[r])}")
+        if q4:
+            h = f.v(f"fadd float {h}, {tms[r]}")
+        oo = f.v(f"add i64 {f.v(f'mul i64 %ostride, {r}')}, %row")
+        f(f"  store float {h}, float* {f.v(f'getelementptr float, float* %out, i64 {oo}')}, align 4")
+    return _close_rows(f)
+
+
+def _dispatch(kind: str, act: int = 8, zmm: bool = False) -> str:
+    """The exported entry: a switch on the number of input rows (``zmm``: 3 and 4 rows
+    take ``_zbody``)."""
+    name = _entry(kind, act)
+    attrs = ' "min-legal-vector-width"="512"' if zmm else ""
+    L = [f"define void @{name}_rows(i64 %nx, {_ARGS}) nounwind{attrs} {{", "entry:"]
     cases = " ".join(f"i64 {n}, label %n{n}" for n in range(1, MAX_ROWS + 1))
     L.append(f"  switch i64 %nx, label %done [{cases}]")
     for n in range(1, MAX_ROWS + 1):
-        L += [f"n{n}:", f"  call void @{name}_rows{n}({_CALL_ARGS})", "  br label %done"]
+        body = f"{name}_rows{n}z" if zmm and n >= ZROWS_FROM else f"{name}_rows{n}"
+        L += [f"n{n}:", f"  call void @{body}({_CALL_ARGS})", "  br label %done"]
     L += ["done:", "  ret void", "}"]
     return "\n".join(L)
 
 
-def module_ir(kind: str | None = None, act: int | None = None, vnni: bool = False) -> str:
+def module_ir(kind: str | None = None, act: int | None = None, vnni: bool = False, zmm: bool = False) -> str:
     """LLVM IR of the entries for ``kind`` (a ``WIDTHS`` key) and ``act`` (8|16), default
-    all; ``vnni``: the dot products as VNNI instructions (the host must have them)."""
-    parts = [_DECLS]
+    all; ``vnni``: the dot products as VNNI instructions (the host must have them);
+    ``zmm``: 3- and 4-row calls of the ``ZBODIES`` take the AVX-512 bodies."""
+    parts = [_DECLS, _DECLS_Z if zmm else ""]
     for k in (kind,) if kind else tuple(WIDTHS):
         for bits in (act,) if act else WIDTHS[k]:
             if bits not in WIDTHS[k]:
                 raise ValueError(f"no {bits}-bit activation kernel for {k}")
             body = _kbody if k in KQUANTS else _gbody
             parts += [body(k, n, bits, vnni) for n in range(1, MAX_ROWS + 1)]
-            parts.append(_dispatch(k, bits))
+            z = zmm and (k, bits) in ZBODIES
+            if z:
+                parts += [_zbody(k, bits, n) for n in range(ZROWS_FROM, ZROWS + 1)]
+            parts.append(_dispatch(k, bits, z))
     return "\n".join(parts)
 
 
 # The IR entries' signature, every pointer passed as an i64 address (the x86-64 ABI
 # passes both in the same registers): numba then calls the kernel by address
 # (``_call_rows``), where a ctypes function argument cost a ctypes cast per call.
-_ENTRY_ARGS = 14
+_ENTRY_ARGS = 17
 
 
 @intrinsic
-def _call_rows(typingctx, addr, nx, p0, p1, p2, p3, p4, r0, r1, nb, xq, xd, xs, out, ostride):
+def _call_rows(typingctx, addr, nx, p0, p1, p2, p3, p4, r0, r1, nb, xq, xd, xs, out, ostride, xt, xdt, xst):
     """Call the compiled ``*_rows`` entry at ``addr`` (every argument an int64)."""
     sig = types.void(*([types.int64] * (_ENTRY_ARGS + 1)))
 
@@ -748,16 +973,31 @@ def host_vnni() -> bool:
     return bool(feats.get("avxvnni", False) or (feats.get("avx512vnni", False) and feats.get("avx512vl", False)))
 
 
+def host_zmm() -> bool:
+    """The host has 512-bit VNNI dot products (AVX512-F, BW and VNNI): the 4-row bodies."""
+    if not host_vnni():
+        return False
+    import llvmlite.binding as llvm
+
+    feats = llvm.get_host_cpu_features()
+    return all(feats.get(f, False) for f in ZFEATURES)
+
+
 class IntDot:
     """The compiled integer kernels of one kernel set, each entry JIT-compiled for
     this CPU on first use (0.1-0.5 s per entry: a q8 model compiles only q8's).
     ``vnni`` (default: the host has it) selects the VNNI dot products; both give the
-    same integers, so the same results bit for bit."""
+    same integers, so the same results bit for bit. ``zmm`` (default: the host has
+    AVX-512 VNNI; needs ``vnni``) gives 3- and 4-row calls the 4-row bodies, whose
+    results are the per-row bodies' bit for bit."""
 
-    def __init__(self, vnni: bool | None = None) -> None:
+    def __init__(self, vnni: bool | None = None, zmm: bool | None = None) -> None:
         self.vnni = host_vnni() if vnni is None else bool(vnni)
         if self.vnni and not host_vnni():
             raise ValueError("this CPU has no VNNI dot products")
+        self.zmm = (self.vnni and host_zmm()) if zmm is None else bool(zmm)
+        if self.zmm and not (self.vnni and host_zmm()):
+            raise ValueError("the 4-row bodies need AVX-512 VNNI (and vnni=True)")
         self._lock = threading.Lock()
         self._fns: dict[tuple[str, int], object] = {}
         self._engines: list[object] = []  # the machine code lives as long as its engine
@@ -773,7 +1013,7 @@ class IntDot:
 
                 llvm.initialize_native_target()
                 llvm.initialize_native_asmprinter()
-                mod = llvm.parse_assembly(module_ir(kind, act, self.vnni))
+                mod = llvm.parse_assembly(module_ir(kind, act, self.vnni, self.zmm))
                 mod.verify()
                 tm = llvm.Target.from_default_triple().create_target_machine(
                     cpu=llvm.get_host_cpu_name(), features=llvm.get_host_cpu_features().flatten(), opt=3
@@ -785,9 +1025,14 @@ class IntDot:
             return self._fns[key]
 
 
-def compile_intdot(vnni: bool | None = None) -> IntDot | None:
+    def interleaves(self, kind: str, act: int) -> bool:
+        """Whether ``kind``'s entry on ``act``-bit activations reads the rows' interleaved copy."""
+        return self.zmm and (kind, act) in ZBODIES
+
+
+def compile_intdot(vnni: bool | None = None, zmm: bool | None = None) -> IntDot | None:
     """The integer kernels, or None where x86-64 AVX2/FMA/F16C are missing."""
-    return IntDot(vnni) if host_supports() else None
+    return IntDot(vnni, zmm) if host_supports() else None
 
 
 # ------------------------------------------------------------ numba drivers
@@ -796,21 +1041,56 @@ def compile_intdot(vnni: bool | None = None) -> IntDot | None:
 GRAIN = 16
 
 
+@njit(cache=True, nogil=True)
+def interleave_rows(xq, xd, xs, i0, nx, xt, xdt, xst):
+    """Rows i0..i0+nx of the quantized activations in the zmm bodies' layout, rows past
+    nx zero: xt [nb][chunks][4 rows][chunk] (a 16-byte chunk of each row side by side),
+    xdt / xst [nb / 4][4 rows][4 blocks] (the scales of 4 blocks of each row)."""
+    n, cols = xq.shape
+    nb = cols // QB
+    e = xt.shape[3]
+    ch = QB // e
+    for b in range(nb):
+        for k in range(ch):
+            for r in range(ZROWS):
+                for j in range(e):
+                    xt[b, k, r, j] = xq[i0 + r, b * QB + k * e + j] if r < nx else 0
+    for g in range(nb // 4):
+        for r in range(ZROWS):
+            for j in range(4):
+                ok = r < nx
+                xdt[g, r, j] = xd[i0 + r, 4 * g + j] if ok else np.float32(0.0)
+                xst[g, r, j] = xs[i0 + r, 4 * g + j] if ok else np.float32(0.0)
+
+
 @njit(parallel=True, cache=True)
-def intdot(fn, addrs, rows, count, offs, X, proto, qmax, out):
+def intdot(fn, addrs, rows, count, offs, X, proto, qmax, zmm, out):
     """out[i, offs[m] + r] = W_m[r] . X[i] for the first ``count`` fused matrices:
     ``addrs[m, k]`` is the address of part k of matrix m (``int_parts`` order, 0
     where unused), ``rows[m]`` its rows. The plan that built ``addrs`` holds the
     arrays, so the addresses outlive the call. X is quantized here, to the integer
     type of ``proto`` (int8 or int16) and at most ``qmax``: one compiled call per matmul, where a separate
     quantize call and its scratch arrays cost ~5 us of dispatch per matmul (120 per
-    SmolLM2 token)."""
+    SmolLM2 token). ``zmm``: the entry's 3- and 4-row bodies read an interleaved copy
+    of each group of rows (``interleave_rows``), made here once per call."""
     n, cols = X.shape
     nb = cols // QB
     xq = np.empty((n, cols), proto.dtype)
     xd = np.empty((n, nb), np.float32)
     xs = np.empty((n, nb), np.float32)
     quantize_rows(X, xq, xd, xs, qmax)
+    ngr = (n + MAX_ROWS - 1) // MAX_ROWS
+    e = 16 // xq.itemsize
+    zt = zmm and n >= ZROWS_FROM
+    xt = np.zeros((ngr if zt else 0, nb, QB // e, ZROWS, e), proto.dtype)
+    xdt = np.zeros((ngr if zt else 0, (nb + 3) // 4, ZROWS, 4), np.float32)
+    xst = np.zeros((ngr if zt else 0, (nb + 3) // 4, ZROWS, 4), np.float32)
+    if zt:
+        for gi in range(ngr):
+            i0 = gi * MAX_ROWS
+            nx = min(MAX_ROWS, n - i0)
+            if nx >= ZROWS_FROM:
+                interleave_rows(xq, xd, xs, i0, nx, xt[gi], xdt[gi], xst[gi])
     width = out.shape[1]
     # One parallel loop over the row chunks of all fused matrices (q|k|v is one wake-up
     # of the thread pool, not three): chunk t belongs to matrix m while t < first[m + 1].
@@ -827,9 +1107,13 @@ def intdot(fn, addrs, rows, count, offs, X, proto, qmax, out):
         r1 = min(rows[m], r0 + GRAIN)
         for i0 in range(0, n, MAX_ROWS):
             nx = min(MAX_ROWS, n - i0)
+            gi = i0 // MAX_ROWS
+            zaddr = np.int64(xt.ctypes.data + gi * xt.strides[0]) if zt else np.int64(0)
+            zdaddr = np.int64(xdt.ctypes.data + gi * xdt.strides[0]) if zt else np.int64(0)
+            zsaddr = np.int64(xst.ctypes.data + gi * xst.strides[0]) if zt else np.int64(0)
             _call_rows(
                 fn, np.int64(nx), addrs[m, 0], addrs[m, 1], addrs[m, 2], addrs[m, 3], addrs[m, 4],
                 np.int64(r0), np.int64(r1), np.int64(nb), np.int64(xq.ctypes.data + i0 * xq.strides[0]),
                 np.int64(xd.ctypes.data + 4 * i0 * nb), np.int64(xs.ctypes.data + 4 * i0 * nb),
-                np.int64(out.ctypes.data + 4 * (i0 * width + base)), np.int64(width),
+                np.int64(out.ctypes.data + 4 * (i0 * width + base)), np.int64(width), zaddr, zdaddr, zsaddr,
             )
