@@ -45,6 +45,9 @@ if TYPE_CHECKING:
     from cortiq_engine.mtp import Drafter
 
 PREFILL_CHUNK = 512
+# A verify computes the draft rows' lm_head in a second call, after the first row's, while
+# depth 1 has been accepted in fewer than this share of the rounds so far (generate).
+SPLIT_HEAD_BELOW = 1 / 3
 
 
 @dataclass
@@ -381,7 +384,7 @@ def generate(
             # of a second pass over the weights when it is not (a 1.1B q4 rigged round: 54 vs
             # 49 ms). So the split is taken only while depth 1 has been accepted in under a
             # third of the rounds. Rows are row-exact either way: same tokens.
-            split = len(drafts) > 0 and 3 * counts.accepted[0] < counts.drafted[0]
+            split = len(drafts) > 0 and counts.accepted[0] < SPLIT_HEAD_BELOW * counts.drafted[0]
             rows = model.lm_head(normed[:1] if split else normed)
             used = 0
             for i in range(len(drafts) + 1):

@@ -96,15 +96,16 @@ def test_vnni_and_avx2_forms_give_the_same_bits(dtype, bits, cols):
 
 
 @pytest.mark.skipif(not qdot.host_zmm(), reason="this CPU has no AVX-512 VNNI: the 4-row zmm bodies cannot run")
-@pytest.mark.parametrize("dtype,bits", qdot.ZBODIES)
+@pytest.mark.parametrize("dtype,bits", qdot.ZBODIES + qdot.WROWS_KINDS)
 @pytest.mark.parametrize("cols", [32, 160, 256, 608, 2048])
 def test_zmm_bodies_give_the_per_row_bodies_bits(dtype, bits, cols):
-    """3- and 4-row calls on the zmm bodies (rows side by side in 128-bit lanes) give
-    exactly what the per-row bodies give, for whole groups, leftover blocks and both,
-    with every split of 3..9 rows into calls of at most 4."""
+    """3- and 4-row calls on the zmm bodies (q4: input rows side by side in 128-bit lanes;
+    q8: four weight rows side by side, 37 / 16 / 5 rows leaving 1 / 0 / 1 to the per-row
+    body) give exactly what the per-row bodies give, for whole groups, leftover blocks
+    and both, with every split of 3..9 rows into calls of at most 4."""
     ws = [_weight(dtype, r, cols, seed=i + cols)[0] for i, r in enumerate((37, 16, 5))]
     zk, rk = NumbaKernels(act_bits=bits, zmm=True), NumbaKernels(act_bits=bits, zmm=False)
-    assert zk._plans_for(ws)[0][0].zmm and not rk._plans_for(ws)[0][0].zmm
+    assert zk._plans_for(ws)[0][0].zmm == ((dtype, bits) in qdot.ZBODIES) and not rk._plans_for(ws)[0][0].zmm
     X = RNG.standard_normal((9, cols)).astype(np.float32) * np.float32(3)
     X[2, : min(cols, 64)] = 0  # an all-zero block: scale 0
     for n in (3, 4, 5, 7, 8, 9):
@@ -132,12 +133,13 @@ def test_interleave_rows_layout():
 
 
 def test_module_ir_zmm_entries():
-    """With zmm, q4's 3- and 4-row cases call the zmm bodies and they use 512-bit vpdpbusd;
-    q8 keeps its per-row bodies."""
+    """With zmm, q4's 3- and 4-row cases call the zmm bodies (512-bit vpdpbusd), q8's the
+    4-weight-row ones (vpdpwssd); 1 and 2 rows keep the per-row bodies."""
     ir = qdot.module_ir("q4", 8, vnni=True, zmm=True)
     assert "call void @q4_rows4z(" in ir and "call void @q4_rows3z(" in ir and "call void @q4_rows2(" in ir
     assert "@llvm.x86.avx512.vpdpbusd.512(" in ir
-    assert "_rows4z" not in qdot.module_ir("q8", 16, vnni=True, zmm=True)
+    ir8 = qdot.module_ir("q8", 16, vnni=True, zmm=True)
+    assert "call void @q8a16_rows4w(" in ir8 and "call void @q8a16_rows2(" in ir8 and '"vpdpwssd $2, $1, $0"' in ir8
     assert "_rows4z" not in qdot.module_ir("q4", 8, vnni=True, zmm=False)
 
 

@@ -689,8 +689,8 @@ def _kbody(kind: str, nx: int, act: int = 8, vnni: bool = False) -> str:
 
 
 # ------------------------------------------------------------ 4-row zmm bodies
-# Where the CPU has AVX-512 VNNI, a call of 3 or 4 input rows takes ``_zbody``: the
-# rows share every 512-bit dot product. Lane (r, k) of a zmm register holds input
+# Where the CPU has AVX-512 VNNI, a call of 3 or 4 input rows of q4 / q4_0 takes
+# ``_zbody`` (q8: ``_wbody`` below): the rows share every 512-bit dot product. Lane (r, k) of a zmm register holds input
 # row r's 16-byte chunk of a block (``interleave_rows`` lays the rows out so), the
 # weight chunk is repeated in all four 128-bit lanes, and one vpdpbusd / vpdpwssd
 # multiplies a weight chunk by four rows at once. Four blocks' sums then reduce into
@@ -701,12 +701,12 @@ def _kbody(kind: str, nx: int, act: int = 8, vnni: bool = False) -> str:
 # call is bit for bit its result in a 1-row call.
 ZROWS = 4
 ZROWS_FROM = 3  # fewer rows keep the per-row bodies (a 4-lane pass would idle half its lanes)
-# (dtype, activation width) pairs with a zmm body: q4 and q4_0 on their default int8
+# (dtype, activation width) pairs with this body: q4 and q4_0 on their default int8
 # activations, where a weight chunk is one broadcast load, a mask and a shift. q4 4-row
-# call on a 5632 x 2048 matrix, one thread: 0.74 -> 0.60 ms (Sapphire Rapids). q8's
-# int16 chunks must be sign-extended and repeated across lanes (8 port-5 shuffles a
-# block): its zmm body measured slower than the per-row one (1.37 vs 1.11 ms), so q8,
-# the int16 forms, q5/q5_1 (fifth bits) and the K-quants keep the per-row bodies.
+# call on a 5632 x 2048 matrix, one thread: 0.74 -> 0.57 ms (Sapphire Rapids). q8's int16
+# chunks would have to be sign-extended and repeated across lanes (8 port-5 shuffles a
+# block: 1.37 vs 1.11 ms), so q8 takes ``_wbody`` instead; q5/q5_1 (fifth bits) and the
+# K-quants keep the per-row bodies.
 ZBODIES = (("q4", 8), ("q4_0", 8))
 ZFEATURES = ("avx512f", "avx512bw", "avx512vnni")
 _DECLS_Z = """
@@ -732,21 +732,24 @@ def _lanes4(f: _Fn, ty: str, v: str, n: int) -> str:
     return f.v(f"shufflevector <{n} x {ty}> {v}, <{n} x {ty}> undef, {_mask(list(range(n)) * 4)}")
 
 
+def _zpair(f: _Fn, a: str, b: str, level: int) -> str:
+    """One level of ``_reduce4z``: level 1 folds two blocks' 4 partial sums per 128-bit
+    lane into [a0+a2, b0+b2, a1+a3, b1+b3]; level 2 folds two such into the four totals."""
+    if level == 1:
+        lo = [x for L in range(4) for x in (4 * L, 16 + 4 * L, 4 * L + 1, 16 + 4 * L + 1)]
+        hi = [x for L in range(4) for x in (4 * L + 2, 16 + 4 * L + 2, 4 * L + 3, 16 + 4 * L + 3)]
+    else:
+        lo = [x for L in range(4) for x in (4 * L, 4 * L + 1, 16 + 4 * L, 16 + 4 * L + 1)]
+        hi = [x for L in range(4) for x in (4 * L + 2, 4 * L + 3, 16 + 4 * L + 2, 16 + 4 * L + 3)]
+    x = f.v(f"shufflevector <16 x i32> {a}, <16 x i32> {b}, {_mask(lo)}")
+    y = f.v(f"shufflevector <16 x i32> {a}, <16 x i32> {b}, {_mask(hi)}")
+    return f.v(f"add <16 x i32> {x}, {y}")
+
+
 def _reduce4z(f: _Fn, vs: list[str]) -> str:
     """Four <16 x i32> vectors, lane (r, k) = partial sum k of row r -> one whose lane
     (r, j) is row r's total of vs[j] (exact integer adds, within 128-bit lanes)."""
-    def pair(a: str, b: str, lo: list[int], hi: list[int]) -> str:
-        x = f.v(f"shufflevector <16 x i32> {a}, <16 x i32> {b}, {_mask(lo)}")
-        y = f.v(f"shufflevector <16 x i32> {a}, <16 x i32> {b}, {_mask(hi)}")
-        return f.v(f"add <16 x i32> {x}, {y}")
-    # level 1 (unpack dwords): [a0+a2, b0+b2, a1+a3, b1+b3] per lane
-    lo1 = [x for L in range(4) for x in (4 * L, 16 + 4 * L, 4 * L + 1, 16 + 4 * L + 1)]
-    hi1 = [x for L in range(4) for x in (4 * L + 2, 16 + 4 * L + 2, 4 * L + 3, 16 + 4 * L + 3)]
-    t01, t23 = pair(vs[0], vs[1], lo1, hi1), pair(vs[2], vs[3], lo1, hi1)
-    # level 2 (unpack qwords): [t01_0 + t01_2, t01_1 + t01_3, t23_0 + t23_2, t23_1 + t23_3]
-    lo2 = [x for L in range(4) for x in (4 * L, 4 * L + 1, 16 + 4 * L, 16 + 4 * L + 1)]
-    hi2 = [x for L in range(4) for x in (4 * L + 2, 4 * L + 3, 16 + 4 * L + 2, 16 + 4 * L + 3)]
-    return pair(t01, t23, lo2, hi2)
+    return _zpair(f, _zpair(f, vs[0], vs[1], 1), _zpair(f, vs[2], vs[3], 1), 2)
 
 
 def _zbody(kind: str, act: int, nx: int) -> str:
@@ -900,6 +903,203 @@ def _zbody(kind: str, act: int, nx: int) -> str:
     return _close_rows(f)
 
 
+# ------------------------------------------------------------ q8: 4 weight rows at a time
+# q8's int16 quants cannot be repeated across lanes cheaply (``ZBODIES``), so its zmm
+# body turns the layout around: lane (w, k) holds weight row w's k-th pair sums, four
+# weight rows side by side (one vpmovsxbw per row and block, then a 4 x 4 transpose of
+# 128-bit lanes: 8 vshufi64x2 a block for all four rows), and each input row's chunk is
+# repeated across the lanes by a broadcast load (no shuffle). One vpdpwssd then
+# multiplies a chunk of four weight rows by one input row; four blocks reduce as in
+# ``_zbody``. The float side replays ``_gbody`` / ``_block`` per (weight row, input row)
+# lane for lane: row-exact, the per-row bodies' bits. Rows of the call's range past a
+# multiple of 4 take the per-row body.
+# q8 4-row call, 5632 x 2048, one thread: 1.06-1.11 -> 0.86-0.89 ms, 8 rows 2.18 -> 1.6.
+WROWS_KINDS = (("q8", 16),)
+# Prefetch distance of the four side-by-side rows: the band's last row plus PREFETCH_BYTES
+# (PREFETCH_BYTES alone lands inside the band: a 1.1B 4-row verify took 88 ms, this 65-73,
+# the per-row bodies 78-80).
+WBAND_AHEAD_ROWS = 3
+WBAND_AHEAD_BYTES = PREFETCH_BYTES
+
+
+def _lanes_pick(f: _Fn, a: str, b: str, lanes: tuple[int, int, int, int]) -> str:
+    """<32 x i16> from the 128-bit lanes of a (0-3) and b (4-7)."""
+    idx = [8 * L + e if L < 4 else 32 + 8 * (L - 4) + e for L in lanes for e in range(8)]
+    return f.v(f"shufflevector <32 x i16> {a}, <32 x i16> {b}, {_mask(idx)}")
+
+
+def _wbody(kind: str, act: int, nx: int) -> str:
+    assert (kind, act) in WROWS_KINDS and ZROWS_FROM <= nx <= ZROWS
+    name = _entry(kind, act)
+    f = _Fn(True)
+    f(f"define internal void @{name}_rows{nx}w({_ARGS}) nounwind alwaysinline \"min-legal-vector-width\"=\"512\" {{")
+    f("entry:")
+    f("  %wd = bitcast i8* %p0 to i16*")
+    f("  %wq = getelementptr i8, i8* %p1, i64 0")
+    f("  %cols = mul i64 %nb, 32")
+    f("  %wrow_bytes = mul i64 %nb, 32")
+    # The four rows stream side by side: ahead of them lies the next band of four rows.
+    f(f"  %pf_ahead = add i64 {f.v(f'mul i64 %wrow_bytes, {WBAND_AHEAD_ROWS}')}, {WBAND_AHEAD_BYTES}")
+    f("  %xq16 = bitcast i8* %xq to i16*")
+    f(f"  %ngroups = udiv i64 %nb, {GROUP}")
+    f(f"  %gmain = mul i64 %ngroups, {GROUP}")
+    f("  %hastail = icmp slt i64 %gmain, %nb")
+    f("  %hasg = icmp sgt i64 %ngroups, 0")
+    f("  %span = sub i64 %r1, %r0")
+    f("  %n4 = and i64 %span, -4")
+    f("  %r4 = add i64 %r0, %n4")
+    f("  %has4 = icmp sgt i64 %n4, 0")
+    f("  br i1 %has4, label %rowloop, label %rest")
+    f("rowloop:")
+    f("  %row = phi i64 [%r0, %entry], [%rownext, %rowend]")
+    for w in range(4):
+        f(f"  %wrow{w} = add i64 %row, {w}")
+        f(f"  %wqrow{w} = mul i64 %wrow{w}, %wrow_bytes")
+        f(f"  %wdrow{w} = mul i64 %wrow{w}, %nb")
+    f("  br i1 %hasg, label %grp, label %gdone")
+
+    def wblock(b: str) -> list[str]:
+        """Block b of the four weight rows, transposed: T_k lane w = row w's chunk k."""
+        z = []
+        for w in range(4):
+            o = f.v(f"add i64 %wqrow{w}, {f.v(f'mul i64 {b}, 32')}")
+            p = f.v(f"getelementptr i8, i8* %wq, i64 {o}")
+            v = f.v(f"load <32 x i8>, <32 x i8>* {f.v(f'bitcast i8* {p} to <32 x i8>*')}, align 1")
+            z.append(f.v(f"sext <32 x i8> {v} to <32 x i16>"))
+        u01, v01 = _lanes_pick(f, z[0], z[1], (0, 1, 4, 5)), _lanes_pick(f, z[0], z[1], (2, 3, 6, 7))
+        u23, v23 = _lanes_pick(f, z[2], z[3], (0, 1, 4, 5)), _lanes_pick(f, z[2], z[3], (2, 3, 6, 7))
+        t = [_lanes_pick(f, u01, u23, (0, 2, 4, 6)), _lanes_pick(f, u01, u23, (1, 3, 5, 7)),
+             _lanes_pick(f, v01, v23, (0, 2, 4, 6)), _lanes_pick(f, v01, v23, (1, 3, 5, 7))]
+        return [f.v(f"bitcast <32 x i16> {x} to <16 x i32>") for x in t]
+
+    def xchunk(r: int, b: str, k: int) -> str:
+        """Input row r's chunk k of block b, repeated in the four lanes (a broadcast load)."""
+        bo = f.v(f"mul i64 {b}, 32")
+        o = f.v(f"add i64 {f.v(f'mul i64 %cols, {r}')}, {f.v(f'add i64 {bo}, {8 * k}')}")
+        p = f.v(f"getelementptr i16, i16* %xq16, i64 {o}")
+        v = f.v(f"load <8 x i16>, <8 x i16>* {f.v(f'bitcast i16* {p} to <8 x i16>*')}, align 2")
+        return f.v(f"bitcast <32 x i16> {_lanes4(f, 'i16', v, 8)} to <16 x i32>")
+
+    def vdp(acc: str, a: str, b: str) -> str:
+        # Inline asm: LLVM otherwise splits a chain of vpdpwssd into vpmaddwd + vpaddd (two
+        # port-0/5 uops for one).
+        if acc == "zeroinitializer":
+            return f.v(f"call <16 x i32> @llvm.x86.avx512.vpdpwssd.512(<16 x i32> zeroinitializer, <16 x i32> {a}, <16 x i32> {b})")
+        return f.v(f'call <16 x i32> asm "vpdpwssd $2, $1, $0", "=v,v,v,0"(<16 x i32> {a}, <16 x i32> {b}, <16 x i32> {acc})')
+
+    def dw16(b0: str, width: int) -> str:
+        """lane (w, j) = weight row w's scale of block b0 + j (width 4), or of block b0 (width 1)."""
+        parts = []
+        for w in range(4):
+            p = f.v(f"getelementptr i16, i16* %wd, i64 {f.v(f'add i64 %wdrow{w}, {b0}')}")
+            if width == 4:
+                h = f.v(f"load <4 x half>, <4 x half>* {f.v(f'bitcast i16* {p} to <4 x half>*')}, align 2")
+                parts.append(f.v(f"fpext <4 x half> {h} to <4 x float>"))
+            else:
+                h = f.v(f"load half, half* {f.v(f'bitcast i16* {p} to half*')}, align 2")
+                parts.append(_splat(f, "float", 4, f.v(f"fpext half {h} to float")))
+        lo = f.v(f"shufflevector <4 x float> {parts[0]}, <4 x float> {parts[1]}, {_mask(range(8))}")
+        hi = f.v(f"shufflevector <4 x float> {parts[2]}, <4 x float> {parts[3]}, {_mask(range(8))}")
+        return f.v(f"shufflevector <8 x float> {lo}, <8 x float> {hi}, {_mask(range(16))}")
+
+    # ---- groups of 8 blocks
+    f("grp:")
+    f("  %g = phi i64 [0, %rowloop], [%gnext, %grp]")
+    accs = {(r, h): f"%wa{r}_{h}" for r in range(nx) for h in range(2)}
+    phi_at = len(f.lines)
+    b0 = f.v(f"mul i64 %g, {GROUP}")
+    for w in range(4):
+        gbase = f.v(f"add i64 %wqrow{w}, {f.v(f'mul i64 {b0}, 32')}")
+        for off in range(0, GROUP * 32, 64):
+            o = f.v(f"add i64 {gbase}, {off}")
+            pp = f.v(f"getelementptr i8, i8* %wq, i64 {f.v(f'add i64 {o}, %pf_ahead')}")
+            f(f"  call void @llvm.prefetch.p0i8(i8* {pp}, i32 0, i32 3, i32 1)")
+    new = {}
+    for half in range(2):
+        # blocks two at a time, each pair folded at once: fewer live registers (32 zmm)
+        folded: dict[int, list[str]] = {r: [] for r in range(nx)}
+        for jp in range(2):
+            ts, bs = [], []
+            for j in (2 * jp, 2 * jp + 1):
+                bs.append(f.v(f"add i64 {b0}, {4 * half + j}"))
+                ts.append(wblock(bs[-1]))
+            for r in range(nx):
+                v = []
+                for t, b in zip(ts, bs):
+                    acc = "zeroinitializer"
+                    for k in range(4):
+                        acc = vdp(acc, t[k], xchunk(r, b, k))
+                    v.append(acc)
+                folded[r].append(_zpair(f, v[0], v[1], 1))
+        bh = f.v(f"add i64 {b0}, {4 * half}")
+        dw = dw16(bh, 4)
+        for r in range(nx):
+            u = _zpair(f, folded[r][0], folded[r][1], 2)
+            xo = f.v(f"mul i64 %nb, {r}")
+            xp = f.v(f"getelementptr float, float* %xd, i64 {f.v(f'add i64 {xo}, {bh}')}")
+            xv = f.v(f"load <4 x float>, <4 x float>* {f.v(f'bitcast float* {xp} to <4 x float>*')}, align 4")
+            s = f.v(f"fmul <16 x float> {dw}, {_lanes4(f, 'float', xv, 4)}")
+            uf = f.v(f"sitofp <16 x i32> {u} to <16 x float>")
+            new[(r, half)] = f.v(f"call <16 x float> @llvm.fma.v16f32(<16 x float> {uf}, <16 x float> {s}, <16 x float> {accs[(r, half)]})")
+    carried = [(accs[key], "<16 x float>", "zeroinitializer", new[key]) for key in accs]
+    _loop_back(f, "%g", "%gnext", "%ngroups", "grp", "rowloop", "gdone", phi_at, carried)
+    f("gdone:")
+    for key in accs:
+        f(f"  {accs[key]}_end = phi <16 x float> [zeroinitializer, %rowloop], [{new[key]}, %grp]")
+    f("  br i1 %hastail, label %tloop, label %fin")
+    # ---- the nb % 8 leftover blocks: _block's 8-lane partial sums, lane for lane
+    f("tloop:")
+    f("  %tb = phi i64 [%gmain, %gdone], [%tbnext, %tloop]")
+    taccs = {(r, h): f"%wt{r}_{h}" for r in range(nx) for h in range(2)}
+    tphi_at = len(f.lines)
+    t = wblock("%tb")
+    dwt = dw16("%tb", 1)
+    tnew = {}
+    for r in range(nx):
+        d = [vdp("zeroinitializer", t[k], xchunk(r, "%tb", k)) for k in range(4)]
+        # _block's lane i (i < 4) sums pairs i and i + 8: chunks 0 and 2; lanes 4-7: chunks 1 and 3
+        plo, phi_ = f.v(f"add <16 x i32> {d[0]}, {d[2]}"), f.v(f"add <16 x i32> {d[1]}, {d[3]}")
+        xo = f.v(f"add i64 {f.v(f'mul i64 %nb, {r}')}, %tb")
+        dx = f.v(f"load float, float* {f.v(f'getelementptr float, float* %xd, i64 {xo}')}, align 4")
+        s = f.v(f"fmul <16 x float> {dwt}, {_splat(f, 'float', 16, dx)}")
+        for h, pv in enumerate((plo, phi_)):
+            pf = f.v(f"sitofp <16 x i32> {pv} to <16 x float>")
+            tnew[(r, h)] = f.v(f"call <16 x float> @llvm.fma.v16f32(<16 x float> {pf}, <16 x float> {s}, <16 x float> {taccs[(r, h)]})")
+    carried = [(taccs[key], "<16 x float>", "zeroinitializer", tnew[key]) for key in taccs]
+    _loop_back(f, "%tb", "%tbnext", "%nb", "tloop", "gdone", "fin", tphi_at, carried)
+    f("fin:")
+    tend = {key: f.v(f"phi <16 x float> [zeroinitializer, %gdone], [{tnew[key]}, %tloop]") for key in taccs}
+
+    def hsum_rows(a: str, b: str) -> str:  # as _zbody's: lane (w, 0) = _hsum of w's 8 lanes
+        c = f.v(f"fadd <16 x float> {a}, {b}")
+        c2 = f.v(f"shufflevector <16 x float> {c}, <16 x float> undef, {_mask([4 * (i // 4) + (i % 4 + 2) % 4 for i in range(16)])}")
+        d = f.v(f"fadd <16 x float> {c}, {c2}")
+        d1 = f.v(f"shufflevector <16 x float> {d}, <16 x float> undef, {_mask([4 * (i // 4) + (i % 4 + 1) % 4 for i in range(16)])}")
+        return f.v(f"fadd <16 x float> {d}, {d1}")
+
+    for r in range(nx):
+        h = f.v(f"fadd <16 x float> {hsum_rows(accs[(r, 0)] + '_end', accs[(r, 1)] + '_end')}, {hsum_rows(tend[(r, 0)], tend[(r, 1)])}")
+        for w in range(4):
+            oo = f.v(f"add i64 {f.v(f'mul i64 %ostride, {r}')}, %wrow{w}")
+            f(f"  store float {f.v(f'extractelement <16 x float> {h}, i32 {4 * w}')}, float* {f.v(f'getelementptr float, float* %out, i64 {oo}')}, align 4")
+    f("  br label %rowend")
+    f("rowend:")
+    f("  %rownext = add i64 %row, 4")
+    f("  %rdone = icmp eq i64 %rownext, %r4")
+    f("  br i1 %rdone, label %rest, label %rowloop")
+    f("rest:")
+    f("  %hasrest = icmp slt i64 %r4, %r1")
+    f("  br i1 %hasrest, label %callrest, label %exit")
+    f("callrest:")
+    rest_args = _CALL_ARGS.replace("i64 %r0,", "i64 %r4,")
+    f(f"  call void @{name}_rows{nx}({rest_args})")
+    f("  br label %exit")
+    f("exit:")
+    f("  ret void")
+    f("}")
+    return "\n".join(f.lines)
+
+
 def _dispatch(kind: str, act: int = 8, zmm: bool = False) -> str:
     """The exported entry: a switch on the number of input rows (``zmm``: 3 and 4 rows
     take ``_zbody``)."""
@@ -909,7 +1109,8 @@ def _dispatch(kind: str, act: int = 8, zmm: bool = False) -> str:
     cases = " ".join(f"i64 {n}, label %n{n}" for n in range(1, MAX_ROWS + 1))
     L.append(f"  switch i64 %nx, label %done [{cases}]")
     for n in range(1, MAX_ROWS + 1):
-        body = f"{name}_rows{n}z" if zmm and n >= ZROWS_FROM else f"{name}_rows{n}"
+        suffix = ("z" if (kind, act) in ZBODIES else "w") if zmm and n >= ZROWS_FROM else ""
+        body = f"{name}_rows{n}{suffix}"
         L += [f"n{n}:", f"  call void @{body}({_CALL_ARGS})", "  br label %done"]
     L += ["done:", "  ret void", "}"]
     return "\n".join(L)
@@ -926,9 +1127,10 @@ def module_ir(kind: str | None = None, act: int | None = None, vnni: bool = Fals
                 raise ValueError(f"no {bits}-bit activation kernel for {k}")
             body = _kbody if k in KQUANTS else _gbody
             parts += [body(k, n, bits, vnni) for n in range(1, MAX_ROWS + 1)]
-            z = zmm and (k, bits) in ZBODIES
+            z = zmm and ((k, bits) in ZBODIES or (k, bits) in WROWS_KINDS)
             if z:
-                parts += [_zbody(k, bits, n) for n in range(ZROWS_FROM, ZROWS + 1)]
+                body4 = _zbody if (k, bits) in ZBODIES else _wbody
+                parts += [body4(k, bits, n) for n in range(ZROWS_FROM, ZROWS + 1)]
             parts.append(_dispatch(k, bits, z))
     return "\n".join(parts)
 
@@ -1013,6 +1215,7 @@ class IntDot:
 
                 llvm.initialize_native_target()
                 llvm.initialize_native_asmprinter()
+                llvm.initialize_native_asmparser()  # the zmm bodies' inline vpdpwssd
                 mod = llvm.parse_assembly(module_ir(kind, act, self.vnni, self.zmm))
                 mod.verify()
                 tm = llvm.Target.from_default_triple().create_target_machine(
