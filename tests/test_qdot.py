@@ -104,7 +104,8 @@ def test_zmm_bodies_give_the_per_row_bodies_bits(dtype, bits, cols):
     body) give exactly what the per-row bodies give, for whole groups, leftover blocks
     and both, with every split of 3..9 rows into calls of at most 4."""
     ws = [_weight(dtype, r, cols, seed=i + cols)[0] for i, r in enumerate((37, 16, 5))]
-    zk, rk = NumbaKernels(act_bits=bits, zmm=True), NumbaKernels(act_bits=bits, zmm=False)
+    zk, rk = NumbaKernels(act_bits=bits, zmm=True, zmm_min_weights=0), NumbaKernels(act_bits=bits, zmm=False)
+    assert not NumbaKernels(act_bits=bits, zmm=True)._plans_for(ws)[0][0].zmm  # small: per-row bodies by default
     assert zk._plans_for(ws)[0][0].zmm == ((dtype, bits) in qdot.ZBODIES) and not rk._plans_for(ws)[0][0].zmm
     X = RNG.standard_normal((9, cols)).astype(np.float32) * np.float32(3)
     X[2, : min(cols, 64)] = 0  # an all-zero block: scale 0

@@ -43,6 +43,8 @@ ACT_BITS: dict[str, int] = {"q8": 16, "q4": 8, "q4_0": 8, "q5": 8, "q5_1": 8, "q
 _ACT_PROTO = {8: np.empty(0, np.int8), 16: np.empty(0, np.int16)}
 # Above this many new queries attention goes through BLAS (reference code path).
 SMALL_ATTN = 16
+# Weights of a fused matmul from which 3- and 4-row calls take the zmm bodies (qdot.py).
+ZMM_MIN_WEIGHTS = 4 << 20
 # Matrices one small-batch kernel call can fuse (q|k|v).
 FUSE_MAX = 3
 # f32 elements of the reused dequantization tile (8 MB): a fused q|k|v or gate|up
@@ -105,7 +107,7 @@ class NumbaKernels(NumpyKernels):
         return min(self.small_n, SMALL_ATTN)
 
     def __init__(self, small_n: int = SMALL_N, act_bits: int | Mapping[str, int] | None = None,
-                 vnni: bool | None = None, zmm: bool | None = None):
+                 vnni: bool | None = None, zmm: bool | None = None, zmm_min_weights: int = ZMM_MIN_WEIGHTS):
         self.small_n = small_n
         # Quantized dtypes decode and verify on integer activations (qdot.py) where the
         # CPU has AVX2: ``act_bits`` per dtype (default ACT_BITS), or one width for all;
@@ -114,7 +116,9 @@ class NumbaKernels(NumpyKernels):
                       else {k: int(act_bits) for k in ACT_BITS})
         # ``vnni``: the integer kernels' VNNI form (default where the CPU has it; same results).
         # ``zmm``: 3- and 4-row calls on AVX-512 VNNI bodies (default where the CPU has it; same results).
+        # ``zmm_min_weights``: the smallest fused matmul that takes them.
         self._intdot = qdot.compile_intdot(vnni, zmm) if any(widths.values()) else None
+        self.zmm_min_weights = zmm_min_weights
         self.act_bits = {k: v for k, v in widths.items() if v} if self._intdot is not None else {}
         # Per-thread scratch for dequantized tiles, reused so prefill matmuls do not
         # page-fault a fresh buffer per call.
@@ -167,7 +171,12 @@ class NumbaKernels(NumpyKernels):
         # The integer kernels (qdot.WIDTHS names the dtypes and widths they exist for)
         # take the dtype's kernel parts in ``DType.kernel_parts`` order.
         int_parts = tuple(parts) if bits else None
-        fn = self._intdot.fn(ops.dtype, bits) if bits else None
+        # The 4-row zmm bodies only for large matrices: on SmolLM2's small ones (under 2M
+        # weights a fused call) a 4-row verify step measured slower with them (16.1-18.0 vs
+        # 14.7-15.5 ms: AVX-512 clock and transition costs outweigh the saved shuffles), on
+        # its 28M-weight lm_head and on every matrix of a 1.1B model faster.
+        zmm = sum(w.rows * w.cols for w in run) >= self.zmm_min_weights
+        fn = self._intdot.fn(ops.dtype, bits, zmm) if bits else None
         addrs = rows = None
         if fn is not None:
             addrs = np.zeros((FUSE_MAX, qdot.NPARTS), np.int64)
@@ -178,7 +187,7 @@ class NumbaKernels(NumpyKernels):
         bits = bits if fn is not None else 0
         return _Plan(sum(w.rows for w in run), count, offs, parts, ops, bits, int_parts, fn, addrs, rows,
                      qdot.qmax(ops.dtype, bits) if bits else 0,
-                     bool(bits) and self._intdot.interleaves(ops.dtype, bits))
+                     bool(bits) and self._intdot.interleaves(ops.dtype, bits, zmm))
 
     def _large(self, ws: Sequence[Weight], X: np.ndarray, out: np.ndarray) -> None:
         """Prefill: row slices of the weights, each dequantized into a per-thread tile

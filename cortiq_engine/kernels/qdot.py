@@ -1204,8 +1204,11 @@ class IntDot:
         self._fns: dict[tuple[str, int], object] = {}
         self._engines: list[object] = []  # the machine code lives as long as its engine
 
-    def fn(self, kind: str, act: int):
-        key = (kind, act)
+    def fn(self, kind: str, act: int, zmm: bool | None = None):
+        """The entry of ``kind`` on ``act``-bit activations; ``zmm`` False: the per-row
+        bodies only (default: ``self.zmm``)."""
+        z = self.zmm if zmm is None else (bool(zmm) and self.zmm)
+        key = (kind, act, z)
         hit = self._fns.get(key)
         if hit is not None:
             return hit
@@ -1216,7 +1219,7 @@ class IntDot:
                 llvm.initialize_native_target()
                 llvm.initialize_native_asmprinter()
                 llvm.initialize_native_asmparser()  # the zmm bodies' inline vpdpwssd
-                mod = llvm.parse_assembly(module_ir(kind, act, self.vnni, self.zmm))
+                mod = llvm.parse_assembly(module_ir(kind, act, self.vnni, z))
                 mod.verify()
                 tm = llvm.Target.from_default_triple().create_target_machine(
                     cpu=llvm.get_host_cpu_name(), features=llvm.get_host_cpu_features().flatten(), opt=3
@@ -1227,10 +1230,10 @@ class IntDot:
                 self._fns[key] = int(engine.get_function_address(f"{_entry(kind, act)}_rows"))
             return self._fns[key]
 
-
-    def interleaves(self, kind: str, act: int) -> bool:
-        """Whether ``kind``'s entry on ``act``-bit activations reads the rows' interleaved copy."""
-        return self.zmm and (kind, act) in ZBODIES
+    def interleaves(self, kind: str, act: int, zmm: bool | None = None) -> bool:
+        """Whether ``fn(kind, act, zmm)`` reads the rows' interleaved copy."""
+        z = self.zmm if zmm is None else (bool(zmm) and self.zmm)
+        return z and (kind, act) in ZBODIES
 
 
 def compile_intdot(vnni: bool | None = None, zmm: bool | None = None) -> IntDot | None:
