@@ -199,9 +199,16 @@ def worker_cortiq(model: str, threads: int, ids: list[int], long_ids: list[int],
 
 def worker_llama(model: str, threads: int, ids: list[int], long_ids: list[int], reps: int) -> dict[str, Any]:
     import llama_cpp
+    from bench_worker import _llama_model_params
 
-    llm = llama_cpp.Llama(model_path=model, n_threads=threads, n_threads_batch=threads, n_ctx=4096,
-                          n_batch=512, n_ubatch=512, logits_all=True, verbose=False)
+    # The plain CPU weight buffers, as bench_worker's decode and prefill: the AMX ones llama.cpp
+    # prefers on AMX CPUs crash this build on the first decode (bench_worker._llama_model_params).
+    def make():
+        with _llama_model_params("none"):
+            return llama_cpp.Llama(model_path=model, n_threads=threads, n_threads_batch=threads, n_ctx=4096,
+                                   n_batch=512, n_ubatch=512, logits_all=True, verbose=False)
+
+    llm = make()
     llm.eval(ids[:64])
     verify = {}
     for k in VERIFY_ROWS:
@@ -213,8 +220,7 @@ def worker_llama(model: str, threads: int, ids: list[int], long_ids: list[int], 
 
     llm.n_tokens = 64
     # a second context over the same mapped weights holds the 2,048-token cache
-    long_llm = llama_cpp.Llama(model_path=model, n_threads=threads, n_threads_batch=threads, n_ctx=4096,
-                               n_batch=512, n_ubatch=512, logits_all=True, verbose=False)
+    long_llm = make()
     long_llm.eval(long_ids)
     decode_at = {}
     for ctx, m in ((64, llm), (2048, long_llm)):
