@@ -36,6 +36,11 @@ multiply per group and keeps the rounding finer. The block sums are exact intege
 and the float accumulation order of one input row never depends on the others, so a
 row's result in a k-row call is bit for bit its result in a 1-row call (the
 speculative verify relies on this).
+
+Where the CPU has AVX-512 VNNI, 3- and 4-row calls on large matrices take 512-bit
+bodies that share each dot product between rows (q4/q4_0: ``_zbody``, input rows side
+by side; q8: ``_wbody``, weight rows side by side) and replay the per-row bodies'
+float operations lane for lane: the same bits, so the verify stays row-exact.
 """
 
 from __future__ import annotations
