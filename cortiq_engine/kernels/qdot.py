@@ -381,22 +381,11 @@ def _hsum(f: _Fn, v: str) -> str:
     return f.v(f"fadd float {f.v(f'extractelement <2 x float> {d}, i32 0')}, {f.v(f'extractelement <2 x float> {d}, i32 1')}")
 
 
-def _gbody(kind: str, nx: int, act: int = 8, vnni: bool = False) -> str:
-    """The 32-block dtypes (q8, q4, q4_0, q5, q5_1) for ``nx`` input rows, eight blocks per
-    step: the eight exact block sums of an input row reduce into one vector (lane k =
-    block k), which meets the eight weight scales (one f16 load and convert) times
-    the eight activation scales in one FMA, and q4's mins meet the eight block sums
-    of x in another. Per block and input row that leaves the integer multiply and a
-    share of the reduction, where the one-block body (``_body``) spends a convert, a
-    scalar scale product, a broadcast and an FMA: the part a verify pays per row.
-    The nb % 8 leftover blocks take ``_block``. Every input row sums in an order
-    fixed by nb alone: row-exact."""
-    q4 = _nibbles(kind)
-    wbytes = 16 if q4 else 32
-    name = _entry(kind, act)
-    f = _Fn(vnni)
-    f(f"define internal void @{name}_rows{nx}({_ARGS}) nounwind alwaysinline {{")
-    f("entry:")
+def _grouped_prologue(f: _Fn, kind: str) -> None:
+    """The entry and row loop head every grouped 32-block body shares (``_gbody``,
+    ``_zbody``): part pointers by role, row and group counts, then the group loop's
+    first line (``%g``, its phis go after it)."""
+    wbytes = 16 if _nibbles(kind) else 32
     sd, sm, sh, sq = _ROLES[kind]
     f(f"  %wd = bitcast i8* %p{sd} to i16*")
     f(f"  %wm = bitcast i8* %p{sd if sm is None else sm} to i16*")
@@ -419,6 +408,25 @@ def _gbody(kind: str, nx: int, act: int = 8, vnni: bool = False) -> str:
     f("  br i1 %hasg, label %grp, label %gdone")
     f("grp:")
     f("  %g = phi i64 [0, %rowloop], [%gnext, %grp]")
+
+
+def _gbody(kind: str, nx: int, act: int = 8, vnni: bool = False) -> str:
+    """The 32-block dtypes (q8, q4, q4_0, q5, q5_1) for ``nx`` input rows, eight blocks per
+    step: the eight exact block sums of an input row reduce into one vector (lane k =
+    block k), which meets the eight weight scales (one f16 load and convert) times
+    the eight activation scales in one FMA, and q4's mins meet the eight block sums
+    of x in another. Per block and input row that leaves the integer multiply and a
+    share of the reduction, where the one-block body (``_body``) spends a convert, a
+    scalar scale product, a broadcast and an FMA: the part a verify pays per row.
+    The nb % 8 leftover blocks take ``_block``. Every input row sums in an order
+    fixed by nb alone: row-exact."""
+    q4 = _nibbles(kind)
+    wbytes = 16 if q4 else 32
+    name = _entry(kind, act)
+    f = _Fn(vnni)
+    f(f"define internal void @{name}_rows{nx}({_ARGS}) nounwind alwaysinline {{")
+    f("entry:")
+    _grouped_prologue(f, kind)
     facc = [f"%facc{r}" for r in range(nx)]
     macc = [f"%macc{r}" for r in range(nx)]
     phi_at = len(f.lines)
@@ -460,21 +468,7 @@ def _gbody(kind: str, nx: int, act: int = 8, vnni: bool = False) -> str:
         if q4:
             f(f"  %gm{r} = phi <8 x float> [zeroinitializer, %rowloop], [{new_m[r]}, %grp]")
     f("  br i1 %hastail, label %tloop, label %fin")
-    # the nb % 8 leftover blocks, one at a time
-    f("tloop:")
-    f("  %tb = phi i64 [%gmain, %gdone], [%tbnext, %tloop]")
-    tacc = [f"%tacc{r}" for r in range(nx)]
-    tmacc = [f"%tmacc{r}" for r in range(nx)]
-    tphi_at = len(f.lines)
-    na, nm = _block(f, kind, act, nx, "%tb", tacc, tmacc if q4 else ["0.0"] * nx)
-    carried = [(tacc[r], "<8 x float>", "zeroinitializer", na[r]) for r in range(nx)]
-    if q4:
-        carried += [(tmacc[r], "float", "0.0", nm[r]) for r in range(nx)]
-    _loop_back(f, "%tb", "%tbnext", "%nb", "tloop", "gdone", "fin", tphi_at, carried)
-    f("fin:")
-    # fin's predecessors: gdone (no tail) and tloop; the group sums come from gdone either way
-    tas = [f.v(f"phi <8 x float> [zeroinitializer, %gdone], [{na[r]}, %tloop]") for r in range(nx)]
-    tms = [f.v(f"phi float [0.0, %gdone], [{nm[r]}, %tloop]") if q4 else None for r in range(nx)]
+    tas, tms = _tail_rows(f, kind, act, nx)
     for r in range(nx):
         ta, tm = tas[r], tms[r]
         h = _hsum(f, f"%gf{r}")
@@ -757,6 +751,37 @@ def _reduce4z(f: _Fn, vs: list[str]) -> str:
     return _zpair(f, _zpair(f, vs[0], vs[1], 1), _zpair(f, vs[2], vs[3], 1), 2)
 
 
+def _tail_rows(f: _Fn, kind: str, act: int, nx: int) -> tuple[list[str], list[str | None]]:
+    """The nb % 8 leftover blocks of a grouped body, one at a time per input row
+    (``_block``), from ``gdone`` to ``fin``: each row's 8-lane sum and (q4) min sum."""
+    q4 = _nibbles(kind)
+    f("tloop:")
+    f("  %tb = phi i64 [%gmain, %gdone], [%tbnext, %tloop]")
+    tacc = [f"%tacc{r}" for r in range(nx)]
+    tmacc = [f"%tmacc{r}" for r in range(nx)]
+    tphi_at = len(f.lines)
+    na, nm = _block(f, kind, act, nx, "%tb", tacc, tmacc if q4 else ["0.0"] * nx)
+    carried = [(tacc[r], "<8 x float>", "zeroinitializer", na[r]) for r in range(nx)]
+    if q4:
+        carried += [(tmacc[r], "float", "0.0", nm[r]) for r in range(nx)]
+    _loop_back(f, "%tb", "%tbnext", "%nb", "tloop", "gdone", "fin", tphi_at, carried)
+    f("fin:")
+    # fin's predecessors: gdone (no tail) and tloop; the group sums come from gdone either way
+    tas = [f.v(f"phi <8 x float> [zeroinitializer, %gdone], [{na[r]}, %tloop]") for r in range(nx)]
+    tms = [f.v(f"phi float [0.0, %gdone], [{nm[r]}, %tloop]") if q4 else None for r in range(nx)]
+    return tas, tms
+
+
+def _hsum_lanes(f: _Fn, a: str, b: str) -> str:
+    """``_hsum`` of every 128-bit lane group's 8 values (a's 4 then b's 4), all groups at
+    once, in ``_hsum``'s order: lane 4g holds group g's total."""
+    c = f.v(f"fadd <16 x float> {a}, {b}")  # c_k = v_k + v_{k+4}
+    c2 = f.v(f"shufflevector <16 x float> {c}, <16 x float> undef, {_mask([4 * (i // 4) + (i % 4 + 2) % 4 for i in range(16)])}")
+    d = f.v(f"fadd <16 x float> {c}, {c2}")  # d0 = c0 + c2, d1 = c1 + c3
+    d1 = f.v(f"shufflevector <16 x float> {d}, <16 x float> undef, {_mask([4 * (i // 4) + (i % 4 + 1) % 4 for i in range(16)])}")
+    return f.v(f"fadd <16 x float> {d}, {d1}")
+
+
 def _zbody(kind: str, act: int, nx: int) -> str:
     """``kind``'s zmm body for ``nx`` (3 or 4) input rows (see above); the interleaved
     copy's rows past nx are zeros, computed alongside and never stored. Groups of 8 blocks as ``_gbody`` (two
@@ -773,28 +798,7 @@ def _zbody(kind: str, act: int, nx: int) -> str:
     f = _Fn(True)
     f(f"define internal void @{name}_rows{nx}z({_ARGS}) nounwind alwaysinline \"min-legal-vector-width\"=\"512\" {{")
     f("entry:")
-    sd, sm, sh, sq = _ROLES[kind]
-    f(f"  %wd = bitcast i8* %p{sd} to i16*")
-    f(f"  %wm = bitcast i8* %p{sd if sm is None else sm} to i16*")
-    f(f"  %wq = getelementptr i8, i8* %p{sq}, i64 0")
-    f(f"  %wh = bitcast i8* %p{sd if sh is None else sh} to i32*")
-    f("  %cols = mul i64 %nb, 32")
-    f(f"  %wrow_bytes = mul i64 %nb, {wbytes}")
-    f(f"  %pf_ahead = add i64 0, {PREFETCH_BYTES}")
-    f("  %xq16 = bitcast i8* %xq to i16*")
-    f(f"  %ngroups = udiv i64 %nb, {GROUP}")
-    f(f"  %gmain = mul i64 %ngroups, {GROUP}")
-    f("  %hastail = icmp slt i64 %gmain, %nb")
-    f("  %empty = icmp sge i64 %r0, %r1")
-    f("  br i1 %empty, label %exit, label %rowloop")
-    f("rowloop:")
-    f("  %row = phi i64 [%r0, %entry], [%rownext, %rowend]")
-    f("  %wqrow = mul i64 %row, %wrow_bytes")
-    f("  %wdrow = mul i64 %row, %nb")
-    f("  %hasg = icmp sgt i64 %ngroups, 0")
-    f("  br i1 %hasg, label %grp, label %gdone")
-    f("grp:")
-    f("  %g = phi i64 [0, %rowloop], [%gnext, %grp]")
+    _grouped_prologue(f, kind)
     names = ["%zA", "%zB"] + (["%zmA", "%zmB"] if q4 else [])
     phi_at = len(f.lines)
     b0 = f.v(f"mul i64 %g, {GROUP}")
@@ -871,31 +875,10 @@ def _zbody(kind: str, act: int, nx: int) -> str:
     for n in names:
         f(f"  {n}_end = phi <16 x float> [zeroinitializer, %rowloop], [{new[n]}, %grp]")
     f("  br i1 %hastail, label %tloop, label %fin")
-    # the nb % 8 leftover blocks, per row on the per-row layout (as _gbody's tail)
-    f("tloop:")
-    f("  %tb = phi i64 [%gmain, %gdone], [%tbnext, %tloop]")
-    tacc = [f"%tacc{r}" for r in range(nx)]
-    tmacc = [f"%tmacc{r}" for r in range(nx)]
-    tphi_at = len(f.lines)
-    na, nm = _block(f, kind, act, nx, "%tb", tacc, tmacc if q4 else ["0.0"] * nx)
-    carried = [(tacc[r], "<8 x float>", "zeroinitializer", na[r]) for r in range(nx)]
-    if q4:
-        carried += [(tmacc[r], "float", "0.0", nm[r]) for r in range(nx)]
-    _loop_back(f, "%tb", "%tbnext", "%nb", "tloop", "gdone", "fin", tphi_at, carried)
-    f("fin:")
-    tas = [f.v(f"phi <8 x float> [zeroinitializer, %gdone], [{na[r]}, %tloop]") for r in range(nx)]
-    tms = [f.v(f"phi float [0.0, %gdone], [{nm[r]}, %tloop]") if q4 else None for r in range(nx)]
+    tas, tms = _tail_rows(f, kind, act, nx)  # per row on the per-row layout, as _gbody's
 
-    def hsum_rows(a: str, b: str) -> str:
-        """_hsum of each row's 8 lanes (A's 4 then B's 4), for all rows at once: lane (r, 0)."""
-        c = f.v(f"fadd <16 x float> {a}, {b}")  # c_k = v_k + v_{k+4}
-        c2 = f.v(f"shufflevector <16 x float> {c}, <16 x float> undef, {_mask([4 * (i // 4) + (i % 4 + 2) % 4 for i in range(16)])}")
-        d = f.v(f"fadd <16 x float> {c}, {c2}")  # d0 = c0 + c2, d1 = c1 + c3
-        d1 = f.v(f"shufflevector <16 x float> {d}, <16 x float> undef, {_mask([4 * (i // 4) + (i % 4 + 1) % 4 for i in range(16)])}")
-        return f.v(f"fadd <16 x float> {d}, {d1}")
-
-    hf = hsum_rows("%zA_end", "%zB_end")
-    hm = hsum_rows("%zmA_end", "%zmB_end") if q4 else None
+    hf = _hsum_lanes(f, "%zA_end", "%zB_end")
+    hm = _hsum_lanes(f, "%zmA_end", "%zmB_end") if q4 else None
     for r in range(nx):
         h = f.v(f"extractelement <16 x float> {hf}, i32 {4 * r}")
         if q4:
@@ -1075,15 +1058,8 @@ def _wbody(kind: str, act: int, nx: int) -> str:
     f("fin:")
     tend = {key: f.v(f"phi <16 x float> [zeroinitializer, %gdone], [{tnew[key]}, %tloop]") for key in taccs}
 
-    def hsum_rows(a: str, b: str) -> str:  # as _zbody's: lane (w, 0) = _hsum of w's 8 lanes
-        c = f.v(f"fadd <16 x float> {a}, {b}")
-        c2 = f.v(f"shufflevector <16 x float> {c}, <16 x float> undef, {_mask([4 * (i // 4) + (i % 4 + 2) % 4 for i in range(16)])}")
-        d = f.v(f"fadd <16 x float> {c}, {c2}")
-        d1 = f.v(f"shufflevector <16 x float> {d}, <16 x float> undef, {_mask([4 * (i // 4) + (i % 4 + 1) % 4 for i in range(16)])}")
-        return f.v(f"fadd <16 x float> {d}, {d1}")
-
     for r in range(nx):
-        h = f.v(f"fadd <16 x float> {hsum_rows(accs[(r, 0)] + '_end', accs[(r, 1)] + '_end')}, {hsum_rows(tend[(r, 0)], tend[(r, 1)])}")
+        h = f.v(f"fadd <16 x float> {_hsum_lanes(f, accs[(r, 0)] + '_end', accs[(r, 1)] + '_end')}, {_hsum_lanes(f, tend[(r, 0)], tend[(r, 1)])}")
         for w in range(4):
             oo = f.v(f"add i64 {f.v(f'mul i64 %ostride, {r}')}, %wrow{w}")
             f(f"  store float {f.v(f'extractelement <16 x float> {h}, i32 {4 * w}')}, float* {f.v(f'getelementptr float, float* %out, i64 {oo}')}, align 4")
