@@ -40,6 +40,7 @@ def mtp_probe(
     vocab: MtpVocab = None,
     threshold: MtpThreshold = None,
     choose_threshold: Annotated[bool, typer.Option("--choose-threshold", help="Also time a verify of 1..depth+1 rows and replay the rounds under candidate --mtp-threshold values: modelled ms per token for each (pick the least).", rich_help_panel=MTP_PANEL)] = False,
+    save: Annotated[bool, typer.Option("--save", help="With --choose-threshold: record the fastest depth and threshold of the independent/pre drafts (what generate runs) in the sidecar, as the defaults generate then uses.", rich_help_panel=MTP_PANEL)] = False,
     threads: opt.Threads = None,
     json_out: opt.Json = False,
 ) -> None:
@@ -47,7 +48,7 @@ def mtp_probe(
     previous tokens, against the true next tokens (per depth alone and chained)."""
     from cortiq_engine import Engine
     from cortiq_engine.mtp import CHAINS, HIDDENS
-    from evals.mtp_probe import default_variants, probe, threshold_table, verify_costs
+    from evals.mtp_probe import best_setting, default_variants, probe, threshold_table, verify_costs
     from evals.text_source import load_text
 
     loaded = load_text(opt.text_spec(text, dataset, config, split, column, data_files))
@@ -68,6 +69,15 @@ def mtp_probe(
     steps = max(len(ids) - k - 1, 0) * len(variants)
     if choose_threshold and threshold:
         raise CortiqError("--choose-threshold replays thresholds itself; leave --mtp-threshold out")
+    if save and not choose_threshold:
+        raise CortiqError("--save records what --choose-threshold measures: give both")
+    if save and stack.source == "inline":
+        raise CortiqError("--save writes to an MTP sidecar; these draft layers are inline in the model file")
+    if save and vocab is not None:
+        raise CortiqError("--save measures the sidecar's own draft vocabulary (the one generate uses): leave --mtp-vocab out")
+    if save and not any(v.chain == "independent" and v.hidden == "pre" for v in variants):
+        raise CortiqError("--save measures the drafts generate runs (independent layers, pre-norm hidden): "
+                          "leave --mtp-chain and --mtp-hidden at all, or set them to independent and pre")
     head = eng.draft_head(vocab)  # a string: read as --mtp-vocab is (draft_vocab.parse_vocab)
     traces = [] if choose_threshold else None
     kw = dict(head=head, threshold=threshold or 0.0, traces=traces)
@@ -99,6 +109,15 @@ def mtp_probe(
         for entry, (v, counts), trace in zip(doc["variants"], results, traces):
             draft_ms = 1e3 * counts.draft_seconds / max(counts.drafting_rounds, 1) / k  # per computed draft
             entry["thresholds"] = [r.to_json() for r in threshold_table(trace, draft_ms, verify_ms)]
+            if save and (v.chain, v.hidden) == ("independent", "pre"):
+                d, row = best_setting(trace, draft_ms, verify_ms)
+                doc["saved"] = {"depth": d, "threshold": row.threshold, "modelled_speedup": round(row.speedup, 4),
+                                "tokens_per_step": round(row.tokens_per_step, 4), "text": loaded.source,
+                                "tokens": len(ids), "draft_vocab": head.label, "verify_ms_by_rows": verify_ms}
+        if save:
+            from formats.sidecar import write_defaults
+
+            write_defaults(stack.source, doc["saved"])  # staged and renamed over: the open map stays valid
     if json_out:
         print_json(doc)
         return
@@ -129,3 +148,7 @@ def mtp_probe(
             t.add_row(f"{row['threshold']:g}", *(f"{tb[i]['tokens_per_step']:.2f} · {tb[i]['mean_depth']:.2f} · "
                                                     f"{tb[i]['ms_per_token']:.2f} · {tb[i]['speedup']:.2f}x" for tb in tables))
         print_table(console, t)
+    if "saved" in doc:
+        s = doc["saved"]
+        console.print(f"saved in {stack.source}: generate now drafts depth {s['depth']} at threshold {s['threshold']:g} "
+                      f"by default (modelled {s['modelled_speedup']:.2f}x plain decoding)")

@@ -60,7 +60,9 @@ class SpeculativeConfig:
     ``hidden`` "pre" | "post" (the backbone hidden before or after its final norm),
     ``vocab`` the draft vocabulary: None, the sidecar's when it has one; "full" (or 0),
     the full lm_head; n, the first n ids of the sidecar's; ``threshold`` the adaptive-depth
-    probability below which a round stops drafting (None: ``mtp.DEFAULT_THRESHOLD``; 0: off)."""
+    probability below which a round stops drafting (None: ``mtp.DEFAULT_THRESHOLD``; 0: off).
+    Unset ``depth`` and ``threshold`` take the sidecar's measured defaults where it has
+    them (``cortiq mtp-probe --choose-threshold --save``) and ``vocab`` is unset."""
 
     depth: int | None = None
     chain: str | None = None
@@ -242,8 +244,14 @@ class Engine:
             if required:
                 raise CortiqError(f"speculative decoding: {why}")
             return None, f"speculative decoding is off: {why}"
-        threshold = DEFAULT_THRESHOLD if spec.threshold is None else spec.threshold
-        d = make_drafter(self.model, self.drafts, self.ctx, depth=spec.depth, chain=spec.chain, hidden=spec.hidden or "pre",
+        # Unset depth and threshold: the sidecar's measured defaults (``mtp-probe --save``)
+        # when it has them and the draft vocabulary is the one they were measured with.
+        stack = self.drafts
+        measured = stack.default_depth is not None and spec.vocab is None
+        depth = spec.depth if spec.depth is not None else (stack.default_depth if measured else None)
+        threshold = spec.threshold if spec.threshold is not None else (
+            stack.default_threshold if measured else DEFAULT_THRESHOLD)
+        d = make_drafter(self.model, self.drafts, self.ctx, depth=depth, chain=spec.chain, hidden=spec.hidden or "pre",
                          head=self.draft_head(spec.vocab), threshold=threshold)
         return d, ""
 

@@ -49,7 +49,7 @@ import numpy as np
 from formats.arch import ArchConfig
 from formats.cmf import CmfFile
 from formats.errors import CortiqError
-from formats.sidecar import count_mtp_layers, open_sidecar, read_draft_vocab
+from formats.sidecar import count_mtp_layers, open_sidecar, read_defaults, read_draft_vocab
 from cortiq_engine.cache import KVCache
 from cortiq_engine.draft_vocab import DraftHead, full_head
 from cortiq_engine.layers import Step
@@ -78,6 +78,9 @@ class DraftStack:
     style: str
     source: str  # where they came from: the sidecar path, or "inline"
     vocab: np.ndarray | None = None  # the stored draft vocabulary (ids, most useful first)
+    # measured defaults (sidecar record mtp.defaults): drafts per round and threshold
+    default_depth: int | None = None
+    default_threshold: float | None = None
 
     @property
     def num_layers(self) -> int:
@@ -117,9 +120,10 @@ def load_draft_stack(main: CmfFile, arch: ArchConfig, kernels, path: str | Path 
     try:
         layers = tuple(draft_layer(src, k, arch, kernels) for k in range(n))
         vocab = read_draft_vocab(src, arch.vocab_size)
+        depth, threshold = read_defaults(src.header, n) if src is not main else (None, None)
     except CortiqError as e:
         raise CortiqError(f"{e} ({NO_MTP_HINT})") from None
-    return DraftStack(layers, arch.mtp.style if arch.mtp else "deepseek", source, vocab)
+    return DraftStack(layers, arch.mtp.style if arch.mtp else "deepseek", source, vocab, depth, threshold)
 
 
 

@@ -78,6 +78,21 @@ def threshold_table(trace: ProbeTrace, draft_ms: float, verify_ms: Sequence[floa
     return rows
 
 
+def best_setting(trace: ProbeTrace, draft_ms: float, verify_ms: Sequence[float]) -> tuple[int, ThresholdRow]:
+    """The (depth, threshold row) of least modelled ms per token over every depth up to
+    the traced one: a depth-d round of independent layers drafts what the first d
+    columns of the trace hold, so each depth replays those columns."""
+    rounds, depth = trace.probs.shape
+    best: tuple[int, ThresholdRow] | None = None
+    for d in range(1, depth + 1):
+        sub = ProbeTrace(trace.probs[:, :d], trace.right[:, :d])
+        for row in threshold_table(sub, draft_ms, list(verify_ms)[: d + 1]):
+            if best is None or row.ms_per_token < best[1].ms_per_token:
+                best = (d, row)
+    assert best is not None
+    return best
+
+
 def verify_costs(model, rows_max: int, context: int = 128, reps: int = 15) -> list[float]:
     """Median ms of a backbone forward of 1..rows_max rows plus their lm_head, after a
     ``context``-token prefix (what a verify of r rows costs; r = 1 is a plain decode step)."""

@@ -9,6 +9,11 @@ A sidecar may also carry a *draft vocabulary* (``DRAFT_VOCAB_TENSOR``, i32 [N], 
 ids most useful first, with the header record ``mtp.draft_vocab``): the drafts score
 only those rows of the backbone's lm_head. ``read_draft_vocab`` validates it;
 ``copy_with_draft_vocab`` writes a sidecar's tensors byte for byte with a new one.
+
+A sidecar may also carry *measured defaults* (header record ``mtp.defaults``: the
+depth and adaptive-depth threshold that ``cortiq mtp-probe --choose-threshold --save``
+found fastest on held-out text on this machine); ``read_defaults`` validates them and
+``generate`` drafts so unless told otherwise.
 """
 
 from __future__ import annotations
@@ -115,10 +120,40 @@ def open_sidecar(main_path: str | Path, main_header: dict[str, Any], path: str |
         if backbone_mtp.get("location") == "sidecar" and backbone_mtp.get("num_layers") not in (None, have):
             raise CortiqError(f"MTP layer count {backbone_mtp['num_layers']} in the backbone, {have} in the sidecar")
         read_draft_vocab(cmf, _get(main_header, ("arch", "vocab_size")))
+        read_defaults(cmf.header, have)
     except CortiqError as e:
         cmf.close()
         raise CortiqError(f"MTP sidecar {side}: {e}") from None
     return cmf
+
+
+def read_defaults(header: dict[str, Any], num_layers: int) -> tuple[int | None, float | None]:
+    """The sidecar's measured (depth, threshold), (None, None) without a record. Valid: an
+    object whose ``depth`` is an integer in 1..num_layers and ``threshold`` a number in
+    [0, 1); else a one-line ``CortiqError``."""
+    rec = section(header, "mtp").get("defaults")
+    if rec is None:
+        return None, None
+    if not isinstance(rec, dict):
+        raise CortiqError(f"MTP defaults: header record mtp.defaults is {type(rec).__name__}, expected an object")
+    depth, threshold = rec.get("depth"), rec.get("threshold")
+    if not isinstance(depth, int) or isinstance(depth, bool) or not 1 <= depth <= num_layers:
+        raise CortiqError(f"MTP defaults: depth {depth!r} is not between 1 and the {num_layers} draft layer(s)")
+    if not isinstance(threshold, (int, float)) or isinstance(threshold, bool) or not 0.0 <= float(threshold) < 1.0:
+        raise CortiqError(f"MTP defaults: threshold {threshold!r} is not a number in [0, 1)")
+    return depth, float(threshold)
+
+
+def write_defaults(path: str | Path, record: dict[str, Any]) -> Path:
+    """Record measured defaults (``depth``, ``threshold`` and how they were measured) in
+    the sidecar at ``path``, rewriting it in place (staged, then renamed over)."""
+    from formats.cmf import CmfFile
+
+    with CmfFile(path) as cmf:
+        backbone = cmf.header.get("backbone")
+        ids = read_draft_vocab(cmf, backbone.get("vocab_size") if isinstance(backbone, dict) else None)
+        vrec = section(cmf.header, "mtp").get("draft_vocab")
+    return copy_with_draft_vocab(path, path, ids, vrec, force=True, defaults=record)
 
 
 def read_draft_vocab(cmf, vocab_size: Any) -> np.ndarray | None:
@@ -160,10 +195,12 @@ def draft_vocab_record(ids: np.ndarray, source: str, tokens: int) -> dict[str, A
 
 
 def copy_with_draft_vocab(src: str | Path, out: str | Path, ids: np.ndarray | None, record: dict[str, Any] | None,
-                          *, force: bool = False) -> Path:
+                          *, force: bool = False, defaults: dict[str, Any] | None = None) -> Path:
     """Write sidecar ``src`` to ``out`` with the draft vocabulary ``ids`` (None: without
     one); every other tensor is copied byte for byte, the header keeps all else. ``out``
-    may be ``src`` (with ``force``): the writer stages a new file and renames it over."""
+    may be ``src`` (with ``force``): the writer stages a new file and renames it over.
+    ``defaults``: a new ``mtp.defaults`` record (measured defaults keep only with the
+    vocabulary they were measured with: a new vocabulary drops them)."""
     from formats.cmf import CmfFile, CmfWriter
 
     out = Path(out)
@@ -174,9 +211,12 @@ def copy_with_draft_vocab(src: str | Path, out: str | Path, ids: np.ndarray | No
             raise CortiqError(f"{src}: not an MTP sidecar (role {cmf.header.get('role')!r})")
         header = copy.deepcopy(cmf.header)
         mtp = header.get("mtp") if isinstance(header.get("mtp"), dict) else {}
-        mtp.pop("draft_vocab", None)
+        if mtp.pop("draft_vocab", None) != record:
+            mtp.pop("defaults", None)
         if ids is not None:
             mtp["draft_vocab"] = record
+        if defaults is not None:
+            mtp["defaults"] = defaults
         header["mtp"] = mtp
         with CmfWriter(out, header, force=True) as w:
             for name in cmf.names():

@@ -471,3 +471,106 @@ def test_write_sidecar_stores_a_draft_vocabulary(tiny, tmp_path):
                                                   "text": "test", "tokens": 99}
     plain = eng.generate([1, 2, 3], max_tokens=8, speculative=False)
     _assert_same(plain, eng.generate([1, 2, 3], max_tokens=8, speculative=SpeculativeConfig(threshold=0)))
+
+
+# ------------------------------------------------------------------ measured defaults (mtp.defaults)
+def _defaults(rec):
+    return lambda m: m.__setitem__("defaults", rec)
+
+
+_BAD_DEFAULTS = [
+    ("not an object", [1, 0.2], "expected an object"),
+    ("depth zero", {"depth": 0, "threshold": 0.2}, "depth 0 is not between 1 and the 3 draft layer"),
+    ("depth past the layers", {"depth": 4, "threshold": 0.2}, "depth 4 is not between 1 and the 3"),
+    ("depth bool", {"depth": True, "threshold": 0.2}, "depth True is not between"),
+    ("depth missing", {"threshold": 0.2}, "depth None is not between"),
+    ("threshold one", {"depth": 1, "threshold": 1.0}, r"threshold 1.0 is not a number in \[0, 1\)"),
+    ("threshold text", {"depth": 1, "threshold": "0.2"}, "threshold '0.2' is not a number"),
+    ("threshold negative", {"depth": 1, "threshold": -0.1}, "threshold -0.1 is not a number"),
+]
+
+
+@pytest.mark.parametrize("label,rec,message", _BAD_DEFAULTS, ids=[b[0] for b in _BAD_DEFAULTS])
+def test_hostile_measured_defaults_are_one_line(tiny, tmp_path, label, rec, message):
+    path, side = tiny["mimo", "q8"]
+    bad = _write(side, tmp_path / "bad.mtp.cmf", _defaults(rec))
+    with pytest.raises(CortiqError, match=message) as e:
+        Engine.load(path, threads=1, mtp=bad, warmup=False)
+    assert "\n" not in str(e.value) and "bad.mtp.cmf" in str(e.value)
+
+
+def test_measured_defaults_drive_generate_unless_told(tiny, tmp_path):
+    """write_defaults records depth and threshold; an unset --mtp-depth / --mtp-threshold
+    takes them, explicit values win, a chosen --mtp-vocab falls back to every layer and the
+    engine's threshold; output stays plain greedy's; a new draft vocabulary drops them."""
+    from cortiq_engine.mtp import DEFAULT_THRESHOLD
+    from formats.sidecar import write_defaults
+
+    path, side = tiny["mimo", "q8"]
+    mine = tmp_path / "m.mtp.cmf"
+    _with_vocab(side, mine, np.arange(40)[::-1])
+    write_defaults(mine, {"depth": 2, "threshold": 0.05, "text": "test"})
+    with CmfFile(mine) as f:
+        assert f.header["mtp"]["defaults"] == {"depth": 2, "threshold": 0.05, "text": "test"}
+        assert f.header["mtp"]["draft_vocab"]["size"] == 40  # the vocabulary stays
+    eng = Engine.load(path, threads=1, mtp=mine)
+    d, _ = eng.drafter(None)
+    assert (d.depth, d.threshold, d.head.label) == (2, 0.05, 40)
+    d, _ = eng.drafter(SpeculativeConfig(depth=3))
+    assert (d.depth, d.threshold) == (3, 0.05)
+    d, _ = eng.drafter(SpeculativeConfig(threshold=0.0))
+    assert (d.depth, d.threshold) == (2, 0.0)
+    d, _ = eng.drafter(SpeculativeConfig(vocab="full"))
+    assert (d.depth, d.threshold) == (3, DEFAULT_THRESHOLD)
+    plain = eng.generate([5, 6, 7], max_tokens=MAX_TOKENS, speculative=False)
+    spec = eng.generate([5, 6, 7], max_tokens=MAX_TOKENS)
+    _assert_same(plain, spec)
+    assert spec.extra["mtp"]["depth"] == 2 and spec.extra["mtp"]["threshold"] == 0.05
+    _with_vocab(mine, tmp_path / "v.mtp.cmf", np.arange(30))
+    with CmfFile(tmp_path / "v.mtp.cmf") as f:
+        assert "defaults" not in f.header["mtp"]  # measured with another vocabulary
+
+
+def test_best_setting_is_the_least_modelled_time_over_depths():
+    """best_setting replays every depth's leading columns under every threshold: the
+    brute-force minimum of threshold_table over depths."""
+    from evals.mtp_probe import best_setting
+
+    rng = np.random.default_rng(3)
+    probs = rng.random((200, 3))
+    right = rng.random((200, 3)) < np.array([0.7, 0.35, 0.1])
+    trace = ProbeTrace(probs, right)
+    verify = [10.0, 11.0, 14.0, 18.0]
+    d, row = best_setting(trace, 0.8, verify)
+    brute = min(((k, r) for k in (1, 2, 3) for r in threshold_table(ProbeTrace(probs[:, :k], right[:, :k]), 0.8, verify[: k + 1])),
+                key=lambda kr: kr[1].ms_per_token)
+    assert (d, row) == brute
+    # a cheap deep verify makes depth 3 worth it; an expensive one depth 1
+    assert best_setting(ProbeTrace(np.ones((50, 3)), np.ones((50, 3), bool)), 0.1, [10, 10.5, 11, 11.5])[0] == 3
+    assert best_setting(ProbeTrace(np.ones((50, 3)), np.ones((50, 3), bool) & [True, False, False]), 0.1, [10, 11, 30, 40])[0] == 1
+
+
+def test_probe_save_needs_choose_threshold(tiny, tmp_path):
+    path, side = tiny["mimo", "q8"]
+    text = tmp_path / "t.txt"
+    text.write_text("the cat sat on the mat and the dog sat on the log. " * 20)
+    r = CliRunner().invoke(app, ["mtp-probe", str(path), "-f", str(text), "--save"])
+    assert r.exit_code != 0 and "Traceback" not in r.output and "--choose-threshold" in r.output
+
+
+def test_probe_save_records_defaults_in_the_sidecar(tiny, tmp_path):
+    path, side = tiny["mimo", "q8"]
+    mine = tmp_path / "p.mtp.cmf"
+    _with_vocab(side, mine, np.arange(64))
+    text = tmp_path / "t.txt"
+    text.write_text("the cat sat on the mat and the dog sat on the log. " * 20)
+    r = CliRunner().invoke(app, ["mtp-probe", str(path), "-f", str(text), "--mtp", str(mine), "--max-tokens", "64",
+                                 "--choose-threshold", "--save", "--json"])
+    assert r.exit_code == 0, r.output
+    saved = json.loads(r.output)["saved"]
+    with CmfFile(mine) as f:
+        rec = f.header["mtp"]["defaults"]
+    assert rec["depth"] == saved["depth"] and rec["threshold"] == saved["threshold"] and 1 <= rec["depth"] <= 3
+    eng = Engine.load(path, threads=1, mtp=mine, warmup=False)
+    d, _ = eng.drafter(None)
+    assert (d.depth, d.threshold) == (rec["depth"], rec["threshold"])
