@@ -251,7 +251,7 @@ class Engine:
         depth = spec.depth if spec.depth is not None else (stack.default_depth if measured else None)
         threshold = spec.threshold if spec.threshold is not None else (
             stack.default_threshold if measured else DEFAULT_THRESHOLD)
-        d = make_drafter(self.model, self.drafts, self.ctx, depth=depth, chain=spec.chain, hidden=spec.hidden or "pre",
+        d = make_drafter(self.model, stack, self.ctx, depth=depth, chain=spec.chain, hidden=spec.hidden or "pre",
                          head=self.draft_head(spec.vocab), threshold=threshold)
         return d, ""
 

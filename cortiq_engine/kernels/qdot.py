@@ -410,6 +410,16 @@ def _grouped_prologue(f: _Fn, kind: str) -> None:
     f("  %g = phi i64 [0, %rowloop], [%gnext, %grp]")
 
 
+def _prefetch_group(f: _Fn, wqrow: str, b0: str, wbytes: int) -> None:
+    """Prefetch, %pf_ahead bytes ahead, the cache lines of the 8-block group from block
+    ``b0`` of the weight row whose quants start at ``wqrow``."""
+    gbase = f.v(f"add i64 {wqrow}, {f.v(f'mul i64 {b0}, {wbytes}')}")
+    for off in range(0, GROUP * wbytes, 64):
+        o = f.v(f"add i64 {gbase}, {off}")
+        pp = f.v(f"getelementptr i8, i8* %wq, i64 {f.v(f'add i64 {o}, %pf_ahead')}")
+        f(f"  call void @llvm.prefetch.p0i8(i8* {pp}, i32 0, i32 3, i32 1)")
+
+
 def _gbody(kind: str, nx: int, act: int = 8, vnni: bool = False) -> str:
     """The 32-block dtypes (q8, q4, q4_0, q5, q5_1) for ``nx`` input rows, eight blocks per
     step: the eight exact block sums of an input row reduce into one vector (lane k =
@@ -431,11 +441,7 @@ def _gbody(kind: str, nx: int, act: int = 8, vnni: bool = False) -> str:
     macc = [f"%macc{r}" for r in range(nx)]
     phi_at = len(f.lines)
     b0 = f.v(f"mul i64 %g, {GROUP}")
-    gbase = f.v(f"add i64 %wqrow, {f.v(f'mul i64 {b0}, {wbytes}')}")
-    for off in range(0, GROUP * wbytes, 64):
-        o = f.v(f"add i64 {gbase}, {off}")
-        pp = f.v(f"getelementptr i8, i8* %wq, i64 {f.v(f'add i64 {o}, %pf_ahead')}")
-        f(f"  call void @llvm.prefetch.p0i8(i8* {pp}, i32 0, i32 3, i32 1)")
+    _prefetch_group(f, "%wqrow", b0, wbytes)
     wvs = [_wunpack(f, kind, act, f.v(f"add i64 {b0}, {k}"), prefetch=False) for k in range(GROUP)]
     bks = [f.v(f"add i64 {b0}, {k}") for k in range(GROUP)]
     wdo = f.v(f"add i64 %wdrow, {b0}")
@@ -470,15 +476,7 @@ def _gbody(kind: str, nx: int, act: int = 8, vnni: bool = False) -> str:
     f("  br i1 %hastail, label %tloop, label %fin")
     tas, tms = _tail_rows(f, kind, act, nx)
     for r in range(nx):
-        ta, tm = tas[r], tms[r]
-        h = _hsum(f, f"%gf{r}")
-        if q4:
-            h = f.v(f"fadd float {h}, {_hsum(f, f'%gm{r}')}")
-        h = f.v(f"fadd float {h}, {_hsum(f, ta)}")
-        if q4:
-            h = f.v(f"fadd float {h}, {tm}")
-        oo = f.v(f"add i64 {f.v(f'mul i64 %ostride, {r}')}, %row")
-        f(f"  store float {h}, float* {f.v(f'getelementptr float, float* %out, i64 {oo}')}, align 4")
+        _store_row(f, r, _hsum(f, f"%gf{r}"), _hsum(f, f"%gm{r}") if q4 else None, tas[r], tms[r])
     return _close_rows(f)
 
 
@@ -691,8 +689,8 @@ def _kbody(kind: str, nx: int, act: int = 8, vnni: bool = False) -> str:
 # Where the CPU has AVX-512 VNNI, a call of 3 or 4 input rows of q4 / q4_0 takes
 # ``_zbody`` (q8: ``_wbody`` below): the rows share every 512-bit dot product. Lane (r, k) of a zmm register holds input
 # row r's 16-byte chunk of a block (``interleave_rows`` lays the rows out so), the
-# weight chunk is repeated in all four 128-bit lanes, and one vpdpbusd / vpdpwssd
-# multiplies a weight chunk by four rows at once. Four blocks' sums then reduce into
+# weight chunk is repeated in all four 128-bit lanes, and one vpdpbusd multiplies a
+# weight chunk by four rows at once. Four blocks' sums then reduce into
 # one register (lane (r, j) = block j of row r) in 9 shuffles and adds, where the
 # per-row bodies spend a reduction per row (2.6 of their 5-6 vector instructions per
 # block and row). The float side meets scales in the per-row bodies' order: the
@@ -713,11 +711,6 @@ declare <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32>, <16 x i32>, <16 x i
 declare <16 x i32> @llvm.x86.avx512.vpdpwssd.512(<16 x i32>, <16 x i32>, <16 x i32>)
 declare <16 x float> @llvm.fma.v16f32(<16 x float>, <16 x float>, <16 x float>)
 """
-
-
-def chunk_elems(act: int) -> int:
-    """Activation integers per 16-byte chunk: 16 int8 or 8 int16 (a block is 32 / this chunks)."""
-    return 16 if act == 8 else 8
 
 
 def _mask(idx) -> str:
@@ -749,6 +742,19 @@ def _reduce4z(f: _Fn, vs: list[str]) -> str:
     """Four <16 x i32> vectors, lane (r, k) = partial sum k of row r -> one whose lane
     (r, j) is row r's total of vs[j] (exact integer adds, within 128-bit lanes)."""
     return _zpair(f, _zpair(f, vs[0], vs[1], 1), _zpair(f, vs[2], vs[3], 1), 2)
+
+
+def _store_row(f: _Fn, r: int, groups: str, mins: str | None, tail: str, tail_min: str | None) -> None:
+    """out[r, row] = the grouped blocks' sum (+ their min sum) + the leftover blocks' 8-lane
+    sum (+ their min sum), added in this one order by every grouped body: row-exact."""
+    h = groups
+    if mins is not None:
+        h = f.v(f"fadd float {h}, {mins}")
+    h = f.v(f"fadd float {h}, {_hsum(f, tail)}")
+    if tail_min is not None:
+        h = f.v(f"fadd float {h}, {tail_min}")
+    oo = f.v(f"add i64 {f.v(f'mul i64 %ostride, {r}')}, %row")
+    f(f"  store float {h}, float* {f.v(f'getelementptr float, float* %out, i64 {oo}')}, align 4")
 
 
 def _tail_rows(f: _Fn, kind: str, act: int, nx: int) -> tuple[list[str], list[str | None]]:
@@ -789,24 +795,16 @@ def _zbody(kind: str, act: int, nx: int) -> str:
     A + B is ``_gbody``'s first sum step); the nb % 8 leftover blocks take
     ``_block`` per row, on the per-row layout."""
     assert (kind, act) in ZBODIES and ZROWS_FROM <= nx <= ZROWS
-    q4 = _nibbles(kind)
-    wbytes = 16 if q4 else 32
-    E = chunk_elems(act)
-    ch = QB // E  # chunks per block: 2 (int8) or 4 (int16)
-    ity = "i8" if act == 8 else "i16"
+    q4, wbytes, ch = True, 16, 2  # ZBODIES: nibbles on int8, two 16-byte chunks a block
     name = _entry(kind, act)
     f = _Fn(True)
     f(f"define internal void @{name}_rows{nx}z({_ARGS}) nounwind alwaysinline \"min-legal-vector-width\"=\"512\" {{")
     f("entry:")
     _grouped_prologue(f, kind)
-    names = ["%zA", "%zB"] + (["%zmA", "%zmB"] if q4 else [])
+    names = ["%zA", "%zB", "%zmA", "%zmB"]
     phi_at = len(f.lines)
     b0 = f.v(f"mul i64 %g, {GROUP}")
-    gbase = f.v(f"add i64 %wqrow, {f.v(f'mul i64 {b0}, {wbytes}')}")
-    for off in range(0, GROUP * wbytes, 64):
-        o = f.v(f"add i64 {gbase}, {off}")
-        pp = f.v(f"getelementptr i8, i8* %wq, i64 {f.v(f'add i64 {o}, %pf_ahead')}")
-        f(f"  call void @llvm.prefetch.p0i8(i8* {pp}, i32 0, i32 3, i32 1)")
+    _prefetch_group(f, "%wqrow", b0, wbytes)
     new = {}
     for half, (acc, macc) in enumerate((("%zA", "%zmA"), ("%zB", "%zmB"))):
         sums = []
@@ -814,37 +812,20 @@ def _zbody(kind: str, act: int, nx: int) -> str:
             b = f.v(f"add i64 {b0}, {4 * half + j}")
             bo = f.v(f"mul i64 {b}, {wbytes}")
             wp = f.v(f"getelementptr i8, i8* %wq, i64 {f.v(f'add i64 %wqrow, {bo}')}")
-            if q4 and act == 8:
-                pk = f.v(f"load <16 x i8>, <16 x i8>* {f.v(f'bitcast i8* {wp} to <16 x i8>*')}, align 1")
-                rep = _lanes4(f, "i8", pk, 16)
-                wch = [f.v(f"and <64 x i8> {rep}, {_const('i8', 64, 15)}"),
-                       f.v(f"lshr <64 x i8> {rep}, {_const('i8', 64, 4)}")]
-            elif q4:  # int16: each 8-quant chunk zero-extended, then repeated
-                pk = f.v(f"load <16 x i8>, <16 x i8>* {f.v(f'bitcast i8* {wp} to <16 x i8>*')}, align 1")
-                lo, hi = f.v(f"and <16 x i8> {pk}, {_const('i8', 16, 15)}"), f.v(f"lshr <16 x i8> {pk}, {_const('i8', 16, 4)}")
-                wch = []
-                for k in range(ch):
-                    part = f.v(f"shufflevector <16 x i8> {lo if k < 2 else hi}, <16 x i8> undef, {_mask(range(8 * (k % 2), 8 * (k % 2) + 8))}")
-                    wch.append(_lanes4(f, "i16", f.v(f"zext <8 x i8> {part} to <8 x i16>"), 8))
-            else:
-                wfull = f.v(f"load <32 x i8>, <32 x i8>* {f.v(f'bitcast i8* {wp} to <32 x i8>*')}, align 1")
-                wch = []
-                for k in range(ch):
-                    part = f.v(f"shufflevector <32 x i8> {wfull}, <32 x i8> undef, {_mask(range(E * k, E * k + E))}")
-                    if act == 16:
-                        part = f.v(f"sext <8 x i8> {part} to <8 x i16>")
-                    wch.append(_lanes4(f, ity, part, E))
+            # the packed nibbles repeated in the four lanes: chunk 0 = low nibbles, 1 = high
+            pk = f.v(f"load <16 x i8>, <16 x i8>* {f.v(f'bitcast i8* {wp} to <16 x i8>*')}, align 1")
+            rep = _lanes4(f, "i8", pk, 16)
+            wch = [f.v(f"and <64 x i8> {rep}, {_const('i8', 64, 15)}"),
+                   f.v(f"lshr <64 x i8> {rep}, {_const('i8', 64, 4)}")]
             acc32 = "zeroinitializer"
+            bk = f.v(f"mul i64 {b}, {ch}")
             for k in range(ch):
-                bk = f.v(f"mul i64 {b}, {ch}")
                 xo = f.v(f"mul i64 {f.v(f'add i64 {bk}, {k}')}, 64")
                 xp = f.v(f"getelementptr i8, i8* %xt, i64 {xo}")
                 xv = f.v(f"load <16 x i32>, <16 x i32>* {f.v(f'bitcast i8* {xp} to <16 x i32>*')}, align 4")
-                wv = f.v(f"bitcast <{4 * E} x {ity}> {wch[k]} to <16 x i32>")
-                if act == 8:  # unsigned weights (nibbles) times signed activations
-                    acc32 = f.v(f"call <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32> {acc32}, <16 x i32> {wv}, <16 x i32> {xv})")
-                else:
-                    acc32 = f.v(f"call <16 x i32> @llvm.x86.avx512.vpdpwssd.512(<16 x i32> {acc32}, <16 x i32> {wv}, <16 x i32> {xv})")
+                wv = f.v(f"bitcast <64 x i8> {wch[k]} to <16 x i32>")
+                # unsigned weights (nibbles) times signed activations
+                acc32 = f.v(f"call <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32> {acc32}, <16 x i32> {wv}, <16 x i32> {xv})")
             sums.append(acc32)
         u = _reduce4z(f, sums)
         bh = f.v(f"add i64 {b0}, {4 * half}")
@@ -863,12 +844,11 @@ def _zbody(kind: str, act: int, nx: int) -> str:
         s = f.v(f"fmul <16 x float> {dw}, {rows16('%xdt')}")
         uf = f.v(f"sitofp <16 x i32> {u} to <16 x float>")
         new[acc] = f.v(f"call <16 x float> @llvm.fma.v16f32(<16 x float> {uf}, <16 x float> {s}, <16 x float> {acc})")
-        if q4:
-            if _stored_min(kind):
-                mw = half4("%wm")
-            else:  # q4_0: the min -8 d, exact in f32, as _gbody
-                mw = f.v(f"fmul <16 x float> {dw}, {_splat(f, 'float', 16, f'-{_ZERO[kind]}.0')}")
-            new[macc] = f.v(f"call <16 x float> @llvm.fma.v16f32(<16 x float> {mw}, <16 x float> {rows16('%xst')}, <16 x float> {macc})")
+        if _stored_min(kind):
+            mw = half4("%wm")
+        else:  # q4_0: the min -8 d, exact in f32, as _gbody
+            mw = f.v(f"fmul <16 x float> {dw}, {_splat(f, 'float', 16, f'-{_ZERO[kind]}.0')}")
+        new[macc] = f.v(f"call <16 x float> @llvm.fma.v16f32(<16 x float> {mw}, <16 x float> {rows16('%xst')}, <16 x float> {macc})")
     carried = [(n, "<16 x float>", "zeroinitializer", new[n]) for n in names]
     _loop_back(f, "%g", "%gnext", "%ngroups", "grp", "rowloop", "gdone", phi_at, carried)
     f("gdone:")
@@ -878,16 +858,10 @@ def _zbody(kind: str, act: int, nx: int) -> str:
     tas, tms = _tail_rows(f, kind, act, nx)  # per row on the per-row layout, as _gbody's
 
     hf = _hsum_lanes(f, "%zA_end", "%zB_end")
-    hm = _hsum_lanes(f, "%zmA_end", "%zmB_end") if q4 else None
+    hm = _hsum_lanes(f, "%zmA_end", "%zmB_end")
     for r in range(nx):
-        h = f.v(f"extractelement <16 x float> {hf}, i32 {4 * r}")
-        if q4:
-            h = f.v(f"fadd float {h}, {f.v(f'extractelement <16 x float> {hm}, i32 {4 * r}')}")
-        h = f.v(f"fadd float {h}, {_hsum(f, tas[r])}")
-        if q4:
-            h = f.v(f"fadd float {h}, {tms[r]}")
-        oo = f.v(f"add i64 {f.v(f'mul i64 %ostride, {r}')}, %row")
-        f(f"  store float {h}, float* {f.v(f'getelementptr float, float* %out, i64 {oo}')}, align 4")
+        lane = lambda v: f.v(f"extractelement <16 x float> {v}, i32 {4 * r}")  # noqa: E731
+        _store_row(f, r, lane(hf), lane(hm), tas[r], tms[r])
     return _close_rows(f)
 
 
@@ -997,11 +971,7 @@ def _wbody(kind: str, act: int, nx: int) -> str:
     phi_at = len(f.lines)
     b0 = f.v(f"mul i64 %g, {GROUP}")
     for w in range(4):
-        gbase = f.v(f"add i64 %wqrow{w}, {f.v(f'mul i64 {b0}, 32')}")
-        for off in range(0, GROUP * 32, 64):
-            o = f.v(f"add i64 {gbase}, {off}")
-            pp = f.v(f"getelementptr i8, i8* %wq, i64 {f.v(f'add i64 {o}, %pf_ahead')}")
-            f(f"  call void @llvm.prefetch.p0i8(i8* {pp}, i32 0, i32 3, i32 1)")
+        _prefetch_group(f, f"%wqrow{w}", b0, 32)
     new = {}
     for half in range(2):
         # blocks two at a time, each pair folded at once: fewer live registers (32 zmm)
@@ -1083,7 +1053,7 @@ def _wbody(kind: str, act: int, nx: int) -> str:
 
 def _dispatch(kind: str, act: int = 8, zmm: bool = False) -> str:
     """The exported entry: a switch on the number of input rows (``zmm``: 3 and 4 rows
-    take ``_zbody``)."""
+    take ``_zbody`` for the ``ZBODIES``, ``_wbody`` for the ``WROWS_KINDS``)."""
     name = _entry(kind, act)
     attrs = ' "min-legal-vector-width"="512"' if zmm else ""
     L = [f"define void @{name}_rows(i64 %nx, {_ARGS}) nounwind{attrs} {{", "entry:"]
@@ -1100,7 +1070,8 @@ def _dispatch(kind: str, act: int = 8, zmm: bool = False) -> str:
 def module_ir(kind: str | None = None, act: int | None = None, vnni: bool = False, zmm: bool = False) -> str:
     """LLVM IR of the entries for ``kind`` (a ``WIDTHS`` key) and ``act`` (8|16), default
     all; ``vnni``: the dot products as VNNI instructions (the host must have them);
-    ``zmm``: 3- and 4-row calls of the ``ZBODIES`` take the AVX-512 bodies."""
+    ``zmm``: 3- and 4-row calls of the ``ZBODIES`` and ``WROWS_KINDS`` take the AVX-512
+    bodies."""
     parts = [_DECLS, _DECLS_Z if zmm else ""]
     for k in (kind,) if kind else tuple(WIDTHS):
         for bits in (act,) if act else WIDTHS[k]:
@@ -1182,7 +1153,7 @@ class IntDot:
         if self.zmm and not (self.vnni and host_zmm()):
             raise ValueError("the 4-row bodies need AVX-512 VNNI (and vnni=True)")
         self._lock = threading.Lock()
-        self._fns: dict[tuple[str, int], object] = {}
+        self._fns: dict[tuple[str, int, bool], object] = {}  # (kind, act, zmm) -> entry address
         self._engines: list[object] = []  # the machine code lives as long as its engine
 
     def fn(self, kind: str, act: int, zmm: bool | None = None):
@@ -1269,9 +1240,10 @@ def intdot(fn, addrs, rows, count, offs, X, proto, qmax, zmm, out):
     ngr = (n + MAX_ROWS - 1) // MAX_ROWS
     e = 16 // xq.itemsize
     zt = zmm and n >= ZROWS_FROM
-    xt = np.zeros((ngr if zt else 0, nb, QB // e, ZROWS, e), proto.dtype)
-    xdt = np.zeros((ngr if zt else 0, (nb + 3) // 4, ZROWS, 4), np.float32)
-    xst = np.zeros((ngr if zt else 0, (nb + 3) // 4, ZROWS, 4), np.float32)
+    # interleave_rows writes every element a zmm body reads (missing rows as zeros)
+    xt = np.empty((ngr if zt else 0, nb, QB // e, ZROWS, e), proto.dtype)
+    xdt = np.empty((ngr if zt else 0, (nb + 3) // 4, ZROWS, 4), np.float32)
+    xst = np.empty((ngr if zt else 0, (nb + 3) // 4, ZROWS, 4), np.float32)
     if zt:
         for gi in range(ngr):
             i0 = gi * MAX_ROWS
