@@ -129,6 +129,9 @@ class Engine:
         if TOKENIZER_TENSOR in cmf:
             tok_header = section(header, "tokenizer", str(path))
             tok = Tokenizer(cmf.raw_bytes(TOKENIZER_TENSOR), tok_header, name=Path(path).name)
+            # Parsing tokenizer.json leaves ~25 MiB of freed heap (SmolLM2's 49k-token BPE);
+            # returned now, before later allocations land above it and pin it.
+            release_free_heap()
         drafts = None
         if mtp is not False:
             drafts = load_draft_stack(cmf, arch, ks, path=None if mtp is True else mtp)

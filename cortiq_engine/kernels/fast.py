@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 from typing import Mapping, Sequence
 
 import numba
 import numpy as np
 
-from cortiq_engine.kernels import jit, qdot
+from cortiq_engine.kernels import attn_ir, jit, qdot
 from cortiq_engine.kernels.dtype_ops import DtypeOps, ops_for
 from cortiq_engine.kernels.reference import NumpyKernels, attend_block, attention_jobs
 from cortiq_engine.weights import Weight
@@ -107,8 +108,12 @@ class NumbaKernels(NumpyKernels):
         return min(self.small_n, SMALL_ATTN)
 
     def __init__(self, small_n: int = SMALL_N, act_bits: int | Mapping[str, int] | None = None,
-                 vnni: bool | None = None, zmm: bool | None = None, zmm_min_weights: int = ZMM_MIN_WEIGHTS):
+                 vnni: bool | None = None, zmm: bool | None = None, zmm_min_weights: int = ZMM_MIN_WEIGHTS,
+                 attn_loops: bool | None = None, kernel_cache: Path | None | str = "default"):
         self.small_n = small_n
+        # Decode/verify attention's inner loops in LLVM IR (attn_ir.py; default where the
+        # CPU has AVX2/FMA); False keeps numba's loops (same math, other rounding).
+        self._attn = attn_ir.AttentionLoops(attn_loops, kernel_cache)
         # Quantized dtypes decode and verify on integer activations (qdot.py) where the
         # CPU has AVX2: ``act_bits`` per dtype (default ACT_BITS), or one width for all;
         # a width 0, a width the dtype has no kernel for, or no AVX2 keeps the float kernels.
@@ -117,7 +122,9 @@ class NumbaKernels(NumpyKernels):
         # ``vnni``: the integer kernels' VNNI form (default where the CPU has it; same results).
         # ``zmm``: 3- and 4-row calls on AVX-512 VNNI bodies (default where the CPU has it; same results).
         # ``zmm_min_weights``: the smallest fused matmul that takes them.
-        self._intdot = qdot.compile_intdot(vnni, zmm) if any(widths.values()) else None
+        # ``kernel_cache``: the compiled IR's object cache (llvm_jit.py; default
+        # $CORTIQ_KERNEL_CACHE or ~/.cache/cortiq/kernels, None: compile every time).
+        self._intdot = qdot.compile_intdot(vnni, zmm, kernel_cache) if any(widths.values()) else None
         self.zmm_min_weights = zmm_min_weights
         self.act_bits = {k: v for k, v in widths.items() if v} if self._intdot is not None else {}
         # Per-thread scratch for dequantized tiles, reused so prefill matmuls do not
@@ -310,7 +317,10 @@ class NumbaKernels(NumpyKernels):
                 for _ in self._executor(threads).map(run, jobs):
                     pass
             return out
-        jit.attend(np.ascontiguousarray(q), kc, vc, start, window, np.float32(scale), sinks, out)
+        fns = self._attn.for_dims(q.shape[2], vc.shape[2])
+        if not (kc.flags.c_contiguous and vc.flags.c_contiguous):
+            fns = np.zeros(3, np.int64)  # the IR loops address rows by a C layout
+        jit.attend(np.ascontiguousarray(q), kc, vc, start, window, np.float32(scale), sinks, out, fns)
         return out
 
     # ------------------------------------------------------------ linear attention

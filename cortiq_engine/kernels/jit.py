@@ -24,6 +24,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
+from cortiq_engine.kernels import attn_ir
 from cortiq_engine.threads import prefer_short_spin
 
 # Before any parallel kernel starts the OpenMP pool: idle workers spin briefly, then
@@ -404,7 +405,7 @@ ATTN_SERIAL_COMBINE = 512
 
 
 @njit(parallel=True, fastmath=True, cache=True)
-def attend(q, kc, vc, start, window, scale, sinks, out):
+def attend(q, kc, vc, start, window, scale, sinks, out, fns):
     """Causal GQA attention of n new queries over a KV cache (twin of
     ``reference.NumpyKernels.attend``).
 
@@ -422,6 +423,9 @@ def attend(q, kc, vc, start, window, scale, sinks, out):
     still spreads over every core. A task leaves, per query and head, its chunk's
     max, exp-sum and unnormalized output; ``_combine`` rescales and adds them in
     chunk order.
+
+    fns: int64[3], the addresses of ``attn_ir``'s score, value and softmax loops (C-contiguous
+    q, kc, vc with head dimensions in whole 16-lane chunks), or zeros: the loops here.
     """
     n, heads, d = q.shape
     kvh = kc.shape[0]
@@ -432,11 +436,14 @@ def attend(q, kc, vc, start, window, scale, sinks, out):
     # (np.empty: np.zeros would be a parallel region of its own, a second wake-up of the pool)
     psum = np.empty((n, heads, nch), np.float32)  # 0: the query sees no key of the chunk
     pout = np.empty((n, heads, nch, dv), np.float32)
+    ir_scores, ir_values, ir_softmax = fns[0], fns[1], fns[2]
     for t in prange(kvh * nch):
         g = t // nch
         c = t % nch
-        s = np.empty(ATTN_CHUNK, np.float32)
-        o = np.empty(dv, np.float32)
+        h0 = g * group
+        s = np.empty((group, ATTN_CHUNK), np.float32)  # the group's scores, then weights
+        o = np.empty((group, dv), np.float32)
+        res = np.empty(2, np.float32)  # attn_softmax's (max, sum)
         for i in range(n):
             hi = start + i + 1
             lo = 0
@@ -445,45 +452,65 @@ def attend(q, kc, vc, start, window, scale, sinks, out):
             j0 = max(lo, c * ATTN_CHUNK)
             j1 = min(hi, (c + 1) * ATTN_CHUNK)
             if j0 >= j1:
-                for h in range(g * group, (g + 1) * group):
+                for h in range(h0, h0 + group):
                     psum[i, h, c] = 0.0
                 continue
             m = j1 - j0
-            # the group's heads one after another: the chunk's rows stay in L2 between them
-            for h in range(g * group, (g + 1) * group):
-                mx = np.float32(-np.inf)
-                for j in range(j0, j1):
-                    acc = np.float32(0.0)
-                    for e in range(d):
-                        acc += q[i, h, e] * kc[g, j, e]
-                    acc *= scale
-                    s[j - j0] = acc
-                    if acc > mx:
-                        mx = acc
-                tot = np.float32(0.0)
-                for j in range(m):
-                    ev = exp_nonpositive(s[j] - mx)
-                    s[j] = ev
-                    tot += ev
-                for e in range(dv):
-                    o[e] = 0.0
-                # four value rows per pass over o: a quarter of the loads and stores of o,
-                # whose store-to-load chain bounded the one-row loop (fixed order: row-exact)
-                j = j0
-                while j + 4 <= j1:
-                    p0, p1, p2, p3 = s[j - j0], s[j + 1 - j0], s[j + 2 - j0], s[j + 3 - j0]
+            if ir_scores != 0:
+                # every key row loaded once for the whole group (attn_ir.py)
+                for a in range(0, group, attn_ir.MAX_GROUP):
+                    attn_ir.call_scores(ir_scores, min(attn_ir.MAX_GROUP, group - a),
+                                        q.ctypes.data + 4 * ((i * heads + h0 + a) * d),
+                                        kc.ctypes.data + 4 * ((g * kc.shape[1] + j0) * d), m, d, scale,
+                                        s.ctypes.data + 4 * a * ATTN_CHUNK, ATTN_CHUNK)
+            else:
+                # the group's heads one after another: the chunk's rows stay in L2 between them
+                for hh in range(group):
+                    for j in range(j0, j1):
+                        acc = np.float32(0.0)
+                        for e in range(d):
+                            acc += q[i, h0 + hh, e] * kc[g, j, e]
+                        s[hh, j - j0] = acc * scale
+            for hh in range(group):
+                if ir_softmax != 0:
+                    attn_ir.call_softmax(ir_softmax, s.ctypes.data + 4 * hh * ATTN_CHUNK, m, res.ctypes.data)
+                    mx, tot = res[0], res[1]
+                else:
+                    mx = np.float32(-np.inf)
+                    for j in range(m):
+                        mx = max(mx, s[hh, j])
+                    tot = np.float32(0.0)
+                    for j in range(m):
+                        ev = exp_nonpositive(s[hh, j] - mx)
+                        s[hh, j] = ev
+                        tot += ev
+                pmax[i, h0 + hh, c] = mx
+                psum[i, h0 + hh, c] = tot
+            if ir_values != 0:
+                for a in range(0, group, attn_ir.MAX_GROUP):
+                    attn_ir.call_values(ir_values, min(attn_ir.MAX_GROUP, group - a), s.ctypes.data + 4 * a * ATTN_CHUNK,
+                                        vc.ctypes.data + 4 * ((g * vc.shape[1] + j0) * dv), m, dv,
+                                        o.ctypes.data + 4 * a * dv, ATTN_CHUNK, dv)
+            else:
+                for hh in range(group):
                     for e in range(dv):
-                        o[e] += (p0 * vc[g, j, e] + p1 * vc[g, j + 1, e]) + (p2 * vc[g, j + 2, e] + p3 * vc[g, j + 3, e])
-                    j += 4
-                while j < j1:
-                    p = s[j - j0]
-                    for e in range(dv):
-                        o[e] += p * vc[g, j, e]
-                    j += 1
-                pmax[i, h, c] = mx
-                psum[i, h, c] = tot
+                        o[hh, e] = 0.0
+                    # four value rows per pass over o: a quarter of the loads and stores of o,
+                    # whose store-to-load chain bounded the one-row loop (fixed order: row-exact)
+                    j = j0
+                    while j + 4 <= j1:
+                        p0, p1, p2, p3 = s[hh, j - j0], s[hh, j + 1 - j0], s[hh, j + 2 - j0], s[hh, j + 3 - j0]
+                        for e in range(dv):
+                            o[hh, e] += (p0 * vc[g, j, e] + p1 * vc[g, j + 1, e]) + (p2 * vc[g, j + 2, e] + p3 * vc[g, j + 3, e])
+                        j += 4
+                    while j < j1:
+                        p = s[hh, j - j0]
+                        for e in range(dv):
+                            o[hh, e] += p * vc[g, j, e]
+                        j += 1
+            for hh in range(group):
                 for e in range(dv):
-                    pout[i, h, c, e] = o[e]
+                    pout[i, h0 + hh, c, e] = o[hh, e]
     if n * heads * nch > ATTN_SERIAL_COMBINE:
         for t in prange(n * heads):
             _combine(t // heads, t % heads, pmax, psum, pout, sinks, out)

@@ -47,12 +47,15 @@ from __future__ import annotations
 
 import platform
 import threading
+from pathlib import Path
 from typing import Mapping
 
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
+
+from cortiq_engine.kernels import llvm_jit
 
 QB = 32
 # Input rows one IR call handles with all accumulators in registers (AVX2 has 16).
@@ -1139,13 +1142,17 @@ def host_zmm() -> bool:
 
 class IntDot:
     """The compiled integer kernels of one kernel set, each entry JIT-compiled for
-    this CPU on first use (0.1-0.5 s per entry: a q8 model compiles only q8's).
+    this CPU on first use (0.1-0.5 s per entry: a q8 model compiles only q8's; later
+    processes load the object code from ``llvm_jit``'s cache).
     ``vnni`` (default: the host has it) selects the VNNI dot products; both give the
     same integers, so the same results bit for bit. ``zmm`` (default: the host has
     AVX-512 VNNI; needs ``vnni``) gives 3- and 4-row calls the 4-row bodies, whose
     results are the per-row bodies' bit for bit."""
 
-    def __init__(self, vnni: bool | None = None, zmm: bool | None = None) -> None:
+    def __init__(self, vnni: bool | None = None, zmm: bool | None = None,
+                 cache_dir: Path | None | str = "default") -> None:
+        # The object cache of the compiled entries (llvm_jit.py; None: none).
+        self.cache_dir = llvm_jit.default_cache_dir() if cache_dir == "default" else cache_dir
         self.vnni = host_vnni() if vnni is None else bool(vnni)
         if self.vnni and not host_vnni():
             raise ValueError("this CPU has no VNNI dot products")
@@ -1166,20 +1173,10 @@ class IntDot:
             return hit
         with self._lock:
             if key not in self._fns:
-                import llvmlite.binding as llvm
-
-                llvm.initialize_native_target()
-                llvm.initialize_native_asmprinter()
-                llvm.initialize_native_asmparser()  # the zmm bodies' inline vpdpwssd
-                mod = llvm.parse_assembly(module_ir(kind, act, self.vnni, z))
-                mod.verify()
-                tm = llvm.Target.from_default_triple().create_target_machine(
-                    cpu=llvm.get_host_cpu_name(), features=llvm.get_host_cpu_features().flatten(), opt=3
-                )
-                engine = llvm.create_mcjit_compiler(mod, tm)
-                engine.finalize_object()
-                self._engines.append(engine)
-                self._fns[key] = int(engine.get_function_address(f"{_entry(kind, act)}_rows"))
+                name = f"{_entry(kind, act)}_rows"
+                compiled = llvm_jit.compile_ir(module_ir(kind, act, self.vnni, z), [name], self.cache_dir)
+                self._engines.append(compiled.engine)
+                self._fns[key] = compiled.addrs[name]
             return self._fns[key]
 
     def interleaves(self, kind: str, act: int, zmm: bool | None = None) -> bool:
@@ -1188,9 +1185,10 @@ class IntDot:
         return z and (kind, act) in ZBODIES
 
 
-def compile_intdot(vnni: bool | None = None, zmm: bool | None = None) -> IntDot | None:
+def compile_intdot(vnni: bool | None = None, zmm: bool | None = None,
+                   cache_dir: Path | None | str = "default") -> IntDot | None:
     """The integer kernels, or None where x86-64 AVX2/FMA/F16C are missing."""
-    return IntDot(vnni, zmm) if host_supports() else None
+    return IntDot(vnni, zmm, cache_dir) if host_supports() else None
 
 
 # ------------------------------------------------------------ numba drivers

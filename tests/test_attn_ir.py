@@ -1,0 +1,133 @@
+"""The LLVM IR attention loops (``cortiq_engine/kernels/attn_ir.py``) against float64
+math, one loop at a time and inside ``jit.attend``; their results row-exact, and the
+numba loops they replace kept for other head sizes and hosts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from numba import njit
+
+from cortiq_engine.kernels import attn_ir, jit, qdot
+from cortiq_engine.kernels.fast import NumbaKernels
+
+RNG = np.random.default_rng(11)
+
+if not qdot.host_supports():  # pragma: no cover - every CI host so far has AVX2/FMA
+    pytest.skip("attn_ir needs x86-64 AVX2/FMA; jit.attend keeps its numba loops there", allow_module_level=True)
+
+LOOPS = attn_ir.AttentionLoops()
+
+
+@njit
+def _scores(addr, g, q, k, m, scale, s):
+    attn_ir.call_scores(addr, g, q.ctypes.data, k.ctypes.data, m, q.shape[1], scale, s.ctypes.data, s.shape[1])
+
+
+@njit
+def _values(addr, g, p, v, m, o):
+    attn_ir.call_values(addr, g, p.ctypes.data, v.ctypes.data, m, v.shape[1], o.ctypes.data, p.shape[1], o.shape[1])
+
+
+@njit
+def _softmax(addr, s, m, res):
+    attn_ir.call_softmax(addr, s.ctypes.data, m, res.ctypes.data)
+
+
+def test_compiled_on_this_host():
+    assert (LOOPS.addrs != 0).all()
+    assert attn_ir.fits(64, 64) and attn_ir.fits(256, 16) and not attn_ir.fits(64, 12) and not attn_ir.fits(8, 16)
+    assert (LOOPS.for_dims(64, 48) == LOOPS.addrs).all() and not LOOPS.for_dims(16, 12).any()
+    assert not attn_ir.AttentionLoops(False).addrs.any()
+
+
+# every group size (1..8: keys per pass 8, 4, 2, 2, 1, ...), key counts around the passes
+@pytest.mark.parametrize("g", range(1, attn_ir.MAX_GROUP + 1))
+@pytest.mark.parametrize("d", [16, 64, 256])
+def test_scores_against_float64(g, d):
+    for m in (1, 2, 3, 7, 8, 9, 17, 40):
+        q = RNG.standard_normal((g, d)).astype(np.float32)
+        k = RNG.standard_normal((m, d)).astype(np.float32)
+        s = np.full((g, 48), 9.0, np.float32)  # a row stride past m: the rest untouched
+        _scores(LOOPS.addrs[0], g, q, k, m, np.float32(0.125), s)
+        exact = q.astype(np.float64) @ k.T.astype(np.float64) * 0.125
+        np.testing.assert_allclose(s[:, :m], exact, rtol=0, atol=2e-6 * np.sqrt(d))
+        assert (s[:, m:] == 9.0).all()
+
+
+@pytest.mark.parametrize("g", range(1, attn_ir.MAX_GROUP + 1))
+@pytest.mark.parametrize("dv", [16, 48, 256])
+def test_values_against_float64(g, dv):
+    for m in (1, 2, 3, 7, 8, 9, 17, 40):
+        p = np.zeros((g, 48), np.float32)
+        p[:, :m] = RNG.random((g, m))
+        v = RNG.standard_normal((m, dv)).astype(np.float32)
+        o = np.full((g, dv + 16), 9.0, np.float32)
+        _values(LOOPS.addrs[1], g, p, v, m, o)
+        exact = p[:, :m].astype(np.float64) @ v.astype(np.float64)
+        np.testing.assert_allclose(o[:, :dv], exact, rtol=0, atol=2e-6 * np.sqrt(m))
+        assert (o[:, dv:] == 9.0).all()
+
+
+def test_softmax_against_float64_and_the_numba_exp():
+    for m in (1, 5, 15, 16, 17, 31, 32, 100, 256):
+        x = (RNG.standard_normal(m + 3) * 6).astype(np.float32)
+        x[0] = -200.0  # below exp's clamp at -87
+        s, res = x.copy(), np.zeros(2, np.float32)
+        _softmax(LOOPS.addrs[2], s, m, res)
+        mx = x[:m].max()
+        assert res[0] == mx
+        diff = (x[:m] - mx).astype(np.float32)  # the kernels' own f32 difference
+        exact = np.exp(np.maximum(diff.astype(np.float64), -87.0))
+        assert np.max(np.abs(s[:m] - exact) / exact) < 3e-7, m
+        assert abs(res[1] - exact.sum()) / exact.sum() < 1e-6
+        numba_exp = np.empty(m, np.float32)
+        jit.exp_nonpositive_array(diff, numba_exp)
+        np.testing.assert_allclose(s[:m], numba_exp, rtol=3e-7, atol=0)
+        assert (s[m:] == x[m:]).all()  # the masked last chunk writes nothing past m
+
+
+def _attention64(q, kc, vc, start, window, scale, sinks):
+    n, heads, _ = q.shape
+    group = heads // kc.shape[0]
+    out = np.zeros((n, heads, vc.shape[2]))
+    for i in range(n):
+        hi = start + i + 1
+        lo = max(0, hi - window) if window > 0 else 0
+        for h in range(heads):
+            s = kc[h // group, lo:hi].astype(np.float64) @ q[i, h].astype(np.float64) * scale
+            z = s if sinks is None else np.append(s, np.float64(sinks[h]))
+            p = np.exp(z - z.max())
+            p /= p.sum()
+            out[i, h] = p[: hi - lo] @ vc[h // group, lo:hi].astype(np.float64)
+    return out
+
+
+# group sizes 1, 3, 8 and 10 (two calls: 8 + 2); caches long enough for several chunks
+@pytest.mark.parametrize("heads,kvh,d,dv", [(4, 4, 64, 64), (9, 3, 64, 64), (32, 4, 64, 64), (20, 2, 32, 16), (4, 1, 256, 256)])
+@pytest.mark.parametrize("window,sinks", [(0, False), (300, True)])
+def test_attend_through_the_ir_loops(heads, kvh, d, dv, window, sinks):
+    ks = NumbaKernels()
+    plain = NumbaKernels(attn_loops=False)
+    start, n, cap = 2 * jit.ATTN_CHUNK + 5, 5, 700
+    q = RNG.standard_normal((n, heads, d)).astype(np.float32)
+    kc = RNG.standard_normal((kvh, cap, d)).astype(np.float32)
+    vc = RNG.standard_normal((kvh, cap, dv)).astype(np.float32)
+    sk = (RNG.standard_normal(heads) * 2).astype(np.float32) if sinks else None
+    exact = _attention64(q, kc, vc, start, window, d**-0.5, sk)
+    got = ks.attend(q, kc, vc, start, window, d**-0.5, sk)
+    np.testing.assert_allclose(got, exact, atol=2e-6)
+    np.testing.assert_allclose(plain.attend(q, kc, vc, start, window, d**-0.5, sk), exact, atol=2e-6)
+    # row-exact: each query alone gives the same bits (the speculative verify's contract)
+    one = np.concatenate([ks.attend(q[i : i + 1].copy(), kc, vc, start + i, window, d**-0.5, sk) for i in range(n)])
+    assert np.array_equal(got, one)
+
+
+def test_a_non_contiguous_cache_takes_the_numba_loops():
+    """The IR loops address rows by a C layout; a strided view must not reach them."""
+    ks = NumbaKernels()
+    q = RNG.standard_normal((1, 4, 64)).astype(np.float32)
+    big = RNG.standard_normal((2, 300, 128)).astype(np.float32)
+    kc, vc = big[:, :, :64], big[:, :, 64:]
+    exact = _attention64(q, kc, vc, 299, 0, 0.125, None)
+    np.testing.assert_allclose(ks.attend(q, kc, vc, 299, 0, 0.125), exact, atol=2e-6)
