@@ -106,10 +106,11 @@ def _attention64(q, kc, vc, start, window, scale, sinks):
 # group sizes 1, 3, 8 and 10 (two calls: 8 + 2); caches long enough for several chunks
 @pytest.mark.parametrize("heads,kvh,d,dv", [(4, 4, 64, 64), (9, 3, 64, 64), (32, 4, 64, 64), (20, 2, 32, 16), (4, 1, 256, 256)])
 @pytest.mark.parametrize("window,sinks", [(0, False), (300, True)])
-def test_attend_through_the_ir_loops(heads, kvh, d, dv, window, sinks):
+@pytest.mark.parametrize("n", [5, 100])  # a verify; a prefill chunk (blocks of ATTN_QUERIES; BLAS without the IR)
+def test_attend_through_the_ir_loops(heads, kvh, d, dv, window, sinks, n):
     ks = NumbaKernels()
     plain = NumbaKernels(attn_loops=False)
-    start, n, cap = 2 * jit.ATTN_CHUNK + 5, 5, 700
+    start, cap = 2 * jit.ATTN_CHUNK + 5, 700
     q = RNG.standard_normal((n, heads, d)).astype(np.float32)
     kc = RNG.standard_normal((kvh, cap, d)).astype(np.float32)
     vc = RNG.standard_normal((kvh, cap, dv)).astype(np.float32)

@@ -42,8 +42,13 @@ SMALL_N = 16
 ACT_BITS: dict[str, int] = {"q8": 16, "q4": 8, "q4_0": 8, "q5": 8, "q5_1": 8, "q4k": 8, "q5k": 8, "q6k": 16}
 # An empty array of each activation width's integer type (``qdot.intdot`` allocates its like).
 _ACT_PROTO = {8: np.empty(0, np.int8), 16: np.empty(0, np.int16)}
-# Above this many new queries attention goes through BLAS (reference code path).
+# Above this many new queries attention goes through BLAS (reference code path),
+# unless the IR loops (attn_ir.py) serve the head size and the split-K partial results
+# of the call (queries x heads x chunks x (dv + 2) floats) fit ATTN_PARTIALS_BYTES: a
+# 512-token prefill's attention then took 3.9 vs 7.9 ms a layer on SmolLM2's shape and
+# 26 vs 34 ms on TinyLlama's; a 4k-token prompt would need 540 MB of them.
 SMALL_ATTN = 16
+ATTN_PARTIALS_BYTES = 64 << 20
 # Weights of a fused matmul from which 3- and 4-row calls take the zmm bodies (qdot.py).
 ZMM_MIN_WEIGHTS = 4 << 20
 # Matrices one small-batch kernel call can fuse (q|k|v).
@@ -304,7 +309,12 @@ class NumbaKernels(NumpyKernels):
         out = np.empty((q.shape[0], q.shape[1], vc.shape[2]), np.float32)
         if sinks is not None:
             sinks = np.ascontiguousarray(sinks, dtype=np.float32)
-        if q.shape[0] > SMALL_ATTN:
+        n, heads, dv = q.shape[0], q.shape[1], vc.shape[2]
+        fns = self._attn.for_dims(q.shape[2], dv)
+        if not (kc.flags.c_contiguous and vc.flags.c_contiguous):
+            fns = np.zeros(3, np.int64)  # the IR loops address rows by a C layout
+        chunks = -(-(start + n) // jit.ATTN_CHUNK)
+        if n > SMALL_ATTN and not (fns[0] and 4 * n * heads * chunks * (dv + 2) <= ATTN_PARTIALS_BYTES):
             # Prefill: the reference blocks (query block x KV head), pulled by the pool's threads.
             qs = q * np.float32(scale)
             jobs = attention_jobs(q.shape[0], kc.shape[0])
@@ -317,9 +327,6 @@ class NumbaKernels(NumpyKernels):
                 for _ in self._executor(threads).map(run, jobs):
                     pass
             return out
-        fns = self._attn.for_dims(q.shape[2], vc.shape[2])
-        if not (kc.flags.c_contiguous and vc.flags.c_contiguous):
-            fns = np.zeros(3, np.int64)  # the IR loops address rows by a C layout
         jit.attend(np.ascontiguousarray(q), kc, vc, start, window, np.float32(scale), sinks, out, fns)
         return out
 

@@ -400,6 +400,10 @@ def exp_nonpositive_array(x, out):
 # depend on how many queries share the call: row-exact. A chunk's keys and values
 # (64 KB each at head_dim 64) stay in L2 while every query and head of a group uses them.
 ATTN_CHUNK = 256
+# Queries per attention task: a prefill's tasks also split by blocks of queries, so a
+# model with one KV head (Gemma 3 270M) still spreads over every core. Which task
+# computes a query never changes its result.
+ATTN_QUERIES = 32
 # Partial results above this many (queries x heads x chunks) combine in parallel.
 ATTN_SERIAL_COMBINE = 512
 
@@ -437,14 +441,16 @@ def attend(q, kc, vc, start, window, scale, sinks, out, fns):
     psum = np.empty((n, heads, nch), np.float32)  # 0: the query sees no key of the chunk
     pout = np.empty((n, heads, nch, dv), np.float32)
     ir_scores, ir_values, ir_softmax = fns[0], fns[1], fns[2]
-    for t in prange(kvh * nch):
-        g = t // nch
-        c = t % nch
+    nqb = (n + ATTN_QUERIES - 1) // ATTN_QUERIES
+    for t in prange(kvh * nch * nqb):
+        g = t // (nch * nqb)
+        c = (t // nqb) % nch
+        qb = t % nqb
         h0 = g * group
         s = np.empty((group, ATTN_CHUNK), np.float32)  # the group's scores, then weights
         o = np.empty((group, dv), np.float32)
         res = np.empty(2, np.float32)  # attn_softmax's (max, sum)
-        for i in range(n):
+        for i in range(qb * ATTN_QUERIES, min(n, (qb + 1) * ATTN_QUERIES)):
             hi = start + i + 1
             lo = 0
             if window > 0 and hi - window > 0:
