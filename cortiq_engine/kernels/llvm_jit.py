@@ -28,6 +28,10 @@ CACHE_ENV = "CORTIQ_KERNEL_CACHE"
 MAGIC = b"CORTIQ-OBJ1\n"
 # One compile at a time: llvmlite's initialization and the target machine are process-wide.
 _LOCK = threading.Lock()
+# Modules compiled in this process, by key. Machine code is never freed (numba keeps its
+# own the same way): an address handed to a kernel can never outlive its code, and a
+# second kernel set (every Engine.load) reuses the first one's instead of compiling again.
+_COMPILED: dict[str, "Compiled"] = {}
 
 
 @dataclass(frozen=True)
@@ -84,9 +88,10 @@ def _write(path: Path, obj: bytes) -> None:
             pass
 
 
-def compile_ir(ir_text: str, names: Sequence[str], cache_dir: Path | None = None) -> Compiled:
+def compile_ir(ir_text: str, names: Sequence[str], cache_dir: Path | None = None, *, reuse: bool = True) -> Compiled:
     """Compile ``ir_text`` for this CPU (opt level 3) and return the addresses of ``names``;
-    ``cache_dir`` holds the object cache (None: compile every time)."""
+    ``cache_dir`` holds the object cache (None: none on disk). ``reuse``: return this
+    process's earlier compile of the same IR (False: the tests of the disk cache)."""
     import llvmlite.binding as llvm
 
     with _LOCK:
@@ -94,7 +99,11 @@ def compile_ir(ir_text: str, names: Sequence[str], cache_dir: Path | None = None
         llvm.initialize_native_asmprinter()
         llvm.initialize_native_asmparser()  # inline assembly (qdot's vpdpwssd)
         cpu, features = llvm.get_host_cpu_name(), llvm.get_host_cpu_features().flatten()
-        path = cache_dir / f"{_key(ir_text, cpu, features)}.o" if cache_dir is not None else None
+        key = _key(ir_text, cpu, features)
+        done = _COMPILED.get(key) if reuse else None
+        if done is not None and all(n in done.addrs for n in names):
+            return done
+        path = cache_dir / f"{key}.o" if cache_dir is not None else None
         cached = _read(path) if path is not None else None
         mod = llvm.parse_assembly(ir_text)
         if cached is None:
@@ -107,6 +116,8 @@ def compile_ir(ir_text: str, names: Sequence[str], cache_dir: Path | None = None
         if cached is None and produced and path is not None:
             _write(path, produced[0])
         addrs = {n: int(engine.get_function_address(n)) for n in names}
-    if not all(addrs.values()):
-        raise RuntimeError(f"compiled kernels lack {[n for n, a in addrs.items() if not a]}")
-    return Compiled(engine, addrs, cached is not None)
+        if not all(addrs.values()):
+            raise RuntimeError(f"compiled kernels lack {[n for n, a in addrs.items() if not a]}")
+        compiled = Compiled(engine, addrs, cached is not None)
+        _COMPILED.setdefault(key, compiled)  # kept: its addresses may be in use (see _COMPILED)
+        return compiled
