@@ -415,43 +415,35 @@ class AttentionLoops:
         return self.addrs if fits(d, dv) else np.zeros(3, np.int64)
 
 
-@intrinsic
-def call_scores(typingctx, addr, g, q, k, m, d, scale, s, ss):
-    """attn_scores at ``addr`` for a group of ``g`` heads: pointers and counts as int64, ``scale`` f32."""
-    sig = types.void(*([types.int64] * 6), types.float32, types.int64, types.int64)
+def _call_by_address(arg_types: list) -> object:
+    """Codegen for an intrinsic whose first argument is a function's address and the
+    rest its arguments (``arg_types``: their LLVM types), returning nothing."""
 
     def codegen(context, builder, signature, args):
-        i64 = ir.IntType(64)
-        fnty = ir.FunctionType(ir.VoidType(), [i64] * 5 + [ir.FloatType(), i64, i64])
+        fnty = ir.FunctionType(ir.VoidType(), arg_types)
         builder.call(builder.inttoptr(args[0], fnty.as_pointer()), args[1:])
         return context.get_dummy_value()
 
-    return sig, codegen
+    return codegen
+
+
+_I64, _F32 = ir.IntType(64), ir.FloatType()
+
+
+@intrinsic
+def call_scores(typingctx, addr, g, q, k, m, d, scale, s, ss):
+    """attn_scores at ``addr`` for a group of ``g`` heads: pointers and counts as int64, ``scale`` f32."""
+    return (types.void(*([types.int64] * 6), types.float32, types.int64, types.int64),
+            _call_by_address([_I64] * 5 + [_F32, _I64, _I64]))
 
 
 @intrinsic
 def call_values(typingctx, addr, g, p, v, m, dv, o, ps, os):
     """attn_values at ``addr`` for a group of ``g`` heads: pointers and counts as int64."""
-    sig = types.void(*([types.int64] * 9))
-
-    def codegen(context, builder, signature, args):
-        i64 = ir.IntType(64)
-        fnty = ir.FunctionType(ir.VoidType(), [i64] * 8)
-        builder.call(builder.inttoptr(args[0], fnty.as_pointer()), args[1:])
-        return context.get_dummy_value()
-
-    return sig, codegen
+    return types.void(*([types.int64] * 9)), _call_by_address([_I64] * 8)
 
 
 @intrinsic
 def call_softmax(typingctx, addr, s, m, res):
     """attn_softmax at ``addr``: pointers and counts as int64."""
-    sig = types.void(*([types.int64] * 4))
-
-    def codegen(context, builder, signature, args):
-        i64 = ir.IntType(64)
-        fnty = ir.FunctionType(ir.VoidType(), [i64] * 3)
-        builder.call(builder.inttoptr(args[0], fnty.as_pointer()), args[1:])
-        return context.get_dummy_value()
-
-    return sig, codegen
+    return types.void(*([types.int64] * 4)), _call_by_address([_I64] * 3)
