@@ -182,20 +182,26 @@ def _scores_pass(f: _Ir, g: int, nk: int, tag: str, first: str, limit: str, entr
     f(f"  br i1 %{tag}_more, label %{tag}, label %{out}")
 
 
+def _prologue(name: str, args: str, ptrs: tuple[str, ...], dim: str, kp: int) -> _Ir:
+    """A function's header: its float pointers (``%x`` from the argument ``%xa``), the
+    16-lane chunks of ``dim`` (``%nc``) and the keys in whole passes of ``kp`` (``%mk``)."""
+    f = _Ir()
+    f(f"define void @{name}({args}) nounwind" + ' "min-legal-vector-width"="512" {')
+    f("entry:")
+    for p in ptrs:
+        f(f"  %{p} = inttoptr i64 %{p}a to float*")
+    f(f"  %nc = lshr i64 {dim}, 4")
+    f(f"  %mk = sub i64 %m, {f.v(f'urem i64 %m, {kp}')}")
+    return f
+
+
 def _scores_ir(g: int) -> str:
     """attn_scores{g}(q, k, m, d, scale, s, sstride): for the g heads h < g and keys j < m,
     s[h*sstride + j] = scale * sum_e q[h*d + e] k[j*d + e]. Each key row is loaded once
     for all g heads (a KV head's group: 8 on TinyLlama's shape), where one head at a
     time re-read the chunk from L2 per head."""
     kp = keys_per_pass(g)
-    f = _Ir()
-    f(f"define void @attn_scores{g}({_SARGS}) nounwind" + ' "min-legal-vector-width"="512" {')
-    f("entry:")
-    f("  %q = inttoptr i64 %qa to float*")
-    f("  %k = inttoptr i64 %ka to float*")
-    f("  %s = inttoptr i64 %sa to float*")
-    f("  %nc = lshr i64 %d, 4")
-    f(f"  %mk = sub i64 %m, {f.v(f'urem i64 %m, {kp}')}")
+    f = _prologue(f"attn_scores{g}", _SARGS, ("q", "k", "s"), "%d", kp)
     f("  br label %pre")
     f("pre:")
     _scores_pass(f, g, kp, "kk", "0", "%mk", "pre", "rest")
@@ -215,14 +221,7 @@ def _values_ir(g: int) -> str:
     adds into accumulator j mod kp of its head (the leftover keys into the first); the
     kp accumulators then add in a fixed tree."""
     kp = keys_per_pass(g)
-    f = _Ir()
-    f(f"define void @attn_values{g}({_VARGS}) nounwind" + ' "min-legal-vector-width"="512" {')
-    f("entry:")
-    f("  %p = inttoptr i64 %pa to float*")
-    f("  %v = inttoptr i64 %va to float*")
-    f("  %o = inttoptr i64 %oa to float*")
-    f("  %nc = lshr i64 %dv, 4")
-    f(f"  %mk = sub i64 %m, {f.v(f'urem i64 %m, {kp}')}")
+    f = _prologue(f"attn_values{g}", _VARGS, ("p", "v", "o"), "%dv", kp)
     f("  %anyc = icmp ugt i64 %nc, 0")
     f("  br i1 %anyc, label %col, label %done")
     f("col:")
