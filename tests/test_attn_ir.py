@@ -132,3 +132,20 @@ def test_a_non_contiguous_cache_takes_the_numba_loops():
     kc, vc = big[:, :, :64], big[:, :, 64:]
     exact = _attention64(q, kc, vc, 299, 0, 0.125, None)
     np.testing.assert_allclose(ks.attend(q, kc, vc, 299, 0, 0.125), exact, atol=2e-6)
+
+
+def test_a_prefill_past_the_partials_budget_takes_the_blas_blocks():
+    """Past ``attn_partials_bytes`` a prefill chunk goes through the BLAS blocks (a 4k-token
+    prompt's split-K partials would take 540 MB); both routes give float64's result."""
+    heads, kvh, d, n, start = 8, 2, 64, 60, 300
+    q = RNG.standard_normal((n, heads, d)).astype(np.float32)
+    kc = RNG.standard_normal((kvh, 400, d)).astype(np.float32)
+    vc = RNG.standard_normal((kvh, 400, d)).astype(np.float32)
+    exact = _attention64(q, kc, vc, start, 0, 0.125, None)
+    need = 4 * n * heads * 2 * (d + 2)  # 2 chunks of keys
+    for budget in (need, need - 1):
+        got = NumbaKernels(attn_partials_bytes=budget).attend(q, kc, vc, start, 0, 0.125)
+        np.testing.assert_allclose(got, exact, atol=2e-6)
+    ir = NumbaKernels(attn_partials_bytes=need).attend(q, kc, vc, start, 0, 0.125)
+    blas = NumbaKernels(attn_partials_bytes=need - 1).attend(q, kc, vc, start, 0, 0.125)
+    assert not np.array_equal(ir, blas)  # two different routes (their roundings differ)

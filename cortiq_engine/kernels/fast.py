@@ -114,11 +114,13 @@ class NumbaKernels(NumpyKernels):
 
     def __init__(self, small_n: int = SMALL_N, act_bits: int | Mapping[str, int] | None = None,
                  vnni: bool | None = None, zmm: bool | None = None, zmm_min_weights: int = ZMM_MIN_WEIGHTS,
-                 attn_loops: bool | None = None, kernel_cache: Path | None | str = "default"):
+                 attn_loops: bool | None = None, kernel_cache: Path | None | str = "default",
+                 attn_partials_bytes: int = ATTN_PARTIALS_BYTES):
         self.small_n = small_n
         # Decode/verify attention's inner loops in LLVM IR (attn_ir.py; default where the
         # CPU has AVX2/FMA); False keeps numba's loops (same math, other rounding).
         self._attn = attn_ir.AttentionLoops(attn_loops, kernel_cache)
+        self.attn_partials_bytes = attn_partials_bytes  # a prefill chunk's split-K budget
         # Quantized dtypes decode and verify on integer activations (qdot.py) where the
         # CPU has AVX2: ``act_bits`` per dtype (default ACT_BITS), or one width for all;
         # a width 0, a width the dtype has no kernel for, or no AVX2 keeps the float kernels.
@@ -314,7 +316,7 @@ class NumbaKernels(NumpyKernels):
         if not (kc.flags.c_contiguous and vc.flags.c_contiguous):
             fns = np.zeros(3, np.int64)  # the IR loops address rows by a C layout
         chunks = -(-(start + n) // jit.ATTN_CHUNK)
-        if n > SMALL_ATTN and not (fns[0] and 4 * n * heads * chunks * (dv + 2) <= ATTN_PARTIALS_BYTES):
+        if n > SMALL_ATTN and not (fns[0] and 4 * n * heads * chunks * (dv + 2) <= self.attn_partials_bytes):
             # Prefill: the reference blocks (query block x KV head), pulled by the pool's threads.
             qs = q * np.float32(scale)
             jobs = attention_jobs(q.shape[0], kc.shape[0])
