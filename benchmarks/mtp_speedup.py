@@ -3,6 +3,9 @@
     python benchmarks/mtp_speedup.py MODEL.cmf SIDECAR.mtp.cmf TEXT.txt --prompts 4 --tokens 64 --depths 1,2,3 \
         [--vocabs full,8192] [--thresholds 0,0.3]
 
+``--depths default,1``: ``default`` runs what ``cortiq generate`` drafts unless told (the
+sidecar's measured depth and threshold, ``mtp-train``/``mtp-probe --save``).
+
 Every (depth, draft vocabulary, threshold) combination runs on every prompt; ``--vocabs``
 takes ``full``, ``sidecar`` (the sidecar's own) or a count of the sidecar's first ids.
 
@@ -54,8 +57,11 @@ def main() -> None:
     print(json.dumps({"loadavg_start": os.getloadavg()}), flush=True)
     eng = Engine.load(a.model, threads=a.threads, mtp=a.sidecar)
     paras = [p for p in open(a.text, encoding="utf-8").read().split("\n\n") if len(p) > 300][: a.prompts]
-    depths = [int(x) for x in a.depths.split(",")]
-    combos = [(d, v, float(t)) for d in depths for v in a.vocabs.split(",") for t in a.thresholds.split(",")]
+    # "default": what `cortiq generate` drafts unless told (the sidecar's measured
+    # depth and threshold when it has them, else every layer at mtp.DEFAULT_THRESHOLD).
+    combos = [("default", "sidecar", None) if d == "default" else (int(d), v, float(t))
+              for d in a.depths.split(",") for v in (["sidecar"] if d == "default" else a.vocabs.split(","))
+              for t in ([None] if d == "default" else a.thresholds.split(","))]
     rows = []
     ignore_eos = not a.chat
     for n, p in enumerate(paras):
@@ -66,7 +72,8 @@ def main() -> None:
             ids = eng.tokenizer.encode(p[:400])
         plain = eng.generate(ids, max_tokens=a.tokens, ignore_eos=ignore_eos, speculative=False)
         for depth, vocab, th in combos:
-            cfg = SpeculativeConfig(depth=depth, vocab=_vocab(vocab), threshold=th)
+            cfg = (SpeculativeConfig() if depth == "default" else
+                   SpeculativeConfig(depth=depth, vocab=_vocab(vocab), threshold=th))
             spec = eng.generate(ids, max_tokens=a.tokens, ignore_eos=ignore_eos, speculative=cfg)
             again = eng.generate(ids, max_tokens=a.tokens, ignore_eos=ignore_eos, speculative=False)
             if again.decode_seconds < plain.decode_seconds:
@@ -78,7 +85,7 @@ def main() -> None:
             rows[-1]["counts"] = spec.acceptance
     for depth, vocab, th in combos:
         rs = [r for r in rows if (r["depth"], r["vocab"], r["threshold"]) == (depth, vocab, th)]
-        total = Acceptance(depth)
+        total = Acceptance(rs[0]["counts"].depth)
         for r in rs:
             total.merge(r.pop("counts"))
         print(json.dumps({"depth": depth, "vocab": vocab, "threshold": th, "all_same": all(r["same"] for r in rs),

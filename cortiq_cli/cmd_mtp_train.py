@@ -51,6 +51,7 @@ def mtp_train(
     checkpoint_every: Annotated[int, typer.Option("--checkpoint-every", help="Save a checkpoint (OUT stem + .train.safetensors; no pickle) every N steps; 0 = never.", rich_help_panel=TRAIN_PANEL)] = 50,
     resume: Annotated[bool, typer.Option("--resume", help="Continue from the checkpoint beside the output.", rich_help_panel=TRAIN_PANEL)] = False,
     draft_vocab: Annotated[Optional[int], typer.Option("--draft-vocab", min=1, help="Also store a draft vocabulary of N ids chosen from the training text (the drafts then score only those; `cortiq mtp-vocab` changes it later).", rich_help_panel=TRAIN_PANEL)] = None,
+    defaults: Annotated[bool, typer.Option("--defaults/--no-defaults", help="After training, time this machine's drafts and verifies on the live rounds of the held-out windows (the backbone's own text: --self-distill or --chat) and store the fastest depth and --mtp-threshold in the sidecar as generate's defaults.", rich_help_panel=TRAIN_PANEL)] = True,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Sidecar to write (default: MODEL.mtp.cmf beside MODEL.cmf).")] = None,
     quant: Annotated[Optional[str], typer.Option("--quant", help="Sidecar matrices' dtype (default: the backbone's).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing sidecar.")] = False,
@@ -73,6 +74,8 @@ def mtp_train(
     if json_out:
         result = train_mtp(model, source.text, source.source, cfg, out=out, quant=quant, resume=resume,
                            force=force, threads=threads, backend=backbone, features=features, draft_vocab=draft_vocab)
+        if defaults:
+            result.extra["defaults"] = _defaults_json(_measure_defaults(model, result, threads))
         print_json(result.to_json())
         return
     with Progress(
@@ -107,10 +110,33 @@ def mtp_train(
         result = train_mtp(model, source.text, source.source, cfg, out=out, quant=quant, resume=resume,
                            force=force, threads=threads, backend=backbone, callbacks=Callbacks(collect=collect, step=step, generate=generate),
                            features=features, draft_vocab=draft_vocab)
-    render(result)
+        found = None
+        if defaults:
+            task = bar.add_task("defaults (live rounds)", total=None, info="")
+            found = _measure_defaults(model, result, threads, lambda n: bar.advance(task, n))
+    render(result, found)
 
 
-def render(r) -> None:
+def _measure_defaults(model: Path, result, threads: int | None, progress=None):
+    """generate's default depth and threshold, measured on the held-out windows (None:
+    nothing to measure them on, or draft layers generate does not run as trained)."""
+    from evals.mtp_probe import LiveDefaults, save_live_defaults
+
+    cfg = result.config
+    if result.held_tokens is None or not len(result.held_tokens):
+        return LiveDefaults(None, 0, None, "no held-out windows")
+    if cfg.chain != "independent" or cfg.hidden != "pre":
+        return LiveDefaults(None, 0, None, "generate's defaults are measured for independent layers on the pre-norm hidden")
+    return save_live_defaults(model, result.sidecar, result.held_tokens, result.held_greedy, f"{result.source} (held out)",
+                              threads=threads, progress=progress)
+
+
+def _defaults_json(found) -> dict[str, Any]:
+    return {"saved": found.record, "live_rounds": found.rounds, "reason": found.reason or None,
+            "acceptance": found.counts.to_json() if found.counts is not None else None}
+
+
+def render(r, found=None) -> None:
     first = r.losses[r.start_step] if len(r.losses) > r.start_step else None
     last = r.losses[-1] if r.losses else None
     resumed = f", resumed at step {r.start_step}" if r.start_step else ""
@@ -133,4 +159,14 @@ def render(r) -> None:
             t.add_row(f"d{d + 1}", f"{a:.1%}", f"{c:.1%}", str(n))
         print_table(console, t)
         console.print(f"expected tokens per round: [bold]{acc.tokens_per_round:.3f}[/]", highlight=False)
+    if found is not None and found.record is not None:
+        d = found.record
+        console.print(f"generate's defaults (stored in the sidecar): depth [bold]{d['depth']}[/], --mtp-threshold "
+                      f"[bold]{d['threshold']:g}[/]: modelled {d['modelled_speedup']:.2f}x plain decoding, "
+                      f"{d['tokens_per_step']:.2f} tokens a step over {found.rounds} live held-out rounds", highlight=False)
+        if d["modelled_speedup"] < 1.0:
+            console.print("[yellow]speculation is modelled slower than plain decoding on this machine: "
+                          "generate with --no-mtp, or train longer[/]", highlight=False)
+    elif found is not None:
+        console.print(f"no measured defaults: {found.reason}", highlight=False)
     console.print(f"wrote [bold]{r.sidecar}[/]" + (f"  (checkpoint {r.checkpoint})" if r.checkpoint else ""), highlight=False)

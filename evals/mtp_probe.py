@@ -93,24 +93,25 @@ def best_setting(trace: ProbeTrace, draft_ms: float, verify_ms: Sequence[float])
     return best
 
 
-def verify_costs(model, rows_max: int, context: int = 128, reps: int = 15) -> list[float]:
+def verify_costs(model, rows_max: int, context: int = 128, reps: int = 21) -> list[float]:
     """Median ms of a backbone forward of 1..rows_max rows plus their lm_head, after a
-    ``context``-token prefix (what a verify of r rows costs; r = 1 is a plain decode step)."""
+    ``context``-token prefix (what a verify of r rows costs; r = 1 is a plain decode step).
+    The row counts take turns within each repetition, so a drift of the machine's speed
+    (another program, the clock) weighs on every count alike, not on the last one."""
     from cortiq_engine.model import forward
 
     state = model.new_state(context + rows_max)
     forward(state, [0] * context)
-    out = []
-    for r in range(1, rows_max + 1):
-        times = []
-        for _ in range(reps):
+    times: list[list[float]] = [[] for _ in range(rows_max)]
+    for rep in range(reps + 1):  # the first pass warms the kernels and caches up, untimed
+        for r in range(1, rows_max + 1):
             t0 = time.perf_counter()
             h = forward(state, [1] * r)
             model.lm_head(model.final_norm(h))
-            times.append(time.perf_counter() - t0)
+            if rep:
+                times[r - 1].append(time.perf_counter() - t0)
             state.truncate(context)
-        out.append(1e3 * float(np.median(times)))
-    return out
+    return [1e3 * float(np.median(t)) for t in times]
 
 
 @dataclass(frozen=True)
@@ -155,10 +156,13 @@ def probe(
     head=None,
     threshold: float = 0.0,
     traces: list[ProbeTrace] | None = None,
+    starts: Sequence[int] | None = None,
 ) -> list[tuple[Variant, Acceptance]]:
     """Teacher-forced acceptance of each variant over ``ids`` (``progress(1)`` per position per variant).
     ``head``: the draft head (``Engine.draft_head``; default the full lm_head); ``threshold``:
-    adaptive depth; ``traces``: a list that receives each variant's ``ProbeTrace``."""
+    adaptive depth; ``traces``: a list that receives each variant's ``ProbeTrace``;
+    ``starts``: the round starts t to probe (default every t with a true token at every
+    depth; ``live_starts`` picks those a speculative decode would meet)."""
     from cortiq_engine.mtp import make_drafter
 
     ids = np.asarray(ids, dtype=np.int64)
@@ -167,6 +171,9 @@ def probe(
         raise CortiqError(f"MTP depth must be >= 1, got {depth}")
     if T < depth + 2:
         raise CortiqError(f"the text has {T} tokens; probing depth {depth} needs at least {depth + 2}")
+    rounds = range(T - depth - 1) if starts is None else [int(t) for t in starts]
+    if any(not 0 <= t < T - depth - 1 for t in rounds):
+        raise ValueError(f"round starts must lie in 0..{T - depth - 2}")
     hidden = backbone_hiddens(model, ids)
     id_list = [int(i) for i in ids]
     results = []
@@ -177,7 +184,7 @@ def probe(
         counts = Acceptance(depth)
         probs, right = [], []
         # Round starts t whose every depth has a true token: t + depth + 1 <= T - 1.
-        for t in range(T - depth - 1):
+        for t in rounds:
             t0 = time.perf_counter()
             drafts = drafter.draft(t, id_list, depth)
             truth = id_list[t + 2 : t + 2 + depth]
@@ -192,3 +199,89 @@ def probe(
             traces.append(ProbeTrace(np.array(probs, np.float64).reshape(-1, depth), np.array(right, bool).reshape(-1, depth)))
         results.append((v, counts))
     return results
+
+
+# ------------------------------------------------------------ defaults from the backbone's own text
+# Fewer live rounds than this choose nothing: the modelled speedups of near thresholds
+# would differ by chance.
+MIN_LIVE_ROUNDS = 64
+
+
+def live_starts(tokens: np.ndarray, greedy: np.ndarray, depth: int) -> np.ndarray:
+    """Round starts t of one window that a speculative greedy decode meets: the pending
+    token and the truth of every depth are the backbone's own greedy choices
+    (``tokens[j + 1] == greedy[j]`` for j = t..t+depth), so a teacher-forced round there
+    drafts and checks what a live round would."""
+    tokens, greedy = np.asarray(tokens), np.asarray(greedy)
+    ok = (tokens[1:] == greedy[:-1]).astype(np.int64)  # ok[j]: token j+1 is greedy after j
+    n = len(tokens) - depth - 1  # starts with a true token at every depth
+    if n <= 0:
+        return np.zeros(0, np.int64)
+    run = np.convolve(ok, np.ones(depth + 1, np.int64), mode="valid")[:n]  # sum of ok[t..t+depth]
+    return np.flatnonzero(run == depth + 1).astype(np.int64)
+
+
+@dataclass(frozen=True)
+class LiveDefaults:
+    """What ``measure_defaults`` found: the fastest depth and threshold (``record``, as
+    ``formats.sidecar.write_defaults`` stores it) or why none (``reason``)."""
+
+    record: dict | None
+    rounds: int
+    counts: Acceptance | None
+    reason: str = ""
+
+
+def measure_defaults(model, stack, head, tokens: np.ndarray, greedy: np.ndarray, source: str,
+                     progress: Callable[[int], None] | None = None) -> LiveDefaults:
+    """The depth and adaptive-depth threshold of least modelled time per token on windows
+    of the backbone's own greedy text (``tokens``, ``greedy`` [W, T]: mtp-train's held-out
+    windows), through the drafts generate runs (independent layers, pre-norm hidden, the
+    ``head`` generate scores): the live rounds of each window (``live_starts``) are probed
+    at every depth, then replayed under each threshold with this machine's draft and
+    verify costs (``best_setting``)."""
+    depth = stack.num_layers
+    if stack.default_chain(depth) != "independent":
+        return LiveDefaults(None, 0, None, "the drafts chain recursively (defaults are measured for independent layers)")
+    variant = Variant("independent", "pre")
+    counts = Acceptance(depth)
+    probs, right = [], []
+    for w in range(tokens.shape[0]):
+        starts = live_starts(tokens[w], greedy[w], depth)
+        if not len(starts):
+            continue
+        traces: list[ProbeTrace] = []
+        (_, c), = probe(model, stack, tokens[w], depth, [variant], progress, head=head, traces=traces, starts=starts)
+        counts.merge(c)
+        probs.append(traces[0].probs)
+        right.append(traces[0].right)
+    rounds = int(sum(len(p) for p in probs))
+    if rounds < MIN_LIVE_ROUNDS:
+        return LiveDefaults(None, rounds, counts if rounds else None,
+                            f"{rounds} live round(s) in the held-out windows (the backbone's own text), "
+                            f"fewer than {MIN_LIVE_ROUNDS}: train with --self-distill or --chat")
+    trace = ProbeTrace(np.concatenate(probs), np.concatenate(right))
+    verify_ms = verify_costs(model, depth + 1)
+    draft_ms = 1e3 * counts.draft_seconds / max(counts.drafting_rounds, 1) / depth  # per computed draft
+    d, row = best_setting(trace, draft_ms, verify_ms)
+    record = {"depth": d, "threshold": row.threshold, "modelled_speedup": round(row.speedup, 4),
+              "tokens_per_step": round(row.tokens_per_step, 4), "text": source, "tokens": rounds,
+              "draft_vocab": head.label, "verify_ms_by_rows": verify_ms, "draft_ms": draft_ms,
+              "measured_on": "live rounds of the held-out windows (the backbone's greedy text)"}
+    return LiveDefaults(record, rounds, counts)
+
+
+def save_live_defaults(model_path, sidecar, tokens: np.ndarray, greedy: np.ndarray, source: str, *,
+                       threads: int | None = None, progress: Callable[[int], None] | None = None) -> LiveDefaults:
+    """``measure_defaults`` on the backbone at ``model_path`` with the draft layers of
+    ``sidecar`` (the engine generate runs, its draft vocabulary), and the record written
+    into the sidecar when one was found: ``generate`` then drafts so by default."""
+    from cortiq_engine import Engine
+    from formats.sidecar import write_defaults
+
+    eng = Engine.load(model_path, threads=threads, mtp=sidecar)
+    found = measure_defaults(eng.model, eng.drafts, eng.draft_head(None), np.asarray(tokens, np.int64),
+                             np.asarray(greedy, np.int64), source, progress)
+    if found.record is not None:
+        write_defaults(sidecar, found.record)  # staged and renamed over: the open map stays valid
+    return found

@@ -11,8 +11,9 @@ only those rows of the backbone's lm_head. ``read_draft_vocab`` validates it;
 ``copy_with_draft_vocab`` writes a sidecar's tensors byte for byte with a new one.
 
 A sidecar may also carry *measured defaults* (header record ``mtp.defaults``: the
-depth and adaptive-depth threshold that ``cortiq mtp-probe --choose-threshold --save``
-found fastest on held-out text on this machine); ``read_defaults`` validates them and
+depth and adaptive-depth threshold that ``cortiq mtp-train`` (on the live rounds of its
+held-out greedy windows) or ``cortiq mtp-probe --choose-threshold --save`` found fastest
+on this machine); ``read_defaults`` validates them and
 ``generate`` drafts so unless told otherwise.
 """
 

@@ -180,6 +180,8 @@ def test_cli_trains_and_reports_json(tiny, tmp_path):
     assert doc["steps"] == 4 and len(doc["losses"]) == 4 and doc["sidecar"] == str(out)
     assert len(doc["held_out"]["acceptance_alone"]) == 2 and doc["held_out"]["tokens_per_round"] >= 1.0
     assert out.is_file() and (tmp_path / "x.mtp.train.safetensors").is_file()
+    # Real text, not the backbone's own: too few live rounds to measure generate's defaults on.
+    assert doc["defaults"]["saved"] is None and "--self-distill" in doc["defaults"]["reason"]
     # Without --force the sidecar is not overwritten.
     code, output = run_cli(str(cmf), "--text", str(text), "--steps", "1", "--seq", "32", "--out", str(out))
     assert code == 1 and "exists" in output

@@ -343,3 +343,84 @@ def test_f16_features_refuse_rows_beyond_its_range():
     assert f.hidden[0, 1, 2] == 7e4
     post = collect(Runner(), ids, seq=8, topk=2, hidden="post", holdout=0.0, min_len=3, dtype="f16")
     assert np.isfinite(post.hidden).all()
+
+
+def _simulate_live(right: dict[int, np.ndarray], t0: int, depth: int, max_tokens: int) -> tuple:
+    """The counts a speculative decode of ``max_tokens`` tokens would report, replayed
+    from per-round rightness (round start t -> depth booleans): a round proposes
+    min(depth, tokens left - 1) drafts, keeps the right prefix and emits one more."""
+    drafted, accepted, hist, plain = [0] * depth, [0] * depth, [0] * (depth + 1), 0
+    n, t = 1, t0
+    while n < max_tokens:
+        k = min(depth, max_tokens - n - 1)
+        if k == 0:
+            plain, n, t = plain + 1, n + 1, t + 1
+            continue
+        a = int(np.cumprod(right[t][:k]).sum())
+        for d in range(k):
+            drafted[d] += 1
+            accepted[d] += d < a
+        hist[a] += 1
+        n, t = n + a + 1, t + a + 1
+    return drafted, accepted, hist, plain
+
+
+def test_live_rounds_replay_speculative_decoding_and_set_generates_defaults(tiny, tmp_path):
+    """The defaults mtp-train stores are measured on the *live* rounds of its held-out
+    windows (the backbone's own greedy text). Oracle: on a greedy continuation, the
+    rounds ``live_starts`` picks, probed teacher-forced and replayed, give exactly the
+    counts a real speculative decode reports (depth 1 and 2); then the measured depth
+    and threshold land in the sidecar and generate drafts so."""
+    from cortiq_engine import Engine
+    from cortiq_engine.engine import SpeculativeConfig
+    from cortiq_engine.model import forward
+    from evals.mtp_probe import MIN_LIVE_ROUNDS, Variant, live_starts, probe, save_live_defaults
+
+    cfg = TrainConfig(layers=2, steps=40, seq=64, batch=4, lr=3e-3, warmup=2, topk=8, holdout=0.25,
+                      max_tokens=16 * 64, checkpoint_every=0, negatives=16, self_distill=8)
+    side = tmp_path / "s.mtp.cmf"
+    r = train_mtp(tiny, TEXT * 2, "alice", cfg, out=side, kernels="numpy")
+    assert r.held_tokens.shape == (4, 64) and r.held_greedy.shape == (4, 64)
+
+    eng = Engine.load(tiny, threads=1, mtp=side)
+    prompt = eng.tokenizer.encode(TEXT[2000:2100], add_bos=True)
+    M = 80
+    cont = eng.generate(prompt, max_tokens=M + 4, ignore_eos=True, speculative=False).token_ids
+    seq = np.array(prompt + cont)
+    greedy = eng.model.lm_head(eng.model.final_norm(forward(eng.model.new_state(len(seq)), seq.tolist()))).argmax(-1)
+    p = len(prompt)
+    np.testing.assert_array_equal(seq[p:], greedy[p - 1 : -1])  # the continuation is the backbone's greedy text
+    for depth in (1, 2):
+        starts = live_starts(seq, greedy, depth)
+        assert set(range(p - 1, len(seq) - depth - 1)) <= set(starts.tolist())
+        traces: list = []
+        probe(eng.model, eng.drafts, seq, depth, [Variant("independent", "pre")], head=eng.draft_head(None),
+              traces=traces, starts=starts)
+        want = _simulate_live(dict(zip(starts.tolist(), traces[0].right)), p - 1, depth, M)
+        live = eng.generate(prompt, max_tokens=M, ignore_eos=True,
+                            speculative=SpeculativeConfig(depth=depth, threshold=0.0)).acceptance
+        assert (live.drafted, live.accepted, live.accept_hist, live.plain_steps) == want
+        assert 0 < live.accepted[0] < live.drafted[0]  # drafts both right and wrong: the replay is tested
+
+    found = save_live_defaults(tiny, side, r.held_tokens, r.held_greedy, "alice (held out)", threads=1)
+    assert found.rounds >= MIN_LIVE_ROUNDS and found.record is not None
+    rec = found.record
+    assert 1 <= rec["depth"] <= 2 and len(rec["verify_ms_by_rows"]) == 3 and rec["tokens"] == found.rounds
+    # The live rounds are exactly those of live_starts over the held-out windows.
+    assert found.rounds == sum(len(live_starts(t, g, 2)) for t, g in zip(r.held_tokens, r.held_greedy))
+    eng = Engine.load(tiny, threads=1, mtp=side)
+    assert (eng.drafts.default_depth, eng.drafts.default_threshold) == (rec["depth"], rec["threshold"])
+    d = eng.drafter(None)[0]
+    assert (d.depth, d.threshold) == (rec["depth"], rec["threshold"])
+
+
+def test_live_starts_by_definition():
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, 2, 200)
+    greedy = rng.integers(0, 2, 200)
+    from evals.mtp_probe import live_starts
+
+    for depth in (1, 2, 3):
+        want = [t for t in range(200 - depth - 1) if all(tokens[j + 1] == greedy[j] for j in range(t, t + depth + 1))]
+        assert live_starts(tokens, greedy, depth).tolist() == want and want
+    assert live_starts(tokens[:3], greedy[:3], 3).tolist() == []

@@ -67,6 +67,10 @@ class RunResult:
     collect_seconds: float
     held_torch: Acceptance | None = None
     held_engine: Acceptance | None = None
+    # The held-out windows the report drafted (tokens, the backbone's greedy token after
+    # each position; [W, T]), for measuring the sidecar's defaults on them.
+    held_tokens: np.ndarray | None = None
+    held_greedy: np.ndarray | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
@@ -88,6 +92,7 @@ class RunResult:
             "collect_seconds": self.collect_seconds,
             "held_out": self.held_engine.to_json() if self.held_engine else None,
             "held_out_torch": self.held_torch.to_json() if self.held_torch else None,
+            **self.extra,
         }
 
 
@@ -230,5 +235,7 @@ def train_mtp(
         layers = load_draft_layers(out, backbone)
         drafts = engine_drafts(backbone, layers, np.asarray(feats.tokens[held], np.int64),
                                np.asarray(feats.hidden[held], np.float32))
-        result.held_engine = Acceptance.from_arrays(drafts, np.asarray(feats.greedy[held]))
+        result.held_tokens = np.asarray(feats.tokens[held], np.int64)
+        result.held_greedy = np.asarray(feats.greedy[held], np.int64)
+        result.held_engine = Acceptance.from_arrays(drafts, result.held_greedy)
     return result
