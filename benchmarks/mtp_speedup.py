@@ -12,8 +12,12 @@ takes ``full``, ``sidecar`` (the sidecar's own) or a count of the sidecar's firs
 Prompts are the first 400 characters of the text's paragraphs longer than 300
 characters. ``--chat`` wraps each in the model's chat template as a user message with
 an instruction (CHAT_ASKS, cycled) and lets the answer end at its end-of-turn token,
-as ``cortiq generate --chat`` does. Plain decoding runs again after each speculative run and the faster
-of the plain runs is kept, so machine drift does not flatter speculation. The
+as ``cortiq generate --chat`` does. Each combination runs ``--reps`` alternating pairs of
+plain and speculative decodes of a prompt (the order flips every pair, so drift favours
+neither) and each side's median time counts: the same statistic over the same number
+of runs for both. (Until the eighth session plain kept the fastest of all its runs
+against one speculative run: on a machine whose step time wanders 7-11 ms that was a
+best-of-six against a single draw.) ``speedup_min`` compares the fastest of each. The
 acceptance figures come from the engine's one counter (``cortiq_engine.acceptance``),
 summed over the prompts: what ``generate --json`` and ``mtp-probe`` report.
 """
@@ -52,6 +56,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--vocabs", default="sidecar", help="comma list of full, sidecar, or N")
     ap.add_argument("--thresholds", default="0", help="comma list of adaptive-depth thresholds (0 = off)")
+    ap.add_argument("--reps", type=int, default=3, help="alternating plain/speculative pairs per prompt and combination")
     ap.add_argument("--chat", action="store_true", help="chat prompts (CHAT_ASKS) through the chat template; answers stop at end of turn")
     a = ap.parse_args()
     print(json.dumps({"loadavg_start": os.getloadavg()}), flush=True)
@@ -70,17 +75,22 @@ def main() -> None:
             ids = eng.tokenizer.encode(eng.tokenizer.apply_chat_template([{"role": "user", "content": msg}]), add_bos=False)
         else:
             ids = eng.tokenizer.encode(p[:400])
-        plain = eng.generate(ids, max_tokens=a.tokens, ignore_eos=ignore_eos, speculative=False)
         for depth, vocab, th in combos:
             cfg = (SpeculativeConfig() if depth == "default" else
                    SpeculativeConfig(depth=depth, vocab=_vocab(vocab), threshold=th))
-            spec = eng.generate(ids, max_tokens=a.tokens, ignore_eos=ignore_eos, speculative=cfg)
-            again = eng.generate(ids, max_tokens=a.tokens, ignore_eos=ignore_eos, speculative=False)
-            if again.decode_seconds < plain.decode_seconds:
-                plain = again
-            rows.append(dict(depth=depth, vocab=vocab, threshold=th, same=plain.token_ids == spec.token_ids and plain.text == spec.text,
-                             plain_s=plain.decode_seconds, spec_s=spec.decode_seconds, plain_tok_s=plain.decode_tok_s,
-                             spec_tok_s=spec.decode_tok_s, mtp=spec.extra["mtp"]))
+            plains, specs = [], []
+            for r in range(a.reps):
+                for speculative in ((False, cfg) if r % 2 == 0 else (cfg, False)):
+                    res = eng.generate(ids, max_tokens=a.tokens, ignore_eos=ignore_eos, speculative=speculative)
+                    (plains if speculative is False else specs).append(res)
+            plains.sort(key=lambda g: g.decode_seconds)
+            specs.sort(key=lambda g: g.decode_seconds)
+            plain, spec = plains[len(plains) // 2], specs[len(specs) // 2]
+            same = all(g.token_ids == plain.token_ids and g.text == plain.text for g in plains + specs)
+            rows.append(dict(depth=depth, vocab=vocab, threshold=th, same=same,
+                             plain_s=plain.decode_seconds, spec_s=spec.decode_seconds,
+                             plain_min_s=plains[0].decode_seconds, spec_min_s=specs[0].decode_seconds,
+                             plain_tok_s=plain.decode_tok_s, spec_tok_s=spec.decode_tok_s, mtp=spec.extra["mtp"]))
             print(json.dumps(rows[-1]), flush=True)
             rows[-1]["counts"] = spec.acceptance
     for depth, vocab, th in combos:
@@ -90,6 +100,7 @@ def main() -> None:
             total.merge(r.pop("counts"))
         print(json.dumps({"depth": depth, "vocab": vocab, "threshold": th, "all_same": all(r["same"] for r in rs),
                           "speedup": sum(r["plain_s"] for r in rs) / sum(r["spec_s"] for r in rs),
+                          "speedup_min": sum(r["plain_min_s"] for r in rs) / sum(r["spec_min_s"] for r in rs),
                           "plain_tok_s": sum(r["plain_tok_s"] for r in rs) / len(rs),
                           "spec_tok_s": sum(r["spec_tok_s"] for r in rs) / len(rs), **total.to_json()}))
     print(json.dumps({"loadavg_end": os.getloadavg()}), flush=True)

@@ -102,18 +102,19 @@ class Engine:
         path: str | os.PathLike,
         threads: int | None = None,
         ctx: int | None = None,
-        kernels: str | None = None,
+        kernels: str | object | None = None,
         warmup: bool = True,
         mtp: bool | str | os.PathLike = False,
     ) -> "Engine":
         """Open ``path``; ``ctx`` defaults to min(max_position_embeddings, 4096);
-        ``kernels`` "numba"|"numpy" (default: $CORTIQ_KERNELS, else numba).
+        ``kernels`` a kernel set's name (``cortiq_engine.kernels.KERNEL_CHOICES``; default
+        $CORTIQ_KERNELS, else numba) or a kernel set itself (e.g. ``NumbaKernels(amx_tiles=False)``).
 
         ``mtp``: False, no draft layers; True, the model's own (inline, else the sidecar
         ``<stem>.mtp.cmf`` beside it, else none); a path, that sidecar. A sidecar that
         does not fit the backbone is an error, never a silent fallback."""
         n_threads = set_threads(threads)
-        ks = get_kernels(kernels)
+        ks = get_kernels(kernels) if kernels is None or isinstance(kernels, str) else kernels
         cmf = CmfFile(path)
         header = cmf.header
         if header.get("role", "model") != "model" or "arch" not in header:

@@ -9,6 +9,9 @@ Strategy per matmul of n input rows:
   reused f32 tile (f32 weights are used in place) and multiplied by BLAS running
   single-threaded, so the dequantization cost is shared by all n rows and a thread
   delayed by another process holds up one slice, not half the call.
+  Where the CPU has AMX-INT8 (``amx.py``), q8 slices skip the dequantization: their
+  quants are multiplied in place on the tile unit by activations rounded to int16 once
+  per call (as q8's decode rounds them), 1.2-2.2x the sgemm path per matrix.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import Mapping, Sequence
 import numba
 import numpy as np
 
-from cortiq_engine.kernels import attn_ir, jit, qdot
+from cortiq_engine.kernels import amx, attn_ir, jit, qdot
 from cortiq_engine.kernels.dtype_ops import DtypeOps, ops_for
 from cortiq_engine.kernels.reference import NumpyKernels, attend_block, attention_jobs
 from cortiq_engine.weights import Weight
@@ -115,7 +118,7 @@ class NumbaKernels(NumpyKernels):
     def __init__(self, small_n: int = SMALL_N, act_bits: int | Mapping[str, int] | None = None,
                  vnni: bool | None = None, zmm: bool | None = None, zmm_min_weights: int = ZMM_MIN_WEIGHTS,
                  attn_loops: bool | None = None, kernel_cache: Path | None | str = "default",
-                 attn_partials_bytes: int = ATTN_PARTIALS_BYTES):
+                 attn_partials_bytes: int = ATTN_PARTIALS_BYTES, amx_tiles: bool | None = None):
         self.small_n = small_n
         # Decode/verify attention's inner loops in LLVM IR (attn_ir.py; default where the
         # CPU has AVX2/FMA); False keeps numba's loops (same math, other rounding).
@@ -134,6 +137,13 @@ class NumbaKernels(NumpyKernels):
         self._intdot = qdot.compile_intdot(vnni, zmm, kernel_cache) if any(widths.values()) else None
         self.zmm_min_weights = zmm_min_weights
         self.act_bits = {k: v for k, v in widths.items() if v} if self._intdot is not None else {}
+        # q8 prefill on AMX tiles (amx.py; default where the CPU and kernel offer AMX-INT8 and
+        # q8 decodes on int16 activations, whose rounding the tiles share); False:
+        # dequantized slices and sgemm, float activations.
+        if amx_tiles and not (amx.host_amx() and self.act_bits.get("q8") == 16):
+            raise ValueError("AMX prefill needs AMX-INT8 tiles and q8 on int16 activations")
+        use_amx = (amx.host_amx() and self.act_bits.get("q8") == 16) if amx_tiles is None else bool(amx_tiles)
+        self._amx = amx.AmxQ8(kernel_cache) if use_amx else None
         # Per-thread scratch for dequantized tiles, reused so prefill matmuls do not
         # page-fault a fresh buffer per call.
         self._tiles = threading.local()
@@ -217,8 +227,21 @@ class NumbaKernels(NumpyKernels):
             jobs.extend((w, r0, min(w.rows, r0 + step), c0) for r0 in range(0, w.rows, step))
             c0 += w.rows
 
+        # q8 slices of whole tiles of 16 rows go to the AMX kernel, on activations packed
+        # once for the call (a slice's tail of < 16 rows takes the sgemm path).
+        packed = self._amx.pack(X) if self._amx is not None and any(w.dtype == "q8" for w in ws) else None
+
         def work(job: tuple[Weight, int, int, int]) -> None:
             w, r0, r1, col = job
+            if packed is not None and w.dtype == "q8" and r1 - r0 >= amx.TILE:
+                t1 = r0 + (r1 - r0) // amx.TILE * amx.TILE
+                buf = self._amx_buf(t1 - r0, packed[0].shape[0] * amx.TILE)
+                d, qs = w.kernel_parts()
+                self._amx.rows(d, qs, r0, t1, packed[0], packed[1], buf)
+                out[:, col + r0 : col + t1] = buf[:, : X.shape[0]].T
+                if t1 == r1:
+                    return
+                r0 = t1
             if w.kind.native:
                 np.matmul(X, w.parts["data"][r0:r1].T, out=out[:, col + r0 : col + r1])
                 return
@@ -240,6 +263,18 @@ class NumbaKernels(NumpyKernels):
             self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="cortiq-prefill")
             self._pool_size = threads
         return self._pool
+
+    @property
+    def amx_prefill(self) -> bool:
+        """Whether q8 prefill matmuls run on AMX tiles (int16 activations)."""
+        return self._amx is not None
+
+    def _amx_buf(self, rows: int, cols: int) -> np.ndarray:
+        """This thread's reused AMX output scratch."""
+        buf = getattr(self._tiles, "amx", None)
+        if buf is None or buf.size < rows * cols:
+            buf = self._tiles.amx = np.empty(rows * cols, np.float32)
+        return buf[: rows * cols].reshape(rows, cols)
 
     def _tile_buf(self, rows: int, cols: int) -> np.ndarray:
         """This thread's reused dequantization scratch (no page faults per call)."""

@@ -1,0 +1,370 @@
+"""Prefill matmuls on AMX tiles: q8 weights times int16 activations, integer tile products.
+
+Prefill multiplies every weight by hundreds of rows. The portable path (``fast.py``)
+dequantizes a slice of the weights to f32 and hands it to single-threaded BLAS, which
+peaks near 2 x 16 f32 FMAs a cycle per core. Intel's AMX (Sapphire Rapids and later)
+multiplies a 16 x 64 int8 tile by a 64 x 16 one in a single instruction; this module uses
+it where the CPU has it and Linux grants the tile state (``arch_prctl``).
+
+The arithmetic is the integer kernels' (``qdot.py``, ggml's ``vec_dot_type``): each input
+row is rounded per block of 32 to int16 (``d_x`` = max|x| / 32767, the width q8's decode
+uses, so the logits' error stays where the float path has it), and for weight row n and
+input row m
+
+    out[m, n] = sum_b  d_w[n, b] * d_x[m, b] * sum_j q_w[n, b, j] * q_x[m, b, j].
+
+AMX has no int16 product, so q_x = 256 * hi + lo (hi signed, lo unsigned bytes) and each
+block takes two tile products, ``tdpbssd`` (q_w x hi) and ``tdpbsud`` (q_w x lo), whose
+exact int32 sums combine as (hi_sum << 8) + lo_sum (|sum| <= 32 * 127 * 32767 < 2^31).
+The block sums are exact integers; each output's float sum runs over the blocks in order,
+so a row's result does not depend on the other rows of the call. Prefill results differ
+from the f32 path only by the int16 rounding of the activations (bounded in the tests
+against ``qdot.qdot_ref``, the float64 twin).
+
+Layout (one call computes rows r0..r1 of one weight, a multiple of 16, for all inputs):
+- A tile (16 weight rows x 32 bytes of block b): read in place from the q8 quants,
+  stride = the row's bytes; no copy of the weights.
+- B tiles (8 rows x 64 bytes: block b of 16 input rows, 4 consecutive bytes of each row
+  side by side, the "VNNI" layout): ``pack_x16`` writes them once per matmul, hi and lo
+  planes, inputs padded with zero rows to a multiple of 16.
+- C tiles (16 weight rows x 16 inputs of int32) go through a 2 KB stack buffer, where 16
+  zmm registers of f32 (one per weight row, lanes = inputs) gather the scaled sums.
+The output is [weight rows, inputs padded to 16] (the caller transposes).
+
+Measured (eighth session, Intel Xeon with AMX; ``benchmarks/bench_amx_prefill.py``, one
+thread, 512 rows): 1.0-1.1x the dequantize + sgemm path on SmolLM2's [1536 x 576], 1.2-1.3x
+on [576 x 1536], 1.4-1.65x on TinyLlama's [5632 x 2048] and [2048 x 5632], far from the
+tile unit's peak. Per-32-block scales take every 16 x 16 block sum out of the tile
+registers before the next block, and here a tile load costs about 26 cycles, a tile store
+44 and a product 19 (each alone in a loop); int16 needs two products and two stores a
+block, so a block's tile work is a serial chain of about 200 cycles for 8,192
+multiply-adds (the float work runs one block late, overlapping it). int8 activations
+(one product, one store) or bf16 tiles on dequantized weights (sums stay in the tile
+across K) would go faster, at an error this path does not add.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import platform
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+from numba import njit, prange
+
+from cortiq_engine.kernels import llvm_jit
+
+QB = 32
+TILE = 16  # weight rows and input rows per tile
+QMAX16 = 32767
+# Linux: arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) lets this process use the tiles.
+_SYS_ARCH_PRCTL = 158
+_ARCH_REQ_XCOMP_PERM = 0x1023
+_XFEATURE_XTILEDATA = 18
+NEEDED_FEATURES = ("amx-tile", "amx-int8", "avx512f", "f16c")
+
+
+@functools.cache
+def host_amx() -> bool:
+    """The CPU has AMX-INT8 and AVX-512 and the kernel granted this process the tile state
+    (asked once; the grant is the process's for its lifetime)."""
+    if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    import llvmlite.binding as llvm
+
+    llvm.initialize_native_target()
+    feats = llvm.get_host_cpu_features()
+    if not all(feats.get(f, False) for f in NEEDED_FEATURES):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+# ------------------------------------------------------------ activations
+@njit(parallel=True, cache=True, nogil=True)
+def pack_x16(X, xb, xd):
+    """X f32[n, cols] -> xb int8[tiles, nb, 2, 8, 64] (B tiles: plane 0 the high bytes of
+    the int16 rounding, plane 1 the low bytes; byte 4 * m + j of row k4 is element
+    4 * k4 + j of block b of input 16 * t + m) and xd f32[tiles, nb, 16] (the block
+    scales; padding inputs get zeros)."""
+    n, cols = X.shape
+    tiles = xb.shape[0]
+    nb = cols // QB
+    for t in prange(tiles):
+        for m in range(TILE):
+            i = t * TILE + m
+            for b in range(nb):
+                o = b * QB
+                if i >= n:
+                    xd[t, b, m] = np.float32(0.0)
+                    for k in range(QB):
+                        xb[t, b, 0, k >> 2, 4 * m + (k & 3)] = 0
+                        xb[t, b, 1, k >> 2, 4 * m + (k & 3)] = 0
+                    continue
+                amax = np.float32(0.0)
+                for k in range(QB):
+                    a = abs(X[i, o + k])
+                    if a > amax:
+                        amax = a
+                d = amax / np.float32(QMAX16)
+                inv = np.float32(1.0) / d if d > 0 else np.float32(0.0)
+                xd[t, b, m] = d
+                for k in range(QB):
+                    q = np.int32(np.rint(X[i, o + k] * inv))
+                    xb[t, b, 0, k >> 2, 4 * m + (k & 3)] = np.int8(q >> 8)
+                    # the low byte's bits as int8 (the tile op reads them unsigned)
+                    xb[t, b, 1, k >> 2, 4 * m + (k & 3)] = np.int8(((q & 255) ^ 128) - 128)
+
+
+def pack_x16_ref(X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """numpy twin of ``pack_x16``."""
+    n, cols = X.shape
+    nb, tiles = cols // QB, (n + TILE - 1) // TILE
+    Xp = np.zeros((tiles * TILE, cols), np.float32)
+    Xp[:n] = X
+    b = Xp.reshape(tiles * TILE, nb, QB)
+    d = (np.abs(b).max(axis=2) / np.float32(QMAX16)).astype(np.float32)
+    inv = np.where(d > 0, np.float32(1.0) / np.where(d > 0, d, 1), 0).astype(np.float32)
+    q = np.rint(b * inv[:, :, None]).astype(np.int32)
+    planes = np.stack([(q >> 8).astype(np.int8), (q & 255).astype(np.uint8).view(np.int8)])  # [2, rows, nb, 32]
+    # [2, tiles, 16 m, nb, 8 k4, 4 j] -> [tiles, nb, 2, k4, m, j]
+    p = planes.reshape(2, tiles, TILE, nb, QB // 4, 4).transpose(1, 3, 0, 4, 2, 5)
+    return np.ascontiguousarray(p).reshape(tiles, nb, 2, QB // 4, 4 * TILE), \
+        np.ascontiguousarray(d.reshape(tiles, TILE, nb).transpose(0, 2, 1))
+
+
+# ------------------------------------------------------------ LLVM IR
+_DECLS = """
+declare void @llvm.x86.ldtilecfg(i8*)
+declare void @llvm.x86.tilerelease()
+declare void @llvm.x86.tilezero(i8 immarg)
+declare void @llvm.x86.tileloadd64(i8 immarg, i8*, i64)
+declare void @llvm.x86.tilestored64(i8 immarg, i8*, i64)
+declare void @llvm.x86.tdpbssd(i8 immarg, i8 immarg, i8 immarg)
+declare void @llvm.x86.tdpbsud(i8 immarg, i8 immarg, i8 immarg)
+declare <16 x float> @llvm.fma.v16f32(<16 x float>, <16 x float>, <16 x float>)
+"""
+ENTRY = "amx_q8a16"
+# Tiles: 0/1 the hi/lo C sums, 2 the weights (A), 3/4 the hi/lo activations (B).
+_CFG_TILES = ((0, TILE, 64), (1, TILE, 64), (2, TILE, QB), (3, QB // 4, 64), (4, QB // 4, 64))
+
+
+def tile_config() -> np.ndarray:
+    """The 64-byte ``ldtilecfg`` operand: palette 1, each tile's rows and bytes per row."""
+    cfg = np.zeros(64, np.uint8)
+    cfg[0] = 1
+    colsb, rows = cfg[16:32].view(np.uint16), cfg[48:56]
+    for t, r, c in _CFG_TILES:
+        colsb[t], rows[t] = c, r
+    return cfg
+
+
+def module_ir() -> str:
+    """``amx_q8a16(wq, wdt, xb, xd, out, r0, r1, nb, tiles, cols, cfg)``: out[n - r0, 16 t + m]
+    for weight rows n in r0..r1 (a multiple of 16 apart) and every packed input; ``wdt`` is
+    the slice's weight scales as f32 [(r1 - r0) / 16][nb][16] (``panel_scales``).
+
+    Tile loads and stores cost 25-45 cycles each here, and a block's tiles are reused by
+    the next block, so the AMX work of one block is a serial chain of about 200 cycles.
+    The float work on a block's sums (about 150 cycles) is therefore done one block late,
+    from the other of two stack buffers: it overlaps the next block's tile chain instead
+    of following it (a 2048 x 5632 q8 matmul of 512 rows: 340 -> about 200 cycles a block)."""
+    L: list[str] = [_DECLS]
+    a = L.append
+    a(f"define void @{ENTRY}(i8* %wq, float* %wdt, i8* %xb, float* %xd, float* %out, i64 %r0, i64 %r1, "
+      "i64 %nb, i64 %tiles, i64 %cols, i8* %cfg) nounwind {")
+    a("entry:")
+    for k in range(2):
+        a(f"  %bufh{k} = alloca [256 x i32], align 64")
+        a(f"  %bufl{k} = alloca [256 x i32], align 64")
+        a(f"  %bh8_{k} = bitcast [256 x i32]* %bufh{k} to i8*")
+        a(f"  %bl8_{k} = bitcast [256 x i32]* %bufl{k} to i8*")
+        a(f"  %bh{k} = bitcast [256 x i32]* %bufh{k} to <16 x i32>*")
+        a(f"  %bl{k} = bitcast [256 x i32]* %bufl{k} to <16 x i32>*")
+    a("  %ostride = mul i64 %tiles, 16")
+    a("  %pstride = mul i64 %nb, 16")
+    a("  call void @llvm.x86.ldtilecfg(i8* %cfg)")
+    a("  %none = icmp sge i64 %r0, %r1")
+    a("  %not = icmp sle i64 %tiles, 0")
+    a("  %nob = icmp sle i64 %nb, 0")
+    a("  %skip0 = or i1 %none, %not")
+    a("  %skip = or i1 %skip0, %nob")
+    a("  br i1 %skip, label %exit, label %panel")
+    a("panel:")
+    a("  %p = phi i64 [%r0, %entry], [%pnext, %tdone]")
+    a("  %wrow = mul i64 %p, %cols")
+    a("  %prow = sub i64 %p, %r0")
+    a("  %pi = udiv i64 %prow, 16")
+    a("  %wdpanel = mul i64 %pi, %pstride")
+    a("  br label %tile")
+
+    def amx_block(tag: str, b: str, k: int) -> None:
+        """Tile work of block ``b`` into buffer pair ``k``."""
+        a("  call void @llvm.x86.tilezero(i8 0)")
+        a("  call void @llvm.x86.tilezero(i8 1)")
+        a(f"  %wo{tag} = add i64 %wrow, {_mul(b, 32, tag, a)}")
+        a(f"  %wp{tag} = getelementptr i8, i8* %wq, i64 %wo{tag}")
+        a(f"  call void @llvm.x86.tileloadd64(i8 2, i8* %wp{tag}, i64 %cols)")
+        a(f"  %tbb{tag} = add i64 %tb, {b}")
+        a(f"  %xo{tag} = mul i64 %tbb{tag}, 1024")
+        a(f"  %xph{tag} = getelementptr i8, i8* %xb, i64 %xo{tag}")
+        a(f"  %xpl{tag} = getelementptr i8, i8* %xph{tag}, i64 512")
+        a(f"  call void @llvm.x86.tileloadd64(i8 3, i8* %xph{tag}, i64 64)")
+        a(f"  call void @llvm.x86.tileloadd64(i8 4, i8* %xpl{tag}, i64 64)")
+        a("  call void @llvm.x86.tdpbssd(i8 0, i8 2, i8 3)")
+        a("  call void @llvm.x86.tdpbsud(i8 1, i8 2, i8 4)")
+        a(f"  call void @llvm.x86.tilestored64(i8 0, i8* {_sel(tag, 'bh8', k, 'i8*', a)}, i64 64)")
+        a(f"  call void @llvm.x86.tilestored64(i8 1, i8* {_sel(tag, 'bl8', k, 'i8*', a)}, i64 64)")
+
+    def post(tag: str, b: str, k: str, accs: list[str]) -> list[str]:
+        """Block ``b``'s sums from buffer pair ``k``, scaled into ``accs``; the new names."""
+        a(f"  %tbp{tag} = add i64 %tb, {b}")
+        a(f"  %xdo{tag} = mul i64 %tbp{tag}, 16")
+        a(f"  %xdp{tag} = getelementptr float, float* %xd, i64 %xdo{tag}")
+        a(f"  %xdpv{tag} = bitcast float* %xdp{tag} to <16 x float>*")
+        a(f"  %xdv{tag} = load <16 x float>, <16 x float>* %xdpv{tag}, align 4")
+        a(f"  %wdo{tag} = add i64 %wdpanel, {_mul(b, 16, tag + 'w', a)}")
+        bh, bl = _sel(tag, "bh", k, "<16 x i32>*", a), _sel(tag, "bl", k, "<16 x i32>*", a)
+        out = []
+        for r in range(TILE):
+            a(f"  %hp{tag}{r} = getelementptr <16 x i32>, <16 x i32>* {bh}, i64 {r}")
+            a(f"  %lp{tag}{r} = getelementptr <16 x i32>, <16 x i32>* {bl}, i64 {r}")
+            a(f"  %h{tag}{r} = load <16 x i32>, <16 x i32>* %hp{tag}{r}, align 64")
+            a(f"  %l{tag}{r} = load <16 x i32>, <16 x i32>* %lp{tag}{r}, align 64")
+            a(f"  %hs{tag}{r} = shl <16 x i32> %h{tag}{r}, " + "<" + ", ".join(["i32 8"] * 16) + ">")
+            a(f"  %s{tag}{r} = add <16 x i32> %hs{tag}{r}, %l{tag}{r}")
+            a(f"  %f{tag}{r} = sitofp <16 x i32> %s{tag}{r} to <16 x float>")
+            a(f"  %wdi{tag}{r} = add i64 %wdo{tag}, {r}")
+            a(f"  %wdp{tag}{r} = getelementptr float, float* %wdt, i64 %wdi{tag}{r}")
+            a(f"  %dw{tag}{r} = load float, float* %wdp{tag}{r}, align 4")
+            a(f"  %dwi{tag}{r} = insertelement <16 x float> undef, float %dw{tag}{r}, i32 0")
+            a(f"  %dws{tag}{r} = shufflevector <16 x float> %dwi{tag}{r}, <16 x float> undef, <16 x i32> zeroinitializer")
+            a(f"  %sc{tag}{r} = fmul <16 x float> %xdv{tag}, %dws{tag}{r}")
+            a(f"  %n{tag}{r} = call <16 x float> @llvm.fma.v16f32(<16 x float> %f{tag}{r}, <16 x float> %sc{tag}{r}, <16 x float> {accs[r]})")
+            out.append(f"%n{tag}{r}")
+        return out
+
+    # tile t: block 0's tiles, then blocks 1..nb-1 each with the float work of the one before
+    a("tile:")
+    a("  %t = phi i64 [0, %panel], [%tnext, %bdone]")
+    a("  %tb = mul i64 %t, %nb")
+    amx_block("z", "0", 0)
+    a("  %one = icmp sgt i64 %nb, 1")
+    a("  br i1 %one, label %blk, label %bdone")
+    a("blk:")
+    a("  %b = phi i64 [1, %tile], [%bnext, %blk]")
+    accs = [f"%acc{r}" for r in range(TILE)]
+    phi_at = len(L)
+    a("  %par = and i64 %b, 1")
+    a("  %pprev = xor i64 %par, 1")
+    a("  %bprev = sub i64 %b, 1")
+    amx_block("m", "%b", "%par")
+    new = post("q", "%bprev", "%pprev", accs)
+    a("  %bnext = add i64 %b, 1")
+    a("  %bmore = icmp slt i64 %bnext, %nb")
+    a("  br i1 %bmore, label %blk, label %bdone")
+    L[phi_at:phi_at] = [f"  {accs[r]} = phi <16 x float> [zeroinitializer, %tile], [{new[r]}, %blk]" for r in range(TILE)]
+    a("bdone:")
+    for r in range(TILE):
+        a(f"  %e{r} = phi <16 x float> [zeroinitializer, %tile], [{new[r]}, %blk]")
+    a("  %blast = sub i64 %nb, 1")
+    a("  %plast = and i64 %blast, 1")
+    fin = post("e", "%blast", "%plast", [f"%e{r}" for r in range(TILE)])
+    for r in range(TILE):
+        a(f"  %orow{r} = add i64 %prow, {r}")
+        a(f"  %oo{r} = mul i64 %orow{r}, %ostride")
+        a(f"  %ot{r} = mul i64 %t, 16")
+        a(f"  %oi{r} = add i64 %oo{r}, %ot{r}")
+        a(f"  %op{r} = getelementptr float, float* %out, i64 %oi{r}")
+        a(f"  %opv{r} = bitcast float* %op{r} to <16 x float>*")
+        a(f"  store <16 x float> {fin[r]}, <16 x float>* %opv{r}, align 4")
+    a("  %tnext = add i64 %t, 1")
+    a("  %tmore = icmp slt i64 %tnext, %tiles")
+    a("  br i1 %tmore, label %tile, label %tdone")
+    a("tdone:")
+    a("  %pnext = add i64 %p, 16")
+    a("  %pmore = icmp slt i64 %pnext, %r1")
+    a("  br i1 %pmore, label %panel, label %exit")
+    a("exit:")
+    a("  call void @llvm.x86.tilerelease()")
+    a("  ret void")
+    a("}")
+    return "\n".join(L)
+
+
+def _mul(v: str, c: int, tag: str, a) -> str:
+    """``v`` * ``c`` as an IR value (``v`` a name or a literal)."""
+    if not v.startswith("%"):
+        return str(int(v) * c)
+    a(f"  %mul{tag}{c} = mul i64 {v}, {c}")
+    return f"%mul{tag}{c}"
+
+
+def _sel(tag: str, base: str, k, ty: str, a) -> str:
+    """Buffer ``base`` of pair ``k`` (0, 1 or an i64 parity value)."""
+    if isinstance(k, int):
+        return f"%{base}{'_' if base.endswith('8') else ''}{k}"
+    b0, b1 = (f"%{base}_0", f"%{base}_1") if base.endswith("8") else (f"%{base}0", f"%{base}1")
+    a(f"  %c{tag}{base} = icmp eq i64 {k}, 0")
+    a(f"  %s{tag}{base} = select i1 %c{tag}{base}, {ty} {b0}, {ty} {b1}")
+    return f"%s{tag}{base}"
+
+
+def panel_scales(d: np.ndarray, r0: int, r1: int) -> np.ndarray:
+    """q8 scales of weight rows r0..r1 as the kernel reads them: f32 [(r1 - r0) / 16][nb][16]."""
+    nb = d.shape[1]
+    s = np.asarray(d[r0:r1]).view(np.float16) if d.dtype != np.float16 else d[r0:r1]
+    return np.ascontiguousarray(s.astype(np.float32).reshape(-1, TILE, nb).transpose(0, 2, 1))
+
+
+_PROTO = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                          ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p)
+
+
+class AmxQ8:
+    """The compiled q8 prefill kernel (one per kernel set; the machine code is
+    ``llvm_jit``'s, shared by the process). Calls release the GIL (ctypes), so the
+    prefill pool's threads run slices side by side."""
+
+    def __init__(self, cache_dir: Path | None | str = "default") -> None:
+        if not host_amx():
+            raise ValueError("this CPU or kernel offers no AMX-INT8 tiles")
+        cache = llvm_jit.default_cache_dir() if cache_dir == "default" else cache_dir
+        self._compiled = llvm_jit.compile_ir(module_ir(), [ENTRY], cache)
+        self._fn = _PROTO(self._compiled.addrs[ENTRY])
+        self._cfg = tile_config()
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def pack(X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The activations of one matmul in the B-tile layout (``pack_x16``)."""
+        n, cols = X.shape
+        tiles = (n + TILE - 1) // TILE
+        xb = np.empty((tiles, cols // QB, 2, QB // 4, 4 * TILE), np.int8)
+        xd = np.empty((tiles, cols // QB, TILE), np.float32)
+        pack_x16(np.ascontiguousarray(X, np.float32), xb, xd)
+        return xb, xd
+
+    def rows(self, d: np.ndarray, qs: np.ndarray, r0: int, r1: int, xb: np.ndarray, xd: np.ndarray,
+             out: np.ndarray) -> None:
+        """out[: r1 - r0, : 16 * tiles] = weight rows r0..r1 (q8 parts ``d`` f16[rows, nb], ``qs``
+        int8[rows, cols], both C-contiguous) times the packed inputs; (r1 - r0) % 16 == 0."""
+        rows, cols = qs.shape
+        nb = cols // QB
+        tiles = xb.shape[0]
+        if (r1 - r0) % TILE or not 0 <= r0 <= r1 <= rows or xb.shape[1] != nb or d.shape != (rows, nb):
+            raise ValueError(f"amx rows {r0}..{r1} of a [{rows}, {cols}] weight, {xb.shape} inputs")
+        if out.shape[0] < r1 - r0 or out.shape[1] != TILE * tiles or out.dtype != np.float32 or not out.flags.c_contiguous:
+            raise ValueError(f"amx output {out.shape} for {r1 - r0} rows and {TILE * tiles} inputs")
+        for arr in (d, qs, xb, xd):
+            if not arr.flags.c_contiguous:
+                raise ValueError("amx operands must be C-contiguous")
+        wdt = panel_scales(d, r0, r1)
+        self._fn(qs.ctypes.data, wdt.ctypes.data, xb.ctypes.data, xd.ctypes.data, out.ctypes.data,
+                 r0, r1, nb, tiles, cols, self._cfg.ctypes.data)
