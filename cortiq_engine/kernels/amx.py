@@ -49,17 +49,16 @@ import ctypes
 import functools
 import platform
 import sys
-import threading
 from pathlib import Path
 
 import numpy as np
 from numba import njit, prange
 
-from cortiq_engine.kernels import llvm_jit
+from cortiq_engine.kernels import llvm_jit, qdot
 
 QB = 32
 TILE = 16  # weight rows and input rows per tile
-QMAX16 = 32767
+QMAX16 = qdot.qmax("q8", 16)  # the int16 rounding q8's decode uses
 # Linux: arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) lets this process use the tiles.
 _SYS_ARCH_PRCTL = 158
 _ARCH_REQ_XCOMP_PERM = 0x1023
@@ -92,46 +91,39 @@ def pack_x16(X, xb, xd):
     """X f32[n, cols] -> xb int8[tiles, nb, 2, 8, 64] (B tiles: plane 0 the high bytes of
     the int16 rounding, plane 1 the low bytes; byte 4 * m + j of row k4 is element
     4 * k4 + j of block b of input 16 * t + m) and xd f32[tiles, nb, 16] (the block
-    scales; padding inputs get zeros)."""
+    scales; padding inputs get zeros). The rounding is q8 decode's (``qdot.quantize_rows``)."""
     n, cols = X.shape
     tiles = xb.shape[0]
     nb = cols // QB
     for t in prange(tiles):
-        for m in range(TILE):
-            i = t * TILE + m
+        i0 = t * TILE
+        m_n = min(TILE, n - i0)
+        if m_n < TILE:  # the last tile's padding inputs
+            xb[t] = 0
+            xd[t] = np.float32(0.0)
+        xq = np.empty((m_n, cols), np.int16)
+        rd = np.empty((m_n, nb), np.float32)
+        rs = np.empty((m_n, nb), np.float32)
+        qdot.quantize_rows(X[i0 : i0 + m_n], xq, rd, rs, QMAX16)
+        for m in range(m_n):
             for b in range(nb):
-                o = b * QB
-                if i >= n:
-                    xd[t, b, m] = np.float32(0.0)
-                    for k in range(QB):
-                        xb[t, b, 0, k >> 2, 4 * m + (k & 3)] = 0
-                        xb[t, b, 1, k >> 2, 4 * m + (k & 3)] = 0
-                    continue
-                amax = np.float32(0.0)
+                xd[t, b, m] = rd[m, b]
                 for k in range(QB):
-                    a = abs(X[i, o + k])
-                    if a > amax:
-                        amax = a
-                d = amax / np.float32(QMAX16)
-                inv = np.float32(1.0) / d if d > 0 else np.float32(0.0)
-                xd[t, b, m] = d
-                for k in range(QB):
-                    q = np.int32(np.rint(X[i, o + k] * inv))
+                    q = np.int32(xq[m, b * QB + k])
                     xb[t, b, 0, k >> 2, 4 * m + (k & 3)] = np.int8(q >> 8)
                     # the low byte's bits as int8 (the tile op reads them unsigned)
                     xb[t, b, 1, k >> 2, 4 * m + (k & 3)] = np.int8(((q & 255) ^ 128) - 128)
 
 
 def pack_x16_ref(X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """numpy twin of ``pack_x16``."""
+    """numpy twin of ``pack_x16`` (the rounding: ``qdot.quantize_rows_ref``)."""
     n, cols = X.shape
     nb, tiles = cols // QB, (n + TILE - 1) // TILE
-    Xp = np.zeros((tiles * TILE, cols), np.float32)
-    Xp[:n] = X
-    b = Xp.reshape(tiles * TILE, nb, QB)
-    d = (np.abs(b).max(axis=2) / np.float32(QMAX16)).astype(np.float32)
-    inv = np.where(d > 0, np.float32(1.0) / np.where(d > 0, d, 1), 0).astype(np.float32)
-    q = np.rint(b * inv[:, :, None]).astype(np.int32)
+    q16, d16, _ = qdot.quantize_rows_ref(X, 16, QMAX16)
+    q = np.zeros((tiles * TILE, nb, QB), np.int32)
+    q[:n] = q16.reshape(n, nb, QB)
+    d = np.zeros((tiles * TILE, nb), np.float32)
+    d[:n] = d16
     planes = np.stack([(q >> 8).astype(np.int8), (q & 255).astype(np.uint8).view(np.int8)])  # [2, rows, nb, 32]
     # [2, tiles, 16 m, nb, 8 k4, 4 j] -> [tiles, nb, 2, k4, m, j]
     p = planes.reshape(2, tiles, TILE, nb, QB // 4, 4).transpose(1, 3, 0, 4, 2, 5)
@@ -185,8 +177,8 @@ def module_ir() -> str:
         a(f"  %bufl{k} = alloca [256 x i32], align 64")
         a(f"  %bh8_{k} = bitcast [256 x i32]* %bufh{k} to i8*")
         a(f"  %bl8_{k} = bitcast [256 x i32]* %bufl{k} to i8*")
-        a(f"  %bh{k} = bitcast [256 x i32]* %bufh{k} to <16 x i32>*")
-        a(f"  %bl{k} = bitcast [256 x i32]* %bufl{k} to <16 x i32>*")
+        a(f"  %bh_{k} = bitcast [256 x i32]* %bufh{k} to <16 x i32>*")
+        a(f"  %bl_{k} = bitcast [256 x i32]* %bufl{k} to <16 x i32>*")
     a("  %ostride = mul i64 %tiles, 16")
     a("  %pstride = mul i64 %nb, 16")
     a("  call void @llvm.x86.ldtilecfg(i8* %cfg)")
@@ -276,11 +268,11 @@ def module_ir() -> str:
     a("  %blast = sub i64 %nb, 1")
     a("  %plast = and i64 %blast, 1")
     fin = post("e", "%blast", "%plast", [f"%e{r}" for r in range(TILE)])
+    a("  %ot = mul i64 %t, 16")
     for r in range(TILE):
         a(f"  %orow{r} = add i64 %prow, {r}")
         a(f"  %oo{r} = mul i64 %orow{r}, %ostride")
-        a(f"  %ot{r} = mul i64 %t, 16")
-        a(f"  %oi{r} = add i64 %oo{r}, %ot{r}")
+        a(f"  %oi{r} = add i64 %oo{r}, %ot")
         a(f"  %op{r} = getelementptr float, float* %out, i64 %oi{r}")
         a(f"  %opv{r} = bitcast float* %op{r} to <16 x float>*")
         a(f"  store <16 x float> {fin[r]}, <16 x float>* %opv{r}, align 4")
@@ -309,10 +301,9 @@ def _mul(v: str, c: int, tag: str, a) -> str:
 def _sel(tag: str, base: str, k, ty: str, a) -> str:
     """Buffer ``base`` of pair ``k`` (0, 1 or an i64 parity value)."""
     if isinstance(k, int):
-        return f"%{base}{'_' if base.endswith('8') else ''}{k}"
-    b0, b1 = (f"%{base}_0", f"%{base}_1") if base.endswith("8") else (f"%{base}0", f"%{base}1")
+        return f"%{base}_{k}"
     a(f"  %c{tag}{base} = icmp eq i64 {k}, 0")
-    a(f"  %s{tag}{base} = select i1 %c{tag}{base}, {ty} {b0}, {ty} {b1}")
+    a(f"  %s{tag}{base} = select i1 %c{tag}{base}, {ty} %{base}_0, {ty} %{base}_1")
     return f"%s{tag}{base}"
 
 
@@ -339,7 +330,6 @@ class AmxQ8:
         self._compiled = llvm_jit.compile_ir(module_ir(), [ENTRY], cache)
         self._fn = _PROTO(self._compiled.addrs[ENTRY])
         self._cfg = tile_config()
-        self._lock = threading.Lock()
 
     @staticmethod
     def pack(X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -140,10 +140,10 @@ class NumbaKernels(NumpyKernels):
         # q8 prefill on AMX tiles (amx.py; default where the CPU and kernel offer AMX-INT8 and
         # q8 decodes on int16 activations, whose rounding the tiles share); False:
         # dequantized slices and sgemm, float activations.
-        if amx_tiles and not (amx.host_amx() and self.act_bits.get("q8") == 16):
+        can_amx = self.act_bits.get("q8") == 16 and amx.host_amx()
+        if amx_tiles and not can_amx:
             raise ValueError("AMX prefill needs AMX-INT8 tiles and q8 on int16 activations")
-        use_amx = (amx.host_amx() and self.act_bits.get("q8") == 16) if amx_tiles is None else bool(amx_tiles)
-        self._amx = amx.AmxQ8(kernel_cache) if use_amx else None
+        self._amx = amx.AmxQ8(kernel_cache) if (can_amx if amx_tiles is None else amx_tiles) else None
         # Per-thread scratch for dequantized tiles, reused so prefill matmuls do not
         # page-fault a fresh buffer per call.
         self._tiles = threading.local()
