@@ -1,9 +1,9 @@
-"""q8 prefill matmuls: the AMX tile kernel (``kernels/amx.py``) against dequantize + sgemm.
+"""Prefill matmuls: the AMX tile kernels (``kernels/amx.py``) against dequantize + sgemm.
 
-    python benchmarks/bench_amx_prefill.py [--reps 7]
+    python benchmarks/bench_amx_prefill.py [--reps 7] [--dtypes q8,q4,q4k]
     python benchmarks/bench_amx_prefill.py --model MODEL.cmf --text TEXT.txt [--reps 5] [--threads 2]
 
-Checks the tile kernel against ``qdot.qdot_ref`` (float64, the same int16 rounding of the
+Checks the tile kernels against ``qdot.qdot_ref`` (float64, the same int16 rounding of the
 activations) and times it, single-threaded, against the portable prefill path
 (``fast.NumbaKernels._large`` without AMX: dequantize a slice to f32, single-threaded
 OpenBLAS sgemm) on SmolLM2's and TinyLlama's matrix shapes with 512 input rows. Exits
@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from cortiq_engine.kernels import qdot
-from cortiq_engine.kernels.amx import QB, TILE, AmxQ8, host_amx
+from cortiq_engine.kernels.amx import TILE, AmxTiles, host_amx
 
 
 def main() -> int:
@@ -28,13 +28,14 @@ def main() -> int:
 
     from cortiq_engine.kernels.dtype_ops import ops_for
     from cortiq_engine.threads import set_threads
-    from formats.quants import quantize_q8
+    from formats.quants import get_dtype
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--model", help="time a whole prefill of this CMF model instead")
     ap.add_argument("--text", help="the prompt text for --model (its first 512 tokens)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtypes", default="q8", help="comma-separated weight dtypes for the per-matrix timings")
     a = ap.parse_args()
     if not host_amx():
         print("this CPU or kernel offers no AMX-INT8 tiles: nothing to measure")
@@ -42,45 +43,48 @@ def main() -> int:
     if a.model:
         return model_prefill(a.model, a.text, a.reps, a.threads)
     set_threads(1)
-    kern = AmxQ8(cache_dir=None)
+    kern = AmxTiles(cache_dir=None)
     rng = np.random.default_rng(0)
-    ops = ops_for("q8")
     bad = False
-    for rows, cols, n in ((1536, 576, 512), (576, 1536, 512), (5632, 2048, 512), (2048, 5632, 512)):
-        W = rng.standard_normal((rows, cols)).astype(np.float32)
-        X = (rng.standard_normal((n, cols)) * rng.choice([1.0, 30.0], (n, cols), p=[0.98, 0.02])).astype(np.float32)
-        d, qs = quantize_q8(W)
-        d = np.ascontiguousarray(d.reshape(rows, cols // QB))
-        qs = np.ascontiguousarray(qs.reshape(rows, cols))
-        xb, xd = kern.pack(X)
-        out = np.zeros((rows, TILE * xb.shape[0]), np.float32)
-        res = np.empty((n, rows), np.float32)
-        tile = np.empty((rows, cols), np.float32)
+    for dtype in a.dtypes.split(","):
+        ops = ops_for(dtype)
+        dt = get_dtype(dtype)
+        for rows, cols, n in ((1536, 576, 512), (576, 1536, 512), (5632, 2048, 512), (2048, 5632, 512)):
+            if not dt.supports((rows, cols)):
+                continue
+            W = rng.standard_normal((rows, cols)).astype(np.float32)
+            X = (rng.standard_normal((n, cols)) * rng.choice([1.0, 30.0], (n, cols), p=[0.98, 0.02])).astype(np.float32)
+            parts = {k: np.ascontiguousarray(v.view(np.uint16) if v.dtype == np.float16 else v)
+                     for k, v in dt.named(dt.encode(W), (rows, cols)).items()}
+            kparts = tuple(parts[k] for k in dt.kernel_parts)
+            out = np.zeros((rows, TILE * ((n + TILE - 1) // TILE)), np.float32)
+            res = np.empty((n, rows), np.float32)
+            tile = np.empty((rows, cols), np.float32)
+            scratch = np.empty(rows * cols, np.uint8)
 
-        def tiles() -> None:
-            xb, xd = kern.pack(X)
-            kern.rows(d, qs, 0, rows, xb, xd, out)
-            res[:] = out[:, :n].T
+            def tiles() -> None:
+                kern.rows(dtype, parts, cols, 0, rows, kern.pack(X), out, scratch)
+                res[:] = out[:, :n].T
 
-        def sgemm() -> None:
-            ops.dequant((d.view(np.uint16), qs), 0, rows, tile)
-            np.matmul(X, tile.T, out=res)
+            def sgemm() -> None:
+                ops.dequant(kparts, 0, rows, tile)
+                np.matmul(X, tile.T, out=res)
 
-        tiles()
-        ref = qdot.qdot_ref("q8", {"d": d, "qs": qs}, X, bits=16)
-        err = float(np.abs(res - ref).max() / np.abs(ref).max())
-        bad |= err > 1e-5
-        times = {}
-        for name, f in (("tiles", tiles), ("sgemm", sgemm)) * 2:
-            f()
-            ts = []
-            for _ in range(a.reps):
-                t = time.perf_counter()
+            tiles()
+            ref = qdot.qdot_ref(dtype, parts, X, bits=16)
+            err = float(np.abs(res - ref).max() / np.abs(ref).max())
+            bad |= err > 1e-5
+            times = {}
+            for name, f in (("tiles", tiles), ("sgemm", sgemm)) * 2:
                 f()
-                ts.append(time.perf_counter() - t)
-            times[name] = float(np.median(ts))
-        print(f"q8 [{rows} x {cols}] x {n} rows: AMX {1e3 * times['tiles']:.2f} ms, dequantize + sgemm "
-              f"{1e3 * times['sgemm']:.2f} ms, {times['sgemm'] / times['tiles']:.2f}x; max error {err:.1e} of max |out|")
+                ts = []
+                for _ in range(a.reps):
+                    t = time.perf_counter()
+                    f()
+                    ts.append(time.perf_counter() - t)
+                times[name] = float(np.median(ts))
+            print(f"{dtype} [{rows} x {cols}] x {n} rows: AMX {1e3 * times['tiles']:.2f} ms, dequantize + sgemm "
+                  f"{1e3 * times['sgemm']:.2f} ms, {times['sgemm'] / times['tiles']:.2f}x; max error {err:.1e} of max |out|")
     return 1 if bad else 0
 
 

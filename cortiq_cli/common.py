@@ -18,6 +18,7 @@ from rich.table import Table
 from typer._click import exceptions as click_exc  # typer vendors click; its errors live here
 from typer.core import TyperGroup
 
+from cortiq_cli import launch
 from formats.errors import CortiqError
 
 # Width when the output is not a terminal: wide enough that no line, path or table
@@ -121,6 +122,7 @@ def handle_errors(fn: F) -> F:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        launch.release()  # from here Ctrl-C is a KeyboardInterrupt the command cleans up after
         try:
             return fn(*args, **kwargs)
         except CortiqError as e:

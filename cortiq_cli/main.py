@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import importlib
 
-import typer
+if __name__ == "__main__":  # python -m cortiq_cli.main: as the console script (launch.py)
+    from cortiq_cli import launch
 
-from cortiq_cli.common import OneLineErrors
-from cortiq_cli.help import CortiqCommand, CortiqGroup
+    launch.install()
+
+import typer  # noqa: E402
+
+from cortiq_cli.common import OneLineErrors  # noqa: E402
+from cortiq_cli.help import CortiqCommand, CortiqGroup  # noqa: E402
 
 
 class CliGroup(OneLineErrors, CortiqGroup):

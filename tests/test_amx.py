@@ -1,7 +1,8 @@
-"""q8 prefill on AMX tiles (``cortiq_engine/kernels/amx.py``) against float64 math: the
-activation packing against its numpy twin, the tile kernel and the prefill matmul
-(whole tiles of 16 rows on the tiles, a tail on sgemm) against ``qdot.qdot_ref`` at the
-same int16 rounding, and a SmolLM2 prefill with and without the tiles."""
+"""Prefill on AMX tiles (``cortiq_engine/kernels/amx.py``) against float64 math: the
+activation packing and the 4/5-bit unpackers against their numpy twins, the tile kernels
+(q8 and the unsigned dtypes) and the prefill matmul (whole tiles of 16 rows on the tiles,
+a tail on sgemm) against ``qdot.qdot_ref`` at the same int16 rounding, and SmolLM2
+prefills (q8, q4) with and without the tiles."""
 
 from __future__ import annotations
 
@@ -16,15 +17,16 @@ from formats.quants import get_dtype
 if not amx.host_amx():  # the hardware, not an import: these hosts have no tile unit to test
     pytest.skip("this CPU or kernel offers no AMX-INT8 tiles", allow_module_level=True)
 
-KERNEL = amx.AmxQ8(cache_dir=None)
+KERNEL = amx.AmxTiles(cache_dir=None)
+TILED = amx.AmxTiles.DTYPES
 
 
-def _q8(rows: int, cols: int, seed: int) -> Weight:
+def _weight(dtype: str, rows: int, cols: int, seed: int) -> Weight:
     x = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
-    dt = get_dtype("q8")
+    dt = get_dtype(dtype)
     parts = dt.named(dt.encode(x), (rows, cols))
-    parts = {k: (v.view(np.uint16) if v.dtype == np.float16 else v) for k, v in parts.items()}
-    return Weight("w", "q8", rows, cols, parts)
+    parts = {k: np.ascontiguousarray(v.view(np.uint16) if v.dtype == np.float16 else v) for k, v in parts.items()}
+    return Weight("w", dtype, rows, cols, parts)
 
 
 def _x(n: int, cols: int, seed: int) -> np.ndarray:
@@ -37,62 +39,105 @@ def _x(n: int, cols: int, seed: int) -> np.ndarray:
 def test_packing_against_numpy(n, cols):
     X = _x(n, cols, n)
     X[0, :32] = 0.0  # an all-zero block: scale 0, quants 0
-    xb, xd = KERNEL.pack(X)
-    rb, rd = amx.pack_x16_ref(X)
-    assert np.array_equal(xb, rb) and np.array_equal(xd, rd)
+    p = KERNEL.pack(X)
+    xb, xd = p.xb, p.xd
+    rb, rd, rs = amx.pack_x16_ref(X)
+    assert np.array_equal(xb, rb) and np.array_equal(xd, rd) and np.array_equal(p.xs, rs)
     # the planes hold the int16 rounding that decode's q8 kernels use: q = 256 hi + lo
-    q, d, _ = qdot.quantize_rows_ref(X, 16, qdot.qmax("q8", 16))
+    q, d, s = qdot.quantize_rows_ref(X, 16, qdot.qmax("q8", 16))
     hi = xb[:, :, 0].reshape(xb.shape[0], xb.shape[1], 8, 16, 4).astype(np.int32)
     lo = xb[:, :, 1].reshape(xb.shape[0], xb.shape[1], 8, 16, 4).view(np.uint8).astype(np.int32)
     back = (256 * hi + lo).transpose(0, 3, 1, 2, 4).reshape(-1, cols)[:n]
     assert np.array_equal(back, q.astype(np.int32))
     assert np.array_equal(xd.transpose(0, 2, 1).reshape(-1, cols // 32)[:n], d)
+    assert np.array_equal(p.xs.transpose(0, 2, 1).reshape(-1, cols // 32)[:n], s)
 
 
-@pytest.mark.parametrize("rows,cols,n", [(16, 32, 1), (48, 64, 17), (64, 576, 40), (32, 1536, 33)])
-def test_tile_kernel_against_float64(rows, cols, n):
-    w = _q8(rows, cols, rows + cols)
+@pytest.mark.parametrize("dtype", amx.UNSIGNED)
+def test_unpackers_against_numpy(dtype):
+    """Every bit pattern: quants, fifth bits and K-quant scales drawn as random bytes, not
+    from an encoder (the f16 scales as random finite values)."""
+    rows, cols = 48, 512
+    rng = np.random.default_rng(len(dtype))
+    parts = {}
+    for part in get_dtype(dtype).parts((rows, cols)):
+        if part.dtype.kind == "f":
+            parts[part.name] = rng.standard_normal(part.shape).astype(np.float16).view(np.uint16)
+            continue
+        raw = rng.integers(0, 256, (rows, part.shape[1] * part.dtype.itemsize), dtype=np.uint8)
+        parts[part.name] = raw.view(part.dtype)
+    ref = amx.unpack_ref(dtype, parts)
+    assert ref.max() == (31 if "5" in dtype else 15)
+    out = np.full((rows - 16, cols), 255, np.uint8)
+    amx.unpack_quants(dtype, parts, 16, rows, out)
+    assert np.array_equal(out, ref[16:])
+    # the unpacked quants are what the dtype's decoder multiplies: d_w * q + m_w
+    dw, mw = amx.block_scales(dtype, parts, 0, rows)
+    nb = cols // 32
+    back = (dw[:, :, None] * ref.reshape(rows, nb, 32).astype(np.float32) + mw[:, :, None]).reshape(rows, cols)
+    dec = get_dtype(dtype).decode(parts, (rows, cols))
+    assert np.abs(back - dec).max() <= 1e-6 * np.abs(dec).max()
+
+
+SHAPES = [(16, 32, 1), (48, 64, 17), (64, 576, 40), (32, 1536, 33), (32, 512, 20)]
+
+
+@pytest.mark.parametrize("dtype,rows,cols,n", [(d, *s) for d in TILED for s in SHAPES
+                                                 if get_dtype(d).supports(s[:2])])  # K-quants: cols % 256
+def test_tile_kernel_against_float64(dtype, rows, cols, n):
+    w = _weight(dtype, rows, cols, rows + cols)
     X = _x(n, cols, n + 1)
-    d, qs = w.kernel_parts()
-    xb, xd = KERNEL.pack(X)
-    out = np.full((rows, 16 * xb.shape[0]), np.nan, np.float32)
-    KERNEL.rows(d, qs, 0, rows, xb, xd, out)
-    ref = qdot.qdot_ref("q8", w.parts, X, 16)
+    x = KERNEL.pack(X)
+    out = np.full((rows, 16 * x.tiles), np.nan, np.float32)
+    KERNEL.rows(dtype, w.parts, cols, 0, rows, x, out)
+    ref = qdot.qdot_ref(dtype, w.parts, X, 16)
     assert np.abs(out[:, :n].T - ref).max() / np.abs(ref).max() < 2e-6
     # a slice of rows writes only its own rows, from row 0 of ``out``
-    part = np.full((16, 16 * xb.shape[0]), np.nan, np.float32)
-    KERNEL.rows(d, qs, rows - 16, rows, xb, xd, part)
+    part = np.full((16, 16 * x.tiles), np.nan, np.float32)
+    KERNEL.rows(dtype, w.parts, cols, rows - 16, rows, x, part, np.empty(16 * cols, np.uint8))
     assert np.abs(part[:, :n].T - ref[:, rows - 16 :]).max() / np.abs(ref).max() < 2e-6
     assert np.isnan(part[:, :n]).sum() == 0
 
 
-def test_bad_arguments_are_errors_not_reads():
-    w = _q8(32, 64, 3)
-    d, qs = w.kernel_parts()
-    xb, xd = KERNEL.pack(_x(5, 64, 2))
+@pytest.mark.parametrize("dtype", ["q8", "q4"])
+def test_bad_arguments_are_errors_not_reads(dtype):
+    w = _weight(dtype, 32, 64, 3)
+    x = KERNEL.pack(_x(5, 64, 2))
     out = np.zeros((32, 16), np.float32)
     for r0, r1 in ((0, 24), (16, 48), (-16, 16)):
         with pytest.raises(ValueError):
-            KERNEL.rows(d, qs, r0, r1, xb, xd, out)
+            KERNEL.rows(dtype, w.parts, 64, r0, r1, x, out)
     with pytest.raises(ValueError):  # inputs packed for another width
-        KERNEL.rows(d, qs, 0, 32, *KERNEL.pack(_x(5, 96, 2)), out)
+        KERNEL.rows(dtype, w.parts, 64, 0, 32, KERNEL.pack(_x(5, 96, 2)), out)
     with pytest.raises(ValueError):
-        KERNEL.rows(d, qs, 0, 32, xb, xd, np.zeros((16, 16), np.float32))
+        KERNEL.rows(dtype, w.parts, 64, 0, 32, x, np.zeros((16, 16), np.float32))
+    with pytest.raises(ValueError):  # the parts of a wider weight than ``cols`` says
+        KERNEL.rows(dtype, w.parts, 32, 0, 32, KERNEL.pack(_x(5, 32, 2)), out)
+    short = dict(w.parts, qs=w.parts["qs"][:16])
+    with pytest.raises(ValueError):
+        KERNEL.rows(dtype, short, 64, 0, 32, x, out)
+    if dtype != "q8":
+        with pytest.raises(ValueError):  # scratch too small for the unpacked quants
+            KERNEL.rows(dtype, w.parts, 64, 0, 32, x, out, np.empty(64, np.uint8))
+    with pytest.raises(ValueError):  # no tile kernel for this dtype
+        KERNEL.rows("q6k", _weight("q6k", 16, 256, 1).parts, 256, 0, 16, KERNEL.pack(_x(5, 256, 2)), out)
 
 
+@pytest.mark.parametrize("dtype", ["q8", "q4", "q5", "q4k"])
 @pytest.mark.parametrize("rows", [40, 1536 + 8])
-def test_prefill_matmul_tiles_and_tail_against_float64(rows):
-    """A prefill matmul (n > small_n) of a q8 weight whose rows are not whole tiles, fused
+def test_prefill_matmul_tiles_and_tail_against_float64(dtype, rows):
+    """A prefill matmul (n > small_n) of a weight whose rows are not whole tiles, fused
     with an f32 one: tile rows at int16 rounding, the tail and the f32 weight as before."""
-    cols, n = 576, 37
-    w = _q8(rows, cols, 7)
+    cols, n = 512, 37
+    w = _weight(dtype, rows, cols, 7)
     x32 = np.random.default_rng(8).standard_normal((24, cols)).astype(np.float32)
     f = Weight("f", "f32", 24, cols, {"data": x32})
     X = _x(n, cols, 9)
     on, off = NumbaKernels(amx_tiles=True), NumbaKernels(amx_tiles=False)
     got, before = on.matmul([w, f], X), off.matmul([w, f], X)
     tiles = rows // 16 * 16
-    int16 = qdot.qdot_ref("q8", w.parts, X, 16)
+    assert dtype in on.amx_dtypes and not off.amx_dtypes
+    int16 = qdot.qdot_ref(dtype, w.parts, X, 16)
     float64 = X.astype(np.float64) @ w.dequantize().astype(np.float64).T
     scale = np.abs(float64).max()
     assert np.abs(got[:, :tiles] - int16[:, :tiles]).max() / scale < 2e-6
@@ -102,7 +147,8 @@ def test_prefill_matmul_tiles_and_tail_against_float64(rows):
     assert np.abs(got - before).max() / scale < 1e-4
 
 
-def test_smollm2_prefill_with_and_without_tiles(smollm2_cmf):
+@pytest.mark.parametrize("quant", ["q8", "q4"])
+def test_smollm2_prefill_with_and_without_tiles(smollm2_cmf, quant):
     """The same prompt through both paths: the logits differ by the activations' int16
     rounding only (KL ~1e-8 measured), the greedy token is the same."""
     from cortiq_engine.engine import Engine
@@ -110,8 +156,8 @@ def test_smollm2_prefill_with_and_without_tiles(smollm2_cmf):
 
     z = {}
     for name, flag in (("tiles", True), ("sgemm", False)):
-        eng = Engine.load(smollm2_cmf("q8"), threads=2, kernels=NumbaKernels(amx_tiles=flag))
-        assert eng.kernels.amx_prefill == flag
+        eng = Engine.load(smollm2_cmf(quant), threads=2, kernels=NumbaKernels(amx_tiles=flag))
+        assert eng.kernels.amx_prefill == flag and (quant in eng.kernels.amx_dtypes) == flag
         ids = eng.tokenizer.encode("Alice was beginning to get very tired of sitting by her sister on the bank, " * 4)
         h = forward(eng.new_state(256), ids)
         z[name] = eng.model.lm_head(eng.model.final_norm(h[-8:])).astype(np.float64)

@@ -475,6 +475,22 @@ def test_ppl_and_calibrate_keep_the_windows_done(tiny):
             score_partial([_StopAfter(eng, 0)], ["m"], tokens, windows, eng.tokenizer, chunk=16)
 
 
+def _default_sigint() -> None:
+    """The child gets SIGINT's default disposition: a test run started in the background
+    (``pytest &``) ignores SIGINT, and a child inherits that (and keeps it, as Python does)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _communicate(p: subprocess.Popen) -> tuple[str, str]:
+    """Its output; a child still running a minute after the interrupt is killed, not left behind."""
+    try:
+        return p.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.communicate()
+        raise
+
+
 def test_generate_json_prints_the_tokens_so_far_on_ctrl_c(tiny):
     _, cmf = tiny
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
@@ -482,11 +498,11 @@ def test_generate_json_prints_the_tokens_so_far_on_ctrl_c(tiny):
         p = subprocess.Popen(
             [sys.executable, "-m", "cortiq_cli.main", "generate", str(cmf), "hello", "--json", "-n", "100000000",
              "--ignore-eos", "--evict", "--ctx", "64", "--threads", "1"],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_default_sigint,
         )
         time.sleep(wait)
         p.send_signal(signal.SIGINT)
-        out, err = p.communicate(timeout=60)
+        out, err = _communicate(p)
         if out.strip():
             doc = json.loads(out)
             assert p.returncode == 130
@@ -495,6 +511,36 @@ def test_generate_json_prints_the_tokens_so_far_on_ctrl_c(tiny):
             return
         assert "Traceback" not in err, err  # interrupted while loading: one line, no JSON yet
     pytest.fail("generate never got past loading in 42 s")
+
+
+@pytest.mark.parametrize("entry", ["module", "console script"])
+def test_ctrl_c_while_the_libraries_load_is_one_line(tiny, entry):
+    """SIGINT in the first second (numpy, numba, typer importing): "interrupted", code 130,
+    no import traceback, whether started as ``python -m cortiq_cli.main`` or as the
+    ``cortiq`` console script (``cortiq_cli.launch:main``)."""
+    _, cmf = tiny
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    start = (["-m", "cortiq_cli.main"] if entry == "module"
+             else ["-c", "import sys; sys.argv[0] = 'cortiq'; from cortiq_cli.launch import main; main()"])
+    reached = 0
+    for wait in (0.2, 0.35, 0.5, 0.7, 1.0):
+        p = subprocess.Popen([sys.executable, *start, "generate", str(cmf), "hello", "-n", "4"],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             preexec_fn=_default_sigint)
+        time.sleep(wait)
+        p.send_signal(signal.SIGINT)
+        out, err = _communicate(p)
+        if "init_import_site" in err:  # the interpreter's own start (site-packages' .pth files), before any cortiq code
+            continue
+        reached += 1
+        assert "Traceback" not in err, err
+        # 130, or death by the signal itself once Python's own handling has run (the
+        # shell reports 130 for both)
+        if p.returncode in (130, -signal.SIGINT):
+            assert err.strip().endswith("interrupted"), err
+        else:  # a very fast machine finished first
+            assert p.returncode == 0, err
+    assert reached >= 3
 
 
 # ------------------------------------------------------------------ no pickle

@@ -1,4 +1,4 @@
-"""Prefill matmuls on AMX tiles: q8 weights times int16 activations, integer tile products.
+"""Prefill matmuls on AMX tiles: q8 and 4/5-bit weights times int16 activations, integer tile products.
 
 Prefill multiplies every weight by hundreds of rows. The portable path (``fast.py``)
 dequantizes a slice of the weights to f32 and hands it to single-threaded BLAS, which
@@ -21,9 +21,15 @@ so a row's result does not depend on the other rows of the call. Prefill results
 from the f32 path only by the int16 rounding of the activations (bounded in the tests
 against ``qdot.qdot_ref``, the float64 twin).
 
+The 4- and 5-bit dtypes (``UNSIGNED``: q4, q4_0, q5, q5_1, q4k, q5k) store unsigned quants
+with a scale and a min per block of 32 (see "unsigned quants" below): a slice of their
+rows is unpacked to bytes once per call (about 1 ms for 11.5M weights), the products are
+``tdpbusd`` / ``tdpbuud`` (A unsigned), and each block adds m_w * s_x. q6k (signed, a scale
+per 16) stays on the sgemm path.
+
 Layout (one call computes rows r0..r1 of one weight, a multiple of 16, for all inputs):
 - A tile (16 weight rows x 32 bytes of block b): read in place from the q8 quants,
-  stride = the row's bytes; no copy of the weights.
+  stride = the row's bytes, no copy of the weights; or from the unpacked bytes.
 - B tiles (8 rows x 64 bytes: block b of 16 input rows, 4 consecutive bytes of each row
   side by side, the "VNNI" layout): ``pack_x16`` writes them once per matmul, hi and lo
   planes, inputs padded with zero rows to a multiple of 16.
@@ -40,7 +46,8 @@ registers before the next block, and here a tile load costs about 26 cycles, a t
 block, so a block's tile work is a serial chain of about 200 cycles for 8,192
 multiply-adds (the float work runs one block late, overlapping it). int8 activations
 (one product, one store) or bf16 tiles on dequantized weights (sums stay in the tile
-across K) would go faster, at an error this path does not add.
+across K) would go faster, at an error this path does not add. The unsigned dtypes, one
+thread, 512 rows (ninth session): 1.2-1.6x on TinyLlama's shapes, 0.9-1.1x on SmolLM2's.
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ import ctypes
 import functools
 import platform
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -87,11 +95,12 @@ def host_amx() -> bool:
 
 # ------------------------------------------------------------ activations
 @njit(parallel=True, cache=True, nogil=True)
-def pack_x16(X, xb, xd):
+def pack_x16(X, xb, xd, xs):
     """X f32[n, cols] -> xb int8[tiles, nb, 2, 8, 64] (B tiles: plane 0 the high bytes of
     the int16 rounding, plane 1 the low bytes; byte 4 * m + j of row k4 is element
-    4 * k4 + j of block b of input 16 * t + m) and xd f32[tiles, nb, 16] (the block
-    scales; padding inputs get zeros). The rounding is q8 decode's (``qdot.quantize_rows``)."""
+    4 * k4 + j of block b of input 16 * t + m), xd f32[tiles, nb, 16] (the block scales)
+    and xs f32[tiles, nb, 16] (d_x * the block's quant sum, the min term's factor);
+    padding inputs get zeros. The rounding is q8 decode's (``qdot.quantize_rows``)."""
     n, cols = X.shape
     tiles = xb.shape[0]
     nb = cols // QB
@@ -101,6 +110,7 @@ def pack_x16(X, xb, xd):
         if m_n < TILE:  # the last tile's padding inputs
             xb[t] = 0
             xd[t] = np.float32(0.0)
+            xs[t] = np.float32(0.0)
         xq = np.empty((m_n, cols), np.int16)
         rd = np.empty((m_n, nb), np.float32)
         rs = np.empty((m_n, nb), np.float32)
@@ -108,6 +118,7 @@ def pack_x16(X, xb, xd):
         for m in range(m_n):
             for b in range(nb):
                 xd[t, b, m] = rd[m, b]
+                xs[t, b, m] = rs[m, b]
                 for k in range(QB):
                     q = np.int32(xq[m, b * QB + k])
                     xb[t, b, 0, k >> 2, 4 * m + (k & 3)] = np.int8(q >> 8)
@@ -115,20 +126,154 @@ def pack_x16(X, xb, xd):
                     xb[t, b, 1, k >> 2, 4 * m + (k & 3)] = np.int8(((q & 255) ^ 128) - 128)
 
 
-def pack_x16_ref(X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def pack_x16_ref(X: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """numpy twin of ``pack_x16`` (the rounding: ``qdot.quantize_rows_ref``)."""
     n, cols = X.shape
     nb, tiles = cols // QB, (n + TILE - 1) // TILE
-    q16, d16, _ = qdot.quantize_rows_ref(X, 16, QMAX16)
+    q16, d16, s16 = qdot.quantize_rows_ref(X, 16, QMAX16)
     q = np.zeros((tiles * TILE, nb, QB), np.int32)
     q[:n] = q16.reshape(n, nb, QB)
-    d = np.zeros((tiles * TILE, nb), np.float32)
-    d[:n] = d16
+    d = np.zeros((2, tiles * TILE, nb), np.float32)
+    d[0, :n], d[1, :n] = d16, s16
     planes = np.stack([(q >> 8).astype(np.int8), (q & 255).astype(np.uint8).view(np.int8)])  # [2, rows, nb, 32]
     # [2, tiles, 16 m, nb, 8 k4, 4 j] -> [tiles, nb, 2, k4, m, j]
     p = planes.reshape(2, tiles, TILE, nb, QB // 4, 4).transpose(1, 3, 0, 4, 2, 5)
-    return np.ascontiguousarray(p).reshape(tiles, nb, 2, QB // 4, 4 * TILE), \
-        np.ascontiguousarray(d.reshape(tiles, TILE, nb).transpose(0, 2, 1))
+    sc = np.ascontiguousarray(d.reshape(2, tiles, TILE, nb).transpose(0, 1, 3, 2))
+    return np.ascontiguousarray(p).reshape(tiles, nb, 2, QB // 4, 4 * TILE), sc[0], sc[1]
+
+
+# ------------------------------------------------------------ unsigned quants
+# The 4- and 5-bit dtypes store unsigned quants q (0..15, 0..31) with a per-block scale
+# and min: value = d_w * q + m_w (q4_0 and q5 derive m_w = -8 d_w, -16 d_w; q4k and q5k
+# have one (d * sc, -dmin * m) pair per group of 32, the same form). A slice of their rows
+# is unpacked once into a uint8 scratch [rows, cols] (the A tiles, read with stride cols,
+# reused by every 16 inputs of the call), and
+#     out[m, n] = sum_b  d_w[n, b] * d_x[m, b] * sum_j q[n, b, j] * q_x[m, b, j]  +  m_w[n, b] * s_x[m, b]
+# with s_x = d_x * sum_j q_x (exact: the min times the rounded activations' block sum).
+UNSIGNED = ("q4", "q4_0", "q5", "q5_1", "q4k", "q5k")
+_ZERO = {"q4_0": 8.0, "q5": 16.0}
+
+
+# byte value -> its 8 bits spread to bit 4 of 8 bytes (a fifth bit per element)
+_SPREAD = np.array([sum(((v >> i) & 1) << (8 * i + 4) for i in range(8)) for v in range(256)], np.uint64)
+
+
+@njit(cache=True, nogil=True)
+def _unpack_nibbles(src, qh, out, spread):
+    """Eight bytes at a time (``unpack_nibbles``): src uint64[blocks * 2], qh uint32[blocks]
+    or empty, out uint64[blocks * 4]."""
+    low = np.uint64(0x0F0F0F0F0F0F0F0F)
+    fifth = qh.size > 0
+    for b in range(src.size // 2):
+        for k in range(2):
+            v = src[2 * b + k]
+            lo = v & low
+            hi = (v >> np.uint64(4)) & low
+            if fifth:
+                h = np.uint64(qh[b])
+                lo |= spread[(h >> np.uint64(8 * k)) & np.uint64(255)]
+                hi |= spread[(h >> np.uint64(16 + 8 * k)) & np.uint64(255)]
+            out[4 * b + k] = lo
+            out[4 * b + 2 + k] = hi
+
+
+@njit(cache=True, nogil=True)
+def _unpack_k4(src, qh, out):
+    """Eight bytes at a time (``unpack_k4``): src uint64[supers * 16], qh uint64[supers * 4]
+    or empty, out uint64[supers * 32]."""
+    low = np.uint64(0x0F0F0F0F0F0F0F0F)
+    bit0 = np.uint64(0x0101010101010101)
+    fifth = qh.size > 0
+    for s in range(src.size // 16):
+        for k in range(4):
+            for i in range(4):
+                v = src[16 * s + 4 * k + i]
+                lo = v & low
+                hi = (v >> np.uint64(4)) & low
+                if fifth:
+                    h = qh[4 * s + i]
+                    lo |= ((h >> np.uint64(2 * k)) & bit0) << np.uint64(4)
+                    hi |= ((h >> np.uint64(2 * k + 1)) & bit0) << np.uint64(4)
+                out[32 * s + 8 * k + i] = lo
+                out[32 * s + 8 * k + 4 + i] = hi
+
+
+def _u64(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a).reshape(-1).view(np.uint64)
+
+
+def unpack_nibbles(qs: np.ndarray, qh: np.ndarray | None, r0: int, r1: int, out: np.ndarray) -> None:
+    """q4 / q4_0 (``qh`` None) and q5 / q5_1 quants of rows r0..r1 -> out uint8[r1 - r0, cols]:
+    element j of a block is the low nibble of byte j, j + 16 the high nibble, plus bit j
+    of the block's ``qh`` word as bit 4."""
+    h = np.zeros(0, np.uint32) if qh is None else np.ascontiguousarray(qh[r0:r1]).reshape(-1)
+    _unpack_nibbles(_u64(qs[r0:r1]), h, out.reshape(-1).view(np.uint64), _SPREAD)
+
+
+def unpack_k4(qs: np.ndarray, qh: np.ndarray | None, r0: int, r1: int, out: np.ndarray) -> None:
+    """q4k (``qh`` None) and q5k quants of rows r0..r1 -> out uint8[r1 - r0, cols]: per
+    super-block of 256, group 2k is the low nibbles of bytes 32k..32k+31, group 2k+1 their
+    high nibbles; q5k's bit g of qh[l] is bit 4 of element l of group g."""
+    h = np.zeros(0, np.uint64) if qh is None else _u64(qh[r0:r1])
+    _unpack_k4(_u64(qs[r0:r1]), h, out.reshape(-1).view(np.uint64))
+
+
+def unpack_ref(dtype: str, parts: dict[str, np.ndarray]) -> np.ndarray:
+    """numpy twin of the unpackers: every row's unsigned quants, uint8 [rows, cols]."""
+    qs = np.asarray(parts["qs"])
+    rows = qs.shape[0]
+    if dtype in ("q4k", "q5k"):
+        n = qs.size // 128
+        q = (qs.reshape(n, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & np.uint8(15)
+        q = q.reshape(n, 8, 32)
+        if dtype == "q5k":
+            h = np.asarray(parts["qh"]).reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
+            q = q | ((h & np.uint8(1)) << np.uint8(4))
+        return q.reshape(rows, -1)
+    nb = qs.shape[1] // 16
+    p = qs.reshape(rows, nb, 16)
+    q = np.concatenate([p & 15, p >> 4], axis=2)
+    if "qh" in parts:
+        bits = (np.asarray(parts["qh"]).reshape(rows, nb, 1) >> np.arange(32, dtype=np.uint32)) & 1
+        q = q | (bits.astype(np.uint8) << np.uint8(4))
+    return q.reshape(rows, nb * QB)
+
+
+def _f16(a: np.ndarray) -> np.ndarray:
+    """A stored f16 part (f16 or its uint16 bits) as f32."""
+    return (a if a.dtype == np.float16 else a.view(np.float16)).astype(np.float32)
+
+
+def block_scales(dtype: str, parts: dict[str, np.ndarray], r0: int, r1: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """(d_w, m_w) of rows r0..r1 per block of 32, f32 [rows, nb] (m_w None for q8), the
+    f32 values the dtype's decoder multiplies by (``formats.quants``)."""
+    d = _f16(np.asarray(parts["d"][r0:r1]))
+    if dtype == "q8":
+        return d, None
+    if dtype in ("q4", "q5_1"):
+        return d, _f16(np.asarray(parts["m"][r0:r1]))
+    if dtype in _ZERO:
+        return d, d * np.float32(-_ZERO[dtype])
+    if dtype in ("q4k", "q5k"):
+        from formats.quants import _k4_scale_min
+
+        rows, ns = d.shape
+        sc, mn = _k4_scale_min(np.ascontiguousarray(parts["scales"][r0:r1]).reshape(rows * ns, 12))
+        dmin = _f16(np.asarray(parts["dmin"][r0:r1]))
+        dw = d.reshape(rows * ns, 1) * sc
+        mw = -(dmin.reshape(rows * ns, 1) * mn)
+        return dw.reshape(rows, ns * 8), mw.reshape(rows, ns * 8)
+    raise ValueError(f"no AMX prefill for {dtype}")
+
+
+def unpack_quants(dtype: str, parts: dict[str, np.ndarray], r0: int, r1: int, out: np.ndarray) -> None:
+    """The unsigned quants of rows r0..r1 into ``out`` uint8[r1 - r0, cols]."""
+    if dtype in ("q4", "q4_0", "q5", "q5_1"):
+        unpack_nibbles(parts["qs"], parts.get("qh"), r0, r1, out)
+    elif dtype in ("q4k", "q5k"):
+        unpack_k4(parts["qs"], parts.get("qh"), r0, r1, out)
+    else:
+        raise ValueError(f"no AMX prefill for {dtype}")
 
 
 # ------------------------------------------------------------ LLVM IR
@@ -140,9 +285,15 @@ declare void @llvm.x86.tileloadd64(i8 immarg, i8*, i64)
 declare void @llvm.x86.tilestored64(i8 immarg, i8*, i64)
 declare void @llvm.x86.tdpbssd(i8 immarg, i8 immarg, i8 immarg)
 declare void @llvm.x86.tdpbsud(i8 immarg, i8 immarg, i8 immarg)
+declare void @llvm.x86.tdpbusd(i8 immarg, i8 immarg, i8 immarg)
+declare void @llvm.x86.tdpbuud(i8 immarg, i8 immarg, i8 immarg)
 declare <16 x float> @llvm.fma.v16f32(<16 x float>, <16 x float>, <16 x float>)
 """
-ENTRY = "amx_q8a16"
+# The entries: signed weights (q8), and unsigned unpacked quants with a min term.
+ENTRIES = {"q8": "amx_q8a16", "u8": "amx_u8a16"}
+# (hi product, lo product) per weight sign: A signed or unsigned bytes, B's high plane
+# signed, its low plane unsigned.
+_PRODUCTS = {"q8": ("tdpbssd", "tdpbsud"), "u8": ("tdpbusd", "tdpbuud")}
 # Tiles: 0/1 the hi/lo C sums, 2 the weights (A), 3/4 the hi/lo activations (B).
 _CFG_TILES = ((0, TILE, 64), (1, TILE, 64), (2, TILE, QB), (3, QB // 4, 64), (4, QB // 4, 64))
 
@@ -158,19 +309,26 @@ def tile_config() -> np.ndarray:
 
 
 def module_ir() -> str:
-    """``amx_q8a16(wq, wdt, xb, xd, out, r0, r1, nb, tiles, cols, cfg)``: out[n - r0, 16 t + m]
-    for weight rows n in r0..r1 (a multiple of 16 apart) and every packed input; ``wdt`` is
-    the slice's weight scales as f32 [(r1 - r0) / 16][nb][16] (``panel_scales``).
+    """Both entries (``_entry_ir``)."""
+    return "\n".join([_DECLS] + [_entry_ir(kind) for kind in ENTRIES])
+
+
+def _entry_ir(kind: str) -> str:
+    """``ENTRIES[kind](wq, wdt, wmt, xb, xd, xs, out, r0, r1, nb, tiles, cols, cfg)``:
+    out[n - r0, 16 t + m] for weight rows n in r0..r1 (a multiple of 16 apart) and every
+    packed input; ``wdt`` (and for "u8" ``wmt``, the mins, times ``xs``) is the slice's
+    weight scales as f32 [(r1 - r0) / 16][nb][16] (``panel_scales``).
 
     Tile loads and stores cost 25-45 cycles each here, and a block's tiles are reused by
     the next block, so the AMX work of one block is a serial chain of about 200 cycles.
     The float work on a block's sums (about 150 cycles) is therefore done one block late,
     from the other of two stack buffers: it overlaps the next block's tile chain instead
     of following it (a 2048 x 5632 q8 matmul of 512 rows: 340 -> about 200 cycles a block)."""
-    L: list[str] = [_DECLS]
+    L: list[str] = []
     a = L.append
-    a(f"define void @{ENTRY}(i8* %wq, float* %wdt, i8* %xb, float* %xd, float* %out, i64 %r0, i64 %r1, "
-      "i64 %nb, i64 %tiles, i64 %cols, i8* %cfg) nounwind {")
+    hi_op, lo_op = _PRODUCTS[kind]
+    a(f"define void @{ENTRIES[kind]}(i8* %wq, float* %wdt, float* %wmt, i8* %xb, float* %xd, float* %xs, float* %out, "
+      "i64 %r0, i64 %r1, i64 %nb, i64 %tiles, i64 %cols, i8* %cfg) nounwind {")
     a("entry:")
     for k in range(2):
         a(f"  %bufh{k} = alloca [256 x i32], align 64")
@@ -209,8 +367,8 @@ def module_ir() -> str:
         a(f"  %xpl{tag} = getelementptr i8, i8* %xph{tag}, i64 512")
         a(f"  call void @llvm.x86.tileloadd64(i8 3, i8* %xph{tag}, i64 64)")
         a(f"  call void @llvm.x86.tileloadd64(i8 4, i8* %xpl{tag}, i64 64)")
-        a("  call void @llvm.x86.tdpbssd(i8 0, i8 2, i8 3)")
-        a("  call void @llvm.x86.tdpbsud(i8 1, i8 2, i8 4)")
+        a(f"  call void @llvm.x86.{hi_op}(i8 0, i8 2, i8 3)")
+        a(f"  call void @llvm.x86.{lo_op}(i8 1, i8 2, i8 4)")
         a(f"  call void @llvm.x86.tilestored64(i8 0, i8* {_sel(tag, 'bh8', k, 'i8*', a)}, i64 64)")
         a(f"  call void @llvm.x86.tilestored64(i8 1, i8* {_sel(tag, 'bl8', k, 'i8*', a)}, i64 64)")
 
@@ -221,6 +379,10 @@ def module_ir() -> str:
         a(f"  %xdp{tag} = getelementptr float, float* %xd, i64 %xdo{tag}")
         a(f"  %xdpv{tag} = bitcast float* %xdp{tag} to <16 x float>*")
         a(f"  %xdv{tag} = load <16 x float>, <16 x float>* %xdpv{tag}, align 4")
+        if kind == "u8":
+            a(f"  %xsp{tag} = getelementptr float, float* %xs, i64 %xdo{tag}")
+            a(f"  %xspv{tag} = bitcast float* %xsp{tag} to <16 x float>*")
+            a(f"  %xsv{tag} = load <16 x float>, <16 x float>* %xspv{tag}, align 4")
         a(f"  %wdo{tag} = add i64 %wdpanel, {_mul(b, 16, tag + 'w', a)}")
         bh, bl = _sel(tag, "bh", k, "<16 x i32>*", a), _sel(tag, "bl", k, "<16 x i32>*", a)
         out = []
@@ -239,7 +401,15 @@ def module_ir() -> str:
             a(f"  %dws{tag}{r} = shufflevector <16 x float> %dwi{tag}{r}, <16 x float> undef, <16 x i32> zeroinitializer")
             a(f"  %sc{tag}{r} = fmul <16 x float> %xdv{tag}, %dws{tag}{r}")
             a(f"  %n{tag}{r} = call <16 x float> @llvm.fma.v16f32(<16 x float> %f{tag}{r}, <16 x float> %sc{tag}{r}, <16 x float> {accs[r]})")
-            out.append(f"%n{tag}{r}")
+            if kind == "u8":  # + m_w * s_x
+                a(f"  %mwp{tag}{r} = getelementptr float, float* %wmt, i64 %wdi{tag}{r}")
+                a(f"  %mw{tag}{r} = load float, float* %mwp{tag}{r}, align 4")
+                a(f"  %mwi{tag}{r} = insertelement <16 x float> undef, float %mw{tag}{r}, i32 0")
+                a(f"  %mws{tag}{r} = shufflevector <16 x float> %mwi{tag}{r}, <16 x float> undef, <16 x i32> zeroinitializer")
+                a(f"  %nm{tag}{r} = call <16 x float> @llvm.fma.v16f32(<16 x float> %mws{tag}{r}, <16 x float> %xsv{tag}, <16 x float> %n{tag}{r})")
+                out.append(f"%nm{tag}{r}")
+            else:
+                out.append(f"%n{tag}{r}")
         return out
 
     # tile t: block 0's tiles, then blocks 1..nb-1 each with the float work of the one before
@@ -307,54 +477,91 @@ def _sel(tag: str, base: str, k, ty: str, a) -> str:
     return f"%s{tag}{base}"
 
 
-def panel_scales(d: np.ndarray, r0: int, r1: int) -> np.ndarray:
-    """q8 scales of weight rows r0..r1 as the kernel reads them: f32 [(r1 - r0) / 16][nb][16]."""
-    nb = d.shape[1]
-    s = np.asarray(d[r0:r1]).view(np.float16) if d.dtype != np.float16 else d[r0:r1]
-    return np.ascontiguousarray(s.astype(np.float32).reshape(-1, TILE, nb).transpose(0, 2, 1))
+def panel(a: np.ndarray) -> np.ndarray:
+    """Per-block values of a slice, f32 [rows, nb], as the kernel reads them: [rows / 16][nb][16]."""
+    rows, nb = a.shape
+    return np.ascontiguousarray(a.reshape(rows // TILE, TILE, nb).transpose(0, 2, 1), np.float32)
 
 
-_PROTO = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                          ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p)
+@dataclass(frozen=True)
+class Packed:
+    """One matmul's activations in the B-tile layout (``pack_x16``)."""
+
+    xb: np.ndarray  # int8 [tiles, nb, 2, 8, 64]
+    xd: np.ndarray  # f32 [tiles, nb, 16]
+    xs: np.ndarray  # f32 [tiles, nb, 16]
+
+    @property
+    def tiles(self) -> int:
+        return self.xb.shape[0]
 
 
-class AmxQ8:
-    """The compiled q8 prefill kernel (one per kernel set; the machine code is
-    ``llvm_jit``'s, shared by the process). Calls release the GIL (ctypes), so the
-    prefill pool's threads run slices side by side."""
+_PROTO = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * 7, *[ctypes.c_int64] * 5, ctypes.c_void_p)
+
+
+class AmxTiles:
+    """The compiled prefill kernels (one set per kernel set; the machine code is
+    ``llvm_jit``'s, shared by the process): q8 and the unsigned 4/5-bit dtypes
+    (``UNSIGNED``). Calls release the GIL (ctypes), so the prefill pool's threads run
+    slices side by side."""
+
+    DTYPES = ("q8",) + UNSIGNED
 
     def __init__(self, cache_dir: Path | None | str = "default") -> None:
         if not host_amx():
             raise ValueError("this CPU or kernel offers no AMX-INT8 tiles")
         cache = llvm_jit.default_cache_dir() if cache_dir == "default" else cache_dir
-        self._compiled = llvm_jit.compile_ir(module_ir(), [ENTRY], cache)
-        self._fn = _PROTO(self._compiled.addrs[ENTRY])
+        self._compiled = llvm_jit.compile_ir(module_ir(), list(ENTRIES.values()), cache)
+        self._fns = {k: _PROTO(self._compiled.addrs[name]) for k, name in ENTRIES.items()}
         self._cfg = tile_config()
 
     @staticmethod
-    def pack(X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def pack(X: np.ndarray) -> Packed:
         """The activations of one matmul in the B-tile layout (``pack_x16``)."""
         n, cols = X.shape
         tiles = (n + TILE - 1) // TILE
         xb = np.empty((tiles, cols // QB, 2, QB // 4, 4 * TILE), np.int8)
         xd = np.empty((tiles, cols // QB, TILE), np.float32)
-        pack_x16(np.ascontiguousarray(X, np.float32), xb, xd)
-        return xb, xd
+        xs = np.empty((tiles, cols // QB, TILE), np.float32)
+        pack_x16(np.ascontiguousarray(X, np.float32), xb, xd, xs)
+        return Packed(xb, xd, xs)
 
-    def rows(self, d: np.ndarray, qs: np.ndarray, r0: int, r1: int, xb: np.ndarray, xd: np.ndarray,
-             out: np.ndarray) -> None:
-        """out[: r1 - r0, : 16 * tiles] = weight rows r0..r1 (q8 parts ``d`` f16[rows, nb], ``qs``
-        int8[rows, cols], both C-contiguous) times the packed inputs; (r1 - r0) % 16 == 0."""
-        rows, cols = qs.shape
+    def rows(self, dtype: str, parts: dict[str, np.ndarray], cols: int, r0: int, r1: int, x: Packed,
+             out: np.ndarray, scratch: np.ndarray | None = None) -> None:
+        """out[: r1 - r0, : 16 * tiles] = weight rows r0..r1 (``dtype``'s stored ``parts``, a
+        [rows, cols] weight, C-contiguous) times the packed inputs; (r1 - r0) % 16 == 0.
+        ``scratch``: uint8 of at least (r1 - r0) * cols elements for the unsigned dtypes'
+        unpacked quants (allocated when None)."""
+        from formats.quants import get_dtype
+
+        if dtype not in self.DTYPES:
+            raise ValueError(f"no AMX prefill for {dtype}")
+        dt = get_dtype(dtype)
+        rows = parts[dt.kernel_parts[0]].shape[0]
         nb = cols // QB
-        tiles = xb.shape[0]
-        if (r1 - r0) % TILE or not 0 <= r0 <= r1 <= rows or xb.shape[1] != nb or d.shape != (rows, nb):
-            raise ValueError(f"amx rows {r0}..{r1} of a [{rows}, {cols}] weight, {xb.shape} inputs")
+        for part in dt.parts((rows, cols)):
+            arr = parts.get(part.name)
+            if arr is None or arr.shape != part.shape or arr.dtype.itemsize != part.dtype.itemsize \
+                    or not arr.flags.c_contiguous:
+                raise ValueError(f"amx: {dtype} part {part.name} is not {part.dtype}{list(part.shape)}")
+        tiles = x.tiles
+        if (r1 - r0) % TILE or not 0 <= r0 <= r1 <= rows or x.xb.shape[1] != nb or cols % QB:
+            raise ValueError(f"amx rows {r0}..{r1} of a [{rows}, {cols}] weight, {x.xb.shape} inputs")
         if out.shape[0] < r1 - r0 or out.shape[1] != TILE * tiles or out.dtype != np.float32 or not out.flags.c_contiguous:
             raise ValueError(f"amx output {out.shape} for {r1 - r0} rows and {TILE * tiles} inputs")
-        for arr in (d, qs, xb, xd):
-            if not arr.flags.c_contiguous:
-                raise ValueError("amx operands must be C-contiguous")
-        wdt = panel_scales(d, r0, r1)
-        self._fn(qs.ctypes.data, wdt.ctypes.data, xb.ctypes.data, xd.ctypes.data, out.ctypes.data,
-                 r0, r1, nb, tiles, cols, self._cfg.ctypes.data)
+        dw, mw = block_scales(dtype, parts, r0, r1)
+        wdt = panel(dw)
+        if dtype == "q8":
+            a, a0, a1, wmt = parts["qs"], r0, r1, None
+        else:
+            need = (r1 - r0) * cols
+            if scratch is None:
+                scratch = np.empty(need, np.uint8)
+            if scratch.dtype != np.uint8 or scratch.size < need or not scratch.flags.c_contiguous:
+                raise ValueError(f"amx scratch needs {need} bytes")
+            a = scratch.reshape(-1)[:need].reshape(r1 - r0, cols)
+            unpack_quants(dtype, parts, r0, r1, a)
+            a0, a1, wmt = 0, r1 - r0, panel(mw)
+        self._fns["q8" if dtype == "q8" else "u8"](
+            a.ctypes.data, wdt.ctypes.data, None if wmt is None else wmt.ctypes.data, x.xb.ctypes.data,
+            x.xd.ctypes.data, x.xs.ctypes.data, out.ctypes.data, a0, a1, nb, tiles, cols, self._cfg.ctypes.data)

@@ -11,7 +11,9 @@ Strategy per matmul of n input rows:
   delayed by another process holds up one slice, not half the call.
   Where the CPU has AMX-INT8 (``amx.py``), q8 slices skip the dequantization: their
   quants are multiplied in place on the tile unit by activations rounded to int16 once
-  per call (as q8's decode rounds them), 1.2-2.2x the sgemm path per matrix.
+  per call (as q8's decode rounds them), 1.2-2.2x the sgemm path per matrix; the 4- and
+  5-bit dtypes' slices are unpacked to bytes (a quarter of the f32 tile's writes) and
+  take the same tile products plus their min term.
 """
 
 from __future__ import annotations
@@ -137,13 +139,17 @@ class NumbaKernels(NumpyKernels):
         self._intdot = qdot.compile_intdot(vnni, zmm, kernel_cache) if any(widths.values()) else None
         self.zmm_min_weights = zmm_min_weights
         self.act_bits = {k: v for k, v in widths.items() if v} if self._intdot is not None else {}
-        # q8 prefill on AMX tiles (amx.py; default where the CPU and kernel offer AMX-INT8 and
-        # q8 decodes on int16 activations, whose rounding the tiles share); False:
+        # Prefill on AMX tiles (amx.py; default where the CPU and kernel offer AMX-INT8) for
+        # the dtypes that decode on integer activations (q8 only on int16, whose rounding
+        # the tiles share; the 4/5-bit ones decode on int8, the tiles round finer); False:
         # dequantized slices and sgemm, float activations.
-        can_amx = self.act_bits.get("q8") == 16 and amx.host_amx()
+        tiled = frozenset(d for d in amx.AmxTiles.DTYPES if self.act_bits.get(d) and (d != "q8" or self.act_bits[d] == 16))
+        can_amx = bool(tiled) and amx.host_amx()
         if amx_tiles and not can_amx:
-            raise ValueError("AMX prefill needs AMX-INT8 tiles and q8 on int16 activations")
-        self._amx = amx.AmxQ8(kernel_cache) if (can_amx if amx_tiles is None else amx_tiles) else None
+            raise ValueError("AMX prefill needs AMX-INT8 tiles and integer activations")
+        use = can_amx if amx_tiles is None else amx_tiles
+        self._amx = amx.AmxTiles(kernel_cache) if use else None
+        self.amx_dtypes: frozenset[str] = tiled if use else frozenset()
         # Per-thread scratch for dequantized tiles, reused so prefill matmuls do not
         # page-fault a fresh buffer per call.
         self._tiles = threading.local()
@@ -227,17 +233,17 @@ class NumbaKernels(NumpyKernels):
             jobs.extend((w, r0, min(w.rows, r0 + step), c0) for r0 in range(0, w.rows, step))
             c0 += w.rows
 
-        # q8 slices of whole tiles of 16 rows go to the AMX kernel, on activations packed
-        # once for the call (a slice's tail of < 16 rows takes the sgemm path).
-        packed = self._amx.pack(X) if self._amx is not None and any(w.dtype == "q8" for w in ws) else None
+        # Slices of whole tiles of 16 rows of the tiled dtypes go to the AMX kernels, on
+        # activations packed once for the call (a slice's tail of < 16 rows takes sgemm).
+        packed = self._amx.pack(X) if any(w.dtype in self.amx_dtypes for w in ws) else None
 
         def work(job: tuple[Weight, int, int, int]) -> None:
             w, r0, r1, col = job
-            if packed is not None and w.dtype == "q8" and r1 - r0 >= amx.TILE:
+            if packed is not None and w.dtype in self.amx_dtypes and r1 - r0 >= amx.TILE:
                 t1 = r0 + (r1 - r0) // amx.TILE * amx.TILE
-                buf = self._amx_buf(t1 - r0, packed[0].shape[0] * amx.TILE)
-                d, qs = w.kernel_parts()
-                self._amx.rows(d, qs, r0, t1, packed[0], packed[1], buf)
+                buf = self._amx_buf(t1 - r0, packed.tiles * amx.TILE)
+                scratch = None if w.dtype == "q8" else self._amx_scratch((t1 - r0) * w.cols)
+                self._amx.rows(w.dtype, w.parts, w.cols, r0, t1, packed, buf, scratch)
                 out[:, col + r0 : col + t1] = buf[:, : X.shape[0]].T
                 if t1 == r1:
                     return
@@ -266,8 +272,15 @@ class NumbaKernels(NumpyKernels):
 
     @property
     def amx_prefill(self) -> bool:
-        """Whether q8 prefill matmuls run on AMX tiles (int16 activations)."""
-        return self._amx is not None
+        """Whether prefill matmuls of some dtype (``amx_dtypes``) run on AMX tiles (int16 activations)."""
+        return bool(self.amx_dtypes)
+
+    def _amx_scratch(self, size: int) -> np.ndarray:
+        """This thread's reused buffer of unpacked 4/5-bit quants."""
+        buf = getattr(self._tiles, "quants", None)
+        if buf is None or buf.size < size:
+            buf = self._tiles.quants = np.empty(size, np.uint8)
+        return buf
 
     def _amx_buf(self, rows: int, cols: int) -> np.ndarray:
         """This thread's reused AMX output scratch."""
