@@ -151,7 +151,6 @@ def pack_x16_ref(X: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 #     out[m, n] = sum_b  d_w[n, b] * d_x[m, b] * sum_j q[n, b, j] * q_x[m, b, j]  +  m_w[n, b] * s_x[m, b]
 # with s_x = d_x * sum_j q_x (exact: the min times the rounded activations' block sum).
 UNSIGNED = ("q4", "q4_0", "q5", "q5_1", "q4k", "q5k")
-_ZERO = {"q4_0": 8.0, "q5": 16.0}
 
 
 # byte value -> its 8 bits spread to bit 4 of 8 bytes (a fifth bit per element)
@@ -252,8 +251,8 @@ def block_scales(dtype: str, parts: dict[str, np.ndarray], r0: int, r1: int) -> 
         return d, None
     if dtype in ("q4", "q5_1"):
         return d, _f16(np.asarray(parts["m"][r0:r1]))
-    if dtype in _ZERO:
-        return d, d * np.float32(-_ZERO[dtype])
+    if dtype in qdot._ZERO:  # the zero point decode's kernels derive the min from
+        return d, d * np.float32(-qdot._ZERO[dtype])
     if dtype in ("q4k", "q5k"):
         from formats.quants import _k4_scale_min
 
@@ -317,7 +316,7 @@ def _entry_ir(kind: str) -> str:
     """``ENTRIES[kind](wq, wdt, wmt, xb, xd, xs, out, r0, r1, nb, tiles, cols, cfg)``:
     out[n - r0, 16 t + m] for weight rows n in r0..r1 (a multiple of 16 apart) and every
     packed input; ``wdt`` (and for "u8" ``wmt``, the mins, times ``xs``) is the slice's
-    weight scales as f32 [(r1 - r0) / 16][nb][16] (``panel_scales``).
+    weight scales as f32 [(r1 - r0) / 16][nb][16] (``panel``).
 
     Tile loads and stores cost 25-45 cycles each here, and a block's tiles are reused by
     the next block, so the AMX work of one block is a serial chain of about 200 cycles.

@@ -275,26 +275,26 @@ class NumbaKernels(NumpyKernels):
         """Whether prefill matmuls of some dtype (``amx_dtypes``) run on AMX tiles (int16 activations)."""
         return bool(self.amx_dtypes)
 
-    def _amx_scratch(self, size: int) -> np.ndarray:
-        """This thread's reused buffer of unpacked 4/5-bit quants."""
-        buf = getattr(self._tiles, "quants", None)
+    def _scratch(self, name: str, size: int, dtype, least: int = 0) -> np.ndarray:
+        """This thread's reused buffer ``name`` of at least ``size`` elements (grown when
+        short, so prefill matmuls do not page-fault a fresh buffer per call)."""
+        buf = getattr(self._tiles, name, None)
         if buf is None or buf.size < size:
-            buf = self._tiles.quants = np.empty(size, np.uint8)
+            buf = np.empty(max(size, least), dtype)
+            setattr(self._tiles, name, buf)
         return buf
 
+    def _amx_scratch(self, size: int) -> np.ndarray:
+        """This thread's buffer of unpacked 4/5-bit quants."""
+        return self._scratch("quants", size, np.uint8)
+
     def _amx_buf(self, rows: int, cols: int) -> np.ndarray:
-        """This thread's reused AMX output scratch."""
-        buf = getattr(self._tiles, "amx", None)
-        if buf is None or buf.size < rows * cols:
-            buf = self._tiles.amx = np.empty(rows * cols, np.float32)
-        return buf[: rows * cols].reshape(rows, cols)
+        """This thread's AMX output scratch."""
+        return self._scratch("amx", rows * cols, np.float32)[: rows * cols].reshape(rows, cols)
 
     def _tile_buf(self, rows: int, cols: int) -> np.ndarray:
-        """This thread's reused dequantization scratch (no page faults per call)."""
-        tile = getattr(self._tiles, "buf", None)
-        if tile is None or tile.size < rows * cols:
-            tile = self._tiles.buf = np.empty(max(rows * cols, TILE_ELEMS // 4), np.float32)
-        return tile[: rows * cols].reshape(rows, cols)
+        """This thread's dequantization scratch."""
+        return self._scratch("buf", rows * cols, np.float32, TILE_ELEMS // 4)[: rows * cols].reshape(rows, cols)
 
     def _small(self, plan: "_Plan", X: np.ndarray, out: np.ndarray) -> None:
         if plan.fn is None:
