@@ -5,6 +5,9 @@
 
 ``--depths default,1``: ``default`` runs what ``cortiq generate`` drafts unless told (the
 sidecar's measured depth and threshold, ``mtp-train``/``mtp-probe --save``).
+``--lookups default,0,3``: n-gram lookup drafts per round before the MTP layers
+(``cortiq_engine.lookup``; ``default`` = the engine's, 0 = MTP alone). SIDECAR ``none``:
+no draft layers, lookup alone (``--lookups 3 --depths default``).
 
 Every (depth, draft vocabulary, threshold) combination runs on every prompt; ``--vocabs``
 takes ``full``, ``sidecar`` (the sidecar's own) or a count of the sidecar's first ids.
@@ -56,17 +59,19 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--vocabs", default="sidecar", help="comma list of full, sidecar, or N")
     ap.add_argument("--thresholds", default="0", help="comma list of adaptive-depth thresholds (0 = off)")
+    ap.add_argument("--lookups", default="default", help="comma list of n-gram lookup drafts per round: default, 0 (off) or N")
     ap.add_argument("--reps", type=int, default=3, help="alternating plain/speculative pairs per prompt and combination")
     ap.add_argument("--chat", action="store_true", help="chat prompts (CHAT_ASKS) through the chat template; answers stop at end of turn")
     a = ap.parse_args()
     print(json.dumps({"loadavg_start": os.getloadavg()}), flush=True)
-    eng = Engine.load(a.model, threads=a.threads, mtp=a.sidecar)
+    eng = Engine.load(a.model, threads=a.threads, mtp=False if a.sidecar == "none" else a.sidecar)
     paras = [p for p in open(a.text, encoding="utf-8").read().split("\n\n") if len(p) > 300][: a.prompts]
     # "default": what `cortiq generate` drafts unless told (the sidecar's measured
     # depth and threshold when it has them, else every layer at mtp.DEFAULT_THRESHOLD).
-    combos = [("default", "sidecar", None) if d == "default" else (int(d), v, float(t))
+    combos = [("default", "sidecar", None, lk) if d == "default" else (int(d), v, float(t), lk)
               for d in a.depths.split(",") for v in (["sidecar"] if d == "default" else a.vocabs.split(","))
-              for t in ([None] if d == "default" else a.thresholds.split(","))]
+              for t in ([None] if d == "default" else a.thresholds.split(","))
+              for lk in [None if x == "default" else int(x) for x in a.lookups.split(",")]]
     rows = []
     ignore_eos = not a.chat
     for n, p in enumerate(paras):
@@ -75,9 +80,9 @@ def main() -> None:
             ids = eng.tokenizer.encode(eng.tokenizer.apply_chat_template([{"role": "user", "content": msg}]), add_bos=False)
         else:
             ids = eng.tokenizer.encode(p[:400])
-        for depth, vocab, th in combos:
-            cfg = (SpeculativeConfig() if depth == "default" else
-                   SpeculativeConfig(depth=depth, vocab=_vocab(vocab), threshold=th))
+        for depth, vocab, th, lookup in combos:
+            cfg = (SpeculativeConfig(lookup=lookup) if depth == "default" else
+                   SpeculativeConfig(depth=depth, vocab=_vocab(vocab), threshold=th, lookup=lookup))
             plains, specs = [], []
             for r in range(a.reps):
                 for speculative in ((False, cfg) if r % 2 == 0 else (cfg, False)):
@@ -87,18 +92,18 @@ def main() -> None:
             specs.sort(key=lambda g: g.decode_seconds)
             plain, spec = plains[len(plains) // 2], specs[len(specs) // 2]
             same = all(g.token_ids == plain.token_ids and g.text == plain.text for g in plains + specs)
-            rows.append(dict(depth=depth, vocab=vocab, threshold=th, same=same,
+            rows.append(dict(depth=depth, vocab=vocab, threshold=th, lookup=lookup, same=same,
                              plain_s=plain.decode_seconds, spec_s=spec.decode_seconds,
                              plain_min_s=plains[0].decode_seconds, spec_min_s=specs[0].decode_seconds,
                              plain_tok_s=plain.decode_tok_s, spec_tok_s=spec.decode_tok_s, mtp=spec.extra["mtp"]))
             print(json.dumps(rows[-1]), flush=True)
             rows[-1]["counts"] = spec.acceptance
-    for depth, vocab, th in combos:
-        rs = [r for r in rows if (r["depth"], r["vocab"], r["threshold"]) == (depth, vocab, th)]
+    for depth, vocab, th, lookup in combos:
+        rs = [r for r in rows if (r["depth"], r["vocab"], r["threshold"], r["lookup"]) == (depth, vocab, th, lookup)]
         total = Acceptance(rs[0]["counts"].depth)
         for r in rs:
             total.merge(r.pop("counts"))
-        print(json.dumps({"depth": depth, "vocab": vocab, "threshold": th, "all_same": all(r["same"] for r in rs),
+        print(json.dumps({"depth": depth, "vocab": vocab, "threshold": th, "lookup": lookup, "all_same": all(r["same"] for r in rs),
                           "speedup": sum(r["plain_s"] for r in rs) / sum(r["spec_s"] for r in rs),
                           "speedup_min": sum(r["plain_min_s"] for r in rs) / sum(r["spec_min_s"] for r in rs),
                           "plain_tok_s": sum(r["plain_tok_s"] for r in rs) / len(rs),

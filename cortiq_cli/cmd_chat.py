@@ -151,6 +151,9 @@ def chat(
     mtp_hidden: mtp_opt.MtpHidden = None,
     mtp_vocab: mtp_opt.MtpVocab = None,
     mtp_threshold: mtp_opt.MtpThreshold = None,
+    lookup: mtp_opt.Lookup = None,
+    lookup_ngram: mtp_opt.LookupNgram = None,
+    mtp_gate: mtp_opt.MtpGate = False,
 ) -> None:
     """Chat with a model: multi-turn, streaming, the KV cache kept across turns.
 
@@ -171,11 +174,11 @@ def chat(
     if not tok.chat_template:
         raise CortiqError(f"{model}: no chat template in the header; use cortiq generate for plain text")
     # The conversation keeps one drafter (its rows of the cached prefix) across turns.
-    drafter, mtp_note = eng.drafter(mtp_opt.speculative_arg(no_mtp, mtp_depth, mtp_chain, mtp_hidden, mtp_vocab, mtp_threshold), config, evict=evict)
+    drafter, mtp_note = eng.drafter(mtp_opt.speculative_arg(no_mtp, mtp_depth, mtp_chain, mtp_hidden, mtp_vocab, mtp_threshold, lookup, lookup_ngram, mtp_gate), config, evict=evict)
     session = ChatSession(eng, drafter)
     interactive = sys.stdin.isatty() and not json_out
     if interactive:
-        how = f"speculative decoding ({drafter.stack.source})" if drafter is not None else (mtp_note or "")
+        how = f"speculative decoding ({mtp_opt.describe(drafter.describe())})" if drafter is not None else (mtp_note or "")
         err_console.print(
             f"[dim]{escape(model.name)} · ctx {eng.ctx} · {eng.threads} threads{' · ' + escape(how) if how else ''} · "
             f"/help for commands, Ctrl-C stops an answer, Ctrl-D leaves[/]",

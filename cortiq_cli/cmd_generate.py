@@ -71,6 +71,9 @@ def generate(
     mtp_hidden: mtp_opt.MtpHidden = None,
     mtp_vocab: mtp_opt.MtpVocab = None,
     mtp_threshold: mtp_opt.MtpThreshold = None,
+    lookup: mtp_opt.Lookup = None,
+    lookup_ngram: mtp_opt.LookupNgram = None,
+    mtp_gate: mtp_opt.MtpGate = False,
     mtp_compare: mtp_opt.MtpCompare = False,
 ) -> None:
     """Generate text from a prompt with a CMF model (greedy by default)."""
@@ -85,7 +88,7 @@ def generate(
     # MTP draft layers (inline, the sidecar beside the model, or --mtp): the engine decodes
     # speculatively (exact greedy) when it can, and says why not when it cannot.
     eng = load_engine(model, threads=threads, ctx=ctx, quiet=json_out, mtp=mtp_opt.load_arg(mtp, no_mtp))
-    speculative = mtp_opt.speculative_arg(no_mtp, mtp_depth, mtp_chain, mtp_hidden, mtp_vocab, mtp_threshold)
+    speculative = mtp_opt.speculative_arg(no_mtp, mtp_depth, mtp_chain, mtp_hidden, mtp_vocab, mtp_threshold, lookup, lookup_ngram, mtp_gate)
     tok = eng.tokenizer
     if chat or system is not None:
         messages = ([{"role": "system", "content": system}] if system is not None else []) + [{"role": "user", "content": prompt}]

@@ -48,7 +48,9 @@ def mtp_probe(
     previous tokens, against the true next tokens (per depth alone and chained)."""
     from cortiq_engine import Engine
     from cortiq_engine.mtp import CHAINS, HIDDENS
-    from evals.mtp_probe import best_setting, default_variants, probe, threshold_table, verify_costs
+    from cortiq_engine.lookup import DEFAULT_LOOKUP, DEFAULT_NGRAM
+    from evals.mtp_probe import (best_setting, default_variants, lookup_rounds, probe, threshold_table, verify_costs,
+                                 with_lookup_setting)
     from evals.text_source import load_text
 
     loaded = load_text(opt.text_spec(text, dataset, config, split, column, data_files))
@@ -104,7 +106,7 @@ def mtp_probe(
         "variants": [{"chain": v.chain, "hidden": v.hidden, **counts.to_json()} for v, counts in results],
     }
     if traces is not None:
-        verify_ms = verify_costs(eng.model, k + 1)
+        verify_ms = verify_costs(eng.model, max(k, DEFAULT_LOOKUP) + 1)
         doc["verify_ms_by_rows"] = verify_ms
         for entry, (v, counts), trace in zip(doc["variants"], results, traces):
             draft_ms = 1e3 * counts.draft_seconds / max(counts.drafting_rounds, 1) / k  # per computed draft
@@ -114,6 +116,12 @@ def mtp_probe(
                 doc["saved"] = {"depth": d, "threshold": row.threshold, "modelled_speedup": round(row.speedup, 4),
                                 "tokens_per_step": round(row.tokens_per_step, 4), "text": loaded.source,
                                 "tokens": len(ids), "draft_vocab": head.label, "verify_ms_by_rows": verify_ms}
+                # ... and the setting when n-gram lookup drafts first (generate's default):
+                # the probe's rounds are every t, the text their truth.
+                looked = lookup_rounds(ids, range(trace.probs.shape[0]), DEFAULT_LOOKUP, DEFAULT_NGRAM)
+                keys = [(0, t) for t in range(trace.probs.shape[0])]
+                doc["saved"]["with_lookup"] = with_lookup_setting(trace, *looked, keys, draft_ms, verify_ms, DEFAULT_LOOKUP,
+                                                                  DEFAULT_NGRAM)
         if save:
             from formats.sidecar import write_defaults
 
@@ -152,3 +160,7 @@ def mtp_probe(
         s = doc["saved"]
         console.print(f"saved in {stack.source}: generate now drafts depth {s['depth']} at threshold {s['threshold']:g} "
                       f"by default (modelled {s['modelled_speedup']:.2f}x plain decoding)")
+        if s.get("with_lookup"):
+            from cortiq_cli.mtp_options import with_lookup_line
+
+            console.print(with_lookup_line(s), highlight=False)

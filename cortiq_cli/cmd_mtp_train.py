@@ -164,6 +164,10 @@ def render(r, found=None) -> None:
         console.print(f"generate's defaults (stored in the sidecar): depth [bold]{d['depth']}[/], --mtp-threshold "
                       f"[bold]{d['threshold']:g}[/]: modelled {d['modelled_speedup']:.2f}x plain decoding, "
                       f"{d['tokens_per_step']:.2f} tokens a step over {found.rounds} live held-out rounds", highlight=False)
+        if d.get("with_lookup"):
+            from cortiq_cli.mtp_options import with_lookup_line
+
+            console.print(with_lookup_line(d), highlight=False)
         if d["modelled_speedup"] < 1.0:
             console.print("[yellow]speculation is modelled slower than plain decoding on this machine: "
                           "generate with --no-mtp, or train longer[/]", highlight=False)

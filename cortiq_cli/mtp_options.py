@@ -16,7 +16,7 @@ from rich.table import Table
 from cortiq_cli.common import print_table
 from formats.errors import CortiqError
 
-MTP_PANEL = "Speculative decoding (MTP)"
+MTP_PANEL = "Speculative decoding (MTP layers, n-gram lookup)"
 
 MtpPath = Annotated[
     Optional[Path],
@@ -37,6 +37,18 @@ MtpThreshold = Annotated[
     Optional[float],
     typer.Option("--mtp-threshold", metavar="P", min=0.0, max=0.999, help="Adaptive depth: a round stops drafting at the first draft whose own probability is below P (0 = off; default: the engine's measured one).", rich_help_panel=MTP_PANEL),
 ]
+Lookup = Annotated[
+    Optional[int],
+    typer.Option("--lookup", metavar="N", min=0, max=64, help="Draft N tokens by n-gram lookup in the prompt and output before asking the MTP layers each round (exact: the same verify). Default: 3 with draft layers, off without; 0 = off; N > 0 without draft layers drafts by lookup alone.", rich_help_panel=MTP_PANEL),
+]
+LookupNgram = Annotated[
+    Optional[str],
+    typer.Option("--lookup-ngram", metavar="MIN:MAX", help="Match lengths the lookup tries, longest first (default 3:5).", rich_help_panel=MTP_PANEL),
+]
+MtpGate = Annotated[
+    bool,
+    typer.Option("--mtp-gate/--no-mtp-gate", help="With lookup drafts: a round without a lookup match runs the MTP drafts or a plain step, whichever was faster per token lately (off by default: measured no gain here).", rich_help_panel=MTP_PANEL),
+]
 MtpCompare = Annotated[
     bool,
     typer.Option("--mtp-compare/--no-mtp-compare", help="Also run plain decoding of the same prompt: checks the outputs are equal and measures the speedup.", rich_help_panel=MTP_PANEL),
@@ -50,13 +62,49 @@ def load_arg(mtp: Path | None, no_mtp: bool) -> bool | Path:
     return False if no_mtp else (mtp if mtp is not None else True)
 
 
+def parse_ngram(text: str | None) -> tuple[int, int] | None:
+    """--lookup-ngram MIN:MAX (or one number for both)."""
+    if text is None:
+        return None
+    parts = text.replace("-", ":").split(":")
+    try:
+        lo, hi = (int(parts[0]), int(parts[-1])) if 1 <= len(parts) <= 2 else (0, -1)
+    except ValueError:
+        lo, hi = 0, -1
+    if not 1 <= lo <= hi:
+        raise CortiqError(f"--lookup-ngram {text!r}: give MIN:MAX with 1 <= MIN <= MAX, e.g. 3:5")
+    return lo, hi
+
+
 def speculative_arg(no_mtp: bool, depth: int | None, chain: str | None, hidden: str | None,
-                    vocab: str | None = None, threshold: float | None = None):
-    """``Engine.generate(speculative=...)`` from the flags (the engine decides the rest)."""
+                    vocab: str | None = None, threshold: float | None = None, lookup: int | None = None,
+                    ngram: str | None = None, gate: bool = False):
+    """``Engine.generate(speculative=...)`` from the flags (the engine decides the rest).
+    --no-mtp keeps an explicit --lookup N: lookup drafts alone."""
     from cortiq_engine import SpeculativeConfig
     from cortiq_engine.draft_vocab import parse_vocab
 
-    return False if no_mtp else SpeculativeConfig(depth=depth, chain=chain, hidden=hidden, vocab=parse_vocab(vocab), threshold=threshold)
+    grams = parse_ngram(ngram)
+    given = [f for f, v in (("--mtp-depth", depth), ("--mtp-chain", chain), ("--mtp-hidden", hidden),
+                            ("--mtp-vocab", vocab), ("--mtp-threshold", threshold)) if v is not None]
+    if no_mtp and given:
+        raise CortiqError(f"--no-mtp and {given[0]} contradict each other")
+    if no_mtp:
+        return SpeculativeConfig(lookup=lookup, ngram=grams) if lookup else False
+    return SpeculativeConfig(depth=depth, chain=chain, hidden=hidden, vocab=parse_vocab(vocab), threshold=threshold,
+                             lookup=lookup, ngram=grams, mtp_gate=gate)
+
+
+def describe(mtp: dict[str, Any]) -> str:
+    """One line for a drafter's settings (``describe()``, or a result's ``extra["mtp"]``)."""
+    parts = []
+    if mtp.get("lookup"):
+        lo, hi = mtp["lookup_ngram"]
+        parts.append(f"lookup {mtp['lookup']} ({lo}-{hi}-grams)")
+    if mtp.get("chain") is not None:
+        parts.append(f"MTP {mtp['source']} · {mtp['chain']} chain · {mtp['hidden']}-norm hidden · "
+                     f"draft vocab {mtp['draft_vocab']} · threshold {mtp['threshold']:g}")
+    return " then ".join(parts)
 
 
 def compare_with_plain(engine, res, prompt_ids, config, *, max_tokens: int, stop=(), ignore_eos: bool = False) -> None:
@@ -78,8 +126,7 @@ def compare_with_plain(engine, res, prompt_ids, config, *, max_tokens: int, stop
 
 def render(console, mtp: dict[str, Any]) -> None:
     """The closing rich table of a speculative generation."""
-    t = Table(title=f"speculative decoding · {mtp['chain']} chain · {mtp['hidden']}-norm hidden · draft vocab {mtp['draft_vocab']} · "
-                    f"threshold {mtp['threshold']:g} · {mtp['source']}", show_header=False)
+    t = Table(title=f"speculative decoding · {describe(mtp)}", show_header=False)
     t.add_column(style="bold")
     t.add_column()
     t.add_row("rounds", f"{mtp['rounds']} (+{mtp['plain_steps']} plain steps)")
@@ -89,6 +136,9 @@ def render(console, mtp: dict[str, Any]) -> None:
     t.add_row("accepted per round", "  ".join(f"{a}: {n}" for a, n in enumerate(mtp["accept_histogram"])))
     t.add_row("drafts per round", "  ".join(f"{a}: {n}" for a, n in enumerate(mtp["depth_histogram"])) + f"  (mean {mtp['mean_depth']:.2f})")
     t.add_row("draft / verify per round", f"{mtp['draft_ms_per_round']:.1f} ms / {mtp['verify_ms_per_round']:.1f} ms")
+    for name, sub in (mtp.get("by_source") or {}).items():
+        t.add_row(f"{name} rounds", f"{sub['drafting_rounds']}: {sub['tokens_per_round']:.2f} tokens / round, "
+                                    f"{sub['accepted']}/{sub['drafted']} drafts accepted, verify {sub['verify_ms_per_round']:.1f} ms")
     if "speedup" in mtp:
         same = "[green]same tokens[/]" if mtp["same_tokens_as_plain"] else "[bold red]DIFFERENT tokens[/]"
         t.add_row(
@@ -97,3 +147,13 @@ def render(console, mtp: dict[str, Any]) -> None:
             f"({mtp['decode_tok_s']:.1f} vs {mtp['plain_decode_tok_s']:.1f} tok/s), {same}",
         )
     print_table(console, t)
+
+
+def with_lookup_line(rec: dict[str, Any]) -> str:
+    """One line for a defaults record's ``with_lookup`` setting ("" without one)."""
+    wl = rec.get("with_lookup")
+    if not wl:
+        return ""
+    speed = f"modelled {wl['modelled_speedup']:.2f}x plain decoding, " if wl.get("modelled_speedup") is not None else ""
+    return (f"with n-gram lookup drafting first (--lookup {wl['lookup']}, the default): depth {wl['depth']}, "
+            f"threshold {wl['threshold']:g}: {speed}{wl['lookup_rounds']} of {wl['rounds']} rounds drafted by lookup")

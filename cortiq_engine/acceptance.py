@@ -16,6 +16,10 @@ under the same names. Lists are per depth (index 0 = depth 1):
   step decoded one token plainly). A step with no room for drafts (the token budget or
   the context) is a ``plain_step`` only.
 
+With more than one draft source (``cortiq_engine.lookup``: n-gram lookup first, MTP
+layers otherwise) ``by_source[name]`` holds the same counts for the rounds each source
+drafted; the totals cover every round.
+
 Draft and verify times are summed over every round that drafted (``drafting_rounds``,
 which includes the ``depth_hist[0]`` ones), so ``draft_ms_per_round`` is what drafting
 costs per decode step that tried it.
@@ -41,6 +45,7 @@ class Acceptance:
     plain_steps: int = 0  # decode steps without drafts (the token budget or context left no room)
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
+    by_source: dict[str, "Acceptance"] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("drafted", "accepted", "checked", "right"):
@@ -49,9 +54,13 @@ class Acceptance:
         self.depth_hist = self.depth_hist or [0] * (self.depth + 1)
 
     # ------------------------------------------------------------ counting
-    def record(self, drafted: int, accepted: int, draft_s: float = 0.0, verify_s: float = 0.0, *, tried: bool = True) -> None:
+    def record(self, drafted: int, accepted: int, draft_s: float = 0.0, verify_s: float = 0.0, *, tried: bool = True,
+               source: str | None = None) -> None:
         """One decode step: ``drafted`` drafts proposed, the first ``accepted`` of them kept.
-        ``tried``: the step ran the drafter (False: no room for drafts, a plain step)."""
+        ``tried``: the step ran the drafter (False: no room for drafts, a plain step);
+        ``source``: which draft source proposed them (also counted in ``by_source``)."""
+        if source and tried:
+            self.by_source.setdefault(source, Acceptance(self.depth)).record(drafted, accepted, draft_s, verify_s)
         if tried:
             self.depth_hist[drafted] += 1
             self.draft_seconds += draft_s
@@ -110,6 +119,8 @@ class Acceptance:
         self.plain_steps += other.plain_steps
         self.draft_seconds += other.draft_seconds
         self.verify_seconds += other.verify_seconds
+        for name, sub in other.by_source.items():
+            self.by_source.setdefault(name, Acceptance(self.depth)).merge(sub)
 
     # ------------------------------------------------------------ figures
     @property
@@ -144,6 +155,12 @@ class Acceptance:
         return [r / n if n else 0.0 for r, n in zip(self.right, self.checked)]
 
     def to_json(self) -> dict:
+        out = self._figures()
+        if self.by_source:
+            out["by_source"] = {name: sub._figures() for name, sub in sorted(self.by_source.items())}
+        return out
+
+    def _figures(self) -> dict:
         r = max(self.drafting_rounds, 1)
         return {
             "depth": self.depth,

@@ -24,12 +24,13 @@ from formats.cmf import CmfFile
 from formats.convert import TOKENIZER_TENSOR
 from formats.errors import CortiqError
 from formats.untrusted_json import section
-from cortiq_engine.generate import PREFILL_CHUNK, GenerationResult, TokenEvent, generate
+from cortiq_engine.generate import PREFILL_CHUNK, DraftSource, GenerationResult, TokenEvent, generate
 from cortiq_engine.kernels import get_kernels
 from cortiq_engine.memory import release_free_heap
 from cortiq_engine.model import Model, State, forward
 from cortiq_engine.models import build_model, read_arch
 from cortiq_engine.draft_vocab import DraftHead, full_head, pick_vocab, sub_head
+from cortiq_engine.lookup import DEFAULT_LOOKUP, DEFAULT_NGRAM, LookupDrafter
 from cortiq_engine.mtp import DEFAULT_THRESHOLD, DraftStack, Drafter, load_draft_stack, make_drafter
 from cortiq_engine.sampling import SamplingConfig
 from cortiq_engine.threads import DecodeThreads, set_threads
@@ -62,16 +63,26 @@ class SpeculativeConfig:
     the full lm_head; n, the first n ids of the sidecar's; ``threshold`` the adaptive-depth
     probability below which a round stops drafting (None: ``mtp.DEFAULT_THRESHOLD``; 0: off).
     Unset ``depth`` and ``threshold`` take the sidecar's measured defaults where it has
-    them (``cortiq mtp-probe --choose-threshold --save``) and ``vocab`` is unset."""
+    them (``cortiq mtp-probe --choose-threshold --save``) and ``vocab`` is unset.
+
+    ``lookup``: drafts per round from n-gram lookup in the sequence itself
+    (``cortiq_engine.lookup``), tried before the MTP layers each round; None, the
+    default (``lookup.DEFAULT_LOOKUP``) when draft layers are loaded and off without
+    them; 0, off; n > 0, on (alone when no draft layers are loaded). ``ngram``: its
+    (min, max) match length; ``mtp_gate``: ``lookup.LookupDrafter.gate``."""
 
     depth: int | None = None
     chain: str | None = None
     hidden: str | None = None
     vocab: int | str | None = None
     threshold: float | None = None
+    lookup: int | None = None
+    ngram: tuple[int, int] | None = None
+    mtp_gate: bool = False  # with lookup: rounds without a match run MTP drafts or plain, whichever is faster
 
     @property
     def explicit(self) -> bool:
+        """MTP settings were given (they need draft layers)."""
         return any(v is not None for v in (self.depth, self.chain, self.hidden, self.vocab, self.threshold))
 
 
@@ -218,27 +229,30 @@ class Engine:
 
     # ---------------------------------------------------------------- generation
     def drafter(
-        self, speculative: bool | SpeculativeConfig | Drafter | None = None, config: SamplingConfig | None = None,
+        self, speculative: bool | SpeculativeConfig | DraftSource | None = None, config: SamplingConfig | None = None,
         *, evict: bool = False,
-    ) -> tuple[Drafter | None, str]:
+    ) -> tuple[DraftSource | None, str]:
         """The plain-vs-speculative policy: (the drafter a generation with these settings
-        decodes with, None for plain decoding; a one-line note when draft layers are loaded
+        decodes with, None for plain decoding; a one-line note when drafts are possible
         but go unused). ``speculative``: None, when possible (draft layers loaded, greedy,
         no eviction); False, plain; True, required (else an error); a ``SpeculativeConfig``,
-        when possible, drafted so; a ``Drafter``, that one (a conversation keeps its own)."""
+        when possible, drafted so; a drafter (``Drafter``, ``LookupDrafter``), that one (a
+        conversation keeps its own)."""
         if speculative is False:
             return None, ""
-        if isinstance(speculative, Drafter):
+        if isinstance(speculative, (Drafter, LookupDrafter)):
             return speculative, ""
         required = speculative is True
         spec = speculative if isinstance(speculative, SpeculativeConfig) else SpeculativeConfig()
+        lookup_only = self.drafts is None and bool(spec.lookup)
         if self.drafts is None:
-            if required or spec.explicit:
+            if spec.explicit or (required and not lookup_only):
                 raise CortiqError(
                     f"{self.path}: no MTP draft layers (none loaded, inline or beside it); train them with "
-                    f"`cortiq mtp-train {self.path}`, or give --mtp PATH"
+                    f"`cortiq mtp-train {self.path}`, give --mtp PATH, or draft by lookup alone (--lookup 3)"
                 )
-            return None, ""
+            if not lookup_only:
+                return None, ""
         why = ""
         if not (config or SamplingConfig()).greedy:
             why = "it is exact for greedy decoding only (temperature 0)"
@@ -248,16 +262,26 @@ class Engine:
             if required:
                 raise CortiqError(f"speculative decoding: {why}")
             return None, f"speculative decoding is off: {why}"
-        # Unset depth and threshold: the sidecar's measured defaults (``mtp-probe --save``)
-        # when it has them and the draft vocabulary is the one they were measured with.
+        lookup = DEFAULT_LOOKUP if spec.lookup is None else int(spec.lookup)
+        ngram = spec.ngram or DEFAULT_NGRAM
+        if lookup_only:
+            return LookupDrafter(self.ctx, lookup, ngram), ""
+        # Unset depth and threshold: the sidecar's measured defaults (``mtp-train``,
+        # ``mtp-probe --save``) when it has them and the draft vocabulary is the one they
+        # were measured with; with lookup drafting first, those measured so (the MTP
+        # layers then see only the rounds the lookup leaves them), if the record has them.
         stack = self.drafts
         measured = stack.default_depth is not None and spec.vocab is None
-        depth = spec.depth if spec.depth is not None else (stack.default_depth if measured else None)
+        best_depth, best_threshold = stack.default_depth, stack.default_threshold
+        ld = stack.lookup_defaults
+        if lookup > 0 and ld is not None and (ld.lookup, ld.ngram) == (lookup, tuple(ngram)):
+            best_depth, best_threshold = ld.depth, ld.threshold
+        depth = spec.depth if spec.depth is not None else (best_depth if measured else None)
         threshold = spec.threshold if spec.threshold is not None else (
-            stack.default_threshold if measured else DEFAULT_THRESHOLD)
+            best_threshold if measured else DEFAULT_THRESHOLD)
         d = make_drafter(self.model, stack, self.ctx, depth=depth, chain=spec.chain, hidden=spec.hidden or "pre",
                          head=self.draft_head(spec.vocab), threshold=threshold)
-        return d, ""
+        return (LookupDrafter(self.ctx, lookup, ngram, mtp=d, gate=spec.mtp_gate) if lookup > 0 else d), ""
 
     def draft_head(self, vocab: int | str | None = None) -> DraftHead:
         """The lm_head rows drafts score (see ``SpeculativeConfig.vocab``), built once per size."""
@@ -279,7 +303,7 @@ class Engine:
         evict: bool = False,
         ignore_eos: bool = False,
         logprobs: int = 0,
-        speculative: bool | SpeculativeConfig | Drafter | None = None,
+        speculative: bool | SpeculativeConfig | DraftSource | None = None,
         state: State | None = None,
         history: Sequence[int] = (),
     ) -> GenerationResult:

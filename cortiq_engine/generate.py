@@ -7,7 +7,9 @@ the next-token logits come from the hidden row of the last forwarded token; each
 decode step forwards the freshly chosen token. So after generating g tokens the
 cache holds prompt + g - 1 rows (the last token is never forwarded).
 
-With a drafter (``cortiq_engine.mtp.Drafter``, greedy only) a step first drafts K
+With a drafter (a ``DraftSource``: ``cortiq_engine.mtp.Drafter``, the MTP layers, or
+``cortiq_engine.lookup.LookupDrafter``, n-gram lookup in the sequence before them;
+greedy only) a step first drafts K
 tokens d_1..d_K, then forwards ``[x, d_1..d_K]`` (x the pending token) in ONE
 row-exact batch (at most the kernel set's ``row_exact_rows``, see
 ``cortiq_engine/kernels/row_exact.py``): row i's token is chosen by the same
@@ -30,7 +32,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
@@ -41,13 +43,26 @@ from cortiq_engine.sampling import Sampler, SamplingConfig, token_probability
 from cortiq_engine.threads import DecodeThreads, current_threads
 from cortiq_engine.tokenizer import StreamDecoder, Tokenizer
 
-if TYPE_CHECKING:
-    from cortiq_engine.mtp import Drafter
-
 PREFILL_CHUNK = 512
 # A verify computes the draft rows' lm_head in a second call, after the first row's, while
 # depth 1 has been accepted in fewer than this share of the rounds so far (generate).
 SPLIT_HEAD_BELOW = 1 / 3
+
+
+class DraftSource(Protocol):
+    """What the decode loop asks of a drafter (``mtp.Drafter``, ``lookup.LookupDrafter``)."""
+
+    depth: int  # at most this many drafts a round
+    capacity: int  # positions it can follow
+    last_source: str  # the source of the last round's drafts (counted per source)
+    hist_len: int  # positions noted so far
+
+    def reset(self) -> None: ...
+    def keep(self, n: int) -> None: ...
+    def note(self, first_pos: int, rows: np.ndarray) -> None: ...
+    def draft(self, t: int, ids: Sequence[int], depth: int | None = None) -> list[int]: ...
+    def observe(self, emitted: int, seconds: float) -> None: ...  # the last round's tokens and time
+    def describe(self) -> dict: ...
 
 
 @dataclass
@@ -304,7 +319,7 @@ def generate(
     state: State | None = None,
     logprobs: int = 0,
     history: Sequence[int] = (),
-    drafter: Drafter | None = None,
+    drafter: DraftSource | None = None,
     threads: DecodeThreads | None = None,
 ) -> GenerationResult:
     """Generate up to ``max_tokens`` tokens after ``prompt_ids`` (see the module doc).
@@ -399,14 +414,16 @@ def generate(
             # Rows past the last one whose output was used held rejected drafts.
             state.truncate(state.length - (len(drafts) + 1 - used))
             drafter.note(t + 1, hb[:used])
-            counts.record(len(drafts), used - 1, tb - ta, time.perf_counter() - tb, tried=k > 0)
+            tc = time.perf_counter()
+            counts.record(len(drafts), used - 1, tb - ta, tc - tb, tried=k > 0, source=drafter.last_source)
+            if k > 0:
+                drafter.observe(used, tc - ta)
     t2 = time.perf_counter()
 
     text = out.close(finish)
     extra = {"decode_threads": threads.to_json()}
     if drafter is not None:
-        extra["mtp"] = {"source": drafter.stack.source, "chain": drafter.chain, "hidden": drafter.hidden,
-                        "draft_vocab": drafter.head.label, "threshold": drafter.threshold, **counts.to_json()}
+        extra["mtp"] = {**drafter.describe(), **counts.to_json()}
     return GenerationResult(
         token_ids=out.ids,
         text=text,

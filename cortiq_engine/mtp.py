@@ -42,14 +42,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, ClassVar, Sequence
 
 import numpy as np
 
 from formats.arch import ArchConfig
 from formats.cmf import CmfFile
 from formats.errors import CortiqError
-from formats.sidecar import count_mtp_layers, open_sidecar, read_defaults, read_draft_vocab
+from formats.sidecar import LookupDefaults, count_mtp_layers, open_sidecar, read_defaults, read_draft_vocab, read_lookup_defaults
 from cortiq_engine.cache import KVCache
 from cortiq_engine.draft_vocab import DraftHead, full_head
 from cortiq_engine.layers import Step
@@ -81,6 +81,8 @@ class DraftStack:
     # measured defaults (sidecar record mtp.defaults): drafts per round and threshold
     default_depth: int | None = None
     default_threshold: float | None = None
+    # ... and those measured with n-gram lookup drafting first (mtp.defaults.with_lookup)
+    lookup_defaults: LookupDefaults | None = None
 
     @property
     def num_layers(self) -> int:
@@ -121,9 +123,10 @@ def load_draft_stack(main: CmfFile, arch: ArchConfig, kernels, path: str | Path 
         layers = tuple(draft_layer(src, k, arch, kernels) for k in range(n))
         vocab = read_draft_vocab(src, arch.vocab_size)
         depth, threshold = read_defaults(src.header, n) if src is not main else (None, None)
+        with_lookup = read_lookup_defaults(src.header, n) if src is not main else None
     except CortiqError as e:
         raise CortiqError(f"{e} ({NO_MTP_HINT})") from None
-    return DraftStack(layers, arch.mtp.style if arch.mtp else "deepseek", source, vocab, depth, threshold)
+    return DraftStack(layers, arch.mtp.style if arch.mtp else "deepseek", source, vocab, depth, threshold, with_lookup)
 
 
 
@@ -132,6 +135,10 @@ def load_draft_stack(main: CmfFile, arch: ArchConfig, kernels, path: str | Path 
 class Drafter:
     """The draft state of one sequence: each used layer's KV cache and how many of its
     rows are final, and the backbone hidden rows (by position) the layers read."""
+
+    # generate's per-source counters: a lone MTP drafter's rounds are the totals themselves
+    # (``lookup.LookupDrafter`` files the rounds it hands to this drafter under "mtp").
+    last_source: ClassVar[str] = ""
 
     model: Model
     stack: DraftStack
@@ -188,6 +195,14 @@ class Drafter:
         for c in self.caches:
             c.truncate(0)
         self.committed = [0] * len(self.caches)
+
+    def observe(self, emitted: int, seconds: float) -> None:
+        """A round's outcome (``generate.DraftSource``); the MTP layers alone do not adapt."""
+
+    def describe(self) -> dict:
+        """The settings a result reports (``extra["mtp"]``)."""
+        return {"source": self.stack.source, "mtp_depth": self.depth, "chain": self.chain, "hidden": self.hidden,
+                "draft_vocab": self.head.label, "threshold": self.threshold}
 
     # -------------------------------------------------------------- backbone rows
     def note(self, first_pos: int, rows: np.ndarray) -> None:

@@ -33,6 +33,7 @@ import numpy as np
 
 from formats.errors import CortiqError
 from cortiq_engine.acceptance import Acceptance
+from cortiq_engine.lookup import DEFAULT_LOOKUP, DEFAULT_NGRAM, NgramIndex
 
 
 @dataclass
@@ -221,6 +222,106 @@ def live_starts(tokens: np.ndarray, greedy: np.ndarray, depth: int) -> np.ndarra
     return np.flatnonzero(run == depth + 1).astype(np.int64)
 
 
+def lookup_rounds(tokens: np.ndarray, starts: Sequence[int], lookup: int, ngram: tuple[int, int],
+                  greedy: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For each round start t: whether n-gram lookup (``cortiq_engine.lookup``, on
+    tokens[:t+2]) drafts that round, so the MTP layers never see it; how many drafts;
+    how many a verify accepts. The truth of draft i is ``greedy[t+1+i]`` while
+    tokens[t+2..t+1+i] are themselves greedy (the live prefix), else the round stops
+    counting; without ``greedy`` it is the text, tokens[t+2+i]."""
+    index = NgramIndex(*ngram)
+    toks = [int(x) for x in tokens]
+    hit = np.zeros(len(starts), bool)
+    n = np.zeros(len(starts), np.int64)
+    acc = np.zeros(len(starts), np.int64)
+    for r, t in enumerate(int(x) for x in starts):
+        drafts = index.continuation(toks[: t + 2], lookup)
+        if not drafts:
+            continue
+        hit[r], n[r] = True, len(drafts)
+        for i, d in enumerate(drafts):
+            p = t + 1 + i  # the draft is the token after position p
+            if greedy is not None:
+                if p >= len(greedy) or (i > 0 and toks[p] != int(greedy[p - 1])):
+                    break
+                truth = int(greedy[p])
+            else:
+                if p + 1 >= len(toks):
+                    break
+                truth = toks[p + 1]
+            if d != truth:
+                break
+            acc[r] += 1
+    return hit, n, acc
+
+
+def _round_outcomes(trace: ProbeTrace, th: float, draft_ms: float, verify_ms: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(ms, tokens) of every traced MTP round under threshold ``th`` (threshold_table's rule)."""
+    rounds, depth = trace.probs.shape
+    below = trace.probs < th
+    kept = np.where(below.any(axis=1), below.argmax(axis=1), depth)
+    computed = np.minimum(kept + 1, depth)
+    run = np.cumprod(trace.right, axis=1)
+    accepted = np.array([run[r, : kept[r]].sum() for r in range(rounds)], np.int64)
+    return computed * draft_ms + verify_ms[kept], 1 + accepted
+
+
+def with_lookup_setting(trace: ProbeTrace, looked: np.ndarray, n_drafts: np.ndarray, accepted: np.ndarray,
+                        keys: Sequence[tuple[int, int]], draft_ms: float, verify_ms: Sequence[float], lookup: int,
+                        ngram: tuple[int, int],
+                        candidates: Sequence[float] = (0.0, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)) -> dict:
+    """The fastest depth and threshold of the MTP layers when lookup drafts first.
+
+    ``keys[r]`` = (window, t) of traced round r. Each setting is replayed as a live
+    decode walks: a round at t emits its tokens and the next round starts that many
+    positions on (at the next traced start when that one is not traced: the text left
+    the backbone's greedy path). A lookup round costs a verify of its rows and emits
+    its accepted drafts plus one whatever the layers do; an MTP round follows the
+    layers' trace under the setting. (Counting every start instead would weigh the
+    lookup's long rounds by their length once more.)"""
+    from bisect import bisect_left
+
+    rounds, depth = trace.probs.shape
+    vm = np.asarray(verify_ms, np.float64)
+    look_ms = vm[n_drafts] if rounds else np.zeros(0)
+    look_tok = 1 + np.asarray(accepted, np.int64)
+    by_window: dict[int, list[tuple[int, int]]] = {}
+    for r, (w, t) in enumerate(keys):
+        by_window.setdefault(int(w), []).append((int(t), r))
+    walks = [sorted(v) for v in by_window.values()]
+    best = None
+    for d in range(1, depth + 1):
+        sub = ProbeTrace(trace.probs[:, :d], trace.right[:, :d])
+        for th in candidates:
+            ms, tok = _round_outcomes(sub, th, draft_ms, vm)
+            ms = np.where(looked, look_ms, ms)
+            tok = np.where(looked, look_tok, tok)
+            total_ms = total_tok = 0.0
+            n_look = n_rounds = 0
+            for walk in walks:
+                ts = [t for t, _ in walk]
+                i = 0
+                while i < len(walk):
+                    r = walk[i][1]
+                    total_ms += ms[r]
+                    total_tok += tok[r]
+                    n_look += bool(looked[r])
+                    n_rounds += 1
+                    i = bisect_left(ts, walk[i][0] + int(tok[r]), i + 1)
+            if not total_tok:
+                continue
+            ms_tok = total_ms / total_tok
+            if best is None or ms_tok < best[0]:
+                best = (ms_tok, d, float(th), n_look, n_rounds, total_tok)
+    if best is None:
+        return {"lookup": int(lookup), "ngram": [int(ngram[0]), int(ngram[1])], "depth": 1, "threshold": 0.0,
+                "modelled_speedup": None, "lookup_rounds": 0, "rounds": 0}
+    ms_tok, d, th, n_look, n_rounds, total_tok = best
+    return {"lookup": int(lookup), "ngram": [int(ngram[0]), int(ngram[1])], "depth": d, "threshold": th,
+            "modelled_speedup": round(float(vm[0] / ms_tok), 4), "lookup_rounds": n_look, "rounds": n_rounds,
+            "tokens_per_round": round(total_tok / n_rounds, 4)}
+
+
 @dataclass(frozen=True)
 class LiveDefaults:
     """What ``measure_defaults`` found: the fastest depth and threshold (``record``, as
@@ -233,19 +334,22 @@ class LiveDefaults:
 
 
 def measure_defaults(model, stack, head, tokens: np.ndarray, greedy: np.ndarray, source: str,
-                     progress: Callable[[int], None] | None = None) -> LiveDefaults:
+                     progress: Callable[[int], None] | None = None, *, lookup: int = DEFAULT_LOOKUP,
+                     ngram: tuple[int, int] = DEFAULT_NGRAM) -> LiveDefaults:
     """The depth and adaptive-depth threshold of least modelled time per token on windows
     of the backbone's own greedy text (``tokens``, ``greedy`` [W, T]: mtp-train's held-out
     windows), through the drafts generate runs (independent layers, pre-norm hidden, the
     ``head`` generate scores): the live rounds of each window (``live_starts``) are probed
     at every depth, then replayed under each threshold with this machine's draft and
-    verify costs (``best_setting``)."""
+    verify costs (``best_setting``). With ``lookup`` > 0 the record also holds
+    ``with_lookup``: the setting measured fastest when n-gram lookup drafts first (what
+    generate runs by default), from the same rounds (``with_lookup_setting``)."""
     depth = stack.num_layers
     if stack.default_chain(depth) != "independent":
         return LiveDefaults(None, 0, None, "the drafts chain recursively (defaults are measured for independent layers)")
     variant = Variant("independent", "pre")
     counts = Acceptance(depth)
-    probs, right = [], []
+    probs, right, looks, keys = [], [], [], []
     for w in range(tokens.shape[0]):
         starts = live_starts(tokens[w], greedy[w], depth)
         if not len(starts):
@@ -255,19 +359,24 @@ def measure_defaults(model, stack, head, tokens: np.ndarray, greedy: np.ndarray,
         counts.merge(c)
         probs.append(traces[0].probs)
         right.append(traces[0].right)
+        looks.append(lookup_rounds(tokens[w], starts, lookup, ngram, greedy[w]))
+        keys.extend((w, int(t)) for t in starts)
     rounds = int(sum(len(p) for p in probs))
     if rounds < MIN_LIVE_ROUNDS:
         return LiveDefaults(None, rounds, counts if rounds else None,
                             f"{rounds} live round(s) in the held-out windows (the backbone's own text), "
                             f"fewer than {MIN_LIVE_ROUNDS}: train with --self-distill or --chat")
     trace = ProbeTrace(np.concatenate(probs), np.concatenate(right))
-    verify_ms = verify_costs(model, depth + 1)
+    verify_ms = verify_costs(model, max(depth, lookup) + 1)
     draft_ms = 1e3 * counts.draft_seconds / max(counts.drafting_rounds, 1) / depth  # per computed draft
     d, row = best_setting(trace, draft_ms, verify_ms)
     record = {"depth": d, "threshold": row.threshold, "modelled_speedup": round(row.speedup, 4),
               "tokens_per_step": round(row.tokens_per_step, 4), "text": source, "tokens": rounds,
               "draft_vocab": head.label, "verify_ms_by_rows": verify_ms, "draft_ms": draft_ms,
               "measured_on": "live rounds of the held-out windows (the backbone's greedy text)"}
+    if lookup > 0:
+        looked, n_drafts, accepted = (np.concatenate(x) for x in zip(*looks))
+        record["with_lookup"] = with_lookup_setting(trace, looked, n_drafts, accepted, keys, draft_ms, verify_ms, lookup, ngram)
     return LiveDefaults(record, rounds, counts)
 
 

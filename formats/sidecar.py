@@ -14,12 +14,15 @@ A sidecar may also carry *measured defaults* (header record ``mtp.defaults``: th
 depth and adaptive-depth threshold that ``cortiq mtp-train`` (on the live rounds of its
 held-out greedy windows) or ``cortiq mtp-probe --choose-threshold --save`` found fastest
 on this machine); ``read_defaults`` validates them and
-``generate`` drafts so unless told otherwise.
+``generate`` drafts so unless told otherwise. Its optional ``with_lookup`` record holds
+the depth and threshold measured fastest when n-gram lookup drafts first
+(``cortiq_engine.lookup``; ``read_lookup_defaults``).
 """
 
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -122,6 +125,7 @@ def open_sidecar(main_path: str | Path, main_header: dict[str, Any], path: str |
             raise CortiqError(f"MTP layer count {backbone_mtp['num_layers']} in the backbone, {have} in the sidecar")
         read_draft_vocab(cmf, _get(main_header, ("arch", "vocab_size")))
         read_defaults(cmf.header, have)
+        read_lookup_defaults(cmf.header, have)
     except CortiqError as e:
         cmf.close()
         raise CortiqError(f"MTP sidecar {side}: {e}") from None
@@ -143,6 +147,48 @@ def read_defaults(header: dict[str, Any], num_layers: int) -> tuple[int | None, 
     if not isinstance(threshold, (int, float)) or isinstance(threshold, bool) or not 0.0 <= float(threshold) < 1.0:
         raise CortiqError(f"MTP defaults: threshold {threshold!r} is not a number in [0, 1)")
     return depth, float(threshold)
+
+
+# Bounds of the lookup settings a record may name (cortiq_engine.lookup validates the same).
+MAX_LOOKUP_DRAFTS = 64
+MAX_LOOKUP_NGRAM = 16
+
+
+@dataclass(frozen=True)
+class LookupDefaults:
+    """The MTP depth and threshold measured fastest when n-gram lookup (``lookup``
+    drafts, matches of ``ngram`` = (min, max) tokens) drafts first each round."""
+
+    lookup: int
+    ngram: tuple[int, int]
+    depth: int
+    threshold: float
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def read_lookup_defaults(header: dict[str, Any], num_layers: int) -> LookupDefaults | None:
+    """The sidecar's ``mtp.defaults.with_lookup`` record, None without one; a malformed
+    one is a one-line ``CortiqError`` (as ``read_defaults``)."""
+    rec = section(header, "mtp").get("defaults")
+    if not isinstance(rec, dict) or rec.get("with_lookup") is None:
+        return None
+    sub = rec["with_lookup"]
+    if not isinstance(sub, dict):
+        raise CortiqError(f"MTP defaults: with_lookup is {type(sub).__name__}, expected an object")
+    lookup, ngram = sub.get("lookup"), sub.get("ngram")
+    if not _is_int(lookup) or not 1 <= lookup <= MAX_LOOKUP_DRAFTS:
+        raise CortiqError(f"MTP defaults: with_lookup.lookup {lookup!r} is not an integer in 1..{MAX_LOOKUP_DRAFTS}")
+    if (not isinstance(ngram, list) or len(ngram) != 2 or not all(_is_int(x) for x in ngram)
+            or not 1 <= ngram[0] <= ngram[1] <= MAX_LOOKUP_NGRAM):
+        raise CortiqError(f"MTP defaults: with_lookup.ngram {ngram!r} is not [min, max] with 1 <= min <= max <= {MAX_LOOKUP_NGRAM}")
+    try:
+        depth, threshold = read_defaults({"mtp": {"defaults": sub}}, num_layers)
+    except CortiqError as e:
+        raise CortiqError(str(e).replace("MTP defaults: ", "MTP defaults: with_lookup.", 1)) from None
+    return LookupDefaults(int(lookup), (int(ngram[0]), int(ngram[1])), int(depth), float(threshold))
 
 
 def write_defaults(path: str | Path, record: dict[str, Any]) -> Path:

@@ -219,3 +219,19 @@ def test_speculative_chat_equals_plain_chat(mtp_chat):
         for ts, tp in zip(ds["tokens"], dp["tokens"]):
             assert [x["id"] for x in ts["top_logprobs"]] == [x["id"] for x in tp["top_logprobs"]]
             assert ts["logprob"] == pytest.approx(tp["logprob"], abs=1e-5)
+
+
+def test_lookup_chat_equals_plain_chat(mtp_chat):
+    """n-gram lookup drafts alone (--no-mtp --lookup): a conversation's later turns look up
+    in the cached earlier ones too; every turn equals plain decoding."""
+    turns = "la la la la\nla la la la la\nla la\n"
+    spec = runner.invoke(app, ["chat", str(mtp_chat), "-n", "16", "--json", "-t", "1", "--no-mtp", "--lookup", "3",
+                               "--lookup-ngram", "1:3"], input=turns)
+    plain = runner.invoke(app, ["chat", str(mtp_chat), "-n", "16", "--json", "-t", "1", "--no-mtp"], input=turns)
+    assert spec.exit_code == 0 and plain.exit_code == 0, spec.output + plain.output
+    s = [json.loads(ln) for ln in spec.stdout.splitlines()]
+    p = [json.loads(ln) for ln in plain.stdout.splitlines()]
+    assert [d["token_ids"] for d in s] == [d["token_ids"] for d in p]
+    assert [d["reused_tokens"] for d in s] == [d["reused_tokens"] for d in p] and s[1]["reused_tokens"] > 0
+    assert all(d["mtp"]["source"] == "lookup" for d in s)
+    assert sum(d["mtp"]["by_source"]["lookup"]["drafted"] for d in s if "by_source" in d["mtp"]) > 0

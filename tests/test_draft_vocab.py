@@ -204,7 +204,8 @@ def test_adaptive_depth_cuts_drafts_and_stays_exact(tiny, quant, family):
     for th in [0.0, *np.quantile(allp, [0.25, 0.5, 0.75]), 0.999]:
         for prompt in _prompts(6):
             plain = eng.generate(prompt, max_tokens=MAX_TOKENS, speculative=False)
-            spec = eng.generate(prompt, max_tokens=MAX_TOKENS, speculative=SpeculativeConfig(threshold=float(th)))
+            # MTP alone (lookup=0): the threshold decides every round.
+            spec = eng.generate(prompt, max_tokens=MAX_TOKENS, speculative=SpeculativeConfig(threshold=float(th), lookup=0))
             _assert_same(plain, spec)
             st = spec.extra["mtp"]
             assert st["threshold"] == pytest.approx(th)
@@ -237,15 +238,16 @@ def test_rigged_drafts_with_vocabulary_and_threshold_accept_what_they_should(tin
     side = _with_vocab(sidecar_path(path), tmp_path / "v4.mtp.cmf", [9, 0, 200, 17])
     eng = Engine.load(path, threads=1, mtp=side)
     plain = eng.generate([5, 6, 7], max_tokens=17, speculative=False)
-    high = eng.generate([5, 6, 7], max_tokens=17, speculative=SpeculativeConfig(threshold=0.2))
+    # MTP alone (lookup=0): every token is id 0, which n-gram lookup would draft too.
+    high = eng.generate([5, 6, 7], max_tokens=17, speculative=SpeculativeConfig(threshold=0.2, lookup=0))
     _assert_same(plain, high)
     assert high.extra["mtp"]["depth_histogram"] == [0, 0, 0, 4] and high.extra["mtp"]["tokens_per_round"] == 4.0
-    low = eng.generate([5, 6, 7], max_tokens=17, speculative=SpeculativeConfig(threshold=0.3))
+    low = eng.generate([5, 6, 7], max_tokens=17, speculative=SpeculativeConfig(threshold=0.3, lookup=0))
     _assert_same(plain, low)
     # 16 decode steps; the last has no room for a draft (a plain step, not a drafting round).
     assert low.extra["mtp"]["depth_histogram"] == [15, 0, 0, 0] and low.extra["mtp"]["rounds"] == 0
     assert low.extra["mtp"]["plain_steps"] == 16
-    full = eng.generate([5, 6, 7], max_tokens=17, speculative=SpeculativeConfig(vocab="full", threshold=0.2))
+    full = eng.generate([5, 6, 7], max_tokens=17, speculative=SpeculativeConfig(vocab="full", threshold=0.2, lookup=0))
     _assert_same(plain, full)
     assert full.extra["mtp"]["depth_histogram"][0] == 15  # p = 1/256 over the full vocabulary
 
@@ -487,6 +489,19 @@ _BAD_DEFAULTS = [
     ("threshold one", {"depth": 1, "threshold": 1.0}, r"threshold 1.0 is not a number in \[0, 1\)"),
     ("threshold text", {"depth": 1, "threshold": "0.2"}, "threshold '0.2' is not a number"),
     ("threshold negative", {"depth": 1, "threshold": -0.1}, "threshold -0.1 is not a number"),
+    ("with_lookup not an object", {"depth": 1, "threshold": 0.2, "with_lookup": [3]}, "with_lookup is list, expected an object"),
+    ("with_lookup lookup zero", {"depth": 1, "threshold": 0.2, "with_lookup": {"lookup": 0, "ngram": [3, 5], "depth": 1, "threshold": 0}},
+     r"with_lookup.lookup 0 is not an integer in 1..64"),
+    ("with_lookup lookup huge", {"depth": 1, "threshold": 0.2, "with_lookup": {"lookup": 10**12, "ngram": [3, 5], "depth": 1, "threshold": 0}},
+     "with_lookup.lookup 1000000000000 is not"),
+    ("with_lookup ngram reversed", {"depth": 1, "threshold": 0.2, "with_lookup": {"lookup": 3, "ngram": [5, 3], "depth": 1, "threshold": 0}},
+     r"with_lookup.ngram \[5, 3\] is not \[min, max\]"),
+    ("with_lookup ngram text", {"depth": 1, "threshold": 0.2, "with_lookup": {"lookup": 3, "ngram": "3:5", "depth": 1, "threshold": 0}},
+     "with_lookup.ngram '3:5' is not"),
+    ("with_lookup depth past the layers", {"depth": 1, "threshold": 0.2, "with_lookup": {"lookup": 3, "ngram": [3, 5], "depth": 9, "threshold": 0}},
+     "with_lookup.depth 9 is not between 1 and the 3"),
+    ("with_lookup threshold nan", {"depth": 1, "threshold": 0.2, "with_lookup": {"lookup": 3, "ngram": [3, 5], "depth": 1, "threshold": float("nan")}},
+     "NaN is not a JSON number"),  # refused by the header parser already
 ]
 
 
@@ -514,21 +529,55 @@ def test_measured_defaults_drive_generate_unless_told(tiny, tmp_path):
         assert f.header["mtp"]["defaults"] == {"depth": 2, "threshold": 0.05, "text": "test"}
         assert f.header["mtp"]["draft_vocab"]["size"] == 40  # the vocabulary stays
     eng = Engine.load(path, threads=1, mtp=mine)
-    d, _ = eng.drafter(None)
+    both, _ = eng.drafter(None)  # n-gram lookup first (3 drafts), then the MTP layers
+    d = both.mtp
+    assert (both.lookup, both.depth) == (3, 3)
     assert (d.depth, d.threshold, d.head.label) == (2, 0.05, 40)
-    d, _ = eng.drafter(SpeculativeConfig(depth=3))
+    d = eng.drafter(SpeculativeConfig(depth=3))[0].mtp
     assert (d.depth, d.threshold) == (3, 0.05)
-    d, _ = eng.drafter(SpeculativeConfig(threshold=0.0))
+    d = eng.drafter(SpeculativeConfig(threshold=0.0, lookup=0))[0]
     assert (d.depth, d.threshold) == (2, 0.0)
-    d, _ = eng.drafter(SpeculativeConfig(vocab="full"))
+    d = eng.drafter(SpeculativeConfig(vocab="full"))[0].mtp
     assert (d.depth, d.threshold) == (3, DEFAULT_THRESHOLD)
     plain = eng.generate([5, 6, 7], max_tokens=MAX_TOKENS, speculative=False)
     spec = eng.generate([5, 6, 7], max_tokens=MAX_TOKENS)
     _assert_same(plain, spec)
-    assert spec.extra["mtp"]["depth"] == 2 and spec.extra["mtp"]["threshold"] == 0.05
+    assert spec.extra["mtp"]["mtp_depth"] == 2 and spec.extra["mtp"]["threshold"] == 0.05
     _with_vocab(mine, tmp_path / "v.mtp.cmf", np.arange(30))
     with CmfFile(tmp_path / "v.mtp.cmf") as f:
         assert "defaults" not in f.header["mtp"]  # measured with another vocabulary
+
+
+def test_lookup_rounds_and_the_setting_measured_with_lookup():
+    """lookup_rounds finds the rounds n-gram lookup drafts and what a verify accepts of
+    them; with_lookup_setting walks the rounds as a live decode would, lookup rounds
+    first, the MTP layers' trace under each setting otherwise."""
+    from evals.mtp_probe import lookup_rounds, with_lookup_setting
+
+    toks = np.array([5, 6, 7, 8, 5, 6, 7, 9, 1, 2])
+    # Round t drafts after tokens[:t+2]; a 3-gram match exists when tokens[t-1..t+1] == [5, 6, 7].
+    hit, n, acc = lookup_rounds(toks, list(range(8)), 3, (3, 3))
+    assert hit.tolist() == [False] * 5 + [True, False, False]
+    assert n[5] == 3 and acc[5] == 0  # drafts [8, 5, 6] against the text's 9
+    hit, n, acc = lookup_rounds(toks, [5], 3, (3, 3), greedy=np.array([0, 0, 0, 0, 0, 0, 8, 5, 0, 0]))
+    assert acc.tolist() == [1]  # greedy after ..7 is 8 (right); the text then says 9, not greedy: stop
+    # Six rounds at t = 0..5 of one window, depth 1, every draft right at p 0.9: a live
+    # decode walks t = 0, 2, 4 (2 tokens a round, 1 + 11 ms each): 6 ms a token.
+    trace = ProbeTrace(np.full((6, 1), 0.9), np.ones((6, 1), bool))
+    keys = [(0, t) for t in range(6)]
+    verify, none = [10.0, 11.0, 13.0, 15.0], np.zeros(6, bool)
+    rec = with_lookup_setting(trace, none, np.zeros(6, np.int64), np.zeros(6, np.int64), keys, 1.0, verify, 3, (3, 5))
+    assert (rec["depth"], rec["rounds"], rec["lookup_rounds"]) == (1, 3, 0) and rec["threshold"] < 0.9
+    assert rec["modelled_speedup"] == pytest.approx(10 / 6, abs=1e-4)
+    # A lookup round at t = 2 (3 drafts, all accepted: 4 tokens for a 4-row verify of 15 ms):
+    # the walk is t = 0 (12 ms, 2 tokens), t = 2 (15 ms, 4 tokens), then past the window.
+    looked = np.arange(6) == 2
+    rec = with_lookup_setting(trace, looked, np.full(6, 3), np.full(6, 3), keys, 1.0, verify, 3, (3, 5))
+    assert (rec["rounds"], rec["lookup_rounds"], rec["tokens_per_round"]) == (2, 1, 3.0)
+    assert rec["modelled_speedup"] == pytest.approx(10 / (27 / 6), abs=1e-4)
+    # Drafts the layers get wrong: drafting nothing (threshold above 0.9) is fastest.
+    wrong = ProbeTrace(np.full((6, 1), 0.5), np.zeros((6, 1), bool))
+    assert with_lookup_setting(wrong, none, np.zeros(6, np.int64), np.zeros(6, np.int64), keys, 1.0, verify, 3, (3, 5))["threshold"] > 0.5
 
 
 def test_best_setting_is_the_least_modelled_time_over_depths():
@@ -572,5 +621,12 @@ def test_probe_save_records_defaults_in_the_sidecar(tiny, tmp_path):
         rec = f.header["mtp"]["defaults"]
     assert rec["depth"] == saved["depth"] and rec["threshold"] == saved["threshold"] and 1 <= rec["depth"] <= 3
     eng = Engine.load(path, threads=1, mtp=mine, warmup=False)
-    d, _ = eng.drafter(None)
+    d = eng.drafter(None)[0].mtp  # lookup drafts first by default: the with_lookup setting
+    wl = rec["with_lookup"]
+    assert (wl["lookup"], wl["ngram"], d.depth, d.threshold) == (3, [3, 5], wl["depth"], wl["threshold"])
+    assert len(rec["verify_ms_by_rows"]) == 4
+    d = eng.drafter(SpeculativeConfig(lookup=0))[0]
     assert (d.depth, d.threshold) == (rec["depth"], rec["threshold"])
+    shown = CliRunner().invoke(app, ["mtp-probe", str(path), "-f", str(text), "--mtp", str(mine), "--max-tokens", "64",
+                                     "--choose-threshold", "--save"])
+    assert shown.exit_code == 0 and "with n-gram lookup drafting first (--lookup 3, the default)" in shown.output

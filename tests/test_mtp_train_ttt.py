@@ -398,20 +398,25 @@ def test_live_rounds_replay_speculative_decoding_and_set_generates_defaults(tiny
               traces=traces, starts=starts)
         want = _simulate_live(dict(zip(starts.tolist(), traces[0].right)), p - 1, depth, M)
         live = eng.generate(prompt, max_tokens=M, ignore_eos=True,
-                            speculative=SpeculativeConfig(depth=depth, threshold=0.0)).acceptance
+                            speculative=SpeculativeConfig(depth=depth, threshold=0.0, lookup=0)).acceptance
         assert (live.drafted, live.accepted, live.accept_hist, live.plain_steps) == want
         assert 0 < live.accepted[0] < live.drafted[0]  # drafts both right and wrong: the replay is tested
 
     found = save_live_defaults(tiny, side, r.held_tokens, r.held_greedy, "alice (held out)", threads=1)
     assert found.rounds >= MIN_LIVE_ROUNDS and found.record is not None
     rec = found.record
-    assert 1 <= rec["depth"] <= 2 and len(rec["verify_ms_by_rows"]) == 3 and rec["tokens"] == found.rounds
+    # Rows 1..4: the MTP depths and the default lookup's 3 drafts plus the pending row.
+    assert 1 <= rec["depth"] <= 2 and len(rec["verify_ms_by_rows"]) == 4 and rec["tokens"] == found.rounds
+    wl = rec["with_lookup"]
+    assert (wl["lookup"], wl["ngram"]) == (3, [3, 5]) and 1 <= wl["depth"] <= 2 and 0 <= wl["lookup_rounds"] < found.rounds
     # The live rounds are exactly those of live_starts over the held-out windows.
     assert found.rounds == sum(len(live_starts(t, g, 2)) for t, g in zip(r.held_tokens, r.held_greedy))
     eng = Engine.load(tiny, threads=1, mtp=side)
     assert (eng.drafts.default_depth, eng.drafts.default_threshold) == (rec["depth"], rec["threshold"])
-    d = eng.drafter(None)[0]
-    assert (d.depth, d.threshold) == (rec["depth"], rec["threshold"])
+    d = eng.drafter(None)[0].mtp  # the MTP drafter inside the default n-gram lookup one
+    assert (d.depth, d.threshold) == (wl["depth"], wl["threshold"])  # measured with lookup drafting first
+    d = eng.drafter(SpeculativeConfig(lookup=0))[0]
+    assert (d.depth, d.threshold) == (rec["depth"], rec["threshold"])  # measured alone
 
 
 def test_live_starts_by_definition():

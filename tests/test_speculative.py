@@ -400,7 +400,12 @@ def test_the_engine_owns_the_policy(models):
     assert auto.extra["mtp"]["depth"] == 3 and auto.extra["mtp"]["chain"] == "independent"
     deep = eng.generate([1, 2, 3], max_tokens=12, speculative=SpeculativeConfig(depth=2, chain="recursive", hidden="post"))
     _assert_same(plain, deep)
-    assert (deep.extra["mtp"]["depth"], deep.extra["mtp"]["chain"], deep.extra["mtp"]["hidden"]) == (2, "recursive", "post")
+    assert (deep.extra["mtp"]["mtp_depth"], deep.extra["mtp"]["chain"], deep.extra["mtp"]["hidden"]) == (2, "recursive", "post")
+    # n-gram lookup drafts first by default (3 a round), so a round drafts up to 3; lookup=0: MTP alone.
+    assert (deep.extra["mtp"]["depth"], deep.extra["mtp"]["lookup"]) == (3, 3)
+    alone = eng.generate([1, 2, 3], max_tokens=12, speculative=SpeculativeConfig(depth=2, chain="recursive", lookup=0))
+    _assert_same(plain, alone)
+    assert alone.extra["mtp"]["depth"] == 2 and "lookup" not in alone.extra["mtp"] and "by_source" not in alone.extra["mtp"]
     sampled = eng.generate([1, 2, 3], SamplingConfig(temperature=0.8, seed=1), max_tokens=4)
     assert "mtp" not in sampled.extra and "greedy" in sampled.extra["mtp_note"]
     assert "evict" in eng.generate([1, 2, 3], max_tokens=4, evict=True).extra["mtp_note"]

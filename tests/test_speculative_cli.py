@@ -47,7 +47,7 @@ def test_sidecar_is_picked_up_and_exact(pair):
     r = _gen(path, "Hello there", "-n", "12", "--json", "--mtp-depth", "2", "--mtp-chain", "recursive",
              "--mtp-hidden", "post")  # no --mtp-compare: no second, plain run
     m = json.loads(r.stdout)["mtp"]
-    assert (m["depth"], m["chain"], m["hidden"]) == (2, "recursive", "post") and "speedup" not in m
+    assert (m["mtp_depth"], m["chain"], m["hidden"]) == (2, "recursive", "post") and "speedup" not in m
 
 
 def test_closing_table(pair):
