@@ -185,7 +185,7 @@ class LookupDrafter:
         self.last_source = "mtp"
         return self.mtp.draft(t, ids, min(k, self.mtp.depth))
 
-    def _ms_per_token(self, name: str) -> float | None:
+    def _seconds_per_token(self, name: str) -> float | None:
         seen = self._cost[name]
         tokens = sum(n for n, _ in seen)
         return sum(s for _, s in seen) / tokens if len(seen) >= 2 and tokens else None
@@ -195,7 +195,7 @@ class LookupDrafter:
         if not self.gate:
             return True
         self._turn += 1
-        mtp, plain = self._ms_per_token("mtp"), self._ms_per_token("plain")
+        mtp, plain = self._seconds_per_token("mtp"), self._seconds_per_token("plain")
         ahead = mtp is None or plain is None or mtp <= plain
         probe = self._turn % GATE_PROBE == 0
         return ahead != probe
