@@ -57,6 +57,20 @@ class ThresholdRow:
         return self.__dict__.copy()
 
 
+def _round_outcomes(trace: ProbeTrace, th: float, draft_ms: float,
+                    verify_ms: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(ms, tokens, drafts proposed) of every traced round under threshold ``th``: a round
+    computes drafts up to and including the first one below it (all when none is),
+    proposes those before it and keeps their right prefix (chained)."""
+    rounds, depth = trace.probs.shape
+    below = trace.probs < th
+    kept = np.where(below.any(axis=1), below.argmax(axis=1), depth)
+    computed = np.minimum(kept + 1, depth)
+    run = np.cumprod(trace.right, axis=1)  # chained: drafts 1..k all right
+    accepted = np.array([run[r, : kept[r]].sum() for r in range(rounds)], np.int64)
+    return computed * draft_ms + verify_ms[kept], 1 + accepted, kept
+
+
 def threshold_table(trace: ProbeTrace, draft_ms: float, verify_ms: Sequence[float],
                     candidates: Sequence[float] = (0.0, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)) -> list[ThresholdRow]:
     """Replay the traced rounds under each threshold: a round computes drafts up to and
@@ -66,13 +80,7 @@ def threshold_table(trace: ProbeTrace, draft_ms: float, verify_ms: Sequence[floa
         raise ValueError(f"verify_ms needs {depth + 1} entries (1..{depth + 1} rows)")
     rows = []
     for th in candidates:
-        below = trace.probs < th
-        kept = np.where(below.any(axis=1), below.argmax(axis=1), depth)  # drafts proposed
-        computed = np.minimum(kept + 1, depth)
-        run = np.cumprod(trace.right, axis=1)  # chained: drafts 1..k all right
-        accepted = np.array([run[r, : kept[r]].sum() for r in range(rounds)])
-        cost = computed * draft_ms + np.asarray(verify_ms, dtype=np.float64)[kept]
-        tokens = 1 + accepted
+        cost, tokens, kept = _round_outcomes(trace, th, draft_ms, np.asarray(verify_ms, dtype=np.float64))
         ms_tok = float(cost.sum() / tokens.sum()) if rounds else 0.0
         rows.append(ThresholdRow(float(th), float(tokens.mean()) if rounds else 1.0, float(kept.mean()) if rounds else 0.0,
                                  ms_tok, float(verify_ms[0] / ms_tok) if ms_tok else 0.0))
@@ -255,17 +263,6 @@ def lookup_rounds(tokens: np.ndarray, starts: Sequence[int], lookup: int, ngram:
     return hit, n, acc
 
 
-def _round_outcomes(trace: ProbeTrace, th: float, draft_ms: float, verify_ms: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(ms, tokens) of every traced MTP round under threshold ``th`` (threshold_table's rule)."""
-    rounds, depth = trace.probs.shape
-    below = trace.probs < th
-    kept = np.where(below.any(axis=1), below.argmax(axis=1), depth)
-    computed = np.minimum(kept + 1, depth)
-    run = np.cumprod(trace.right, axis=1)
-    accepted = np.array([run[r, : kept[r]].sum() for r in range(rounds)], np.int64)
-    return computed * draft_ms + verify_ms[kept], 1 + accepted
-
-
 def with_lookup_setting(trace: ProbeTrace, looked: np.ndarray, n_drafts: np.ndarray, accepted: np.ndarray,
                         keys: Sequence[tuple[int, int]], draft_ms: float, verify_ms: Sequence[float], lookup: int,
                         ngram: tuple[int, int],
@@ -293,7 +290,7 @@ def with_lookup_setting(trace: ProbeTrace, looked: np.ndarray, n_drafts: np.ndar
     for d in range(1, depth + 1):
         sub = ProbeTrace(trace.probs[:, :d], trace.right[:, :d])
         for th in candidates:
-            ms, tok = _round_outcomes(sub, th, draft_ms, vm)
+            ms, tok, _ = _round_outcomes(sub, th, draft_ms, vm)
             ms = np.where(looked, look_ms, ms)
             tok = np.where(looked, look_tok, tok)
             total_ms = total_tok = 0.0
