@@ -22,7 +22,7 @@ MtpPath = Annotated[
     Optional[Path],
     typer.Option("--mtp", help="MTP draft layers from this sidecar (default: inline, else MODEL.mtp.cmf beside the model when it exists).", rich_help_panel=MTP_PANEL),
 ]
-NoMtp = Annotated[bool, typer.Option("--no-mtp", help="Plain decoding even when draft layers are present.", rich_help_panel=MTP_PANEL)]
+NoMtp = Annotated[bool, typer.Option("--no-mtp", help="Plain decoding even when draft layers are present (with --lookup N: n-gram lookup drafts alone).", rich_help_panel=MTP_PANEL)]
 MtpDepth = Annotated[Optional[int], typer.Option("--mtp-depth", min=1, help="Drafts per round (default: every draft layer).", rich_help_panel=MTP_PANEL)]
 MtpChain = Annotated[
     Optional[str],
@@ -89,6 +89,10 @@ def speculative_arg(no_mtp: bool, depth: int | None, chain: str | None, hidden: 
                             ("--mtp-vocab", vocab), ("--mtp-threshold", threshold)) if v is not None]
     if no_mtp and given:
         raise CortiqError(f"--no-mtp and {given[0]} contradict each other")
+    if lookup == 0 and grams is not None:
+        raise CortiqError("--lookup 0 and --lookup-ngram contradict each other")
+    if no_mtp and grams is not None and not lookup:
+        raise CortiqError("--lookup-ngram given, but no lookup drafts: add --lookup N")
     if no_mtp:
         return SpeculativeConfig(lookup=lookup, ngram=grams) if lookup else False
     return SpeculativeConfig(depth=depth, chain=chain, hidden=hidden, vocab=parse_vocab(vocab), threshold=threshold,

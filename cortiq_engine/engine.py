@@ -252,6 +252,8 @@ class Engine:
                     f"`cortiq mtp-train {self.path}`, give --mtp PATH, or draft by lookup alone (--lookup 3)"
                 )
             if not lookup_only:
+                if spec.ngram is not None:
+                    raise CortiqError("lookup n-gram sizes given, but no lookup drafts: add --lookup N (no draft layers here)")
                 return None, ""
         why = ""
         if not (config or SamplingConfig()).greedy:

@@ -176,6 +176,8 @@ def test_the_policy_of_lookup(tiny):
     assert alone.extra["mtp"]["source"] == "lookup" and alone.extra["mtp"]["lookup"] == 2
     with pytest.raises(CortiqError, match="no MTP draft layers"):
         plain_eng.generate([1, 2], max_tokens=4, speculative=SpeculativeConfig(lookup=2, depth=2))
+    with pytest.raises(CortiqError, match="no lookup drafts: add --lookup N"):
+        plain_eng.generate([1, 2], max_tokens=4, speculative=SpeculativeConfig(ngram=(2, 4)))
     sampled = plain_eng.generate([1, 2], SamplingConfig(temperature=0.7), max_tokens=4, speculative=SpeculativeConfig(lookup=2))
     assert "mtp" not in sampled.extra and "greedy" in sampled.extra["mtp_note"]  # as with MTP layers: a note
     eng = Engine.load(tiny["q8"], threads=1, mtp=True)
@@ -201,7 +203,10 @@ def test_cli_lookup_alone_and_its_errors(tiny):
     table = runner.invoke(app, ["generate", path, "la la la la la la", "-n", "12", "--ignore-eos", "--lookup", "2"])
     assert table.exit_code == 0 and "lookup 2 (3-5-grams)" in table.output and "lookup rounds" in table.output
     for bad, needle in ((["--lookup-ngram", "5:2"], "--lookup-ngram '5:2'"), (["--lookup-ngram", "x"], "--lookup-ngram 'x'"),
-                        (["--lookup", "2", "--mtp-depth", "2", "--no-mtp"], "--no-mtp and --mtp-depth contradict")):
+                        (["--lookup", "2", "--mtp-depth", "2", "--no-mtp"], "--no-mtp and --mtp-depth contradict"),
+                        (["--no-mtp", "--lookup-ngram", "2:4"], "no lookup drafts: add --lookup N"),
+                        (["--lookup", "0", "--lookup-ngram", "2:4"], "--lookup 0 and --lookup-ngram contradict"),
+                        (["--no-mtp", "--lookup", "2", "--lookup-ngram", "2:40"], "lookup n-gram sizes 2..40")):
         r = runner.invoke(app, ["generate", path, "la la", "-n", "4", *bad])
         assert r.exit_code != 0 and needle in r.output and "Traceback" not in r.output
         assert len(r.output.strip().splitlines()) == 1, r.output
