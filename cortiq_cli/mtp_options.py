@@ -15,6 +15,7 @@ from rich.table import Table
 
 from cortiq_cli.common import print_table
 from formats.errors import CortiqError
+from formats.sidecar import MAX_LOOKUP_DRAFTS
 
 MTP_PANEL = "Speculative decoding (MTP layers, n-gram lookup)"
 
@@ -39,7 +40,7 @@ MtpThreshold = Annotated[
 ]
 Lookup = Annotated[
     Optional[int],
-    typer.Option("--lookup", metavar="N", min=0, max=64, help="Draft N tokens by n-gram lookup in the prompt and output before asking the MTP layers each round (exact: the same verify). Default: 3 with draft layers, off without; 0 = off; N > 0 without draft layers drafts by lookup alone.", rich_help_panel=MTP_PANEL),
+    typer.Option("--lookup", metavar="N", min=0, max=MAX_LOOKUP_DRAFTS, help="Draft N tokens by n-gram lookup in the prompt and output before asking the MTP layers each round (exact: the same verify). Default: 3 with draft layers, off without; 0 = off; N > 0 without draft layers drafts by lookup alone.", rich_help_panel=MTP_PANEL),
 ]
 LookupNgram = Annotated[
     Optional[str],
@@ -158,6 +159,6 @@ def with_lookup_line(rec: dict[str, Any]) -> str:
     wl = rec.get("with_lookup")
     if not wl:
         return ""
-    speed = f"modelled {wl['modelled_speedup']:.2f}x plain decoding, " if wl.get("modelled_speedup") is not None else ""
     return (f"with n-gram lookup drafting first (--lookup {wl['lookup']}, the default): depth {wl['depth']}, "
-            f"threshold {wl['threshold']:g}: {speed}{wl['lookup_rounds']} of {wl['rounds']} rounds drafted by lookup")
+            f"threshold {wl['threshold']:g}: modelled {wl['modelled_speedup']:.2f}x plain decoding, "
+            f"{wl['lookup_rounds']} of {wl['rounds']} rounds drafted by lookup")

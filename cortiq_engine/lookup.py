@@ -45,14 +45,13 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from formats.errors import CortiqError
+from formats.sidecar import MAX_LOOKUP_DRAFTS as MAX_LOOKUP, MAX_LOOKUP_NGRAM as MAX_NGRAM
 
 if TYPE_CHECKING:
     from cortiq_engine.mtp import Drafter
 
 DEFAULT_LOOKUP = 3
 DEFAULT_NGRAM = (3, 5)
-MAX_NGRAM = 16  # longer matches add nothing a 16-token one does not already say
-MAX_LOOKUP = 64  # the verify takes at most the kernels' row-exact rows anyway
 # The MTP gate: the last GATE_WINDOW rounds of each choice (MTP drafts, or a plain step)
 # give its milliseconds per emitted token; every GATE_PROBE-th round without a lookup
 # match takes the choice that is not ahead, so a change of the text or the machine is seen.
@@ -65,7 +64,8 @@ class NgramIndex:
     growing sequence ended, built incrementally (each new token adds hi - lo + 1 keys).
 
     The index only ever appends; ``update`` starts over when handed a sequence shorter
-    than the one it indexed (a new generation, a conversation's next turn)."""
+    than the one it indexed (a new generation, a conversation's next turn). ``end``
+    takes the prefix ids[:end] without copying it (the probe's rounds walk one text)."""
 
     def __init__(self, lo: int, hi: int):
         if not 1 <= lo <= hi <= MAX_NGRAM:
@@ -79,10 +79,10 @@ class NgramIndex:
             table.clear()
         self.done = 0
 
-    def update(self, ids: Sequence[int]) -> None:
-        """Index the n-grams of ``ids`` that end before its last token (each has a known
+    def update(self, ids: Sequence[int], end: int | None = None) -> None:
+        """Index the n-grams of ids[:end] that end before its last token (each has a known
         continuation: the token at the position it ends at)."""
-        n_ids = len(ids)
+        n_ids = len(ids) if end is None else end
         if n_ids < self.done:
             self.clear()
         for j in range(max(self.done, self.lo), n_ids):
@@ -91,15 +91,15 @@ class NgramIndex:
                     table[tuple(ids[j - n : j])] = j
         self.done = n_ids
 
-    def continuation(self, ids: Sequence[int], k: int) -> list[int]:
+    def continuation(self, ids: Sequence[int], k: int, end: int | None = None) -> list[int]:
         """Up to ``k`` tokens that followed the latest earlier occurrence of the longest
-        suffix of ``ids`` found (n from hi down to lo); [] without a match. A match that
+        suffix of ids[:end] found (n from hi down to lo); [] without a match. A match that
         runs into the end of the sequence continues with its own drafts (a loop of
         period p repeats every p tokens)."""
-        self.update(ids)
-        n_ids = len(ids)
+        n_ids = len(ids) if end is None else end
+        self.update(ids, n_ids)
         for n in range(min(self.hi, n_ids - 1), self.lo - 1, -1):
-            j = self.ends[n].get(tuple(ids[n_ids - n :]))
+            j = self.ends[n].get(tuple(ids[n_ids - n : n_ids]))
             if j is None:
                 continue
             out: list[int] = []
@@ -171,8 +171,7 @@ class LookupDrafter:
         says which source proposed them."""
         k = min(depth or self.depth, self.depth)
         # The teacher-forced probe passes the true text beyond t+1: the lookup must not see it.
-        known = ids if len(ids) == t + 2 else ids[: t + 2]
-        drafts = self.index.continuation(known, min(k, self.lookup))
+        drafts = self.index.continuation(ids, min(k, self.lookup), end=t + 2)
         if drafts:
             self.last_source = "lookup"
             return drafts
@@ -202,7 +201,7 @@ class LookupDrafter:
 
     def observe(self, emitted: int, seconds: float) -> None:
         """The last round emitted ``emitted`` tokens in ``seconds`` (draft and verify)."""
-        if self.last_source in self._cost:
+        if self.gate and self.last_source in self._cost:
             self._cost[self.last_source].append((int(emitted), float(seconds)))
 
     def describe(self) -> dict:

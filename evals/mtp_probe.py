@@ -243,7 +243,7 @@ def lookup_rounds(tokens: np.ndarray, starts: Sequence[int], lookup: int, ngram:
     n = np.zeros(len(starts), np.int64)
     acc = np.zeros(len(starts), np.int64)
     for r, t in enumerate(int(x) for x in starts):
-        drafts = index.continuation(toks[: t + 2], lookup)
+        drafts = index.continuation(toks, lookup, end=t + 2)
         if not drafts:
             continue
         hit[r], n[r] = True, len(drafts)
@@ -305,14 +305,10 @@ def with_lookup_setting(trace: ProbeTrace, looked: np.ndarray, n_drafts: np.ndar
                     n_look += bool(looked[r])
                     n_rounds += 1
                     i = bisect_left(ts, walk[i][0] + int(tok[r]), i + 1)
-            if not total_tok:
-                continue
             ms_tok = total_ms / total_tok
             if best is None or ms_tok < best[0]:
                 best = (ms_tok, d, float(th), n_look, n_rounds, total_tok)
-    if best is None:
-        return {"lookup": int(lookup), "ngram": [int(ngram[0]), int(ngram[1])], "depth": 1, "threshold": 0.0,
-                "modelled_speedup": None, "lookup_rounds": 0, "rounds": 0}
+    assert best is not None  # every traced window walks at least one round
     ms_tok, d, th, n_look, n_rounds, total_tok = best
     return {"lookup": int(lookup), "ngram": [int(ngram[0]), int(ngram[1])], "depth": d, "threshold": th,
             "modelled_speedup": round(float(vm[0] / ms_tok), 4), "lookup_rounds": n_look, "rounds": n_rounds,

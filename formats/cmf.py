@@ -45,7 +45,7 @@ import numpy as np
 from formats.errors import CortiqError
 from formats.quants import ALIGN, DTYPES, align_up, get_dtype
 from formats.staging import Staged, hold, remove_stale
-from formats.untrusted_json import loads as untrusted_loads
+from formats.untrusted_json import is_int, loads as untrusted_loads
 
 MAGIC = b"CORTIQMF"
 # Readers reject a newer major version; a newer minor version only adds things an
@@ -284,10 +284,6 @@ def read_preamble(path: Path, f, size: int) -> Preamble:
     return Preamble(major, minor, hoff, hlen, data_off, dir_off, dir_len)
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _parse_entry(path: Path, e: Any) -> TensorInfo:
     keys = ("name", "dtype", "shape", "offset", "nbytes", "crc32")
     if not isinstance(e, dict) or any(k not in e for k in keys):
@@ -297,11 +293,11 @@ def _parse_entry(path: Path, e: Any) -> TensorInfo:
         raise CortiqError(f"{path}: corrupt CMF directory entry (tensor name {str(name)[:80]!r})")
     if not isinstance(dtype, str) or dtype not in DTYPES:
         raise CortiqError(f"{path}: tensor {name} has unknown dtype {str(dtype)[:20]!r}")
-    if not isinstance(shape, list) or len(shape) > 8 or not all(_is_int(s) and 0 <= s <= MAX_ELEMENTS for s in shape):
+    if not isinstance(shape, list) or len(shape) > 8 or not all(is_int(s) and 0 <= s <= MAX_ELEMENTS for s in shape):
         raise CortiqError(f"{path}: tensor {name} has a bad shape {str(shape)[:80]}")
     if math.prod(shape) > MAX_ELEMENTS:
         raise CortiqError(f"{path}: tensor {name} has shape {shape}, over {MAX_ELEMENTS} elements (corrupt file)")
-    if not all(_is_int(e[k]) for k in ("offset", "nbytes", "crc32")) or not 0 <= e["crc32"] < 1 << 32:
+    if not all(is_int(e[k]) for k in ("offset", "nbytes", "crc32")) or not 0 <= e["crc32"] < 1 << 32:
         raise CortiqError(f"{path}: tensor {name} has a bad offset, size or checksum in the directory")
     dt = get_dtype(dtype)
     if dt.quantized and not dt.supports(tuple(shape)):

@@ -30,7 +30,7 @@ import numpy as np
 
 from formats.errors import CortiqError
 from formats.mtp_names import MTP_PREFIX
-from formats.untrusted_json import section
+from formats.untrusted_json import is_int, section
 
 ROLE_MODEL = "model"
 ROLE_SIDECAR = "mtp_sidecar"
@@ -165,10 +165,6 @@ class LookupDefaults:
     threshold: float
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def read_lookup_defaults(header: dict[str, Any], num_layers: int) -> LookupDefaults | None:
     """The sidecar's ``mtp.defaults.with_lookup`` record, None without one; a malformed
     one is a one-line ``CortiqError`` (as ``read_defaults``)."""
@@ -179,9 +175,9 @@ def read_lookup_defaults(header: dict[str, Any], num_layers: int) -> LookupDefau
     if not isinstance(sub, dict):
         raise CortiqError(f"MTP defaults: with_lookup is {type(sub).__name__}, expected an object")
     lookup, ngram = sub.get("lookup"), sub.get("ngram")
-    if not _is_int(lookup) or not 1 <= lookup <= MAX_LOOKUP_DRAFTS:
+    if not is_int(lookup) or not 1 <= lookup <= MAX_LOOKUP_DRAFTS:
         raise CortiqError(f"MTP defaults: with_lookup.lookup {lookup!r} is not an integer in 1..{MAX_LOOKUP_DRAFTS}")
-    if (not isinstance(ngram, list) or len(ngram) != 2 or not all(_is_int(x) for x in ngram)
+    if (not isinstance(ngram, list) or len(ngram) != 2 or not all(is_int(x) for x in ngram)
             or not 1 <= ngram[0] <= ngram[1] <= MAX_LOOKUP_NGRAM):
         raise CortiqError(f"MTP defaults: with_lookup.ngram {ngram!r} is not [min, max] with 1 <= min <= max <= {MAX_LOOKUP_NGRAM}")
     try:

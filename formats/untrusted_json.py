@@ -100,6 +100,11 @@ def read_object(path: Path, max_bytes: int = MAX_BYTES) -> dict[str, Any]:
     return load_object(read_text(path, max_bytes), str(path), max_bytes=max_bytes)
 
 
+def is_int(v: Any) -> bool:
+    """A JSON integer: ``true``/``false`` parse to Python bools, which are ints too."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def section(header: dict[str, Any], key: str, where: str = "header") -> dict[str, Any]:
     """``header[key]`` when it is an object, {} when absent or null; anything else is bad input."""
     v = header.get(key)

@@ -43,13 +43,14 @@ def test_index_matches_brute_force_as_the_sequence_grows(lo, hi):
     for trial in range(6):
         vocab = int(rng.integers(2, 6))  # small vocabularies: matches of every length
         ids = [int(x) for x in rng.integers(0, vocab, size=120)]
-        grown = NgramIndex(lo, hi)
+        grown, prefix = NgramIndex(lo, hi), NgramIndex(lo, hi)
         hits = 0
         for m in range(1, len(ids) + 1):
             k = int(rng.integers(1, 9))
             want = brute_continuation(ids[:m], k, lo, hi)
             assert grown.continuation(ids[:m], k) == want  # incremental: one index, growing
             assert NgramIndex(lo, hi).continuation(ids[:m], k) == want  # built at once
+            assert prefix.continuation(ids, k, end=m) == want  # the prefix by ``end``, uncopied
             hits += bool(want)
         assert hits > 0
 
