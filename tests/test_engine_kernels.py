@@ -59,6 +59,40 @@ def test_matmul_mixed_dtypes_in_one_call():
     assert np.array_equal(fused, np.concatenate([ks.matmul([w], X) for w in (a, b, c)], axis=1))
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_prefill_slices_cross_weights_and_chunk_rows(threads):
+    """Prefill matmuls (sgemm path): slices that run from one weight into the next, a
+    native f32 weight copied into a tile beside dequantized ones, input rows taken
+    PREFILL_M_ROWS at a time; against float64."""
+    import numba
+
+    from cortiq_engine.kernels import fast as fastmod
+
+    ws = [_weight("q8", 150, 64, 1), _weight("f32", 70, 64, 2), _weight("q4", 200, 64, 3), _weight("f32", 300, 64, 4)]
+    n = fastmod.PREFILL_M_ROWS + 44
+    X = RNG.standard_normal((n, 64)).astype(np.float32)
+    exact = X.astype(np.float64) @ np.concatenate([d for _, d in ws]).astype(np.float64).T
+    ks = get_kernels("numba-float")
+    before = numba.get_num_threads()
+    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    try:
+        spans = fastmod._spans([w for w, _ in ws], numba.get_num_threads())
+        out = ks.matmul([w for w, _ in ws], X)
+    finally:
+        numba.set_num_threads(before)
+    # every row of every weight in exactly one piece, in order; slices of at least
+    # MIN_SLICE_ROWS except the last, and some crossing a weight boundary
+    pieces = [piece for span in spans for piece in span]
+    at = {id(w): 0 for w, _ in ws}
+    for w, r0, r1 in pieces:
+        assert r0 == at[id(w)] and r1 > r0
+        at[id(w)] = r1
+    assert all(at[id(w)] == w.rows for w, _ in ws) and len(pieces) > len(spans)
+    sizes = [sum(b - a for _, a, b in span) for span in spans]
+    assert all(s >= fastmod.MIN_SLICE_ROWS for s in sizes[:-1])
+    assert np.abs(out - exact).max() / np.abs(exact).max() < 1e-5
+
+
 def _attention64(q, kc, vc, start, window, scale, sinks=None):
     """Causal GQA attention in float64, one query and head at a time; a sink joins the
     softmax as one more logit without a value row."""

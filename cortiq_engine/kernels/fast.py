@@ -61,15 +61,52 @@ FUSE_MAX = 3
 # f32 elements of the reused dequantization tile (8 MB): a fused q|k|v or gate|up
 # of a small model fits whole; bigger matrices go through in row tiles.
 TILE_ELEMS = 1 << 21
+# Prefill sgemm shapes (OpenBLAS, one thread per call): a slice of at least this many
+# weight rows, multiplied by at most PREFILL_M_ROWS input rows at a time. On a Zen 1 EPYC
+# (AVX2) SmolLM2's 512-token sgemm calls ran at 15-20 GFLOP/s with 16-320 weight rows
+# against all 512 input rows, and at 40-48 with >= 128 rows against 256 input rows at a
+# time (docs/performance.md, eleventh session).
+MIN_SLICE_ROWS = 128
+PREFILL_M_ROWS = 256
 
 
 def _slice_rows(w: Weight, threads: int) -> int:
-    """Rows per prefill slice: a tile of at most TILE_ELEMS / 4 f32 (2 MB, stays in
-    L2/L3 while BLAS reads it), at least 4 slices per thread so a late thread
-    leaves little for the others to wait on, and a multiple of 16 rows."""
+    """Rows per prefill slice of one weight (the AMX path, whose tiles stay within a
+    weight): a tile of at most TILE_ELEMS / 4 f32 (2 MB, stays in L2/L3 while BLAS reads
+    it), at least 4 slices per thread so a late thread leaves little for the others to
+    wait on, and a multiple of 16 rows."""
     by_size = max(16, (TILE_ELEMS // 4) // max(w.cols, 1))
     by_count = max(16, -(-w.rows // (4 * threads)))
     return max(16, min(by_size, by_count) // 16 * 16)
+
+
+def _spans(ws: Sequence[Weight], threads: int) -> list[list[tuple[Weight, int, int]]]:
+    """The prefill slices of a fused matmul without AMX: runs of consecutive output
+    columns that may cross from one weight into the next (k|v of a GQA layer are 192 rows
+    each on SmolLM2), each a list of (weight, r0, r1) pieces. Sized as ``_slice_rows`` but
+    over the fused rows and never under MIN_SLICE_ROWS: sgemm of fewer weight rows ran at
+    a third of its speed (SmolLM2's k and v were cut into 16-row slices)."""
+    total = sum(w.rows for w in ws)
+    cols = ws[0].cols
+    by_size = max(16, (TILE_ELEMS // 4) // max(cols, 1))
+    by_count = -(-total // (4 * threads))
+    step = max(16, min(by_size, max(MIN_SLICE_ROWS, by_count)) // 16 * 16)
+    spans: list[list[tuple[Weight, int, int]]] = []
+    cur: list[tuple[Weight, int, int]] = []
+    room = step
+    for w in ws:
+        r = 0
+        while r < w.rows:
+            take = min(room, w.rows - r)
+            cur.append((w, r, r + take))
+            r += take
+            room -= take
+            if room == 0:
+                spans.append(cur)
+                cur, room = [], step
+    if cur:
+        spans.append(cur)
+    return spans
 
 
 def _runs(ws: Sequence[Weight], most: int) -> list[list[Weight]]:
@@ -226,20 +263,57 @@ class NumbaKernels(NumpyKernels):
         slice it has, not a fixed half of every call (BLAS's own static split did:
         prefill fell 4-5x beside a busy process)."""
         threads = numba.get_num_threads()
+        if any(w.dtype in self.amx_dtypes for w in ws):
+            self._large_amx(ws, X, out, threads)
+            return
+        cols = {}
+        c0 = 0
+        for w in ws:
+            cols[id(w)] = c0
+            c0 += w.rows
+
+        def work(span: list[tuple[Weight, int, int]]) -> None:
+            w, r0, r1 = span[0]
+            col = cols[id(w)] + r0
+            n = sum(b - a for _, a, b in span)
+            if len(span) == 1 and w.kind.native:
+                W = w.parts["data"][r0:r1]
+            else:
+                W = self._tile_buf(n, w.cols)
+                at = 0
+                for v, a, b in span:
+                    if v.kind.native:
+                        W[at : at + b - a] = v.parts["data"][a:b]
+                    else:
+                        self._dequant(v, a, b, W[at : at + b - a])
+                    at += b - a
+            for m0 in range(0, X.shape[0], PREFILL_M_ROWS):
+                m1 = min(X.shape[0], m0 + PREFILL_M_ROWS)
+                np.matmul(X[m0:m1], W.T, out=out[m0:m1, col : col + n])
+
+        spans = _spans(ws, threads)
+        if threads <= 1 or len(spans) == 1:
+            for span in spans:
+                work(span)
+            return
+        for _ in self._executor(threads).map(work, spans):
+            pass
+
+    def _large_amx(self, ws: Sequence[Weight], X: np.ndarray, out: np.ndarray, threads: int) -> None:
+        """Prefill with AMX tiles for the tiled dtypes (slices within one weight: whole
+        tiles of 16 rows on activations packed once for the call; a slice's tail of < 16
+        rows, and the other dtypes, take sgemm)."""
         jobs = []
         c0 = 0
         for w in ws:
             step = _slice_rows(w, threads)
             jobs.extend((w, r0, min(w.rows, r0 + step), c0) for r0 in range(0, w.rows, step))
             c0 += w.rows
-
-        # Slices of whole tiles of 16 rows of the tiled dtypes go to the AMX kernels, on
-        # activations packed once for the call (a slice's tail of < 16 rows takes sgemm).
-        packed = self._amx.pack(X) if any(w.dtype in self.amx_dtypes for w in ws) else None
+        packed = self._amx.pack(X)
 
         def work(job: tuple[Weight, int, int, int]) -> None:
             w, r0, r1, col = job
-            if packed is not None and w.dtype in self.amx_dtypes and r1 - r0 >= amx.TILE:
+            if w.dtype in self.amx_dtypes and r1 - r0 >= amx.TILE:
                 t1 = r0 + (r1 - r0) // amx.TILE * amx.TILE
                 buf = self._amx_buf(t1 - r0, packed.tiles * amx.TILE)
                 scratch = None if w.dtype == "q8" else self._amx_scratch((t1 - r0) * w.cols)
