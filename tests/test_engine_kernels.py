@@ -62,14 +62,13 @@ def test_matmul_mixed_dtypes_in_one_call():
 @pytest.mark.parametrize("threads", [1, 2])
 def test_prefill_slices_cross_weights_and_chunk_rows(threads):
     """Prefill matmuls (sgemm path): slices that run from one weight into the next, a
-    native f32 weight copied into a tile beside dequantized ones, input rows taken
-    PREFILL_M_ROWS at a time; against float64."""
+    native f32 weight copied into a tile beside dequantized ones; against float64."""
     import numba
 
     from cortiq_engine.kernels import fast as fastmod
 
     ws = [_weight("q8", 150, 64, 1), _weight("f32", 70, 64, 2), _weight("q4", 200, 64, 3), _weight("f32", 300, 64, 4)]
-    n = fastmod.PREFILL_M_ROWS + 44
+    n = 300
     X = RNG.standard_normal((n, 64)).astype(np.float32)
     exact = X.astype(np.float64) @ np.concatenate([d for _, d in ws]).astype(np.float64).T
     ks = get_kernels("numba-float")

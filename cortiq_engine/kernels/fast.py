@@ -61,13 +61,16 @@ FUSE_MAX = 3
 # f32 elements of the reused dequantization tile (8 MB): a fused q|k|v or gate|up
 # of a small model fits whole; bigger matrices go through in row tiles.
 TILE_ELEMS = 1 << 21
-# Prefill sgemm shapes (OpenBLAS, one thread per call): a slice of at least this many
-# weight rows, multiplied by at most PREFILL_M_ROWS input rows at a time. On a Zen 1 EPYC
-# (AVX2) SmolLM2's 512-token sgemm calls ran at 15-20 GFLOP/s with 16-320 weight rows
-# against all 512 input rows, and at 40-48 with >= 128 rows against 256 input rows at a
-# time (docs/performance.md, eleventh session).
+# Prefill sgemm slices take at least this many weight rows (fewer rows, more calls: a
+# SmolLM2 q8 prefill ran 170 tok/s with per-weight slices (k and v: 16 rows), 215-220 with
+# slices of >= 128 rows across q|k|v; Zen 1 EPYC, docs/performance.md, eleventh session).
 MIN_SLICE_ROWS = 128
-PREFILL_M_ROWS = 256
+# The shape of one sgemm run before a process's first prefill matmul. On that EPYC,
+# OpenBLAS 0.3.31 ran every sgemm of a process at a third of its speed (256 x 256 x 2048:
+# 11 against 35 GFLOP/s, in every thread) until one call of a large enough shape had run
+# (512 x 512 x 512 does, 300 x 256 x 2048 does not; why is not known, it was measured):
+# a 1.1B q8 prefill went from 10.7 to 20.4 tok/s with this one call (about 10 ms).
+BLAS_PRIME = (512, 512, 512)
 
 
 def _slice_rows(w: Weight, threads: int) -> int:
@@ -84,8 +87,8 @@ def _spans(ws: Sequence[Weight], threads: int) -> list[list[tuple[Weight, int, i
     """The prefill slices of a fused matmul without AMX: runs of consecutive output
     columns that may cross from one weight into the next (k|v of a GQA layer are 192 rows
     each on SmolLM2), each a list of (weight, r0, r1) pieces. Sized as ``_slice_rows`` but
-    over the fused rows and never under MIN_SLICE_ROWS: sgemm of fewer weight rows ran at
-    a third of its speed (SmolLM2's k and v were cut into 16-row slices)."""
+    over the fused rows and never under MIN_SLICE_ROWS (SmolLM2's k and v, 192 rows each,
+    were cut into 16-row slices)."""
     total = sum(w.rows for w in ws)
     cols = ws[0].cols
     by_size = max(16, (TILE_ELEMS // 4) // max(cols, 1))
@@ -192,6 +195,7 @@ class NumbaKernels(NumpyKernels):
         self._tiles = threading.local()
         self._pool: ThreadPoolExecutor | None = None
         self._pool_size = 0
+        self._blas_primed = False  # BLAS_PRIME has run (it acts on the whole process)
         # Fused kernel calls per weight list (the entry keeps the weights, so an id is never reused).
         self._plan_cache: dict[tuple[int, ...], tuple[tuple[Weight, ...], list[_Plan], int]] = {}
         self._pads: dict[tuple, np.ndarray] = {}
@@ -262,6 +266,10 @@ class NumbaKernels(NumpyKernels):
         threads. A thread that another process holds off its core delays only the
         slice it has, not a fixed half of every call (BLAS's own static split did:
         prefill fell 4-5x beside a busy process)."""
+        if not self._blas_primed:
+            m, n, k = BLAS_PRIME
+            np.matmul(np.zeros((m, k), np.float32), np.zeros((k, n), np.float32))
+            self._blas_primed = True
         threads = numba.get_num_threads()
         if any(w.dtype in self.amx_dtypes for w in ws):
             self._large_amx(ws, X, out, threads)
@@ -287,9 +295,7 @@ class NumbaKernels(NumpyKernels):
                     else:
                         self._dequant(v, a, b, W[at : at + b - a])
                     at += b - a
-            for m0 in range(0, X.shape[0], PREFILL_M_ROWS):
-                m1 = min(X.shape[0], m0 + PREFILL_M_ROWS)
-                np.matmul(X[m0:m1], W.T, out=out[m0:m1, col : col + n])
+            np.matmul(X, W.T, out=out[:, col : col + n])
 
         spans = _spans(ws, threads)
         if threads <= 1 or len(spans) == 1:
