@@ -73,27 +73,28 @@ MIN_SLICE_ROWS = 128
 BLAS_PRIME = (512, 512, 512)
 
 
+def _tile_rows(cols: int) -> int:
+    """Rows of a prefill tile of at most TILE_ELEMS / 4 f32 (2 MB, stays in L2/L3 while BLAS reads it)."""
+    return max(16, (TILE_ELEMS // 4) // max(cols, 1))
+
+
 def _slice_rows(w: Weight, threads: int) -> int:
     """Rows per prefill slice of one weight (the AMX path, whose tiles stay within a
-    weight): a tile of at most TILE_ELEMS / 4 f32 (2 MB, stays in L2/L3 while BLAS reads
-    it), at least 4 slices per thread so a late thread leaves little for the others to
-    wait on, and a multiple of 16 rows."""
-    by_size = max(16, (TILE_ELEMS // 4) // max(w.cols, 1))
+    weight): at most a tile, at least 4 slices per thread so a late thread leaves little
+    for the others to wait on, and a multiple of 16 rows."""
     by_count = max(16, -(-w.rows // (4 * threads)))
-    return max(16, min(by_size, by_count) // 16 * 16)
+    return max(16, min(_tile_rows(w.cols), by_count) // 16 * 16)
 
 
 def _spans(ws: Sequence[Weight], threads: int) -> list[list[tuple[Weight, int, int]]]:
     """The prefill slices of a fused matmul without AMX: runs of consecutive output
-    columns that may cross from one weight into the next (k|v of a GQA layer are 192 rows
-    each on SmolLM2), each a list of (weight, r0, r1) pieces. Sized as ``_slice_rows`` but
-    over the fused rows and never under MIN_SLICE_ROWS (SmolLM2's k and v, 192 rows each,
-    were cut into 16-row slices)."""
+    columns that may cross from one weight into the next, each a list of (weight, r0, r1)
+    pieces. Sized as ``_slice_rows`` but over the fused rows, and never under
+    MIN_SLICE_ROWS unless a tile is smaller (per weight, SmolLM2's k and v, 192 rows
+    each, were cut into 16-row slices)."""
     total = sum(w.rows for w in ws)
-    cols = ws[0].cols
-    by_size = max(16, (TILE_ELEMS // 4) // max(cols, 1))
     by_count = -(-total // (4 * threads))
-    step = max(16, min(by_size, max(MIN_SLICE_ROWS, by_count)) // 16 * 16)
+    step = max(16, min(_tile_rows(ws[0].cols), max(MIN_SLICE_ROWS, by_count)) // 16 * 16)
     spans: list[list[tuple[Weight, int, int]]] = []
     cur: list[tuple[Weight, int, int]] = []
     room = step
