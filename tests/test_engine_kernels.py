@@ -81,13 +81,15 @@ def test_prefill_slices_cross_weights_and_chunk_rows(threads):
         numba.set_num_threads(before)
     # every row of every weight in exactly one piece, in order; slices of at least
     # MIN_SLICE_ROWS except the last, and some crossing a weight boundary
-    pieces = [piece for span in spans for piece in span]
+    pieces = [piece for _, _, span in spans for piece in span]
     at = {id(w): 0 for w, _ in ws}
     for w, r0, r1 in pieces:
         assert r0 == at[id(w)] and r1 > r0
         at[id(w)] = r1
     assert all(at[id(w)] == w.rows for w, _ in ws) and len(pieces) > len(spans)
-    sizes = [sum(b - a for _, a, b in span) for span in spans]
+    sizes = [sum(b - a for _, a, b in span) for _, _, span in spans]
+    assert [n for _, n, _ in spans] == sizes
+    assert [col for col, _, _ in spans] == [sum(sizes[:i]) for i in range(len(sizes))]
     assert all(s >= fastmod.MIN_SLICE_ROWS for s in sizes[:-1])
     assert np.abs(out - exact).max() / np.abs(exact).max() < 1e-5
 

@@ -86,16 +86,16 @@ def _slice_rows(w: Weight, threads: int) -> int:
     return max(16, min(_tile_rows(w.cols), by_count) // 16 * 16)
 
 
-def _spans(ws: Sequence[Weight], threads: int) -> list[list[tuple[Weight, int, int]]]:
+def _spans(ws: Sequence[Weight], threads: int) -> list[tuple[int, int, list[tuple[Weight, int, int]]]]:
     """The prefill slices of a fused matmul without AMX: runs of consecutive output
-    columns that may cross from one weight into the next, each a list of (weight, r0, r1)
-    pieces. Sized as ``_slice_rows`` but over the fused rows, and never under
-    MIN_SLICE_ROWS unless a tile is smaller (per weight, SmolLM2's k and v, 192 rows
-    each, were cut into 16-row slices)."""
+    columns that may cross from one weight into the next, each (first column, columns,
+    (weight, r0, r1) pieces). Sized as ``_slice_rows`` but over the fused rows, and never
+    under MIN_SLICE_ROWS unless a tile is smaller (per weight, SmolLM2's k and v, 192
+    rows each, were cut into 16-row slices)."""
     total = sum(w.rows for w in ws)
     by_count = -(-total // (4 * threads))
     step = max(16, min(_tile_rows(ws[0].cols), max(MIN_SLICE_ROWS, by_count)) // 16 * 16)
-    spans: list[list[tuple[Weight, int, int]]] = []
+    spans: list[tuple[int, int, list[tuple[Weight, int, int]]]] = []
     cur: list[tuple[Weight, int, int]] = []
     room = step
     for w in ws:
@@ -106,10 +106,10 @@ def _spans(ws: Sequence[Weight], threads: int) -> list[list[tuple[Weight, int, i
             r += take
             room -= take
             if room == 0:
-                spans.append(cur)
+                spans.append((len(spans) * step, step, cur))
                 cur, room = [], step
     if cur:
-        spans.append(cur)
+        spans.append((len(spans) * step, step - room, cur))
     return spans
 
 
@@ -275,22 +275,15 @@ class NumbaKernels(NumpyKernels):
         if any(w.dtype in self.amx_dtypes for w in ws):
             self._large_amx(ws, X, out, threads)
             return
-        cols = {}
-        c0 = 0
-        for w in ws:
-            cols[id(w)] = c0
-            c0 += w.rows
-
-        def work(span: list[tuple[Weight, int, int]]) -> None:
-            w, r0, r1 = span[0]
-            col = cols[id(w)] + r0
-            n = sum(b - a for _, a, b in span)
-            if len(span) == 1 and w.kind.native:
+        def work(span: tuple[int, int, list[tuple[Weight, int, int]]]) -> None:
+            col, n, pieces = span
+            w, r0, r1 = pieces[0]
+            if len(pieces) == 1 and w.kind.native:
                 W = w.parts["data"][r0:r1]
             else:
                 W = self._tile_buf(n, w.cols)
                 at = 0
-                for v, a, b in span:
+                for v, a, b in pieces:
                     if v.kind.native:
                         W[at : at + b - a] = v.parts["data"][a:b]
                     else:
@@ -298,13 +291,7 @@ class NumbaKernels(NumpyKernels):
                     at += b - a
             np.matmul(X, W.T, out=out[:, col : col + n])
 
-        spans = _spans(ws, threads)
-        if threads <= 1 or len(spans) == 1:
-            for span in spans:
-                work(span)
-            return
-        for _ in self._executor(threads).map(work, spans):
-            pass
+        self._pull(work, _spans(ws, threads), threads)
 
     def _large_amx(self, ws: Sequence[Weight], X: np.ndarray, out: np.ndarray, threads: int) -> None:
         """Prefill with AMX tiles for the tiled dtypes (slices within one weight: whole
@@ -336,6 +323,11 @@ class NumbaKernels(NumpyKernels):
             self._dequant(w, r0, r1, buf)
             np.matmul(X, buf.T, out=out[:, col + r0 : col + r1])
 
+        self._pull(work, jobs, threads)
+
+    def _pull(self, work, jobs: Sequence, threads: int) -> None:
+        """Run ``work`` on every job: in this thread when there is one thread or one job,
+        else pulled one at a time by the pool's threads."""
         if threads <= 1 or len(jobs) == 1:
             for job in jobs:
                 work(job)
@@ -449,14 +441,8 @@ class NumbaKernels(NumpyKernels):
             # Prefill: the reference blocks (query block x KV head), pulled by the pool's threads.
             qs = q * np.float32(scale)
             jobs = attention_jobs(q.shape[0], kc.shape[0])
-            threads = numba.get_num_threads()
-            if threads <= 1 or len(jobs) == 1:
-                for job in jobs:
-                    attend_block(qs, kc, vc, start, window, sinks, out, *job)
-            else:
-                run = lambda job: attend_block(qs, kc, vc, start, window, sinks, out, *job)  # noqa: E731
-                for _ in self._executor(threads).map(run, jobs):
-                    pass
+            self._pull(lambda job: attend_block(qs, kc, vc, start, window, sinks, out, *job), jobs,
+                       numba.get_num_threads())
             return out
         jit.attend(np.ascontiguousarray(q), kc, vc, start, window, np.float32(scale), sinks, out, fns)
         return out
