@@ -1,13 +1,14 @@
-"""Prefill matmuls: the AMX tile kernels (``kernels/amx.py``) against dequantize + sgemm.
+"""Prefill matmuls: the tile kernels (``kernels/amx.py``, on AMX or AVX-512 VNNI) against dequantize + sgemm.
 
-    python benchmarks/bench_amx_prefill.py [--reps 7] [--dtypes q8,q4,q4k]
-    python benchmarks/bench_amx_prefill.py --model MODEL.cmf --text TEXT.txt [--reps 5] [--threads 2]
+    python benchmarks/bench_amx_prefill.py [--reps 7] [--dtypes q8,q4,q4k] [--unit amx|vnni]
+    python benchmarks/bench_amx_prefill.py --model MODEL.cmf --text TEXT.txt [--reps 5] [--threads 2] [--unit vnni]
 
 Checks the tile kernels against ``qdot.qdot_ref`` (float64, the same int16 rounding of the
 activations) and times it, single-threaded, against the portable prefill path
 (``fast.NumbaKernels._large`` without AMX: dequantize a slice to f32, single-threaded
 OpenBLAS sgemm) on SmolLM2's and TinyLlama's matrix shapes with 512 input rows. Exits
-non-zero when the kernel's results are wrong; on a CPU without AMX-INT8 it says so.
+non-zero when the kernel's results are wrong; on a CPU with neither unit it says so.
+``--unit``: the tile unit (default the host's: AMX where the tiles are, else VNNI).
 
 ``--model``: a whole 512-token prefill of a model, with and without the tiles (two
 engines in one process, alternating, median of ``--reps``), and the KL divergence
@@ -19,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from cortiq_engine.kernels import qdot
-from cortiq_engine.kernels.amx import TILE, AmxTiles, host_amx
+from cortiq_engine.kernels.amx import TILE, UNITS, TileKernels, host_unit
 
 
 def main() -> int:
@@ -36,14 +37,16 @@ def main() -> int:
     ap.add_argument("--text", help="the prompt text for --model (its first 512 tokens)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtypes", default="q8", help="comma-separated weight dtypes for the per-matrix timings")
+    ap.add_argument("--unit", choices=UNITS, help="the tile unit (default the host's)")
     a = ap.parse_args()
-    if not host_amx():
-        print("this CPU or kernel offers no AMX-INT8 tiles: nothing to measure")
+    unit = a.unit or host_unit()
+    if unit is None:
+        print("this CPU has neither AMX-INT8 tiles nor AVX-512 VNNI: nothing to measure")
         return 0
     if a.model:
-        return model_prefill(a.model, a.text, a.reps, a.threads)
+        return model_prefill(a.model, a.text, a.reps, a.threads, unit)
     set_threads(1)
-    kern = AmxTiles(cache_dir=None)
+    kern = TileKernels(cache_dir=None, unit=unit)
     rng = np.random.default_rng(0)
     bad = False
     for dtype in a.dtypes.split(","):
@@ -83,12 +86,12 @@ def main() -> int:
                     f()
                     ts.append(time.perf_counter() - t)
                 times[name] = float(np.median(ts))
-            print(f"{dtype} [{rows} x {cols}] x {n} rows: AMX {1e3 * times['tiles']:.2f} ms, dequantize + sgemm "
+            print(f"{dtype} [{rows} x {cols}] x {n} rows: {unit} {1e3 * times['tiles']:.2f} ms, dequantize + sgemm "
                   f"{1e3 * times['sgemm']:.2f} ms, {times['sgemm'] / times['tiles']:.2f}x; max error {err:.1e} of max |out|")
     return 1 if bad else 0
 
 
-def model_prefill(path: str, text: str | None, reps: int, threads: int) -> int:
+def model_prefill(path: str, text: str | None, reps: int, threads: int, unit: str) -> int:
     import os
     import time
 
@@ -96,11 +99,11 @@ def model_prefill(path: str, text: str | None, reps: int, threads: int) -> int:
     from cortiq_engine.kernels.fast import NumbaKernels
     from cortiq_engine.model import forward
 
-    engs = {name: Engine.load(path, threads=threads, kernels=NumbaKernels(amx_tiles=flag))
+    engs = {name: Engine.load(path, threads=threads, kernels=NumbaKernels(amx_tiles=flag, tile_unit=unit))
             for name, flag in (("tiles", True), ("sgemm", False))}
     words = open(text, encoding="utf-8").read() if text else "The history of Rome " * 400
     ids = engs["tiles"].tokenizer.encode(words)[:512]
-    print(f"load average {os.getloadavg()[0]:.2f}; {len(ids)} tokens, {threads} threads")
+    print(f"load average {os.getloadavg()[0]:.2f}; {len(ids)} tokens, {threads} threads, tiles on {unit}")
     times: dict[str, list[float]] = {k: [] for k in engs}
     logp = {}
     for _ in range(reps):

@@ -1,8 +1,9 @@
-"""Prefill on AMX tiles (``cortiq_engine/kernels/amx.py``) against float64 math: the
-activation packing and the 4/5-bit unpackers against their numpy twins, the tile kernels
-(q8 and the unsigned dtypes) and the prefill matmul (whole tiles of 16 rows on the tiles,
-a tail on sgemm) against ``qdot.qdot_ref`` at the same int16 rounding, and SmolLM2
-prefills (q8, q4) with and without the tiles."""
+"""Prefill on integer tile products (``cortiq_engine/kernels/amx.py``; AMX tiles, or the
+same products on AVX-512 VNNI) against float64 math: the activation packing and the 4/5-bit
+unpackers against their numpy twins, the tile kernels of every unit the host has (q8 and the
+unsigned dtypes) and the prefill matmul (whole tiles of 16 rows on the tiles, a tail on
+sgemm) against ``qdot.qdot_ref`` at the same int16 rounding, the two units against each
+other bit for bit where both exist, and SmolLM2 prefills (q8, q4) with and without the tiles."""
 
 from __future__ import annotations
 
@@ -14,11 +15,13 @@ from cortiq_engine.kernels.fast import NumbaKernels
 from cortiq_engine.weights import Weight
 from formats.quants import get_dtype
 
-if not amx.host_amx():  # the hardware, not an import: these hosts have no tile unit to test
-    pytest.skip("this CPU or kernel offers no AMX-INT8 tiles", allow_module_level=True)
+UNITS = [u for u, ok in (("amx", amx.host_amx()), ("vnni", amx.host_vnni())) if ok]
+if not UNITS:  # the hardware, not an import: these hosts have no unit to test
+    pytest.skip("this CPU has neither AMX-INT8 tiles nor AVX-512 VNNI", allow_module_level=True)
 
-KERNEL = amx.AmxTiles(cache_dir=None)
-TILED = amx.AmxTiles.DTYPES
+KERNELS = {u: amx.TileKernels(cache_dir=None, unit=u) for u in UNITS}
+KERNEL = KERNELS[UNITS[0]]
+TILED = amx.TileKernels.DTYPES
 
 
 def _weight(dtype: str, rows: int, cols: int, seed: int) -> Weight:
@@ -82,9 +85,11 @@ def test_unpackers_against_numpy(dtype):
 SHAPES = [(16, 32, 1), (48, 64, 17), (64, 576, 40), (32, 1536, 33), (32, 512, 20)]
 
 
+@pytest.mark.parametrize("unit", UNITS)
 @pytest.mark.parametrize("dtype,rows,cols,n", [(d, *s) for d in TILED for s in SHAPES
                                                  if get_dtype(d).supports(s[:2])])  # K-quants: cols % 256
-def test_tile_kernel_against_float64(dtype, rows, cols, n):
+def test_tile_kernel_against_float64(unit, dtype, rows, cols, n):
+    KERNEL = KERNELS[unit]
     w = _weight(dtype, rows, cols, rows + cols)
     X = _x(n, cols, n + 1)
     x = KERNEL.pack(X)
@@ -99,8 +104,38 @@ def test_tile_kernel_against_float64(dtype, rows, cols, n):
     assert np.isnan(part[:, :n]).sum() == 0
 
 
+@pytest.mark.skipif(len(UNITS) < 2, reason="one unit on this host: nothing to compare")
+@pytest.mark.parametrize("dtype", TILED)
+def test_the_units_agree_bit_for_bit(dtype):
+    """The VNNI form computes the tile products' exact block sums and the same float work."""
+    cols = 512
+    w = _weight(dtype, 48, cols, 5)
+    x = KERNEL.pack(_x(37, cols, 6))
+    outs = []
+    for unit in UNITS:
+        out = np.zeros((48, 16 * x.tiles), np.float32)
+        KERNELS[unit].rows(dtype, w.parts, cols, 0, 48, x, out)
+        outs.append(out)
+    assert np.array_equal(outs[0], outs[1])
+
+
+def test_vnni_block_sums_against_numpy():
+    rng = np.random.default_rng(4)
+    q = rng.integers(-128, 128, (24, 96), dtype=np.int8)
+    assert np.array_equal(amx.block_sums(q), 32768 * q.astype(np.int32).reshape(24, 3, 32).sum(2))
+    u = rng.integers(0, 32, (16, 64), dtype=np.uint8)
+    assert np.array_equal(amx.block_sums(u), 32768 * u.astype(np.int32).reshape(16, 2, 32).sum(2))
+
+
+def test_unknown_unit_is_an_error():
+    with pytest.raises(ValueError, match="tile unit"):
+        amx.TileKernels(cache_dir=None, unit="sme")
+
+
+@pytest.mark.parametrize("unit", UNITS)
 @pytest.mark.parametrize("dtype", ["q8", "q4"])
-def test_bad_arguments_are_errors_not_reads(dtype):
+def test_bad_arguments_are_errors_not_reads(unit, dtype):
+    KERNEL = KERNELS[unit]
     w = _weight(dtype, 32, 64, 3)
     x = KERNEL.pack(_x(5, 64, 2))
     out = np.zeros((32, 16), np.float32)
@@ -123,9 +158,10 @@ def test_bad_arguments_are_errors_not_reads(dtype):
         KERNEL.rows("q6k", _weight("q6k", 16, 256, 1).parts, 256, 0, 16, KERNEL.pack(_x(5, 256, 2)), out)
 
 
+@pytest.mark.parametrize("unit", UNITS)
 @pytest.mark.parametrize("dtype", ["q8", "q4", "q5", "q4k"])
 @pytest.mark.parametrize("rows", [40, 1536 + 8])
-def test_prefill_matmul_tiles_and_tail_against_float64(dtype, rows):
+def test_prefill_matmul_tiles_and_tail_against_float64(unit, dtype, rows):
     """A prefill matmul (n > small_n) of a weight whose rows are not whole tiles, fused
     with an f32 one: tile rows at int16 rounding, the tail and the f32 weight as before."""
     cols, n = 512, 37
@@ -133,7 +169,9 @@ def test_prefill_matmul_tiles_and_tail_against_float64(dtype, rows):
     x32 = np.random.default_rng(8).standard_normal((24, cols)).astype(np.float32)
     f = Weight("f", "f32", 24, cols, {"data": x32})
     X = _x(n, cols, 9)
-    on, off = NumbaKernels(amx_tiles=True), NumbaKernels(amx_tiles=False)
+    on = NumbaKernels(amx_tiles=True, tile_unit=unit, vnni_min_weights=0)
+    off = NumbaKernels(amx_tiles=False)
+    assert on.tile_unit == unit and off.tile_unit is None
     got, before = on.matmul([w, f], X), off.matmul([w, f], X)
     tiles = rows // 16 * 16
     assert dtype in on.amx_dtypes and not off.amx_dtypes
@@ -142,13 +180,31 @@ def test_prefill_matmul_tiles_and_tail_against_float64(dtype, rows):
     scale = np.abs(float64).max()
     assert np.abs(got[:, :tiles] - int16[:, :tiles]).max() / scale < 2e-6
     assert np.abs(got[:, tiles:rows] - float64[:, tiles:]).max() / scale < 2e-6
-    assert np.array_equal(got[:, rows:], before[:, rows:])
+    # the f32 weight in its own sgemm slices (the path without tiles runs slices across
+    # the fused weights, so its sums may be ordered otherwise)
+    f64 = X.astype(np.float64) @ x32.astype(np.float64).T
+    assert np.abs(got[:, rows:] - f64).max() / np.abs(f64).max() < 2e-6
     # the int16 rounding of the activations is all that separates the two paths
     assert np.abs(got - before).max() / scale < 1e-4
 
 
+def test_vnni_takes_only_matmuls_of_vnni_min_weights():
+    """Below the size where the VNNI form beats sgemm a matmul is the sgemm path's, bit for bit."""
+    if "vnni" not in UNITS:
+        pytest.skip("no AVX-512 VNNI on this host")
+    w = _weight("q8", 64, 512, 11)
+    X = _x(40, 512, 12)
+    off = NumbaKernels(amx_tiles=False).matmul([w], X)
+    small = NumbaKernels(tile_unit="vnni", vnni_min_weights=64 * 512 + 1).matmul([w], X)
+    tiled = NumbaKernels(tile_unit="vnni", vnni_min_weights=64 * 512).matmul([w], X)
+    assert np.array_equal(small, off)
+    assert not np.array_equal(tiled, off)
+    assert np.abs(tiled - qdot.qdot_ref("q8", w.parts, X, 16)).max() / np.abs(off).max() < 2e-6
+
+
+@pytest.mark.parametrize("unit", UNITS)
 @pytest.mark.parametrize("quant", ["q8", "q4"])
-def test_smollm2_prefill_with_and_without_tiles(smollm2_cmf, quant):
+def test_smollm2_prefill_with_and_without_tiles(smollm2_cmf, unit, quant):
     """The same prompt through both paths: the logits differ by the activations' int16
     rounding only (KL ~1e-8 measured), the greedy token is the same."""
     from cortiq_engine.engine import Engine
@@ -156,7 +212,8 @@ def test_smollm2_prefill_with_and_without_tiles(smollm2_cmf, quant):
 
     z = {}
     for name, flag in (("tiles", True), ("sgemm", False)):
-        eng = Engine.load(smollm2_cmf(quant), threads=2, kernels=NumbaKernels(amx_tiles=flag))
+        kernels = NumbaKernels(amx_tiles=flag, tile_unit=unit if flag else None, vnni_min_weights=0)
+        eng = Engine.load(smollm2_cmf(quant), threads=2, kernels=kernels)
         assert eng.kernels.amx_prefill == flag and (quant in eng.kernels.amx_dtypes) == flag
         ids = eng.tokenizer.encode("Alice was beginning to get very tired of sitting by her sister on the bank, " * 4)
         h = forward(eng.new_state(256), ids)

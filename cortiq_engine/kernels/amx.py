@@ -1,4 +1,5 @@
-"""Prefill matmuls on AMX tiles: q8 and 4/5-bit weights times int16 activations, integer tile products.
+"""Prefill matmuls as integer tile products: q8 and 4/5-bit weights times int16 activations,
+on AMX tiles or, where the CPU has none, the same products on AVX-512 VNNI.
 
 Prefill multiplies every weight by hundreds of rows. The portable path (``fast.py``)
 dequantizes a slice of the weights to f32 and hands it to single-threaded BLAS, which
@@ -48,6 +49,13 @@ multiply-adds (the float work runs one block late, overlapping it). int8 activat
 (one product, one store) or bf16 tiles on dequantized weights (sums stay in the tile
 across K) would go faster, at an error this path does not add. The unsigned dtypes, one
 thread, 512 rows (ninth session): 1.2-1.6x on TinyLlama's shapes, 0.9-1.1x on SmolLM2's.
+
+The VNNI form (``_vnni_entry_ir``, below): 16 ``vpdpbusd`` per weight row and block on
+the same packed activations, the same integer sums and float work. Measured (twelfth
+session, an Emerald Rapids VM that hides AMX; 2 threads, 512 rows, q8, with the packing):
+1.25-1.32x dequantize + sgemm on TinyLlama's shapes, 0.8-1.0x on SmolLM2's (the block
+scaling is 9 vector operations beside every 16 products), so ``fast.py`` gives it only
+matmuls of VNNI_MIN_WEIGHTS weights or more.
 """
 
 from __future__ import annotations
@@ -72,6 +80,32 @@ _SYS_ARCH_PRCTL = 158
 _ARCH_REQ_XCOMP_PERM = 0x1023
 _XFEATURE_XTILEDATA = 18
 NEEDED_FEATURES = ("amx-tile", "amx-int8", "avx512f", "f16c")
+VNNI_FEATURES = ("avx512f", "avx512bw", "avx512vnni", "f16c")
+UNITS = ("amx", "vnni")
+# The VNNI kernel's weight rows per pass (f32 sums kept across blocks) and integer chains
+# per plane and row; measured, one thread, 512 inputs, q8 (GOP/s, best of 7 on the
+# Emerald Rapids VM without AMX): 8 rows 1 chain 99-146, 8 rows 2 chains 113-176,
+# 16 rows 2 chains 120-188 (a few spills of the 16 activation vectors are cheaper than
+# re-reading them for a second pass), 16 rows 4 chains 112-160.
+VNNI_PANEL = 16
+VNNI_CHAINS = 2
+
+
+@functools.cache
+def host_vnni() -> bool:
+    """The CPU has AVX-512 with VNNI (``vpdpbusd`` on zmm): the tile products' other unit."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    import llvmlite.binding as llvm
+
+    llvm.initialize_native_target()
+    feats = llvm.get_host_cpu_features()
+    return all(feats.get(f, False) for f in VNNI_FEATURES)
+
+
+def host_unit() -> str | None:
+    """The tile unit this process can use: "amx", else "vnni", else None."""
+    return "amx" if host_amx() else "vnni" if host_vnni() else None
 
 
 @functools.cache
@@ -459,6 +493,177 @@ def _entry_ir(kind: str) -> str:
     return "\n".join(L)
 
 
+# ------------------------------------------------------------ the same products on AVX-512 VNNI
+# Where a CPU has no tile unit but AVX-512 VNNI (Ice Lake and later Xeons, Zen 4, and VMs
+# that hide AMX), ``vpdpbusd`` computes the same block sums from the same packed
+# activations: lane m of a zmm is input m of a B tile, its four bytes the four of row k4,
+# and the weights' four bytes of that k4 are broadcast from the quants in place (no copy).
+# vpdpbusd multiplies unsigned by signed bytes, so the activations take the unsigned side:
+# the low plane already is, the high plane is flipped to hi + 128 (xor 0x80), and
+#     (hi_sum << 8) + lo_sum = (sum w * (hi + 128) << 8) + lo_sum - 32768 * sum w
+# with the weights' block sums (``block_sums``) precomputed per slice. The 4- and 5-bit
+# dtypes' unpacked quants (0..31) are the same numbers read as signed bytes. Every block
+# sum is the exact integer the tile products give, and the float work after it is the
+# same operations in the same order, so the two units' results are bit for bit equal.
+VNNI_ENTRIES = {"q8": "vnni_q8a16", "u8": "vnni_u8a16"}
+
+
+@njit(cache=True, nogil=True)
+def _block_sums(q, out):
+    """out[r, b] = 32768 * the sum of bytes 32 b .. 32 b + 31 of row r (int8 or uint8 rows)."""
+    rows, nb = out.shape
+    for r in range(rows):
+        for b in range(nb):
+            s = np.int32(0)
+            for j in range(QB):
+                s += np.int32(q[r, QB * b + j])
+            out[r, b] = s * np.int32(32768)
+
+
+def block_sums(q: np.ndarray) -> np.ndarray:
+    """32768 x each block's sum of a slice's quants [rows, cols] (int8 q8 or the unpacked
+    uint8), int32 [rows, cols / 32]: the VNNI kernel's correction for the flipped high plane."""
+    out = np.empty((q.shape[0], q.shape[1] // QB), np.int32)
+    _block_sums(q, out)
+    return out
+
+
+def vnni_module_ir() -> str:
+    """Both VNNI entries (``_vnni_entry_ir``)."""
+    decls = ("declare <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32>, <16 x i32>, <16 x i32>)\n"
+             "declare <16 x float> @llvm.fma.v16f32(<16 x float>, <16 x float>, <16 x float>)\n")
+    return "\n".join([decls] + [_vnni_entry_ir(kind) for kind in VNNI_ENTRIES])
+
+
+def _vnni_entry_ir(kind: str) -> str:
+    """``VNNI_ENTRIES[kind](wq, wdt, wmt, wsc, xb, xd, xs, out, r0, r1, nb, tiles, cols)``:
+    ``ENTRIES[kind]``'s result, with ``wsc`` the slice's ``block_sums`` laid out as
+    ``wdt`` (``panel``). Per pass of VNNI_PANEL weight rows and 16 inputs, one block's
+    16 activation vectors are loaded once and each row takes 16 vpdpbusd (hi and lo
+    planes, 8 groups of 4 bytes) with its weight bytes broadcast from memory."""
+    L: list[str] = []
+    a = L.append
+    P = VNNI_PANEL
+    splat = lambda ty, v: "<" + ", ".join([f"{ty} {v}"] * 16) + ">"  # noqa: E731
+    a(f"define void @{VNNI_ENTRIES[kind]}(i8* %wq, float* %wdt, float* %wmt, i32* %wsc, i8* %xb, float* %xd, "
+      "float* %xs, float* %out, i64 %r0, i64 %r1, i64 %nb, i64 %tiles, i64 %cols) nounwind {")
+    a("entry:")
+    a("  %ostride = mul i64 %tiles, 16")
+    a("  %pstride = mul i64 %nb, 16")
+    for r in range(P):
+        a(f"  %cr{r} = mul i64 %cols, {r}")
+    a("  %none = icmp sge i64 %r0, %r1")
+    a("  %not = icmp sle i64 %tiles, 0")
+    a("  %nob = icmp sle i64 %nb, 0")
+    a("  %skip0 = or i1 %none, %not")
+    a("  %skip = or i1 %skip0, %nob")
+    a("  br i1 %skip, label %exit, label %panel")
+    a("panel:")
+    a("  %p = phi i64 [%r0, %entry], [%pnext, %tdone]")
+    a("  %prow = sub i64 %p, %r0")
+    a("  %pi = udiv i64 %prow, 16")
+    a("  %po = urem i64 %prow, 16")
+    a("  %pb0 = mul i64 %pi, %pstride")
+    a("  %pbase = add i64 %pb0, %po")
+    a("  %wrow = mul i64 %p, %cols")
+    a("  br label %tile")
+    a("tile:")
+    a("  %t = phi i64 [0, %panel], [%tnext, %bdone]")
+    a("  %tb = mul i64 %t, %nb")
+    a("  br label %blk")
+    a("blk:")
+    a("  %b = phi i64 [0, %tile], [%bnext, %blk]")
+    for r in range(P):
+        a(f"  %acc{r} = phi <16 x float> [zeroinitializer, %tile], [%new{r}, %blk]")
+    a("  %tbb = add i64 %tb, %b")
+    a("  %xo = mul i64 %tbb, 1024")
+    a("  %xph = getelementptr i8, i8* %xb, i64 %xo")
+    for k in range(QB // 4):
+        for plane, off in (("h", 0), ("l", 512)):
+            a(f"  %{plane}p{k} = getelementptr i8, i8* %xph, i64 {off + 64 * k}")
+            a(f"  %{plane}pv{k} = bitcast i8* %{plane}p{k} to <16 x i32>*")
+            a(f"  %{plane}r{k} = load <16 x i32>, <16 x i32>* %{plane}pv{k}, align 1")
+        a(f"  %h{k} = xor <16 x i32> %hr{k}, {splat('i32', -2139062144)}")  # 0x80808080: hi + 128
+        a(f"  %l{k} = bitcast <16 x i32> %lr{k} to <16 x i32>")
+    a("  %xdo = mul i64 %tbb, 16")
+    a("  %xdp = getelementptr float, float* %xd, i64 %xdo")
+    a("  %xdpv = bitcast float* %xdp to <16 x float>*")
+    a("  %xdv = load <16 x float>, <16 x float>* %xdpv, align 4")
+    if kind == "u8":
+        a("  %xsp = getelementptr float, float* %xs, i64 %xdo")
+        a("  %xspv = bitcast float* %xsp to <16 x float>*")
+        a("  %xsv = load <16 x float>, <16 x float>* %xspv, align 4")
+    a("  %b32 = mul i64 %b, 32")
+    a("  %wb = add i64 %wrow, %b32")
+    a("  %b16 = mul i64 %b, 16")
+    a("  %sidx = add i64 %pbase, %b16")
+    for r in range(P):
+        a(f"  %wo{r} = add i64 %wb, %cr{r}")
+        a(f"  %wp{r} = getelementptr i8, i8* %wq, i64 %wo{r}")
+        a(f"  %wi{r} = bitcast i8* %wp{r} to i32*")
+        # two chains per plane (even and odd groups): half the latency chain a block
+        hh, ll = ["zeroinitializer"] * VNNI_CHAINS, ["zeroinitializer"] * VNNI_CHAINS
+        for k in range(QB // 4):
+            c = k % VNNI_CHAINS
+            a(f"  %wkp{r}_{k} = getelementptr i32, i32* %wi{r}, i64 {k}")
+            a(f"  %wk{r}_{k} = load i32, i32* %wkp{r}_{k}, align 1")
+            a(f"  %wki{r}_{k} = insertelement <16 x i32> undef, i32 %wk{r}_{k}, i32 0")
+            a(f"  %wks{r}_{k} = shufflevector <16 x i32> %wki{r}_{k}, <16 x i32> undef, <16 x i32> zeroinitializer")
+            a(f"  %hh{r}_{k} = call <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32> {hh[c]}, <16 x i32> %h{k}, <16 x i32> %wks{r}_{k})")
+            a(f"  %ll{r}_{k} = call <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32> {ll[c]}, <16 x i32> %l{k}, <16 x i32> %wks{r}_{k})")
+            hh[c], ll[c] = f"%hh{r}_{k}", f"%ll{r}_{k}"
+        for c in range(1, VNNI_CHAINS):
+            a(f"  %hj{r}_{c} = add <16 x i32> {hh[0]}, {hh[c]}")
+            a(f"  %lj{r}_{c} = add <16 x i32> {ll[0]}, {ll[c]}")
+            hh[0], ll[0] = f"%hj{r}_{c}", f"%lj{r}_{c}"
+        a(f"  %hs{r} = shl <16 x i32> {hh[0]}, {splat('i32', 8)}")
+        a(f"  %s0{r} = add <16 x i32> %hs{r}, {ll[0]}")
+        a(f"  %ci{r} = add i64 %sidx, {r}")
+        a(f"  %cp{r} = getelementptr i32, i32* %wsc, i64 %ci{r}")
+        a(f"  %c{r} = load i32, i32* %cp{r}, align 4")
+        a(f"  %cv{r} = insertelement <16 x i32> undef, i32 %c{r}, i32 0")
+        a(f"  %cs{r} = shufflevector <16 x i32> %cv{r}, <16 x i32> undef, <16 x i32> zeroinitializer")
+        a(f"  %s{r} = sub <16 x i32> %s0{r}, %cs{r}")
+        a(f"  %f{r} = sitofp <16 x i32> %s{r} to <16 x float>")
+        a(f"  %dwp{r} = getelementptr float, float* %wdt, i64 %ci{r}")
+        a(f"  %dw{r} = load float, float* %dwp{r}, align 4")
+        a(f"  %dwi{r} = insertelement <16 x float> undef, float %dw{r}, i32 0")
+        a(f"  %dws{r} = shufflevector <16 x float> %dwi{r}, <16 x float> undef, <16 x i32> zeroinitializer")
+        a(f"  %sc{r} = fmul <16 x float> %xdv, %dws{r}")
+        if kind == "u8":  # + m_w * s_x, as the tile kernel
+            a(f"  %n{r} = call <16 x float> @llvm.fma.v16f32(<16 x float> %f{r}, <16 x float> %sc{r}, <16 x float> %acc{r})")
+            a(f"  %mwp{r} = getelementptr float, float* %wmt, i64 %ci{r}")
+            a(f"  %mw{r} = load float, float* %mwp{r}, align 4")
+            a(f"  %mwi{r} = insertelement <16 x float> undef, float %mw{r}, i32 0")
+            a(f"  %mws{r} = shufflevector <16 x float> %mwi{r}, <16 x float> undef, <16 x i32> zeroinitializer")
+            a(f"  %new{r} = call <16 x float> @llvm.fma.v16f32(<16 x float> %mws{r}, <16 x float> %xsv, <16 x float> %n{r})")
+        else:
+            a(f"  %new{r} = call <16 x float> @llvm.fma.v16f32(<16 x float> %f{r}, <16 x float> %sc{r}, <16 x float> %acc{r})")
+    a("  %bnext = add i64 %b, 1")
+    a("  %bmore = icmp slt i64 %bnext, %nb")
+    a("  br i1 %bmore, label %blk, label %bdone")
+    a("bdone:")
+    a("  %ot = mul i64 %t, 16")
+    for r in range(P):
+        a(f"  %orow{r} = add i64 %prow, {r}")
+        a(f"  %oo{r} = mul i64 %orow{r}, %ostride")
+        a(f"  %oi{r} = add i64 %oo{r}, %ot")
+        a(f"  %op{r} = getelementptr float, float* %out, i64 %oi{r}")
+        a(f"  %opv{r} = bitcast float* %op{r} to <16 x float>*")
+        a(f"  store <16 x float> %new{r}, <16 x float>* %opv{r}, align 4")
+    a("  %tnext = add i64 %t, 1")
+    a("  %tmore = icmp slt i64 %tnext, %tiles")
+    a("  br i1 %tmore, label %tile, label %tdone")
+    a("tdone:")
+    a(f"  %pnext = add i64 %p, {P}")
+    a("  %pmore = icmp slt i64 %pnext, %r1")
+    a("  br i1 %pmore, label %panel, label %exit")
+    a("exit:")
+    a("  ret void")
+    a("}")
+    return "\n".join(L)
+
+
 def _mul(v: str, c: int, tag: str, a) -> str:
     """``v`` * ``c`` as an IR value (``v`` a name or a literal)."""
     if not v.startswith("%"):
@@ -476,10 +681,10 @@ def _sel(tag: str, base: str, k, ty: str, a) -> str:
     return f"%s{tag}{base}"
 
 
-def panel(a: np.ndarray) -> np.ndarray:
-    """Per-block values of a slice, f32 [rows, nb], as the kernel reads them: [rows / 16][nb][16]."""
+def panel(a: np.ndarray, dtype=np.float32) -> np.ndarray:
+    """Per-block values of a slice [rows, nb], as the kernels read them: [rows / 16][nb][16]."""
     rows, nb = a.shape
-    return np.ascontiguousarray(a.reshape(rows // TILE, TILE, nb).transpose(0, 2, 1), np.float32)
+    return np.ascontiguousarray(a.reshape(rows // TILE, TILE, nb).transpose(0, 2, 1), dtype)
 
 
 @dataclass(frozen=True)
@@ -496,22 +701,33 @@ class Packed:
 
 
 _PROTO = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * 7, *[ctypes.c_int64] * 5, ctypes.c_void_p)
+_VNNI_PROTO = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * 8, *[ctypes.c_int64] * 5)
 
 
-class AmxTiles:
+class TileKernels:
     """The compiled prefill kernels (one set per kernel set; the machine code is
-    ``llvm_jit``'s, shared by the process): q8 and the unsigned 4/5-bit dtypes
-    (``UNSIGNED``). Calls release the GIL (ctypes), so the prefill pool's threads run
-    slices side by side."""
+    ``llvm_jit``'s, shared by the process) for q8 and the unsigned 4/5-bit dtypes
+    (``UNSIGNED``), on one ``unit``: "amx" (the tile unit) or "vnni" (the same products
+    on AVX-512 VNNI; the same results bit for bit). Calls release the GIL (ctypes), so
+    the prefill pool's threads run slices side by side."""
 
     DTYPES = ("q8",) + UNSIGNED
 
-    def __init__(self, cache_dir: Path | None | str = "default") -> None:
-        if not host_amx():
+    def __init__(self, cache_dir: Path | None | str = "default", unit: str = "amx") -> None:
+        if unit == "amx" and not host_amx():
             raise ValueError("this CPU or kernel offers no AMX-INT8 tiles")
+        if unit == "vnni" and not host_vnni():
+            raise ValueError("this CPU has no AVX-512 VNNI")
+        if unit not in UNITS:
+            raise ValueError(f"tile unit {unit!r}: one of {', '.join(UNITS)}")
+        self.unit = unit
         cache = llvm_jit.default_cache_dir() if cache_dir == "default" else cache_dir
-        self._compiled = llvm_jit.compile_ir(module_ir(), list(ENTRIES.values()), cache)
-        self._fns = {k: _PROTO(self._compiled.addrs[name]) for k, name in ENTRIES.items()}
+        if unit == "amx":
+            self._compiled = llvm_jit.compile_ir(module_ir(), list(ENTRIES.values()), cache)
+            self._fns = {k: _PROTO(self._compiled.addrs[name]) for k, name in ENTRIES.items()}
+        else:
+            self._compiled = llvm_jit.compile_ir(vnni_module_ir(), list(VNNI_ENTRIES.values()), cache)
+            self._fns = {k: _VNNI_PROTO(self._compiled.addrs[name]) for k, name in VNNI_ENTRIES.items()}
         self._cfg = tile_config()
 
     @staticmethod
@@ -561,6 +777,12 @@ class AmxTiles:
             a = scratch.reshape(-1)[:need].reshape(r1 - r0, cols)
             unpack_quants(dtype, parts, r0, r1, a)
             a0, a1, wmt = 0, r1 - r0, panel(mw)
-        self._fns["q8" if dtype == "q8" else "u8"](
-            a.ctypes.data, wdt.ctypes.data, None if wmt is None else wmt.ctypes.data, x.xb.ctypes.data,
-            x.xd.ctypes.data, x.xs.ctypes.data, out.ctypes.data, a0, a1, nb, tiles, cols, self._cfg.ctypes.data)
+        fn = self._fns["q8" if dtype == "q8" else "u8"]
+        wm = None if wmt is None else wmt.ctypes.data
+        if self.unit == "amx":
+            fn(a.ctypes.data, wdt.ctypes.data, wm, x.xb.ctypes.data, x.xd.ctypes.data, x.xs.ctypes.data,
+               out.ctypes.data, a0, a1, nb, tiles, cols, self._cfg.ctypes.data)
+        else:
+            wsc = panel(block_sums(a[a0:a1]), np.int32)
+            fn(a.ctypes.data, wdt.ctypes.data, wm, wsc.ctypes.data, x.xb.ctypes.data, x.xd.ctypes.data,
+               x.xs.ctypes.data, out.ctypes.data, a0, a1, nb, tiles, cols)

@@ -13,7 +13,9 @@ Strategy per matmul of n input rows:
   quants are multiplied in place on the tile unit by activations rounded to int16 once
   per call (as q8's decode rounds them), 1.2-2.2x the sgemm path per matrix; the 4- and
   5-bit dtypes' slices are unpacked to bytes (a quarter of the f32 tile's writes) and
-  take the same tile products plus their min term.
+  take the same tile products plus their min term. Where the CPU has no tile unit but
+  AVX-512 VNNI, the same products (bit for bit) run on ``vpdpbusd`` for matmuls of at
+  least VNNI_MIN_WEIGHTS weights (1.1-1.3x the sgemm path there; below it, sgemm).
 """
 
 from __future__ import annotations
@@ -61,6 +63,11 @@ FUSE_MAX = 3
 # f32 elements of the reused dequantization tile (8 MB): a fused q|k|v or gate|up
 # of a small model fits whole; bigger matrices go through in row tiles.
 TILE_ELEMS = 1 << 21
+# Fused prefill matmuls of fewer weights take sgemm where the tile products run on
+# AVX-512 VNNI (amx.py): 512 rows, 2 threads, q8, against dequantize + sgemm (Emerald
+# Rapids VM without AMX): SmolLM2's q|k|v 0.89x, o 0.77x, gate|up 0.92-1.03x, down 0.92x;
+# [1024 x 2048] 1.08x, [2048 x 2048] 1.28x, TinyLlama's gate 1.25x, down 1.32x.
+VNNI_MIN_WEIGHTS = 4 << 20
 # Prefill sgemm slices take at least this many weight rows (fewer rows, more calls: a
 # SmolLM2 q8 prefill ran 170 tok/s with per-weight slices (k and v: 16 rows), 215-220 with
 # slices of >= 128 rows across q|k|v; Zen 1 EPYC, docs/performance.md, eleventh session).
@@ -79,7 +86,7 @@ def _tile_rows(cols: int) -> int:
 
 
 def _slice_rows(w: Weight, threads: int) -> int:
-    """Rows per prefill slice of one weight (the AMX path, whose tiles stay within a
+    """Rows per prefill slice of one weight (the tile path, whose tiles stay within a
     weight): at most a tile, at least 4 slices per thread so a late thread leaves little
     for the others to wait on, and a multiple of 16 rows."""
     by_count = max(16, -(-w.rows // (4 * threads)))
@@ -161,7 +168,8 @@ class NumbaKernels(NumpyKernels):
     def __init__(self, small_n: int = SMALL_N, act_bits: int | Mapping[str, int] | None = None,
                  vnni: bool | None = None, zmm: bool | None = None, zmm_min_weights: int = ZMM_MIN_WEIGHTS,
                  attn_loops: bool | None = None, kernel_cache: Path | None | str = "default",
-                 attn_partials_bytes: int = ATTN_PARTIALS_BYTES, amx_tiles: bool | None = None):
+                 attn_partials_bytes: int = ATTN_PARTIALS_BYTES, amx_tiles: bool | None = None,
+                 tile_unit: str | None = None, vnni_min_weights: int = VNNI_MIN_WEIGHTS):
         self.small_n = small_n
         # Decode/verify attention's inner loops in LLVM IR (attn_ir.py; default where the
         # CPU has AVX2/FMA); False keeps numba's loops (same math, other rounding).
@@ -180,17 +188,22 @@ class NumbaKernels(NumpyKernels):
         self._intdot = qdot.compile_intdot(vnni, zmm, kernel_cache) if any(widths.values()) else None
         self.zmm_min_weights = zmm_min_weights
         self.act_bits = {k: v for k, v in widths.items() if v} if self._intdot is not None else {}
-        # Prefill on AMX tiles (amx.py; default where the CPU and kernel offer AMX-INT8) for
-        # the dtypes that decode on integer activations (q8 only on int16, whose rounding
-        # the tiles share; the 4/5-bit ones decode on int8, the tiles round finer); False:
-        # dequantized slices and sgemm, float activations.
-        tiled = frozenset(d for d in amx.AmxTiles.DTYPES if self.act_bits.get(d) and (d != "q8" or self.act_bits[d] == 16))
-        can_amx = bool(tiled) and amx.host_amx()
-        if amx_tiles and not can_amx:
-            raise ValueError("AMX prefill needs AMX-INT8 tiles and integer activations")
-        use = can_amx if amx_tiles is None else amx_tiles
-        self._amx = amx.AmxTiles(kernel_cache) if use else None
+        # Prefill on integer tile products (amx.py; default where the CPU offers AMX-INT8
+        # tiles or AVX-512 VNNI) for the dtypes that decode on integer activations (q8 only
+        # on int16, whose rounding the tiles share; the 4/5-bit ones decode on int8, the
+        # tiles round finer); False: dequantized slices and sgemm, float activations.
+        # ``tile_unit``: "amx" or "vnni" (the same products, bit for bit, on AVX-512 VNNI
+        # where the CPU has no tile unit or a VM hides it); default the host's (amx.host_unit).
+        # ``vnni_min_weights``: the smallest fused matmul that takes the VNNI unit.
+        tiled = frozenset(d for d in amx.TileKernels.DTYPES if self.act_bits.get(d) and (d != "q8" or self.act_bits[d] == 16))
+        unit = amx.host_unit() if tile_unit is None else tile_unit
+        can_tile = bool(tiled) and unit is not None
+        if amx_tiles and not can_tile:
+            raise ValueError("integer tile prefill needs AMX-INT8 tiles or AVX-512 VNNI, and integer activations")
+        use = can_tile if amx_tiles is None else amx_tiles
+        self._amx = amx.TileKernels(kernel_cache, unit) if use else None
         self.amx_dtypes: frozenset[str] = tiled if use else frozenset()
+        self.vnni_min_weights = vnni_min_weights
         # Per-thread scratch for dequantized tiles, reused so prefill matmuls do not
         # page-fault a fresh buffer per call.
         self._tiles = threading.local()
@@ -272,7 +285,8 @@ class NumbaKernels(NumpyKernels):
             np.matmul(np.zeros((m, k), np.float32), np.zeros((k, n), np.float32))
             self._blas_primed = True
         threads = numba.get_num_threads()
-        if any(w.dtype in self.amx_dtypes for w in ws):
+        if any(w.dtype in self.amx_dtypes for w in ws) and (
+                self._amx.unit == "amx" or sum(w.rows * w.cols for w in ws) >= self.vnni_min_weights):
             self._large_amx(ws, X, out, threads)
             return
         def work(span: tuple[int, int, list[tuple[Weight, int, int]]]) -> None:
@@ -345,8 +359,14 @@ class NumbaKernels(NumpyKernels):
 
     @property
     def amx_prefill(self) -> bool:
-        """Whether prefill matmuls of some dtype (``amx_dtypes``) run on AMX tiles (int16 activations)."""
+        """Whether prefill matmuls of some dtype (``amx_dtypes``) run on integer tile
+        products (int16 activations; AMX tiles or AVX-512 VNNI, ``tile_unit``)."""
         return bool(self.amx_dtypes)
+
+    @property
+    def tile_unit(self) -> str | None:
+        """The unit prefill's tile products run on ("amx", "vnni"), None without them."""
+        return self._amx.unit if self._amx is not None else None
 
     def _scratch(self, name: str, size: int, dtype, least: int = 0) -> np.ndarray:
         """This thread's reused buffer ``name`` of at least ``size`` elements (grown when
