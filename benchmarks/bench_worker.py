@@ -293,7 +293,8 @@ class CortiqBackend:
         self.greedy = SamplingConfig(temperature=0.0)
 
     def _generate(self, ids: list[int], n: int):
-        return self.engine.generate(ids, self.greedy, max_tokens=n, ignore_eos=True)
+        # plain decoding: the peers decode without drafts
+        return self.engine.generate(ids, self.greedy, max_tokens=n, ignore_eos=True, speculative=False)
 
     def prefill(self, ids: list[int]) -> tuple[float, int]:
         res = self._generate(ids, 1)

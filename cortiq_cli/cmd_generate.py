@@ -159,7 +159,9 @@ def generate(
     if moe_stats:
         print_moe_stats(err_console, moe_stats_json(res.expert_usage, eng.arch))
     if "mtp" in res.extra:
-        mtp_opt.render(err_console, res.extra["mtp"])
+        mtp = res.extra["mtp"]
+        asked = lookup is not None or lookup_ngram is not None or mtp_compare
+        (mtp_opt.render if asked or mtp["source"] != "lookup" else mtp_opt.render_line)(err_console, mtp)
     elif "mtp_note" in res.extra:
         err_console.print(f"[dim]{res.extra['mtp_note']}[/]", highlight=False)
 

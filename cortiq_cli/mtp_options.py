@@ -23,7 +23,7 @@ MtpPath = Annotated[
     Optional[Path],
     typer.Option("--mtp", help="MTP draft layers from this sidecar (default: inline, else MODEL.mtp.cmf beside the model when it exists).", rich_help_panel=MTP_PANEL),
 ]
-NoMtp = Annotated[bool, typer.Option("--no-mtp", help="Plain decoding even when draft layers are present (with --lookup N: n-gram lookup drafts alone).", rich_help_panel=MTP_PANEL)]
+NoMtp = Annotated[bool, typer.Option("--no-mtp", help="Plain decoding: neither draft layers nor lookup drafts (with --lookup N: n-gram lookup drafts alone).", rich_help_panel=MTP_PANEL)]
 MtpDepth = Annotated[Optional[int], typer.Option("--mtp-depth", min=1, help="Drafts per round (default: every draft layer).", rich_help_panel=MTP_PANEL)]
 MtpChain = Annotated[
     Optional[str],
@@ -40,7 +40,7 @@ MtpThreshold = Annotated[
 ]
 Lookup = Annotated[
     Optional[int],
-    typer.Option("--lookup", metavar="N", min=0, max=MAX_LOOKUP_DRAFTS, help="Draft N tokens by n-gram lookup in the prompt and output before asking the MTP layers each round (exact: the same verify). Default: 3 with draft layers, off without; 0 = off; N > 0 without draft layers drafts by lookup alone.", rich_help_panel=MTP_PANEL),
+    typer.Option("--lookup", metavar="N", min=0, max=MAX_LOOKUP_DRAFTS, help="Draft N tokens by n-gram lookup in the prompt and output before asking the MTP layers each round (exact: the same verify). Default: 3 (without draft layers: lookup alone, greedy decoding only); 0 = off (plain decoding without draft layers).", rich_help_panel=MTP_PANEL),
 ]
 LookupNgram = Annotated[
     Optional[str],
@@ -152,6 +152,15 @@ def render(console, mtp: dict[str, Any]) -> None:
             f"({mtp['decode_tok_s']:.1f} vs {mtp['plain_decode_tok_s']:.1f} tok/s), {same}",
         )
     print_table(console, t)
+
+
+def render_line(console, mtp: dict[str, Any]) -> None:
+    """One dim line for lookup drafts nobody asked for (the default without draft layers)."""
+    console.print(
+        f"[dim]lookup drafts (exact; --lookup 0 turns them off): {mtp['rounds']} rounds, "
+        f"{mtp['accepted']}/{mtp['drafted']} drafts accepted, {mtp['tokens_per_round']:.2f} tokens per step[/]",
+        highlight=False,
+    )
 
 
 def with_lookup_line(rec: dict[str, Any]) -> str:

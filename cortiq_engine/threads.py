@@ -188,7 +188,10 @@ class DecodeThreads:
         mine = self._times.get((self.current, key))
         # Medians on both sides: interference makes step times skewed, and a probe's
         # best time against the current count's median switched to the worse count.
-        trial = sorted(list(self._times[(probe, key)])[-self.PROBE :])[self.PROBE // 2]
+        # A speculative decode's probe steps forward varying row counts (keys), so this
+        # key may have had only one of them: the median of what it has.
+        recent = sorted(list(self._times[(probe, key)])[-self.PROBE :])
+        trial = recent[len(recent) // 2]
         if mine and trial < self.margin * sorted(mine)[len(mine) // 2]:
             # Switch: the probe's times are fresh, the current count's may be stale.
             self.current = probe

@@ -172,13 +172,25 @@ def test_every_token_enters_the_cache_once_with_lookup_drafts(tiny):
 
 def test_the_policy_of_lookup(tiny):
     plain_eng = Engine.load(tiny["q8"], threads=1)  # no draft layers
-    assert "mtp" not in plain_eng.generate([1, 2, 1, 2], max_tokens=6).extra  # lookup is opt-in without them
+    # greedy decoding drafts by lookup alone by default, with the same tokens as plain
+    default = plain_eng.generate([1, 2, 1, 2], max_tokens=12, ignore_eos=True)
+    assert default.extra["mtp"]["source"] == "lookup" and default.extra["mtp"]["lookup"] == 3
+    plain = plain_eng.generate([1, 2, 1, 2], max_tokens=12, ignore_eos=True, speculative=False)
+    assert "mtp" not in plain.extra and plain.token_ids == default.token_ids
+    assert "mtp" not in plain_eng.generate([1, 2, 1, 2], max_tokens=6, speculative=SpeculativeConfig(lookup=0)).extra
     alone = plain_eng.generate([1, 2, 1, 2], max_tokens=6, speculative=SpeculativeConfig(lookup=2))
     assert alone.extra["mtp"]["source"] == "lookup" and alone.extra["mtp"]["lookup"] == 2
+    grams = plain_eng.generate([1, 2, 1, 2], max_tokens=6, speculative=SpeculativeConfig(ngram=(2, 4)))
+    assert grams.extra["mtp"]["lookup_ngram"] == [2, 4]
     with pytest.raises(CortiqError, match="no MTP draft layers"):
         plain_eng.generate([1, 2], max_tokens=4, speculative=SpeculativeConfig(lookup=2, depth=2))
-    with pytest.raises(CortiqError, match="no lookup drafts: add --lookup N"):
-        plain_eng.generate([1, 2], max_tokens=4, speculative=SpeculativeConfig(ngram=(2, 4)))
+    with pytest.raises(CortiqError, match="no MTP draft layers"):  # True asks for the draft layers
+        plain_eng.generate([1, 2], max_tokens=4, speculative=True)
+    with pytest.raises(CortiqError, match="no lookup drafts: drop --lookup 0"):
+        plain_eng.generate([1, 2], max_tokens=4, speculative=SpeculativeConfig(lookup=0, ngram=(2, 4)))
+    # sampling: the default falls back to plain decoding silently; an explicit lookup gets a note
+    quiet = plain_eng.generate([1, 2], SamplingConfig(temperature=0.7), max_tokens=4)
+    assert "mtp" not in quiet.extra and not quiet.extra.get("mtp_note")
     sampled = plain_eng.generate([1, 2], SamplingConfig(temperature=0.7), max_tokens=4, speculative=SpeculativeConfig(lookup=2))
     assert "mtp" not in sampled.extra and "greedy" in sampled.extra["mtp_note"]  # as with MTP layers: a note
     eng = Engine.load(tiny["q8"], threads=1, mtp=True)

@@ -389,8 +389,9 @@ def test_the_engine_owns_the_policy(models):
     from formats.errors import CortiqError
 
     path = models["mimo", "q8"]
-    plain_eng = Engine.load(path, threads=1)  # mtp=False: no draft layers, plain decoding
-    assert plain_eng.drafts is None and "mtp" not in plain_eng.generate([1, 2, 3], max_tokens=4).extra
+    plain_eng = Engine.load(path, threads=1)  # mtp=False: no draft layers, lookup drafts alone
+    assert plain_eng.drafts is None and plain_eng.generate([1, 2, 3], max_tokens=4).extra["mtp"]["source"] == "lookup"
+    assert "mtp" not in plain_eng.generate([1, 2, 3], max_tokens=4, speculative=False).extra
     with pytest.raises(CortiqError, match="no MTP draft layers"):
         plain_eng.generate([1, 2, 3], max_tokens=4, speculative=True)
     eng, stack = _load(path)

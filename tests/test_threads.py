@@ -122,6 +122,17 @@ def test_busy_core_moves_decode_to_one_thread():
     assert chosen[:4] == [2, 2, 2, 2] and chosen.count(1) >= 180
 
 
+def test_probe_steps_of_varying_rows_still_decide():
+    """Speculative decoding's steps forward 1..4 rows (keys): a probe whose last step has
+    a key it met once decides on that one time (it raised IndexError)."""
+    m = FakeMachine(lambda n, i: 0.03 if n == 2 else 0.01)
+    tuner = _tuner(m)
+    chosen = []
+    for i in range(200):
+        chosen += m.run(tuner, 1, key=1 + (i * 7 % 11) % 4)
+    assert chosen.count(1) >= 150
+
+
 def test_quiet_machine_keeps_every_core_and_probes_rarely():
     m = FakeMachine(lambda n, i: 0.01 if n == 2 else 0.016)
     chosen = m.run(_tuner(m), 600)

@@ -544,7 +544,6 @@ def _vnni_entry_ir(kind: str) -> str:
     L: list[str] = []
     a = L.append
     P = VNNI_PANEL
-    splat = lambda ty, v: "<" + ", ".join([f"{ty} {v}"] * 16) + ">"  # noqa: E731
     a(f"define void @{VNNI_ENTRIES[kind]}(i8* %wq, float* %wdt, float* %wmt, i32* %wsc, i8* %xb, float* %xd, "
       "float* %xs, float* %out, i64 %r0, i64 %r1, i64 %nb, i64 %tiles, i64 %cols) nounwind {")
     a("entry:")
@@ -579,12 +578,11 @@ def _vnni_entry_ir(kind: str) -> str:
     a("  %xo = mul i64 %tbb, 1024")
     a("  %xph = getelementptr i8, i8* %xb, i64 %xo")
     for k in range(QB // 4):
-        for plane, off in (("h", 0), ("l", 512)):
+        for plane, off in (("hr", 0), ("l", 512)):
             a(f"  %{plane}p{k} = getelementptr i8, i8* %xph, i64 {off + 64 * k}")
             a(f"  %{plane}pv{k} = bitcast i8* %{plane}p{k} to <16 x i32>*")
-            a(f"  %{plane}r{k} = load <16 x i32>, <16 x i32>* %{plane}pv{k}, align 1")
+            a(f"  %{plane}{k} = load <16 x i32>, <16 x i32>* %{plane}pv{k}, align 1")
         a(f"  %h{k} = xor <16 x i32> %hr{k}, {splat('i32', -2139062144)}")  # 0x80808080: hi + 128
-        a(f"  %l{k} = bitcast <16 x i32> %lr{k} to <16 x i32>")
     a("  %xdo = mul i64 %tbb, 16")
     a("  %xdp = getelementptr float, float* %xd, i64 %xdo")
     a("  %xdpv = bitcast float* %xdp to <16 x float>*")
@@ -662,6 +660,11 @@ def _vnni_entry_ir(kind: str) -> str:
     a("  ret void")
     a("}")
     return "\n".join(L)
+
+
+def splat(ty: str, v) -> str:
+    """A 16-lane IR vector constant of ``v``."""
+    return "<" + ", ".join([f"{ty} {v}"] * 16) + ">"
 
 
 def _mul(v: str, c: int, tag: str, a) -> str:
