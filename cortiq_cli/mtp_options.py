@@ -157,7 +157,7 @@ def render(console, mtp: dict[str, Any]) -> None:
 def render_line(console, mtp: dict[str, Any]) -> None:
     """One dim line for lookup drafts nobody asked for (the default without draft layers)."""
     console.print(
-        f"[dim]lookup drafts (exact; --lookup 0 turns them off): {mtp['rounds']} rounds, "
+        f"[dim]lookup drafts (exact; --lookup 0 turns them off): {mtp['rounds']} round{'s' * (mtp['rounds'] != 1)}, "
         f"{mtp['accepted']}/{mtp['drafted']} drafts accepted, {mtp['tokens_per_round']:.2f} tokens per step[/]",
         highlight=False,
     )
