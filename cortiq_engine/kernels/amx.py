@@ -544,6 +544,8 @@ def _vnni_entry_ir(kind: str) -> str:
     L: list[str] = []
     a = L.append
     P = VNNI_PANEL
+    if TILE % P:  # ``rows`` hands whole tiles of 16 rows; a pass must never run past them
+        raise ValueError(f"VNNI_PANEL {P} must divide {TILE}")
     a(f"define void @{VNNI_ENTRIES[kind]}(i8* %wq, float* %wdt, float* %wmt, i32* %wsc, i8* %xb, float* %xd, "
       "float* %xs, float* %out, i64 %r0, i64 %r1, i64 %nb, i64 %tiles, i64 %cols) nounwind {")
     a("entry:")
