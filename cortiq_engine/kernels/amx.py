@@ -373,12 +373,7 @@ def _entry_ir(kind: str) -> str:
     a("  %ostride = mul i64 %tiles, 16")
     a("  %pstride = mul i64 %nb, 16")
     a("  call void @llvm.x86.ldtilecfg(i8* %cfg)")
-    a("  %none = icmp sge i64 %r0, %r1")
-    a("  %not = icmp sle i64 %tiles, 0")
-    a("  %nob = icmp sle i64 %nb, 0")
-    a("  %skip0 = or i1 %none, %not")
-    a("  %skip = or i1 %skip0, %nob")
-    a("  br i1 %skip, label %exit, label %panel")
+    _skip_empty(a)
     a("panel:")
     a("  %p = phi i64 [%r0, %entry], [%pnext, %tdone]")
     a("  %wrow = mul i64 %p, %cols")
@@ -424,25 +419,10 @@ def _entry_ir(kind: str) -> str:
             a(f"  %lp{tag}{r} = getelementptr <16 x i32>, <16 x i32>* {bl}, i64 {r}")
             a(f"  %h{tag}{r} = load <16 x i32>, <16 x i32>* %hp{tag}{r}, align 64")
             a(f"  %l{tag}{r} = load <16 x i32>, <16 x i32>* %lp{tag}{r}, align 64")
-            a(f"  %hs{tag}{r} = shl <16 x i32> %h{tag}{r}, " + "<" + ", ".join(["i32 8"] * 16) + ">")
+            a(f"  %hs{tag}{r} = shl <16 x i32> %h{tag}{r}, {splat('i32', 8)}")
             a(f"  %s{tag}{r} = add <16 x i32> %hs{tag}{r}, %l{tag}{r}")
-            a(f"  %f{tag}{r} = sitofp <16 x i32> %s{tag}{r} to <16 x float>")
             a(f"  %wdi{tag}{r} = add i64 %wdo{tag}, {r}")
-            a(f"  %wdp{tag}{r} = getelementptr float, float* %wdt, i64 %wdi{tag}{r}")
-            a(f"  %dw{tag}{r} = load float, float* %wdp{tag}{r}, align 4")
-            a(f"  %dwi{tag}{r} = insertelement <16 x float> undef, float %dw{tag}{r}, i32 0")
-            a(f"  %dws{tag}{r} = shufflevector <16 x float> %dwi{tag}{r}, <16 x float> undef, <16 x i32> zeroinitializer")
-            a(f"  %sc{tag}{r} = fmul <16 x float> %xdv{tag}, %dws{tag}{r}")
-            a(f"  %n{tag}{r} = call <16 x float> @llvm.fma.v16f32(<16 x float> %f{tag}{r}, <16 x float> %sc{tag}{r}, <16 x float> {accs[r]})")
-            if kind == "u8":  # + m_w * s_x
-                a(f"  %mwp{tag}{r} = getelementptr float, float* %wmt, i64 %wdi{tag}{r}")
-                a(f"  %mw{tag}{r} = load float, float* %mwp{tag}{r}, align 4")
-                a(f"  %mwi{tag}{r} = insertelement <16 x float> undef, float %mw{tag}{r}, i32 0")
-                a(f"  %mws{tag}{r} = shufflevector <16 x float> %mwi{tag}{r}, <16 x float> undef, <16 x i32> zeroinitializer")
-                a(f"  %nm{tag}{r} = call <16 x float> @llvm.fma.v16f32(<16 x float> %mws{tag}{r}, <16 x float> %xsv{tag}, <16 x float> %n{tag}{r})")
-                out.append(f"%nm{tag}{r}")
-            else:
-                out.append(f"%n{tag}{r}")
+            out.append(_scaled(a, kind, f"{tag}{r}", f"%s{tag}{r}", f"%xdv{tag}", f"%xsv{tag}", f"%wdi{tag}{r}", accs[r]))
         return out
 
     # tile t: block 0's tiles, then blocks 1..nb-1 each with the float work of the one before
@@ -470,15 +450,7 @@ def _entry_ir(kind: str) -> str:
         a(f"  %e{r} = phi <16 x float> [zeroinitializer, %tile], [{new[r]}, %blk]")
     a("  %blast = sub i64 %nb, 1")
     a("  %plast = and i64 %blast, 1")
-    fin = post("e", "%blast", "%plast", [f"%e{r}" for r in range(TILE)])
-    a("  %ot = mul i64 %t, 16")
-    for r in range(TILE):
-        a(f"  %orow{r} = add i64 %prow, {r}")
-        a(f"  %oo{r} = mul i64 %orow{r}, %ostride")
-        a(f"  %oi{r} = add i64 %oo{r}, %ot")
-        a(f"  %op{r} = getelementptr float, float* %out, i64 %oi{r}")
-        a(f"  %opv{r} = bitcast float* %op{r} to <16 x float>*")
-        a(f"  store <16 x float> {fin[r]}, <16 x float>* %opv{r}, align 4")
+    _store_rows(a, post("e", "%blast", "%plast", [f"%e{r}" for r in range(TILE)]))
     a("  %tnext = add i64 %t, 1")
     a("  %tmore = icmp slt i64 %tnext, %tiles")
     a("  br i1 %tmore, label %tile, label %tdone")
@@ -553,12 +525,7 @@ def _vnni_entry_ir(kind: str) -> str:
     a("  %pstride = mul i64 %nb, 16")
     for r in range(P):
         a(f"  %cr{r} = mul i64 %cols, {r}")
-    a("  %none = icmp sge i64 %r0, %r1")
-    a("  %not = icmp sle i64 %tiles, 0")
-    a("  %nob = icmp sle i64 %nb, 0")
-    a("  %skip0 = or i1 %none, %not")
-    a("  %skip = or i1 %skip0, %nob")
-    a("  br i1 %skip, label %exit, label %panel")
+    _skip_empty(a)
     a("panel:")
     a("  %p = phi i64 [%r0, %entry], [%pnext, %tdone]")
     a("  %prow = sub i64 %p, %r0")
@@ -574,8 +541,7 @@ def _vnni_entry_ir(kind: str) -> str:
     a("  br label %blk")
     a("blk:")
     a("  %b = phi i64 [0, %tile], [%bnext, %blk]")
-    for r in range(P):
-        a(f"  %acc{r} = phi <16 x float> [zeroinitializer, %tile], [%new{r}, %blk]")
+    phi_at, new = len(L), []  # the sums' phis go here once their new names are known
     a("  %tbb = add i64 %tb, %b")
     a("  %xo = mul i64 %tbb, 1024")
     a("  %xph = getelementptr i8, i8* %xb, i64 %xo")
@@ -619,38 +585,14 @@ def _vnni_entry_ir(kind: str) -> str:
         a(f"  %hs{r} = shl <16 x i32> {hh[0]}, {splat('i32', 8)}")
         a(f"  %s0{r} = add <16 x i32> %hs{r}, {ll[0]}")
         a(f"  %ci{r} = add i64 %sidx, {r}")
-        a(f"  %cp{r} = getelementptr i32, i32* %wsc, i64 %ci{r}")
-        a(f"  %c{r} = load i32, i32* %cp{r}, align 4")
-        a(f"  %cv{r} = insertelement <16 x i32> undef, i32 %c{r}, i32 0")
-        a(f"  %cs{r} = shufflevector <16 x i32> %cv{r}, <16 x i32> undef, <16 x i32> zeroinitializer")
-        a(f"  %s{r} = sub <16 x i32> %s0{r}, %cs{r}")
-        a(f"  %f{r} = sitofp <16 x i32> %s{r} to <16 x float>")
-        a(f"  %dwp{r} = getelementptr float, float* %wdt, i64 %ci{r}")
-        a(f"  %dw{r} = load float, float* %dwp{r}, align 4")
-        a(f"  %dwi{r} = insertelement <16 x float> undef, float %dw{r}, i32 0")
-        a(f"  %dws{r} = shufflevector <16 x float> %dwi{r}, <16 x float> undef, <16 x i32> zeroinitializer")
-        a(f"  %sc{r} = fmul <16 x float> %xdv, %dws{r}")
-        if kind == "u8":  # + m_w * s_x, as the tile kernel
-            a(f"  %n{r} = call <16 x float> @llvm.fma.v16f32(<16 x float> %f{r}, <16 x float> %sc{r}, <16 x float> %acc{r})")
-            a(f"  %mwp{r} = getelementptr float, float* %wmt, i64 %ci{r}")
-            a(f"  %mw{r} = load float, float* %mwp{r}, align 4")
-            a(f"  %mwi{r} = insertelement <16 x float> undef, float %mw{r}, i32 0")
-            a(f"  %mws{r} = shufflevector <16 x float> %mwi{r}, <16 x float> undef, <16 x i32> zeroinitializer")
-            a(f"  %new{r} = call <16 x float> @llvm.fma.v16f32(<16 x float> %mws{r}, <16 x float> %xsv, <16 x float> %n{r})")
-        else:
-            a(f"  %new{r} = call <16 x float> @llvm.fma.v16f32(<16 x float> %f{r}, <16 x float> %sc{r}, <16 x float> %acc{r})")
+        a(f"  %s{r} = sub <16 x i32> %s0{r}, {_bcast(a, f'c{r}', 'i32', '%wsc', f'%ci{r}')}")
+        new.append(_scaled(a, kind, str(r), f"%s{r}", "%xdv", "%xsv", f"%ci{r}", f"%acc{r}"))
     a("  %bnext = add i64 %b, 1")
     a("  %bmore = icmp slt i64 %bnext, %nb")
     a("  br i1 %bmore, label %blk, label %bdone")
+    L[phi_at:phi_at] = [f"  %acc{r} = phi <16 x float> [zeroinitializer, %tile], [{new[r]}, %blk]" for r in range(P)]
     a("bdone:")
-    a("  %ot = mul i64 %t, 16")
-    for r in range(P):
-        a(f"  %orow{r} = add i64 %prow, {r}")
-        a(f"  %oo{r} = mul i64 %orow{r}, %ostride")
-        a(f"  %oi{r} = add i64 %oo{r}, %ot")
-        a(f"  %op{r} = getelementptr float, float* %out, i64 %oi{r}")
-        a(f"  %opv{r} = bitcast float* %op{r} to <16 x float>*")
-        a(f"  store <16 x float> %new{r}, <16 x float>* %opv{r}, align 4")
+    _store_rows(a, new)
     a("  %tnext = add i64 %t, 1")
     a("  %tmore = icmp slt i64 %tnext, %tiles")
     a("  br i1 %tmore, label %tile, label %tdone")
@@ -662,6 +604,51 @@ def _vnni_entry_ir(kind: str) -> str:
     a("  ret void")
     a("}")
     return "\n".join(L)
+
+
+def _skip_empty(a) -> None:
+    """Both kernels' entry: straight to ``exit`` when there are no rows, inputs or blocks."""
+    a("  %none = icmp sge i64 %r0, %r1")
+    a("  %not = icmp sle i64 %tiles, 0")
+    a("  %nob = icmp sle i64 %nb, 0")
+    a("  %skip0 = or i1 %none, %not")
+    a("  %skip = or i1 %skip0, %nob")
+    a("  br i1 %skip, label %exit, label %panel")
+
+
+def _bcast(a, name: str, ty: str, ptr: str, idx: str) -> str:
+    """``ptr[idx]`` (``ptr`` a ``ty``*) in all 16 lanes; the vector's IR name."""
+    a(f"  %{name}p = getelementptr {ty}, {ty}* {ptr}, i64 {idx}")
+    a(f"  %{name} = load {ty}, {ty}* %{name}p, align 4")
+    a(f"  %{name}i = insertelement <16 x {ty}> undef, {ty} %{name}, i32 0")
+    a(f"  %{name}s = shufflevector <16 x {ty}> %{name}i, <16 x {ty}> undef, <16 x i32> zeroinitializer")
+    return f"%{name}s"
+
+
+def _scaled(a, kind: str, tag: str, s: str, xdv: str, xsv: str, idx: str, acc: str) -> str:
+    """``acc`` + float(block sums ``s``) * (d_x * d_w[idx]), + m_w[idx] * s_x for "u8": a
+    block's float work, one text for both units (their results agree bit for bit because
+    it is the same operations in the same order); the new sums' IR name."""
+    a(f"  %f{tag} = sitofp <16 x i32> {s} to <16 x float>")
+    a(f"  %sc{tag} = fmul <16 x float> {xdv}, {_bcast(a, f'dw{tag}', 'float', '%wdt', idx)}")
+    a(f"  %n{tag} = call <16 x float> @llvm.fma.v16f32(<16 x float> %f{tag}, <16 x float> %sc{tag}, <16 x float> {acc})")
+    if kind != "u8":
+        return f"%n{tag}"
+    mws = _bcast(a, f"mw{tag}", "float", "%wmt", idx)
+    a(f"  %nm{tag} = call <16 x float> @llvm.fma.v16f32(<16 x float> {mws}, <16 x float> {xsv}, <16 x float> %n{tag})")
+    return f"%nm{tag}"
+
+
+def _store_rows(a, sums: list[str]) -> None:
+    """Row r of the pass (``%prow`` + r) of tile ``%t``: its 16 inputs' sums ``sums[r]`` into ``%out``."""
+    a("  %ot = mul i64 %t, 16")
+    for r, v in enumerate(sums):
+        a(f"  %orow{r} = add i64 %prow, {r}")
+        a(f"  %oo{r} = mul i64 %orow{r}, %ostride")
+        a(f"  %oi{r} = add i64 %oo{r}, %ot")
+        a(f"  %op{r} = getelementptr float, float* %out, i64 %oi{r}")
+        a(f"  %opv{r} = bitcast float* %op{r} to <16 x float>*")
+        a(f"  store <16 x float> {v}, <16 x float>* %opv{r}, align 4")
 
 
 def splat(ty: str, v) -> str:
