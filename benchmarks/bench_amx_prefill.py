@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from cortiq_engine.kernels import qdot
+from cortiq_engine.kernels.fast import ACT_BITS
 from cortiq_engine.kernels.amx import TILE, UNITS, TileKernels, host_unit
 
 
@@ -38,13 +39,15 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtypes", default="q8", help="comma-separated weight dtypes for the per-matrix timings")
     ap.add_argument("--unit", choices=UNITS, help="the tile unit (default the host's)")
+    ap.add_argument("--vnni-min-weights", type=int, default=None,
+                    help="with --model: the smallest fused matmul the VNNI unit takes (default the host's)")
     a = ap.parse_args()
     unit = a.unit or host_unit()
     if unit is None:
         print("this CPU has neither AMX-INT8 tiles nor AVX-512 VNNI: nothing to measure")
         return 0
     if a.model:
-        return model_prefill(a.model, a.text, a.reps, a.threads, unit)
+        return model_prefill(a.model, a.text, a.reps, a.threads, unit, a.vnni_min_weights)
     set_threads(1)
     kern = TileKernels(cache_dir=None, unit=unit)
     rng = np.random.default_rng(0)
@@ -60,21 +63,20 @@ def main() -> int:
             parts = {k: np.ascontiguousarray(v.view(np.uint16) if v.dtype == np.float16 else v)
                      for k, v in dt.named(dt.encode(W), (rows, cols)).items()}
             kparts = tuple(parts[k] for k in dt.kernel_parts)
-            out = np.zeros((rows, TILE * ((n + TILE - 1) // TILE)), np.float32)
+            bits = ACT_BITS[dtype]  # the width the engine's decode and prefill take
             res = np.empty((n, rows), np.float32)
             tile = np.empty((rows, cols), np.float32)
             scratch = np.empty(rows * cols, np.uint8)
 
             def tiles() -> None:
-                kern.rows(dtype, parts, cols, 0, rows, kern.pack(X), out, scratch)
-                res[:] = out[:, :n].T
+                kern.rows(dtype, parts, cols, 0, rows, kern.pack(X, bits), res, scratch)
 
             def sgemm() -> None:
                 ops.dequant(kparts, 0, rows, tile)
                 np.matmul(X, tile.T, out=res)
 
             tiles()
-            ref = qdot.qdot_ref(dtype, parts, X, bits=16)
+            ref = qdot.qdot_ref(dtype, parts, X, bits=bits)
             err = float(np.abs(res - ref).max() / np.abs(ref).max())
             bad |= err > 1e-5
             times = {}
@@ -86,12 +88,12 @@ def main() -> int:
                     f()
                     ts.append(time.perf_counter() - t)
                 times[name] = float(np.median(ts))
-            print(f"{dtype} [{rows} x {cols}] x {n} rows: {unit} {1e3 * times['tiles']:.2f} ms, dequantize + sgemm "
+            print(f"{dtype} [{rows} x {cols}] x {n} rows, int{bits}: {unit} {1e3 * times['tiles']:.2f} ms, dequantize + sgemm "
                   f"{1e3 * times['sgemm']:.2f} ms, {times['sgemm'] / times['tiles']:.2f}x; max error {err:.1e} of max |out|")
     return 1 if bad else 0
 
 
-def model_prefill(path: str, text: str | None, reps: int, threads: int, unit: str) -> int:
+def model_prefill(path: str, text: str | None, reps: int, threads: int, unit: str, vnni_min: int | None = None) -> int:
     import os
     import time
 
@@ -99,7 +101,8 @@ def model_prefill(path: str, text: str | None, reps: int, threads: int, unit: st
     from cortiq_engine.kernels.fast import NumbaKernels
     from cortiq_engine.model import forward
 
-    engs = {name: Engine.load(path, threads=threads, kernels=NumbaKernels(amx_tiles=flag, tile_unit=unit))
+    extra = {} if vnni_min is None else {"vnni_min_weights": vnni_min}
+    engs = {name: Engine.load(path, threads=threads, kernels=NumbaKernels(amx_tiles=flag, tile_unit=unit, **extra))
             for name, flag in (("tiles", True), ("sgemm", False))}
     words = open(text, encoding="utf-8").read() if text else "The history of Rome " * 400
     ids = engs["tiles"].tokenizer.encode(words)[:512]

@@ -40,10 +40,13 @@ def test_matmul_fused_fast_equals_reference_and_exact(dtype, n):
     assert np.abs(fast - exact).max() / scale < 1e-5
     if dtype not in ("q8", "q4") or n > SMALL_N:
         # float activations here too (q8/q4 decode batches: int8, tests/test_qdot.py), but
-        # for prefill on AMX tiles: int16 (tests/test_amx.py holds it to qdot_ref)
+        # for prefill on integer tiles the decode's width, q8 int16, q4 int8
+        # (tests/test_amx.py holds them to qdot_ref)
         ks = get_kernels("numba")
         default = ks.matmul([w for w, _ in ws], X)
-        assert np.abs(default - exact).max() / scale < (1e-4 if dtype in ks.amx_dtypes and n > SMALL_N else 1e-5)
+        tiled = dtype in ks.amx_dtypes and n > SMALL_N
+        tol = 1e-5 if not tiled else 1e-4 if ks.tile_bits[dtype] == 16 else 2e-2
+        assert np.abs(default - exact).max() / scale < tol
 
 
 def test_matmul_mixed_dtypes_in_one_call():

@@ -1,5 +1,6 @@
-"""Prefill matmuls as integer tile products: q8 and 4/5-bit weights times int16 activations,
-on AMX tiles or, where the CPU has none, the same products on AVX-512 VNNI.
+"""Prefill matmuls as integer tile products: q8 weights times int16 activations, 4/5-bit
+weights times int8 ones (each at its decode's rounding), on AMX tiles or, where the CPU has
+none, the same products on AVX-512 VNNI.
 
 Prefill multiplies every weight by hundreds of rows. The portable path (``fast.py``)
 dequantizes a slice of the weights to f32 and hands it to single-threaded BLAS, which
@@ -25,8 +26,12 @@ against ``qdot.qdot_ref``, the float64 twin).
 The 4- and 5-bit dtypes (``UNSIGNED``: q4, q4_0, q5, q5_1, q4k, q5k) store unsigned quants
 with a scale and a min per block of 32 (see "unsigned quants" below): a slice of their
 rows is unpacked to bytes once per call (about 1 ms for 11.5M weights), the products are
-``tdpbusd`` / ``tdpbuud`` (A unsigned), and each block adds m_w * s_x. q6k (signed, a scale
-per 16) stays on the sgemm path.
+``tdpbusd`` / ``tdpbuud`` (A unsigned), and each block adds m_w * s_x. Their decode rounds
+activations to int8 (``fast.ACT_BITS``: ggml's choice, its error small beside the weights'),
+and so does their prefill by default: one plane, one product (``tdpbusd``) a block, the
+block sums directly; 1.6-1.8x the int16 form per matrix (Zen 4, VNNI, one thread, 512
+rows). With int16 activations requested (``CORTIQ_KERNELS=numba-i16``) they take the two
+planes as q8 does. q6k (signed, a scale per 16) stays on the sgemm path.
 
 Layout (one call computes rows r0..r1 of one weight, a multiple of 16, for all inputs):
 - A tile (16 weight rows x 32 bytes of block b): read in place from the q8 quants,
@@ -36,7 +41,9 @@ Layout (one call computes rows r0..r1 of one weight, a multiple of 16, for all i
   planes, inputs padded with zero rows to a multiple of 16.
 - C tiles (16 weight rows x 16 inputs of int32) go through a 2 KB stack buffer, where 16
   zmm registers of f32 (one per weight row, lanes = inputs) gather the scaled sums.
-The output is [weight rows, inputs padded to 16] (the caller transposes).
+The output is the matmul's own [inputs, columns] array: each weight row's 16 sums go to
+their column by one masked scatter (the padding inputs of the last tile are never
+written), where a transposed copy of a [columns, inputs] result took 3.4 ms per 512 x 3072.
 
 Measured (eighth session, Intel Xeon with AMX; ``benchmarks/bench_amx_prefill.py``, one
 thread, 512 rows): 1.0-1.1x the dequantize + sgemm path on SmolLM2's [1536 x 576], 1.2-1.3x
@@ -75,6 +82,9 @@ from cortiq_engine.kernels import llvm_jit, qdot
 QB = 32
 TILE = 16  # weight rows and input rows per tile
 QMAX16 = qdot.qmax("q8", 16)  # the int16 rounding q8's decode uses
+# Activation widths the tiles take and their rounding: int16 (q8's decode rounding; two
+# byte planes) and int8 (the 4/5-bit dtypes' decode rounding; one plane, one product).
+QMAX = {16: QMAX16, 8: qdot.qmax("q4", 8)}
 # Linux: arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) lets this process use the tiles.
 _SYS_ARCH_PRCTL = 158
 _ARCH_REQ_XCOMP_PERM = 0x1023
@@ -129,14 +139,17 @@ def host_amx() -> bool:
 
 # ------------------------------------------------------------ activations
 @njit(parallel=True, cache=True, nogil=True)
-def pack_x16(X, xb, xd, xs):
-    """X f32[n, cols] -> xb int8[tiles, nb, 2, 8, 64] (B tiles: plane 0 the high bytes of
-    the int16 rounding, plane 1 the low bytes; byte 4 * m + j of row k4 is element
-    4 * k4 + j of block b of input 16 * t + m), xd f32[tiles, nb, 16] (the block scales)
-    and xs f32[tiles, nb, 16] (d_x * the block's quant sum, the min term's factor);
-    padding inputs get zeros. The rounding is q8 decode's (``qdot.quantize_rows``)."""
+def pack_x16(X, xb, xd, xs, qmax):
+    """X f32[n, cols] -> xb int8[tiles, nb, planes, 8, 64] (B tiles), xd f32[tiles, nb, 16]
+    (the block scales) and xs f32[tiles, nb, 16] (d_x * the block's quant sum, the min
+    term's factor); byte 4 * m + j of row k4 of a plane is element 4 * k4 + j of block b of
+    input 16 * t + m. Two planes: the int16 rounding at ``qmax`` (q8 decode's), plane 0 its
+    high bytes, plane 1 its low bytes. One plane: the int8 rounding (``qmax`` 127, the 4/5-bit
+    dtypes' decode rounding) itself. Padding inputs get zeros; the rounding is
+    ``qdot.quantize_rows``."""
     n, cols = X.shape
     tiles = xb.shape[0]
+    two = xb.shape[2] == 2
     nb = cols // QB
     for t in prange(tiles):
         i0 = t * TILE
@@ -148,32 +161,39 @@ def pack_x16(X, xb, xd, xs):
         xq = np.empty((m_n, cols), np.int16)
         rd = np.empty((m_n, nb), np.float32)
         rs = np.empty((m_n, nb), np.float32)
-        qdot.quantize_rows(X[i0 : i0 + m_n], xq, rd, rs, QMAX16)
+        qdot.quantize_rows(X[i0 : i0 + m_n], xq, rd, rs, qmax)
         for m in range(m_n):
             for b in range(nb):
                 xd[t, b, m] = rd[m, b]
                 xs[t, b, m] = rs[m, b]
                 for k in range(QB):
                     q = np.int32(xq[m, b * QB + k])
-                    xb[t, b, 0, k >> 2, 4 * m + (k & 3)] = np.int8(q >> 8)
-                    # the low byte's bits as int8 (the tile op reads them unsigned)
-                    xb[t, b, 1, k >> 2, 4 * m + (k & 3)] = np.int8(((q & 255) ^ 128) - 128)
+                    if two:
+                        xb[t, b, 0, k >> 2, 4 * m + (k & 3)] = np.int8(q >> 8)
+                        # the low byte's bits as int8 (the tile op reads them unsigned)
+                        xb[t, b, 1, k >> 2, 4 * m + (k & 3)] = np.int8(((q & 255) ^ 128) - 128)
+                    else:
+                        xb[t, b, 0, k >> 2, 4 * m + (k & 3)] = np.int8(q)
 
 
-def pack_x16_ref(X: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def pack_x16_ref(X: np.ndarray, bits: int = 16) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """numpy twin of ``pack_x16`` (the rounding: ``qdot.quantize_rows_ref``)."""
     n, cols = X.shape
     nb, tiles = cols // QB, (n + TILE - 1) // TILE
-    q16, d16, s16 = qdot.quantize_rows_ref(X, 16, QMAX16)
+    qv, dv, sv = qdot.quantize_rows_ref(X, bits, QMAX[bits])
     q = np.zeros((tiles * TILE, nb, QB), np.int32)
-    q[:n] = q16.reshape(n, nb, QB)
+    q[:n] = qv.reshape(n, nb, QB)
     d = np.zeros((2, tiles * TILE, nb), np.float32)
-    d[0, :n], d[1, :n] = d16, s16
-    planes = np.stack([(q >> 8).astype(np.int8), (q & 255).astype(np.uint8).view(np.int8)])  # [2, rows, nb, 32]
-    # [2, tiles, 16 m, nb, 8 k4, 4 j] -> [tiles, nb, 2, k4, m, j]
-    p = planes.reshape(2, tiles, TILE, nb, QB // 4, 4).transpose(1, 3, 0, 4, 2, 5)
+    d[0, :n], d[1, :n] = dv, sv
+    if bits == 16:
+        planes = np.stack([(q >> 8).astype(np.int8), (q & 255).astype(np.uint8).view(np.int8)])  # [2, rows, nb, 32]
+    else:
+        planes = q.astype(np.int8)[None]
+    k = planes.shape[0]
+    # [planes, tiles, 16 m, nb, 8 k4, 4 j] -> [tiles, nb, planes, k4, m, j]
+    p = planes.reshape(k, tiles, TILE, nb, QB // 4, 4).transpose(1, 3, 0, 4, 2, 5)
     sc = np.ascontiguousarray(d.reshape(2, tiles, TILE, nb).transpose(0, 1, 3, 2))
-    return np.ascontiguousarray(p).reshape(tiles, nb, 2, QB // 4, 4 * TILE), sc[0], sc[1]
+    return np.ascontiguousarray(p).reshape(tiles, nb, k, QB // 4, 4 * TILE), sc[0], sc[1]
 
 
 # ------------------------------------------------------------ unsigned quants
@@ -321,9 +341,12 @@ declare void @llvm.x86.tdpbsud(i8 immarg, i8 immarg, i8 immarg)
 declare void @llvm.x86.tdpbusd(i8 immarg, i8 immarg, i8 immarg)
 declare void @llvm.x86.tdpbuud(i8 immarg, i8 immarg, i8 immarg)
 declare <16 x float> @llvm.fma.v16f32(<16 x float>, <16 x float>, <16 x float>)
+declare void @llvm.masked.scatter.v16f32.v16p0(<16 x float>, <16 x ptr>, i32 immarg, <16 x i1>)
 """
-# The entries: signed weights (q8), and unsigned unpacked quants with a min term.
-ENTRIES = {"q8": "amx_q8a16", "u8": "amx_u8a16"}
+# The entries, one per (weights, activation width): signed weights (q8) on int16
+# activations, unsigned unpacked quants with a min term on int16 or int8 activations.
+FORMS = (("q8", 16), ("u8", 16), ("u8", 8))
+ENTRIES = {f: f"amx_{f[0]}a{f[1]}" for f in FORMS}
 # (hi product, lo product) per weight sign: A signed or unsigned bytes, B's high plane
 # signed, its low plane unsigned.
 _PRODUCTS = {"q8": ("tdpbssd", "tdpbsud"), "u8": ("tdpbusd", "tdpbuud")}
@@ -342,12 +365,12 @@ def tile_config() -> np.ndarray:
 
 
 def module_ir() -> str:
-    """Both entries (``_entry_ir``)."""
-    return "\n".join([_DECLS] + [_entry_ir(kind) for kind in ENTRIES])
+    """Every entry (``_entry_ir``)."""
+    return "\n".join([_DECLS] + [_entry_ir(form) for form in ENTRIES])
 
 
-def _entry_ir(kind: str) -> str:
-    """``ENTRIES[kind](wq, wdt, wmt, xb, xd, xs, out, r0, r1, nb, tiles, cols, cfg)``:
+def _entry_ir(form: tuple[str, int]) -> str:
+    """``ENTRIES[form](wq, wdt, wmt, xb, xd, xs, out, r0, r1, nb, tiles, cols, cfg)``:
     out[n - r0, 16 t + m] for weight rows n in r0..r1 (a multiple of 16 apart) and every
     packed input; ``wdt`` (and for "u8" ``wmt``, the mins, times ``xs``) is the slice's
     weight scales as f32 [(r1 - r0) / 16][nb][16] (``panel``).
@@ -356,12 +379,15 @@ def _entry_ir(kind: str) -> str:
     the next block, so the AMX work of one block is a serial chain of about 200 cycles.
     The float work on a block's sums (about 150 cycles) is therefore done one block late,
     from the other of two stack buffers: it overlaps the next block's tile chain instead
-    of following it (a 2048 x 5632 q8 matmul of 512 rows: 340 -> about 200 cycles a block)."""
+    of following it (a 2048 x 5632 q8 matmul of 512 rows: 340 -> about 200 cycles a block).
+    int8 activations (one plane) take the high plane's product alone: its sums are the block sums."""
     L: list[str] = []
     a = L.append
+    kind, bits = form
+    two = bits == 16
     hi_op, lo_op = _PRODUCTS[kind]
-    a(f"define void @{ENTRIES[kind]}(i8* %wq, float* %wdt, float* %wmt, i8* %xb, float* %xd, float* %xs, float* %out, "
-      "i64 %r0, i64 %r1, i64 %nb, i64 %tiles, i64 %cols, i8* %cfg) nounwind {")
+    a(f"define void @{ENTRIES[form]}(i8* %wq, float* %wdt, float* %wmt, i8* %xb, float* %xd, float* %xs, float* %out, "
+      "i64 %r0, i64 %r1, i64 %nb, i64 %tiles, i64 %cols, i8* %cfg, i64 %ostride, i64 %nin) nounwind {")
     a("entry:")
     for k in range(2):
         a(f"  %bufh{k} = alloca [256 x i32], align 64")
@@ -370,7 +396,6 @@ def _entry_ir(kind: str) -> str:
         a(f"  %bl8_{k} = bitcast [256 x i32]* %bufl{k} to i8*")
         a(f"  %bh_{k} = bitcast [256 x i32]* %bufh{k} to <16 x i32>*")
         a(f"  %bl_{k} = bitcast [256 x i32]* %bufl{k} to <16 x i32>*")
-    a("  %ostride = mul i64 %tiles, 16")
     a("  %pstride = mul i64 %nb, 16")
     a("  call void @llvm.x86.ldtilecfg(i8* %cfg)")
     _skip_empty(a)
@@ -385,20 +410,22 @@ def _entry_ir(kind: str) -> str:
     def amx_block(tag: str, b: str, k: int) -> None:
         """Tile work of block ``b`` into buffer pair ``k``."""
         a("  call void @llvm.x86.tilezero(i8 0)")
-        a("  call void @llvm.x86.tilezero(i8 1)")
+        if two:
+            a("  call void @llvm.x86.tilezero(i8 1)")
         a(f"  %wo{tag} = add i64 %wrow, {_mul(b, 32, tag, a)}")
         a(f"  %wp{tag} = getelementptr i8, i8* %wq, i64 %wo{tag}")
         a(f"  call void @llvm.x86.tileloadd64(i8 2, i8* %wp{tag}, i64 %cols)")
         a(f"  %tbb{tag} = add i64 %tb, {b}")
-        a(f"  %xo{tag} = mul i64 %tbb{tag}, 1024")
+        a(f"  %xo{tag} = mul i64 %tbb{tag}, {512 * (2 if two else 1)}")
         a(f"  %xph{tag} = getelementptr i8, i8* %xb, i64 %xo{tag}")
-        a(f"  %xpl{tag} = getelementptr i8, i8* %xph{tag}, i64 512")
         a(f"  call void @llvm.x86.tileloadd64(i8 3, i8* %xph{tag}, i64 64)")
-        a(f"  call void @llvm.x86.tileloadd64(i8 4, i8* %xpl{tag}, i64 64)")
         a(f"  call void @llvm.x86.{hi_op}(i8 0, i8 2, i8 3)")
-        a(f"  call void @llvm.x86.{lo_op}(i8 1, i8 2, i8 4)")
         a(f"  call void @llvm.x86.tilestored64(i8 0, i8* {_sel(tag, 'bh8', k, 'i8*', a)}, i64 64)")
-        a(f"  call void @llvm.x86.tilestored64(i8 1, i8* {_sel(tag, 'bl8', k, 'i8*', a)}, i64 64)")
+        if two:
+            a(f"  %xpl{tag} = getelementptr i8, i8* %xph{tag}, i64 512")
+            a(f"  call void @llvm.x86.tileloadd64(i8 4, i8* %xpl{tag}, i64 64)")
+            a(f"  call void @llvm.x86.{lo_op}(i8 1, i8 2, i8 4)")
+            a(f"  call void @llvm.x86.tilestored64(i8 1, i8* {_sel(tag, 'bl8', k, 'i8*', a)}, i64 64)")
 
     def post(tag: str, b: str, k: str, accs: list[str]) -> list[str]:
         """Block ``b``'s sums from buffer pair ``k``, scaled into ``accs``; the new names."""
@@ -412,17 +439,20 @@ def _entry_ir(kind: str) -> str:
             a(f"  %xspv{tag} = bitcast float* %xsp{tag} to <16 x float>*")
             a(f"  %xsv{tag} = load <16 x float>, <16 x float>* %xspv{tag}, align 4")
         a(f"  %wdo{tag} = add i64 %wdpanel, {_mul(b, 16, tag + 'w', a)}")
-        bh, bl = _sel(tag, "bh", k, "<16 x i32>*", a), _sel(tag, "bl", k, "<16 x i32>*", a)
+        bh = _sel(tag, "bh", k, "<16 x i32>*", a)
+        bl = _sel(tag, "bl", k, "<16 x i32>*", a) if two else None
         out = []
         for r in range(TILE):
             a(f"  %hp{tag}{r} = getelementptr <16 x i32>, <16 x i32>* {bh}, i64 {r}")
-            a(f"  %lp{tag}{r} = getelementptr <16 x i32>, <16 x i32>* {bl}, i64 {r}")
             a(f"  %h{tag}{r} = load <16 x i32>, <16 x i32>* %hp{tag}{r}, align 64")
-            a(f"  %l{tag}{r} = load <16 x i32>, <16 x i32>* %lp{tag}{r}, align 64")
-            a(f"  %hs{tag}{r} = shl <16 x i32> %h{tag}{r}, {splat('i32', 8)}")
-            a(f"  %s{tag}{r} = add <16 x i32> %hs{tag}{r}, %l{tag}{r}")
+            if two:
+                a(f"  %lp{tag}{r} = getelementptr <16 x i32>, <16 x i32>* {bl}, i64 {r}")
+                a(f"  %l{tag}{r} = load <16 x i32>, <16 x i32>* %lp{tag}{r}, align 64")
+                a(f"  %hs{tag}{r} = shl <16 x i32> %h{tag}{r}, {splat('i32', 8)}")
+                a(f"  %s{tag}{r} = add <16 x i32> %hs{tag}{r}, %l{tag}{r}")
+            sums = f"%s{tag}{r}" if two else f"%h{tag}{r}"
             a(f"  %wdi{tag}{r} = add i64 %wdo{tag}, {r}")
-            out.append(_scaled(a, kind, f"{tag}{r}", f"%s{tag}{r}", f"%xdv{tag}", f"%xsv{tag}", f"%wdi{tag}{r}", accs[r]))
+            out.append(_scaled(a, kind, f"{tag}{r}", sums, f"%xdv{tag}", f"%xsv{tag}", f"%wdi{tag}{r}", accs[r]))
         return out
 
     # tile t: block 0's tiles, then blocks 1..nb-1 each with the float work of the one before
@@ -477,51 +507,58 @@ def _entry_ir(kind: str) -> str:
 # dtypes' unpacked quants (0..31) are the same numbers read as signed bytes. Every block
 # sum is the exact integer the tile products give, and the float work after it is the
 # same operations in the same order, so the two units' results are bit for bit equal.
-VNNI_ENTRIES = {"q8": "vnni_q8a16", "u8": "vnni_u8a16"}
+# int8 activations (one plane) are flipped the same way: sum w * (x + 128) - 128 * sum w.
+VNNI_ENTRIES = {f: f"vnni_{f[0]}a{f[1]}" for f in FORMS}
+# The correction's factor per activation width: 2^15 (the high plane, shifted by 8), 2^7.
+SUM_FACTOR = {16: 32768, 8: 128}
 
 
 @njit(cache=True, nogil=True)
-def _block_sums(q, out):
-    """out[r, b] = 32768 * the sum of bytes 32 b .. 32 b + 31 of row r (int8 or uint8 rows)."""
+def _block_sums(q, out, factor):
+    """out[r, b] = factor * the sum of bytes 32 b .. 32 b + 31 of row r (int8 or uint8 rows)."""
     rows, nb = out.shape
     for r in range(rows):
         for b in range(nb):
             s = np.int32(0)
             for j in range(QB):
                 s += np.int32(q[r, QB * b + j])
-            out[r, b] = s * np.int32(32768)
+            out[r, b] = s * np.int32(factor)
 
 
-def block_sums(q: np.ndarray) -> np.ndarray:
-    """32768 x each block's sum of a slice's quants [rows, cols] (int8 q8 or the unpacked
-    uint8), int32 [rows, cols / 32]: the VNNI kernel's correction for the flipped high plane."""
+def block_sums(q: np.ndarray, bits: int = 16) -> np.ndarray:
+    """SUM_FACTOR[bits] x each block's sum of a slice's quants [rows, cols] (int8 q8 or the
+    unpacked uint8), int32 [rows, cols / 32]: the VNNI kernel's correction for the flipped
+    activations (|sum| <= 32 * 255, so 2^15 times it fits int32)."""
     out = np.empty((q.shape[0], q.shape[1] // QB), np.int32)
-    _block_sums(q, out)
+    _block_sums(q, out, SUM_FACTOR[bits])
     return out
 
 
 def vnni_module_ir() -> str:
-    """Both VNNI entries (``_vnni_entry_ir``)."""
+    """Every VNNI entry (``_vnni_entry_ir``)."""
     decls = ("declare <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32>, <16 x i32>, <16 x i32>)\n"
-             "declare <16 x float> @llvm.fma.v16f32(<16 x float>, <16 x float>, <16 x float>)\n")
-    return "\n".join([decls] + [_vnni_entry_ir(kind) for kind in VNNI_ENTRIES])
+             "declare <16 x float> @llvm.fma.v16f32(<16 x float>, <16 x float>, <16 x float>)\n"
+             "declare void @llvm.masked.scatter.v16f32.v16p0(<16 x float>, <16 x ptr>, i32 immarg, <16 x i1>)\n")
+    return "\n".join([decls] + [_vnni_entry_ir(form) for form in VNNI_ENTRIES])
 
 
-def _vnni_entry_ir(kind: str) -> str:
-    """``VNNI_ENTRIES[kind](wq, wdt, wmt, wsc, xb, xd, xs, out, r0, r1, nb, tiles, cols)``:
-    ``ENTRIES[kind]``'s result, with ``wsc`` the slice's ``block_sums`` laid out as
+def _vnni_entry_ir(form: tuple[str, int]) -> str:
+    """``VNNI_ENTRIES[form](wq, wdt, wmt, wsc, xb, xd, xs, out, r0, r1, nb, tiles, cols)``:
+    ``ENTRIES[form]``'s result, with ``wsc`` the slice's ``block_sums`` laid out as
     ``wdt`` (``panel``). Per pass of VNNI_PANEL weight rows and 16 inputs, one block's
-    16 activation vectors are loaded once and each row takes 16 vpdpbusd (hi and lo
-    planes, 8 groups of 4 bytes) with its weight bytes broadcast from memory."""
+    16 activation vectors (8 for int8) are loaded once and each row takes 16 vpdpbusd
+    (hi and lo planes, 8 groups of 4 bytes; int8: 8) with its weight bytes broadcast
+    from memory."""
     L: list[str] = []
     a = L.append
+    kind, bits = form
+    planes = (("hr", 0), ("l", 512)) if bits == 16 else (("hr", 0),)
     P = VNNI_PANEL
     if TILE % P:  # ``rows`` hands whole tiles of 16 rows; a pass must never run past them
         raise ValueError(f"VNNI_PANEL {P} must divide {TILE}")
-    a(f"define void @{VNNI_ENTRIES[kind]}(i8* %wq, float* %wdt, float* %wmt, i32* %wsc, i8* %xb, float* %xd, "
-      "float* %xs, float* %out, i64 %r0, i64 %r1, i64 %nb, i64 %tiles, i64 %cols) nounwind {")
+    a(f"define void @{VNNI_ENTRIES[form]}(i8* %wq, float* %wdt, float* %wmt, i32* %wsc, i8* %xb, float* %xd, "
+      "float* %xs, float* %out, i64 %r0, i64 %r1, i64 %nb, i64 %tiles, i64 %cols, i64 %ostride, i64 %nin) nounwind {")
     a("entry:")
-    a("  %ostride = mul i64 %tiles, 16")
     a("  %pstride = mul i64 %nb, 16")
     for r in range(P):
         a(f"  %cr{r} = mul i64 %cols, {r}")
@@ -543,10 +580,10 @@ def _vnni_entry_ir(kind: str) -> str:
     a("  %b = phi i64 [0, %tile], [%bnext, %blk]")
     phi_at, new = len(L), []  # the sums' phis go here once their new names are known
     a("  %tbb = add i64 %tb, %b")
-    a("  %xo = mul i64 %tbb, 1024")
+    a(f"  %xo = mul i64 %tbb, {512 * len(planes)}")
     a("  %xph = getelementptr i8, i8* %xb, i64 %xo")
     for k in range(QB // 4):
-        for plane, off in (("hr", 0), ("l", 512)):
+        for plane, off in planes:
             a(f"  %{plane}p{k} = getelementptr i8, i8* %xph, i64 {off + 64 * k}")
             a(f"  %{plane}pv{k} = bitcast i8* %{plane}p{k} to <16 x i32>*")
             a(f"  %{plane}{k} = load <16 x i32>, <16 x i32>* %{plane}pv{k}, align 1")
@@ -576,14 +613,21 @@ def _vnni_entry_ir(kind: str) -> str:
             a(f"  %wki{r}_{k} = insertelement <16 x i32> undef, i32 %wk{r}_{k}, i32 0")
             a(f"  %wks{r}_{k} = shufflevector <16 x i32> %wki{r}_{k}, <16 x i32> undef, <16 x i32> zeroinitializer")
             a(f"  %hh{r}_{k} = call <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32> {hh[c]}, <16 x i32> %h{k}, <16 x i32> %wks{r}_{k})")
-            a(f"  %ll{r}_{k} = call <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32> {ll[c]}, <16 x i32> %l{k}, <16 x i32> %wks{r}_{k})")
-            hh[c], ll[c] = f"%hh{r}_{k}", f"%ll{r}_{k}"
+            hh[c] = f"%hh{r}_{k}"
+            if bits == 16:
+                a(f"  %ll{r}_{k} = call <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32> {ll[c]}, <16 x i32> %l{k}, <16 x i32> %wks{r}_{k})")
+                ll[c] = f"%ll{r}_{k}"
         for c in range(1, VNNI_CHAINS):
             a(f"  %hj{r}_{c} = add <16 x i32> {hh[0]}, {hh[c]}")
-            a(f"  %lj{r}_{c} = add <16 x i32> {ll[0]}, {ll[c]}")
-            hh[0], ll[0] = f"%hj{r}_{c}", f"%lj{r}_{c}"
-        a(f"  %hs{r} = shl <16 x i32> {hh[0]}, {splat('i32', 8)}")
-        a(f"  %s0{r} = add <16 x i32> %hs{r}, {ll[0]}")
+            hh[0] = f"%hj{r}_{c}"
+            if bits == 16:
+                a(f"  %lj{r}_{c} = add <16 x i32> {ll[0]}, {ll[c]}")
+                ll[0] = f"%lj{r}_{c}"
+        if bits == 16:
+            a(f"  %hs{r} = shl <16 x i32> {hh[0]}, {splat('i32', 8)}")
+            a(f"  %s0{r} = add <16 x i32> %hs{r}, {ll[0]}")
+        else:
+            a(f"  %s0{r} = add <16 x i32> {hh[0]}, zeroinitializer")
         a(f"  %ci{r} = add i64 %sidx, {r}")
         a(f"  %s{r} = sub <16 x i32> %s0{r}, {_bcast(a, f'c{r}', 'i32', '%wsc', f'%ci{r}')}")
         new.append(_scaled(a, kind, str(r), f"%s{r}", "%xdv", "%xsv", f"%ci{r}", f"%acc{r}"))
@@ -640,15 +684,29 @@ def _scaled(a, kind: str, tag: str, s: str, xdv: str, xsv: str, idx: str, acc: s
 
 
 def _store_rows(a, sums: list[str]) -> None:
-    """Row r of the pass (``%prow`` + r) of tile ``%t``: its 16 inputs' sums ``sums[r]`` into ``%out``."""
+    """Row r of the pass (``%prow`` + r) of tile ``%t``: its 16 inputs' sums ``sums[r]``
+    into column ``%prow`` + r of ``%out`` (rows ``%ostride`` floats apart), one masked
+    scatter per row: the result lands in the matmul's [inputs, columns] layout (a
+    transposed copy in numpy cost 3.4 ms per 512 x 3072 output) and the padding inputs
+    of the last tile (16 t + m >= ``%nin``) are never written."""
+    iota = "<" + ", ".join(f"i64 {m}" for m in range(TILE)) + ">"
     a("  %ot = mul i64 %t, 16")
+    a("  %oti = insertelement <16 x i64> undef, i64 %ot, i32 0")
+    a("  %ots = shufflevector <16 x i64> %oti, <16 x i64> undef, <16 x i32> zeroinitializer")
+    a(f"  %om = add <16 x i64> %ots, {iota}")
+    a("  %nini = insertelement <16 x i64> undef, i64 %nin, i32 0")
+    a("  %nins = shufflevector <16 x i64> %nini, <16 x i64> undef, <16 x i32> zeroinitializer")
+    a("  %omask = icmp slt <16 x i64> %om, %nins")
+    a("  %osi = insertelement <16 x i64> undef, i64 %ostride, i32 0")
+    a("  %oss = shufflevector <16 x i64> %osi, <16 x i64> undef, <16 x i32> zeroinitializer")
+    a("  %orows = mul <16 x i64> %om, %oss")
     for r, v in enumerate(sums):
-        a(f"  %orow{r} = add i64 %prow, {r}")
-        a(f"  %oo{r} = mul i64 %orow{r}, %ostride")
-        a(f"  %oi{r} = add i64 %oo{r}, %ot")
-        a(f"  %op{r} = getelementptr float, float* %out, i64 %oi{r}")
-        a(f"  %opv{r} = bitcast float* %op{r} to <16 x float>*")
-        a(f"  store <16 x float> {v}, <16 x float>* %opv{r}, align 4")
+        a(f"  %oc{r} = add i64 %prow, {r}")
+        a(f"  %oci{r} = insertelement <16 x i64> undef, i64 %oc{r}, i32 0")
+        a(f"  %ocs{r} = shufflevector <16 x i64> %oci{r}, <16 x i64> undef, <16 x i32> zeroinitializer")
+        a(f"  %oidx{r} = add <16 x i64> %orows, %ocs{r}")
+        a(f"  %optr{r} = getelementptr float, ptr %out, <16 x i64> %oidx{r}")
+        a(f"  call void @llvm.masked.scatter.v16f32.v16p0(<16 x float> {v}, <16 x ptr> %optr{r}, i32 4, <16 x i1> %omask)")
 
 
 def splat(ty: str, v) -> str:
@@ -683,27 +741,36 @@ def panel(a: np.ndarray, dtype=np.float32) -> np.ndarray:
 class Packed:
     """One matmul's activations in the B-tile layout (``pack_x16``)."""
 
-    xb: np.ndarray  # int8 [tiles, nb, 2, 8, 64]
+    xb: np.ndarray  # int8 [tiles, nb, planes, 8, 64]: 2 planes int16, 1 plane int8
     xd: np.ndarray  # f32 [tiles, nb, 16]
     xs: np.ndarray  # f32 [tiles, nb, 16]
+    n: int  # the real inputs (the last tile's others are padding)
 
     @property
     def tiles(self) -> int:
         return self.xb.shape[0]
 
+    @property
+    def bits(self) -> int:
+        """The activations' integer width: 16 (two byte planes) or 8."""
+        return 16 if self.xb.shape[2] == 2 else 8
 
-_PROTO = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * 7, *[ctypes.c_int64] * 5, ctypes.c_void_p)
-_VNNI_PROTO = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * 8, *[ctypes.c_int64] * 5)
+
+_PROTO = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * 7, *[ctypes.c_int64] * 5, ctypes.c_void_p, *[ctypes.c_int64] * 2)
+_VNNI_PROTO = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * 8, *[ctypes.c_int64] * 7)
 
 
 class TileKernels:
     """The compiled prefill kernels (one set per kernel set; the machine code is
-    ``llvm_jit``'s, shared by the process) for q8 and the unsigned 4/5-bit dtypes
-    (``UNSIGNED``), on one ``unit``: "amx" (the tile unit) or "vnni" (the same products
-    on AVX-512 VNNI; the same results bit for bit). Calls release the GIL (ctypes), so
-    the prefill pool's threads run slices side by side."""
+    ``llvm_jit``'s, shared by the process) for q8 on int16 activations and the unsigned
+    4/5-bit dtypes (``UNSIGNED``) on int16 or int8 ones (``WIDTHS``), on one ``unit``:
+    "amx" (the tile unit) or "vnni" (the same products on AVX-512 VNNI; the same results
+    bit for bit). Calls release the GIL (ctypes), so the prefill pool's threads run
+    slices side by side."""
 
     DTYPES = ("q8",) + UNSIGNED
+    # Activation widths per dtype (``pack``'s ``bits``).
+    WIDTHS = {"q8": (16,), **{d: (16, 8) for d in UNSIGNED}}
 
     def __init__(self, cache_dir: Path | None | str = "default", unit: str = "amx") -> None:
         if unit == "amx" and not host_amx():
@@ -716,33 +783,39 @@ class TileKernels:
         cache = llvm_jit.default_cache_dir() if cache_dir == "default" else cache_dir
         if unit == "amx":
             self._compiled = llvm_jit.compile_ir(module_ir(), list(ENTRIES.values()), cache)
-            self._fns = {k: _PROTO(self._compiled.addrs[name]) for k, name in ENTRIES.items()}
+            self._fns = {f: _PROTO(self._compiled.addrs[name]) for f, name in ENTRIES.items()}
         else:
             self._compiled = llvm_jit.compile_ir(vnni_module_ir(), list(VNNI_ENTRIES.values()), cache)
-            self._fns = {k: _VNNI_PROTO(self._compiled.addrs[name]) for k, name in VNNI_ENTRIES.items()}
+            self._fns = {f: _VNNI_PROTO(self._compiled.addrs[name]) for f, name in VNNI_ENTRIES.items()}
         self._cfg = tile_config()
 
     @staticmethod
-    def pack(X: np.ndarray) -> Packed:
-        """The activations of one matmul in the B-tile layout (``pack_x16``)."""
+    def pack(X: np.ndarray, bits: int = 16) -> Packed:
+        """The activations of one matmul in the B-tile layout (``pack_x16``), rounded to
+        ``bits`` (16 or 8) per block of 32."""
+        if bits not in QMAX:
+            raise ValueError(f"tile activations are int16 or int8, not {bits} bits")
         n, cols = X.shape
         tiles = (n + TILE - 1) // TILE
-        xb = np.empty((tiles, cols // QB, 2, QB // 4, 4 * TILE), np.int8)
+        xb = np.empty((tiles, cols // QB, 2 if bits == 16 else 1, QB // 4, 4 * TILE), np.int8)
         xd = np.empty((tiles, cols // QB, TILE), np.float32)
         xs = np.empty((tiles, cols // QB, TILE), np.float32)
-        pack_x16(np.ascontiguousarray(X, np.float32), xb, xd, xs)
-        return Packed(xb, xd, xs)
+        pack_x16(np.ascontiguousarray(X, np.float32), xb, xd, xs, QMAX[bits])
+        return Packed(xb, xd, xs, n)
 
     def rows(self, dtype: str, parts: dict[str, np.ndarray], cols: int, r0: int, r1: int, x: Packed,
-             out: np.ndarray, scratch: np.ndarray | None = None) -> None:
-        """out[: r1 - r0, : 16 * tiles] = weight rows r0..r1 (``dtype``'s stored ``parts``, a
-        [rows, cols] weight, C-contiguous) times the packed inputs; (r1 - r0) % 16 == 0.
-        ``scratch``: uint8 of at least (r1 - r0) * cols elements for the unsigned dtypes'
-        unpacked quants (allocated when None)."""
+             out: np.ndarray, scratch: np.ndarray | None = None, col: int = 0) -> None:
+        """out[:, col : col + r1 - r0] = the packed inputs times weight rows r0..r1
+        (``dtype``'s stored ``parts``, a [rows, cols] weight, C-contiguous); ``out`` f32
+        [inputs, width], C-contiguous (a matmul's output: the kernels write it in place);
+        (r1 - r0) % 16 == 0. ``scratch``: uint8 of at least (r1 - r0) * cols elements for
+        the unsigned dtypes' unpacked quants (allocated when None)."""
         from formats.quants import get_dtype
 
         if dtype not in self.DTYPES:
             raise ValueError(f"no AMX prefill for {dtype}")
+        if x.bits not in self.WIDTHS[dtype]:
+            raise ValueError(f"no tile kernel for {dtype} on int{x.bits} activations")
         dt = get_dtype(dtype)
         rows = parts[dt.kernel_parts[0]].shape[0]
         nb = cols // QB
@@ -754,8 +827,9 @@ class TileKernels:
         tiles = x.tiles
         if (r1 - r0) % TILE or not 0 <= r0 <= r1 <= rows or x.xb.shape[1] != nb or cols % QB:
             raise ValueError(f"amx rows {r0}..{r1} of a [{rows}, {cols}] weight, {x.xb.shape} inputs")
-        if out.shape[0] < r1 - r0 or out.shape[1] != TILE * tiles or out.dtype != np.float32 or not out.flags.c_contiguous:
-            raise ValueError(f"amx output {out.shape} for {r1 - r0} rows and {TILE * tiles} inputs")
+        if out.ndim != 2 or out.shape[0] != x.n or not 0 <= col <= out.shape[1] - (r1 - r0) \
+                or out.dtype != np.float32 or not out.flags.c_contiguous:
+            raise ValueError(f"amx output {out.shape} for columns {col}..{col + r1 - r0} of {x.n} inputs")
         dw, mw = block_scales(dtype, parts, r0, r1)
         wdt = panel(dw)
         if dtype == "q8":
@@ -769,12 +843,13 @@ class TileKernels:
             a = scratch.reshape(-1)[:need].reshape(r1 - r0, cols)
             unpack_quants(dtype, parts, r0, r1, a)
             a0, a1, wmt = 0, r1 - r0, panel(mw)
-        fn = self._fns["q8" if dtype == "q8" else "u8"]
+        fn = self._fns[("q8" if dtype == "q8" else "u8", x.bits)]
         wm = None if wmt is None else wmt.ctypes.data
+        dst = out.ctypes.data + 4 * col
         if self.unit == "amx":
             fn(a.ctypes.data, wdt.ctypes.data, wm, x.xb.ctypes.data, x.xd.ctypes.data, x.xs.ctypes.data,
-               out.ctypes.data, a0, a1, nb, tiles, cols, self._cfg.ctypes.data)
+               dst, a0, a1, nb, tiles, cols, self._cfg.ctypes.data, out.shape[1], x.n)
         else:
-            wsc = panel(block_sums(a[a0:a1]), np.int32)
+            wsc = panel(block_sums(a[a0:a1], x.bits), np.int32)
             fn(a.ctypes.data, wdt.ctypes.data, wm, wsc.ctypes.data, x.xb.ctypes.data, x.xd.ctypes.data,
-               x.xs.ctypes.data, out.ctypes.data, a0, a1, nb, tiles, cols)
+               x.xs.ctypes.data, dst, a0, a1, nb, tiles, cols, out.shape[1], x.n)

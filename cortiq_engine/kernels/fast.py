@@ -13,9 +13,10 @@ Strategy per matmul of n input rows:
   quants are multiplied in place on the tile unit by activations rounded to int16 once
   per call (as q8's decode rounds them), 1.2-2.2x the sgemm path per matrix; the 4- and
   5-bit dtypes' slices are unpacked to bytes (a quarter of the f32 tile's writes) and
-  take the same tile products plus their min term. Where the CPU has no tile unit but
-  AVX-512 VNNI, the same products (bit for bit) run on ``vpdpbusd`` for matmuls of at
-  least VNNI_MIN_WEIGHTS weights (1.1-1.3x the sgemm path there; below it, sgemm).
+  take tile products on activations rounded to int8, as their decode rounds them, plus
+  their min term. Where the CPU has no tile unit but AVX-512 VNNI, the same products (bit
+  for bit) run on ``vpdpbusd`` (Zen 4, one thread, 512 rows: q8 1.5-1.8x, q4 2.0-2.9x
+  the sgemm path per matrix).
 """
 
 from __future__ import annotations
@@ -64,10 +65,13 @@ FUSE_MAX = 3
 # of a small model fits whole; bigger matrices go through in row tiles.
 TILE_ELEMS = 1 << 21
 # Fused prefill matmuls of fewer weights take sgemm where the tile products run on
-# AVX-512 VNNI (amx.py): 512 rows, 2 threads, q8, against dequantize + sgemm (Emerald
-# Rapids VM without AMX): SmolLM2's q|k|v 0.89x, o 0.77x, gate|up 0.92-1.03x, down 0.92x;
-# [1024 x 2048] 1.08x, [2048 x 2048] 1.28x, TinyLlama's gate 1.25x, down 1.32x.
-VNNI_MIN_WEIGHTS = 4 << 20
+# AVX-512 VNNI (amx.py). 0: every size. On an Emerald Rapids VM without AMX (512 rows, 2
+# threads, q8, against dequantize + sgemm) SmolLM2's matrices measured 0.77-1.03x when each
+# call still copied its result transposed (3.4 ms per 512 x 3072 output) and cut k and v
+# into 16-row slices, so this was 4M weights; with the kernels storing in place and the
+# sgemm path's spans, a Zen 4 measured 1.5x (q8) and 2.0-2.2x (q4, int8) on SmolLM2's
+# matrices, one thread, and whole SmolLM2 prefills 1.18x (q8) and 1.38x (q4).
+VNNI_MIN_WEIGHTS = 0
 # Prefill sgemm slices take at least this many weight rows (fewer rows, more calls: a
 # SmolLM2 q8 prefill ran 170 tok/s with per-weight slices (k and v: 16 rows), 215-220 with
 # slices of >= 128 rows across q|k|v; Zen 1 EPYC, docs/performance.md, eleventh session).
@@ -189,13 +193,16 @@ class NumbaKernels(NumpyKernels):
         self.zmm_min_weights = zmm_min_weights
         self.act_bits = {k: v for k, v in widths.items() if v} if self._intdot is not None else {}
         # Prefill on integer tile products (amx.py; default where the CPU offers AMX-INT8
-        # tiles or AVX-512 VNNI) for the dtypes that decode on integer activations (q8 only
-        # on int16, whose rounding the tiles share; the 4/5-bit ones decode on int8, the
-        # tiles round finer); False: dequantized slices and sgemm, float activations.
+        # tiles or AVX-512 VNNI) for the dtypes that decode on integer activations, at their
+        # decode's width (``tile_bits``: q8 int16; the 4/5-bit ones int8, one tile product
+        # a block instead of two, 1.7-1.8x the int16 form per matrix on a Zen 4); False:
+        # dequantized slices and sgemm, float activations.
         # ``tile_unit``: "amx" or "vnni" (the same products, bit for bit, on AVX-512 VNNI
         # where the CPU has no tile unit or a VM hides it); default the host's (amx.host_unit).
         # ``vnni_min_weights``: the smallest fused matmul that takes the VNNI unit.
-        tiled = frozenset(d for d in amx.TileKernels.DTYPES if self.act_bits.get(d) and (d != "q8" or self.act_bits[d] == 16))
+        self.tile_bits: dict[str, int] = {d: self.act_bits[d] for d in amx.TileKernels.DTYPES
+                                          if self.act_bits.get(d) in amx.TileKernels.WIDTHS[d]}
+        tiled = frozenset(self.tile_bits)
         unit = amx.host_unit() if tile_unit is None else tile_unit
         can_tile = bool(tiled) and unit is not None
         if amx_tiles and not can_tile:
@@ -203,6 +210,8 @@ class NumbaKernels(NumpyKernels):
         use = can_tile if amx_tiles is None else amx_tiles
         self._amx = amx.TileKernels(kernel_cache, unit) if use else None
         self.amx_dtypes: frozenset[str] = tiled if use else frozenset()
+        if not use:
+            self.tile_bits = {}
         self.vnni_min_weights = vnni_min_weights
         # Per-thread scratch for dequantized tiles, reused so prefill matmuls do not
         # page-fault a fresh buffer per call.
@@ -308,25 +317,22 @@ class NumbaKernels(NumpyKernels):
         self._pull(work, _spans(ws, threads), threads)
 
     def _large_amx(self, ws: Sequence[Weight], X: np.ndarray, out: np.ndarray, threads: int) -> None:
-        """Prefill with AMX tiles for the tiled dtypes (slices within one weight: whole
-        tiles of 16 rows on activations packed once for the call; a slice's tail of < 16
-        rows, and the other dtypes, take sgemm)."""
-        jobs = []
-        c0 = 0
-        for w in ws:
-            step = _slice_rows(w, threads)
-            jobs.extend((w, r0, min(w.rows, r0 + step), c0) for r0 in range(0, w.rows, step))
-            c0 += w.rows
-        packed = self._amx.pack(X)
+        """Prefill on integer tile products for the tiled dtypes: the fused rows in the
+        sgemm path's spans (``_spans``: fewer, larger jobs; per weight, SmolLM2's k and v
+        were 16-row slices whose per-call setup outweighed their products), each piece's
+        whole tiles of 16 rows on activations packed once for the call; a piece's tail of
+        < 16 rows, and the other dtypes, take sgemm."""
+        cols0 = np.cumsum([0] + [w.rows for w in ws])
+        col_of = {id(w): int(c) for w, c in zip(ws, cols0)}
+        # the activations once per width the call's tiled dtypes take
+        packs = {b: self._amx.pack(X, b) for b in sorted({self.tile_bits[w.dtype] for w in ws if w.dtype in self.amx_dtypes})}
 
-        def work(job: tuple[Weight, int, int, int]) -> None:
-            w, r0, r1, col = job
+        def piece(w: Weight, r0: int, r1: int) -> None:
+            col = col_of[id(w)]
             if w.dtype in self.amx_dtypes and r1 - r0 >= amx.TILE:
                 t1 = r0 + (r1 - r0) // amx.TILE * amx.TILE
-                buf = self._amx_buf(t1 - r0, packed.tiles * amx.TILE)
                 scratch = None if w.dtype == "q8" else self._amx_scratch((t1 - r0) * w.cols)
-                self._amx.rows(w.dtype, w.parts, w.cols, r0, t1, packed, buf, scratch)
-                out[:, col + r0 : col + t1] = buf[:, : X.shape[0]].T
+                self._amx.rows(w.dtype, w.parts, w.cols, r0, t1, packs[self.tile_bits[w.dtype]], out, scratch, col + r0)
                 if t1 == r1:
                     return
                 r0 = t1
@@ -337,7 +343,11 @@ class NumbaKernels(NumpyKernels):
             self._dequant(w, r0, r1, buf)
             np.matmul(X, buf.T, out=out[:, col + r0 : col + r1])
 
-        self._pull(work, jobs, threads)
+        def work(span: tuple[int, int, list[tuple[Weight, int, int]]]) -> None:
+            for w, r0, r1 in span[2]:
+                piece(w, r0, r1)
+
+        self._pull(work, _spans(ws, threads), threads)
 
     def _pull(self, work, jobs: Sequence, threads: int) -> None:
         """Run ``work`` on every job: in this thread when there is one thread or one job,
@@ -360,7 +370,7 @@ class NumbaKernels(NumpyKernels):
     @property
     def amx_prefill(self) -> bool:
         """Whether prefill matmuls of some dtype (``amx_dtypes``) run on integer tile
-        products (int16 activations; AMX tiles or AVX-512 VNNI, ``tile_unit``)."""
+        products (activations at ``tile_bits``; AMX tiles or AVX-512 VNNI, ``tile_unit``)."""
         return bool(self.amx_dtypes)
 
     @property
@@ -380,10 +390,6 @@ class NumbaKernels(NumpyKernels):
     def _amx_scratch(self, size: int) -> np.ndarray:
         """This thread's buffer of unpacked 4/5-bit quants."""
         return self._scratch("quants", size, np.uint8)
-
-    def _amx_buf(self, rows: int, cols: int) -> np.ndarray:
-        """This thread's AMX output scratch."""
-        return self._scratch("amx", rows * cols, np.float32)[: rows * cols].reshape(rows, cols)
 
     def _tile_buf(self, rows: int, cols: int) -> np.ndarray:
         """This thread's dequantization scratch."""
