@@ -279,6 +279,25 @@ def test_row_exact_wrapper():
     assert RowExact(get_kernels("numba"), 2).row_exact_rows == get_kernels("numba").row_exact_rows
 
 
+@pytest.mark.parametrize("n", [1, 16, 17, 64])
+def test_glu_activations_against_float64(n):
+    """silu(g) * u and the tanh GELU(g) * u, decode sizes and prefill sizes (n > small_n:
+    rows in parallel on the vectorized exp), against float64; gates of either sign far
+    into the tails (no overflow, no NaN)."""
+    ks = get_kernels("numba")
+    rng = np.random.default_rng(n)
+    gu = (rng.standard_normal((n, 192)) * 6).astype(np.float32)
+    gu[0, :6] = [0.0, 95.0, -95.0, 1e-7, -1e-7, 30.0]
+    g, u = gu[:, :96].astype(np.float64), gu[:, 96:].astype(np.float64)
+    silu = g / (1 + np.exp(-g)) * u
+    gelu = 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g**3))) * u
+    for got, want in ((ks.silu_mul(gu), silu), (ks.gelu_tanh_mul(gu), gelu)):
+        assert np.isfinite(got).all()
+        assert np.abs(got - want).max() <= 2e-6 * np.abs(want).max()
+        big = np.abs(want) > 1e-3 * np.abs(want).max()
+        assert (np.abs(got - want)[big] / np.abs(want)[big]).max() < 2e-6
+
+
 def test_norms_rope_silu():
     fast, ref = get_kernels("numba"), get_kernels("numpy")
     x = RNG.standard_normal((5, 40)).astype(np.float32)

@@ -443,11 +443,19 @@ class NumbaKernels(NumpyKernels):
         return out
 
     def silu_mul(self, gu: np.ndarray) -> np.ndarray:
-        if gu.shape[0] > self.small_n:
-            # numpy's exp is SIMD-vectorized; numba's (without SVML) is scalar.
-            return super().silu_mul(gu)
         out = np.empty((gu.shape[0], gu.shape[1] // 2), np.float32)
-        jit.silu_mul(gu, out)
+        if gu.shape[0] > self.small_n:
+            # prefill: rows in parallel on a vectorized exp (numba's np.exp is a libm call)
+            jit.glu_rows(gu, out, False)
+        else:
+            jit.silu_mul(gu, out)
+        return out
+
+    def gelu_tanh_mul(self, gu: np.ndarray) -> np.ndarray:
+        if gu.shape[0] <= self.small_n:
+            return super().gelu_tanh_mul(gu)
+        out = np.empty((gu.shape[0], gu.shape[1] // 2), np.float32)
+        jit.glu_rows(gu, out, True)
         return out
 
     def rope(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> None:

@@ -388,6 +388,29 @@ def exp_nonpositive(x):
     return p * np.int32((np.int32(k) + np.int32(127)) << 23).view(np.float32)
 
 
+@njit(inline="always", fastmath=True)
+def sigmoid(z):
+    """1 / (1 + exp(-z)) through ``exp_nonpositive`` of -|z| (no overflow either side)."""
+    e = exp_nonpositive(-abs(z))
+    return (np.float32(1.0) if z >= 0 else e) / (np.float32(1.0) + e)
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def glu_rows(gu, out, gelu):
+    """gu = [gate | up] per row -> act(gate) * up, rows in parallel, vectorized (a
+    prefill's numpy silu spent 1.5 ms a SmolLM2 layer on libm exp): act = silu, g *
+    sigmoid(g), or with ``gelu`` the tanh GELU, 0.5 g (1 + tanh(y)) = g * sigmoid(2 y),
+    y = sqrt(2 / pi) (g + 0.044715 g^3)."""
+    n, two = gu.shape
+    k = two // 2
+    c2 = np.float32(2.0 * np.sqrt(2.0 / np.pi))
+    for i in prange(n):
+        for j in range(k):
+            g = gu[i, j]
+            z = c2 * (g + np.float32(0.044715) * g * g * g) if gelu else g
+            out[i, j] = g * sigmoid(z) * gu[i, k + j]
+
+
 @njit(fastmath=True, cache=True)
 def exp_nonpositive_array(x, out):
     """``exp_nonpositive`` over an array (the tests' handle on it)."""
