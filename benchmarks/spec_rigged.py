@@ -53,18 +53,28 @@ class RiggedDrafter:
     threshold: float = 0.0
     stack: _Label = field(default_factory=_Label)
     head: _Label = field(default_factory=_Label)
+    last_source: str = "rigged"  # every round's drafts come from here
+    hist_len: int = 0
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)
 
     def reset(self) -> None:
-        pass
+        self.hist_len = 0
 
     def keep(self, n: int) -> None:
-        pass
+        self.hist_len = n
 
     def note(self, first_pos: int, rows) -> None:
+        self.hist_len = first_pos + len(rows)
+
+    def observe(self, emitted: int, seconds: float) -> None:
         pass
+
+    def describe(self) -> dict:
+        """The settings a result reports, in the MTP drafter's keys (``mtp.Drafter.describe``)."""
+        return {"source": self.stack.source, "mtp_depth": self.depth, "chain": self.chain, "hidden": self.hidden,
+                "draft_vocab": self.head.label, "threshold": self.threshold, "accept": self.accept}
 
     def draft(self, t: int, ids, depth: int | None = None) -> list[int]:
         out = []

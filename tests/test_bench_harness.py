@@ -171,3 +171,33 @@ def test_made_ggufs_hold_the_source_weights_and_decode_like_transformers():
     assert ll.first_prefill_token == tf.first_prefill_token
     assert bench_engine.common_prefix(ll.decode_token_ids, tf.decode_token_ids) >= 16
     assert bench_engine.common_prefix(q8.decode_token_ids, tf.decode_token_ids) >= 4
+
+
+@pytest.mark.parametrize("accept", [0.0, 0.7, 1.0])
+def test_rigged_drafts_keep_greedy_output_through_the_decode_loop(tmp_path, accept):
+    """benchmarks/spec_rigged.py's drafter meets the decode loop's drafter protocol
+    (``generate.DraftSource``): the speculative tokens are the plain greedy ones, and at
+    acceptance 1 every draft is accepted."""
+    pytest.importorskip("torch")
+    import spec_rigged
+
+    from cortiq_engine.convert import convert_checkpoint
+    from cortiq_engine.engine import Engine
+    from cortiq_engine.generate import generate
+    from cortiq_engine.sampling import SamplingConfig
+    from tests.tiny import save_tiny
+
+    cmf = tmp_path / "m.cmf"
+    convert_checkpoint(save_tiny("llama", tmp_path / "tiny"), cmf, quant="q8")
+    eng = Engine.load(cmf, ctx=128)
+    ids = [5, 17, 33, 9, 60]
+    plain = eng.generate(ids, max_tokens=24, ignore_eos=True, speculative=False)
+    rig = spec_rigged.RiggedDrafter(list(ids) + list(plain.token_ids), 3, accept, eng.ctx, seed=1)
+    spec = generate(eng.model, eng.tokenizer, ids, SamplingConfig(), capacity=eng.ctx, max_tokens=24, drafter=rig)
+    assert spec.token_ids == plain.token_ids
+    acc = spec.extra["mtp"]
+    assert acc["source"] == "rigged" and acc["mtp_depth"] == 3
+    if accept == 1.0:
+        assert spec.acceptance.accepted[0] == spec.acceptance.drafted[0] > 0
+    if accept == 0.0:
+        assert sum(spec.acceptance.accepted) == 0
