@@ -89,20 +89,13 @@ def _tile_rows(cols: int) -> int:
     return max(16, (TILE_ELEMS // 4) // max(cols, 1))
 
 
-def _slice_rows(w: Weight, threads: int) -> int:
-    """Rows per prefill slice of one weight (the tile path, whose tiles stay within a
-    weight): at most a tile, at least 4 slices per thread so a late thread leaves little
-    for the others to wait on, and a multiple of 16 rows."""
-    by_count = max(16, -(-w.rows // (4 * threads)))
-    return max(16, min(_tile_rows(w.cols), by_count) // 16 * 16)
-
-
 def _spans(ws: Sequence[Weight], threads: int) -> list[tuple[int, int, list[tuple[Weight, int, int]]]]:
-    """The prefill slices of a fused matmul without AMX: runs of consecutive output
-    columns that may cross from one weight into the next, each (first column, columns,
-    (weight, r0, r1) pieces). Sized as ``_slice_rows`` but over the fused rows, and never
-    under MIN_SLICE_ROWS unless a tile is smaller (per weight, SmolLM2's k and v, 192
-    rows each, were cut into 16-row slices)."""
+    """The prefill jobs of a fused matmul (sgemm slices and integer tiles alike): runs of
+    consecutive output columns that may cross from one weight into the next, each (first
+    column, columns, (weight, r0, r1) pieces). At least 4 a thread, so a late thread
+    leaves little for the others to wait on, a multiple of 16 rows, at most a tile, and
+    never under MIN_SLICE_ROWS unless a tile is smaller (per weight, SmolLM2's k and v,
+    192 rows each, were cut into 16-row slices)."""
     total = sum(w.rows for w in ws)
     by_count = -(-total // (4 * threads))
     step = max(16, min(_tile_rows(ws[0].cols), max(MIN_SLICE_ROWS, by_count)) // 16 * 16)
