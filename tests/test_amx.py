@@ -181,25 +181,25 @@ def test_bad_arguments_are_errors_not_reads(unit, dtype):
 
 
 @pytest.mark.parametrize("unit", UNITS)
-@pytest.mark.parametrize("dtype", ["q8", "q4", "q5", "q4k"])
+@pytest.mark.parametrize("dtype,width", [("q8", None), ("q4", None), ("q5", None), ("q4k", None), ("q4", 8), ("q4k", 8)])
 @pytest.mark.parametrize("rows", [40, 1536 + 8])
-def test_prefill_matmul_tiles_and_tail_against_float64(unit, dtype, rows):
+def test_prefill_matmul_tiles_and_tail_against_float64(unit, dtype, width, rows):
     """A prefill matmul (n > small_n) of a weight whose rows are not whole tiles, fused
-    with an f32 one: tile rows at the dtype's decode rounding (q8 int16, the others int8),
-    the tail and the f32 weight as before."""
+    with an f32 one: tile rows at int16 rounding by default, at int8 when one width of 8
+    is asked for all (CORTIQ_KERNELS=numba-i8); the tail and the f32 weight as before."""
     cols, n = 512, 37
     w = _weight(dtype, rows, cols, 7)
     x32 = np.random.default_rng(8).standard_normal((24, cols)).astype(np.float32)
     f = Weight("f", "f32", 24, cols, {"data": x32})
     X = _x(n, cols, 9)
-    on = NumbaKernels(amx_tiles=True, tile_unit=unit, vnni_min_weights=0)
+    on = NumbaKernels(act_bits=width, amx_tiles=True, tile_unit=unit, vnni_min_weights=0)
     off = NumbaKernels(amx_tiles=False)
     assert on.tile_unit == unit and off.tile_unit is None
     got, before = on.matmul([w, f], X), off.matmul([w, f], X)
     tiles = rows // 16 * 16
     assert dtype in on.amx_dtypes and not off.amx_dtypes
     bits = on.tile_bits[dtype]
-    assert bits == (16 if dtype == "q8" else 8) == on.act_bits[dtype]
+    assert bits == (width or 16)
     rounded = qdot.qdot_ref(dtype, w.parts, X, bits)
     float64 = X.astype(np.float64) @ w.dequantize().astype(np.float64).T
     scale = np.abs(float64).max()
@@ -211,11 +211,17 @@ def test_prefill_matmul_tiles_and_tail_against_float64(unit, dtype, rows):
     assert np.abs(got[:, rows:] - f64).max() / np.abs(f64).max() < 2e-6
     # the rounding of the activations is all that separates the two paths
     assert np.abs(got - before).max() / scale < (1e-4 if bits == 16 else 2e-2)
-    # int16 on request (CORTIQ_KERNELS=numba-i16): the tiles round as q8 does
-    wide = NumbaKernels(act_bits=16, amx_tiles=True, tile_unit=unit, vnni_min_weights=0)
-    assert wide.tile_bits[dtype] == 16
-    int16 = qdot.qdot_ref(dtype, w.parts, X, 16)
-    assert np.abs(wide.matmul([w, f], X)[:, :tiles] - int16[:, :tiles]).max() / scale < 2e-6
+
+
+def test_int8_tiles_only_when_one_width_is_asked_for():
+    """By default every tiled dtype prefills on int16 (int8 tiles moved SmolLM2 q4's answer
+    to the README's demo question); act_bits=8 (numba-i8) gives the 4/5-bit dtypes int8
+    tiles and q8, which has no int8 tile kernel, none."""
+    default = NumbaKernels(amx_tiles=True, tile_unit=UNITS[0])
+    assert set(default.tile_bits.values()) == {16} and "q4" in default.tile_bits
+    assert default.act_bits["q4"] == 8  # decode stays on int8
+    narrow = NumbaKernels(act_bits=8, amx_tiles=True, tile_unit=UNITS[0])
+    assert "q8" not in narrow.tile_bits and set(narrow.tile_bits.values()) == {8}
 
 
 def test_vnni_takes_only_matmuls_of_vnni_min_weights():
@@ -236,11 +242,10 @@ def test_vnni_takes_only_matmuls_of_vnni_min_weights():
 @pytest.mark.parametrize("quant", ["q8", "q4"])
 def test_smollm2_prefill_with_and_without_tiles(smollm2_cmf, unit, quant):
     """One prompt three ways: in one chunk on the tiles, in chunks of 16 rows on the decode
-    kernels (the same activation rounding: q8 int16, q4 int8), and in one chunk on sgemm
-    (float activations). q8 (int16): the tiles agree with the decode kernels to the float
-    order of their sums. q4 (int8): a last-bit difference upstream can move an activation
-    to the next of 255 levels, so any two int8 paths differ as int8 and float do (KL ~2e-3
-    on SmolLM2, measured); each kernel is held to its float64 twin above."""
+    kernels, and in one chunk on sgemm (float activations). q8: tiles and decode both round
+    to int16 and agree to the float order of their sums. q4 (int16 tiles, int8 decode): the
+    tiles stay within ~1e-8 KL of sgemm, while int8 rounding differs from either by ~2e-3
+    (a last-bit difference upstream can move an activation to the next of 255 levels)."""
     from cortiq_engine.engine import Engine
     from cortiq_engine.model import forward
 
@@ -261,10 +266,10 @@ def test_smollm2_prefill_with_and_without_tiles(smollm2_cmf, unit, quant):
         return (np.exp(la) * (la - lb)).sum(1).max()
 
     assert not np.array_equal(z["tiles"], z["sgemm"])  # two paths, not one twice
+    assert kl(z["sgemm"], z["tiles"]) < 1e-5
+    assert np.array_equal(z["tiles"].argmax(1), z["sgemm"].argmax(1))
     if quant == "q8":
-        assert kl(z["rows"], z["tiles"]) < 1e-6 and kl(z["sgemm"], z["tiles"]) < 1e-5
+        assert kl(z["rows"], z["tiles"]) < 1e-6
         assert np.array_equal(z["tiles"].argmax(1), z["rows"].argmax(1))
-        assert np.array_equal(z["tiles"].argmax(1), z["sgemm"].argmax(1))
     else:
-        assert kl(z["rows"], z["tiles"]) < 2e-2 and kl(z["sgemm"], z["tiles"]) < 2e-2
-        assert (z["tiles"].argmax(1) == z["sgemm"].argmax(1)).sum() >= 6
+        assert kl(z["rows"], z["tiles"]) < 2e-2

@@ -116,3 +116,22 @@ def test_quantized_top1_agreement(smollm2_cmf, english_ids, f32_top, quant, over
           f"on {confident.sum()} confident positions {agree[confident].mean():.4f}")
     assert agree.mean() >= overall
     assert agree[confident].mean() >= 0.995
+
+
+@pytest.mark.parametrize("quant", ["q8", "q4"])
+def test_default_kernels_answer_the_readme_question_as_transformers(smollm2_cmf, hf_model, quant):
+    """The README's demo question through the chat template: the default kernel set (on a
+    host with AMX or AVX-512 VNNI, prefill on integer tiles) answers with transformers'
+    greedy tokens. int8 prefill tiles for q4 failed this (first token "L" at 0.127 against
+    "The" at 0.113, then a loop), which is why the tiles default to int16."""
+    import torch
+
+    from cortiq_engine import Engine
+
+    eng = Engine.load(smollm2_cmf(quant))
+    ids = eng.tokenizer.encode(eng.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]))
+    got = eng.generate(ids, max_tokens=8, speculative=False)
+    with torch.no_grad():
+        want = hf_model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=8)[0, len(ids):].tolist()
+    assert got.token_ids == want, (got.token_ids, want)
+    assert "Paris" in got.text

@@ -13,10 +13,10 @@ Strategy per matmul of n input rows:
   quants are multiplied in place on the tile unit by activations rounded to int16 once
   per call (as q8's decode rounds them), 1.2-2.2x the sgemm path per matrix; the 4- and
   5-bit dtypes' slices are unpacked to bytes (a quarter of the f32 tile's writes) and
-  take tile products on activations rounded to int8, as their decode rounds them, plus
-  their min term. Where the CPU has no tile unit but AVX-512 VNNI, the same products (bit
-  for bit) run on ``vpdpbusd`` (Zen 4, one thread, 512 rows: q8 1.5-1.8x, q4 2.0-2.9x
-  the sgemm path per matrix).
+  take the same tile products plus their min term (int8 activations on request: one
+  product a block). Where the CPU has no tile unit but AVX-512 VNNI, the same products
+  (bit for bit) run on ``vpdpbusd`` (Zen 4, one thread, 512 rows: q8 1.5-1.8x the sgemm
+  path per matrix; q4 on int8 2.0-2.9x).
 """
 
 from __future__ import annotations
@@ -186,15 +186,21 @@ class NumbaKernels(NumpyKernels):
         self.zmm_min_weights = zmm_min_weights
         self.act_bits = {k: v for k, v in widths.items() if v} if self._intdot is not None else {}
         # Prefill on integer tile products (amx.py; default where the CPU offers AMX-INT8
-        # tiles or AVX-512 VNNI) for the dtypes that decode on integer activations, at their
-        # decode's width (``tile_bits``: q8 int16; the 4/5-bit ones int8, one tile product
-        # a block instead of two, 1.7-1.8x the int16 form per matrix on a Zen 4); False:
-        # dequantized slices and sgemm, float activations.
+        # tiles or AVX-512 VNNI) for the dtypes that decode on integer activations; False:
+        # dequantized slices and sgemm, float activations. ``tile_bits``: the activations'
+        # width, int16 by default for every dtype (the logits stay within ~1e-8 KL of float
+        # activations). int8 tiles (one product a block instead of two: the 4/5-bit dtypes'
+        # prefill 1.6-1.8x faster per matrix on a Zen 4) only when one width is asked for all
+        # (``act_bits`` 8, CORTIQ_KERNELS=numba-i8): on SmolLM2 q4 they moved the README
+        # demo's first token from "The" (0.152 vs 0.140) to "L" (0.127 vs 0.113), and its
+        # answer to "What is the capital of France?" from Paris to a loop.
         # ``tile_unit``: "amx" or "vnni" (the same products, bit for bit, on AVX-512 VNNI
         # where the CPU has no tile unit or a VM hides it); default the host's (amx.host_unit).
         # ``vnni_min_weights``: the smallest fused matmul that takes the VNNI unit.
-        self.tile_bits: dict[str, int] = {d: self.act_bits[d] for d in amx.TileKernels.DTYPES
-                                          if self.act_bits.get(d) in amx.TileKernels.WIDTHS[d]}
+        one_width = act_bits is not None and not isinstance(act_bits, Mapping)
+        self.tile_bits: dict[str, int] = {d: self.act_bits[d] if one_width else 16 for d in amx.TileKernels.DTYPES
+                                          if self.act_bits.get(d)}
+        self.tile_bits = {d: b for d, b in self.tile_bits.items() if b in amx.TileKernels.WIDTHS[d]}
         tiled = frozenset(self.tile_bits)
         unit = amx.host_unit() if tile_unit is None else tile_unit
         can_tile = bool(tiled) and unit is not None
