@@ -1,6 +1,6 @@
-"""Prefill matmuls as integer tile products: q8 weights times int16 activations, 4/5-bit
-weights times int8 ones (each at its decode's rounding), on AMX tiles or, where the CPU has
-none, the same products on AVX-512 VNNI.
+"""Prefill matmuls as integer tile products: q8 and 4/5-bit weights times int16 activations
+(or int8 ones for the 4/5-bit types, on request), on AMX tiles or, where the CPU has none,
+the same products on AVX-512 VNNI.
 
 Prefill multiplies every weight by hundreds of rows. The portable path (``fast.py``)
 dequantizes a slice of the weights to f32 and hands it to single-threaded BLAS, which
@@ -27,11 +27,13 @@ The 4- and 5-bit dtypes (``UNSIGNED``: q4, q4_0, q5, q5_1, q4k, q5k) store unsig
 with a scale and a min per block of 32 (see "unsigned quants" below): a slice of their
 rows is unpacked to bytes once per call (about 1 ms for 11.5M weights), the products are
 ``tdpbusd`` / ``tdpbuud`` (A unsigned), and each block adds m_w * s_x. Their decode rounds
-activations to int8 (``fast.ACT_BITS``: ggml's choice, its error small beside the weights'),
-and so does their prefill by default: one plane, one product (``tdpbusd``) a block, the
-block sums directly; 1.6-1.8x the int16 form per matrix (Zen 4, VNNI, one thread, 512
-rows). With int16 activations requested (``CORTIQ_KERNELS=numba-i16``) they take the two
-planes as q8 does. q6k (signed, a scale per 16) stays on the sgemm path.
+activations to int8 (``fast.ACT_BITS``: ggml's choice, its error small beside the weights');
+their prefill can too (``pack(X, 8)``: one plane, one product, ``tdpbusd``, a block, the
+block sums directly; 1.6-1.8x the int16 form per matrix on a Zen 4, VNNI, one thread, 512
+rows), but ``fast.NumbaKernels`` takes that form only when int8 is asked for all
+(``CORTIQ_KERNELS=numba-i8``): it changed SmolLM2 q4's answer to the README's demo
+question. By default they take the two int16 planes as q8 does. q6k (signed, a scale per
+16) stays on the sgemm path.
 
 Layout (one call computes rows r0..r1 of one weight, a multiple of 16, for all inputs):
 - A tile (16 weight rows x 32 bytes of block b): read in place from the q8 quants,
