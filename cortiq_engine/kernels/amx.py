@@ -332,6 +332,8 @@ def unpack_quants(dtype: str, parts: dict[str, np.ndarray], r0: int, r1: int, ou
 
 
 # ------------------------------------------------------------ LLVM IR
+# ``_store_rows``' one intrinsic, declared by both units' modules.
+_SCATTER_DECL = "declare void @llvm.masked.scatter.v16f32.v16p0(<16 x float>, <16 x ptr>, i32 immarg, <16 x i1>)\n"
 _DECLS = """
 declare void @llvm.x86.ldtilecfg(i8*)
 declare void @llvm.x86.tilerelease()
@@ -343,8 +345,7 @@ declare void @llvm.x86.tdpbsud(i8 immarg, i8 immarg, i8 immarg)
 declare void @llvm.x86.tdpbusd(i8 immarg, i8 immarg, i8 immarg)
 declare void @llvm.x86.tdpbuud(i8 immarg, i8 immarg, i8 immarg)
 declare <16 x float> @llvm.fma.v16f32(<16 x float>, <16 x float>, <16 x float>)
-declare void @llvm.masked.scatter.v16f32.v16p0(<16 x float>, <16 x ptr>, i32 immarg, <16 x i1>)
-"""
+""" + _SCATTER_DECL
 # The entries, one per (weights, activation width): signed weights (q8) on int16
 # activations, unsigned unpacked quants with a min term on int16 or int8 activations.
 FORMS = (("q8", 16), ("u8", 16), ("u8", 8))
@@ -372,9 +373,9 @@ def module_ir() -> str:
 
 
 def _entry_ir(form: tuple[str, int]) -> str:
-    """``ENTRIES[form](wq, wdt, wmt, xb, xd, xs, out, r0, r1, nb, tiles, cols, cfg)``:
-    out[n - r0, 16 t + m] for weight rows n in r0..r1 (a multiple of 16 apart) and every
-    packed input; ``wdt`` (and for "u8" ``wmt``, the mins, times ``xs``) is the slice's
+    """``ENTRIES[form](wq, wdt, wmt, xb, xd, xs, out, r0, r1, nb, tiles, cols, cfg, ostride, nin)``:
+    out[m, n - r0] (rows ``ostride`` floats apart, the first ``nin`` inputs: ``_store_rows``)
+    for weight rows n in r0..r1 (a multiple of 16 apart) and every packed input; ``wdt`` (and for "u8" ``wmt``, the mins, times ``xs``) is the slice's
     weight scales as f32 [(r1 - r0) / 16][nb][16] (``panel``).
 
     Tile loads and stores cost 25-45 cycles each here, and a block's tiles are reused by
@@ -539,13 +540,12 @@ def block_sums(q: np.ndarray, bits: int = 16) -> np.ndarray:
 def vnni_module_ir() -> str:
     """Every VNNI entry (``_vnni_entry_ir``)."""
     decls = ("declare <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32>, <16 x i32>, <16 x i32>)\n"
-             "declare <16 x float> @llvm.fma.v16f32(<16 x float>, <16 x float>, <16 x float>)\n"
-             "declare void @llvm.masked.scatter.v16f32.v16p0(<16 x float>, <16 x ptr>, i32 immarg, <16 x i1>)\n")
+             "declare <16 x float> @llvm.fma.v16f32(<16 x float>, <16 x float>, <16 x float>)\n" + _SCATTER_DECL)
     return "\n".join([decls] + [_vnni_entry_ir(form) for form in VNNI_ENTRIES])
 
 
 def _vnni_entry_ir(form: tuple[str, int]) -> str:
-    """``VNNI_ENTRIES[form](wq, wdt, wmt, wsc, xb, xd, xs, out, r0, r1, nb, tiles, cols)``:
+    """``VNNI_ENTRIES[form](wq, wdt, wmt, wsc, xb, xd, xs, out, r0, r1, nb, tiles, cols, ostride, nin)``:
     ``ENTRIES[form]``'s result, with ``wsc`` the slice's ``block_sums`` laid out as
     ``wdt`` (``panel``). Per pass of VNNI_PANEL weight rows and 16 inputs, one block's
     16 activation vectors (8 for int8) are loaded once and each row takes 16 vpdpbusd
@@ -554,7 +554,8 @@ def _vnni_entry_ir(form: tuple[str, int]) -> str:
     L: list[str] = []
     a = L.append
     kind, bits = form
-    planes = (("hr", 0), ("l", 512)) if bits == 16 else (("hr", 0),)
+    two = bits == 16
+    planes = (("hr", 0), ("l", 512)) if two else (("hr", 0),)
     P = VNNI_PANEL
     if TILE % P:  # ``rows`` hands whole tiles of 16 rows; a pass must never run past them
         raise ValueError(f"VNNI_PANEL {P} must divide {TILE}")
@@ -616,22 +617,21 @@ def _vnni_entry_ir(form: tuple[str, int]) -> str:
             a(f"  %wks{r}_{k} = shufflevector <16 x i32> %wki{r}_{k}, <16 x i32> undef, <16 x i32> zeroinitializer")
             a(f"  %hh{r}_{k} = call <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32> {hh[c]}, <16 x i32> %h{k}, <16 x i32> %wks{r}_{k})")
             hh[c] = f"%hh{r}_{k}"
-            if bits == 16:
+            if two:
                 a(f"  %ll{r}_{k} = call <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32> {ll[c]}, <16 x i32> %l{k}, <16 x i32> %wks{r}_{k})")
                 ll[c] = f"%ll{r}_{k}"
         for c in range(1, VNNI_CHAINS):
             a(f"  %hj{r}_{c} = add <16 x i32> {hh[0]}, {hh[c]}")
             hh[0] = f"%hj{r}_{c}"
-            if bits == 16:
+            if two:
                 a(f"  %lj{r}_{c} = add <16 x i32> {ll[0]}, {ll[c]}")
                 ll[0] = f"%lj{r}_{c}"
-        if bits == 16:
+        if two:
             a(f"  %hs{r} = shl <16 x i32> {hh[0]}, {splat('i32', 8)}")
             a(f"  %s0{r} = add <16 x i32> %hs{r}, {ll[0]}")
-        else:
-            a(f"  %s0{r} = add <16 x i32> {hh[0]}, zeroinitializer")
+        flipped = f"%s0{r}" if two else hh[0]
         a(f"  %ci{r} = add i64 %sidx, {r}")
-        a(f"  %s{r} = sub <16 x i32> %s0{r}, {_bcast(a, f'c{r}', 'i32', '%wsc', f'%ci{r}')}")
+        a(f"  %s{r} = sub <16 x i32> {flipped}, {_bcast(a, f'c{r}', 'i32', '%wsc', f'%ci{r}')}")
         new.append(_scaled(a, kind, str(r), f"%s{r}", "%xdv", "%xsv", f"%ci{r}", f"%acc{r}"))
     a("  %bnext = add i64 %b, 1")
     a("  %bmore = icmp slt i64 %bnext, %nb")

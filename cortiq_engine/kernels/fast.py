@@ -198,19 +198,15 @@ class NumbaKernels(NumpyKernels):
         # where the CPU has no tile unit or a VM hides it); default the host's (amx.host_unit).
         # ``vnni_min_weights``: the smallest fused matmul that takes the VNNI unit.
         one_width = act_bits is not None and not isinstance(act_bits, Mapping)
-        self.tile_bits: dict[str, int] = {d: self.act_bits[d] if one_width else 16 for d in amx.TileKernels.DTYPES
-                                          if self.act_bits.get(d)}
-        self.tile_bits = {d: b for d, b in self.tile_bits.items() if b in amx.TileKernels.WIDTHS[d]}
-        tiled = frozenset(self.tile_bits)
+        wanted = {d: self.act_bits[d] if one_width else 16 for d in amx.TileKernels.DTYPES if self.act_bits.get(d)}
+        tiled = {d: b for d, b in wanted.items() if b in amx.TileKernels.WIDTHS[d]}
         unit = amx.host_unit() if tile_unit is None else tile_unit
         can_tile = bool(tiled) and unit is not None
         if amx_tiles and not can_tile:
             raise ValueError("integer tile prefill needs AMX-INT8 tiles or AVX-512 VNNI, and integer activations")
         use = can_tile if amx_tiles is None else amx_tiles
         self._amx = amx.TileKernels(kernel_cache, unit) if use else None
-        self.amx_dtypes: frozenset[str] = tiled if use else frozenset()
-        if not use:
-            self.tile_bits = {}
+        self.tile_bits: dict[str, int] = tiled if use else {}  # dtype -> the tiles' activation width
         self.vnni_min_weights = vnni_min_weights
         # Per-thread scratch for dequantized tiles, reused so prefill matmuls do not
         # page-fault a fresh buffer per call.
@@ -324,11 +320,11 @@ class NumbaKernels(NumpyKernels):
         cols0 = np.cumsum([0] + [w.rows for w in ws])
         col_of = {id(w): int(c) for w, c in zip(ws, cols0)}
         # the activations once per width the call's tiled dtypes take
-        packs = {b: self._amx.pack(X, b) for b in sorted({self.tile_bits[w.dtype] for w in ws if w.dtype in self.amx_dtypes})}
+        packs = {b: self._amx.pack(X, b) for b in sorted({self.tile_bits[w.dtype] for w in ws if w.dtype in self.tile_bits})}
 
         def piece(w: Weight, r0: int, r1: int) -> None:
             col = col_of[id(w)]
-            if w.dtype in self.amx_dtypes and r1 - r0 >= amx.TILE:
+            if w.dtype in self.tile_bits and r1 - r0 >= amx.TILE:
                 t1 = r0 + (r1 - r0) // amx.TILE * amx.TILE
                 scratch = None if w.dtype == "q8" else self._amx_scratch((t1 - r0) * w.cols)
                 self._amx.rows(w.dtype, w.parts, w.cols, r0, t1, packs[self.tile_bits[w.dtype]], out, scratch, col + r0)
@@ -365,6 +361,11 @@ class NumbaKernels(NumpyKernels):
             self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="cortiq-prefill")
             self._pool_size = threads
         return self._pool
+
+    @property
+    def amx_dtypes(self) -> frozenset[str]:
+        """The dtypes whose prefill matmuls run on integer tile products."""
+        return frozenset(self.tile_bits)
 
     @property
     def amx_prefill(self) -> bool:
