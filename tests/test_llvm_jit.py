@@ -120,3 +120,23 @@ def test_compiled_code_outlives_its_first_holder():
     addrs = attn_ir.AttentionLoops().addrs
     gc.collect()
     assert (addrs == attn_ir.AttentionLoops().addrs).all()  # the same code, reused
+
+
+def test_a_sigint_during_compilation_is_held_then_delivered():
+    """LLVM runs the object cache's Python callbacks through ctypes, which swallows their
+    exceptions: a Ctrl-C landing there was lost. compile_ir holds SIGINT around them and
+    delivers it to the handler that was there before."""
+    import signal
+
+    from cortiq_engine.kernels import llvm_jit
+
+    got: list[str] = []
+    before = signal.signal(signal.SIGINT, lambda *_: got.append("handled"))
+    try:
+        with llvm_jit._sigint_held():
+            signal.raise_signal(signal.SIGINT)
+            assert got == []  # held, not run inside the block
+        assert got == ["handled"]
+        assert signal.getsignal(signal.SIGINT) is not None and got == ["handled"]
+    finally:
+        signal.signal(signal.SIGINT, before)
