@@ -1,7 +1,7 @@
 """Prefill matmuls: the tile kernels (``kernels/amx.py``, on AMX or AVX-512 VNNI) against dequantize + sgemm.
 
     python benchmarks/bench_amx_prefill.py [--reps 7] [--dtypes q8,q4,q4k] [--unit amx|vnni]
-    python benchmarks/bench_amx_prefill.py --model MODEL.cmf --text TEXT.txt [--reps 5] [--threads 2] [--unit vnni] [--ppl]
+    python benchmarks/bench_amx_prefill.py --model MODEL.cmf --text TEXT.txt [--reps 5] [--threads 2] [--unit vnni]
 
 Checks the tile kernels against ``qdot.qdot_ref`` (float64, the same rounding of the
 activations: int16 for q8, int8 for the 4/5-bit dtypes, as their decode) and times it, single-threaded, against the portable prefill path
@@ -12,10 +12,14 @@ non-zero when the kernel's results are wrong; on a CPU with neither unit it says
 
 ``--model``: a whole 512-token prefill of a model, with and without the tiles (two
 engines in one process, alternating, median of ``--reps``), and the KL divergence
-between the two paths' next-token distributions over the last 64 positions. ``--ppl``
-adds both paths' perplexity over the whole ``--text`` (512-token windows, the second half
-of each scored), the mean KL between them and how often their top-1 tokens agree: what
-the activations' rounding costs, on real text.
+between the two paths' next-token distributions over the last 64 positions. What the
+activations' rounding costs on a whole text is ``cortiq ppl``'s measurement, not this
+benchmark's: save the float path's distributions once, then score each kernel set against
+them (``ppl`` runs in prefill, so the kernel set picks the prefill path)::
+
+    CORTIQ_KERNELS=numba-float cortiq ppl MODEL.cmf -f TEXT.txt --mode chunks --save-ref float.cref
+    cortiq ppl MODEL.cmf --ref float.cref                          # default: int16 tiles
+    CORTIQ_KERNELS=numba-i8 cortiq ppl MODEL.cmf --ref float.cref  # int8 tiles
 """
 
 from __future__ import annotations
@@ -42,7 +46,6 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtypes", default="q8", help="comma-separated weight dtypes for the per-matrix timings")
     ap.add_argument("--unit", choices=UNITS, help="the tile unit (default the host's)")
-    ap.add_argument("--ppl", action="store_true", help="with --model and --text: both paths' perplexity and KL")
     ap.add_argument("--vnni-min-weights", type=int, default=None,
                     help="with --model: the smallest fused matmul the VNNI unit takes (default the host's)")
     a = ap.parse_args()
@@ -51,7 +54,7 @@ def main() -> int:
         print("this CPU has neither AMX-INT8 tiles nor AVX-512 VNNI: nothing to measure")
         return 0
     if a.model:
-        return model_prefill(a.model, a.text, a.reps, a.threads, unit, a.vnni_min_weights, a.ppl)
+        return model_prefill(a.model, a.text, a.reps, a.threads, unit, a.vnni_min_weights)
     set_threads(1)
     kern = TileKernels(cache_dir=None, unit=unit)
     rng = np.random.default_rng(0)
@@ -97,8 +100,7 @@ def main() -> int:
     return 1 if bad else 0
 
 
-def model_prefill(path: str, text: str | None, reps: int, threads: int, unit: str, vnni_min: int | None = None,
-                  ppl: bool = False) -> int:
+def model_prefill(path: str, text: str | None, reps: int, threads: int, unit: str, vnni_min: int | None = None) -> int:
     import os
     import time
 
@@ -126,8 +128,6 @@ def model_prefill(path: str, text: str | None, reps: int, threads: int, unit: st
     print(f"prefill {len(ids)}: tiles {len(ids) / med['tiles']:.0f} tok/s, sgemm {len(ids) / med['sgemm']:.0f} tok/s, "
           f"{med['sgemm'] / med['tiles']:.2f}x; KL(sgemm || tiles) {kl:.2e}, same top-1 {same:.3f}; "
           f"load average {os.getloadavg()[0]:.2f}")
-    if ppl and text:
-        score_both(engs, engs["tiles"].tokenizer.encode(words))
     return 0
 
 
@@ -136,32 +136,6 @@ def _logp(eng, h: np.ndarray) -> np.ndarray:
     z = eng.model.lm_head(eng.model.final_norm(h)).astype(np.float64)
     z -= z.max(axis=1, keepdims=True)
     return z - np.log(np.exp(z).sum(axis=1, keepdims=True))
-
-
-def score_both(engs: dict, ids: list[int], ctx: int = 512) -> None:
-    """Perplexity of each engine over ``ids`` in disjoint ``ctx``-token windows (the second
-    half of each scored, as ``cortiq ppl --mode chunks``), KL(sgemm || tiles) and top-1 agreement."""
-    from cortiq_engine.model import forward
-
-    half = ctx // 2
-    nll = {k: 0.0 for k in engs}
-    kl, same, n = 0.0, 0, 0
-    for s in range(0, len(ids) - ctx + 1, ctx):
-        w = ids[s : s + ctx]
-        lp = {}
-        for k, eng in engs.items():
-            lp[k] = _logp(eng, forward(eng.new_state(ctx), w)[half - 1 : -1])
-            nll[k] -= float(lp[k][np.arange(half), w[half:]].sum())
-        a, b = lp["sgemm"], lp["tiles"]
-        kl += float((np.exp(a) * (a - b)).sum())
-        same += int((a.argmax(1) == b.argmax(1)).sum())
-        n += half
-    if not n:
-        print(f"--ppl: the text has fewer than {ctx} tokens")
-        return
-    ppl = {k: float(np.exp(v / n)) for k, v in nll.items()}
-    print(f"ppl over {n} tokens: tiles {ppl['tiles']:.4f}, sgemm {ppl['sgemm']:.4f} ({ppl['tiles'] / ppl['sgemm'] - 1:+.2%}); "
-          f"KL(sgemm || tiles) {kl / n:.2e}, same top-1 {same / n:.3f}")
 
 
 if __name__ == "__main__":
