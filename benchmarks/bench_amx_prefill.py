@@ -18,8 +18,10 @@ benchmark's: save the float path's distributions once, then score each kernel se
 them (``ppl`` runs in prefill, so the kernel set picks the prefill path)::
 
     CORTIQ_KERNELS=numba-float cortiq ppl MODEL.cmf -f TEXT.txt --mode chunks --save-ref float.cref
-    cortiq ppl MODEL.cmf --ref float.cref                          # default: int16 tiles
-    CORTIQ_KERNELS=numba-i8 cortiq ppl MODEL.cmf --ref float.cref  # int8 tiles
+    cortiq ppl MODEL.cmf -f TEXT.txt --ref float.cref                          # default: int16 tiles
+    CORTIQ_KERNELS=numba-i8 cortiq ppl MODEL.cmf -f TEXT.txt --ref float.cref  # int8 tiles
+
+(``--ref`` needs the text it was saved on.)
 """
 
 from __future__ import annotations

@@ -375,8 +375,9 @@ def module_ir() -> str:
 def _entry_ir(form: tuple[str, int]) -> str:
     """``ENTRIES[form](wq, wdt, wmt, xb, xd, xs, out, r0, r1, nb, tiles, cols, cfg, ostride, nin)``:
     out[m, n - r0] (rows ``ostride`` floats apart, the first ``nin`` inputs: ``_store_rows``)
-    for weight rows n in r0..r1 (a multiple of 16 apart) and every packed input; ``wdt`` (and for "u8" ``wmt``, the mins, times ``xs``) is the slice's
-    weight scales as f32 [(r1 - r0) / 16][nb][16] (``panel``).
+    for weight rows n in r0..r1 (a multiple of 16 apart) and every packed input; ``wdt``
+    (and for "u8" ``wmt``, the mins, times ``xs``) is the slice's weight scales as f32
+    [(r1 - r0) / 16][nb][16] (``panel``).
 
     Tile loads and stores cost 25-45 cycles each here, and a block's tiles are reused by
     the next block, so the AMX work of one block is a serial chain of about 200 cycles.
