@@ -123,6 +123,9 @@ def handle_errors(fn: F) -> F:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         launch.release()  # from here Ctrl-C is a KeyboardInterrupt the command cleans up after
+        from cortiq_engine.kernels import interrupts
+
+        interrupts.hold_during_numba_compiles()  # ...delivered after a compile, never lost inside one
         try:
             return fn(*args, **kwargs)
         except CortiqError as e:

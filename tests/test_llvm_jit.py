@@ -120,27 +120,3 @@ def test_compiled_code_outlives_its_first_holder():
     addrs = attn_ir.AttentionLoops().addrs
     gc.collect()
     assert (addrs == attn_ir.AttentionLoops().addrs).all()  # the same code, reused
-
-
-def test_a_sigint_during_compilation_is_held_then_delivered():
-    """LLVM runs the object cache's Python callbacks through ctypes, which swallows their
-    exceptions: a Ctrl-C landing there was lost. compile_ir holds SIGINT around them and
-    delivers it to the handler that was there before."""
-    import signal
-
-    from cortiq_engine.kernels import llvm_jit
-
-    got: list[str] = []
-
-    def handler(*_) -> None:
-        got.append("handled")
-
-    before = signal.signal(signal.SIGINT, handler)
-    try:
-        with llvm_jit._sigint_held():
-            signal.raise_signal(signal.SIGINT)
-            assert got == []  # held, not run inside the block
-        assert got == ["handled"]
-        assert signal.getsignal(signal.SIGINT) is handler  # the handler before is back
-    finally:
-        signal.signal(signal.SIGINT, before)

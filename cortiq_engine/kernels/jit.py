@@ -24,12 +24,14 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from cortiq_engine.kernels import attn_ir
+from cortiq_engine.kernels import attn_ir, interrupts
 from cortiq_engine.threads import prefer_short_spin
 
 # Before any parallel kernel starts the OpenMP pool: idle workers spin briefly, then
 # sleep (see threads.py).
 prefer_short_spin()
+# A Ctrl-C during a compile is delivered after it, not lost in LLVM's callbacks.
+interrupts.hold_during_numba_compiles()
 
 QB = 32  # quantization block (formats.quants.QBLOCK)
 

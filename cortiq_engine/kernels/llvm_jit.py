@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import hashlib
 import os
-import signal
 import threading
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Mapping, Sequence
+from typing import Mapping, Sequence
+
+from cortiq_engine.kernels import interrupts
 
 CACHE_ENV = "CORTIQ_KERNEL_CACHE"
 MAGIC = b"CORTIQ-OBJ1\n"
@@ -90,27 +90,6 @@ def _write(path: Path, obj: bytes) -> None:
             pass
 
 
-@contextmanager
-def _sigint_held() -> Iterator[None]:
-    """Hold a SIGINT that arrives inside the block and deliver it after. LLVM calls the
-    object cache's Python callbacks through ctypes, which swallows their exceptions: a
-    Ctrl-C landing there ("Exception ignored on calling ctypes callback function") was
-    lost, and a command started with a long generation ran on (seen under load in
-    tests/test_hostile_files.py). Only the main thread receives signals."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    held: list[int] = []
-    old = signal.signal(signal.SIGINT, lambda signum, _frame: held.append(signum))
-    try:
-        yield
-    finally:
-        # a handler installed from C reads back as None: restore the default then
-        signal.signal(signal.SIGINT, signal.SIG_DFL if old is None else old)
-        if held:
-            signal.raise_signal(signal.SIGINT)  # to the restored handler (ignored stays ignored)
-
-
 def compile_ir(ir_text: str, names: Sequence[str], cache_dir: Path | None = None, *, reuse: bool = True) -> Compiled:
     """Compile ``ir_text`` for this CPU (opt level 3) and return the addresses of ``names``;
     ``cache_dir`` holds the object cache (None: none on disk). ``reuse``: return this
@@ -135,7 +114,7 @@ def compile_ir(ir_text: str, names: Sequence[str], cache_dir: Path | None = None
         engine = llvm.create_mcjit_compiler(mod, tm)
         produced: list[bytes] = []
         engine.set_object_cache(lambda _m, buf: produced.append(bytes(buf)), lambda _m: cached)
-        with _sigint_held():
+        with interrupts.held():  # LLVM calls the object cache through ctypes (interrupts.py)
             engine.finalize_object()
         if cached is None and produced and path is not None:
             _write(path, produced[0])
