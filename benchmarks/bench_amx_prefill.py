@@ -1,6 +1,6 @@
-"""Prefill matmuls: the tile kernels (``kernels/amx.py``, on AMX or AVX-512 VNNI) against dequantize + sgemm.
+"""Prefill matmuls: the tile kernels (``kernels/amx.py``, on AMX, AVX-512 VNNI or AVX2) against dequantize + sgemm.
 
-    python benchmarks/bench_amx_prefill.py [--reps 7] [--dtypes q8,q4,q4k] [--unit amx|vnni]
+    python benchmarks/bench_amx_prefill.py [--reps 7] [--dtypes q8,q4,q4k] [--unit amx|vnni|avx2]
     python benchmarks/bench_amx_prefill.py --model MODEL.cmf --text TEXT.txt [--reps 5] [--threads 2] [--unit vnni]
 
 Checks the tile kernels against ``qdot.qdot_ref`` (float64, the same rounding of the
@@ -8,7 +8,7 @@ activations: int16 for q8, int8 for the 4/5-bit dtypes, as their decode) and tim
 (``fast.NumbaKernels._large`` without AMX: dequantize a slice to f32, single-threaded
 OpenBLAS sgemm) on SmolLM2's and TinyLlama's matrix shapes with 512 input rows. Exits
 non-zero when the kernel's results are wrong; on a CPU with neither unit it says so.
-``--unit``: the tile unit (default the host's: AMX where the tiles are, else VNNI).
+``--unit``: the tile unit (default the host's: AMX where the tiles are, else VNNI, else AVX2).
 
 ``--model``: a whole 512-token prefill of a model, with and without the tiles (two
 engines in one process, alternating, median of ``--reps``), and the KL divergence
@@ -53,7 +53,7 @@ def main() -> int:
     a = ap.parse_args()
     unit = a.unit or host_unit()
     if unit is None:
-        print("this CPU has neither AMX-INT8 tiles nor AVX-512 VNNI: nothing to measure")
+        print("this CPU has neither AMX-INT8 tiles nor AVX-512 VNNI nor AVX2: nothing to measure")
         return 0
     if a.model:
         return model_prefill(a.model, a.text, a.reps, a.threads, unit, a.vnni_min_weights)
@@ -72,13 +72,14 @@ def main() -> int:
             parts = {k: np.ascontiguousarray(v.view(np.uint16) if v.dtype == np.float16 else v)
                      for k, v in dt.named(dt.encode(W), (rows, cols)).items()}
             kparts = tuple(parts[k] for k in dt.kernel_parts)
-            bits = ACT_BITS[dtype]  # the width the engine's decode and prefill take
+            # the width the engine's decode takes, where the unit has it (AVX2: int16 only)
+            bits = ACT_BITS[dtype] if ACT_BITS[dtype] in kern.widths[dtype] else 16
             res = np.empty((n, rows), np.float32)
             tile = np.empty((rows, cols), np.float32)
-            scratch = np.empty(rows * cols, np.uint8)
+            scratch = np.empty(kern.scratch_bytes(dtype, rows, cols), np.uint8)
 
             def tiles() -> None:
-                kern.rows(dtype, parts, cols, 0, rows, kern.pack(X, bits), res, scratch)
+                kern.rows(dtype, parts, cols, 0, rows, kern.prepare(X, bits), res, scratch)
 
             def sgemm() -> None:
                 ops.dequant(kparts, 0, rows, tile)

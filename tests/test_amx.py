@@ -1,7 +1,8 @@
 """Prefill on integer tile products (``cortiq_engine/kernels/amx.py``; AMX tiles, or the
-same products on AVX-512 VNNI) against float64 math: the activation packing (int16 and
-int8) and the 4/5-bit unpackers against their numpy twins, the tile kernels of every unit
-the host has (q8 on int16, the unsigned dtypes on int16 and int8) and the prefill matmul
+same products on AVX-512 VNNI, or the same block sums on AVX2) against float64 math: the
+activation packing (int16 and int8), the 4/5-bit unpackers and AVX2's weight interleave
+against their numpy twins, the tile kernels of every unit the host has (q8 on int16, the
+unsigned dtypes on int16 and, except on AVX2, int8) and the prefill matmul
 (whole tiles of 16 rows on the tiles, a tail on sgemm) against ``qdot.qdot_ref`` at the same
 rounding, the two units against each other bit for bit where both exist, and SmolLM2
 prefills (q8, q4) on the tiles against the same model's decode kernels (the same
@@ -17,14 +18,15 @@ from cortiq_engine.kernels.fast import NumbaKernels
 from cortiq_engine.weights import Weight
 from formats.quants import get_dtype
 
-UNITS = [u for u, ok in (("amx", amx.host_amx()), ("vnni", amx.host_vnni())) if ok]
+UNITS = [u for u, ok in (("amx", amx.host_amx()), ("vnni", amx.host_vnni()), ("avx2", amx.host_avx2())) if ok]
 if not UNITS:  # the hardware, not an import: these hosts have no unit to test
-    pytest.skip("this CPU has neither AMX-INT8 tiles nor AVX-512 VNNI", allow_module_level=True)
+    pytest.skip("this CPU has neither AMX-INT8 tiles nor AVX-512 VNNI nor AVX2", allow_module_level=True)
 
 KERNELS = {u: amx.TileKernels(cache_dir=None, unit=u) for u in UNITS}
 KERNEL = KERNELS[UNITS[0]]
 TILED = amx.TileKernels.DTYPES
-FORMS = [(d, b) for d in TILED for b in amx.TileKernels.WIDTHS[d]]
+FORMS = [(d, b) for d in TILED for b in (16, 8) if any(b in amx.widths(u)[d] for u in UNITS)]
+UNIT_FORMS = [(u, d, b) for u in UNITS for d, b in FORMS if b in amx.widths(u)[d]]
 
 
 def _weight(dtype: str, rows: int, cols: int, seed: int) -> Weight:
@@ -93,14 +95,13 @@ def test_unpackers_against_numpy(dtype):
 SHAPES = [(16, 32, 1), (48, 64, 17), (64, 576, 40), (32, 1536, 33), (32, 512, 20)]
 
 
-@pytest.mark.parametrize("unit", UNITS)
-@pytest.mark.parametrize("dtype,bits,rows,cols,n", [(d, b, *s) for d, b in FORMS for s in SHAPES
-                                                      if get_dtype(d).supports(s[:2])])  # K-quants: cols % 256
+@pytest.mark.parametrize("unit,dtype,bits,rows,cols,n", [(u, d, b, *s) for u, d, b in UNIT_FORMS for s in SHAPES
+                                                           if get_dtype(d).supports(s[:2])])  # K-quants: cols % 256
 def test_tile_kernel_against_float64(unit, dtype, bits, rows, cols, n):
     KERNEL = KERNELS[unit]
     w = _weight(dtype, rows, cols, rows + cols)
     X = _x(n, cols, n + 1)
-    x = KERNEL.pack(X, bits)
+    x = KERNEL.prepare(X, bits)
     # the result lands in place in a [inputs, columns] output, at its column offset
     out = np.full((n, rows + 8), np.nan, np.float32)
     KERNEL.rows(dtype, w.parts, cols, 0, rows, x, out, None, 8)
@@ -109,7 +110,7 @@ def test_tile_kernel_against_float64(unit, dtype, bits, rows, cols, n):
     assert np.abs(out[:, 8:] - ref).max() / np.abs(ref).max() < 2e-6
     # a slice of rows writes only its own columns, and no padding input of the last tile
     part = np.full((n, 40), np.nan, np.float32)
-    KERNEL.rows(dtype, w.parts, cols, rows - 16, rows, x, part, np.empty(16 * cols, np.uint8), 24)
+    KERNEL.rows(dtype, w.parts, cols, rows - 16, rows, x, part, np.empty(KERNEL.scratch_bytes(dtype, 16, cols), np.uint8), 24)
     assert np.abs(part[:, 24:] - ref[:, rows - 16 :]).max() / np.abs(ref).max() < 2e-6
     assert np.isnan(part[:, :24]).all()
     # int8 activations: the same block sums the decode kernels take (qdot_ref at 8 bits),
@@ -121,16 +122,33 @@ def test_tile_kernel_against_float64(unit, dtype, bits, rows, cols, n):
 @pytest.mark.skipif(len(UNITS) < 2, reason="one unit on this host: nothing to compare")
 @pytest.mark.parametrize("dtype,bits", FORMS)
 def test_the_units_agree_bit_for_bit(dtype, bits):
-    """The VNNI form computes the tile products' exact block sums and the same float work."""
+    """The VNNI and AVX2 forms compute the tile products' exact block sums and the same float work."""
     cols = 512
     w = _weight(dtype, 48, cols, 5)
-    x = KERNEL.pack(_x(37, cols, 6), bits)
+    X = _x(37, cols, 6)
     outs = []
     for unit in UNITS:
+        if bits not in amx.widths(unit)[dtype]:
+            continue
         out = np.zeros((37, 48), np.float32)
-        KERNELS[unit].rows(dtype, w.parts, cols, 0, 48, x, out)
+        KERNELS[unit].rows(dtype, w.parts, cols, 0, 48, KERNELS[unit].prepare(X, bits), out)
         outs.append(out)
-    assert np.array_equal(outs[0], outs[1])
+    assert len(outs) >= 2 or bits == 8
+    for other in outs[1:]:
+        assert np.array_equal(outs[0], other)
+
+
+@pytest.mark.parametrize("rows,cols", [(16, 32), (48, 96), (32, 576)])
+def test_avx2_interleave_and_rows_against_numpy(rows, cols):
+    rng = np.random.default_rng(rows + cols)
+    for src in (rng.integers(-128, 128, (rows, cols), dtype=np.int8), rng.integers(0, 32, (rows, cols), dtype=np.uint8)):
+        assert np.array_equal(amx.interleave16(src), amx.interleave16_ref(src))
+    X = _x(7, cols, 3)
+    X[1, :32] = 0.0
+    x = amx.pack_rows(X)
+    q, d, s = qdot.quantize_rows_ref(X, 16, amx.QMAX16)
+    assert x.n == 7 and x.xq.shape[0] % amx.AVX2_INPUTS == 0 and not x.xq[7:].any()
+    assert np.array_equal(x.xq[:7], q) and np.array_equal(x.xd[:7], d) and np.array_equal(x.xs[:7], s)
 
 
 @pytest.mark.parametrize("bits,factor", [(16, 32768), (8, 128)])
@@ -152,36 +170,39 @@ def test_unknown_unit_is_an_error():
 def test_bad_arguments_are_errors_not_reads(unit, dtype):
     KERNEL = KERNELS[unit]
     w = _weight(dtype, 32, 64, 3)
-    x = KERNEL.pack(_x(5, 64, 2))
+    x = KERNEL.prepare(_x(5, 64, 2))
     out = np.zeros((5, 32), np.float32)
     for r0, r1 in ((0, 24), (16, 48), (-16, 16)):
         with pytest.raises(ValueError):
             KERNEL.rows(dtype, w.parts, 64, r0, r1, x, out)
     with pytest.raises(ValueError):  # inputs packed for another width
-        KERNEL.rows(dtype, w.parts, 64, 0, 32, KERNEL.pack(_x(5, 96, 2)), out)
+        KERNEL.rows(dtype, w.parts, 64, 0, 32, KERNEL.prepare(_x(5, 96, 2)), out)
     for bad, col in ((np.zeros((16, 32), np.float32), 0), (np.zeros((5, 31), np.float32), 0), (out, 1), (out, -1),
                      (np.zeros((5, 64), np.float64), 0), (np.zeros((32, 5), np.float32).T, 0)):
         with pytest.raises(ValueError):  # an output that cannot hold the columns, or not f32 rows
             KERNEL.rows(dtype, w.parts, 64, 0, 32, x, bad, None, col)
-    if dtype == "q8":
-        with pytest.raises(ValueError):  # q8 has no int8-activation tile kernel
-            KERNEL.rows(dtype, w.parts, 64, 0, 32, KERNEL.pack(_x(5, 64, 2), 8), out)
+    if dtype == "q8" or unit == "avx2":
+        with pytest.raises(ValueError):  # q8 has no int8-activation tile kernel, AVX2 none at all
+            KERNEL.rows(dtype, w.parts, 64, 0, 32, amx.TileKernels.pack(_x(5, 64, 2), 8), out)
     with pytest.raises(ValueError):
-        KERNEL.pack(_x(5, 64, 2), 4)
+        KERNEL.prepare(_x(5, 64, 2), 4)
+    other = amx.pack_rows(_x(5, 64, 2)) if unit != "avx2" else amx.TileKernels.pack(_x(5, 64, 2))
+    with pytest.raises(ValueError):  # inputs laid out for another unit
+        KERNEL.rows(dtype, w.parts, 64, 0, 32, other, out)
     with pytest.raises(ValueError):  # the parts of a wider weight than ``cols`` says
-        KERNEL.rows(dtype, w.parts, 32, 0, 32, KERNEL.pack(_x(5, 32, 2)), out)
+        KERNEL.rows(dtype, w.parts, 32, 0, 32, KERNEL.prepare(_x(5, 32, 2)), out)
     short = dict(w.parts, qs=w.parts["qs"][:16])
     with pytest.raises(ValueError):
         KERNEL.rows(dtype, short, 64, 0, 32, x, out)
-    if dtype != "q8":
-        with pytest.raises(ValueError):  # scratch too small for the unpacked quants
-            KERNEL.rows(dtype, w.parts, 64, 0, 32, x, out, np.empty(64, np.uint8))
+    if KERNEL.scratch_bytes(dtype, 32, 64):
+        with pytest.raises(ValueError):  # scratch too small for the unpacked (or widened) quants
+            KERNEL.rows(dtype, w.parts, 64, 0, 32, x, out, np.empty(KERNEL.scratch_bytes(dtype, 32, 64) - 1, np.uint8))
     with pytest.raises(ValueError):  # no tile kernel for this dtype
-        KERNEL.rows("q6k", _weight("q6k", 16, 256, 1).parts, 256, 0, 16, KERNEL.pack(_x(5, 256, 2)), out)
+        KERNEL.rows("q6k", _weight("q6k", 16, 256, 1).parts, 256, 0, 16, KERNEL.prepare(_x(5, 256, 2)), out)
 
 
-@pytest.mark.parametrize("unit", UNITS)
-@pytest.mark.parametrize("dtype,width", [("q8", None), ("q4", None), ("q5", None), ("q4k", None), ("q4", 8), ("q4k", 8)])
+@pytest.mark.parametrize("unit,dtype,width", [(u, d, w) for u in UNITS for d, w in (("q8", None), ("q4", None), ("q5", None),
+                                               ("q4k", None), ("q4", 8), ("q4k", 8)) if (w or 16) in amx.widths(u)[d]])
 @pytest.mark.parametrize("rows", [40, 1536 + 8])
 def test_prefill_matmul_tiles_and_tail_against_float64(unit, dtype, width, rows):
     """A prefill matmul (n > small_n) of a weight whose rows are not whole tiles, fused
@@ -213,14 +234,20 @@ def test_prefill_matmul_tiles_and_tail_against_float64(unit, dtype, width, rows)
     assert np.abs(got - before).max() / scale < (1e-4 if bits == 16 else 2e-2)
 
 
-def test_int8_tiles_only_when_one_width_is_asked_for():
+@pytest.mark.parametrize("unit", UNITS)
+def test_int8_tiles_only_when_one_width_is_asked_for(unit):
     """By default every tiled dtype prefills on int16 (int8 tiles moved SmolLM2 q4's answer
     to the README's demo question); act_bits=8 (numba-i8) gives the 4/5-bit dtypes int8
-    tiles and q8, which has no int8 tile kernel, none."""
-    default = NumbaKernels(amx_tiles=True, tile_unit=UNITS[0])
+    tiles and q8, which has no int8 tile kernel, none; AVX2 has no int8 tiles: sgemm then."""
+    default = NumbaKernels(amx_tiles=True, tile_unit=unit)
     assert set(default.tile_bits.values()) == {16} and "q4" in default.tile_bits
     assert default.act_bits["q4"] == 8  # decode stays on int8
-    narrow = NumbaKernels(act_bits=8, amx_tiles=True, tile_unit=UNITS[0])
+    if unit == "avx2":
+        assert not NumbaKernels(act_bits=8, tile_unit=unit).amx_prefill
+        with pytest.raises(ValueError, match="int16 on AVX2"):
+            NumbaKernels(act_bits=8, amx_tiles=True, tile_unit=unit)
+        return
+    narrow = NumbaKernels(act_bits=8, amx_tiles=True, tile_unit=unit)
     assert "q8" not in narrow.tile_bits and set(narrow.tile_bits.values()) == {8}
 
 

@@ -97,6 +97,27 @@ def test_prefill_slices_cross_weights_and_chunk_rows(threads):
     assert np.abs(out - exact).max() / np.abs(exact).max() < 1e-5
 
 
+@pytest.mark.parametrize("rows,cols", [(960, 576), (576, 576), (3072, 576), (576, 1536), (2560, 2048), (49152, 576), (720, 64)])
+@pytest.mark.parametrize("threads", [2, 3, 4])
+def test_prefill_jobs_end_together_on_quiet_threads(rows, cols, threads):
+    """The jobs of a prefill matmul: whole 16-row multiples within [MIN_SLICE_ROWS, a tile],
+    and no later to finish on quiet threads (rounds of ``threads`` jobs) than the plain
+    split by at most 4 jobs a thread; SmolLM2's q|k|v on 2 threads: 6 jobs of 160 rows."""
+    from types import SimpleNamespace
+
+    from cortiq_engine.kernels import fast as fastmod
+
+    spans = fastmod._spans([SimpleNamespace(rows=rows, cols=cols)], threads)
+    sizes = [n for _, n, _ in spans]
+    assert sum(sizes) == rows and all(n % 16 == 0 for n in sizes[:-1])
+    most = fastmod._tile_rows(cols) // 16 * 16
+    assert all(min(fastmod.MIN_SLICE_ROWS, most) <= n <= most for n in sizes[:-1])
+    plain = max(16, min(most, max(fastmod.MIN_SLICE_ROWS, -(-rows // (4 * threads)))) // 16 * 16)
+    assert -(-len(sizes) // threads) * sizes[0] <= -(-(-(-rows // plain)) // threads) * plain
+    if (rows, cols, threads) == (960, 576, 2):
+        assert sizes == [160] * 6
+
+
 def _attention64(q, kc, vc, start, window, scale, sinks=None):
     """Causal GQA attention in float64, one query and head at a time; a sink joins the
     softmax as one more logit without a value row."""

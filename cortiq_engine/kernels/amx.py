@@ -1,6 +1,6 @@
 """Prefill matmuls as integer tile products: q8 and 4/5-bit weights times int16 activations
 (or int8 ones for the 4/5-bit types, on request), on AMX tiles or, where the CPU has none,
-the same products on AVX-512 VNNI.
+the same products on AVX-512 VNNI, or, with neither, the same block sums on AVX2.
 
 Prefill multiplies every weight by hundreds of rows. The portable path (``fast.py``)
 dequantizes a slice of the weights to f32 and hands it to single-threaded BLAS, which
@@ -65,6 +65,14 @@ session, an Emerald Rapids VM that hides AMX; 2 threads, 512 rows, q8, with the 
 1.25-1.32x dequantize + sgemm on TinyLlama's shapes, 0.8-1.0x on SmolLM2's (the block
 scaling is 9 vector operations beside every 16 products), so ``fast.py`` gives it only
 matmuls of VNNI_MIN_WEIGHTS weights or more.
+
+The AVX2 form (``_avx2_entry_ir``, below; Zen 1-3 and desktop chips without AVX-512): the
+same block sums from ``vpmaddwd`` on int16 activations and weights widened to int16, lanes
+over weight rows. AVX2 has no multiply-accumulate, so 16 multiply-adds cost two vector
+operations, as 8 cost one FMA: the gain over dequantize + sgemm is that the weights are
+never dequantized and the sums are exact (measured, Zen 3, one thread, 512 rows, with the
+packing and widening: q8 1.25-1.37x, q4 1.15-1.27x per matrix; the kernel alone 63-67
+GMAC/s against sgemm's 44).
 """
 
 from __future__ import annotations
@@ -93,7 +101,8 @@ _ARCH_REQ_XCOMP_PERM = 0x1023
 _XFEATURE_XTILEDATA = 18
 NEEDED_FEATURES = ("amx-tile", "amx-int8", "avx512f", "f16c")
 VNNI_FEATURES = ("avx512f", "avx512bw", "avx512vnni", "f16c")
-UNITS = ("amx", "vnni")
+AVX2_FEATURES = ("avx2", "fma", "f16c")
+UNITS = ("amx", "vnni", "avx2")
 # The VNNI kernel's weight rows per pass (f32 sums kept across blocks) and integer chains
 # per plane and row; measured, one thread, 512 inputs, q8 (GOP/s, best of 7 on the
 # Emerald Rapids VM without AMX): 8 rows 1 chain 99-146, 8 rows 2 chains 113-176,
@@ -115,9 +124,21 @@ def host_vnni() -> bool:
     return all(feats.get(f, False) for f in VNNI_FEATURES)
 
 
+@functools.cache
+def host_avx2() -> bool:
+    """The CPU has AVX2 with FMA and F16C (``vpmaddwd`` on ymm): the products' third unit."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    import llvmlite.binding as llvm
+
+    llvm.initialize_native_target()
+    feats = llvm.get_host_cpu_features()
+    return all(feats.get(f, False) for f in AVX2_FEATURES)
+
+
 def host_unit() -> str | None:
-    """The tile unit this process can use: "amx", else "vnni", else None."""
-    return "amx" if host_amx() else "vnni" if host_vnni() else None
+    """The tile unit this process can use: "amx", else "vnni", else "avx2", else None."""
+    return "amx" if host_amx() else "vnni" if host_vnni() else "avx2" if host_avx2() else None
 
 
 @functools.cache
@@ -653,6 +674,244 @@ def _vnni_entry_ir(form: tuple[str, int]) -> str:
     return "\n".join(L)
 
 
+# ------------------------------------------------------------ the same block sums on AVX2
+# Where a CPU has neither tiles nor AVX-512 (Zen 1-3, most desktop chips), ``vpmaddwd``
+# multiplies 16 int16 pairs into 8 int32 sums, exact for int16 activations times weights
+# widened to int16: the block sums are the integers the tile products give, and the float
+# work on them is ``_scaled``'s operations in the same order, so the three units agree bit
+# for bit. The lanes are weight rows here, not inputs: the weights of a slice are widened
+# once per call (``interleave16``: 16 rows x 2 elements side by side, a ymm of 8 rows' pair
+# per load, reused by every input), each input's pair of int16 activations is broadcast
+# from its quantized row (``pack_rows``: the rounding decode uses, no B-tile layout), and a
+# pass's results are 16 consecutive columns of the output row: plain stores, where AVX2
+# has no scatter. int16 activations only (the default width; int8 tiles stay VNNI/AMX's).
+AVX2_ENTRIES = {"q8": "avx2_q8a16", "u8": "avx2_u8a16"}
+# Inputs per pass (each with 2 ymm of int32 sums per 16 weight rows). Kernel alone, one
+# thread, 512 inputs, q8, Zen 3 (GMAC/s; OpenBLAS sgemm on f32 weights: 44): 2 inputs 57-61,
+# 3: 64-65, 4: 63-67, 5: 62-65, 6: 59-63.
+AVX2_INPUTS = 4
+
+
+@dataclass(frozen=True)
+class Rows16:
+    """One matmul's activations for the AVX2 unit: rounded to int16 per block of 32
+    (``qdot.quantize_rows``), rows padded with zeros to a multiple of AVX2_INPUTS."""
+
+    xq: np.ndarray  # int16 [groups * AVX2_INPUTS, cols]
+    xd: np.ndarray  # f32 [groups * AVX2_INPUTS, nb]
+    xs: np.ndarray  # f32 [groups * AVX2_INPUTS, nb]
+    n: int  # the real inputs
+    bits: int = 16
+
+    @property
+    def groups(self) -> int:
+        return self.xq.shape[0] // AVX2_INPUTS
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _pack_rows(X, xq, xd, xs, qmax):
+    n = X.shape[0]
+    chunks = (n + 63) // 64
+    for c in prange(chunks):
+        i0 = c * 64
+        i1 = min(n, i0 + 64)
+        qdot.quantize_rows(X[i0:i1], xq[i0:i1], xd[i0:i1], xs[i0:i1], qmax)
+
+
+def pack_rows(X: np.ndarray) -> Rows16:
+    """``X`` f32 [n, cols] rounded to int16 per block of 32 at q8 decode's ``qmax``."""
+    n, cols = X.shape
+    padded = -(-n // AVX2_INPUTS) * AVX2_INPUTS
+    xq = np.zeros((padded, cols), np.int16)
+    xd = np.zeros((padded, cols // QB), np.float32)
+    xs = np.zeros((padded, cols // QB), np.float32)
+    if n:
+        _pack_rows(np.ascontiguousarray(X, np.float32), xq, xd, xs, QMAX16)
+    return Rows16(xq, xd, xs, n)
+
+
+@njit(cache=True, nogil=True)
+def _interleave16(src, out):
+    rows, cols = src.shape
+    for p in range(rows // TILE):
+        for b in range(cols // QB):
+            for j in range(QB // 2):
+                for r in range(TILE):
+                    out[p, b, j, r, 0] = np.int16(src[TILE * p + r, QB * b + 2 * j])
+                    out[p, b, j, r, 1] = np.int16(src[TILE * p + r, QB * b + 2 * j + 1])
+
+
+def interleave16(src: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """A slice's quants [rows, cols] (int8 q8 or the unpacked uint8; rows a multiple of 16)
+    widened to int16 [rows / 16, nb, 16 pairs, 16 rows, 2]: the pair (2 j, 2 j + 1) of
+    block b of the 16 rows of a pass side by side."""
+    rows, cols = src.shape
+    shape = (rows // TILE, cols // QB, QB // 2, TILE, 2)
+    if out is None:
+        out = np.empty(shape, np.int16)
+    _interleave16(src, out)
+    return out
+
+
+def interleave16_ref(src: np.ndarray) -> np.ndarray:
+    """numpy twin of ``interleave16``."""
+    rows, cols = src.shape
+    w = src.astype(np.int16).reshape(rows // TILE, TILE, cols // QB, QB // 2, 2)
+    return np.ascontiguousarray(w.transpose(0, 2, 3, 1, 4))
+
+
+def avx2_module_ir() -> str:
+    """Every AVX2 entry (``_avx2_entry_ir``)."""
+    decls = ("declare <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16>, <16 x i16>)\n"
+             "declare <8 x float> @llvm.fma.v8f32(<8 x float>, <8 x float>, <8 x float>)\n")
+    return "\n".join([decls] + [_avx2_entry_ir(kind) for kind in AVX2_ENTRIES])
+
+
+def _avx2_entry_ir(kind: str) -> str:
+    """``AVX2_ENTRIES[kind](w16, wdt, wmt, xq, xd, xs, out, panels, nb, groups, cols, ostride, nin)``:
+    out[m, 16 p + r] (rows ``ostride`` floats apart, inputs m < ``nin``) for the ``panels``
+    passes of 16 weight rows of an ``interleave16`` slice and every input of a ``Rows16``
+    (``groups`` x AVX2_INPUTS rows of ``cols`` int16); ``wdt`` (and for "u8" ``wmt``, the
+    mins, times ``xs``) the slice's scales as ``panel`` lays them out. Per pass and group of
+    inputs, each block's 16 pairs take 2 ymm loads of weights and one broadcast per input,
+    and 2 ``vpmaddwd`` + 2 adds per input."""
+    L: list[str] = []
+    a = L.append
+    M = AVX2_INPUTS
+    i32x8 = "<8 x i32>"
+    f32x8 = "<8 x float>"
+    a(f"define void @{AVX2_ENTRIES[kind]}(i16* %w, float* %wdt, float* %wmt, i16* %xq, float* %xd, float* %xs, "
+      "float* %out, i64 %panels, i64 %nb, i64 %groups, i64 %cols, i64 %ostride, i64 %nin) nounwind {")
+    a("entry:")
+    # the f32 sums live in a stack buffer, the registers hold the int32 sums and operands
+    # (as phis, 8 f32 vectors beside 8 int32 ones spilled: 42-55 -> 62-67 GMAC/s, Zen 3)
+    a(f"  %fbuf = alloca [{2 * M} x <8 x float>], align 32")
+    a("  %e0 = icmp sle i64 %panels, 0")
+    a("  %e1 = icmp sle i64 %groups, 0")
+    a("  %e2 = icmp sle i64 %nb, 0")
+    a("  %e01 = or i1 %e0, %e1")
+    a("  %skip = or i1 %e01, %e2")
+    a("  %pstride = mul i64 %nb, 16")
+    a(f"  %wstride = mul i64 %nb, {QB * TILE}")
+    a("  br i1 %skip, label %exit, label %panel")
+    a("panel:")
+    a("  %p = phi i64 [0, %entry], [%pnext, %gdone]")
+    a("  %wpan = mul i64 %p, %wstride")
+    a("  %dpan = mul i64 %p, %pstride")
+    a("  %ocol = mul i64 %p, 16")
+    a("  br label %group")
+    a("group:")
+    a("  %g = phi i64 [0, %panel], [%gnext, %stored]")
+    a(f"  %m0 = mul i64 %g, {M}")
+    for i in range(M):
+        a(f"  %m{i}_ = add i64 %m0, {i}")
+        a(f"  %xr{i} = mul i64 %m{i}_, %cols")
+        a(f"  %dr{i} = mul i64 %m{i}_, %nb")
+    for k in range(2 * M):
+        a(f"  %fa{k} = getelementptr [{2 * M} x <8 x float>], [{2 * M} x <8 x float>]* %fbuf, i64 0, i64 {k}")
+        a(f"  store <8 x float> zeroinitializer, <8 x float>* %fa{k}, align 32")
+    a("  br label %blk")
+    a("blk:")
+    a("  %b = phi i64 [0, %group], [%bnext, %blk]")
+    new = {}
+    a(f"  %wb0 = mul i64 %b, {QB * TILE}")
+    a("  %wb = add i64 %wpan, %wb0")
+    a(f"  %xb = mul i64 %b, {QB}")
+    iacc: dict[tuple[int, int], str] = {}
+    for j in range(QB // 2):
+        for h in range(2):
+            a(f"  %wo{j}_{h} = add i64 %wb, {32 * j + 16 * h}")
+            a(f"  %wp{j}_{h} = getelementptr i16, i16* %w, i64 %wo{j}_{h}")
+            a(f"  %wv{j}_{h} = bitcast i16* %wp{j}_{h} to <16 x i16>*")
+            a(f"  %w{j}_{h} = load <16 x i16>, <16 x i16>* %wv{j}_{h}, align 2")
+        for i in range(M):
+            t = f"{j}_{i}"
+            a(f"  %xo{t} = add i64 %xr{i}, %xb")
+            a(f"  %xo2{t} = add i64 %xo{t}, {2 * j}")
+            a(f"  %xp{t} = getelementptr i16, i16* %xq, i64 %xo2{t}")
+            a(f"  %xpi{t} = bitcast i16* %xp{t} to i32*")
+            a(f"  %x{t} = load i32, i32* %xpi{t}, align 2")
+            a(f"  %xi{t} = insertelement {i32x8} undef, i32 %x{t}, i32 0")
+            a(f"  %xsp{t} = shufflevector {i32x8} %xi{t}, {i32x8} undef, <8 x i32> zeroinitializer")
+            a(f"  %xw{t} = bitcast {i32x8} %xsp{t} to <16 x i16>")
+            for h in range(2):
+                a(f"  %pm{t}_{h} = call {i32x8} @llvm.x86.avx2.pmadd.wd(<16 x i16> %w{j}_{h}, <16 x i16> %xw{t})")
+                if (i, h) in iacc:
+                    a(f"  %ia{t}_{h} = add {i32x8} {iacc[i, h]}, %pm{t}_{h}")
+                    iacc[i, h] = f"%ia{t}_{h}"
+                else:
+                    iacc[i, h] = f"%pm{t}_{h}"
+    for i in range(M):
+        a(f"  %dxi{i} = add i64 %dr{i}, %b")
+        xdv = _bcast8(a, f"xd{i}", "%xd", f"%dxi{i}")
+        xsv = _bcast8(a, f"xs{i}", "%xs", f"%dxi{i}") if kind == "u8" else None
+        for h in range(2):
+            t = f"{i}_{h}"
+            a(f"  %dwo{t} = add i64 %dpan, {8 * h}")
+            a(f"  %dwb{t} = mul i64 %b, 16")
+            a(f"  %dwi{t} = add i64 %dwo{t}, %dwb{t}")
+            a(f"  %dwp{t} = getelementptr float, float* %wdt, i64 %dwi{t}")
+            a(f"  %dwv{t} = bitcast float* %dwp{t} to {f32x8}*")
+            a(f"  %dw{t} = load {f32x8}, {f32x8}* %dwv{t}, align 4")
+            # _scaled's operations in its order: sitofp, d_x * d_w, fma, then the min term
+            a(f"  %f{t} = sitofp {i32x8} {iacc[i, h]} to {f32x8}")
+            a(f"  %sc{t} = fmul {f32x8} {xdv}, %dw{t}")
+            a(f"  %acc{t} = load {f32x8}, {f32x8}* %fa{2 * i + h}, align 32")
+            a(f"  %n{t} = call {f32x8} @llvm.fma.v8f32({f32x8} %f{t}, {f32x8} %sc{t}, {f32x8} %acc{t})")
+            if kind == "u8":
+                a(f"  %mwp{t} = getelementptr float, float* %wmt, i64 %dwi{t}")
+                a(f"  %mwv{t} = bitcast float* %mwp{t} to {f32x8}*")
+                a(f"  %mw{t} = load {f32x8}, {f32x8}* %mwv{t}, align 4")
+                a(f"  %nm{t} = call {f32x8} @llvm.fma.v8f32({f32x8} %mw{t}, {f32x8} {xsv}, {f32x8} %n{t})")
+                new[i, h] = f"%nm{t}"
+            else:
+                new[i, h] = f"%n{t}"
+    for i in range(M):
+        for h in range(2):
+            a(f"  store {f32x8} {new[i, h]}, {f32x8}* %fa{2 * i + h}, align 32")
+    a("  %bnext = add i64 %b, 1")
+    a("  %bmore = icmp slt i64 %bnext, %nb")
+    a("  br i1 %bmore, label %blk, label %bdone")
+    a("bdone:")
+    a("  br label %st0")
+    for i in range(M):  # the padding inputs of the last group are never written
+        nxt = f"st{i + 1}" if i + 1 < M else "stored"
+        a(f"st{i}:")
+        a(f"  %in{i} = icmp slt i64 %m{i}_, %nin")
+        a(f"  br i1 %in{i}, label %do{i}, label %{nxt}")
+        a(f"do{i}:")
+        a(f"  %orow{i} = mul i64 %m{i}_, %ostride")
+        for h in range(2):
+            t = f"{i}_{h}"
+            a(f"  %oo{t} = add i64 %orow{i}, %ocol")
+            a(f"  %ooh{t} = add i64 %oo{t}, {8 * h}")
+            a(f"  %op{t} = getelementptr float, float* %out, i64 %ooh{t}")
+            a(f"  %opv{t} = bitcast float* %op{t} to {f32x8}*")
+            a(f"  store {f32x8} {new[i, h]}, {f32x8}* %opv{t}, align 4")
+        a(f"  br label %{nxt}")
+    a("stored:")
+    a("  %gnext = add i64 %g, 1")
+    a("  %gmore = icmp slt i64 %gnext, %groups")
+    a("  br i1 %gmore, label %group, label %gdone")
+    a("gdone:")
+    a("  %pnext = add i64 %p, 1")
+    a("  %pmore = icmp slt i64 %pnext, %panels")
+    a("  br i1 %pmore, label %panel, label %exit")
+    a("exit:")
+    a("  ret void")
+    a("}")
+    return "\n".join(L)
+
+
+def _bcast8(a, name: str, ptr: str, idx: str) -> str:
+    """``ptr[idx]`` (a float*) in all 8 lanes; the vector's IR name."""
+    a(f"  %{name}p = getelementptr float, float* {ptr}, i64 {idx}")
+    a(f"  %{name} = load float, float* %{name}p, align 4")
+    a(f"  %{name}i = insertelement <8 x float> undef, float %{name}, i32 0")
+    a(f"  %{name}s = shufflevector <8 x float> %{name}i, <8 x float> undef, <8 x i32> zeroinitializer")
+    return f"%{name}s"
+
+
 def _skip_empty(a) -> None:
     """Both kernels' entry: straight to ``exit`` when there are no rows, inputs or blocks."""
     a("  %none = icmp sge i64 %r0, %r1")
@@ -761,36 +1020,61 @@ class Packed:
 
 _PROTO = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * 7, *[ctypes.c_int64] * 5, ctypes.c_void_p, *[ctypes.c_int64] * 2)
 _VNNI_PROTO = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * 8, *[ctypes.c_int64] * 7)
+_AVX2_PROTO = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * 7, *[ctypes.c_int64] * 6)
+
+
+def widths(unit: str) -> dict[str, tuple[int, ...]]:
+    """Activation widths per dtype on ``unit`` (``prepare``'s ``bits``): int16 for q8,
+    int16 or int8 for the unsigned dtypes; int16 only on "avx2"."""
+    eight = () if unit == "avx2" else (8,)
+    return {"q8": (16,), **{d: (16, *eight) for d in UNSIGNED}}
 
 
 class TileKernels:
     """The compiled prefill kernels (one set per kernel set; the machine code is
     ``llvm_jit``'s, shared by the process) for q8 on int16 activations and the unsigned
-    4/5-bit dtypes (``UNSIGNED``) on int16 or int8 ones (``WIDTHS``), on one ``unit``:
+    4/5-bit dtypes (``UNSIGNED``) on int16 or int8 ones (``widths``), on one ``unit``:
     "amx" (the tile unit) or "vnni" (the same products on AVX-512 VNNI; the same results
     bit for bit). Calls release the GIL (ctypes), so the prefill pool's threads run
     slices side by side."""
 
     DTYPES = ("q8",) + UNSIGNED
-    # Activation widths per dtype (``pack``'s ``bits``).
-    WIDTHS = {"q8": (16,), **{d: (16, 8) for d in UNSIGNED}}
 
     def __init__(self, cache_dir: Path | None | str = "default", unit: str = "amx") -> None:
         if unit == "amx" and not host_amx():
             raise ValueError("this CPU or kernel offers no AMX-INT8 tiles")
         if unit == "vnni" and not host_vnni():
             raise ValueError("this CPU has no AVX-512 VNNI")
+        if unit == "avx2" and not host_avx2():
+            raise ValueError("this CPU has no AVX2 with FMA and F16C")
         if unit not in UNITS:
             raise ValueError(f"tile unit {unit!r}: one of {', '.join(UNITS)}")
         self.unit = unit
+        self.widths = widths(unit)
         cache = llvm_jit.default_cache_dir() if cache_dir == "default" else cache_dir
         if unit == "amx":
             self._compiled = llvm_jit.compile_ir(module_ir(), list(ENTRIES.values()), cache)
             self._fns = {f: _PROTO(self._compiled.addrs[name]) for f, name in ENTRIES.items()}
-        else:
+        elif unit == "vnni":
             self._compiled = llvm_jit.compile_ir(vnni_module_ir(), list(VNNI_ENTRIES.values()), cache)
             self._fns = {f: _VNNI_PROTO(self._compiled.addrs[name]) for f, name in VNNI_ENTRIES.items()}
+        else:
+            self._compiled = llvm_jit.compile_ir(avx2_module_ir(), list(AVX2_ENTRIES.values()), cache)
+            self._fns = {(k, 16): _AVX2_PROTO(self._compiled.addrs[name]) for k, name in AVX2_ENTRIES.items()}
         self._cfg = tile_config()
+
+    def prepare(self, X: np.ndarray, bits: int = 16) -> Packed | Rows16:
+        """The activations of one matmul as this unit reads them: B tiles (``pack``) for
+        "amx" and "vnni", int16 rows (``pack_rows``) for "avx2"."""
+        if bits not in (16, 8) or (self.unit == "avx2" and bits != 16):
+            raise ValueError(f"the {self.unit} products take int{'16' if self.unit == 'avx2' else '16 or int8'} activations, not {bits} bits")
+        return pack_rows(X) if self.unit == "avx2" else self.pack(X, bits)
+
+    def scratch_bytes(self, dtype: str, rows: int, cols: int) -> int:
+        """The bytes of ``rows``' ``scratch`` for a slice of ``rows`` x ``cols``: the unsigned
+        dtypes' unpacked quants, and for "avx2" the int16 interleave after them."""
+        unpacked = 0 if dtype == "q8" else rows * cols
+        return unpacked + (2 * rows * cols if self.unit == "avx2" else 0)
 
     @staticmethod
     def pack(X: np.ndarray, bits: int = 16) -> Packed:
@@ -806,19 +1090,21 @@ class TileKernels:
         pack_x16(np.ascontiguousarray(X, np.float32), xb, xd, xs, QMAX[bits])
         return Packed(xb, xd, xs, n)
 
-    def rows(self, dtype: str, parts: dict[str, np.ndarray], cols: int, r0: int, r1: int, x: Packed,
+    def rows(self, dtype: str, parts: dict[str, np.ndarray], cols: int, r0: int, r1: int, x: Packed | Rows16,
              out: np.ndarray, scratch: np.ndarray | None = None, col: int = 0) -> None:
-        """out[:, col : col + r1 - r0] = the packed inputs times weight rows r0..r1
-        (``dtype``'s stored ``parts``, a [rows, cols] weight, C-contiguous); ``out`` f32
-        [inputs, width], C-contiguous (a matmul's output: the kernels write it in place);
-        (r1 - r0) % 16 == 0. ``scratch``: uint8 of at least (r1 - r0) * cols elements for
-        the unsigned dtypes' unpacked quants (allocated when None)."""
+        """out[:, col : col + r1 - r0] = the prepared inputs (``prepare``) times weight rows
+        r0..r1 (``dtype``'s stored ``parts``, a [rows, cols] weight, C-contiguous); ``out``
+        f32 [inputs, width], C-contiguous (a matmul's output: the kernels write it in place);
+        (r1 - r0) % 16 == 0. ``scratch``: uint8 of at least ``scratch_bytes`` for the
+        unsigned dtypes' unpacked quants and the AVX2 unit's widened ones (allocated when None)."""
         from formats.quants import get_dtype
 
         if dtype not in self.DTYPES:
             raise ValueError(f"no AMX prefill for {dtype}")
-        if x.bits not in self.WIDTHS[dtype]:
+        if x.bits not in self.widths[dtype]:
             raise ValueError(f"no tile kernel for {dtype} on int{x.bits} activations")
+        if isinstance(x, Rows16) != (self.unit == "avx2"):
+            raise ValueError(f"the {self.unit} unit's inputs come from its own prepare()")
         dt = get_dtype(dtype)
         rows = parts[dt.kernel_parts[0]].shape[0]
         nb = cols // QB
@@ -827,32 +1113,39 @@ class TileKernels:
             if arr is None or arr.shape != part.shape or arr.dtype.itemsize != part.dtype.itemsize \
                     or not arr.flags.c_contiguous:
                 raise ValueError(f"amx: {dtype} part {part.name} is not {part.dtype}{list(part.shape)}")
-        tiles = x.tiles
-        if (r1 - r0) % TILE or not 0 <= r0 <= r1 <= rows or x.xb.shape[1] != nb or cols % QB:
-            raise ValueError(f"amx rows {r0}..{r1} of a [{rows}, {cols}] weight, {x.xb.shape} inputs")
+        x_cols = x.xq.shape[1] if isinstance(x, Rows16) else x.xb.shape[1] * QB
+        if (r1 - r0) % TILE or not 0 <= r0 <= r1 <= rows or x_cols != cols or cols % QB:
+            raise ValueError(f"amx rows {r0}..{r1} of a [{rows}, {cols}] weight, {x_cols}-column inputs")
         if out.ndim != 2 or out.shape[0] != x.n or not 0 <= col <= out.shape[1] - (r1 - r0) \
                 or out.dtype != np.float32 or not out.flags.c_contiguous:
             raise ValueError(f"amx output {out.shape} for columns {col}..{col + r1 - r0} of {x.n} inputs")
+        need = self.scratch_bytes(dtype, r1 - r0, cols)
+        if scratch is None:
+            scratch = np.empty(need, np.uint8)
+        if scratch.dtype != np.uint8 or scratch.size < need or not scratch.flags.c_contiguous:
+            raise ValueError(f"amx scratch needs {need} bytes")
         dw, mw = block_scales(dtype, parts, r0, r1)
         wdt = panel(dw)
         if dtype == "q8":
-            a, a0, a1, wmt = parts["qs"], r0, r1, None
+            a, a0, a1, wmt, used = parts["qs"], r0, r1, None, 0
         else:
-            need = (r1 - r0) * cols
-            if scratch is None:
-                scratch = np.empty(need, np.uint8)
-            if scratch.dtype != np.uint8 or scratch.size < need or not scratch.flags.c_contiguous:
-                raise ValueError(f"amx scratch needs {need} bytes")
-            a = scratch.reshape(-1)[:need].reshape(r1 - r0, cols)
+            used = (r1 - r0) * cols
+            a = scratch.reshape(-1)[:used].reshape(r1 - r0, cols)
             unpack_quants(dtype, parts, r0, r1, a)
             a0, a1, wmt = 0, r1 - r0, panel(mw)
-        fn = self._fns[("q8" if dtype == "q8" else "u8", x.bits)]
+        kind = "q8" if dtype == "q8" else "u8"
+        fn = self._fns[(kind, x.bits)]
         wm = None if wmt is None else wmt.ctypes.data
         dst = out.ctypes.data + 4 * col
-        if self.unit == "amx":
+        if self.unit == "avx2":
+            w16 = scratch.reshape(-1)[used : used + 2 * (r1 - r0) * cols].view(np.int16)
+            w16 = interleave16(a[a0:a1], w16.reshape((r1 - r0) // TILE, nb, QB // 2, TILE, 2))
+            fn(w16.ctypes.data, wdt.ctypes.data, wm, x.xq.ctypes.data, x.xd.ctypes.data, x.xs.ctypes.data,
+               dst, (r1 - r0) // TILE, nb, x.groups, cols, out.shape[1], x.n)
+        elif self.unit == "amx":
             fn(a.ctypes.data, wdt.ctypes.data, wm, x.xb.ctypes.data, x.xd.ctypes.data, x.xs.ctypes.data,
-               dst, a0, a1, nb, tiles, cols, self._cfg.ctypes.data, out.shape[1], x.n)
+               dst, a0, a1, nb, x.tiles, cols, self._cfg.ctypes.data, out.shape[1], x.n)
         else:
             wsc = panel(block_sums(a[a0:a1], x.bits), np.int32)
             fn(a.ctypes.data, wdt.ctypes.data, wm, wsc.ctypes.data, x.xb.ctypes.data, x.xd.ctypes.data,
-               x.xs.ctypes.data, dst, a0, a1, nb, tiles, cols, out.shape[1], x.n)
+               x.xs.ctypes.data, dst, a0, a1, nb, x.tiles, cols, out.shape[1], x.n)

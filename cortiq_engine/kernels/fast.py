@@ -16,11 +16,13 @@ Strategy per matmul of n input rows:
   take the same tile products plus their min term (int8 activations on request: one
   product a block). Where the CPU has no tile unit but AVX-512 VNNI, the same products
   (bit for bit) run on ``vpdpbusd`` (Zen 4, one thread, 512 rows: q8 1.5-1.8x the sgemm
-  path per matrix; q4 on int8 2.0-2.9x).
+  path per matrix; q4 on int8 2.0-2.9x); with neither, the same block sums run on AVX2's
+  ``vpmaddwd`` (int16 activations only; Zen 3: q8 1.25-1.37x, q4 1.15-1.27x).
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,16 +91,37 @@ def _tile_rows(cols: int) -> int:
     return max(16, (TILE_ELEMS // 4) // max(cols, 1))
 
 
+@functools.lru_cache(maxsize=256)
+def _span_rows(total: int, tile_rows: int, threads: int) -> int:
+    """``_spans``' rows per job: about total / (4 threads), a multiple of 16, within
+    [MIN_SLICE_ROWS, tile_rows]; then, among the sizes within those bounds, the one whose
+    jobs end soonest on quiet threads (rounds of ``threads`` jobs), the nearest in count."""
+    most = max(16, tile_rows // 16 * 16)
+    least = min(MIN_SLICE_ROWS, most)
+    step = max(16, min(most, max(MIN_SLICE_ROWS, -(-total // (4 * threads)))) // 16 * 16)
+    if threads < 2 or total <= step:
+        return step
+    count = -(-total // step)
+
+    def cost(rows: int) -> tuple[int, int]:
+        n = -(-total // rows)
+        return -(-n // threads) * rows, abs(n - count)
+
+    sizes = {-(-(-(-total // n)) // 16) * 16 for n in range(max(1, count // 2), 2 * count + 1)}
+    return min((r for r in sizes if least <= r <= most), key=cost, default=step)
+
+
 def _spans(ws: Sequence[Weight], threads: int) -> list[tuple[int, int, list[tuple[Weight, int, int]]]]:
     """The prefill jobs of a fused matmul (sgemm slices and integer tiles alike): runs of
     consecutive output columns that may cross from one weight into the next, each (first
     column, columns, (weight, r0, r1) pieces). At least 4 a thread, so a late thread
     leaves little for the others to wait on, a multiple of 16 rows, at most a tile, and
     never under MIN_SLICE_ROWS unless a tile is smaller (per weight, SmolLM2's k and v,
-    192 rows each, were cut into 16-row slices)."""
+    192 rows each, were cut into 16-row slices). Their count is a multiple of the
+    threads where the bounds allow, so quiet threads finish together (SmolLM2's q|k|v,
+    960 rows: 8 jobs of 128 left one thread half a job idle; 6 of 160 do not)."""
     total = sum(w.rows for w in ws)
-    by_count = -(-total // (4 * threads))
-    step = max(16, min(_tile_rows(ws[0].cols), max(MIN_SLICE_ROWS, by_count)) // 16 * 16)
+    step = _span_rows(total, _tile_rows(ws[0].cols), threads)
     spans: list[tuple[int, int, list[tuple[Weight, int, int]]]] = []
     cur: list[tuple[Weight, int, int]] = []
     room = step
@@ -194,16 +217,18 @@ class NumbaKernels(NumpyKernels):
         # (``act_bits`` 8, CORTIQ_KERNELS=numba-i8): on SmolLM2 q4 they moved the README
         # demo's first token from "The" (0.152 vs 0.140) to "L" (0.127 vs 0.113), and its
         # answer to "What is the capital of France?" from Paris to a loop.
-        # ``tile_unit``: "amx" or "vnni" (the same products, bit for bit, on AVX-512 VNNI
-        # where the CPU has no tile unit or a VM hides it); default the host's (amx.host_unit).
+        # ``tile_unit``: "amx", "vnni" (the same products, bit for bit, on AVX-512 VNNI
+        # where the CPU has no tile unit or a VM hides it) or "avx2" (the same block sums on
+        # vpmaddwd, int16 activations only); default the host's (amx.host_unit).
         # ``vnni_min_weights``: the smallest fused matmul that takes the VNNI unit.
         one_width = act_bits is not None and not isinstance(act_bits, Mapping)
-        wanted = {d: self.act_bits[d] if one_width else 16 for d in amx.TileKernels.DTYPES if self.act_bits.get(d)}
-        tiled = {d: b for d, b in wanted.items() if b in amx.TileKernels.WIDTHS[d]}
         unit = amx.host_unit() if tile_unit is None else tile_unit
-        can_tile = bool(tiled) and unit is not None
+        wanted = {d: self.act_bits[d] if one_width else 16 for d in amx.TileKernels.DTYPES if self.act_bits.get(d)}
+        tiled = {d: b for d, b in wanted.items() if unit is not None and b in amx.widths(unit)[d]}
+        can_tile = bool(tiled)
         if amx_tiles and not can_tile:
-            raise ValueError("integer tile prefill needs AMX-INT8 tiles or AVX-512 VNNI, and integer activations")
+            raise ValueError("integer tile prefill needs AMX-INT8 tiles, AVX-512 VNNI or AVX2, and integer activations "
+                             "(int16 on AVX2)")
         use = can_tile if amx_tiles is None else amx_tiles
         self._amx = amx.TileKernels(kernel_cache, unit) if use else None
         self.tile_bits: dict[str, int] = tiled if use else {}  # dtype -> the tiles' activation width
@@ -320,13 +345,14 @@ class NumbaKernels(NumpyKernels):
         cols0 = np.cumsum([0] + [w.rows for w in ws])
         col_of = {id(w): int(c) for w, c in zip(ws, cols0)}
         # the activations once per width the call's tiled dtypes take
-        packs = {b: self._amx.pack(X, b) for b in sorted({self.tile_bits[w.dtype] for w in ws if w.dtype in self.tile_bits})}
+        packs = {b: self._amx.prepare(X, b) for b in sorted({self.tile_bits[w.dtype] for w in ws if w.dtype in self.tile_bits})}
 
         def piece(w: Weight, r0: int, r1: int) -> None:
             col = col_of[id(w)]
             if w.dtype in self.tile_bits and r1 - r0 >= amx.TILE:
                 t1 = r0 + (r1 - r0) // amx.TILE * amx.TILE
-                scratch = None if w.dtype == "q8" else self._amx_scratch((t1 - r0) * w.cols)
+                need = self._amx.scratch_bytes(w.dtype, t1 - r0, w.cols)
+                scratch = self._amx_scratch(need) if need else None
                 self._amx.rows(w.dtype, w.parts, w.cols, r0, t1, packs[self.tile_bits[w.dtype]], out, scratch, col + r0)
                 if t1 == r1:
                     return
@@ -370,12 +396,12 @@ class NumbaKernels(NumpyKernels):
     @property
     def amx_prefill(self) -> bool:
         """Whether prefill matmuls of some dtype (``amx_dtypes``) run on integer tile
-        products (activations at ``tile_bits``; AMX tiles or AVX-512 VNNI, ``tile_unit``)."""
+        products (activations at ``tile_bits``; AMX tiles, AVX-512 VNNI or AVX2, ``tile_unit``)."""
         return bool(self.amx_dtypes)
 
     @property
     def tile_unit(self) -> str | None:
-        """The unit prefill's tile products run on ("amx", "vnni"), None without them."""
+        """The unit prefill's tile products run on ("amx", "vnni", "avx2"), None without them."""
         return self._amx.unit if self._amx is not None else None
 
     def _scratch(self, name: str, size: int, dtype, least: int = 0) -> np.ndarray:
@@ -388,7 +414,7 @@ class NumbaKernels(NumpyKernels):
         return buf
 
     def _amx_scratch(self, size: int) -> np.ndarray:
-        """This thread's buffer of unpacked 4/5-bit quants."""
+        """This thread's buffer of unpacked 4/5-bit quants (and AVX2's widened quants)."""
         return self._scratch("quants", size, np.uint8)
 
     def _tile_buf(self, rows: int, cols: int) -> np.ndarray:
