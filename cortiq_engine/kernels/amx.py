@@ -113,27 +113,25 @@ VNNI_CHAINS = 2
 
 
 @functools.cache
+def _host_has(features: tuple[str, ...]) -> bool:
+    """This x86-64 CPU has every one of LLVM's ``features``."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    import llvmlite.binding as llvm
+
+    llvm.initialize_native_target()
+    feats = llvm.get_host_cpu_features()
+    return all(feats.get(f, False) for f in features)
+
+
 def host_vnni() -> bool:
     """The CPU has AVX-512 with VNNI (``vpdpbusd`` on zmm): the tile products' other unit."""
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return False
-    import llvmlite.binding as llvm
-
-    llvm.initialize_native_target()
-    feats = llvm.get_host_cpu_features()
-    return all(feats.get(f, False) for f in VNNI_FEATURES)
+    return _host_has(VNNI_FEATURES)
 
 
-@functools.cache
 def host_avx2() -> bool:
-    """The CPU has AVX2 with FMA and F16C (``vpmaddwd`` on ymm): the products' third unit."""
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return False
-    import llvmlite.binding as llvm
-
-    llvm.initialize_native_target()
-    feats = llvm.get_host_cpu_features()
-    return all(feats.get(f, False) for f in AVX2_FEATURES)
+    """The CPU has AVX2 with FMA and F16C (``vpmaddwd`` on ymm): the block sums' third unit."""
+    return _host_has(AVX2_FEATURES)
 
 
 def host_unit() -> str | None:
@@ -145,13 +143,7 @@ def host_unit() -> str | None:
 def host_amx() -> bool:
     """The CPU has AMX-INT8 and AVX-512 and the kernel granted this process the tile state
     (asked once; the grant is the process's for its lifetime)."""
-    if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
-        return False
-    import llvmlite.binding as llvm
-
-    llvm.initialize_native_target()
-    feats = llvm.get_host_cpu_features()
-    if not all(feats.get(f, False) for f in NEEDED_FEATURES):
+    if sys.platform != "linux" or not _host_has(NEEDED_FEATURES):
         return False
     try:
         libc = ctypes.CDLL(None, use_errno=True)
@@ -850,18 +842,14 @@ def _avx2_entry_ir(kind: str) -> str:
             a(f"  %dwo{t} = add i64 %dpan, {8 * h}")
             a(f"  %dwb{t} = mul i64 %b, 16")
             a(f"  %dwi{t} = add i64 %dwo{t}, %dwb{t}")
-            a(f"  %dwp{t} = getelementptr float, float* %wdt, i64 %dwi{t}")
-            a(f"  %dwv{t} = bitcast float* %dwp{t} to {f32x8}*")
-            a(f"  %dw{t} = load {f32x8}, {f32x8}* %dwv{t}, align 4")
+            a(f"  %dw{t} = load {f32x8}, {f32x8}* {_f32x8_at(a, f'dw{t}', '%wdt', f'%dwi{t}')}, align 4")
             # _scaled's operations in its order: sitofp, d_x * d_w, fma, then the min term
             a(f"  %f{t} = sitofp {i32x8} {iacc[i, h]} to {f32x8}")
             a(f"  %sc{t} = fmul {f32x8} {xdv}, %dw{t}")
             a(f"  %acc{t} = load {f32x8}, {f32x8}* %fa{2 * i + h}, align 32")
             a(f"  %n{t} = call {f32x8} @llvm.fma.v8f32({f32x8} %f{t}, {f32x8} %sc{t}, {f32x8} %acc{t})")
             if kind == "u8":
-                a(f"  %mwp{t} = getelementptr float, float* %wmt, i64 %dwi{t}")
-                a(f"  %mwv{t} = bitcast float* %mwp{t} to {f32x8}*")
-                a(f"  %mw{t} = load {f32x8}, {f32x8}* %mwv{t}, align 4")
+                a(f"  %mw{t} = load {f32x8}, {f32x8}* {_f32x8_at(a, f'mw{t}', '%wmt', f'%dwi{t}')}, align 4")
                 a(f"  %nm{t} = call {f32x8} @llvm.fma.v8f32({f32x8} %mw{t}, {f32x8} {xsv}, {f32x8} %n{t})")
                 new[i, h] = f"%nm{t}"
             else:
@@ -885,9 +873,7 @@ def _avx2_entry_ir(kind: str) -> str:
             t = f"{i}_{h}"
             a(f"  %oo{t} = add i64 %orow{i}, %ocol")
             a(f"  %ooh{t} = add i64 %oo{t}, {8 * h}")
-            a(f"  %op{t} = getelementptr float, float* %out, i64 %ooh{t}")
-            a(f"  %opv{t} = bitcast float* %op{t} to {f32x8}*")
-            a(f"  store {f32x8} {new[i, h]}, {f32x8}* %opv{t}, align 4")
+            a(f"  store {f32x8} {new[i, h]}, {f32x8}* {_f32x8_at(a, f'o{t}', '%out', f'%ooh{t}')}, align 4")
         a(f"  br label %{nxt}")
     a("stored:")
     a("  %gnext = add i64 %g, 1")
@@ -901,6 +887,13 @@ def _avx2_entry_ir(kind: str) -> str:
     a("  ret void")
     a("}")
     return "\n".join(L)
+
+
+def _f32x8_at(a, name: str, ptr: str, idx: str) -> str:
+    """A ``<8 x float>*`` to ``ptr[idx]`` (a float*); its IR name."""
+    a(f"  %{name}p = getelementptr float, float* {ptr}, i64 {idx}")
+    a(f"  %{name}v = bitcast float* %{name}p to <8 x float>*")
+    return f"%{name}v"
 
 
 def _bcast8(a, name: str, ptr: str, idx: str) -> str:
