@@ -117,9 +117,9 @@ def _spans(ws: Sequence[Weight], threads: int) -> list[tuple[int, int, list[tupl
     column, columns, (weight, r0, r1) pieces). At least 4 a thread, so a late thread
     leaves little for the others to wait on, a multiple of 16 rows, at most a tile, and
     never under MIN_SLICE_ROWS unless a tile is smaller (per weight, SmolLM2's k and v,
-    192 rows each, were cut into 16-row slices). Their count is a multiple of the
-    threads where the bounds allow, so quiet threads finish together (SmolLM2's q|k|v,
-    960 rows: 8 jobs of 128 left one thread half a job idle; 6 of 160 do not)."""
+    192 rows each, were cut into 16-row slices). Within those bounds, the size whose jobs
+    quiet threads finish together (``_span_rows``; SmolLM2's q|k|v, 960 rows: 8 jobs of
+    128 left one of 2 threads half a job idle, 6 of 160 do not)."""
     total = sum(w.rows for w in ws)
     step = _span_rows(total, _tile_rows(ws[0].cols), threads)
     spans: list[tuple[int, int, list[tuple[Weight, int, int]]]] = []
