@@ -1059,9 +1059,11 @@ class TileKernels:
     def prepare(self, X: np.ndarray, bits: int = 16) -> Packed | Rows16:
         """The activations of one matmul as this unit reads them: B tiles (``pack``) for
         "amx" and "vnni", int16 rows (``pack_rows``) for "avx2"."""
-        if bits not in (16, 8) or (self.unit == "avx2" and bits != 16):
-            raise ValueError(f"the {self.unit} products take int{'16' if self.unit == 'avx2' else '16 or int8'} activations, not {bits} bits")
-        return pack_rows(X) if self.unit == "avx2" else self.pack(X, bits)
+        if self.unit != "avx2":
+            return self.pack(X, bits)  # which checks the width
+        if bits != 16:
+            raise ValueError(f"the avx2 products take int16 activations, not {bits} bits")
+        return pack_rows(X)
 
     def scratch_bytes(self, dtype: str, rows: int, cols: int) -> int:
         """The bytes of ``rows``' ``scratch`` for a slice of ``rows`` x ``cols``: the unsigned

@@ -36,6 +36,7 @@ from cortiq_engine.kernels import amx, attn_ir, jit, qdot
 from cortiq_engine.kernels.dtype_ops import DtypeOps, ops_for
 from cortiq_engine.kernels.reference import NumpyKernels, attend_block, attention_jobs
 from cortiq_engine.weights import Weight
+from formats.quants import align_up
 
 # Above this many rows a matmul dequantizes tiles and uses BLAS. Measured on
 # SmolLM2 q8, 2 threads: the small-batch kernel wins up to n = 16 for both a layer
@@ -107,7 +108,7 @@ def _span_rows(total: int, tile_rows: int, threads: int) -> int:
         n = -(-total // rows)
         return -(-n // threads) * rows, abs(n - count)
 
-    sizes = {-(-(-(-total // n)) // 16) * 16 for n in range(max(1, count // 2), 2 * count + 1)}
+    sizes = {align_up(-(-total // n), 16) for n in range(max(1, count // 2), 2 * count + 1)}  # total / n, up to 16 rows
     return min((r for r in sizes if least <= r <= most), key=cost, default=step)
 
 
