@@ -53,13 +53,12 @@ SMALL_N = 16
 ACT_BITS: dict[str, int] = {"q8": 16, "q4": 8, "q4_0": 8, "q5": 8, "q5_1": 8, "q4k": 8, "q5k": 8, "q6k": 16}
 # An empty array of each activation width's integer type (``qdot.intdot`` allocates its like).
 _ACT_PROTO = {8: np.empty(0, np.int8), 16: np.empty(0, np.int16)}
-# Above this many new queries attention goes through BLAS (reference code path),
-# unless the IR loops (attn_ir.py) serve the head size and the split-K partial results
-# of the call (queries x heads x chunks x (dv + 2) floats) fit ATTN_PARTIALS_BYTES: a
-# 512-token prefill's attention then took 3.9 vs 7.9 ms a layer on SmolLM2's shape and
-# 26 vs 34 ms on TinyLlama's; a 4k-token prompt would need 540 MB of them.
+# Above this many new queries attention goes by blocks of queries and keys
+# (``jit.attend_flash``) where the IR loops (attn_ir.py) serve the head size, else
+# through BLAS (the reference blocks). A 512-token prefill's attention, 2 threads: 2.9
+# ms a layer on SmolLM2's shape (per-query split-K loops 3.9, BLAS 7.9), 10.5 on
+# TinyLlama's (17), 4.9 on Gemma 3 270M's (11); 47 ms at 2,048 tokens on SmolLM2's (77).
 SMALL_ATTN = 16
-ATTN_PARTIALS_BYTES = 64 << 20
 # Weights of a fused matmul from which 3- and 4-row calls take the zmm bodies (qdot.py).
 ZMM_MIN_WEIGHTS = 4 << 20
 # Matrices one small-batch kernel call can fuse (q|k|v).
@@ -189,13 +188,12 @@ class NumbaKernels(NumpyKernels):
     def __init__(self, small_n: int = SMALL_N, act_bits: int | Mapping[str, int] | None = None,
                  vnni: bool | None = None, zmm: bool | None = None, zmm_min_weights: int = ZMM_MIN_WEIGHTS,
                  attn_loops: bool | None = None, kernel_cache: Path | None | str = "default",
-                 attn_partials_bytes: int = ATTN_PARTIALS_BYTES, amx_tiles: bool | None = None,
+                 amx_tiles: bool | None = None,
                  tile_unit: str | None = None, vnni_min_weights: int = VNNI_MIN_WEIGHTS):
         self.small_n = small_n
         # Decode/verify attention's inner loops in LLVM IR (attn_ir.py; default where the
         # CPU has AVX2/FMA); False keeps numba's loops (same math, other rounding).
         self._attn = attn_ir.AttentionLoops(attn_loops, kernel_cache)
-        self.attn_partials_bytes = attn_partials_bytes  # a prefill chunk's split-K budget
         # Quantized dtypes decode and verify on integer activations (qdot.py) where the
         # CPU has AVX2: ``act_bits`` per dtype (default ACT_BITS), or one width for all;
         # a width 0, a width the dtype has no kernel for, or no AVX2 keeps the float kernels.
@@ -493,13 +491,15 @@ class NumbaKernels(NumpyKernels):
         out = np.empty((q.shape[0], q.shape[1], vc.shape[2]), np.float32)
         if sinks is not None:
             sinks = np.ascontiguousarray(sinks, dtype=np.float32)
-        n, heads, dv = q.shape[0], q.shape[1], vc.shape[2]
-        fns = self._attn.for_dims(q.shape[2], dv)
+        n, d, dv = q.shape[0], q.shape[2], vc.shape[2]
+        fns = self._attn.for_dims(d, dv)
         if not (kc.flags.c_contiguous and vc.flags.c_contiguous):
-            fns = np.zeros(3, np.int64)  # the IR loops address rows by a C layout
-        chunks = -(-(start + n) // jit.ATTN_CHUNK)
-        if n > SMALL_ATTN and not (fns[0] and 4 * n * heads * chunks * (dv + 2) <= self.attn_partials_bytes):
-            # Prefill: the reference blocks (query block x KV head), pulled by the pool's threads.
+            fns = np.zeros_like(fns)  # the IR loops address rows by a C layout
+        if n > SMALL_ATTN and fns[3]:
+            self._attend_flash(np.ascontiguousarray(q), kc, vc, start, window, scale, sinks, out, fns)
+            return out
+        if n > SMALL_ATTN:
+            # Prefill without the IR loops: the reference blocks (query block x KV head), pulled by the pool's threads.
             qs = q * np.float32(scale)
             jobs = attention_jobs(q.shape[0], kc.shape[0])
             self._pull(lambda job: attend_block(qs, kc, vc, start, window, sinks, out, *job), jobs,
@@ -507,6 +507,26 @@ class NumbaKernels(NumpyKernels):
             return out
         jit.attend(np.ascontiguousarray(q), kc, vc, start, window, np.float32(scale), sinks, out, fns)
         return out
+
+    def _attend_flash(self, q: np.ndarray, kc: np.ndarray, vc: np.ndarray, start: int, window: int, scale: float,
+                      sinks: np.ndarray | None, out: np.ndarray, fns: np.ndarray) -> None:
+        """A prefill's attention (``jit.attend_flash``): the keys its queries see, transposed
+        once for every job, and one worker per thread pulling the jobs, heaviest first."""
+        n, d = q.shape[0], q.shape[2]
+        kvh = kc.shape[0]
+        hi = start + n
+        k0 = max(0, start - window + 1) if window > 0 else 0  # the first query's oldest key
+        keys = hi - k0
+        kt = np.empty((kvh, d, align_up(keys, 16) + 16), np.float32)  # + 16: a key block's last columns
+        kt[:, :, :keys] = kc[:, k0:hi].transpose(0, 2, 1)
+        kt[:, :, keys:] = 0.0
+        step = jit.FLASH_QUERIES
+        jobs = np.array([(i0, min(n, i0 + step), g) for i0 in reversed(range(0, n, step)) for g in range(kvh)],
+                        np.int64).reshape(-1, 3)
+        counter = np.zeros(1, np.int64)
+        threads = min(numba.get_num_threads(), len(jobs))
+        self._pull(lambda _: jit.attend_flash(q, kt, k0, vc, start, window, np.float32(scale), sinks, out, jobs,
+                                              counter, fns), range(threads), threads)
 
     # ------------------------------------------------------------ linear attention
     def delta_rule(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray,

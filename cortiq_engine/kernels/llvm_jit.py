@@ -124,3 +124,18 @@ def compile_ir(ir_text: str, names: Sequence[str], cache_dir: Path | None = None
         compiled = Compiled(engine, addrs, cached is not None)
         _COMPILED.setdefault(key, compiled)  # kept: its addresses may be in use (see _COMPILED)
         return compiled
+
+
+def call_by_address(arg_types: list) -> object:
+    """Codegen for a numba ``@intrinsic`` whose first argument is a compiled entry's
+    address (``Compiled.addrs``) and the rest its arguments (``arg_types``: their LLVM
+    types), returning nothing: numba code calls the entry directly, without ctypes and
+    without taking the GIL."""
+    from llvmlite import ir
+
+    def codegen(context, builder, signature, args):
+        fnty = ir.FunctionType(ir.VoidType(), arg_types)
+        builder.call(builder.inttoptr(args[0], fnty.as_pointer()), args[1:])
+        return context.get_dummy_value()
+
+    return codegen
