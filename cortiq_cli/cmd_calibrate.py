@@ -46,7 +46,7 @@ def calibrate(
     t_max: Annotated[float, typer.Option("--t-max", help="Highest temperature of the grid.", rich_help_panel=CAL_PANEL)] = DEFAULT_T_MAX,
     plot: Annotated[Path | None, typer.Option("--plot", help="Also draw the reliability diagram to this PNG (needs matplotlib).", rich_help_panel=CAL_PANEL)] = None,
     write: Annotated[bool, typer.Option("--write", help="Store the fitted temperature in the model's CMF header.", rich_help_panel=CAL_PANEL)] = False,
-    batch: opt.BlockRows = 128,
+    batch: opt.BlockRows = 512,
     threads: opt.Threads = None,
     json_out: opt.Json = False,
 ) -> None:

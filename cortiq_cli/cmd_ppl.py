@@ -100,7 +100,7 @@ def ppl(
     ref_top_k: Annotated[int, typer.Option("--ref-top-k", min=0, help="With --save-ref: log-probabilities kept per position (0 = the whole vocabulary, exact but V x 4 bytes per token).", rich_help_panel=REF_PANEL)] = DEFAULT_TOP_K,
     ref_samples: Annotated[int, typer.Option("--ref-samples", min=0, help="With --save-ref: tail tokens sampled per position, for an unbiased estimate of the divergence outside the top-k (0: none; the KL is then a lower bound).", rich_help_panel=REF_PANEL)] = DEFAULT_SAMPLES,
     ref: Annotated[Path | None, typer.Option("--ref", help="Compare every model against this saved reference (.cref) instead of the first model; window options default to its own.", rich_help_panel=REF_PANEL)] = None,
-    batch: opt.BlockRows = 128,
+    batch: opt.BlockRows = 512,
     threads: opt.Threads = None,
     json_out: opt.Json = False,
 ) -> None:

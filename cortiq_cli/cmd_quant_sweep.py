@@ -45,7 +45,7 @@ def quant_sweep(
     workdir: Annotated[Path | None, typer.Option("--workdir", help="Folder for the converted files (default: a temporary folder, removed afterwards).", rich_help_panel=SWEEP_PANEL)] = None,
     keep_files: Annotated[bool, typer.Option("--keep-files", help="Keep the converted CMF files and the saved reference in --workdir.", rich_help_panel=SWEEP_PANEL)] = False,
     plot: Annotated[Path | None, typer.Option("--plot", help="Draw bits/weight vs mean KLD and vs decode tok/s to this image (PNG, SVG or PDF; needs matplotlib).", rich_help_panel=SWEEP_PANEL)] = None,
-    batch: opt.BlockRows = 128,
+    batch: opt.BlockRows = 512,
     threads: opt.Threads = None,
     json_out: opt.Json = False,
 ) -> None:

@@ -21,7 +21,8 @@ class LogitModel(Protocol):
 
     vocab_size: int
 
-    def iter_logits(self, ids: list[int], chunk: int = 128, sub: int = 32) -> Iterator[tuple[int, np.ndarray]]: ...
+    def iter_logits(self, ids: list[int], chunk: int = 512, sub: int | None = None,
+                    first: int = 0) -> Iterator[tuple[int, np.ndarray]]: ...
 
 
 class Decoder(Protocol):
@@ -40,14 +41,15 @@ def iter_scored(
     models: Sequence[LogitModel],
     tokens: np.ndarray,
     windows: Sequence[Window],
-    chunk: int = 128,
+    chunk: int = 512,
 ) -> Iterator[ScoredBlock]:
     tokens = np.asarray(tokens, dtype=np.int64)
     for wi, w in enumerate(windows):
         ids = tokens[w.begin : w.end].tolist()
         if w.bos is not None:
             ids[0] = int(w.bos)
-        streams = [m.iter_logits(ids, chunk=chunk) for m in models]
+        # no logits for the rows a window only conditions on (half of a sliding window's)
+        streams = [m.iter_logits(ids, chunk=chunk, first=w.row_from) for m in models]
         for blocks in zip(*streams, strict=True):
             start, first = blocks[0]
             rows = len(first)

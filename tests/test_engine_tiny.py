@@ -108,6 +108,18 @@ def test_iter_logits_blocks_cover_every_row(tiny_models):
     assert seen == sorted(seen) and seen[0] == 0
     rows = np.concatenate([b for _, b in eng.iter_logits(ids, chunk=16, sub=5)])
     assert rows.shape == ref.shape
+    # rows before ``first`` get no logits, the rest those of the whole sequence
+    for first in (0, 7, 16, 30, 44):
+        blocks = list(eng.iter_logits(ids, chunk=16, sub=5, first=first))
+        assert blocks[0][0] == first and all(b.shape[0] <= 5 for _, b in blocks)
+        tail = np.concatenate([b for _, b in blocks])
+        np.testing.assert_allclose(tail, ref[first:], rtol=0, atol=1e-5 * np.abs(ref).max())
+    assert list(eng.iter_logits(ids, first=45)) == []
+    # the default output block: as many rows as LOGIT_BLOCK_BYTES holds, 16..128
+    from cortiq_engine.engine import LOGIT_BLOCK_BYTES
+
+    sizes = {b.shape[0] for _, b in eng.iter_logits(np.resize(ids, eng.ctx))}
+    assert max(sizes) == max(16, min(128, LOGIT_BLOCK_BYTES // (4 * eng.vocab_size)))
 
 
 def test_truncate_rolls_back_a_draft(tiny_models):

@@ -39,11 +39,11 @@ class TorchEngine:
         self.tokenizer = ByteTokenizer()
         self.calls = 0
 
-    def iter_logits(self, ids, chunk=128, sub=32):
+    def iter_logits(self, ids, chunk=512, sub=None, first=0):
         self.calls += 1
         with torch.no_grad():
             z = self.model(torch.tensor([ids])).logits[0].float().numpy()
-        for s in range(0, len(ids), chunk):
+        for s in range(first, len(ids), chunk):
             yield s, z[s : s + chunk]
 
 

@@ -444,11 +444,11 @@ class _StopAfter:
     def __init__(self, engine, windows: int):
         self.engine, self.left = engine, windows
 
-    def iter_logits(self, ids, chunk=128):
+    def iter_logits(self, ids, chunk=512, first=0):
         if self.left == 0:
             raise KeyboardInterrupt
         self.left -= 1
-        yield from self.engine.iter_logits(ids, chunk=chunk)
+        yield from self.engine.iter_logits(ids, chunk=chunk, first=first)
 
 
 def test_ppl_and_calibrate_keep_the_windows_done(tiny):
