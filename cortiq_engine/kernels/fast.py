@@ -55,9 +55,10 @@ ACT_BITS: dict[str, int] = {"q8": 16, "q4": 8, "q4_0": 8, "q5": 8, "q5_1": 8, "q
 _ACT_PROTO = {8: np.empty(0, np.int8), 16: np.empty(0, np.int16)}
 # Above this many new queries attention goes by blocks of queries and keys
 # (``jit.attend_flash``) where the IR loops (attn_ir.py) serve the head size, else
-# through BLAS (the reference blocks). A 512-token prefill's attention, 2 threads: 2.9
-# ms a layer on SmolLM2's shape (per-query split-K loops 3.9, BLAS 7.9), 10.5 on
-# TinyLlama's (17), 4.9 on Gemma 3 270M's (11); 47 ms at 2,048 tokens on SmolLM2's (77).
+# through BLAS (the reference blocks). A 512-token prefill's attention, a layer on 2
+# threads (benchmarks/bench_attention.py): 2.9 ms on SmolLM2's shape (decode's split-K
+# loops 3.9, BLAS 6.0), 9.9 on TinyLlama's (18.1, 18.0), 4.5 on Gemma 3 270M's (14.5,
+# 6.4); 41 ms at 2,048 tokens on SmolLM2's (86, 64).
 SMALL_ATTN = 16
 # Weights of a fused matmul from which 3- and 4-row calls take the zmm bodies (qdot.py).
 ZMM_MIN_WEIGHTS = 4 << 20

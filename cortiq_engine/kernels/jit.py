@@ -425,9 +425,10 @@ def exp_nonpositive_array(x, out):
 # depend on how many queries share the call: row-exact. A chunk's keys and values
 # (64 KB each at head_dim 64) stay in L2 while every query and head of a group uses them.
 ATTN_CHUNK = 256
-# Queries per attention task: a prefill's tasks also split by blocks of queries, so a
-# model with one KV head (Gemma 3 270M) still spreads over every core. Which task
-# computes a query never changes its result.
+# Queries per attention task: a call with many rows (the engine sends prefills to
+# ``attend_flash``; ``benchmarks/bench_attention.py`` times this one beside it) also splits
+# by blocks of queries, so a model with one KV head still spreads over every core. Which
+# task computes a query never changes its result.
 ATTN_QUERIES = 32
 # Partial results above this many (queries x heads x chunks) combine in parallel.
 ATTN_SERIAL_COMBINE = 512
