@@ -1049,7 +1049,6 @@ class Packed:
 
 _PROTO = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * 7, *[ctypes.c_int64] * 5, ctypes.c_void_p, *[ctypes.c_int64] * 2)
 _VNNI_PROTO = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * 8, *[ctypes.c_int64] * 7)
-_AVX2_PROTO = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * 7, *[ctypes.c_int64] * 6)
 
 
 def widths(unit: str) -> dict[str, tuple[int, ...]]:
@@ -1089,7 +1088,8 @@ class TileKernels:
             self._fns = {f: _VNNI_PROTO(self._compiled.addrs[name]) for f, name in VNNI_ENTRIES.items()}
         else:
             self._compiled = llvm_jit.compile_ir(avx2_module_ir(), list(AVX2_ENTRIES.values()), cache)
-            self._fns = {(k, 16): _AVX2_PROTO(self._compiled.addrs[name]) for k, name in AVX2_ENTRIES.items()}
+            # addresses, not ctypes functions: ``_avx2_slice`` calls them from numba without the GIL
+            self._fns = {(k, 16): self._compiled.addrs[name] for k, name in AVX2_ENTRIES.items()}
         self._cfg = tile_config()
 
     def prepare(self, X: np.ndarray, bits: int = 16) -> Packed | Rows16:
@@ -1202,5 +1202,5 @@ class TileKernels:
                 m16 = parts["m"].view(np.uint16)
             else:
                 zero = qdot._ZERO[dtype]
-        _avx2_slice(self._compiled.addrs[AVX2_ENTRIES["q8" if dtype == "q8" else "u8"]], dtype != "q8", src, fill, d16,
+        _avx2_slice(self._fns[("q8" if dtype == "q8" else "u8", x.bits)], dtype != "q8", src, fill, d16,
                     m16, zero, r0, w16, wdt, wmt, x.xq, x.xd, x.xs, out, col, x.n)
