@@ -21,6 +21,9 @@ if not qdot.host_supports():  # pragma: no cover - every CI host so far has AVX2
     pytest.skip("attn_ir needs x86-64 AVX2/FMA; jit.attend keeps its numba loops there", allow_module_level=True)
 
 LOOPS = attn_ir.AttentionLoops()
+# Both register layouts compile and run on any AVX2 host (the wide one spills there):
+# each is held to the same float64 math.
+LAYOUTS = {layout: attn_ir.AttentionLoops(layout=layout) for layout in (attn_ir.WIDE, attn_ir.NARROW)}
 
 
 @njit
@@ -50,31 +53,55 @@ def test_compiled_on_this_host():
     assert (LOOPS.for_dims(64, 48) == LOOPS.addrs).all() and not LOOPS.for_dims(16, 12).any()
     assert LOOPS.for_dims(16, 12).shape == LOOPS.addrs.shape == (len(attn_ir.AttentionLoops.NAMES),)
     assert not attn_ir.AttentionLoops(False).addrs.any()
+    import llvmlite.binding as llvm
+
+    wide = llvm.get_host_cpu_features().get("avx512f", False)
+    assert LOOPS.layout == attn_ir.host_layout() == (attn_ir.WIDE if wide else attn_ir.NARROW)
 
 
-# every group size (1..8: keys per pass 8, 4, 2, 2, 1, ...), key counts around the passes
+@pytest.mark.parametrize("layout", list(LAYOUTS), ids=lambda lay: f"heads{lay.heads}-chains{lay.chains}")
+def test_a_group_split_into_passes_keeps_each_heads_scores(layout):
+    """A group larger than the layout's heads per pass runs in passes; in a pass or not,
+    a head's scores are its own sums (one accumulator per key, a fixed lane fold): the
+    same bits as the head alone."""
+    addrs = LAYOUTS[layout].addrs
+    for g in sorted({3, min(layout.heads + 1, attn_ir.MAX_GROUP), attn_ir.MAX_GROUP}):
+        q = RNG.standard_normal((g, 64)).astype(np.float32)
+        k = RNG.standard_normal((37, 64)).astype(np.float32)
+        s = np.zeros((g, 40), np.float32)
+        _scores(addrs[0], g, q, k, 37, np.float32(0.125), s)
+        for h in range(g):
+            one = np.zeros((1, 40), np.float32)
+            _scores(addrs[0], 1, q[h : h + 1].copy(), k, 37, np.float32(0.125), one)
+            assert np.array_equal(one[0, :37], s[h, :37]), (g, h)
+
+
+# every group size (1..8: keys per pass 8, 4, 2, 2, 1, ... in the wide layout; passes
+# of 4 heads in the narrow one), key counts around the passes
+@pytest.mark.parametrize("layout", list(LAYOUTS), ids=lambda lay: f"heads{lay.heads}-chains{lay.chains}")
 @pytest.mark.parametrize("g", range(1, attn_ir.MAX_GROUP + 1))
 @pytest.mark.parametrize("d", [16, 64, 256])
-def test_scores_against_float64(g, d):
+def test_scores_against_float64(g, d, layout):
     for m in (1, 2, 3, 7, 8, 9, 17, 40):
         q = RNG.standard_normal((g, d)).astype(np.float32)
         k = RNG.standard_normal((m, d)).astype(np.float32)
         s = np.full((g, 48), 9.0, np.float32)  # a row stride past m: the rest untouched
-        _scores(LOOPS.addrs[0], g, q, k, m, np.float32(0.125), s)
+        _scores(LAYOUTS[layout].addrs[0], g, q, k, m, np.float32(0.125), s)
         exact = q.astype(np.float64) @ k.T.astype(np.float64) * 0.125
         np.testing.assert_allclose(s[:, :m], exact, rtol=0, atol=2e-6 * np.sqrt(d))
         assert (s[:, m:] == 9.0).all()
 
 
+@pytest.mark.parametrize("layout", list(LAYOUTS), ids=lambda lay: f"heads{lay.heads}-chains{lay.chains}")
 @pytest.mark.parametrize("g", range(1, attn_ir.MAX_GROUP + 1))
 @pytest.mark.parametrize("dv", [16, 48, 256])
-def test_values_against_float64(g, dv):
+def test_values_against_float64(g, dv, layout):
     for m in (1, 2, 3, 7, 8, 9, 17, 40):
         p = np.zeros((g, 48), np.float32)
         p[:, :m] = RNG.random((g, m))
         v = RNG.standard_normal((m, dv)).astype(np.float32)
         o = np.full((g, dv + 16), 9.0, np.float32)
-        _values(LOOPS.addrs[1], g, p, v, m, o)
+        _values(LAYOUTS[layout].addrs[1], g, p, v, m, o)
         exact = p[:, :m].astype(np.float64) @ v.astype(np.float64)
         np.testing.assert_allclose(o[:, :dv], exact, rtol=0, atol=2e-6 * np.sqrt(m))
         assert (o[:, dv:] == 9.0).all()
