@@ -185,16 +185,26 @@ def worker_cortiq(model: str, threads: int, ids: list[int], long_ids: list[int],
         step()
         verify[k] = _median_seconds(step, reps)
     state.truncate(64)
-    long_state = eng.new_state(4096)
-    forward(long_state, long_ids)
-    decode_at = {}
-    for ctx, st in ((64, state), (len(long_ids), long_state)):
-        def one(k: int, st=st, ctx=ctx) -> None:
-            forward(st, [ids[k]])  # one decode step; the token's identity does not change its cost
-            if k == CTX_STEPS - 1:
-                st.truncate(ctx)
-        decode_at[64 if ctx == 64 else 2048] = one
-    return {"verify_seconds": verify, **_context_ratio(decode_at, 3 * reps)}
+    out: dict[str, Any] = {"verify_seconds": verify}
+    # The long-context ratio with the default f32 KV cache, then with an f16 one (llama.cpp's
+    # default cache type, which its figures use): the same file mapped by a second engine.
+    for kv, suffix in (("f32", ""), ("f16", "_f16")):
+        if kv != "f32":
+            eng = Engine.load(model, threads=threads or None, kv_cache=kv)
+        short_state = eng.new_state(4096)
+        forward(short_state, ids[:64])
+        long_state = eng.new_state(4096)
+        forward(long_state, long_ids)
+        decode_at = {}
+        for ctx, st in ((64, short_state), (len(long_ids), long_state)):
+            def one(k: int, st=st, ctx=ctx) -> None:
+                forward(st, [ids[k]])  # one decode step; the token's identity does not change its cost
+                if k == CTX_STEPS - 1:
+                    st.truncate(ctx)
+            decode_at[64 if ctx == 64 else 2048] = one
+        out.update({k + suffix: v for k, v in _context_ratio(decode_at, 3 * reps).items()})
+        del short_state, long_state
+    return out
 
 
 def worker_llama(model: str, threads: int, ids: list[int], long_ids: list[int], reps: int) -> dict[str, Any]:
@@ -323,6 +333,8 @@ def main(argv: list[str] | None = None) -> int:
                 entry["verify_ms"] = {k: 1e3 * t for k, t in v.items()}
                 entry["verify_ratio"] = {k: v[k] / v[1] for k in v}
                 entry["decode_2k_over_64"] = res["decode_2k_over_64"]
+                if "decode_2k_over_64_f16" in res:
+                    entry["decode_2k_over_64_f16"] = res["decode_2k_over_64_f16"]
         report["systems"][s.name] = entry
         if a.out:
             a.out.write_text(json.dumps(report, indent=2) + "\n")
@@ -346,11 +358,12 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(report, indent=2))
         return 0
     print(f"load before {report['load_before']}, after {report['load_after']}; threads {a.threads}")
-    print(f"{'system':16s} {'prefill':>8s} {'decode':>8s} {'busy':>8s} {'2k/64':>6s}  verify 2/4/8 rows vs 1   RSS MiB")
+    print(f"{'system':16s} {'prefill':>8s} {'decode':>8s} {'busy':>8s} {'2k/64':>6s} {'(f16)':>6s}  verify 2/4/8 rows vs 1   RSS MiB")
     for name, e in sy.items():
         vr = e.get("verify_ratio", {})
+        f16 = f"{e['decode_2k_over_64_f16']:6.2f}" if "decode_2k_over_64_f16" in e else f"{'-':>6s}"
         print(f"{name:16s} {e.get('prefill_tok_s', 0):8.1f} {e.get('decode_tok_s', 0):8.2f} {e.get('busy_decode_tok_s', 0):8.2f} "
-              f"{e.get('decode_2k_over_64', 0):6.2f}  {vr.get(2, 0):.2f} / {vr.get(4, 0):.2f} / {vr.get(8, 0):.2f}"
+              f"{e.get('decode_2k_over_64', 0):6.2f} {f16}  {vr.get(2, 0):.2f} / {vr.get(4, 0):.2f} / {vr.get(8, 0):.2f}"
               f"        {e.get('rss_loaded', 0) / 2**20:.0f} (file {e['file_bytes'] / 2**20:.0f})")
     for k, v in report["ratios"].items():
         print(f"  {k}: {v:.2f}x" if v else f"  {k}: n/a")

@@ -13,7 +13,7 @@ from rich.text import Text
 
 from cortiq_cli import text_options as opt
 from cortiq_cli.eval_run import interrupted, load_engines, model_label, whole_windows
-from cortiq_cli.common import console, err_console, handle_errors, print_json
+from cortiq_cli.common import KvCache, console, err_console, handle_errors, print_json
 from evals.calibrate import DEFAULT_FIT_FRACTION, CalibrationReport, calibration_report, split_rows
 from evals.temperature import RowFeatures, row_features
 from evals.scoring import count_scored, iter_scored
@@ -47,6 +47,7 @@ def calibrate(
     plot: Annotated[Path | None, typer.Option("--plot", help="Also draw the reliability diagram to this PNG (needs matplotlib).", rich_help_panel=CAL_PANEL)] = None,
     write: Annotated[bool, typer.Option("--write", help="Store the fitted temperature in the model's CMF header.", rich_help_panel=CAL_PANEL)] = False,
     batch: opt.BlockRows = 512,
+    kv_cache: KvCache = "f32",
     threads: opt.Threads = None,
     json_out: opt.Json = False,
 ) -> None:
@@ -59,7 +60,7 @@ def calibrate(
             raise CortiqError(f"--plot: folder {plot.parent} does not exist")
     grid = TemperatureGrid.make(t_min, t_max)
     source = load_text(opt.text_spec(text, dataset, config, split, column, data_files))
-    (engine,) = load_engines([model], threads, ctx)
+    (engine,) = load_engines([model], threads, ctx, kv_cache)
     name = model_label(model, engine)
     tokens = tokenize_for([engine], [name], source.text)
     step = stride if stride is not None else max(1, ctx // 2)

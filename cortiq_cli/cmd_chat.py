@@ -22,7 +22,7 @@ import typer
 from rich.markup import escape
 
 from cortiq_cli import mtp_options as mtp_opt
-from cortiq_cli.common import err_console, handle_errors, human_bytes, load_engine, peak_rss_bytes, print_json
+from cortiq_cli.common import KvCache, err_console, handle_errors, human_bytes, load_engine, peak_rss_bytes, print_json
 from cortiq_cli.cmd_generate import MAX_LOGPROBS, print_logprobs
 from formats.errors import CortiqError
 
@@ -138,6 +138,7 @@ def chat(
     ] = 1.0,
     seed: Annotated[Optional[int], typer.Option("--seed", help="Sampling seed.", rich_help_panel=SAMPLING)] = None,
     ctx: Annotated[Optional[int], typer.Option("--ctx", min=1, help="Context length (default: min(max_position_embeddings, 4096)).", rich_help_panel=CONTEXT)] = None,
+    kv_cache: KvCache = "f32",
     evict: Annotated[
         bool, typer.Option("--evict", help="When the context is full: drop the oldest turns before a turn, the oldest half of the cache during an answer.", rich_help_panel=CONTEXT)
     ] = False,
@@ -169,7 +170,7 @@ def chat(
     conv = Conversation(system)
     if load is not None:
         conv.load(load)
-    eng = load_engine(model, threads=threads, ctx=ctx, quiet=json_out, mtp=mtp_opt.load_arg(mtp, no_mtp))
+    eng = load_engine(model, threads=threads, ctx=ctx, quiet=json_out, mtp=mtp_opt.load_arg(mtp, no_mtp), kv_cache=kv_cache)
     tok = eng.tokenizer
     if not tok.chat_template:
         raise CortiqError(f"{model}: no chat template in the header; use cortiq generate for plain text")

@@ -17,7 +17,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from cortiq_cli import mtp_options as mtp_opt
-from cortiq_cli.common import err_console, handle_errors, human_bytes, load_engine, peak_rss_bytes, print_json, read_prompt
+from cortiq_cli.common import KvCache, err_console, handle_errors, human_bytes, load_engine, peak_rss_bytes, print_json, read_prompt
 from cortiq_cli.moe_stats import moe_stats_json, print_moe_stats
 from formats.errors import CortiqError
 
@@ -55,6 +55,7 @@ def generate(
         bool,
         typer.Option("--evict", help="When the context is full, drop its oldest half and go on (positions keep increasing) instead of stopping.", rich_help_panel=CONTEXT),
     ] = False,
+    kv_cache: KvCache = "f32",
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Do not stop at end-of-sequence tokens (benchmarks).")] = False,
     threads: Annotated[Optional[int], typer.Option("--threads", "-t", min=1, help="Compute threads, fixed (default: all cores for the prompt; each decode step runs on 1 or all cores, whichever measures faster).")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of streaming text.")] = False,
@@ -87,7 +88,7 @@ def generate(
     )
     # MTP draft layers (inline, the sidecar beside the model, or --mtp): the engine decodes
     # speculatively (exact greedy) when it can, and says why not when it cannot.
-    eng = load_engine(model, threads=threads, ctx=ctx, quiet=json_out, mtp=mtp_opt.load_arg(mtp, no_mtp))
+    eng = load_engine(model, threads=threads, ctx=ctx, quiet=json_out, mtp=mtp_opt.load_arg(mtp, no_mtp), kv_cache=kv_cache)
     speculative = mtp_opt.speculative_arg(no_mtp, mtp_depth, mtp_chain, mtp_hidden, mtp_vocab, mtp_threshold, lookup, lookup_ngram, mtp_gate)
     tok = eng.tokenizer
     if chat or system is not None:
@@ -127,6 +128,7 @@ def generate(
                 "prompt": prompt,
                 "chat": bool(chat or system is not None),
                 "ctx": eng.ctx,
+                "kv_cache": kv_cache,
                 "threads": eng.threads,
                 "calibration_temperature": eng.calibration_temperature,
                 "sampling": {

@@ -13,7 +13,7 @@ from rich import box
 from rich.table import Table
 
 from cortiq_cli import text_options as opt
-from cortiq_cli.common import console, err_console, handle_errors, print_json, print_table
+from cortiq_cli.common import KvCache, console, err_console, handle_errors, print_json, print_table
 from cortiq_cli.eval_run import interrupted, load_engines, model_label, scoring_progress, whole_windows
 from cortiq_cli.help import cortiq_version
 from evals.perplexity import DP_QUANTILES, KLD_QUANTILES, Comparison, PerplexityAccumulator, PerplexityReport, PerplexityResult, build_reports
@@ -101,6 +101,7 @@ def ppl(
     ref_samples: Annotated[int, typer.Option("--ref-samples", min=0, help="With --save-ref: tail tokens sampled per position, for an unbiased estimate of the divergence outside the top-k (0: none; the KL is then a lower bound).", rich_help_panel=REF_PANEL)] = DEFAULT_SAMPLES,
     ref: Annotated[Path | None, typer.Option("--ref", help="Compare every model against this saved reference (.cref) instead of the first model; window options default to its own.", rich_help_panel=REF_PANEL)] = None,
     batch: opt.BlockRows = 512,
+    kv_cache: KvCache = "f32",
     threads: opt.Threads = None,
     json_out: opt.Json = False,
 ) -> None:
@@ -112,7 +113,7 @@ def ppl(
     saved = SavedReference(ref) if ref is not None else None
     settings = resolve_settings(mode, ctx, stride, max_tokens, chunks, saved.settings if saved else None)
     source = load_text(opt.text_spec(text, dataset, config, split, column, data_files))
-    engines = load_engines(models, threads, settings.ctx)
+    engines = load_engines(models, threads, settings.ctx, kv_cache)
     names = [model_label(p, e) for p, e in zip(models, engines)]
     tokens = tokenize_for(engines, names, source.text)
     windows = plan_windows(settings, len(tokens), chunk_bos(engines[0].tokenizer))

@@ -7,7 +7,7 @@ import functools
 import json
 import math
 import sys
-from typing import Any, Callable, TypeVar
+from typing import Annotated, Any, Callable, TypeVar
 
 import numpy as np
 import typer
@@ -177,15 +177,23 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} TB"
 
 
-def load_engine(model: Any, *, threads: int | None, ctx: int | None, quiet: bool = False, mtp: Any = False) -> Any:
+# The KV cache's element type, for every command that runs a model over a context.
+KvCache = Annotated[str, typer.Option(
+    "--kv-cache", help="KV cache element type: f32 (default), or f16: half the memory and half the bytes a "
+    "long-context decode step reads (llama.cpp's default); each key and value rounded once as it is stored.",
+    rich_help_panel="Context")]
+
+
+def load_engine(model: Any, *, threads: int | None, ctx: int | None, quiet: bool = False, mtp: Any = False,
+                kv_cache: str = "f32") -> Any:
     """``Engine.load`` with a spinner on a terminal (redirected, none: rich's live
     display would leave a blank line in the output)."""
     from cortiq_engine import Engine
 
     if quiet or not err_console.is_terminal:
-        return Engine.load(model, threads=threads, ctx=ctx, mtp=mtp)
+        return Engine.load(model, threads=threads, ctx=ctx, mtp=mtp, kv_cache=kv_cache)
     with err_console.status(f"loading {getattr(model, 'name', model)}", spinner="dots"):
-        return Engine.load(model, threads=threads, ctx=ctx, mtp=mtp)
+        return Engine.load(model, threads=threads, ctx=ctx, mtp=mtp, kv_cache=kv_cache)
 
 
 def peak_rss_bytes() -> int:

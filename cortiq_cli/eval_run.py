@@ -16,10 +16,10 @@ from evals.windows import Window
 from formats.untrusted_json import section
 
 
-def load_engines(paths: list[Path], threads: int | None, ctx: int) -> list[Any]:
+def load_engines(paths: list[Path], threads: int | None, ctx: int, kv_cache: str = "f32") -> list[Any]:
     from cortiq_engine import Engine
 
-    return [Engine.load(p, threads=threads, ctx=ctx) for p in paths]
+    return [Engine.load(p, threads=threads, ctx=ctx, kv_cache=kv_cache) for p in paths]
 
 
 def model_label(path: Path, engine: Any) -> str:

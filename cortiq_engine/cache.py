@@ -4,6 +4,11 @@
 keys [kv_heads, capacity, head_dim] and values [kv_heads, capacity, v_head_dim],
 so each head's rows are contiguous for the attention kernels. ``np.zeros`` maps
 untouched pages lazily, so a long context costs memory only as it fills.
+
+Its element type is the engine's ``kv_cache`` (``KV_DTYPES``): f32 by default, or f16
+(half the memory, and half the bytes a long-context decode step streams; llama.cpp's
+default). A row is rounded to f16 once, as it enters the cache, and every later read of
+it sees the same bits, so a speculative verify still equals plain decoding.
 """
 
 from __future__ import annotations
@@ -13,11 +18,22 @@ import numpy as np
 from formats.errors import CortiqError
 
 
+KV_DTYPES = {"f32": np.float32, "f16": np.float16}
+F16_MAX = float(np.finfo(np.float16).max)
+
+
+def kv_dtype(name: str) -> type:
+    """The numpy type of a ``--kv-cache`` name; an unknown name is a one-line error."""
+    if name not in KV_DTYPES:
+        raise CortiqError(f"unknown --kv-cache {name!r}; choose one of {', '.join(KV_DTYPES)}")
+    return KV_DTYPES[name]
+
+
 class KVCache:
-    def __init__(self, kv_heads: int, head_dim: int, v_head_dim: int, capacity: int):
+    def __init__(self, kv_heads: int, head_dim: int, v_head_dim: int, capacity: int, dtype: type = np.float32):
         self.capacity = int(capacity)
-        self.keys = np.zeros((kv_heads, self.capacity, head_dim), np.float32)
-        self.values = np.zeros((kv_heads, self.capacity, v_head_dim), np.float32)
+        self.keys = np.zeros((kv_heads, self.capacity, head_dim), dtype)
+        self.values = np.zeros((kv_heads, self.capacity, v_head_dim), dtype)
         self.length = 0
         # Rows written since creation: every token must enter the cache exactly
         # once, and tests check this counter against the tokens forwarded.
@@ -32,6 +48,10 @@ class KVCache:
         if self.length + n > self.capacity:
             raise CortiqError(f"context full: {self.length} + {n} tokens exceed the KV cache of {self.capacity}")
         start = self.length
+        if self.keys.dtype == np.float16 and n and max(np.abs(k).max(), np.abs(v).max()) > F16_MAX:
+            # would be stored as inf: refused rather than silently wrong
+            raise CortiqError(f"a key or value of {max(np.abs(k).max(), np.abs(v).max()):.3g} exceeds f16's range "
+                              f"({F16_MAX:g}); use --kv-cache f32")
         self.keys[:, start : start + n] = k.transpose(1, 0, 2)
         self.values[:, start : start + n] = v.transpose(1, 0, 2)
         self.length += n

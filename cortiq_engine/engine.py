@@ -13,7 +13,7 @@ draft layers (inline, or the sidecar beside it; ``mtp=PATH`` a given sidecar), a
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
@@ -24,6 +24,7 @@ from formats.cmf import CmfFile
 from formats.convert import TOKENIZER_TENSOR
 from formats.errors import CortiqError
 from formats.untrusted_json import section
+from cortiq_engine.cache import kv_dtype
 from cortiq_engine.generate import PREFILL_CHUNK, DraftSource, GenerationResult, TokenEvent, generate
 from cortiq_engine.kernels import get_kernels
 from cortiq_engine.memory import release_free_heap
@@ -46,7 +47,7 @@ def check_ctx_memory(model: Model, ctx: int) -> None:
     """Refuse a context whose KV caches could not fit in this machine's memory (a
     typo such as --ctx 1000000000000 is one line, not a MemoryError)."""
     a = model.arch
-    per_token = a.num_layers * a.num_kv_heads * (a.head_dim + a.v_head_dim) * 4  # f32 keys and values
+    per_token = a.num_layers * a.num_kv_heads * (a.head_dim + a.v_head_dim) * np.dtype(kv_dtype(model.kv_cache)).itemsize
     try:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
@@ -120,6 +121,7 @@ class Engine:
         kernels: str | object | None = None,
         warmup: bool = True,
         mtp: bool | str | os.PathLike = False,
+        kv_cache: str = "f32",
     ) -> "Engine":
         """Open ``path``; ``ctx`` defaults to min(max_position_embeddings, 4096);
         ``kernels`` a kernel set's name (``cortiq_engine.kernels.KERNEL_CHOICES``; default
@@ -127,7 +129,10 @@ class Engine:
 
         ``mtp``: False, no draft layers; True, the model's own (inline, else the sidecar
         ``<stem>.mtp.cmf`` beside it, else none); a path, that sidecar. A sidecar that
-        does not fit the backbone is an error, never a silent fallback."""
+        does not fit the backbone is an error, never a silent fallback.
+
+        ``kv_cache``: the KV caches' element type, "f32" or "f16" (``cache.KV_DTYPES``)."""
+        kv_dtype(kv_cache)  # an unknown name fails before the model is mapped
         n_threads = set_threads(threads)
         ks = get_kernels(kernels) if kernels is None or isinstance(kernels, str) else kernels
         cmf = CmfFile(path)
@@ -135,7 +140,7 @@ class Engine:
         if header.get("role", "model") != "model" or "arch" not in header:
             raise CortiqError(f"{path}: not a model file (role {header.get('role')!r}); an MTP sidecar is loaded with its model")
         arch = read_arch(cmf)
-        model = build_model(cmf, arch, ks)
+        model = replace(build_model(cmf, arch, ks), kv_cache=kv_cache)
         if ctx is None:
             ctx = min(arch.max_position_embeddings, DEFAULT_CTX)
         if ctx < 1:

@@ -170,7 +170,8 @@ class GatedDeltaNet:
         self.conv_dim = 2 * self.kd + self.vd
         self._A = (-np.exp(w.A_log.astype(np.float32))).astype(np.float32)
 
-    def make_cache(self, capacity: int) -> LinearAttnCache:
+    def make_cache(self, capacity: int, kv: str = "f32") -> LinearAttnCache:
+        # ``kv``: a KV cache's element type; the recurrent state stays f32 (it accumulates)
         return LinearAttnCache(self.conv_dim, self.la.conv_kernel, self.hv, self.dk, self.dv, capacity, self.ks.delta_rule)
 
     def weights(self) -> list[Weight]:

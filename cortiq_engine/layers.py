@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from formats.errors import CortiqError
-from cortiq_engine.cache import KVCache
+from cortiq_engine.cache import KVCache, kv_dtype
 from cortiq_engine.weights import Weight
 
 
@@ -202,8 +202,8 @@ class Attention:
             raise CortiqError("attention sinks hold non-finite values")
         return sinks
 
-    def make_cache(self, capacity: int) -> KVCache:
-        return KVCache(self.nkv, self.hd, self.vd, capacity)
+    def make_cache(self, capacity: int, kv: str = "f32") -> KVCache:
+        return KVCache(self.nkv, self.hd, self.vd, capacity, kv_dtype(kv))
 
     def weights(self) -> list[Weight]:
         return [*self._qkv, *self._o]
@@ -272,8 +272,8 @@ class Block:
         self.mlp_norm = mlp_norm
         self.mlp = mlp
 
-    def make_cache(self, capacity: int):
-        return self.attn.make_cache(capacity)
+    def make_cache(self, capacity: int, kv: str = "f32"):
+        return self.attn.make_cache(capacity, kv)
 
     def __call__(self, x: np.ndarray, cache, step: Step) -> None:
         """Advance the residual stream ``x`` [n, hidden] in place."""

@@ -29,6 +29,7 @@ class Model:
     blocks: tuple[Any, ...]
     norm: RMSNorm
     head: Weight
+    kv_cache: str = "f32"  # the KV caches' element type (cache.KV_DTYPES)
 
     @property
     def vocab_size(self) -> int:
@@ -49,7 +50,7 @@ class Model:
         return self.kernels.matmul((self.head,), np.ascontiguousarray(h, dtype=np.float32))
 
     def new_state(self, capacity: int) -> "State":
-        return State(self, [b.make_cache(capacity) for b in self.blocks], capacity)
+        return State(self, [b.make_cache(capacity, self.kv_cache) for b in self.blocks], capacity)
 
     def weights(self) -> list[Weight]:
         out = [self.embed, self.head]

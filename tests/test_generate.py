@@ -267,6 +267,19 @@ def test_cli_json(tiny, eng):
     assert d["finish_reason"] == "max_tokens" and d["prompt_tokens"] == len(PROMPT)
 
 
+def test_cli_kv_cache_f16(tiny):
+    """--kv-cache f16 decodes on an f16 cache (the engine's f16 greedy tokens) and says
+    so in --json; the default is f32."""
+    with Engine.load(tiny[1], kv_cache="f16") as e16:
+        assert e16.new_state(4).caches[0].keys.dtype == np.float16
+        want = e16.generate(e16.tokenizer.encode(PROMPT), SamplingConfig(), max_tokens=12).token_ids
+    r = _run(tiny[1], PROMPT, "-n", 12, "--json", "--kv-cache", "f16")
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert d["kv_cache"] == "f16" and d["token_ids"] == want
+    assert json.loads(_run(tiny[1], PROMPT, "-n", 2, "--json").stdout)["kv_cache"] == "f32"
+
+
 def _no_tokenizer_copy(src, dst):
     with CmfFile(src) as f:
         with CmfWriter(dst, f.header) as w:
@@ -284,6 +297,7 @@ def _no_tokenizer_copy(src, dst):
         ("too_long", "longer than the context"),
         ("no_tokenizer", "no embedded tokenizer"),
         ("bad_threads", "--threads"),
+        ("bad_kv_cache", "unknown --kv-cache 'f8'"),
     ],
 )
 def test_cli_errors_are_one_line(tiny, tmp_path, case, needle):
@@ -302,6 +316,8 @@ def test_cli_errors_are_one_line(tiny, tmp_path, case, needle):
         _no_tokenizer_copy(tiny[1], model)
     elif case == "bad_threads":
         extra = ["--threads", "999"]
+    elif case == "bad_kv_cache":
+        extra = ["--kv-cache", "f8"]
     r = _run(model, prompt, *extra)
     assert r.exit_code == 1
     assert "Traceback" not in r.output

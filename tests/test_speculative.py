@@ -105,6 +105,22 @@ def test_greedy_equality_many_prompts(models, quant, family, chain, depth, hidde
     assert drafted > 0
 
 
+@pytest.mark.parametrize("family,quant", [("deepseek", "q8"), ("mimo_v2", "f32"), ("qwen3_next_hybrid", "q8")])
+def test_greedy_equality_with_an_f16_kv_cache(models, family, quant):
+    """An f16 KV cache keeps the contract: a row is rounded once as it enters, so the
+    batched verify reads what plain decoding reads (sliding windows with sinks on
+    mimo_v2, Gated DeltaNet state beside the cache on qwen3_next_hybrid)."""
+    eng, stack = _load(models[family, quant], kv_cache="f16")
+    assert eng.model.kv_cache == "f16"
+    drafted = 0
+    for prompt in _prompts(3)[:8]:
+        plain = eng.generate(prompt, SamplingConfig(), max_tokens=MAX_TOKENS, speculative=False)
+        spec = _spec(eng, prompt, make_drafter(eng.model, stack, eng.ctx))
+        _assert_same(plain, spec)
+        drafted += spec.extra["mtp"]["drafted"]
+    assert drafted > 0
+
+
 def _rigged(eng, prompt, j, wrong_offset=1):
     """A draft hook that proposes the true greedy continuation for the first j depths
     and a wrong token after that."""

@@ -69,8 +69,12 @@ NARROW = Layout(heads=4, chains=4)  # AVX2: 16 ymm
 
 # Software prefetch distance: key rows a fixed 4 KB ahead (the hardware's streams
 # stop at each page); value rows PREFETCH_ROWS rows ahead in each column pass.
-PREFETCH_FLOATS = 1024
+PREFETCH_BYTES = 4096
 PREFETCH_ROWS = 16
+
+# The KV cache's element types (``cache.KV_DTYPES``) as LLVM types, and their sizes.
+KV_ELEMS = {"f32": "float", "f16": "half"}
+_BYTES = {"float": 4, "half": 2}
 
 _V = f"<{LANES} x float>"
 _DECLS = f"""
@@ -105,13 +109,17 @@ class _Ir:
         self.lines.append(f"  %v{self.n} = {expr}")
         return f"%v{self.n}"
 
-    def load(self, base: str, index: str) -> str:
-        ptr = self.v(f"getelementptr float, float* {base}, i64 {index}")
-        return self.v(f"load {_V}, {_V}* {self.v(f'bitcast float* {ptr} to {_V}*')}, align 4")
+    def load(self, base: str, index: str, elem: str = "float") -> str:
+        """16 lanes from ``base[index]``; ``elem`` "half": f16 widened to f32 (F16C's
+        vcvtph2ps, exact)."""
+        ptr = self.v(f"getelementptr {elem}, {elem}* {base}, i64 {index}")
+        vt = f"<{LANES} x {elem}>"
+        x = self.v(f"load {vt}, {vt}* {self.v(f'bitcast {elem}* {ptr} to {vt}*')}, align {_BYTES[elem]}")
+        return x if elem == "float" else self.v(f"fpext {vt} {x} to {_V}")
 
-    def prefetch(self, base: str, index: str) -> None:
-        ptr = self.v(f"getelementptr float, float* {base}, i64 {index}")
-        self(f"  call void @llvm.prefetch.p0i8(i8* {self.v(f'bitcast float* {ptr} to i8*')}, i32 0, i32 3, i32 1)")
+    def prefetch(self, base: str, index: str, elem: str = "float") -> None:
+        ptr = self.v(f"getelementptr {elem}, {elem}* {base}, i64 {index}")
+        self(f"  call void @llvm.prefetch.p0i8(i8* {self.v(f'bitcast {elem}* {ptr} to i8*')}, i32 0, i32 3, i32 1)")
 
     def splat_i32(self, scalar: str) -> str:
         one = self.v(f"insertelement <{LANES} x i32> undef, i32 {scalar}, i32 0")
@@ -162,7 +170,8 @@ class _Ir:
         return xs[0]
 
 
-def _scores_pass(f: _Ir, g: int, nk: int, tag: str, first: str, limit: str, entry: str, out: str) -> None:
+def _scores_pass(f: _Ir, g: int, nk: int, tag: str, first: str, limit: str, entry: str, out: str,
+                 kv: str) -> None:
     """Keys j = first, first+nk, ... < limit, nk per pass (limit - first a multiple of
     nk): per head and key an accumulator over the chunks of 16, one horizontal sum each."""
     f(f"  %{tag}_any = icmp slt i64 {first}, {limit}")
@@ -179,9 +188,9 @@ def _scores_pass(f: _Ir, g: int, nk: int, tag: str, first: str, limit: str, entr
     for r in range(nk):
         row = f.v(f"add i64 {j}, {r}")
         ko = f.v(f"add i64 {f.v(f'mul i64 {row}, %d')}, {e}")
-        kvs.append(f.load("%k", ko))
+        kvs.append(f.load("%k", ko, kv))
         # the cache's rows stream from memory at long context: a fixed distance ahead
-        f.prefetch("%k", f.v(f"add i64 {ko}, {PREFETCH_FLOATS}"))
+        f.prefetch("%k", f.v(f"add i64 {ko}, {PREFETCH_BYTES // _BYTES[kv]}"), kv)
     accs = {}
     for h in range(g):
         qv = f.load("%q", f.v(f"add i64 {f.v(f'mul i64 %d, {h}')}, {e}"))
@@ -206,44 +215,45 @@ def _scores_pass(f: _Ir, g: int, nk: int, tag: str, first: str, limit: str, entr
     f(f"  br i1 %{tag}_more, label %{tag}, label %{out}")
 
 
-def _prologue(name: str, args: str, ptrs: tuple[str, ...], dim: str, kp: int) -> _Ir:
+def _prologue(name: str, args: str, ptrs: tuple[str, ...], dim: str, kp: int, kv: str) -> _Ir:
     """A function's header: its float pointers (``%x`` from the argument ``%xa``), the
     16-lane chunks of ``dim`` (``%nc``) and the keys in whole passes of ``kp`` (``%mk``)."""
     f = _Ir()
     f(f"define void @{name}({args}) nounwind" + ' "min-legal-vector-width"="512" {')
     f("entry:")
     for p in ptrs:
-        f(f"  %{p} = inttoptr i64 %{p}a to float*")
+        f(f"  %{p} = inttoptr i64 %{p}a to {kv if p in ('k', 'v') else 'float'}*")
     f(f"  %nc = lshr i64 {dim}, 4")
     f(f"  %mk = sub i64 %m, {f.v(f'urem i64 %m, {kp}')}")
     return f
 
 
-def _scores_ir(g: int, kp: int) -> str:
+def _scores_ir(g: int, kp: int, kv: str = "float") -> str:
     """attn_scores{g}(q, k, m, d, scale, s, sstride): for the g heads h < g and keys j < m,
     s[h*sstride + j] = scale * sum_e q[h*d + e] k[j*d + e]. Each key row is loaded once
     for all g heads (a KV head's group: 8 on TinyLlama's shape), where one head at a
-    time re-read the chunk from L2 per head. ``kp`` keys per pass."""
-    f = _prologue(f"attn_scores{g}", _SARGS, ("q", "k", "s"), "%d", kp)
+    time re-read the chunk from L2 per head. ``kp`` keys per pass; ``kv`` the keys'
+    element type (float, or half: an f16 cache)."""
+    f = _prologue(f"attn_scores{g}", _SARGS, ("q", "k", "s"), "%d", kp, kv)
     f("  br label %pre")
     f("pre:")
-    _scores_pass(f, g, kp, "kk", "0", "%mk", "pre", "rest")
+    _scores_pass(f, g, kp, "kk", "0", "%mk", "pre", "rest", kv)
     f("rest:")
     f("  br label %rest1")
     f("rest1:")
-    _scores_pass(f, g, 1, "k1", "%mk", "%m", "rest1", "done")
+    _scores_pass(f, g, 1, "k1", "%mk", "%m", "rest1", "done", kv)
     f("done:")
     f("  ret void")
     f("}")
     return "\n".join(f.lines)
 
 
-def _values_ir(g: int, kp: int) -> str:
+def _values_ir(g: int, kp: int, kv: str = "float") -> str:
     """attn_values{g}(p, v, m, dv, o, pstride, ostride): for the g heads h < g and columns
     e < dv, o[h*ostride + e] = sum_j p[h*pstride + j] v[j*dv + e] (overwritten). Key j
     adds into accumulator j mod kp of its head (the leftover keys into the first); the
-    kp accumulators then add in a fixed tree."""
-    f = _prologue(f"attn_values{g}", _VARGS, ("p", "v", "o"), "%dv", kp)
+    kp accumulators then add in a fixed tree. ``kv``: the values' element type."""
+    f = _prologue(f"attn_values{g}", _VARGS, ("p", "v", "o"), "%dv", kp, kv)
     f("  %anyc = icmp ugt i64 %nc, 0")
     f("  br i1 %anyc, label %col, label %done")
     f("col:")
@@ -257,8 +267,8 @@ def _values_ir(g: int, kp: int) -> str:
     for r in range(kp):
         row = f.v(f"add i64 %j, {r}")
         vo = f.v(f"add i64 {f.v(f'mul i64 {row}, %dv')}, %e")
-        vv = f.load("%v", vo)
-        f.prefetch("%v", f.v(f"add i64 {vo}, {f.v(f'mul i64 %dv, {PREFETCH_ROWS}')}"))
+        vv = f.load("%v", vo, kv)
+        f.prefetch("%v", f.v(f"add i64 {vo}, {f.v(f'mul i64 %dv, {PREFETCH_ROWS}')}"), kv)
         for h in range(g):
             pidx = f.v(f"add i64 {f.v(f'mul i64 %ps, {h}')}, {row}")
             ps = f.v(f"load float, float* {f.v(f'getelementptr float, float* %p, i64 {pidx}')}, align 4")
@@ -283,7 +293,7 @@ def _values_ir(g: int, kp: int) -> str:
     f("tail:")
     at = len(f.lines)
     row = "%t"
-    vv = f.load("%v", f.v(f"add i64 {f.v(f'mul i64 {row}, %dv')}, %e"))
+    vv = f.load("%v", f.v(f"add i64 {f.v(f'mul i64 {row}, %dv')}, %e"), kv)
     tails = []
     for h in range(g):
         pidx = f.v(f"add i64 {f.v(f'mul i64 %ps, {h}')}, {row}")
@@ -503,10 +513,13 @@ def _gemm_ir() -> str:
     return "\n".join(L)
 
 
-def module_ir(layout: Layout = WIDE) -> str:
+def module_ir(layout: Layout = WIDE, kv: str = "f32") -> str:
+    """The four entries (``AttentionLoops.NAMES``) for ``layout``; ``kv`` the cache's
+    element type (f32 | f16): the decode loops read keys and values of that type."""
+    elem = KV_ELEMS[kv]
     parts = [_DECLS]
-    parts += [_scores_ir(g, layout.keys_per_pass(g)) for g in range(1, layout.heads + 1)]
-    parts += [_values_ir(g, layout.keys_per_pass(g)) for g in range(1, layout.heads + 1)]
+    parts += [_scores_ir(g, layout.keys_per_pass(g), elem) for g in range(1, layout.heads + 1)]
+    parts += [_values_ir(g, layout.keys_per_pass(g), elem) for g in range(1, layout.heads + 1)]
     parts.append(_dispatch("attn_scores", _SARGS, layout.heads, {"qa": "%d", "sa": "%ss"}))
     parts.append(_dispatch("attn_values", _VARGS, layout.heads, {"pa": "%ps", "oa": "%os"}))
     parts.append(_softmax_ir())
@@ -529,18 +542,22 @@ def host_layout() -> Layout:
 class AttentionLoops:
     """The compiled loops: ``addrs`` is int64[4] (attn_scores, attn_values, attn_softmax,
     attn_gemm), zeros where the host lacks AVX2/FMA or ``enabled`` is False (``jit.attend``
-    then runs its numba loops, and a prefill the BLAS blocks)."""
+    then runs its numba loops, and a prefill the BLAS blocks). ``kv``: the KV cache's
+    element type the decode loops read (f32 | f16)."""
 
     NAMES = ("attn_scores", "attn_values", "attn_softmax", "attn_gemm")
 
     def __init__(self, enabled: bool | None = None, cache_dir: Path | None | str = "default",
-                 layout: Layout | None = None) -> None:
+                 layout: Layout | None = None, kv: str = "f32") -> None:
+        if kv not in KV_ELEMS:
+            raise ValueError(f"no attention loops for a {kv!r} cache")
         self.addrs = np.zeros(len(self.NAMES), np.int64)
         self._engine = None  # the machine code lives as long as its engine
         self.layout = layout or host_layout()
+        self.kv = kv
         if enabled is False or not qdot.host_supports():
             return
-        compiled = llvm_jit.compile_ir(module_ir(self.layout), self.NAMES,
+        compiled = llvm_jit.compile_ir(module_ir(self.layout, kv), self.NAMES,
                                        llvm_jit.default_cache_dir() if cache_dir == "default" else cache_dir)
         self._engine = compiled.engine
         self.addrs = np.array([compiled.addrs[n] for n in self.NAMES], np.int64)

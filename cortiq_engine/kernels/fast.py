@@ -195,6 +195,9 @@ class NumbaKernels(NumpyKernels):
         # Decode/verify attention's inner loops in LLVM IR (attn_ir.py; default where the
         # CPU has AVX2/FMA); False keeps numba's loops (same math, other rounding).
         self._attn = attn_ir.AttentionLoops(attn_loops, kernel_cache)
+        # The same loops reading an f16 cache (``--kv-cache f16``), compiled on first use.
+        self._attn_f16: attn_ir.AttentionLoops | None = None
+        self._attn_args = (attn_loops, kernel_cache)
         # Quantized dtypes decode and verify on integer activations (qdot.py) where the
         # CPU has AVX2: ``act_bits`` per dtype (default ACT_BITS), or one width for all;
         # a width 0, a width the dtype has no kernel for, or no AVX2 keeps the float kernels.
@@ -487,18 +490,31 @@ class NumbaKernels(NumpyKernels):
     def rope(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> None:
         jit.rope(x, cos, sin)
 
+    def _loops(self, kc: np.ndarray) -> attn_ir.AttentionLoops:
+        if kc.dtype == np.float32:
+            return self._attn
+        if self._attn_f16 is None:
+            self._attn_f16 = attn_ir.AttentionLoops(*self._attn_args, kv="f16")
+        return self._attn_f16
+
     def attend(self, q: np.ndarray, kc: np.ndarray, vc: np.ndarray, start: int, window: int, scale: float,
                sinks: np.ndarray | None = None) -> np.ndarray:
         out = np.empty((q.shape[0], q.shape[1], vc.shape[2]), np.float32)
         if sinks is not None:
             sinks = np.ascontiguousarray(sinks, dtype=np.float32)
         n, d, dv = q.shape[0], q.shape[2], vc.shape[2]
-        fns = self._attn.for_dims(d, dv)
+        fns = self._loops(kc).for_dims(d, dv)
         if not (kc.flags.c_contiguous and vc.flags.c_contiguous):
             fns = np.zeros_like(fns)  # the IR loops address rows by a C layout
         if n > SMALL_ATTN and fns[3]:
             self._attend_flash(np.ascontiguousarray(q), kc, vc, start, window, scale, sinks, out, fns)
             return out
+        if kc.dtype != np.float32 and not (n <= SMALL_ATTN and fns[0]):
+            # An f16 cache where the IR loops do not serve: the rows the queries see, widened
+            # (exact), through the f32 routes below: the same results, a copy's cost.
+            hi = start + n
+            kc, vc = kc[:, :hi].astype(np.float32), vc[:, :hi].astype(np.float32)
+            fns = self._attn.for_dims(d, dv) if kc.flags.c_contiguous else np.zeros_like(fns)
         if n > SMALL_ATTN:
             # Prefill without the IR loops: the reference blocks (query block x KV head), pulled by the pool's threads.
             qs = q * np.float32(scale)
@@ -506,6 +522,8 @@ class NumbaKernels(NumpyKernels):
             self._pull(lambda job: attend_block(qs, kc, vc, start, window, sinks, out, *job), jobs,
                        numba.get_num_threads())
             return out
+        if kc.dtype == np.float16:  # numba has no f16 arrays: the IR loops read the bits
+            kc, vc = kc.view(np.uint16), vc.view(np.uint16)
         jit.attend(np.ascontiguousarray(q), kc, vc, start, window, np.float32(scale), sinks, out, fns)
         return out
 
@@ -519,8 +537,10 @@ class NumbaKernels(NumpyKernels):
         k0 = max(0, start - window + 1) if window > 0 else 0  # the first query's oldest key
         keys = hi - k0
         kt = np.empty((kvh, d, align_up(keys, 16) + 16), np.float32)  # + 16: a key block's last columns
-        kt[:, :, :keys] = kc[:, k0:hi].transpose(0, 2, 1)
+        kt[:, :, :keys] = kc[:, k0:hi].transpose(0, 2, 1)  # an f16 cache widens here (exact)
         kt[:, :, keys:] = 0.0
+        if vc.dtype != np.float32:
+            vc = vc[:, :hi].astype(np.float32)  # the rows the jobs read, widened once per call
         step = jit.FLASH_QUERIES
         jobs = np.array([(i0, min(n, i0 + step), g) for i0 in reversed(range(0, n, step)) for g in range(kvh)],
                         np.int64).reshape(-1, 3)

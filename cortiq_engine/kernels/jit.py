@@ -456,7 +456,10 @@ def attend(q, kc, vc, start, window, scale, sinks, out, fns):
 
     fns: int64[3], the addresses of ``attn_ir``'s score, value and softmax loops (C-contiguous
     q, kc, vc with head dimensions in whole 16-lane chunks), or zeros: the loops here.
+    An f16 cache arrives as its uint16 bits, which only the IR loops compiled for it read.
     """
+    if kc.itemsize != 4 and fns[0] == 0:
+        raise ValueError("an f16 cache needs the IR loops")
     n, heads, d = q.shape
     kvh = kc.shape[0]
     dv = vc.shape[2]
@@ -493,7 +496,7 @@ def attend(q, kc, vc, start, window, scale, sinks, out, fns):
                 for a in range(0, group, attn_ir.MAX_GROUP):
                     attn_ir.call_scores(ir_scores, min(attn_ir.MAX_GROUP, group - a),
                                         q.ctypes.data + 4 * ((i * heads + h0 + a) * d),
-                                        kc.ctypes.data + 4 * ((g * kc.shape[1] + j0) * d), m, d, scale,
+                                        kc.ctypes.data + kc.itemsize * ((g * kc.shape[1] + j0) * d), m, d, scale,
                                         s.ctypes.data + 4 * a * ATTN_CHUNK, ATTN_CHUNK)
             else:
                 # the group's heads one after another: the chunk's rows stay in L2 between them
@@ -521,7 +524,7 @@ def attend(q, kc, vc, start, window, scale, sinks, out, fns):
             if ir_values != 0:
                 for a in range(0, group, attn_ir.MAX_GROUP):
                     attn_ir.call_values(ir_values, min(attn_ir.MAX_GROUP, group - a), s.ctypes.data + 4 * a * ATTN_CHUNK,
-                                        vc.ctypes.data + 4 * ((g * vc.shape[1] + j0) * dv), m, dv,
+                                        vc.ctypes.data + vc.itemsize * ((g * vc.shape[1] + j0) * dv), m, dv,
                                         o.ctypes.data + 4 * a * dv, ATTN_CHUNK, dv)
             else:
                 for hh in range(group):

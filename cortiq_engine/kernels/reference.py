@@ -118,6 +118,9 @@ class NumpyKernels:
         then computes about half the scores, and a block's scores stay in cache.
         """
         out = np.empty((q.shape[0], q.shape[1], vc.shape[2]), np.float32)
+        if kc.dtype != np.float32:  # an f16 cache: the rows the queries see, widened (exact)
+            hi = start + q.shape[0]
+            kc, vc = kc[:, :hi].astype(np.float32), vc[:, :hi].astype(np.float32)
         qs = q * np.float32(scale)  # n*d multiplies instead of n*keys
         for job in attention_jobs(q.shape[0], kc.shape[0]):
             attend_block(qs, kc, vc, start, window, sinks, out, *job)

@@ -113,8 +113,8 @@ class SandwichBlock:
         self.attn = attn
         self.mlp = mlp
 
-    def make_cache(self, capacity: int):
-        return self.attn.make_cache(capacity)
+    def make_cache(self, capacity: int, kv: str = "f32"):
+        return self.attn.make_cache(capacity, kv)
 
     def __call__(self, x: np.ndarray, cache, step: Step) -> None:
         x += self.post_attn(self.attn(self.pre_attn(x), cache, step))
