@@ -14,6 +14,7 @@ from numba import njit
 
 from cortiq_engine.kernels import attn_ir, jit, qdot
 from cortiq_engine.kernels.fast import NumbaKernels
+from tests.attn_calls import gemm as _gemm, scores as _scores, softmax as _softmax, values as _values
 
 RNG = np.random.default_rng(11)
 
@@ -24,27 +25,6 @@ LOOPS = attn_ir.AttentionLoops()
 # Both register layouts compile and run on any AVX2 host (the wide one spills there):
 # each is held to the same float64 math.
 LAYOUTS = {layout: attn_ir.AttentionLoops(layout=layout) for layout in (attn_ir.WIDE, attn_ir.NARROW)}
-
-
-@njit
-def _scores(addr, g, q, k, m, scale, s):
-    attn_ir.call_scores(addr, g, q.ctypes.data, k.ctypes.data, m, q.shape[1], scale, s.ctypes.data, s.shape[1])
-
-
-@njit
-def _values(addr, g, p, v, m, o):
-    attn_ir.call_values(addr, g, p.ctypes.data, v.ctypes.data, m, v.shape[1], o.ctypes.data, p.shape[1], o.shape[1])
-
-
-@njit
-def _softmax(addr, s, m, res):
-    attn_ir.call_softmax(addr, s.ctypes.data, m, res.ctypes.data)
-
-
-@njit
-def _gemm(addr, a, b, c, rows, cols, depth, acc):
-    attn_ir.call_gemm(addr, a.ctypes.data, a.shape[1], b.ctypes.data, b.shape[1], c.ctypes.data, c.shape[1],
-                      rows, cols, depth, acc)
 
 
 def test_compiled_on_this_host():

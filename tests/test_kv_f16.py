@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from numba import njit
 
 from cortiq_engine.cache import F16_MAX, KVCache
 from cortiq_engine.kernels import attn_ir, qdot
 from cortiq_engine.kernels.fast import NumbaKernels
 from cortiq_engine.kernels.reference import NumpyKernels
 from formats.errors import CortiqError
+from tests.attn_calls import scores as _scores, values as _values
 
 RNG = np.random.default_rng(5)
 HAS_IR = qdot.host_supports()
@@ -54,16 +54,6 @@ def test_an_unknown_cache_type_is_a_one_line_error(tmp_path):
 
     with pytest.raises(CortiqError, match="unknown --kv-cache 'f8'"):
         Engine.load(tmp_path / "absent.cmf", kv_cache="f8")  # refused before the file is opened
-
-
-@njit
-def _scores(addr, g, q, k, m, scale, s):
-    attn_ir.call_scores(addr, g, q.ctypes.data, k.ctypes.data, m, q.shape[1], scale, s.ctypes.data, s.shape[1])
-
-
-@njit
-def _values(addr, g, p, v, m, o):
-    attn_ir.call_values(addr, g, p.ctypes.data, v.ctypes.data, m, v.shape[1], o.ctypes.data, p.shape[1], o.shape[1])
 
 
 @pytest.mark.skipif(not HAS_IR, reason="the IR loops need x86-64 AVX2/FMA")
