@@ -216,8 +216,9 @@ def _scores_pass(f: _Ir, g: int, nk: int, tag: str, first: str, limit: str, entr
 
 
 def _prologue(name: str, args: str, ptrs: tuple[str, ...], dim: str, kp: int, kv: str) -> _Ir:
-    """A function's header: its float pointers (``%x`` from the argument ``%xa``), the
-    16-lane chunks of ``dim`` (``%nc``) and the keys in whole passes of ``kp`` (``%mk``)."""
+    """A function's header: its pointers (``%x`` from the argument ``%xa``; keys and
+    values of type ``kv``, the rest float), the 16-lane chunks of ``dim`` (``%nc``) and
+    the keys in whole passes of ``kp`` (``%mk``)."""
     f = _Ir()
     f(f"define void @{name}({args}) nounwind" + ' "min-legal-vector-width"="512" {')
     f("entry:")
