@@ -41,7 +41,18 @@ def test_held_delivers_once_when_the_outermost_hold_ends(recording_handler):
     assert got == ["handled"]  # nothing held, nothing delivered
 
 
-def test_an_interrupt_inside_a_numba_compile_lands_after_it():
+@pytest.fixture
+def python_sigint():
+    """Python's own SIGINT handler for the test: a run started in the background (``pytest &``,
+    a script's ``... &``) inherits SIGINT ignored, and Python then installs none."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
+def test_an_interrupt_inside_a_numba_compile_lands_after_it(python_sigint):
     """A KeyboardInterrupt raised inside LLVM's ctypes callbacks is dropped and leaves numba
     a half-made library; held, it is raised after the compile, which completed."""
     interrupts.hold_during_numba_compiles()
