@@ -48,10 +48,10 @@ class KVCache:
         if self.length + n > self.capacity:
             raise CortiqError(f"context full: {self.length} + {n} tokens exceed the KV cache of {self.capacity}")
         start = self.length
-        if self.keys.dtype == np.float16 and n and max(np.abs(k).max(), np.abs(v).max()) > F16_MAX:
-            # would be stored as inf: refused rather than silently wrong
-            raise CortiqError(f"a key or value of {max(np.abs(k).max(), np.abs(v).max()):.3g} exceeds f16's range "
-                              f"({F16_MAX:g}); use --kv-cache f32")
+        if self.keys.dtype == np.float16 and n:
+            peak = max(np.abs(k).max(), np.abs(v).max())
+            if peak > F16_MAX:  # would be stored as inf: refused rather than silently wrong
+                raise CortiqError(f"a key or value of {peak:.3g} exceeds f16's range ({F16_MAX:g}); use --kv-cache f32")
         self.keys[:, start : start + n] = k.transpose(1, 0, 2)
         self.values[:, start : start + n] = v.transpose(1, 0, 2)
         self.length += n
