@@ -19,6 +19,7 @@ import numpy as np
 
 from formats.errors import CortiqError
 from cortiq_engine.cache import KVCache, kv_dtype
+from cortiq_engine.kernels.reference import softcap_attend
 from cortiq_engine.weights import Weight
 
 
@@ -68,39 +69,148 @@ class RoPE:
     """Rotary position embedding, HF layout (rotate_half over the first ``rotary_dim`` dims).
 
     Tables are computed in float32 exactly as transformers does (angle = pos * inv_freq
-    rounded to f32), so long positions round the same way as the oracle.
+    rounded to f32), so long positions round the same way as the oracle. ``scaling`` is a
+    config's ``rope_scaling`` (``ROPE_TYPES``): linear, llama3, yarn (with its attention
+    factor on cos/sin), longrope (short factors while a call's last position is within
+    the original context, long factors past it, and its attention factor) and dynamic NTK
+    (the base grows with the call's last position past ``max_position_embeddings``), each
+    as transformers computes it. ``score_factor`` is what YaRN's ``mscale_all_dim`` asks
+    of the score scale (MLA families multiply their scale by it).
     """
 
-    def __init__(self, rotary_dim: int, theta: float, scaling: dict[str, Any] | None = None):
+    def __init__(self, rotary_dim: int, theta: float, scaling: dict[str, Any] | None = None, max_position_embeddings: int = 0):
         self.rotary_dim = int(rotary_dim)
+        self.theta = float(theta)
+        self.scaling = dict(scaling) if scaling else None
+        self.max_positions = int(max_position_embeddings)
+        self.kind = rope_type(self.scaling)
+        self.attention_factor = 1.0
+        self.score_factor = 1.0
+        self.inv_freq = self._inv(self.theta)
+        self._long = None
+        if self.kind == "linear":
+            self.inv_freq = (self.inv_freq / np.float32(float(self.scaling.get("factor", 1.0)))).astype(np.float32)
+        elif self.kind == "llama3":
+            self.inv_freq = _llama3_inv_freq(self.inv_freq, self.scaling)
+        elif self.kind == "yarn":
+            self.inv_freq, self.attention_factor, self.score_factor = _yarn(self, self.scaling)
+        elif self.kind == "longrope":
+            self.inv_freq, self._long, self.attention_factor = _longrope(self, self.scaling)
+
+    def _inv(self, theta: float) -> np.ndarray:
         exps = np.arange(0, self.rotary_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(self.rotary_dim)
-        inv = (np.float32(1.0) / (np.float32(theta) ** exps)).astype(np.float32)
-        self.inv_freq = _scale_inv_freq(inv, scaling)
+        return (np.float32(1.0) / (np.float32(theta) ** exps)).astype(np.float32)
+
+    def _inv_for(self, positions: np.ndarray) -> np.ndarray:
+        if positions.size == 0:
+            return self.inv_freq
+        seq = int(positions.max()) + 1
+        if self.kind == "longrope" and seq > int(self.scaling["original_max_position_embeddings"]):
+            return self._long
+        if self.kind == "dynamic" and seq > self.max_positions > 0:
+            factor, d = float(self.scaling.get("factor", 1.0)), self.rotary_dim
+            return self._inv(self.theta * ((factor * seq / self.max_positions) - (factor - 1)) ** (d / (d - 2)))
+        return self.inv_freq
 
     def tables(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        ang = positions.astype(np.float32)[:, None] * self.inv_freq[None, :]
-        return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+        ang = positions.astype(np.float32)[:, None] * self._inv_for(positions)[None, :]
+        cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+        if self.attention_factor != 1.0:
+            f = np.float32(self.attention_factor)
+            cos *= f
+            sin *= f
+        return cos, sin
 
 
-def _scale_inv_freq(inv: np.ndarray, scaling: dict[str, Any] | None) -> np.ndarray:
+# The rope_scaling types RoPE computes ("default" / None: plain RoPE).
+ROPE_TYPES = ("linear", "llama3", "yarn", "longrope", "dynamic")
+
+
+def rope_type(scaling: dict[str, Any] | None) -> str | None:
     if not scaling:
-        return inv
+        return None
     kind = scaling.get("rope_type", scaling.get("type"))
+    if kind in (None, "default"):
+        return None
+    if kind not in ROPE_TYPES:
+        raise CortiqError(f"rope scaling type {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
+    return kind
+
+
+def _llama3_inv_freq(inv: np.ndarray, scaling: dict[str, Any]) -> np.ndarray:
     factor = float(scaling.get("factor", 1.0))
-    if kind == "linear":
-        return (inv / np.float32(factor)).astype(np.float32)
-    if kind == "llama3":
-        low = float(scaling.get("low_freq_factor", 1.0))
-        high = float(scaling.get("high_freq_factor", 4.0))
-        old = float(scaling.get("original_max_position_embeddings", 8192))
-        low_wl, high_wl = old / low, old / high
-        wavelen = np.float32(2 * math.pi) / inv
-        scaled = np.where(wavelen > low_wl, inv / np.float32(factor), inv).astype(np.float32)
-        smooth = (old / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / np.float32(factor) + smooth * scaled
-        medium = ~(wavelen < high_wl) & ~(wavelen > low_wl)
-        return np.where(medium, smoothed, scaled).astype(np.float32)
-    raise ValueError(f"rope scaling {kind!r}")  # arch.py rejects these first
+    low = float(scaling.get("low_freq_factor", 1.0))
+    high = float(scaling.get("high_freq_factor", 4.0))
+    old = float(scaling.get("original_max_position_embeddings", 8192))
+    low_wl, high_wl = old / low, old / high
+    wavelen = np.float32(2 * math.pi) / inv
+    scaled = np.where(wavelen > low_wl, inv / np.float32(factor), inv).astype(np.float32)
+    smooth = (old / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / np.float32(factor) + smooth * scaled
+    medium = ~(wavelen < high_wl) & ~(wavelen > low_wl)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn(rope: "RoPE", sc: dict[str, Any]) -> tuple[np.ndarray, float, float]:
+    """transformers' ``_compute_yarn_parameters`` (and ``yarn_apply_mscale``'s score factor)."""
+    d, base = rope.rotary_dim, rope.theta
+    orig = float(sc["original_max_position_embeddings"])
+    factor = sc.get("factor")
+    factor = float(factor) if factor is not None else rope.max_positions / orig
+    mscale, mscale_all = sc.get("mscale"), sc.get("mscale_all_dim")
+    attn = sc.get("attention_factor")
+    if attn is None:
+        if mscale and mscale_all:
+            attn = _yarn_mscale(factor, float(mscale)) / _yarn_mscale(factor, float(mscale_all))
+        else:
+            attn = _yarn_mscale(factor)
+    beta_fast, beta_slow = float(sc.get("beta_fast") or 32), float(sc.get("beta_slow") or 1)
+
+    def corr_dim(rot: float) -> float:
+        return (d * math.log(orig / (rot * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = corr_dim(beta_fast), corr_dim(beta_slow)
+    if sc.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(d // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1).astype(np.float32)
+    pos = (np.float32(base) ** (np.arange(0, d, 2).astype(np.float32) / np.float32(d))).astype(np.float32)
+    extra = np.float32(1.0) / pos
+    inter = np.float32(1.0) / (np.float32(factor) * pos)
+    keep = np.float32(1.0) - ramp
+    inv = (inter * (np.float32(1.0) - keep) + extra * keep).astype(np.float32)
+    score = 1.0
+    if mscale_all:
+        m = _yarn_mscale(factor, float(mscale_all))
+        score = m * m
+    return inv, float(attn), score
+
+
+def _longrope(rope: "RoPE", sc: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, float]:
+    """transformers' ``_compute_longrope_parameters``: (short inv_freq, long inv_freq, factor)."""
+    d = rope.rotary_dim
+    orig = float(sc["original_max_position_embeddings"])
+    factor = sc.get("factor")
+    factor = float(factor) if factor is not None else rope.max_positions / orig
+    attn = sc.get("attention_factor")
+    if attn is None:
+        attn = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+    shape = np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / np.float32(d)
+    base = (np.float32(rope.theta) ** shape).astype(np.float32)
+
+    def inv(factors: Any) -> np.ndarray:
+        f = np.asarray(factors, dtype=np.float32)
+        if f.shape != (d // 2,):
+            raise CortiqError(f"longrope factors have {f.size} entries, the rotary width {d} needs {d // 2}")
+        return (np.float32(1.0) / (f * base)).astype(np.float32)
+
+    return inv(sc["short_factor"]), inv(sc["long_factor"]), float(attn)
 
 
 # ------------------------------------------------------------------ attention
@@ -130,7 +240,10 @@ class Attention:
       value row (MiMo-V2's sliding layers);
     - ``v_scale``: V multiplied by a constant before it enters the cache (MiMo-V2);
     - ``output_gate``: q_proj emits [query | gate] per head and the attention output
-      is multiplied by sigmoid(gate) before o_proj (Qwen3-Next).
+      is multiplied by sigmoid(gate) before o_proj (Qwen3-Next);
+    - ``rope`` None: no rotary embedding (SmolLM3's NoPE layers);
+    - ``softcap``: scores become cap * tanh(score / cap) before the mask (Gemma 2); such
+      an attention runs on the numpy twin (``reference.attend``), which has the cap.
     """
 
     def __init__(
@@ -142,13 +255,14 @@ class Attention:
         num_kv_heads: int,
         head_dim: int,
         v_head_dim: int,
-        rope: RoPE,
+        rope: RoPE | None,
         norm_eps: float,
         window: int = 0,
         scale: float | None = None,
         sinks: np.ndarray | None = None,
         v_scale: float = 1.0,
         output_gate: bool = False,
+        softcap: float = 0.0,
     ):
         self.ks = kernels
         self.w = w
@@ -161,6 +275,9 @@ class Attention:
         self.scale = head_dim**-0.5 if scale is None else float(scale)
         self.sinks = None if sinks is None else self._check_sinks(sinks)
         self.v_scale = float(v_scale)
+        self.softcap = float(softcap)
+        if not (math.isfinite(self.softcap) and self.softcap >= 0):
+            raise CortiqError(f"attention soft-cap {softcap} is not a finite number >= 0")
         self._qkv = (w.q, w.k, w.v)
         self._o = (w.o,)
 
@@ -181,7 +298,7 @@ class Attention:
             raise CortiqError(f"attention with {nh} heads, {nkv} KV heads, head_dim {hd}: not a valid geometry")
         if self.output_gate and vd != hd:
             raise CortiqError(f"an output gate of head_dim {hd} cannot gate V heads of width {vd}")
-        if not 0 < rope.rotary_dim <= hd or rope.rotary_dim % 2:
+        if rope is not None and (not 0 < rope.rotary_dim <= hd or rope.rotary_dim % 2):
             raise CortiqError(f"rotary_dim {rope.rotary_dim} does not fit head_dim {hd}")
         norms = {"q_norm": w.q_norm, "k_norm": w.k_norm}
         for name, v in norms.items():
@@ -229,11 +346,16 @@ class Attention:
         if self.w.q_norm is not None:
             q = ks.rms_norm(q.reshape(n * nh, hd), self.w.q_norm, self.eps).reshape(n, nh, hd)
             k = ks.rms_norm(k.reshape(n * nkv, hd), self.w.k_norm, self.eps).reshape(n, nkv, hd)
-        cos, sin = step.rope_tables(self.rope)
-        ks.rope(q, cos, sin)
-        ks.rope(k, cos, sin)
+        if self.rope is not None:
+            cos, sin = step.rope_tables(self.rope)
+            ks.rope(q, cos, sin)
+            ks.rope(k, cos, sin)
         start = cache.append(k, v)
-        o = ks.attend(q, cache.keys, cache.values, start, self.window, self.scale, self.sinks).reshape(n, nh * vd)
+        if self.softcap:
+            o = softcap_attend(q, cache.keys, cache.values, start, self.window, self.scale, self.softcap, self.sinks)
+        else:
+            o = ks.attend(q, cache.keys, cache.values, start, self.window, self.scale, self.sinks)
+        o = o.reshape(n, nh * vd)
         if gate is not None:
             o = np.ascontiguousarray(o * (np.float32(1.0) / (np.float32(1.0) + np.exp(-gate))), dtype=np.float32)
         out = ks.matmul(self._o, o)
@@ -263,14 +385,40 @@ class GatedMLP:
 
 
 # ------------------------------------------------------------------ the residual block
-class Block:
-    """Pre-norm decoder block: h = x + attn(norm(x)); x = h + mlp(norm(h))."""
+class GegluMLP:
+    """down(act(gate(x)) * up(x)), act = the tanh GELU (Gemma) or SiLU, by the config's name."""
 
-    def __init__(self, attn_norm: RMSNorm, attn, mlp_norm: RMSNorm, mlp):
+    def __init__(self, kernels, gate: Weight, up: Weight, down: Weight, act: str):
+        if not (gate.shape == up.shape == (down.cols, down.rows)):
+            raise CortiqError(
+                f"MLP tensors {gate.name} {list(gate.shape)}, {up.name} {list(up.shape)}, {down.name} {list(down.shape)} disagree"
+            )
+        self.ks = kernels
+        self._gu = (gate, up)
+        self._down = (down,)
+        self._act = kernels.gelu_tanh_mul if act in GELU_TANH else kernels.silu_mul
+
+    def weights(self) -> list[Weight]:
+        return [*self._gu, *self._down]
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        return self.ks.matmul(self._down, self._act(self.ks.matmul(self._gu, x)))
+
+
+# The config names of the tanh-approximated GELU.
+GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
+
+
+class Block:
+    """Pre-norm decoder block: h = x + attn(norm(x)); x = h + mlp(norm(h)).
+    ``residual_scale`` (Granite) multiplies each sublayer's output before the add."""
+
+    def __init__(self, attn_norm: RMSNorm, attn, mlp_norm: RMSNorm, mlp, residual_scale: float = 1.0):
         self.attn_norm = attn_norm
         self.attn = attn
         self.mlp_norm = mlp_norm
         self.mlp = mlp
+        self.residual_scale = float(residual_scale)
 
     def make_cache(self, capacity: int, kv: str = "f32"):
         return self.attn.make_cache(capacity, kv)
@@ -278,8 +426,36 @@ class Block:
     def __call__(self, x: np.ndarray, cache, step: Step) -> None:
         """Advance the residual stream ``x`` [n, hidden] in place."""
         a = self.attn(self.attn_norm(x), cache, step)
+        if self.residual_scale != 1.0:
+            a *= np.float32(self.residual_scale)
+            h = self.mlp_norm.add_then_norm(x, a)
+            x += self.mlp(h) * np.float32(self.residual_scale)
+            return
         h = self.mlp_norm.add_then_norm(x, a)
         x += self.mlp(h)
+
+    def weights(self) -> list[Weight]:
+        return self.attn.weights() + self.mlp.weights()
+
+
+class SandwichBlock:
+    """x += post_attn(attn(pre_attn(x))); x += post_ffn(mlp(pre_ffn(x))): each sublayer's
+    output is normed before it joins the residual stream (Gemma 2/3). ``pre_attn`` /
+    ``pre_ffn`` None: the sublayer reads x itself (OLMo 2 norms only the outputs)."""
+
+    def __init__(self, norms: tuple[RMSNorm | None, RMSNorm, RMSNorm | None, RMSNorm], attn, mlp):
+        self.pre_attn, self.post_attn, self.pre_ffn, self.post_ffn = norms
+        self.attn = attn
+        self.mlp = mlp
+
+    def make_cache(self, capacity: int, kv: str = "f32"):
+        return self.attn.make_cache(capacity, kv)
+
+    def __call__(self, x: np.ndarray, cache, step: Step) -> None:
+        a_in = x.copy() if self.pre_attn is None else self.pre_attn(x)
+        x += self.post_attn(self.attn(a_in, cache, step))
+        m_in = x.copy() if self.pre_ffn is None else self.pre_ffn(x)
+        x += self.post_ffn(self.mlp(m_in))
 
     def weights(self) -> list[Weight]:
         return self.attn.weights() + self.mlp.weights()

@@ -30,6 +30,9 @@ class Model:
     norm: RMSNorm
     head: Weight
     kv_cache: str = "f32"  # the KV caches' element type (cache.KV_DTYPES)
+    embed_scale: float = 1.0  # embeddings times this (Gemma: sqrt(hidden); Granite: embedding_multiplier)
+    logit_softcap: float = 0.0  # logits = cap * tanh(logits / cap) (Gemma 2/3); 0 = none
+    logit_divisor: float = 1.0  # logits / this (Granite's logits_scaling)
 
     @property
     def vocab_size(self) -> int:
@@ -40,14 +43,25 @@ class Model:
         return self.arch.hidden_size
 
     def embed_ids(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:
-        return self.embed.rows_f32(np.asarray(ids, dtype=np.int64))
+        x = self.embed.rows_f32(np.asarray(ids, dtype=np.int64))
+        if self.embed_scale != 1.0:
+            x *= np.float32(self.embed_scale)  # transformers casts the scale to the weights' dtype (f32)
+        return x
 
     def final_norm(self, h: np.ndarray) -> np.ndarray:
         return self.norm(np.ascontiguousarray(h, dtype=np.float32))
 
     def lm_head(self, h: np.ndarray) -> np.ndarray:
         """Normed hidden rows [n, hidden] -> logits [n, vocab] (f32)."""
-        return self.kernels.matmul((self.head,), np.ascontiguousarray(h, dtype=np.float32))
+        logits = self.kernels.matmul((self.head,), np.ascontiguousarray(h, dtype=np.float32))
+        if self.logit_divisor != 1.0:
+            logits /= np.float32(self.logit_divisor)
+        if self.logit_softcap:
+            cap = np.float32(self.logit_softcap)
+            logits /= cap
+            np.tanh(logits, out=logits)
+            logits *= cap
+        return logits
 
     def new_state(self, capacity: int) -> "State":
         return State(self, [b.make_cache(capacity, self.kv_cache) for b in self.blocks], capacity)

@@ -69,6 +69,19 @@ class SlidingConfig:
 
 
 @dataclass
+class MlaConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi K2): queries through an optional
+    low-rank ``q_lora_rank`` bottleneck, keys and values from one ``kv_lora_rank`` latent
+    plus a shared rotary key of ``qk_rope_head_dim``."""
+
+    q_lora_rank: int  # 0 = q_proj straight from the hidden state
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+
+@dataclass
 class MtpConfig:
     num_layers: int
     style: str  # "deepseek" | "mimo" | "qwen3_next"
@@ -106,10 +119,19 @@ class ArchConfig:
     rope_local_theta: float = 0.0
     final_logit_softcapping: float = 0.0
     attn_logit_softcapping: float = 0.0
+    # Granite's multipliers: embeddings times embedding_scale, each sublayer's output times
+    # residual_scale before the add, scores times attention_scale (0 = the default scale),
+    # logits divided by logits_scaling.
+    embedding_scale: float = 1.0
+    residual_scale: float = 1.0
+    attention_scale: float = 0.0
+    logits_scaling: float = 1.0
+    no_rope_layers: list[int] = field(default_factory=list)  # layers whose attention has no RoPE (SmolLM3)
     moe: MoeConfig | None = None
     linear_attn: LinearAttnConfig | None = None
     sliding: SlidingConfig | None = None
     mtp: MtpConfig | None = None
+    mla: MlaConfig | None = None
 
     def __post_init__(self) -> None:
         if not self.v_head_dim:
@@ -127,7 +149,7 @@ class ArchConfig:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "ArchConfig":
         d = dict(d)
-        nested = {"moe": MoeConfig, "linear_attn": LinearAttnConfig, "sliding": SlidingConfig, "mtp": MtpConfig}
+        nested = {"moe": MoeConfig, "linear_attn": LinearAttnConfig, "sliding": SlidingConfig, "mtp": MtpConfig, "mla": MlaConfig}
         for key, typ in nested.items():
             if d.get(key) is not None:
                 d[key] = typ(**d[key])

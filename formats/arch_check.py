@@ -16,7 +16,7 @@ import math
 from dataclasses import fields, is_dataclass
 from typing import Any
 
-from formats.arch import LAYER_FULL, LAYER_LINEAR, LAYER_SLIDING, ArchConfig, LinearAttnConfig, MoeConfig, MtpConfig, SlidingConfig
+from formats.arch import LAYER_FULL, LAYER_LINEAR, LAYER_SLIDING, ArchConfig, LinearAttnConfig, MlaConfig, MoeConfig, MtpConfig, SlidingConfig
 from formats.errors import CortiqError
 from formats.manifest import ArchFamily, Families, check_manifest, mtp_layer_indices
 
@@ -27,7 +27,7 @@ MAX_LAYERS = 4096
 MAX_POSITIONS = 1 << 26
 MAX_EXPERTS = 4096
 _LAYER_KINDS = (LAYER_FULL, LAYER_SLIDING, LAYER_LINEAR)
-_NESTED = {"MoeConfig": MoeConfig, "LinearAttnConfig": LinearAttnConfig, "SlidingConfig": SlidingConfig, "MtpConfig": MtpConfig}
+_NESTED = {"MoeConfig": MoeConfig, "LinearAttnConfig": LinearAttnConfig, "SlidingConfig": SlidingConfig, "MtpConfig": MtpConfig, "MlaConfig": MlaConfig}
 
 
 def _type_ok(value: Any, ann: str) -> bool:
@@ -143,27 +143,63 @@ def validate_arch(arch: ArchConfig, where: str = "arch", activations: tuple[str,
         _theta(ws, "rope_theta", s.rope_theta)
     if arch.mtp is not None:
         _int_range(f"{w}.mtp", "num_layers", arch.mtp.num_layers, 0, 64)
-        if arch.mtp.style not in ("deepseek", "mimo", "qwen3_next"):
-            raise CortiqError(f"{w}.mtp.style is {_show(arch.mtp.style)}, expected deepseek, mimo or qwen3_next")
+        if not (0 < len(arch.mtp.style) <= 32 and arch.mtp.style.replace("_", "").isalnum() and arch.mtp.style.isascii()):
+            raise CortiqError(f"{w}.mtp.style is {_show(arch.mtp.style)}, expected a short identifier")
+    for name in ("embedding_scale", "residual_scale", "logits_scaling"):
+        _positive(w, name, getattr(arch, name))
+    for name in ("attention_scale", "query_pre_attn_scalar", "final_logit_softcapping", "attn_logit_softcapping", "rope_local_theta"):
+        v = getattr(arch, name)
+        if not (math.isfinite(v) and v >= 0):
+            raise CortiqError(f"{w}.{name} is {v}, expected a finite number >= 0")
+    bad = [i for i in arch.no_rope_layers if not 0 <= i < arch.num_layers]
+    if bad or len(set(arch.no_rope_layers)) != len(arch.no_rope_layers):
+        raise CortiqError(f"{w}.no_rope_layers {_show(arch.no_rope_layers)} is not a set of layer indices 0..{arch.num_layers - 1}")
+    if arch.mla is not None:
+        m, wm = arch.mla, f"{w}.mla"
+        _int_range(wm, "q_lora_rank", m.q_lora_rank, 0, MAX_DIM)
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            _int_range(wm, name, getattr(m, name), 1, MAX_DIM)
+        if m.qk_rope_head_dim % 2:
+            raise CortiqError(f"{wm}.qk_rope_head_dim={m.qk_rope_head_dim} is odd (rotary pairs need an even count)")
     return arch
 
 
+_ROPE_TYPES = ("linear", "llama3", "yarn", "longrope", "dynamic")
+_ROPE_NUMBERS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings", "beta_fast",
+                 "beta_slow", "mscale", "mscale_all_dim", "attention_factor")
+_ROPE_NEEDS_ORIGINAL = ("yarn", "longrope")
+
+
 def _rope_scaling(w: str, rs: dict[str, Any] | None) -> None:
+    """Every rope_scaling field the rotary tables read: its type, a finite positive value,
+    a bounded size (longrope's factor lists: one finite positive number per rotary pair)."""
     if rs is None:
         return
     kind = rs.get("rope_type", rs.get("type"))
-    if kind not in ("linear", "llama3"):
-        raise CortiqError(f"{w}.rope_scaling type {_show(kind)} is not supported (supported: linear, llama3)")
-    defaults = {"factor": 1.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-    for key, default in defaults.items():
-        v = rs.get(key, default)
+    if kind not in _ROPE_TYPES:
+        raise CortiqError(f"{w}.rope_scaling type {_show(kind)} is not supported (supported: {', '.join(_ROPE_TYPES)})")
+    for key in _ROPE_NUMBERS:
+        if key not in rs or rs[key] is None:
+            continue
+        v = rs[key]
         if not _type_ok(v, "float"):
             raise CortiqError(f"{w}.rope_scaling.{key} is {_show(v)}, expected a finite number")
         _positive(f"{w}.rope_scaling", key, float(v))
         if float(v) > 1e9:
             raise CortiqError(f"{w}.rope_scaling.{key} is {v}, expected at most 1e9")
+    if kind in _ROPE_NEEDS_ORIGINAL and "original_max_position_embeddings" not in rs:
+        raise CortiqError(f"{w}.rope_scaling ({kind}) has no original_max_position_embeddings")
+    if kind in ("linear", "dynamic") and "factor" not in rs:
+        raise CortiqError(f"{w}.rope_scaling ({kind}) has no factor")
     if kind == "llama3" and float(rs.get("high_freq_factor", 4.0)) == float(rs.get("low_freq_factor", 1.0)):
         raise CortiqError(f"{w}.rope_scaling: high_freq_factor equals low_freq_factor")
+    if kind == "longrope":
+        for key in ("short_factor", "long_factor"):
+            v = rs.get(key)
+            if not (isinstance(v, list) and 0 < len(v) <= MAX_DIM and all(_type_ok(x, "float") and x > 0 for x in v)):
+                raise CortiqError(f"{w}.rope_scaling.{key} is {_show(v)}, expected a list of finite numbers > 0")
+    if "truncate" in rs and not isinstance(rs["truncate"], bool):
+        raise CortiqError(f"{w}.rope_scaling.truncate is {_show(rs['truncate'])}, expected true or false")
 
 
 def _moe(w: str, m: MoeConfig, n_layers: int) -> None:

@@ -135,7 +135,7 @@ class _SpyKernels:
 
 def _spy_moe(cmf_path, layer: int = 0) -> tuple[MoE, _SpyKernels, CmfFile]:
     from formats.arch import ArchConfig
-    from cortiq_engine.models.moe_family import load_moe
+    from cortiq_engine.models.blocks import load_moe
 
     f = CmfFile(cmf_path)
     arch = ArchConfig.from_json(f.header["arch"])

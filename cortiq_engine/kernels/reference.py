@@ -136,19 +136,38 @@ class NumpyKernels:
         """Compile whatever needs compiling (nothing here)."""
 
 
+def softcap_attend(q: np.ndarray, kc: np.ndarray, vc: np.ndarray, start: int, window: int, scale: float, softcap: float,
+                   sinks: np.ndarray | None = None) -> np.ndarray:
+    """``attend`` with Gemma 2's tanh cap on the scores (the compiled routes have no cap)."""
+    out = np.empty((q.shape[0], q.shape[1], vc.shape[2]), np.float32)
+    if kc.dtype != np.float32:
+        hi = start + q.shape[0]
+        kc, vc = kc[:, :hi].astype(np.float32), vc[:, :hi].astype(np.float32)
+    qs = q * np.float32(scale)
+    for job in attention_jobs(q.shape[0], kc.shape[0]):
+        attend_block(qs, kc, vc, start, window, sinks, out, *job, softcap=softcap)
+    return out
+
+
 def attention_jobs(n: int, kv_heads: int) -> list[tuple[int, int, int]]:
     """(first query, end query, KV head) blocks: independent pieces of one attention call."""
     return [(i0, min(n, i0 + ATTN_BLOCK), g) for i0 in range(0, n, ATTN_BLOCK) for g in range(kv_heads)]
 
 
 def attend_block(qs: np.ndarray, kc: np.ndarray, vc: np.ndarray, start: int, window: int, sinks: np.ndarray | None,
-                 out: np.ndarray, i0: int, i1: int, g: int) -> None:
-    """Queries i0..i1 of KV head g's group (``qs`` already scaled) into ``out``."""
+                 out: np.ndarray, i0: int, i1: int, g: int, softcap: float = 0.0) -> None:
+    """Queries i0..i1 of KV head g's group (``qs`` already scaled) into ``out``;
+    ``softcap`` > 0: scores become cap * tanh(score / cap) before the mask."""
     group = qs.shape[1] // kc.shape[0]
     hi = start + i1  # the block's last query sees keys < hi
     lo = max(0, start + i0 - window + 1) if window > 0 else 0  # its first sees keys >= lo
     qg = qs[i0:i1, g * group : (g + 1) * group, :].transpose(1, 0, 2)  # [group, b, d]
     s = np.matmul(qg, kc[g, lo:hi].T)  # [group, b, keys]
+    if softcap:
+        cap = np.float32(softcap)
+        s /= cap
+        np.tanh(s, out=s)
+        s *= cap
     # Only two bands of b columns can be masked: the causal triangle at the right end
     # and, with a window, the rows' oldest keys at the left end. Adding -inf (or 0)
     # to those bands gives the same scores as masking the whole matrix, at a tenth

@@ -17,14 +17,14 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from formats.arch import ACTIVATIONS, LAYER_FULL, LAYER_SLIDING, ArchConfig
+from formats.arch import ACTIVATIONS, LAYER_FULL, LAYER_SLIDING, ArchConfig, MoeConfig
 from formats.cmf import CmfFile
 from formats.errors import CortiqError
 from formats.manifest import Manifest
 from formats.mtp_names import MTP_PREFIX
 from formats.sanitize import NO_RULES, SanitizeRules
 from cortiq_engine.cache import KVCache
-from cortiq_engine.layers import RMSNorm, Step
+from cortiq_engine.layers import ROPE_TYPES, RMSNorm, Step
 from cortiq_engine.weights import Weight, load_vector, load_weight
 
 Parser = Callable[[dict[str, Any]], ArchConfig]
@@ -90,8 +90,8 @@ def dense_common(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
         rtype = rope_scaling.get("rope_type", rope_scaling.get("type"))
         if rtype in (None, "default"):
             rope_scaling = None
-        elif rtype not in ("linear", "llama3"):
-            raise CortiqError(f"rope scaling type {rtype!r} is not supported (supported: linear, llama3)")
+        elif rtype not in ROPE_TYPES:
+            raise CortiqError(f"config.json rope scaling type {rtype!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
     prf = cfg.get("partial_rotary_factor") or (rp.get("partial_rotary_factor") if isinstance(rp, dict) else None)
     return dict(
         arch=arch,
@@ -125,6 +125,30 @@ def sliding_layers(cfg: dict[str, Any], n: int) -> tuple[list[str], int]:
     if start is None:
         return [LAYER_SLIDING] * n, int(window)
     return [LAYER_SLIDING if i >= start else LAYER_FULL for i in range(n)], int(window)
+
+
+def sparse_layers(cfg: dict[str, Any], n: int) -> list[int]:
+    """Qwen-MoE rule: layer i is sparse unless in mlp_only_layers, every decoder_sparse_step-th."""
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    dense = set(cfg.get("mlp_only_layers") or [])
+    return [i for i in range(n) if i not in dense and (i + 1) % step == 0]
+
+
+def qwen_moe(cfg: dict[str, Any], n: int, shared: bool) -> MoeConfig | None:
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    if experts <= 0:
+        return None
+    shared_size = int(cfg.get("shared_expert_intermediate_size") or 0) if shared else 0
+    return MoeConfig(
+        num_experts=experts,
+        top_k=int(req(cfg, "num_experts_per_tok")),
+        expert_intermediate_size=int(req(cfg, "moe_intermediate_size")),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        shared_expert_intermediate_size=shared_size,
+        shared_expert_gate=shared_size > 0,
+        moe_layers=sparse_layers(cfg, n),
+    )
+
 
 
 # ------------------------------------------------------------------ manifest pieces

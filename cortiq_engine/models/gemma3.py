@@ -10,7 +10,6 @@ The walk-through of this file is docs/architectures.md, "How to add an architect
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
@@ -19,11 +18,11 @@ from formats.arch import ACTIVATIONS, LAYER_FULL, LAYER_SLIDING, ArchConfig
 from formats.cmf import CmfFile
 from formats.errors import CortiqError
 from formats.manifest import Manifest
-from cortiq_engine.layers import Attention, RMSNorm, RoPE, Step
+from cortiq_engine.layers import GegluMLP, RMSNorm, RoPE, SandwichBlock
 from cortiq_engine.model import Model
-from cortiq_engine.models import base, llama
+from cortiq_engine.models import base, blocks
 from cortiq_engine.models.base import Family, Geometry, dense_common
-from cortiq_engine.weights import Weight, load_vector, load_weight
+from cortiq_engine.weights import load_vector, load_weight
 
 GELU_TANH = "gelu_pytorch_tanh"
 
@@ -81,69 +80,11 @@ def manifest(arch: ArchConfig, mtp_layers: Sequence[int] = ()) -> Manifest:
         m.update(base.attention(p, h, Geometry.full(arch), qk_norm=True))
         m.update(base.gated_mlp(p + "mlp.", h, arch.intermediate_size))
     for k in mtp_layers:
-        m.update(llama.draft_manifest(arch, k))
+        m.update(blocks.draft_manifest(arch, k))
     return m
 
 
 # ------------------------------------------------------------------ the model
-
-
-class GegluMLP:
-    """down(act(gate(x)) * up(x)), act = tanh GELU (or SiLU if the config says so)."""
-
-    def __init__(self, kernels, gate: Weight, up: Weight, down: Weight, act: str):
-        self.ks = kernels
-        self._gu = (gate, up)
-        self._down = (down,)
-        self._act = kernels.gelu_tanh_mul if act == GELU_TANH else kernels.silu_mul
-
-    def weights(self) -> list[Weight]:
-        return [*self._gu, *self._down]
-
-    def __call__(self, x: np.ndarray) -> np.ndarray:
-        return self.ks.matmul(self._down, self._act(self.ks.matmul(self._gu, x)))
-
-
-class SandwichBlock:
-    """x += post_attn(attn(pre_attn(x))); x += post_ffn(mlp(pre_ffn(x))): each sublayer's
-    output is normed before it joins the residual stream."""
-
-    def __init__(self, norms: tuple[RMSNorm, RMSNorm, RMSNorm, RMSNorm], attn: Attention, mlp: GegluMLP):
-        self.pre_attn, self.post_attn, self.pre_ffn, self.post_ffn = norms
-        self.attn = attn
-        self.mlp = mlp
-
-    def make_cache(self, capacity: int, kv: str = "f32"):
-        return self.attn.make_cache(capacity, kv)
-
-    def __call__(self, x: np.ndarray, cache, step: Step) -> None:
-        x += self.post_attn(self.attn(self.pre_attn(x), cache, step))
-        x += self.post_ffn(self.mlp(self.pre_ffn(x)))
-
-    def weights(self) -> list[Weight]:
-        return self.attn.weights() + self.mlp.weights()
-
-
-@dataclass(frozen=True, eq=False)
-class Gemma3Model(Model):
-    """A ``Model`` whose embeddings are scaled and whose logits may be capped."""
-
-    embed_scale: float = 1.0
-    logit_softcap: float = 0.0
-
-    def embed_ids(self, ids) -> np.ndarray:
-        x = super().embed_ids(ids)
-        x *= np.float32(self.embed_scale)  # transformers casts the scale to the weights' dtype (f32)
-        return x
-
-    def lm_head(self, h: np.ndarray) -> np.ndarray:
-        logits = super().lm_head(h)
-        if self.logit_softcap:
-            cap = np.float32(self.logit_softcap)
-            logits /= cap
-            np.tanh(logits, out=logits)
-            logits *= cap
-        return logits
 
 
 def _check(cmf: CmfFile, arch: ArchConfig) -> None:
@@ -170,20 +111,20 @@ def build(cmf: CmfFile, arch: ArchConfig, kernels) -> Model:
     def norm(name: str) -> RMSNorm:
         return RMSNorm(kernels, load_vector(cmf, name, h), eps, "rms_one")
 
-    blocks = []
+    layers = []
     for i, kind in enumerate(arch.layer_types):
         p = f"model.layers.{i}."
-        attn = llama.attention(cmf, arch, kernels, p, kind, ropes[kind])  # q/k norms get (1 + w): norm_style rms_one
+        attn = blocks.attention(cmf, arch, kernels, p, kind, ropes[kind])  # q/k norms get (1 + w): norm_style rms_one
         mlp = GegluMLP(kernels, *(load_weight(cmf, f"{p}mlp.{x}_proj.weight") for x in ("gate", "up", "down")), arch.hidden_act)
         norms = tuple(norm(f"{p}{n}.weight") for n in NORMS)
-        blocks.append(SandwichBlock(norms, attn, mlp))
+        layers.append(SandwichBlock(norms, attn, mlp))
     embed = load_weight(cmf, "model.embed_tokens.weight")
     head = embed if (arch.tie_word_embeddings or "lm_head.weight" not in cmf) else load_weight(cmf, "lm_head.weight")
-    return Gemma3Model(
+    return Model(
         arch=arch,
         kernels=kernels,
         embed=embed,
-        blocks=tuple(blocks),
+        blocks=tuple(layers),
         norm=RMSNorm(kernels, load_vector(cmf, "model.norm.weight", h), eps, "rms_one"),
         head=head,
         embed_scale=float(np.float32(h**0.5)),
@@ -197,6 +138,6 @@ FAMILY = Family(
     archs=("gemma3",),
     manifest=manifest,
     build=build,
-    draft_layer=llama.draft_layer,
+    draft_layer=blocks.dense_draft_layer,
     activations=ACTIVATIONS + (GELU_TANH,),
 )

@@ -23,10 +23,8 @@ from formats.manifest import Manifest
 from formats.sanitize import SanitizeRules
 from cortiq_engine.layers import RoPE
 from cortiq_engine.model import Model
-from cortiq_engine.models import base, llama
+from cortiq_engine.models import base, blocks
 from cortiq_engine.models.base import DraftLayer, Family, Geometry, dense_common, draft_prefix, req, wrap_draft
-from cortiq_engine.models.llama import gated_mlp
-from cortiq_engine.models.moe_family import ffn_block, head_and_norm
 
 
 # ------------------------------------------------------------------ config.json
@@ -151,13 +149,13 @@ def build(cmf: CmfFile, arch: ArchConfig, kernels) -> Model:
         raise CortiqError(f"{cmf.path}: mimo_v2 header has layer types {bad or arch.layer_types} without their geometry")
     full_rope = RoPE(arch.rotary_dim, arch.rope_theta, arch.rope_scaling)
     swa_rope = sliding_rope(arch) if arch.sliding is not None else full_rope
-    blocks = []
+    layers = []
     for i, kind in enumerate(arch.layer_types):
         rope = swa_rope if kind == LAYER_SLIDING else full_rope
-        attn = llama.attention(cmf, arch, kernels, f"model.layers.{i}.", kind, rope)
-        blocks.append(ffn_block(cmf, arch, kernels, i, attn))
-    embed, head, norm = head_and_norm(cmf, arch, kernels)
-    return Model(arch=arch, kernels=kernels, embed=embed, blocks=tuple(blocks), norm=norm, head=head)
+        attn = blocks.attention(cmf, arch, kernels, f"model.layers.{i}.", kind, rope)
+        layers.append(blocks.ffn_block(cmf, arch, kernels, i, attn))
+    embed, head, norm = blocks.head_and_norm(cmf, arch, kernels)
+    return Model(arch=arch, kernels=kernels, embed=embed, blocks=tuple(layers), norm=norm, head=head)
 
 
 # ------------------------------------------------------------------ draft layers
@@ -168,8 +166,8 @@ def draft_layer(cmf: CmfFile, k: int, arch: ArchConfig, kernels) -> DraftLayer:
     if sinks:
         base.load_sinks(cmf, f"{p}self_attn.sinks", g.num_heads)  # refuses non-finite sinks
     rope = sliding_rope(arch) if kind == LAYER_SLIDING else RoPE(arch.rotary_dim, arch.rope_theta, arch.rope_scaling)
-    attn = llama.attention(cmf, arch, kernels, p, kind, rope)
-    return wrap_draft(cmf, k, arch, kernels, llama.draft_block(cmf, p, arch, kernels, attn, gated_mlp(cmf, kernels, p + "mlp.")))
+    attn = blocks.attention(cmf, arch, kernels, p, kind, rope)
+    return wrap_draft(cmf, k, arch, kernels, blocks.draft_block(cmf, p, arch, kernels, attn, blocks.gated_mlp(cmf, kernels, p + "mlp.")))
 
 
 FAMILY = Family(

@@ -26,10 +26,8 @@ from formats.sanitize import SanitizeRules
 from cortiq_engine.gated_deltanet import GatedDeltaNet, LinearAttnWeights
 from cortiq_engine.layers import RoPE
 from cortiq_engine.model import Model
-from cortiq_engine.models import base, llama
+from cortiq_engine.models import base, blocks
 from cortiq_engine.models.base import DraftLayer, Family, Geometry, dense_common, draft_prefix, req, wrap_draft
-from cortiq_engine.models.llama import gated_mlp
-from cortiq_engine.models.moe_family import ffn_block, head_and_norm, load_moe, qwen_moe
 from cortiq_engine.weights import load_vector, load_weight
 
 
@@ -72,7 +70,7 @@ def _parse(cfg: dict[str, Any], arch: str, fused: bool, moe: bool) -> ArchConfig
         d["rotary_dim"] = int(d["head_dim"] * 0.25)  # the family's default partial_rotary_factor
     d["layer_types"] = _hybrid_layer_types(cfg, d["num_layers"])
     d["linear_attn"] = _linear_attn_config(cfg, fused)
-    d["moe"] = qwen_moe(cfg, d["num_layers"], shared=True) if moe else None
+    d["moe"] = base.qwen_moe(cfg, d["num_layers"], shared=True) if moe else None
     return ArchConfig(**d)
 
 
@@ -161,16 +159,16 @@ def build(cmf: CmfFile, arch: ArchConfig, kernels) -> Model:
     if bad:
         raise CortiqError(f"{cmf.path}: layer types {bad} are not supported for {arch.arch}")
     rope = RoPE(arch.rotary_dim, arch.rope_theta, arch.rope_scaling)
-    blocks = []
+    layers = []
     for i, kind in enumerate(arch.layer_types):
         p = f"model.layers.{i}."
         if kind == LAYER_LINEAR:
             mixer = _linear_attn(cmf, arch, kernels, p)
         else:
-            mixer = llama.attention(cmf, arch, kernels, p, kind, rope)
-        blocks.append(ffn_block(cmf, arch, kernels, i, mixer))
-    embed, head, norm = head_and_norm(cmf, arch, kernels)
-    return Model(arch=arch, kernels=kernels, embed=embed, blocks=tuple(blocks), norm=norm, head=head)
+            mixer = blocks.attention(cmf, arch, kernels, p, kind, rope)
+        layers.append(blocks.ffn_block(cmf, arch, kernels, i, mixer))
+    embed, head, norm = blocks.head_and_norm(cmf, arch, kernels)
+    return Model(arch=arch, kernels=kernels, embed=embed, blocks=tuple(layers), norm=norm, head=head)
 
 
 # ------------------------------------------------------------------ draft layers
@@ -178,9 +176,9 @@ def draft_layer(cmf: CmfFile, k: int, arch: ArchConfig, kernels) -> DraftLayer:
     """The MTP layer: the trunk's full-attention block (output gate, q/k norm, partial
     rotary) whose FFN routes to experts on an MoE trunk."""
     p = draft_prefix(k)
-    attn = llama.attention(cmf, arch, kernels, p, LAYER_FULL, RoPE(arch.rotary_dim, arch.rope_theta, arch.rope_scaling))
-    mlp = load_moe(cmf, arch, kernels, p) if arch.moe is not None else gated_mlp(cmf, kernels, p + "mlp.")
-    return wrap_draft(cmf, k, arch, kernels, llama.draft_block(cmf, p, arch, kernels, attn, mlp))
+    attn = blocks.attention(cmf, arch, kernels, p, LAYER_FULL, RoPE(arch.rotary_dim, arch.rope_theta, arch.rope_scaling))
+    mlp = blocks.load_moe(cmf, arch, kernels, p) if arch.moe is not None else blocks.gated_mlp(cmf, kernels, p + "mlp.")
+    return wrap_draft(cmf, k, arch, kernels, blocks.draft_block(cmf, p, arch, kernels, attn, mlp))
 
 
 FAMILY = Family(
