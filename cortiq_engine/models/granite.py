@@ -1,0 +1,103 @@
+"""Granite 3 (dense): a Llama trunk with four multipliers. Embeddings are scaled by
+``embedding_multiplier``, each sublayer's output by ``residual_multiplier`` before it
+joins the residual stream, attention scores by ``attention_multiplier`` (the score scale
+itself, in place of head_dim**-0.5), and the logits are divided by ``logits_scaling``.
+q/k/v/o biases when ``attention_bias``; the MLP has none (``mlp_bias`` is refused).
+
+Follows transformers' ``models/granite/modeling_granite.py`` (the oracle of the tests).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+from formats.arch import LAYER_FULL, ArchConfig
+from formats.cmf import CmfFile
+from formats.errors import CortiqError
+from formats.manifest import Manifest
+from cortiq_engine.layers import Block
+from cortiq_engine.model import Model
+from cortiq_engine.models import blocks
+from cortiq_engine.models.base import Family, dense_common
+
+
+# ------------------------------------------------------------------ config.json
+def _multiplier(cfg: dict[str, Any], key: str) -> float:
+    """A Granite multiplier (default 1): a finite number > 0."""
+    v = cfg.get(key, 1.0)
+    v = 1.0 if v is None else v
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0):
+        raise CortiqError(f"config.json {key} is {v!r}, expected a finite number > 0")
+    return float(v)
+
+
+def _granite(cfg: dict[str, Any]) -> ArchConfig:
+    if cfg.get("mlp_bias"):
+        raise CortiqError("config.json mlp_bias=true is not supported (the engine's gated MLP has no biases)")
+    d = dense_common(cfg, "granite")
+    d.update(
+        attention_bias=bool(cfg.get("attention_bias", False)),
+        embedding_scale=_multiplier(cfg, "embedding_multiplier"),
+        residual_scale=_multiplier(cfg, "residual_multiplier"),
+        # Granite always scales scores by attention_multiplier (default 1.0, not head_dim**-0.5).
+        attention_scale=_multiplier(cfg, "attention_multiplier"),
+        logits_scaling=_multiplier(cfg, "logits_scaling"),
+    )
+    return ArchConfig(**d)
+
+
+# ------------------------------------------------------------------ manifest
+def manifest(arch: ArchConfig, mtp_layers: Sequence[int] = ()) -> Manifest:
+    """Llama's: pre-norm blocks (attention biases read when present), Llama draft blocks."""
+    return blocks.prenorm_manifest(arch).update(blocks.draft_manifests(arch, mtp_layers))
+
+
+# ------------------------------------------------------------------ the trunk
+def _check(cmf: CmfFile, arch: ArchConfig) -> None:
+    """Refuse a header asking for what this build does not compute (it is untrusted)."""
+    if arch.moe is not None or arch.linear_attn is not None or arch.sliding is not None or arch.mla is not None:
+        raise CortiqError(f"{cmf.path}: granite with MoE, linear, MLA or split-geometry layers is not a Granite 3 model")
+    if any(t != LAYER_FULL for t in arch.layer_types) or arch.no_rope_layers:
+        raise CortiqError(f"{cmf.path}: granite has full-attention RoPE layers only")
+    if arch.qk_norm or arch.attn_output_gate or arch.attention_sinks or arch.norm_style != "rms":
+        raise CortiqError(f"{cmf.path}: q/k norms, gated or sink attention and (1 + w) norms are not Granite's")
+    if arch.final_logit_softcapping or arch.attn_logit_softcapping or arch.query_pre_attn_scalar or arch.rope_local_theta:
+        raise CortiqError(f"{cmf.path}: soft-caps and Gemma's score or RoPE settings are not Granite's")
+    if not arch.attention_scale:
+        raise CortiqError(f"{cmf.path}: granite needs its attention_scale (attention_multiplier)")
+
+
+def build(cmf: CmfFile, arch: ArchConfig, kernels) -> Model:
+    _check(cmf, arch)
+    rope = blocks.rope(arch)
+    layers = []
+    for i, kind in enumerate(arch.layer_types):
+        p = f"model.layers.{i}."
+        for x in ("gate", "up", "down"):
+            if f"{p}mlp.{x}_proj.bias" in cmf:
+                raise CortiqError(f"{cmf.path}: MLP biases are not supported by the engine yet")
+        attn = blocks.attention(cmf, arch, kernels, p, kind, rope)  # score scale: arch.attention_scale
+        layers.append(
+            Block(
+                blocks.norm(cmf, arch, kernels, f"{p}input_layernorm.weight"), attn,
+                blocks.norm(cmf, arch, kernels, f"{p}post_attention_layernorm.weight"),
+                blocks.gated_mlp(cmf, kernels, f"{p}mlp."),
+                residual_scale=arch.residual_scale,
+            )
+        )
+    embed, head, norm = blocks.head_and_norm(cmf, arch, kernels)
+    return Model(
+        arch=arch, kernels=kernels, embed=embed, blocks=tuple(layers), norm=norm, head=head,
+        embed_scale=arch.embedding_scale, logit_divisor=arch.logits_scaling,
+    )
+
+
+FAMILY = Family(
+    name="granite",
+    parsers={"granite": _granite},
+    archs=("granite",),
+    manifest=manifest,
+    build=build,
+    draft_layer=blocks.dense_draft_layer,
+)

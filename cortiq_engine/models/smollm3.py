@@ -1,0 +1,121 @@
+"""SmolLM3: a Llama trunk whose every ``no_rope_layer_interval``-th layer has no rotary
+embedding (NoPE: its attention sees positions only through the causal mask), with
+sliding-window attention on the layers ``layer_types`` marks, and tied embeddings.
+
+Follows transformers' ``models/smollm3/modeling_smollm3.py`` (the oracle of the tests).
+config.json's ``no_rope_layers`` is per layer 1 = RoPE, 0 = NoPE; ``ArchConfig``'s lists
+the NoPE layers' indices. ``layer_types`` picks each layer's mask, as transformers'
+eager and SDPA attention and its cache do (its flash-attention path alone also reads
+``use_sliding_window``); without it, the config class's rule: sliding on the NoPE layers
+when ``use_sliding_window`` and ``sliding_window`` are set.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from formats.arch import LAYER_FULL, LAYER_SLIDING, ArchConfig
+from formats.cmf import CmfFile
+from formats.errors import CortiqError
+from formats.manifest import Manifest
+from cortiq_engine.model import Model
+from cortiq_engine.models import blocks
+from cortiq_engine.models.base import Family, dense_common
+
+DEFAULT_THETA = 2_000_000.0  # SmolLM3Config.default_theta, when config.json names no base
+_KINDS = {"full_attention": LAYER_FULL, "sliding_attention": LAYER_SLIDING}
+
+
+# ------------------------------------------------------------------ config.json
+def _uses_rope(cfg: dict[str, Any], n: int) -> list[bool]:
+    """Per layer: does it rotate? ``no_rope_layers`` (1/0 per layer, at least n entries),
+    else a NoPE layer every ``no_rope_layer_interval`` layers (the (k*interval - 1)-th)."""
+    flags = cfg.get("no_rope_layers")
+    if flags is None:
+        interval = cfg.get("no_rope_layer_interval", 4)
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+            raise CortiqError(f"config.json no_rope_layer_interval is {interval!r}, expected an integer >= 1")
+        return [(i + 1) % interval != 0 for i in range(n)]
+    if not isinstance(flags, list) or len(flags) < n or any(f not in (0, 1) or isinstance(f, float) for f in flags):
+        raise CortiqError(f"config.json no_rope_layers is {str(flags)[:60]}, expected a 1 (RoPE) or 0 (NoPE) per layer")
+    return [bool(f) for f in flags[:n]]
+
+
+def _smollm3(cfg: dict[str, Any]) -> ArchConfig:
+    if cfg.get("mlp_bias"):
+        raise CortiqError("config.json mlp_bias=true is not supported (the engine's gated MLP has no biases)")
+    rp = cfg.get("rope_parameters")
+    if cfg.get("rope_theta") is None and not (isinstance(rp, dict) and rp.get("rope_theta") is not None):
+        cfg = {**cfg, "rope_theta": DEFAULT_THETA}
+    d = dense_common(cfg, "smollm3")
+    n = d["num_layers"]
+    rope = _uses_rope(cfg, n)
+    window = cfg.get("sliding_window")
+    lt = cfg.get("layer_types")
+    if lt is None:
+        slide = bool(cfg.get("use_sliding_window", False)) and window is not None
+        lt = ["sliding_attention" if slide and not r else "full_attention" for r in rope]
+    if not isinstance(lt, list) or len(lt) != n or any(t not in _KINDS for t in lt):
+        raise CortiqError(
+            f"config.json layer_types is {str(lt)[:60]}, expected one of {', '.join(_KINDS)} for each of {n} layers"
+        )
+    kinds = [_KINDS[t] for t in lt]
+    if LAYER_SLIDING in kinds and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise CortiqError(f"config.json sliding_window is {window!r}, the sliding layers need an integer >= 1")
+    d.update(
+        attention_bias=bool(cfg.get("attention_bias", False)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+        layer_types=kinds,
+        sliding_window=int(window) if LAYER_SLIDING in kinds else 0,
+        no_rope_layers=[i for i, r in enumerate(rope) if not r],
+    )
+    return ArchConfig(**d)
+
+
+# ------------------------------------------------------------------ manifest
+def manifest(arch: ArchConfig, mtp_layers: Sequence[int] = ()) -> Manifest:
+    """Llama's: pre-norm blocks (attention biases read when present), Llama draft blocks."""
+    return blocks.prenorm_manifest(arch).update(blocks.draft_manifests(arch, mtp_layers))
+
+
+# ------------------------------------------------------------------ the trunk
+def _check(cmf: CmfFile, arch: ArchConfig) -> None:
+    """Refuse a header asking for what this build does not compute (it is untrusted)."""
+    if arch.moe is not None or arch.linear_attn is not None or arch.sliding is not None or arch.mla is not None:
+        raise CortiqError(f"{cmf.path}: smollm3 with MoE, linear, MLA or split-geometry layers is not a SmolLM3 model")
+    bad = sorted({t for t in arch.layer_types if t not in (LAYER_FULL, LAYER_SLIDING)})
+    if bad:
+        raise CortiqError(f"{cmf.path}: layer types {bad} are not supported for smollm3")
+    if arch.qk_norm or arch.attn_output_gate or arch.attention_sinks or arch.norm_style != "rms":
+        raise CortiqError(f"{cmf.path}: q/k norms, gated or sink attention and (1 + w) norms are not SmolLM3's")
+    scales = (arch.embedding_scale, arch.residual_scale, arch.logits_scaling)
+    if scales != (1.0, 1.0, 1.0) or arch.attention_scale or arch.query_pre_attn_scalar:
+        raise CortiqError(f"{cmf.path}: embedding, residual, score or logit multipliers are not SmolLM3's")
+    if arch.final_logit_softcapping or arch.attn_logit_softcapping or arch.rope_local_theta:
+        raise CortiqError(f"{cmf.path}: soft-caps and a local RoPE base are not SmolLM3's")
+
+
+def build(cmf: CmfFile, arch: ArchConfig, kernels) -> Model:
+    _check(cmf, arch)
+    rope = blocks.rope(arch)
+    nope = set(arch.no_rope_layers)
+    layers = []
+    for i, kind in enumerate(arch.layer_types):
+        p = f"model.layers.{i}."
+        for x in ("gate", "up", "down"):
+            if f"{p}mlp.{x}_proj.bias" in cmf:
+                raise CortiqError(f"{cmf.path}: MLP biases are not supported by the engine yet")
+        attn = blocks.attention(cmf, arch, kernels, p, kind, None if i in nope else rope)
+        layers.append(blocks.ffn_block(cmf, arch, kernels, i, attn))
+    embed, head, norm = blocks.head_and_norm(cmf, arch, kernels)
+    return Model(arch=arch, kernels=kernels, embed=embed, blocks=tuple(layers), norm=norm, head=head)
+
+
+FAMILY = Family(
+    name="smollm3",
+    parsers={"smollm3": _smollm3},
+    archs=("smollm3",),
+    manifest=manifest,
+    build=build,
+    draft_layer=blocks.dense_draft_layer,
+)
