@@ -243,7 +243,10 @@ class Attention:
       is multiplied by sigmoid(gate) before o_proj (Qwen3-Next);
     - ``rope`` None: no rotary embedding (SmolLM3's NoPE layers);
     - ``softcap``: scores become cap * tanh(score / cap) before the mask (Gemma 2); such
-      an attention runs on the numpy twin (``reference.attend``), which has the cap.
+      an attention runs on the numpy twin (``reference.attend``), which has the cap;
+    - ``qk_norm_full``: the q/k norms span the whole projection, all heads at once,
+      before the split into heads (OLMo 2): ``w.q_norm`` holds num_heads * head_dim
+      values, ``w.k_norm`` num_kv_heads * head_dim.
     """
 
     def __init__(
@@ -263,11 +266,13 @@ class Attention:
         v_scale: float = 1.0,
         output_gate: bool = False,
         softcap: float = 0.0,
+        qk_norm_full: bool = False,
     ):
         self.ks = kernels
         self.w = w
         self.nh, self.nkv, self.hd, self.vd = num_heads, num_kv_heads, head_dim, v_head_dim
         self.output_gate = bool(output_gate)
+        self.qk_norm_full = bool(qk_norm_full)
         self._check_geometry(rope)
         self.rope = rope
         self.eps = norm_eps
@@ -300,10 +305,11 @@ class Attention:
             raise CortiqError(f"an output gate of head_dim {hd} cannot gate V heads of width {vd}")
         if rope is not None and (not 0 < rope.rotary_dim <= hd or rope.rotary_dim % 2):
             raise CortiqError(f"rotary_dim {rope.rotary_dim} does not fit head_dim {hd}")
-        norms = {"q_norm": w.q_norm, "k_norm": w.k_norm}
-        for name, v in norms.items():
-            if v is not None and v.shape != (hd,):
-                raise CortiqError(f"{name} has {v.size} values for head_dim {hd}")
+        full = self.qk_norm_full
+        norms = {"q_norm": (w.q_norm, nh * hd if full else hd), "k_norm": (w.k_norm, nkv * hd if full else hd)}
+        for name, (v, width) in norms.items():
+            if v is not None and v.shape != (width,):
+                raise CortiqError(f"{name} has {v.size} values, the attention geometry needs {width}")
         if (w.q_norm is None) != (w.k_norm is None):
             raise CortiqError("attention has a q_norm without a k_norm or the reverse")
         if w.qkv_bias is not None and w.qkv_bias.shape != (w.q.rows + w.k.rows + w.v.rows,):
@@ -344,8 +350,9 @@ class Attention:
         if self.v_scale != 1.0:
             v = v * np.float32(self.v_scale)
         if self.w.q_norm is not None:
-            q = ks.rms_norm(q.reshape(n * nh, hd), self.w.q_norm, self.eps).reshape(n, nh, hd)
-            k = ks.rms_norm(k.reshape(n * nkv, hd), self.w.k_norm, self.eps).reshape(n, nkv, hd)
+            rq, rk = ((n, nh * hd), (n, nkv * hd)) if self.qk_norm_full else ((n * nh, hd), (n * nkv, hd))
+            q = ks.rms_norm(q.reshape(rq), self.w.q_norm, self.eps).reshape(n, nh, hd)
+            k = ks.rms_norm(k.reshape(rk), self.w.k_norm, self.eps).reshape(n, nkv, hd)
         if self.rope is not None:
             cos, sin = step.rope_tables(self.rope)
             ks.rope(q, cos, sin)

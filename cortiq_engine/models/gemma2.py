@@ -1,0 +1,137 @@
+"""Gemma 2: alternating sliding-window (local) and global attention layers over one
+RoPE; attention scores soft-capped (cap * tanh(score / cap), after the
+``query_pre_attn_scalar``**-0.5 scaling and before the mask); four (1 + w) RMS norms
+per block (before and after attention, before and after the MLP); a GeGLU MLP with
+the tanh-approximated GELU; embeddings scaled by sqrt(hidden); tied embeddings; the
+logits soft-capped. No q/k norms.
+
+Follows transformers' ``models/gemma2/modeling_gemma2.py`` (the oracle of the tests).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from formats.arch import ACTIVATIONS, LAYER_FULL, LAYER_SLIDING, ArchConfig
+from formats.cmf import CmfFile
+from formats.errors import CortiqError
+from formats.manifest import Manifest
+from cortiq_engine.layers import GegluMLP, RMSNorm, SandwichBlock
+from cortiq_engine.model import Model
+from cortiq_engine.models import base, blocks
+from cortiq_engine.models.base import Family, Geometry, dense_common
+from cortiq_engine.weights import load_vector, load_weight
+
+GELU_TANH = "gelu_pytorch_tanh"
+_LAYER_TYPES = {"sliding_attention": LAYER_SLIDING, "full_attention": LAYER_FULL}
+
+
+# ------------------------------------------------------------------ config.json
+def _gemma2(cfg: dict[str, Any]) -> ArchConfig:
+    """Gemma 2: layers alternate sliding / global (``layer_types``, or even layers sliding
+    as transformers' default), (1 + w) norms, GeGLU (tanh GELU), query_pre_attn_scalar,
+    attention and final soft-caps (null: none)."""
+    flat = dict(cfg)
+    flat["hidden_act"] = cfg.get("hidden_activation") or cfg.get("hidden_act") or GELU_TANH
+    d = dense_common(flat, "gemma2")
+    n = d["num_layers"]
+    lt = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
+    bad = sorted({str(t) for t in lt if t not in _LAYER_TYPES})
+    if bad:
+        raise CortiqError(f"gemma2 layer_types {bad} are not supported (supported: sliding_attention, full_attention)")
+    if cfg.get("use_bidirectional_attention"):
+        raise CortiqError("gemma2 with use_bidirectional_attention is not supported (an encoder, not a causal LM)")
+    window = cfg.get("sliding_window")
+    if "sliding_attention" in lt and not window:
+        raise CortiqError(f"gemma2 sliding_window is {window!r} but layer_types has sliding layers")
+    d.update(
+        attention_bias=bool(cfg.get("attention_bias", False)),
+        norm_style="rms_one",
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+        layer_types=[_LAYER_TYPES[t] for t in lt],
+        sliding_window=int(window or 0),
+        query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or 256),
+        final_logit_softcapping=float(cfg.get("final_logit_softcapping") or 0.0),
+        attn_logit_softcapping=float(cfg.get("attn_logit_softcapping") or 0.0),
+    )
+    return ArchConfig(**d)
+
+
+# ------------------------------------------------------------------ manifest
+NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
+
+
+def manifest(arch: ArchConfig, mtp_layers: Sequence[int] = ()) -> Manifest:
+    """Per layer: attention (optional biases), the four sandwich norms, the GeGLU MLP.
+    Draft layers (none ship with Gemma 2; mtp-train can make them) are pre-norm draft blocks."""
+    h, m = arch.hidden_size, base.trunk_ends(arch)
+    for i in range(arch.num_layers):
+        p = f"model.layers.{i}."
+        m.update(base.norms(p, h, *NORMS))
+        m.update(base.attention(p, h, Geometry.full(arch)))
+        m.update(base.gated_mlp(p + "mlp.", h, arch.intermediate_size))
+    for k in mtp_layers:
+        m.update(blocks.draft_manifest(arch, k))
+    return m
+
+
+# ------------------------------------------------------------------ the model
+def _check(cmf: CmfFile, arch: ArchConfig) -> None:
+    """Refuse header fields a Gemma 2 never has: the build would not honour them."""
+    if arch.moe is not None or arch.linear_attn is not None or arch.sliding is not None or arch.mla is not None:
+        raise CortiqError(f"{cmf.path}: gemma2 with MoE, linear, MLA or split-geometry layers is not a Gemma 2 model")
+    bad = sorted({t for t in arch.layer_types if t not in (LAYER_FULL, LAYER_SLIDING)})
+    if bad:
+        raise CortiqError(f"{cmf.path}: layer types {bad} are not supported for gemma2")
+    if LAYER_SLIDING in arch.layer_types and arch.sliding_window <= 0:
+        raise CortiqError(f"{cmf.path}: gemma2 has sliding layers but no sliding_window")
+    if arch.qk_norm or arch.attention_sinks or arch.attn_output_gate or arch.attention_scale or arch.no_rope_layers:
+        raise CortiqError(f"{cmf.path}: gemma2 with q/k norms, sinks, an output gate, a score scale or NoPE layers is not a Gemma 2 model")
+    if arch.norm_style != "rms_one" or arch.embedding_scale != 1.0 or arch.residual_scale != 1.0 or arch.logits_scaling != 1.0:
+        raise CortiqError(f"{cmf.path}: gemma2 norms are (1 + w) and it has no Granite multipliers")
+
+
+def build(cmf: CmfFile, arch: ArchConfig, kernels) -> Model:
+    _check(cmf, arch)
+    h, eps = arch.hidden_size, arch.norm_eps
+    rope = blocks.rope(arch)  # one RoPE for both layer kinds
+
+    def norm(name: str) -> RMSNorm:
+        return RMSNorm(kernels, load_vector(cmf, name, h), eps, "rms_one")
+
+    layers = []
+    for i, kind in enumerate(arch.layer_types):
+        p = f"model.layers.{i}."
+        for x in ("gate", "up", "down"):
+            if f"{p}mlp.{x}_proj.bias" in cmf:
+                raise CortiqError(f"{cmf.path}: MLP biases are not part of Gemma 2")
+        # The attention's soft-cap (arch.attn_logit_softcapping) and score scale
+        # (query_pre_attn_scalar) come from arch through blocks.attention.
+        attn = blocks.attention(cmf, arch, kernels, p, kind, rope)
+        mlp = GegluMLP(kernels, *(load_weight(cmf, f"{p}mlp.{x}_proj.weight") for x in ("gate", "up", "down")), arch.hidden_act)
+        layers.append(SandwichBlock(tuple(norm(f"{p}{n}.weight") for n in NORMS), attn, mlp))
+    embed, head, final_norm = blocks.head_and_norm(cmf, arch, kernels)
+    return Model(
+        arch=arch,
+        kernels=kernels,
+        embed=embed,
+        blocks=tuple(layers),
+        norm=final_norm,
+        head=head,
+        # transformers multiplies by sqrt(hidden) cast to the weights' dtype (f32).
+        embed_scale=float(np.float32(h**0.5)),
+        logit_softcap=arch.final_logit_softcapping,
+    )
+
+
+FAMILY = Family(
+    name="gemma2",
+    parsers={"gemma2": _gemma2},
+    archs=("gemma2",),
+    manifest=manifest,
+    build=build,
+    draft_layer=blocks.dense_draft_layer,
+    activations=ACTIVATIONS + (GELU_TANH,),
+)
