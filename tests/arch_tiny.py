@@ -46,6 +46,12 @@ CONFIGS: dict[str, dict[str, Any]] = {
         n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_group=2, topk_group=1,
         head_dim=24, v_head_dim=16, sliding_window=5,
     ),
+    # Layers alternate sliding (window 6) and full; 2 * intermediate != hidden, both multiples
+    # of 32 (MXFP4 blocks); a low swiglu_limit so the clamp bites.
+    "gpt_oss": dict(
+        num_hidden_layers=4, head_dim=16, intermediate_size=96, num_local_experts=4, num_experts_per_tok=2,
+        sliding_window=6, swiglu_limit=1.0,
+    ),
 }
 
 
@@ -89,3 +95,45 @@ def rel_err(got: np.ndarray, ref: np.ndarray) -> float:
 
 def sample_ids(n: int = 40, seed: int = 0, vocab: int = 256) -> list[int]:
     return [int(i) for i in np.random.default_rng(seed).integers(0, vocab, n)]
+
+
+# GLM-4.5: a dense first layer, sigmoid routing over 2 groups, a shared expert, q/k norm,
+# q/k/v biases, half of each head rotated.
+CONFIGS["glm4_moe"] = dict(
+    num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+    n_group=2, topk_group=1, n_shared_experts=1, routed_scaling_factor=2.5, attention_bias=True, use_qk_norm=True,
+)
+
+
+def add_deepseek_mtp_layer(src: str | Path, folder: str | Path, seed: int = 5) -> Path:
+    """A copy of the HF folder ``src`` with one MTP layer named as DeepSeek-V3 and GLM-4.5
+    ship it: ``model.layers.{N}.*`` holding the last trunk layer's tensors perturbed (its
+    names as saved, so an MoE layer keeps its per-expert and shared-expert names), the
+    draft ends ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm``, and the per-layer
+    ``embed_tokens`` / ``shared_head.head`` copies the converter drops."""
+    import json
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    src, folder = Path(src), Path(folder)
+    shutil.copytree(src, folder)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["num_nextn_predict_layers"] = 1
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2))
+    n, h = cfg["num_hidden_layers"], cfg["hidden_size"]
+    trunk = load_file(str(src / "model.safetensors"))
+    rng = np.random.default_rng(seed)
+    last, p = f"model.layers.{n - 1}.", f"model.layers.{n}."
+    out = {}
+    for name, t in trunk.items():
+        if name.startswith(last):
+            noise = 0.3 * float(np.std(t)) if t.ndim > 1 else 0.1
+            out[p + name[len(last):]] = (t + noise * rng.standard_normal(t.shape)).astype(np.float32)
+    for name in ("enorm", "hnorm", "shared_head.norm"):
+        out[f"{p}{name}.weight"] = (1 + 0.1 * rng.standard_normal(h)).astype(np.float32)
+    out[p + "eh_proj.weight"] = (rng.standard_normal((h, 2 * h)) * 0.1).astype(np.float32)
+    out[p + "embed_tokens.weight"] = trunk["model.embed_tokens.weight"].copy()
+    out[p + "shared_head.head.weight"] = trunk.get("lm_head.weight", trunk["model.embed_tokens.weight"]).copy()
+    save_file(out, str(folder / "mtp.safetensors"))
+    return folder

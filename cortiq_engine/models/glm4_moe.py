@@ -1,0 +1,167 @@
+"""GLM-4.5 / GLM-4.5-Air (``Glm4MoeForCausalLM``, model_type ``glm4_moe``).
+
+Pre-norm blocks of full attention: q/k/v biases (``attention_bias``, never an o_proj
+bias), optional per-head q/k RMS norms (``use_qk_norm``, before RoPE), rotary on the
+first ``partial_rotary_factor`` of each head (0.5 in the releases and by default),
+rotated by halves (transformers' ``rotate_half``, the engine's ``RoPE`` layout). The
+first ``first_k_dense_replace`` layers have a dense MLP; the others route DeepSeek-V3
+style: sigmoid scores, ``e_score_correction_bias`` for the choice, the best
+``topk_group`` of ``n_group`` groups (a group scores its two best experts), weights
+renormalized when ``norm_topk_prob`` and times ``routed_scaling_factor``, plus an
+ungated shared expert ``n_shared_experts`` experts wide.
+
+The release's MTP layer (``num_nextn_predict_layers``, stored DeepSeek-style as
+``model.layers.{num_hidden_layers}.*``) is a trunk MoE layer between the shared draft
+ends (``draft_layer``): the same attention and the routed FFN with its shared expert.
+
+Checkpoint names: ``mlp.shared_experts.*`` -> ``mlp.shared_expert.*``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from formats.arch import LAYER_FULL, ArchConfig, MoeConfig
+from formats.cmf import CmfFile
+from formats.errors import CortiqError
+from formats.manifest import Manifest
+from formats.sanitize import SanitizeRules
+from cortiq_engine.model import Model
+from cortiq_engine.models import base, blocks
+from cortiq_engine.models.base import DraftLayer, Family, Geometry, dense_common, draft_prefix, req, wrap_draft
+
+ARCH = "glm4_moe"
+
+
+# ------------------------------------------------------------------ config.json
+def _glm4_moe(cfg: dict[str, Any]) -> ArchConfig:
+    flat = dict(cfg)
+    rp = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
+    if not cfg.get("partial_rotary_factor") and not rp.get("partial_rotary_factor"):
+        flat["partial_rotary_factor"] = 0.5  # transformers' default for glm4_moe
+    if flat.get("rms_norm_eps") is None:
+        flat["rms_norm_eps"] = 1e-5
+    d = dense_common(flat, ARCH)
+    n = d["num_layers"]
+    d["attention_bias"] = bool(cfg.get("attention_bias", False))
+    d["qk_norm"] = bool(cfg.get("use_qk_norm", False))
+    d["layer_types"] = [LAYER_FULL] * n
+    scoring = cfg.get("scoring_func", "sigmoid")
+    if scoring != "sigmoid":
+        raise CortiqError(f"glm4_moe scoring_func {scoring!r} is not supported (GLM-4-MoE routes by sigmoid)")
+    if cfg.get("topk_method") not in (None, "noaux_tc"):
+        raise CortiqError(f"glm4_moe topk_method {cfg['topk_method']!r} is not supported (supported: noaux_tc)")
+    first_k = cfg.get("first_k_dense_replace")
+    first_k = 1 if first_k is None else int(first_k)
+    if not 0 <= first_k < n:
+        raise CortiqError(f"glm4_moe first_k_dense_replace={first_k} leaves no MoE layer among {n} layers")
+    experts = int(req(cfg, "n_routed_experts"))
+    n_shared = cfg.get("n_shared_experts")
+    n_shared = 1 if n_shared is None else int(n_shared)
+    if n_shared < 0:
+        raise CortiqError(f"glm4_moe n_shared_experts={n_shared} is negative")
+    expert_inter = int(req(cfg, "moe_intermediate_size"))
+    n_group = int(cfg.get("n_group") or 1)
+    topk_group = int(cfg.get("topk_group") or 1)
+    top_k = int(req(cfg, "num_experts_per_tok"))
+    if n_group >= 1 and experts % n_group == 0 and top_k > topk_group * (experts // n_group):
+        # transformers would then pick experts its group mask ruled out.
+        raise CortiqError(
+            f"glm4_moe num_experts_per_tok={top_k} exceeds the {topk_group * (experts // n_group)} experts "
+            f"of topk_group={topk_group} groups"
+        )
+    d["moe"] = MoeConfig(
+        num_experts=experts,
+        top_k=top_k,
+        expert_intermediate_size=expert_inter,
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+        shared_expert_intermediate_size=expert_inter * n_shared,
+        shared_expert_gate=False,
+        moe_layers=list(range(first_k, n)),
+        scoring="sigmoid",
+        score_bias=True,
+        n_group=n_group,
+        topk_group=topk_group,
+        routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
+    )
+    return ArchConfig(**d)
+
+
+# ------------------------------------------------------------------ manifest
+def _attention(arch: ArchConfig, p: str) -> Manifest:
+    """q/k/v/o; q/k/v biases required with ``attention_bias`` (else not read), no o bias."""
+    m = base.attention(p, arch.hidden_size, Geometry.full(arch), qk_norm=arch.qk_norm)
+    q = p + "self_attn."
+    del m.optional[q + "o_proj.bias"]
+    for x in "qkv":
+        shape = m.optional.pop(f"{q}{x}_proj.bias")
+        if arch.attention_bias:
+            m.required[f"{q}{x}_proj.bias"] = shape
+    return m
+
+
+def manifest(arch: ArchConfig, mtp_layers: Sequence[int] = ()) -> Manifest:
+    h, m = arch.hidden_size, base.trunk_ends(arch)
+    for i in range(arch.num_layers):
+        p = f"model.layers.{i}."
+        m.update(base.norms(p, h, "input_layernorm", "post_attention_layernorm"))
+        m.update(_attention(arch, p)).update(base.ffn(arch, p, i))
+    for k in mtp_layers:
+        p = draft_prefix(k)
+        m.update(base.draft_ends(arch, p)).update(base.norms(p, h, "input_layernorm", "post_attention_layernorm"))
+        m.update(_attention(arch, p)).update(base.moe(arch, p))
+    return m
+
+
+# ------------------------------------------------------------------ the trunk
+def _check_attention(cmf: CmfFile, arch: ArchConfig, p: str) -> None:
+    """transformers never reads an o_proj bias, nor q/k/v biases without ``attention_bias``:
+    a file holding them would run as another model here."""
+    extra = [f"{p}self_attn.o_proj.bias"]
+    if not arch.attention_bias:
+        extra += [f"{p}self_attn.{x}_proj.bias" for x in "qkv"]
+    for name in extra:
+        if name in cmf:
+            raise CortiqError(f"{cmf.path}: glm4_moe has no tensor {name} (attention_bias={arch.attention_bias})")
+
+
+def _check(cmf: CmfFile, arch: ArchConfig) -> None:
+    if arch.moe is None or arch.moe.scoring != "sigmoid" or not arch.moe.score_bias or arch.moe.shared_expert_gate:
+        raise CortiqError(f"{cmf.path}: glm4_moe header without its sigmoid-routed MoE")
+    if set(arch.layer_types) != {LAYER_FULL} or arch.sliding is not None or arch.attention_sinks or arch.attn_output_gate:
+        raise CortiqError(f"{cmf.path}: glm4_moe header with sliding, sink or gated attention")
+
+
+def build(cmf: CmfFile, arch: ArchConfig, kernels) -> Model:
+    _check(cmf, arch)
+    rope = blocks.rope(arch)
+    layers = []
+    for i in range(arch.num_layers):
+        p = f"model.layers.{i}."
+        _check_attention(cmf, arch, p)
+        layers.append(blocks.ffn_block(cmf, arch, kernels, i, blocks.attention(cmf, arch, kernels, p, LAYER_FULL, rope)))
+    embed, head, norm = blocks.head_and_norm(cmf, arch, kernels)
+    return Model(arch=arch, kernels=kernels, embed=embed, blocks=tuple(layers), norm=norm, head=head)
+
+
+# ------------------------------------------------------------------ draft layers
+def draft_layer(cmf: CmfFile, k: int, arch: ArchConfig, kernels) -> DraftLayer:
+    """MTP layer ``k``: the trunk's attention (biases, q/k norms, partial rotary) and its
+    routed FFN with the shared expert, as GLM's MTP layer is a decoder layer past the last."""
+    _check(cmf, arch)
+    p = draft_prefix(k)
+    _check_attention(cmf, arch, p)
+    attn = blocks.attention(cmf, arch, kernels, p, LAYER_FULL, blocks.rope(arch))
+    block = blocks.draft_block(cmf, p, arch, kernels, attn, blocks.load_moe(cmf, arch, kernels, p))
+    return wrap_draft(cmf, k, arch, kernels, block)
+
+
+FAMILY = Family(
+    name="glm4_moe",
+    parsers={"glm4_moe": _glm4_moe},
+    archs=(ARCH,),
+    manifest=manifest,
+    build=build,
+    draft_layer=draft_layer,
+    sanitize=SanitizeRules(renames=((r"\.mlp\.shared_experts\.", ".mlp.shared_expert."),), split_fused_experts=True),
+)
