@@ -38,6 +38,13 @@ class MoeConfig:
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
+    # GPT-OSS: a router bias added to the logits, biases on every expert's gate/up/down, and the
+    # clamped SwiGLU: gate clamped above at swiglu_limit, up to +-swiglu_limit (0 = no clamp),
+    # out = (up + 1) * gate * sigmoid(swiglu_alpha * gate) (swiglu_alpha 0 = silu(gate) * up).
+    router_bias: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float = 0.0
+    swiglu_alpha: float = 0.0
 
 
 @dataclass
@@ -79,6 +86,9 @@ class MlaConfig:
     qk_nope_head_dim: int
     qk_rope_head_dim: int
     v_head_dim: int
+    # The checkpoint stores each rotary key/query part as interleaved pairs (x0, x1), (x2, x3), ...
+    # (DeepSeek-V3's release layout; transformers' ``rope_interleave``).
+    rope_interleave: bool = False
 
 
 @dataclass

@@ -1,0 +1,188 @@
+"""DeepSeek-V3 (and DeepSeek-R1, Kimi K2: the same shapes): multi-head latent attention
+(``cortiq_engine.mla``) in every layer, a dense SwiGLU MLP on the first
+``first_k_dense_replace`` layers and a sigmoid-routed MoE after them (a learned choice
+bias, ``n_group`` groups of which ``topk_group`` are eligible, weights renormalized and
+scaled by ``routed_scaling_factor``) plus always-on shared experts.
+
+RoPE covers only each head's ``qk_rope_head_dim`` part, YaRN-scaled in the releases; the
+score scale is qk_head_dim**-0.5 times YaRN's ``mscale_all_dim`` factor. With
+``rope_interleave`` (the releases' layout, transformers' default) the rotary parts are
+de-interleaved at run time (``mla``'s module doc); the weights are stored as shipped.
+
+Checkpoint names: ``mlp.shared_experts.*`` -> ``mlp.shared_expert.*`` (one SwiGLU of
+``moe_intermediate_size * n_shared_experts``, no gate); transformers' fused
+``mlp.experts.gate_up_proj`` / ``down_proj`` are split per expert.
+
+MTP: ``num_nextn_predict_layers`` layers stored as ``model.layers.{N + k}.*``
+(``formats.mtp_names`` moves them to ``model.mtp.layers.{k}.*``); each is the trunk's
+block, latent attention over the MoE FFN, between the shared draft ends.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from formats.arch import LAYER_FULL, ArchConfig, MlaConfig, MoeConfig
+from formats.cmf import CmfFile
+from formats.errors import CortiqError
+from formats.manifest import Manifest
+from formats.sanitize import SanitizeRules
+from cortiq_engine.layers import RoPE
+from cortiq_engine.mla import MlaAttention, MlaWeights, mla_manifest
+from cortiq_engine.model import Model
+from cortiq_engine.models import base, blocks
+from cortiq_engine.models.base import DraftLayer, Family, dense_common, draft_prefix, req, wrap_draft
+from cortiq_engine.weights import load_vector, load_weight
+
+# transformers' DeepseekV3Config defaults, for a config.json that leaves a key out.
+_DEFAULTS = dict(
+    n_shared_experts=1, routed_scaling_factor=2.5, n_group=8, topk_group=4, first_k_dense_replace=3,
+    norm_topk_prob=True, rope_interleave=True,
+)
+
+
+# ------------------------------------------------------------------ config.json
+def _opt(cfg: dict[str, Any], key: str) -> Any:
+    v = cfg.get(key)
+    return _DEFAULTS[key] if v is None else v
+
+
+def _deepseek_v3(cfg: dict[str, Any]) -> ArchConfig:
+    for key, want in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
+        if cfg.get(key) not in (None, want):
+            raise CortiqError(f"config.json {key} {cfg[key]!r} is not supported for deepseek_v3 (supported: {want})")
+    if cfg.get("moe_layer_freq") not in (None, 1):
+        raise CortiqError(f"config.json moe_layer_freq {cfg['moe_layer_freq']!r} is not supported (every layer past first_k_dense_replace is MoE)")
+    if "q_lora_rank" not in cfg:
+        raise CortiqError("config.json has no 'q_lora_rank' (null when q_proj reads the hidden state directly)")
+    flat = {k: v for k, v in cfg.items() if k not in ("head_dim", "partial_rotary_factor")}
+    d = dense_common(flat, "deepseek_v3")
+    n, heads = d["num_layers"], d["num_heads"]
+    kv_heads = cfg.get("num_key_value_heads")
+    if kv_heads not in (None, heads):
+        raise CortiqError(f"config.json num_key_value_heads {kv_heads} != num_attention_heads {heads}: latent attention expands every head")
+    mla = MlaConfig(
+        q_lora_rank=int(cfg.get("q_lora_rank") or 0),
+        kv_lora_rank=int(req(cfg, "kv_lora_rank")),
+        qk_nope_head_dim=int(req(cfg, "qk_nope_head_dim")),
+        qk_rope_head_dim=int(req(cfg, "qk_rope_head_dim")),
+        v_head_dim=int(req(cfg, "v_head_dim")),
+        rope_interleave=bool(_opt(cfg, "rope_interleave")),
+    )
+    if cfg.get("q_lora_rank") is not None and mla.q_lora_rank < 1:
+        raise CortiqError(f"config.json q_lora_rank {cfg['q_lora_rank']!r} is not a positive size (null for none)")
+    # The header's head geometry: full query/key heads of nope + rope, values of v_head_dim.
+    d["num_kv_heads"] = heads
+    d["head_dim"] = mla.qk_nope_head_dim + mla.qk_rope_head_dim
+    d["v_head_dim"] = mla.v_head_dim
+    d["rotary_dim"] = mla.qk_rope_head_dim
+    d["attention_bias"] = bool(cfg.get("attention_bias", False))
+    d["mla"] = mla
+    experts = int(req(cfg, "n_routed_experts"))
+    dense = int(_opt(cfg, "first_k_dense_replace"))
+    moe_inter = int(req(cfg, "moe_intermediate_size"))
+    d["moe"] = MoeConfig(
+        num_experts=experts,
+        top_k=int(req(cfg, "num_experts_per_tok")),
+        expert_intermediate_size=moe_inter,
+        norm_topk_prob=bool(_opt(cfg, "norm_topk_prob")),
+        shared_expert_intermediate_size=moe_inter * int(_opt(cfg, "n_shared_experts")),
+        shared_expert_gate=False,
+        moe_layers=[i for i in range(n) if i >= dense],
+        scoring="sigmoid",
+        score_bias=True,
+        n_group=int(_opt(cfg, "n_group")),
+        topk_group=int(_opt(cfg, "topk_group")),
+        routed_scaling_factor=float(_opt(cfg, "routed_scaling_factor")),
+    )
+    return ArchConfig(**d)
+
+
+# ------------------------------------------------------------------ manifest
+def manifest(arch: ArchConfig, mtp_layers: Sequence[int] = ()) -> Manifest:
+    h, m = arch.hidden_size, base.trunk_ends(arch)
+    if arch.mla is None or arch.moe is None:
+        raise CortiqError("a deepseek_v3 header needs its mla and moe sections")
+    for i in range(arch.num_layers):
+        p = f"model.layers.{i}."
+        m.update(base.norms(p, h, "input_layernorm", "post_attention_layernorm"))
+        m.update(mla_manifest(p, h, arch.num_heads, arch.mla))
+        m.update(base.ffn(arch, p, i))
+    for k in mtp_layers:
+        p = draft_prefix(k)
+        m.update(base.draft_ends(arch, p)).update(base.norms(p, h, "input_layernorm", "post_attention_layernorm"))
+        m.update(mla_manifest(p, h, arch.num_heads, arch.mla))
+        m.update(base.moe(arch, p))  # the draft block routes to experts like the layers it follows
+    return m
+
+
+# ------------------------------------------------------------------ the trunk
+def rope(arch: ArchConfig) -> RoPE:
+    """The rotary part's embedding (YaRN with its cos/sin and score factors when configured)."""
+    return RoPE(arch.mla.qk_rope_head_dim, arch.rope_theta, arch.rope_scaling, arch.max_position_embeddings)
+
+
+def _opt_vector(cmf: CmfFile, name: str) -> Any:
+    return load_vector(cmf, name) if name in cmf else None
+
+
+def attention(cmf: CmfFile, arch: ArchConfig, kernels, p: str, rope_: RoPE, absorb: bool | None = None) -> MlaAttention:
+    """The latent attention of the block with prefix ``p``."""
+    a, m = p + "self_attn.", arch.mla
+    lora = m.q_lora_rank > 0
+    w = MlaWeights(
+        q_b=load_weight(cmf, a + ("q_b_proj.weight" if lora else "q_proj.weight")),
+        kv_a=load_weight(cmf, a + "kv_a_proj_with_mqa.weight"),
+        kv_a_norm=load_vector(cmf, a + "kv_a_layernorm.weight", m.kv_lora_rank),
+        kv_b=load_weight(cmf, a + "kv_b_proj.weight"),
+        o=load_weight(cmf, a + "o_proj.weight"),
+        q_a=load_weight(cmf, a + "q_a_proj.weight") if lora else None,
+        q_a_norm=load_vector(cmf, a + "q_a_layernorm.weight", m.q_lora_rank) if lora else None,
+        q_a_bias=_opt_vector(cmf, a + "q_a_proj.bias") if lora else None,
+        kv_a_bias=_opt_vector(cmf, a + "kv_a_proj_with_mqa.bias"),
+        o_bias=_opt_vector(cmf, a + "o_proj.bias"),
+    )
+    return MlaAttention(kernels, w, m, num_heads=arch.num_heads, rope=rope_, absorb=absorb)
+
+
+def _check(cmf: CmfFile, arch: ArchConfig) -> None:
+    if arch.mla is None or arch.moe is None:
+        raise CortiqError(f"{cmf.path}: a deepseek_v3 header needs its mla and moe sections")
+    if any(t != LAYER_FULL for t in arch.layer_types):
+        raise CortiqError(f"{cmf.path}: deepseek_v3 layers are all full attention, the header says {arch.layer_types}")
+    if arch.moe.scoring != "sigmoid" or not arch.moe.score_bias or arch.moe.shared_expert_gate:
+        raise CortiqError(f"{cmf.path}: deepseek_v3 routes by sigmoid scores with a choice bias and an ungated shared expert")
+
+
+def build(cmf: CmfFile, arch: ArchConfig, kernels, absorb: bool | None = None) -> Model:
+    """The trunk; ``absorb`` forces one form of the latent attention (tests compare them)."""
+    _check(cmf, arch)
+    r = rope(arch)
+    layers = []
+    for i in range(arch.num_layers):
+        attn = attention(cmf, arch, kernels, f"model.layers.{i}.", r, absorb)
+        layers.append(blocks.ffn_block(cmf, arch, kernels, i, attn))
+    embed, head, norm = blocks.head_and_norm(cmf, arch, kernels)
+    return Model(arch=arch, kernels=kernels, embed=embed, blocks=tuple(layers), norm=norm, head=head)
+
+
+# ------------------------------------------------------------------ draft layers
+def draft_layer(cmf: CmfFile, k: int, arch: ArchConfig, kernels) -> DraftLayer:
+    """MTP layer ``k``: the trunk's block (latent attention, routed experts) between the draft ends."""
+    _check(cmf, arch)
+    p = draft_prefix(k)
+    attn = attention(cmf, arch, kernels, p, rope(arch))
+    mlp = blocks.load_moe(cmf, arch, kernels, p)
+    return wrap_draft(cmf, k, arch, kernels, blocks.draft_block(cmf, p, arch, kernels, attn, mlp))
+
+
+FAMILY = Family(
+    name="deepseek_v3",
+    parsers={"deepseek_v3": _deepseek_v3},
+    archs=("deepseek_v3",),
+    manifest=manifest,
+    build=build,
+    draft_layer=draft_layer,
+    sanitize=SanitizeRules(renames=((r"\.mlp\.shared_experts\.", ".mlp.shared_expert."),), split_fused_experts=True),
+    mtp_style="deepseek",
+)

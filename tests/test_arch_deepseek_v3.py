@@ -1,0 +1,331 @@
+"""DeepSeek-V3 (``deepseek_v3``): multi-head latent attention with a q LoRA (and without),
+YaRN with mscale / mscale_all_dim, interleaved rotary pairs, dense first layer, sigmoid
+grouped routing with a correction bias and a shared expert; logits and greedy tokens
+against transformers; the latent cache (kv_lora_rank + qk_rope_head_dim values per
+position) and the absorbed decode against the expanded prefill; the release-named MTP
+layer into the sidecar, its block against transformers' ``DeepseekV3DecoderLayer``, and
+speculative decoding equal to greedy."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from cortiq_engine import Engine, SamplingConfig, SpeculativeConfig, forward
+from cortiq_engine.convert import convert_checkpoint
+from cortiq_engine.layers import Step
+from cortiq_engine.mla import ABSORB_ROWS, MlaCache
+from cortiq_engine.models import deepseek_v3, parse_config
+from formats.cmf import CmfFile
+from formats.errors import CortiqError
+from tests import arch_tiny
+from tests.tiny import build_tiny
+
+MT = "deepseek_v3"
+YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64, mscale=0.707,
+            mscale_all_dim=1.0, beta_fast=32, beta_slow=1)
+BASE = dict(
+    num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+    n_shared_experts=1, moe_intermediate_size=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+    v_head_dim=16, num_key_value_heads=4, routed_scaling_factor=2.5, rope_parameters=YARN,
+)
+# The release's shape (q LoRA, interleaved rotary pairs), and q_proj straight from the
+# hidden state with the rotary parts in halves.
+VARIANTS = {
+    "q_lora": dict(BASE, q_lora_rank=32, rope_interleave=True),
+    "q_proj": dict(BASE, q_lora_rank=None, rope_interleave=False),
+}
+
+
+def build(variant: str, seed: int = 0):
+    """The transformers model; the routing bias randomized (the init leaves it at zero)."""
+    import torch
+
+    model = build_tiny(MT, seed=seed, **VARIANTS[variant])
+    g = torch.Generator().manual_seed(seed + 7)
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(torch.randn(buf.shape, generator=g) * 0.2)
+    return model
+
+
+@pytest.fixture(scope="module")
+def ds(tmp_path_factory):
+    """variant -> (transformers model, HF folder, f32 CMF)."""
+    root = tmp_path_factory.mktemp("deepseek_v3")
+    out = {}
+    for v in VARIANTS:
+        model = build(v)
+        src = arch_tiny.save(model, root / v)
+        cmf = root / f"{v}.cmf"
+        convert_checkpoint(src, cmf, quant="f32")
+        out[v] = (model, src, cmf)
+    return out
+
+
+def test_arch_parsed_from_config(ds):
+    arch = parse_config(json.loads((ds["q_lora"][1] / "config.json").read_text()))
+    m = arch.mla
+    assert (m.q_lora_rank, m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim) == (32, 32, 16, 8, 16)
+    assert m.rope_interleave and not parse_config(json.loads((ds["q_proj"][1] / "config.json").read_text())).mla.q_lora_rank
+    assert (arch.head_dim, arch.v_head_dim, arch.rotary_dim, arch.num_kv_heads) == (24, 16, 8, 4)
+    assert arch.rope_scaling["rope_type"] == "yarn" and arch.rope_scaling["mscale_all_dim"] == 1.0
+    mc = arch.moe
+    assert (mc.scoring, mc.score_bias, mc.n_group, mc.topk_group, mc.moe_layers) == ("sigmoid", True, 2, 1, [1, 2])
+    assert (mc.shared_expert_intermediate_size, mc.shared_expert_gate, mc.norm_topk_prob) == (32, False, True)
+    assert mc.routed_scaling_factor == 2.5
+
+
+@pytest.mark.parametrize(
+    "edit,message",
+    [({"scoring_func": "softmax"}, "scoring_func"), ({"topk_method": "greedy"}, "topk_method"),
+     ({"moe_layer_freq": 2}, "moe_layer_freq"), ({"num_key_value_heads": 2}, "num_key_value_heads"),
+     ({"rope_parameters": {"rope_type": "su", "rope_theta": 1e4}}, "rope scaling type")],
+)
+def test_unsupported_settings_are_refused(ds, edit, message):
+    cfg = json.loads((ds["q_lora"][1] / "config.json").read_text())
+    with pytest.raises(CortiqError, match=message):
+        parse_config({**cfg, **edit})
+    cfg.pop("q_lora_rank")
+    with pytest.raises(CortiqError, match="q_lora_rank"):
+        parse_config(cfg)
+
+
+def test_yarn_tables_and_score_scale_match_transformers(ds):
+    """cos/sin factor, frequencies and the score scale (mscale_all_dim squared) as
+    transformers computes them; the test config makes each differ from plain RoPE."""
+    model, src, cmf = ds["q_lora"]
+    with Engine.load(cmf, kernels="numpy") as eng:
+        attn = eng.model.blocks[0].attn
+        rope = attn.rope
+        cache = eng.new_state(8).caches[0]
+    hf = model.model.rotary_emb
+    np.testing.assert_allclose(rope.inv_freq, hf.inv_freq.numpy(), rtol=1e-6)
+    assert rope.attention_factor == pytest.approx(hf.attention_scaling, rel=1e-12) and rope.attention_factor != 1.0
+    assert attn.scale == pytest.approx(model.model.layers[0].self_attn.scaling, rel=1e-12)
+    assert rope.score_factor != 1.0
+    assert isinstance(cache, MlaCache)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("kernels", ["numba", "numpy"])
+def test_logits_match_transformers(ds, variant, kernels):
+    model, _, cmf = ds[variant]
+    ids = arch_tiny.sample_ids(24)
+    ref = arch_tiny.torch_logits(model, ids)
+    with Engine.load(cmf, kernels=kernels) as eng:
+        got = eng.logits(ids)
+    assert arch_tiny.rel_err(got, ref) < 1e-4
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_greedy_tokens_match_transformers(ds, variant):
+    import torch
+
+    model, _, cmf = ds[variant]
+    ids = arch_tiny.sample_ids(8, seed=3)
+    with Engine.load(cmf) as eng:
+        got = eng.generate(ids, SamplingConfig(temperature=0.0), max_tokens=16, ignore_eos=True).token_ids
+    with torch.no_grad():
+        ref = model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False, min_new_tokens=16)[0, 8:].tolist()
+    assert got == ref
+
+
+@pytest.mark.parametrize("kernels", ["numba", "numpy"])
+def test_absorbed_and_expanded_forms_agree(ds, kernels):
+    """A prefill in the absorbed form, in the expanded form, and token by token (absorbed
+    decode over the cache a step at a time): the same logits."""
+    ids = arch_tiny.sample_ids(24, seed=1)
+    assert len(ids) > ABSORB_ROWS  # the default picks the expanded form for this prefill
+    for variant in VARIANTS:
+        model, _, cmf = ds[variant]
+        with Engine.load(cmf, kernels=kernels) as eng:
+            outs = []
+            for absorb in (True, False):
+                m = deepseek_v3.build(eng.cmf, eng.arch, eng.kernels, absorb=absorb)
+                outs.append(m.lm_head(m.final_norm(forward(m.new_state(32), ids))))
+            st = eng.new_state(32)
+            steps = np.concatenate([eng.model.lm_head(eng.model.final_norm(forward(st, [i]))) for i in ids])
+        assert arch_tiny.rel_err(outs[0], outs[1]) < 1e-5
+        assert arch_tiny.rel_err(steps, outs[1]) < 1e-5
+        assert arch_tiny.rel_err(outs[0], arch_tiny.torch_logits(model, ids)) < 1e-4
+
+
+def test_latent_cache_holds_the_latent_and_the_rotary_key(ds):
+    """kv_lora_rank + qk_rope_head_dim values per position (32 + 8 here, against 4 heads x
+    (24 + 16) for expanded keys and values); append / truncate / keep_last / f16 like KVCache."""
+    _, src, cmf = ds["q_lora"]
+    cfg = json.loads((src / "config.json").read_text())
+    per_pos = cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]
+    ids = arch_tiny.sample_ids(20, seed=2)
+    with Engine.load(cmf, kernels="numpy") as eng:
+        st = eng.new_state(32)
+        full = forward(st, ids)
+        for c in st.caches:
+            assert isinstance(c, MlaCache) and c.keys.shape == (1, 32, per_pos) and c.values is c.keys
+            assert c.keys[:, : c.length].size == len(ids) * per_pos and c.writes == len(ids)
+        # Speculative rollback: truncate then re-forward gives the same rows.
+        st.truncate(15)
+        again = forward(st, ids[15:])
+        assert np.array_equal(again, full[15:]) or arch_tiny.rel_err(again, full[15:]) < 1e-6
+        st.evict(8)
+        assert all(c.length == 8 for c in st.caches)
+        assert np.isfinite(forward(st, [1, 2])).all()
+    with Engine.load(cmf, kernels="numpy", kv_cache="f16") as eng:
+        st = eng.new_state(32)
+        half = forward(st, ids)
+        assert st.caches[0].keys.dtype == np.float16 and st.caches[0].keys.shape == (1, 32, per_pos)
+    assert arch_tiny.rel_err(half, full) < 1e-2
+
+
+def test_q8_stays_close(ds, tmp_path):
+    model, src, _ = ds["q_lora"]
+    out = tmp_path / "q8.cmf"
+    convert_checkpoint(src, out, quant="q8")
+    ids = arch_tiny.sample_ids(24)
+    with Engine.load(out) as eng:
+        err = arch_tiny.rel_err(eng.logits(ids), arch_tiny.torch_logits(model, ids))
+    assert 1e-5 < err < 0.05
+
+
+def test_interleave_and_routing_bias_matter(ds, tmp_path):
+    """The checks can fail: the rotary pairs read as halves, or a zero routing bias,
+    move the logits away from transformers'."""
+    model, src, _ = ds["q_lora"]
+    ids = arch_tiny.sample_ids(24)
+    ref = arch_tiny.torch_logits(model, ids)
+    cfg = json.loads((src / "config.json").read_text())
+    t = load_file(str(src / "model.safetensors"))
+    edits = {
+        "halves": ({**cfg, "rope_interleave": False}, t),
+        "no_bias": (cfg, {k: (np.zeros_like(v) if k.endswith("e_score_correction_bias") else v) for k, v in t.items()}),
+    }
+    for name, (c, tensors) in edits.items():
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(c))
+        (folder / "tokenizer.json").write_bytes((src / "tokenizer.json").read_bytes())
+        save_file(tensors, str(folder / "model.safetensors"))
+        convert_checkpoint(folder, folder / "m.cmf", quant="f32")
+        with Engine.load(folder / "m.cmf", kernels="numpy") as eng:
+            assert arch_tiny.rel_err(eng.logits(ids), ref) > 1e-3, name
+
+
+# ------------------------------------------------------------------ MTP
+def _with_mtp(src, folder, seed: int = 5):
+    """``src`` plus the release's MTP layer ``model.layers.{N}.*``: a trunk MoE layer's
+    tensors (release names: per-expert, ``shared_experts``) perturbed, the draft ends,
+    and the per-layer embedding / head copies the converter drops."""
+    shutil.copytree(src, folder)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["num_nextn_predict_layers"] = 1
+    (folder / "config.json").write_text(json.dumps(cfg))
+    n, h = cfg["num_hidden_layers"], cfg["hidden_size"]
+    trunk = load_file(str(src / "model.safetensors"))
+    rng = np.random.default_rng(seed)
+    lay, p = f"model.layers.{n - 1}.", f"model.layers.{n}."
+    out = {}
+    for name, t in trunk.items():
+        if name.startswith(lay):
+            noise = 0.3 * float(np.std(t)) if t.ndim > 1 else 0.1
+            out[p + name[len(lay):]] = (t + noise * rng.standard_normal(t.shape)).astype(np.float32)
+    for name in ("enorm", "hnorm", "shared_head.norm"):
+        out[f"{p}{name}.weight"] = (1 + 0.1 * rng.standard_normal(h)).astype(np.float32)
+    out[p + "eh_proj.weight"] = (rng.standard_normal((h, 2 * h)) * 0.1).astype(np.float32)
+    out[p + "embed_tokens.weight"] = trunk["model.embed_tokens.weight"].copy()
+    out[p + "shared_head.head.weight"] = trunk["lm_head.weight"].copy()
+    save_file(out, str(folder / "mtp.safetensors"))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def ds_mtp(ds, tmp_path_factory):
+    root = tmp_path_factory.mktemp("deepseek_v3_mtp")
+    src = _with_mtp(ds["q_lora"][1], root / "hf")
+    out = root / "m.cmf"
+    rep = convert_checkpoint(src, out, quant="f32")
+    return src, out, rep
+
+
+def test_mtp_layer_goes_to_the_sidecar(ds_mtp):
+    src, out, rep = ds_mtp
+    assert rep.sidecar is not None
+    with CmfFile(out) as main, CmfFile(rep.sidecar) as side:
+        assert not any(".mtp." in n for n in main.names())
+        names = set(side.names())
+        p = "model.mtp.layers.0."
+        for n in ("final_layernorm.weight", "eh_proj.weight", "enorm.weight", "mlp.shared_expert.gate_proj.weight",
+                  "mlp.gate.e_score_correction_bias", "mlp.experts.7.down_proj.weight", "self_attn.q_a_proj.weight",
+                  "self_attn.kv_b_proj.weight", "self_attn.kv_a_layernorm.weight"):
+            assert p + n in names, n
+        assert not any("embed_tokens" in n or "shared_head" in n for n in names)
+        assert side.header["arch"]["mtp"] == {"num_layers": 1, "style": "deepseek"}
+
+
+def test_mtp_block_against_transformers_decoder_layer(ds_mtp):
+    """The draft block (latent attention, routed FFN with the shared expert) against
+    transformers' ``DeepseekV3DecoderLayer`` at the MTP layer's index, loaded with the
+    draft weights; the backbone hidden rows come from the engine."""
+    import torch
+    from transformers import AutoConfig
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as dm
+
+    src, out, _ = ds_mtp
+    ids = arch_tiny.sample_ids(20, seed=4)
+    with Engine.load(out, kernels="numpy", mtp=True) as eng:
+        hidden = forward(eng.new_state(32), ids)
+        layer = eng.drafts.layers[0]
+        k = len(ids) - 1
+        emb = eng.model.embed_ids(ids[1:])
+        u = layer(eng.kernels, emb, hidden[:k], layer.make_cache(32), Step(np.arange(k)))
+        got = eng.model.lm_head(layer.final_norm(u))
+
+    cfg = AutoConfig.from_pretrained(src)
+    cfg._attn_implementation = "eager"
+    n = cfg.num_hidden_layers
+    w = {name: torch.from_numpy(v) for name, v in load_file(str(src / "mtp.safetensors")).items()}
+    p = f"model.layers.{n}."
+    sd = {name[len(p):]: v for name, v in w.items() if name.startswith(p)}
+    ex = lambda e, x: sd.pop(f"mlp.experts.{e}.{x}_proj.weight")  # noqa: E731
+    E = cfg.n_routed_experts
+    sd["mlp.experts.gate_up_proj"] = torch.stack([torch.cat([ex(e, "gate"), ex(e, "up")]) for e in range(E)])
+    sd["mlp.experts.down_proj"] = torch.stack([ex(e, "down") for e in range(E)])
+    norms = {}
+    for name in ("enorm", "hnorm", "shared_head.norm"):
+        norms[name] = dm.DeepseekV3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        norms[name].load_state_dict({"weight": sd.pop(f"{name}.weight")})
+    eh = sd.pop("eh_proj.weight")
+    head = sd.pop("shared_head.head.weight")
+    sd.pop("embed_tokens.weight")
+    block = dm.DeepseekV3DecoderLayer(cfg, n).eval()
+    block.load_state_dict(sd)
+    with torch.no_grad():
+        x = torch.cat([norms["enorm"](torch.from_numpy(emb)), norms["hnorm"](torch.from_numpy(hidden[:k]))], -1) @ eh.T
+        pos = torch.arange(k)[None]
+        pe = dm.DeepseekV3RotaryEmbedding(cfg)(x[None], pos)
+        mask = torch.full((k, k), float("-inf")).triu(1)[None, None]
+        y = block(x[None], position_embeddings=pe, attention_mask=mask, position_ids=pos)
+        y = y[0] if isinstance(y, tuple) else y
+        want = (norms["shared_head.norm"](y[0]) @ head.T).numpy()
+    assert arch_tiny.rel_err(got, want) < 1e-4
+
+
+def test_speculative_with_the_deepseek_sidecar_equals_greedy(ds_mtp):
+    _, out, _ = ds_mtp
+    with Engine.load(out, mtp=True) as eng:
+        stack = eng.drafts
+        assert stack is not None and stack.num_layers == 1 and stack.style == "deepseek"
+        prompt = arch_tiny.sample_ids(12, seed=3)
+        plain = eng.generate(prompt, max_tokens=20, ignore_eos=True, speculative=False).token_ids
+        # threshold 0: the random draft layer would otherwise propose nothing.
+        for depth in (1, 3):
+            res = eng.generate(
+                prompt, max_tokens=20, ignore_eos=True, speculative=SpeculativeConfig(depth=depth, threshold=0, lookup=0)
+            )
+            assert res.token_ids == plain
+            assert res.extra["mtp"]["rounds"] > 0 and res.expert_usage
