@@ -137,3 +137,16 @@ def add_deepseek_mtp_layer(src: str | Path, folder: str | Path, seed: int = 5) -
     out[p + "shared_head.head.weight"] = trunk.get("lm_head.weight", trunk["model.embed_tokens.weight"]).copy()
     save_file(out, str(folder / "mtp.safetensors"))
     return folder
+
+
+# Granite: every multiplier far from 1 (the score scale 30 against head_dim**-0.5 = 0.25),
+# attention biases. SmolLM3: every second layer NoPE and sliding over 5 keys (its default
+# pad id lies past the tiny vocabulary).
+CONFIGS["granite"] = dict(
+    num_hidden_layers=3, attention_bias=True, embedding_multiplier=6.0, residual_multiplier=0.3,
+    attention_multiplier=30.0, logits_scaling=0.25, tie_word_embeddings=True,
+)
+CONFIGS["smollm3"] = dict(
+    num_hidden_layers=4, no_rope_layer_interval=2, use_sliding_window=True, sliding_window=5, attention_bias=True,
+    tie_word_embeddings=True, pad_token_id=None,
+)

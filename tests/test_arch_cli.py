@@ -13,7 +13,8 @@ from cortiq_cli.main import app
 from tests import arch_tiny
 
 runner = CliRunner()
-FAMILIES = ["qwen2_moe", "qwen3_moe", "mixtral", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "mimo_v2_flash"]
+FAMILIES = ["qwen2_moe", "qwen3_moe", "mixtral", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "mimo_v2_flash", "granite", "smollm3"]
+DENSE = ("qwen3_5_text", "granite", "smollm3")
 
 
 def _run(args: list[str]) -> dict:
@@ -41,7 +42,7 @@ def test_convert_ppl_calibrate_generate(tmp_path, mt):
     assert cal["tokens_scored"] == 64 and math.isfinite(cal["overall"]["nll"])
 
     args = ["generate", str(out), "Hello", "--max-tokens", "6", "--json"]
-    moe = mt != "qwen3_5_text"
+    moe = mt not in DENSE
     gen = _run(args + (["--moe-stats"] if moe else []))
     assert len(gen["token_ids"]) == 6
     # Greedy by default: the same tokens transformers picks.

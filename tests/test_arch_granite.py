@@ -18,15 +18,7 @@ from formats.errors import CortiqError
 from tests import arch_tiny
 from tests.tiny import build_tiny
 
-TINY = dict(
-    num_hidden_layers=3,
-    attention_bias=True,
-    embedding_multiplier=6.0,
-    residual_multiplier=0.3,
-    attention_multiplier=30.0,  # head_dim 16: the default scale would be 0.25
-    logits_scaling=0.25,
-    tie_word_embeddings=True,
-)
+TINY = arch_tiny.CONFIGS["granite"]  # every multiplier far from 1, attention biases
 
 
 @pytest.fixture(scope="module")

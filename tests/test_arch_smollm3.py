@@ -20,15 +20,7 @@ from tests import arch_tiny
 from tests.tiny import build_tiny
 
 # Layers 1 and 3 are NoPE and (use_sliding_window) slide over 5 keys; 0 and 2 rotate, full.
-TINY = dict(
-    num_hidden_layers=4,
-    no_rope_layer_interval=2,
-    use_sliding_window=True,
-    sliding_window=5,
-    attention_bias=True,
-    tie_word_embeddings=True,
-    pad_token_id=None,
-)
+TINY = arch_tiny.CONFIGS["smollm3"]
 
 
 def sharpen(model, factor: float = 12.0):

@@ -30,8 +30,8 @@ CASES = (
     + [(mt, "arch_tiny") for mt in arch_tiny.CONFIGS]
     + [("gemma3_text", "gemma3"), ("deepseek", "mtp"), ("qwen3_next", "mtp"), ("mimo", "mtp")]
     + [("gemma2", "tiny"), ("olmo2", "tiny")]
-    + [("granite", "tiny"), ("smollm3", "smollm3")]
     + [("glm4_moe", "mtp")]
+    + [("deepseek_v3", "deepseek_v3"), ("deepseek_v3", "mtp")]
 )
 MTP_TRUNKS = {"deepseek": None, "qwen3_next": "qwen3_next", "mimo": "mimo_v2_flash"}
 
@@ -43,9 +43,11 @@ def _checkpoint(case: str, kind: str, folder):
         return arch_tiny.save(arch_tiny.build(case), folder)
     if kind == "gemma3":
         return arch_tiny.save(build_tiny("gemma3_text", **GEMMA3), folder)
-    if kind == "smollm3":  # NoPE and sliding layers both present; its default pad id is past the tiny vocabulary
-        return arch_tiny.save(build_tiny("smollm3", num_hidden_layers=4, no_rope_layer_interval=2, use_sliding_window=True,
-                                         sliding_window=5, tie_word_embeddings=True, pad_token_id=None), folder)
+    if case == "deepseek_v3":  # latent attention; its release's MTP layer with the "mtp" kind
+        from tests.test_arch_deepseek_v3 import build as build_deepseek_v3
+
+        trunk = arch_tiny.save(build_deepseek_v3("q_lora"), folder / "trunk")
+        return trunk if kind != "mtp" else arch_tiny.add_deepseek_mtp_layer(trunk, folder / "mtp")
     if case == "glm4_moe":  # its release's MTP layer: DeepSeek names around a routed block
         return arch_tiny.add_deepseek_mtp_layer(arch_tiny.save(arch_tiny.build(case), folder / "trunk"), folder / "mtp")
     return save_tiny_mtp(case, folder, n_layers=1 if case == "qwen3_next" else 2, trunk=MTP_TRUNKS[case])
@@ -74,7 +76,7 @@ def test_manifest_is_what_the_converter_writes(case, kind, tmp_path):
 def test_every_family_is_covered_by_a_round_trip_case():
     cfg_types = {c for c, k in CASES if k != "mtp"}
     assert cfg_types == set(FAMILIES.supported_model_types())
-    assert {f.name for f in FAMILIES.families} == {"llama", "moe", "qwen3_next", "mimo_v2", "gemma3", "gemma2", "olmo2", "granite", "smollm3", "glm4_moe"}
+    assert {f.name for f in FAMILIES.families} == {"llama", "moe", "qwen3_next", "mimo_v2", "gemma3", "gemma2", "olmo2", "granite", "smollm3", "glm4_moe", "deepseek_v3"}
 
 
 def test_unknown_model_type_is_one_line_naming_the_supported_ones(tmp_path):
