@@ -17,7 +17,6 @@ from cortiq_engine import Engine, SamplingConfig, SpeculativeConfig, forward
 from cortiq_engine.convert import convert_checkpoint
 from cortiq_engine.layers import Step
 from cortiq_engine.models import FAMILIES, parse_config
-from cortiq_engine.mtp import load_draft_stack
 from formats.cmf import CmfFile
 from formats.errors import CortiqError
 from formats.sanitize import rename
@@ -29,7 +28,10 @@ MT = "glm4_moe"
 # keeps the unnormalized top-k weights and picks 2 of 4 groups.
 VARIANTS = {
     "qk_norm": arch_tiny.CONFIGS[MT],
-    "air": dict(arch_tiny.CONFIGS[MT], use_qk_norm=False, n_shared_experts=2, norm_topk_prob=False, n_group=4, topk_group=2, num_experts_per_tok=3),
+    "air": dict(
+        arch_tiny.CONFIGS[MT], use_qk_norm=False, n_shared_experts=2, norm_topk_prob=False, n_group=4, topk_group=2,
+        num_experts_per_tok=3,
+    ),
 }
 
 
