@@ -13,6 +13,10 @@ Ties go to the lower expert index. The block then groups the positions of a
 batch by expert, so each chosen expert's weights are read once per call and the
 pages of experts nobody chose are never touched. Qwen2-MoE / Qwen3-Next add a
 shared expert scaled by a sigmoid gate.
+
+GPT-OSS adds a router bias to the logits (top-k of the logits, softmax over the k: the
+same weights as softmax, top-k, renormalize) and experts with biases and a clamped
+SwiGLU (``BiasedExpert``).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from formats.arch import MoeConfig
+from formats.errors import CortiqError
 from cortiq_engine.layers import Block, GatedMLP, Step
 from cortiq_engine.weights import Weight
 
@@ -73,6 +78,7 @@ class MoE:
         score_bias: np.ndarray | None = None,
         shared: GatedMLP | None = None,
         shared_gate: Weight | None = None,
+        router_bias: np.ndarray | None = None,
     ):
         self.ks = kernels
         self.cfg = cfg
@@ -81,6 +87,9 @@ class MoE:
         self.score_bias = score_bias
         self.shared = shared
         self.shared_gate = shared_gate
+        self.router_bias = router_bias
+        # Experts with their own biases or activation (GPT-OSS) take the generic path of _one_row.
+        self._plain = not any(isinstance(e, BiasedExpert) for e in experts)
 
     @property
     def num_experts(self) -> int:
@@ -99,7 +108,10 @@ class MoE:
     def __call__(self, x: np.ndarray, usage: np.ndarray | None = None) -> np.ndarray:
         """The FFN output for rows ``x``; adds each row's chosen experts to ``usage`` [experts]."""
         ks = self.ks
-        idx, w = route(ks.matmul((self.router,), x), self.cfg, self.score_bias)
+        logits = ks.matmul((self.router,), x)
+        if self.router_bias is not None:
+            logits += self.router_bias
+        idx, w = route(logits, self.cfg, self.score_bias)
         if usage is not None:
             np.add.at(usage, idx.reshape(-1), 1)
         if x.shape[0] == 1:
@@ -125,6 +137,10 @@ class MoE:
         weight = dict(zip(idx.tolist(), w.tolist()))
         # The same per-row operations, in the same expert order, as ``_grouped``.
         for j, (e, (_, _, down)) in enumerate(zip(order, mats)):
+            if not self._plain:
+                expert = self.experts[e]
+                out += expert.down_rows(expert.activate(gu[:, j * wide : (j + 1) * wide])) * np.float32(weight[e])
+                continue
             a = ks.silu_mul(np.ascontiguousarray(gu[:, j * wide : (j + 1) * wide]))
             out += ks.matmul((down,), a) * np.float32(weight[e])
         return out
@@ -161,3 +177,58 @@ def step_usage(step: Step, layer: int, experts: int) -> np.ndarray | None:
     if layer not in table:
         table[layer] = np.zeros(experts, np.int64)
     return table[layer]
+
+
+class BiasedExpert:
+    """A GPT-OSS expert: ``down(act(gate(x) + bg, up(x) + bu)) + bd`` where, with
+    ``limit`` > 0, gate is clamped above at ``limit`` and up to [-limit, limit], and
+    ``act`` is ``(up + 1) * gate * sigmoid(alpha * gate)`` (``alpha`` 0: ``silu(gate) * up``).
+    Gate and up run as one fused matmul, as ``GatedMLP``'s do."""
+
+    def __init__(
+        self, kernels, gate: Weight, up: Weight, down: Weight,
+        gate_bias: np.ndarray | None, up_bias: np.ndarray | None, down_bias: np.ndarray | None,
+        limit: float = 0.0, alpha: float = 0.0,
+    ):
+        GatedMLP(kernels, gate, up, down)  # refuses shapes that disagree
+        width = gate.rows
+        for name, b, n in (("gate", gate_bias, width), ("up", up_bias, width), ("down", down_bias, down.rows)):
+            if b is not None and b.shape != (n,):
+                raise CortiqError(f"expert {name} bias has {b.size} values, its projection has {n} rows")
+        self.ks = kernels
+        self._gu = (gate, up)
+        self._down = (down,)
+        self.gu_bias = None if gate_bias is None and up_bias is None else np.concatenate(
+            [np.zeros(width, np.float32) if b is None else b.astype(np.float32) for b in (gate_bias, up_bias)]
+        )
+        self.down_bias = None if down_bias is None else down_bias.astype(np.float32)
+        self.limit = np.float32(limit)
+        self.alpha = np.float32(alpha)
+
+    def weights(self) -> list[Weight]:
+        return [*self._gu, *self._down]
+
+    def activate(self, gu: np.ndarray) -> np.ndarray:
+        """[n, 2 * width] gate|up products (biases not yet added) -> [n, width] activations."""
+        if self.gu_bias is not None:
+            gu = gu + self.gu_bias
+        width = gu.shape[1] // 2
+        gate, up = gu[:, :width], gu[:, width:]
+        if self.limit > 0:
+            gate = np.minimum(gate, self.limit)
+            up = np.clip(up, -self.limit, self.limit)
+        one = np.float32(1.0)
+        with np.errstate(over="ignore"):  # exp overflows to inf for very negative gates: sigmoid 0
+            if self.alpha > 0:
+                glu = gate * (one / (one + np.exp(-(gate * self.alpha))))
+                return np.ascontiguousarray((up + one) * glu, dtype=np.float32)
+            return np.ascontiguousarray(gate * (one / (one + np.exp(-gate))) * up, dtype=np.float32)
+
+    def down_rows(self, a: np.ndarray) -> np.ndarray:
+        y = self.ks.matmul(self._down, a)
+        if self.down_bias is not None:
+            y += self.down_bias
+        return y
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        return self.down_rows(self.activate(self.ks.matmul(self._gu, x)))

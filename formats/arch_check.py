@@ -214,6 +214,10 @@ def _moe(w: str, m: MoeConfig, n_layers: int) -> None:
     _positive(w, "routed_scaling_factor", m.routed_scaling_factor)
     if m.scoring not in ("softmax", "sigmoid"):
         raise CortiqError(f"{w}.scoring is {_show(m.scoring)}, expected softmax or sigmoid")
+    for name in ("swiglu_limit", "swiglu_alpha"):
+        v = getattr(m, name)
+        if not (math.isfinite(v) and 0 <= v <= 1e6):
+            raise CortiqError(f"{w}.{name} is {v}, expected a finite number in [0, 1e6]")
     bad = [i for i in m.moe_layers if not 0 <= i < n_layers]
     if bad or len(set(m.moe_layers)) != len(m.moe_layers):
         raise CortiqError(f"{w}.moe_layers {_show(m.moe_layers)} is not a set of layer indices 0..{n_layers - 1}")

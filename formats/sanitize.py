@@ -30,6 +30,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from formats.errors import CortiqError
+from formats import mxfp4
 from formats.quants import bf16_to_f32, rows_cols
 
 # Every family: multimodal wrappers' text model prefix, and their non-LM parts dropped.
@@ -47,6 +48,9 @@ class SanitizeRules:
     renames: tuple[tuple[str, str], ...] = ()  # (regex, replacement), applied in order
     split_fused_experts: bool = False
     squeeze_conv: bool = False
+    # GPT-OSS: fused experts [E, in, 2 * out] with gate/up interleaved along the last dim,
+    # per-expert biases, and MXFP4 ``*_blocks`` / ``*_scales`` (``InterleavedExperts``).
+    interleaved_experts: bool = False
 
 
 NO_RULES = SanitizeRules()
@@ -178,9 +182,184 @@ class SanitizedCheckpoint:
 def sanitize_checkpoint(ck: Any, rules: SanitizeRules = NO_RULES) -> Any:
     """``ck`` under the engine's tensor names (``rules``: the family's); ``ck`` itself
     when nothing needs renaming."""
-    view = SanitizedCheckpoint(ck, rules)
+    view = (InterleavedExperts if rules.interleaved_experts else SanitizedCheckpoint)(ck, rules)
     if all(view.source_of(n) == n and tuple(ck.shape(n)) == view.shape(n) for n in view.names()) and len(
         view.names()
     ) == len(ck.names()):
         return ck
     return view
+
+
+# ------------------------------------------------------------------ interleaved fused experts
+_INTERLEAVED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?$")
+
+
+@dataclass(frozen=True)
+class _View:
+    """A virtual 1-D or 2-D tensor computed from source tensors a row range at a time:
+    ``read(r0, r1)`` is rows r0..r1 as f32 [r1 - r0, cols] (a 1-D tensor is one row)."""
+
+    source: str
+    shape: tuple[int, ...]
+    dtype: str
+    read: Any
+
+
+class InterleavedExperts(SanitizedCheckpoint):
+    """GPT-OSS's fused experts as the engine's per-expert ``mlp.experts.E.{gate,up,down}_proj``
+    weights [out, in] and biases, computed per expert and row range, never a whole stack:
+
+    - ``gate_up_proj`` [E, H, 2I]: gate = columns 0::2, up = columns 1::2, transposed;
+      ``down_proj`` [E, I, H] transposed; ``gate_up_proj_bias`` [E, 2I] split the same way,
+      ``down_proj_bias`` [E, H] per expert;
+    - MXFP4 (the release): ``gate_up_proj_blocks`` [E, 2I, H/32, 16] with
+      ``gate_up_proj_scales`` [E, 2I, H/32] (rows already [out, in], gate = rows 0::2),
+      ``down_proj_blocks`` [E, H, I/32, 16] with ``down_proj_scales``, decoded by
+      ``formats.mxfp4``. Decoded values are exact in bfloat16, which is what they report.
+    """
+
+    def __init__(self, ck: Any, rules: SanitizeRules = NO_RULES):
+        super().__init__(ck, rules)
+        groups: dict[str, dict[str, str]] = {}
+        for new in list(self._map):
+            m = _INTERLEAVED.match(new)
+            if m and len(self._map[new].shape) in (2, 3, 4):
+                groups.setdefault(m.group(1), {})[m.group(2) + (m.group(3) or "")] = self._map.pop(new).source
+        self._views: dict[str, _View] = {}
+        for base, parts in groups.items():
+            for new, view in self._expert_views(base, parts).items():
+                if new in self._map or new in self._views:
+                    raise CortiqError(f"checkpoint tensor {view.source} and another both map to {new}")
+                self._views[new] = view
+
+    # --------------------------------------------------------------- building the views
+    def _src_f32(self, src: str, a: np.ndarray) -> np.ndarray:
+        if self._ck.source_dtype(src) == "BF16":
+            return bf16_to_f32(a)
+        return np.asarray(a).astype(np.float32, copy=False)
+
+    def _expert_views(self, base: str, parts: dict[str, str]) -> dict[str, _View]:
+        ck, out = self._ck, {}
+        for proj in ("gate_up_proj", "down_proj"):
+            plain, blocks, scales = parts.get(proj), parts.get(proj + "_blocks"), parts.get(proj + "_scales")
+            if plain is not None and (blocks or scales):
+                raise CortiqError(f"checkpoint has both {plain} and its MXFP4 blocks")
+            if (blocks is None) != (scales is None):
+                have = blocks or scales
+                raise CortiqError(f"MXFP4 tensor {have} has no {'scales' if blocks else 'blocks'} beside it")
+            if plain is not None:
+                shape = tuple(int(d) for d in ck.shape(plain))
+                if len(shape) != 3:
+                    raise CortiqError(f"tensor {plain} has shape {list(shape)}: expected 3 dimensions [experts, in, out]")
+                e, inner, outer = shape  # [E, in, out]: row r of the engine's weight is column r
+                if proj == "gate_up_proj":
+                    if outer % 2:
+                        raise CortiqError(f"tensor {plain} has shape {list(shape)}: expected [experts, hidden, 2 * intermediate]")
+                    for k in range(e):
+                        for half, name in ((0, "gate_proj"), (1, "up_proj")):
+                            out[f"{base}.{k}.{name}.weight"] = _View(
+                                plain, (outer // 2, inner), self._source_dtype(plain), self._columns(plain, k, half, 2)
+                            )
+                else:
+                    for k in range(e):
+                        out[f"{base}.{k}.down_proj.weight"] = _View(
+                            plain, (outer, inner), self._source_dtype(plain), self._columns(plain, k, 0, 1)
+                        )
+            elif blocks is not None:
+                bshape = tuple(int(d) for d in ck.shape(blocks))
+                sshape = tuple(int(d) for d in ck.shape(scales))
+                shape = mxfp4.check_pair(blocks, bshape, ck.source_dtype(blocks), scales, sshape, ck.source_dtype(scales))
+                if len(shape) != 3:
+                    raise CortiqError(f"MXFP4 tensor {blocks} has shape {list(bshape)}: expected [experts, out, groups, 16]")
+                e, rows, cols = shape
+                if proj == "gate_up_proj":
+                    if rows % 2:
+                        raise CortiqError(f"MXFP4 tensor {blocks} has {rows} rows per expert: expected 2 * intermediate")
+                    for k in range(e):
+                        for half, name in ((0, "gate_proj"), (1, "up_proj")):
+                            out[f"{base}.{k}.{name}.weight"] = _View(
+                                blocks, (rows // 2, cols), "BF16", self._mxfp4_rows(blocks, scales, k, half, 2)
+                            )
+                else:
+                    for k in range(e):
+                        out[f"{base}.{k}.down_proj.weight"] = _View(
+                            blocks, (rows, cols), "BF16", self._mxfp4_rows(blocks, scales, k, 0, 1)
+                        )
+            bias = parts.get(proj + "_bias")
+            if bias is not None:
+                shape = tuple(int(d) for d in ck.shape(bias))
+                if len(shape) != 2 or (proj == "gate_up_proj" and shape[1] % 2):
+                    raise CortiqError(f"tensor {bias} has shape {list(shape)}: expected [experts, {'2 * ' if proj == 'gate_up_proj' else ''}width]")
+                names = (("gate_proj", 0, 2), ("up_proj", 1, 2)) if proj == "gate_up_proj" else (("down_proj", 0, 1),)
+                for k in range(shape[0]):
+                    for name, half, step in names:
+                        out[f"{base}.{k}.{name}.bias"] = _View(
+                            bias, (shape[1] // step,), self._source_dtype(bias), self._bias(bias, k, half, step)
+                        )
+        return out
+
+    def _source_dtype(self, src: str) -> str:
+        return self._ck.source_dtype(src)
+
+    def _columns(self, src: str, k: int, first: int, step: int):
+        """Rows r0..r1 of expert ``k``'s weight: source columns first + step * r, transposed."""
+
+        def read(r0: int, r1: int) -> np.ndarray:
+            a = self._ck.raw(src)[k][:, first + step * r0 : first + step * r1 : step]
+            return np.ascontiguousarray(self._src_f32(src, a).T)
+
+        return read
+
+    def _mxfp4_rows(self, blocks: str, scales: str, k: int, first: int, step: int):
+        """Rows r0..r1 of expert ``k``'s weight: decoded block rows first + step * r."""
+        def read(r0: int, r1: int) -> np.ndarray:
+            sl = slice(first + step * r0, first + step * r1, step)
+            return mxfp4.decode(self._ck.raw(blocks)[k, sl], self._ck.raw(scales)[k, sl], blocks)
+
+        return read
+
+    def _bias(self, src: str, k: int, first: int, step: int):
+        def read(r0: int, r1: int) -> np.ndarray:
+            return self._src_f32(src, self._ck.raw(src)[k, first::step]).reshape(1, -1)
+
+        return read
+
+    # --------------------------------------------------------------- the checkpoint reads
+    def names(self) -> list[str]:
+        return [*self._map, *self._views]
+
+    def source_of(self, name: str) -> str:
+        return self._views[name].source if name in self._views else super().source_of(name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._views[name].shape if name in self._views else super().shape(name)
+
+    def source_dtype(self, name: str) -> str:
+        return self._views[name].dtype if name in self._views else super().source_dtype(name)
+
+    def iter_f32_rows(self, name: str, max_elems: int = 1 << 20) -> Iterator[np.ndarray]:
+        if name not in self._views:
+            yield from super().iter_f32_rows(name, max_elems)
+            return
+        v = self._views[name]
+        rows, cols = rows_cols(v.shape)
+        step = max(1, max_elems // max(cols, 1))
+        for r0 in range(0, rows, step):
+            yield v.read(r0, min(rows, r0 + step))
+        # The expert's source pages are read across a whole stack's rows: hand them back.
+        self._ck.release_pages()
+
+    def tensor(self, name: str) -> np.ndarray:
+        if name not in self._views:
+            return super().tensor(name)
+        v = self._views[name]
+        return np.concatenate(list(self.iter_f32_rows(name)), axis=0).reshape(v.shape)
+
+    def sample_f32(self, name: str, count: int = 64) -> np.ndarray:
+        if name not in self._views:
+            return super().sample_f32(name, count)
+        v = self._views[name]
+        rows, cols = rows_cols(v.shape)
+        picks = np.unique(np.linspace(0, rows - 1, num=min(count, rows)).astype(np.int64))
+        vals = [v.read(int(r), int(r) + 1)[0, int(r) % cols] for r in picks]
+        return np.asarray(vals, dtype=np.float32)

@@ -217,6 +217,13 @@ def moe(arch: ArchConfig, p: str) -> Manifest:
         m.required[p + "mlp.shared_expert_gate.weight"] = (1, h)
     if mc.score_bias:
         m.required[p + "mlp.gate.e_score_correction_bias"] = (mc.num_experts,)
+    if mc.router_bias:
+        m.required[p + "mlp.gate.bias"] = (mc.num_experts,)
+    if mc.expert_bias:
+        inter = mc.expert_intermediate_size
+        for e in range(mc.num_experts):
+            q = f"{p}mlp.experts.{e}."
+            m.required.update({q + "gate_proj.bias": (inter,), q + "up_proj.bias": (inter,), q + "down_proj.bias": (h,)})
     return m
 
 

@@ -18,7 +18,7 @@ from formats.manifest import Manifest
 from cortiq_engine.layers import Attention, AttentionWeights, Block, GatedMLP, RMSNorm, RoPE
 from cortiq_engine.models import base
 from cortiq_engine.models.base import DraftLayer, Geometry, draft_prefix, wrap_draft
-from cortiq_engine.moe import MoE, MoeBlock
+from cortiq_engine.moe import BiasedExpert, MoE, MoeBlock
 from cortiq_engine.weights import Weight, load_vector, load_weight
 
 
@@ -127,13 +127,17 @@ def load_moe(cmf: CmfFile, arch: ArchConfig, kernels, p: str) -> MoE:
     m = arch.moe
     if m.scoring not in ("softmax", "sigmoid"):
         raise CortiqError(f"{cmf.path}: MoE scoring {m.scoring!r} is not supported (supported: softmax, sigmoid)")
-    experts = [gated_mlp(cmf, kernels, f"{p}mlp.experts.{e}.") for e in range(m.num_experts)]
+    if m.expert_bias or m.swiglu_alpha or m.swiglu_limit:
+        experts = [biased_expert(cmf, arch, kernels, f"{p}mlp.experts.{e}.") for e in range(m.num_experts)]
+    else:
+        experts = [gated_mlp(cmf, kernels, f"{p}mlp.experts.{e}.") for e in range(m.num_experts)]
     shared = gated_mlp(cmf, kernels, f"{p}mlp.shared_expert.") if m.shared_expert_intermediate_size else None
     shared_gate = load_weight(cmf, f"{p}mlp.shared_expert_gate.weight") if m.shared_expert_gate else None
     bias = load_vector(cmf, f"{p}mlp.gate.e_score_correction_bias", m.num_experts) if m.score_bias else None
+    router_bias = load_vector(cmf, f"{p}mlp.gate.bias", m.num_experts) if m.router_bias else None
     return MoE(
         kernels, m, load_weight(cmf, f"{p}mlp.gate.weight"), experts,
-        score_bias=bias, shared=shared, shared_gate=shared_gate,
+        score_bias=bias, shared=shared, shared_gate=shared_gate, router_bias=router_bias,
     )
 
 
@@ -193,3 +197,15 @@ def routed_draft_layer(cmf: CmfFile, k: int, arch: ArchConfig, kernels) -> Draft
     mlp = load_moe(cmf, arch, kernels, p) if arch.moe is not None else gated_mlp(cmf, kernels, p + "mlp.")
     block = draft_block(cmf, p, arch, kernels, draft_attention(cmf, p, arch, kernels), mlp)
     return wrap_draft(cmf, k, arch, kernels, block)
+
+
+def biased_expert(cmf: CmfFile, arch: ArchConfig, kernels, p: str) -> BiasedExpert:
+    """The expert under prefix ``p`` with its biases (when ``arch.moe.expert_bias``) and
+    the clamped SwiGLU of ``arch.moe`` (GPT-OSS)."""
+    m = arch.moe
+    gate, up, down = (load_weight(cmf, f"{p}{x}_proj.weight") for x in ("gate", "up", "down"))
+    biases = [
+        load_vector(cmf, f"{p}{x}_proj.bias", w.rows) if m.expert_bias else None
+        for x, w in (("gate", gate), ("up", up), ("down", down))
+    ]
+    return BiasedExpert(kernels, gate, up, down, *biases, limit=m.swiglu_limit, alpha=m.swiglu_alpha)
