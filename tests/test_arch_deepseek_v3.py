@@ -54,6 +54,19 @@ def build(variant: str, seed: int = 0):
     return model
 
 
+def save_checkpoint(folder, model_type: str = MT, mtp: bool = False):
+    """The "q_lora" variant as an HF folder under ``folder``; ``model_type`` "kimi_k2" relabels
+    it as Kimi K2 ships it; ``mtp``: with the release-named MTP layer (test_families' cases)."""
+    from pathlib import Path
+
+    folder = Path(folder)
+    src = arch_tiny.save(build("q_lora"), folder / "trunk")
+    if model_type != MT:
+        cfg = json.loads((src / "config.json").read_text())
+        (src / "config.json").write_text(json.dumps({**cfg, "model_type": model_type}))
+    return _with_mtp(src, folder / "mtp") if mtp else src
+
+
 @pytest.fixture(scope="module")
 def ds(tmp_path_factory):
     """variant -> (transformers model, HF folder, f32 CMF)."""
@@ -94,6 +107,17 @@ def test_unsupported_settings_are_refused(ds, edit, message):
     cfg.pop("q_lora_rank")
     with pytest.raises(CortiqError, match="q_lora_rank"):
         parse_config(cfg)
+
+
+def test_kimi_k2_is_the_same_architecture(ds, tmp_path):
+    """Kimi K2's config (model_type kimi_k2) parses and runs as DeepSeek-V3."""
+    model, _, _ = ds["q_lora"]
+    src = save_checkpoint(tmp_path / "kimi", "kimi_k2")
+    assert parse_config(json.loads((src / "config.json").read_text())).arch == "deepseek_v3"
+    convert_checkpoint(src, tmp_path / "k.cmf", quant="f32")
+    ids = arch_tiny.sample_ids(24)
+    with Engine.load(tmp_path / "k.cmf", kernels="numpy") as eng:
+        assert arch_tiny.rel_err(eng.logits(ids), arch_tiny.torch_logits(model, ids)) < 1e-4
 
 
 def test_yarn_tables_and_score_scale_match_transformers(ds):

@@ -31,7 +31,7 @@ CASES = (
     + [("gemma3_text", "gemma3"), ("deepseek", "mtp"), ("qwen3_next", "mtp"), ("mimo", "mtp")]
     + [("gemma2", "tiny"), ("olmo2", "tiny")]
     + [("glm4_moe", "mtp")]
-    + [("deepseek_v3", "deepseek_v3"), ("deepseek_v3", "mtp")]
+    + [("deepseek_v3", "deepseek_v3"), ("deepseek_v3", "mtp"), ("kimi_k2", "deepseek_v3")]
 )
 MTP_TRUNKS = {"deepseek": None, "qwen3_next": "qwen3_next", "mimo": "mimo_v2_flash"}
 
@@ -43,11 +43,10 @@ def _checkpoint(case: str, kind: str, folder):
         return arch_tiny.save(arch_tiny.build(case), folder)
     if kind == "gemma3":
         return arch_tiny.save(build_tiny("gemma3_text", **GEMMA3), folder)
-    if case == "deepseek_v3":  # latent attention; its release's MTP layer with the "mtp" kind
-        from tests.test_arch_deepseek_v3 import build as build_deepseek_v3
+    if case in ("deepseek_v3", "kimi_k2"):  # latent attention; its release's MTP layer with the "mtp" kind
+        from tests.test_arch_deepseek_v3 import save_checkpoint
 
-        trunk = arch_tiny.save(build_deepseek_v3("q_lora"), folder / "trunk")
-        return trunk if kind != "mtp" else arch_tiny.add_deepseek_mtp_layer(trunk, folder / "mtp")
+        return save_checkpoint(folder, case, mtp=kind == "mtp")
     if case == "glm4_moe":  # its release's MTP layer: DeepSeek names around a routed block
         return arch_tiny.add_deepseek_mtp_layer(arch_tiny.save(arch_tiny.build(case), folder / "trunk"), folder / "mtp")
     return save_tiny_mtp(case, folder, n_layers=1 if case == "qwen3_next" else 2, trunk=MTP_TRUNKS[case])

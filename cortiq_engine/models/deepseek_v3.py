@@ -1,5 +1,5 @@
-"""DeepSeek-V3 (and DeepSeek-R1, Kimi K2: the same shapes): multi-head latent attention
-(``cortiq_engine.mla``) in every layer, a dense SwiGLU MLP on the first
+"""DeepSeek-V3 and DeepSeek-R1 (``deepseek_v3``), Kimi K2 (``kimi_k2``, the same architecture):
+multi-head latent attention (``cortiq_engine.mla``) in every layer, a dense SwiGLU MLP on the first
 ``first_k_dense_replace`` layers and a sigmoid-routed MoE after them (a learned choice
 bias, ``n_group`` groups of which ``topk_group`` are eligible, weights renormalized and
 scaled by ``routed_scaling_factor``) plus always-on shared experts.
@@ -48,9 +48,12 @@ def _opt(cfg: dict[str, Any], key: str) -> Any:
 
 
 def _deepseek_v3(cfg: dict[str, Any]) -> ArchConfig:
+    """DeepSeek-V3 / R1 (``deepseek_v3``) and Kimi K2 (``kimi_k2``: the same architecture
+    and names, its own routing sizes)."""
+    mt = cfg.get("model_type")
     for key, want in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
         if cfg.get(key) not in (None, want):
-            raise CortiqError(f"config.json {key} {cfg[key]!r} is not supported for deepseek_v3 (supported: {want})")
+            raise CortiqError(f"config.json {key} {cfg[key]!r} is not supported for {mt} (supported: {want})")
     if cfg.get("moe_layer_freq") not in (None, 1):
         raise CortiqError(f"config.json moe_layer_freq {cfg['moe_layer_freq']!r} is not supported (every layer past first_k_dense_replace is MoE)")
     if "q_lora_rank" not in cfg:
@@ -178,7 +181,7 @@ def draft_layer(cmf: CmfFile, k: int, arch: ArchConfig, kernels) -> DraftLayer:
 
 FAMILY = Family(
     name="deepseek_v3",
-    parsers={"deepseek_v3": _deepseek_v3},
+    parsers={"deepseek_v3": _deepseek_v3, "kimi_k2": _deepseek_v3},
     archs=("deepseek_v3",),
     manifest=manifest,
     build=build,
