@@ -167,10 +167,8 @@ class MlaAttention:
         self.absorb = absorb
         self.eps = float(latent_eps)
         self.scale = float((self.nope + self.r) ** -0.5 * rope.score_factor)
-        half = self.r // 2
         # Interleaved pairs -> [evens | odds]: the layout the half-split rotation takes.
         self.perm = np.concatenate([np.arange(0, self.r, 2), np.arange(1, self.r, 2)]) if m.rope_interleave else None
-        self._half = half
         self._in = (w.q_a, w.kv_a) if w.q_a is not None else (w.q_b, w.kv_a)
         in_bias = [w.q_a_bias if w.q_a is not None else None, w.kv_a_bias]
         self._in_bias = None
@@ -209,7 +207,9 @@ class MlaAttention:
             if v is not None and v.shape != (size,):
                 raise CortiqError(f"{name} has {v.size} values, the latent attention needs {size}")
         if min(nh, nope, r, rank, vd) < 1 or r % 2:
-            raise CortiqError(f"latent attention with {nh} heads, nope {nope}, rope {r}, rank {rank}, v {vd}: not a valid geometry")
+            raise CortiqError(
+                f"latent attention with {nh} heads, nope {nope}, rope {r}, rank {rank}, v {vd}: not a valid geometry"
+            )
         if rope.rotary_dim != r:
             raise CortiqError(f"rotary_dim {rope.rotary_dim} does not match qk_rope_head_dim {r}")
 
@@ -217,7 +217,7 @@ class MlaAttention:
         return MlaCache(self.rank, self.r, capacity, kv_dtype(kv))
 
     def weights(self) -> list[Weight]:
-        return [*(x for x in (self.w.q_a, self.w.q_b, self.w.kv_a, self.w.kv_b, self.w.o) if x is not None)]
+        return [x for x in (self.w.q_a, self.w.q_b, self.w.kv_a, self.w.kv_b, self.w.o) if x is not None]
 
     def _halves(self, x: np.ndarray) -> np.ndarray:
         """The rotary part as the half-split rotation takes it (contiguous)."""

@@ -353,3 +353,14 @@ def test_speculative_with_the_deepseek_sidecar_equals_greedy(ds_mtp):
             )
             assert res.token_ids == plain
             assert res.extra["mtp"]["rounds"] > 0 and res.expert_usage
+
+
+def test_mtp_layer_with_wrong_latent_geometry_is_refused(ds, tmp_path):
+    src = _with_mtp(ds["q_lora"][1], tmp_path / "hf")
+    cfg = json.loads((src / "config.json").read_text())
+    t = load_file(str(src / "mtp.safetensors"))
+    name = f"model.layers.{cfg['num_hidden_layers']}.self_attn.kv_b_proj.weight"
+    t[name] = t[name][:, :16].copy()  # a latent of 16 where kv_lora_rank says 32
+    save_file(t, str(src / "mtp.safetensors"))
+    with pytest.raises(CortiqError, match="kv_b_proj"):
+        convert_checkpoint(src, tmp_path / "bad.cmf", quant="f32")

@@ -55,7 +55,9 @@ def _deepseek_v3(cfg: dict[str, Any]) -> ArchConfig:
         if cfg.get(key) not in (None, want):
             raise CortiqError(f"config.json {key} {cfg[key]!r} is not supported for {mt} (supported: {want})")
     if cfg.get("moe_layer_freq") not in (None, 1):
-        raise CortiqError(f"config.json moe_layer_freq {cfg['moe_layer_freq']!r} is not supported (every layer past first_k_dense_replace is MoE)")
+        raise CortiqError(
+            f"config.json moe_layer_freq {cfg['moe_layer_freq']!r} is not supported (every layer past first_k_dense_replace is MoE)"
+        )
     if "q_lora_rank" not in cfg:
         raise CortiqError("config.json has no 'q_lora_rank' (null when q_proj reads the hidden state directly)")
     flat = {k: v for k, v in cfg.items() if k not in ("head_dim", "partial_rotary_factor")}
@@ -63,7 +65,9 @@ def _deepseek_v3(cfg: dict[str, Any]) -> ArchConfig:
     n, heads = d["num_layers"], d["num_heads"]
     kv_heads = cfg.get("num_key_value_heads")
     if kv_heads not in (None, heads):
-        raise CortiqError(f"config.json num_key_value_heads {kv_heads} != num_attention_heads {heads}: latent attention expands every head")
+        raise CortiqError(
+            f"config.json num_key_value_heads {kv_heads} != num_attention_heads {heads}: latent attention expands every head"
+        )
     mla = MlaConfig(
         q_lora_rank=int(cfg.get("q_lora_rank") or 0),
         kv_lora_rank=int(req(cfg, "kv_lora_rank")),
