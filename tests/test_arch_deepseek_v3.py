@@ -173,6 +173,10 @@ def test_absorbed_and_expanded_forms_agree(ds, kernels):
             for absorb in (True, False):
                 m = deepseek_v3.build(eng.cmf, eng.arch, eng.kernels, absorb=absorb)
                 outs.append(m.lm_head(m.final_norm(forward(m.new_state(32), ids))))
+                # Two chunks: the second attends over latents the first one cached.
+                st = m.new_state(32)
+                chunks = np.concatenate([forward(st, ids[:10]), forward(st, ids[10:])])
+                assert arch_tiny.rel_err(m.lm_head(m.final_norm(chunks)), outs[-1]) < 1e-5
             st = eng.new_state(32)
             steps = np.concatenate([eng.model.lm_head(eng.model.final_norm(forward(st, [i]))) for i in ids])
         assert arch_tiny.rel_err(outs[0], outs[1]) < 1e-5
