@@ -552,7 +552,7 @@ def _convert(
     t0 = time.perf_counter()
     family, arch = arch_from_config(families, ck.config)
     policy = replace(policy, layers=arch.num_layers)  # the mixed presets pick layers
-    ck = sanitize_checkpoint(ck, family.sanitize)  # the exporter's names -> the engine's
+    ck = sanitize_checkpoint(ck, family.rules_for(ck.config))  # the exporter's names -> the engine's
     plan = _plan(ck, arch, family, check_mtp=mtp_mode != "drop")
     mtp_plan = [p for p in plan if p.mtp]
     if mtp_plan:

@@ -14,7 +14,11 @@ only applies them, together with what every family shares:
   keeps in memory) are split into per-expert 2-D
   ``mlp.experts.E.{gate,up,down}_proj.weight``;
 - ``rules.squeeze_conv``: Gated DeltaNet's depthwise ``conv1d.weight`` [C, 1, K]
-  becomes [C, K].
+  becomes [C, K];
+- ``rules.split_rows``: a fused 2-D tensor is split by rows into named parts (Phi-3's
+  ``self_attn.qkv_proj`` into q/k/v and ``mlp.gate_up_proj`` into gate/up); the row
+  counts come from config.json, so such rules are built per checkpoint
+  (``Family.sanitize_for``).
 
 Split and reshaped tensors are read straight from the source's memory map, a row
 range at a time; nothing is copied up front.
@@ -48,6 +52,9 @@ class SanitizeRules:
     renames: tuple[tuple[str, str], ...] = ()  # (regex, replacement), applied in order
     split_fused_experts: bool = False
     squeeze_conv: bool = False
+    # (regex, ((replacement, rows), ...)): a 2-D tensor whose name (after the renames)
+    # fully matches is split into those parts, top rows first; the counts must add up.
+    split_rows: tuple[tuple[str, tuple[tuple[str, int], ...]], ...] = ()
     # GPT-OSS: fused experts [E, in, 2 * out] with gate/up interleaved along the last dim,
     # per-expert biases, and MXFP4 ``*_blocks`` / ``*_scales`` (``InterleavedExperts``).
     interleaved_experts: bool = False
@@ -102,6 +109,27 @@ def split_fused_experts(name: str, shape: tuple[int, ...], rules: SanitizeRules 
     return {}
 
 
+def split_fused_rows(name: str, source: str, shape: tuple[int, ...], rules: SanitizeRules) -> dict[str, _Slice]:
+    """Row ranges of ``source`` (named ``name`` after the renames) for the first
+    ``rules.split_rows`` rule that matches it; empty when none does."""
+    for pat, parts in rules.split_rows:
+        m = re.fullmatch(pat, name)
+        if m is None:
+            continue
+        want = [int(r) for _, r in parts]
+        if len(shape) != 2 or shape[0] != sum(want) or min(want) < 1:
+            raise CortiqError(
+                f"tensor {source} has shape {list(shape)}: expected [{' + '.join(map(str, want))}, columns] "
+                f"(fused {', '.join(m.expand(r) for r, _ in parts)})"
+            )
+        out, r0 = {}, 0
+        for (replacement, _), rows in zip(parts, want):
+            out[m.expand(replacement)] = _Slice(source, r0, r0 + rows, (rows, shape[1]))
+            r0 += rows
+        return out
+    return {}
+
+
 class SanitizedCheckpoint:
     """An ``HFCheckpoint`` seen under the engine's tensor names (see the module doc).
 
@@ -119,6 +147,8 @@ class SanitizedCheckpoint:
                 new = rename(src, rules)
                 if new is None:
                     continue
+                parts = split_fused_rows(new, src, shape, rules) if rules.split_rows else {}
+            if not parts:
                 if rules.squeeze_conv and _CONV.search(new) and len(shape) == 3 and shape[1] == 1:
                     shape = (shape[0], shape[2])
                 parts = {new: _Slice(src, 0, rows_cols(shape)[0], shape)}

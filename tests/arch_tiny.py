@@ -150,3 +150,8 @@ CONFIGS["smollm3"] = dict(
     num_hidden_layers=4, no_rope_layer_interval=2, use_sliding_window=True, sliding_window=5, attention_bias=True,
     tie_word_embeddings=True, pad_token_id=None,
 )
+
+
+# Phi-3: its fused qkv_proj / gate_up_proj, a sliding window of 5 (its default pad id lies
+# past the tiny vocabulary).
+CONFIGS["phi3"] = dict(pad_token_id=None, sliding_window=5)

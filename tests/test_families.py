@@ -75,7 +75,7 @@ def test_manifest_is_what_the_converter_writes(case, kind, tmp_path):
 def test_every_family_is_covered_by_a_round_trip_case():
     cfg_types = {c for c, k in CASES if k != "mtp"}
     assert cfg_types == set(FAMILIES.supported_model_types())
-    assert {f.name for f in FAMILIES.families} == {"llama", "moe", "qwen3_next", "mimo_v2", "gemma3", "gemma2", "olmo2", "granite", "smollm3", "glm4_moe", "deepseek_v3", "gpt_oss"}
+    assert {f.name for f in FAMILIES.families} == {"llama", "moe", "qwen3_next", "mimo_v2", "gemma3", "gemma2", "olmo2", "granite", "smollm3", "glm4_moe", "deepseek_v3", "gpt_oss", "phi3"}
 
 
 def test_unknown_model_type_is_one_line_naming_the_supported_ones(tmp_path):

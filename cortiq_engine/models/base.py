@@ -53,6 +53,12 @@ class Family:
     sanitize: SanitizeRules = NO_RULES
     activations: tuple[str, ...] = ACTIVATIONS
     mtp_style: str | None = None
+    # Name rules that depend on config.json (sizes of fused tensors to split); None: ``sanitize``.
+    sanitize_for: Callable[[Mapping[str, Any]], SanitizeRules] | None = None
+
+    def rules_for(self, config: Mapping[str, Any]) -> SanitizeRules:
+        """The checkpoint-name rules for a checkpoint with this config.json."""
+        return self.sanitize_for(config) if self.sanitize_for is not None else self.sanitize
 
     @property
     def model_types(self) -> tuple[str, ...]:

@@ -1,0 +1,243 @@
+"""Phi-3 (Phi-3, Phi-3.5-mini, Phi-4-mini) on tiny random checkpoints against
+transformers' Phi3ForCausalLM: the fused qkv_proj / gate_up_proj split at conversion,
+a sliding window, LongRoPE whose prompt plus generation crosses
+original_max_position_embeddings, and partial rotary with tied embeddings (the
+Phi-4-mini shape). Also the rotary tables against Phi3RotaryEmbedding and the
+refusals of what the engine does not compute.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from cortiq_engine import Engine, SamplingConfig
+from cortiq_engine.convert import convert_checkpoint
+from cortiq_engine.layers import RoPE
+from cortiq_engine.models import FAMILIES, parse_config
+from formats.arch import LAYER_FULL, LAYER_SLIDING
+from formats.cmf import CmfFile
+from formats.errors import CortiqError
+from formats.sanitize import SanitizeRules, split_fused_rows
+from tests import arch_tiny
+from tests.tiny import build_tiny
+
+ORIG = 32  # original_max_position_embeddings: the 24-token prompt is within it, prompt + 16 is past it
+PROMPT, NEW = 24, 16
+
+
+def _factors(n: int, seed: int, lo: float, hi: float) -> list[float]:
+    return [float(x) for x in np.random.default_rng(seed).uniform(lo, hi, n)]
+
+
+def _longrope(rotary_dim: int) -> dict:
+    return {
+        "rope_type": "longrope", "rope_theta": 10000.0,
+        "short_factor": _factors(rotary_dim // 2, 1, 1.0, 2.0), "long_factor": _factors(rotary_dim // 2, 2, 2.0, 6.0),
+    }
+
+
+COMMON = dict(pad_token_id=None, max_position_embeddings=256)
+CONFIGS = {
+    "plain": dict(COMMON),
+    "sliding": dict(COMMON, sliding_window=7),
+    "longrope": dict(COMMON, original_max_position_embeddings=ORIG, rope_parameters=_longrope(16)),
+    # Phi-4-mini's shape: 3/4 of each head rotated, tied embeddings, LongRoPE.
+    "partial_tied": dict(
+        COMMON, tie_word_embeddings=True, original_max_position_embeddings=ORIG,
+        rope_parameters={**_longrope(12), "partial_rotary_factor": 0.75},
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """case -> (transformers model, HF folder, f32 CMF)."""
+    root = tmp_path_factory.mktemp("phi3")
+    out = {}
+    for case, cfg in CONFIGS.items():
+        model = build_tiny("phi3", seed=3, **cfg)
+        src = arch_tiny.save(model, root / case)
+        cmf = root / f"{case}.cmf"
+        convert_checkpoint(src, cmf, quant="f32")
+        out[case] = (model, src, cmf)
+    return out
+
+
+def test_arch_parsed_from_config(tiny):
+    arch = {c: parse_config(json.loads((tiny[c][1] / "config.json").read_text())) for c in CONFIGS}
+    assert all(a.arch == "phi3" and a.norm_eps == 1e-6 and a.hidden_act == "silu" for a in arch.values())
+    assert arch["plain"].layer_types == [LAYER_FULL] * 2 and arch["plain"].rope_scaling is None
+    assert arch["sliding"].layer_types == [LAYER_SLIDING] * 2 and arch["sliding"].sliding_window == 7
+    rs = arch["longrope"].rope_scaling
+    assert rs["rope_type"] == "longrope" and rs["original_max_position_embeddings"] == ORIG and len(rs["long_factor"]) == 8
+    p = arch["partial_tied"]
+    assert p.rotary_dim == 12 and p.head_dim == 16 and p.tie_word_embeddings
+
+
+def test_release_style_config_parses_like_transformers_saves_it(tiny):
+    """A hub config.json (rope_scaling with Phi-3's old "su" type, the pretraining length
+    and partial_rotary_factor at the top level) gives the same ArchConfig as the one
+    transformers 5 writes (everything in rope_parameters)."""
+    saved = json.loads((tiny["partial_tied"][1] / "config.json").read_text())
+    rp = saved["rope_parameters"]
+    hub = {k: v for k, v in saved.items() if k != "rope_parameters"}
+    hub.update(rope_theta=rp["rope_theta"], partial_rotary_factor=0.75,
+               rope_scaling={"type": "su", "short_factor": rp["short_factor"], "long_factor": rp["long_factor"]})
+    assert parse_config(hub) == parse_config(saved)
+
+
+def test_fused_tensors_split_by_rows(tiny):
+    """q/k/v are qkv_proj's rows in that order; gate is gate_up_proj's first half."""
+    model, _, cmf = tiny["plain"]
+    sd = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    q, kv, inter = 4 * 16, 2 * 16, 128
+    with CmfFile(cmf) as f:
+        assert not any("qkv_proj" in n or "gate_up_proj" in n for n in f.names())
+        for i in range(2):
+            p = f"model.layers.{i}."
+            qkv, gu = sd[p + "self_attn.qkv_proj.weight"], sd[p + "mlp.gate_up_proj.weight"]
+            parts = {"self_attn.q_proj": qkv[:q], "self_attn.k_proj": qkv[q : q + kv], "self_attn.v_proj": qkv[q + kv :],
+                     "mlp.gate_proj": gu[:inter], "mlp.up_proj": gu[inter:]}  # fmt: skip
+            for name, want in parts.items():
+                np.testing.assert_array_equal(f.tensor_f32(f"{p}{name}.weight"), want)
+
+
+@pytest.mark.parametrize("case", list(CONFIGS))
+@pytest.mark.parametrize("kernels", ["numba", "numpy"])
+def test_logits_match_transformers(tiny, case, kernels):
+    """One full forward each: the prompt (LongRoPE's short factors) and prompt +
+    generation length (past the original length: the long factors)."""
+    model, _, cmf = tiny[case]
+    with Engine.load(cmf, kernels=kernels) as eng:
+        for n in (PROMPT, PROMPT + NEW):
+            ids = arch_tiny.sample_ids(n, seed=5)
+            err = arch_tiny.rel_err(eng.logits(ids), arch_tiny.torch_logits(model, ids))
+            assert err < 1e-4, (case, n, err)
+
+
+@pytest.mark.parametrize("case", list(CONFIGS))
+def test_greedy_matches_transformers_generate(tiny, case):
+    """16 greedy tokens, plain decoding, against transformers' generate with its KV cache.
+    Past LongRoPE's switch generate recomputes the sequence with the long factors and the
+    engine keeps its cached keys (see the next test): on these models the logits past
+    the switch then differ by about 1e-2 relative and the greedy tokens still agree."""
+    import torch
+
+    model, _, cmf = tiny[case]
+    ids = arch_tiny.sample_ids(PROMPT, seed=7)
+    with torch.no_grad():
+        ref = model.generate(
+            torch.tensor([ids]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, use_cache=True
+        )[0, PROMPT:].tolist()
+    with Engine.load(cmf) as eng:
+        got = eng.generate(ids, SamplingConfig(temperature=0.0), max_tokens=NEW, ignore_eos=True, speculative=False)
+    assert got.token_ids == ref
+
+
+@pytest.mark.parametrize("case", ["longrope", "partial_tied"])
+@pytest.mark.parametrize("kernels", ["numba", "numpy"])
+def test_decode_logits_across_the_longrope_switch(tiny, case, kernels):
+    """Each decode step's logits against Phi3ForCausalLM stepped one token at a time over
+    a DynamicCache while the sequence crosses original_max_position_embeddings: a call
+    rotates with the factors its own last position picks, and cached keys keep the
+    rotation of the call that computed them (so the steps past the switch differ from a
+    full forward of the same tokens, which rotates every key with the long factors).
+
+    transformers' ``generate`` differs here: its ``prepare_inputs_for_generation`` drops
+    the cache at the first step past the switch and recomputes the whole sequence with
+    the long factors; the engine does not (a model forward cannot re-run earlier rows)."""
+    import torch
+    from transformers import DynamicCache
+
+    from cortiq_engine import forward
+
+    model, _, cmf = tiny[case]
+    ids = arch_tiny.sample_ids(PROMPT, seed=7)
+    ref, toks = [], []
+    with torch.no_grad():
+        cache, x = DynamicCache(config=model.config), torch.tensor([ids])
+        for _ in range(NEW):
+            logits = model(x, past_key_values=cache, use_cache=True).logits[0, -1].float().numpy()
+            ref.append(logits)
+            toks.append(int(logits.argmax()))
+            x = torch.tensor([[toks[-1]]])
+    ref = np.stack(ref)
+    with Engine.load(cmf, kernels=kernels) as eng:
+        m, st = eng.model, eng.new_state(64)
+        rows = [m.lm_head(m.final_norm(forward(st, ids)))[-1]]
+        rows += [m.lm_head(m.final_norm(forward(st, [t])))[-1] for t in toks[:-1]]
+    assert arch_tiny.rel_err(np.stack(rows), ref) < 1e-4
+    full = arch_tiny.torch_logits(model, ids + toks[:-1])[PROMPT - 1 :]
+    past = ORIG + 1 - PROMPT  # the first step whose sequence is longer than ORIG
+    assert arch_tiny.rel_err(full[past:], ref[past:]) > 1e-3
+
+
+@pytest.mark.parametrize("case", ["plain", "partial_tied"])
+def test_q8_conversion_stays_close(tiny, case, tmp_path):
+    model, src, _ = tiny[case]
+    out = tmp_path / "q8.cmf"
+    rep = convert_checkpoint(src, out, quant="q8")
+    assert rep.by_dtype["q8"].tensors > 0
+    ids = arch_tiny.sample_ids(PROMPT + NEW, seed=5)
+    with Engine.load(out) as eng:
+        assert arch_tiny.rel_err(eng.logits(ids), arch_tiny.torch_logits(model, ids)) < 0.05
+
+
+@pytest.mark.parametrize("case", ["longrope", "partial_tied"])
+def test_rope_tables_match_phi3_rotary_embedding(tiny, case):
+    """The engine's tables against Phi3RotaryEmbedding for calls on both sides of the
+    original length and across it: short factors up to it, long ones for a whole call
+    that reaches past it, cos/sin scaled by the attention factor."""
+    import torch
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+
+    model, src, _ = tiny[case]
+    arch = parse_config(json.loads((src / "config.json").read_text()))
+    rope = RoPE(arch.rotary_dim, arch.rope_theta, arch.rope_scaling, arch.max_position_embeddings)
+    hf = Phi3RotaryEmbedding(model.config)
+    assert rope.attention_factor == pytest.approx(hf.attention_scaling) and rope.attention_factor > 1.1
+    half = arch.rotary_dim // 2
+    seen = set()
+    for lo, hi in ((0, PROMPT), (0, ORIG), (ORIG - 1, ORIG), (ORIG, ORIG + 1), (ORIG - 3, ORIG + 3), (0, PROMPT + NEW)):
+        cos, sin = hf(torch.zeros(1), torch.arange(lo, hi)[None])
+        got_cos, got_sin = rope.tables(np.arange(lo, hi))
+        np.testing.assert_allclose(got_cos, cos[0, :, :half].numpy(), rtol=0, atol=2e-6)
+        np.testing.assert_allclose(got_sin, sin[0, :, :half].numpy(), rtol=0, atol=2e-6)
+        seen.add(hi > ORIG)
+    assert seen == {False, True}
+    assert not np.allclose(rope.tables(np.arange(ORIG - 1, ORIG))[0], rope.tables(np.arange(ORIG - 2, ORIG + 1))[0][1:2])
+
+
+def _cfg(**over):
+    base = dict(model_type="phi3", hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1,
+                intermediate_size=32, vocab_size=16)  # fmt: skip
+    return {**base, **over}
+
+
+def test_unsupported_config_values_are_refused():
+    with pytest.raises(CortiqError, match="rope_scaling type 'dynamic' is not supported"):
+        parse_config(_cfg(rope_scaling={"type": "dynamic", "factor": 2.0}))
+    with pytest.raises(CortiqError, match=r"short_factor has 3 entries, the rotary width 16 needs 8"):
+        parse_config(_cfg(rope_scaling={"type": "longrope", "short_factor": [1.0] * 3, "long_factor": [1.0] * 8}))
+    with pytest.raises(CortiqError, match="long_factor is 'None'"):
+        parse_config(_cfg(rope_scaling={"type": "longrope", "short_factor": [1.0] * 8}))
+    with pytest.raises(CortiqError, match="sliding_window"):
+        parse_config(_cfg(sliding_window=0))
+    with pytest.raises(CortiqError, match="partial_rotary_factor"):
+        parse_config(_cfg(partial_rotary_factor=1.5))
+
+
+def test_fused_rows_that_do_not_add_up_are_refused():
+    rules = FAMILIES.for_model_type("phi3").rules_for(_cfg())
+    parts = split_fused_rows("model.layers.0.self_attn.qkv_proj.weight", "src", (128, 64), rules)
+    assert {n: (s.r0, s.r1) for n, s in parts.items()} == {
+        "model.layers.0.self_attn.q_proj.weight": (0, 64), "model.layers.0.self_attn.k_proj.weight": (64, 96),
+        "model.layers.0.self_attn.v_proj.weight": (96, 128),
+    }  # fmt: skip
+    with pytest.raises(CortiqError, match=r"tensor src has shape \[120, 64\]: expected \[64 \+ 32 \+ 32, columns\]"):
+        split_fused_rows("model.layers.0.self_attn.qkv_proj.weight", "src", (120, 64), rules)
+    assert split_fused_rows("model.layers.0.mlp.experts.gate_up_proj", "src", (4, 64, 64), rules) == {}
+    assert split_fused_rows("x.mlp.gate_up_proj.weight", "x", (4, 2), SanitizeRules()) == {}
