@@ -390,6 +390,9 @@ class InterleavedExperts(SanitizedCheckpoint):
             return super().sample_f32(name, count)
         v = self._views[name]
         rows, cols = rows_cols(v.shape)
-        picks = np.unique(np.linspace(0, rows - 1, num=min(count, rows)).astype(np.int64))
-        vals = [v.read(int(r), int(r) + 1)[0, int(r) % cols] for r in picks]
-        return np.asarray(vals, dtype=np.float32)
+        flat = np.linspace(0, rows * cols - 1, num=min(count, rows * cols)).astype(np.int64)
+        vals = np.empty(flat.size, np.float32)
+        for r in np.unique(flat // cols):  # evenly spaced elements, one row read per row touched
+            sel = flat // cols == r
+            vals[sel] = v.read(int(r), int(r) + 1)[0, flat[sel] % cols]
+        return vals

@@ -277,6 +277,8 @@ def test_mxfp4_views_stream_by_rows(mxfp4_tiny):
             assert ck.shape(name) == ref.shape and ck.source_dtype(name) == "BF16"
             np.testing.assert_array_equal(np.concatenate(parts).reshape(ref.shape), ref)
             np.testing.assert_array_equal(ck.tensor(name), ref)
+            flat = np.linspace(0, ref.size - 1, num=min(64, ref.size)).astype(np.int64)
+            np.testing.assert_array_equal(ck.sample_f32(name), ref.reshape(-1)[flat])
             if ref.ndim == 2:
                 assert len(parts) > 1
     finally:
@@ -331,6 +333,24 @@ def test_bad_mxfp4_input_is_refused(mxfp4_tiny, tmp_path, edit, match):
     assert not (tmp_path / "m.cmf").exists()
 
 
+def test_release_style_config_is_parsed():
+    """The release's config.json keys (transformers 4.55: rope_scaling beside rope_theta,
+    experts_per_token, no swiglu_alpha, an mxfp4 quantization_config)."""
+    cfg = {
+        "model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"], "hidden_size": 2880, "intermediate_size": 2880,
+        "num_hidden_layers": 4, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
+        "vocab_size": 201088, "max_position_embeddings": 131072, "rms_norm_eps": 1e-05, "rope_theta": 150000,
+        "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
+                         "rope_type": "yarn", "truncate": False},
+        "sliding_window": 128, "num_local_experts": 32, "experts_per_token": 4, "swiglu_limit": 7.0,
+        "layer_types": ["sliding_attention", "full_attention"] * 2, "attention_bias": True, "hidden_act": "silu",
+        "tie_word_embeddings": False, "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": []},
+    }
+    arch = parse_config(cfg)
+    assert (arch.rope_theta, arch.rope_scaling["factor"], arch.sliding_window, arch.norm_eps) == (150000.0, 32.0, 128, 1e-5)
+    assert (arch.moe.top_k, arch.moe.num_experts, arch.moe.swiglu_limit, arch.moe.swiglu_alpha) == (4, 32, 7.0, 1.702)
+
+
 @pytest.mark.parametrize(
     "change,match",
     [
@@ -344,3 +364,27 @@ def test_unsupported_or_bad_config_is_refused(tiny, change, match):
     cfg = {**json.loads((tiny[1] / "config.json").read_text()), **change}
     with pytest.raises(CortiqError, match=match):
         parse_config(cfg)
+
+
+def test_yarn_tables_match_transformers():
+    """The release's YaRN (factor 32 over 4096, truncate false, theta 150000): the engine's
+    frequencies against GptOssRotaryEmbedding's to one float32 ulp (numpy's and torch's
+    float32 pow round a few exponents differently), its attention factor, and the cos/sin
+    tables up to the original context, where one ulp of a frequency moves an angle < 2e-4."""
+    import torch
+    from transformers import AutoConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRotaryEmbedding
+
+    from cortiq_engine.models import blocks
+
+    cfg = AutoConfig.for_model("gpt_oss", num_hidden_layers=2, max_position_embeddings=131072)
+    rope = blocks.rope(parse_config(cfg.to_dict()))
+    emb = GptOssRotaryEmbedding(cfg)
+    np.testing.assert_allclose(rope.inv_freq, emb.inv_freq.numpy(), rtol=2.5e-7, atol=0)
+    assert rope.attention_factor == pytest.approx(emb.attention_scaling, rel=1e-7)
+    assert rope.attention_factor == pytest.approx(0.1 * np.log(32) + 1)
+    pos = np.array([0, 1, 127, 2048, 4095], np.int64)
+    cos, sin = rope.tables(pos)
+    ref_cos, ref_sin = emb(torch.zeros(1, dtype=torch.float32), torch.from_numpy(pos)[None])
+    np.testing.assert_allclose(cos, ref_cos[0].numpy(), atol=3e-4)
+    np.testing.assert_allclose(sin, ref_sin[0].numpy(), atol=3e-4)

@@ -64,7 +64,8 @@ def _gpt_oss(cfg: dict[str, Any]) -> ArchConfig:
     d["norm_eps"] = float(cfg.get("rms_norm_eps") or 1e-5)
     d["moe"] = MoeConfig(
         num_experts=int(req(cfg, "num_local_experts")),
-        top_k=int(req(cfg, "num_experts_per_tok")),
+        # the release's config.json also names it experts_per_token
+        top_k=int(cfg.get("num_experts_per_tok") or req(cfg, "experts_per_token")),
         expert_intermediate_size=d["intermediate_size"],
         # top-k of the logits then softmax over the k == softmax, top-k, renormalized
         norm_topk_prob=True,
