@@ -9,12 +9,13 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from cortiq_cli.common import console, err_console, handle_errors, human_bytes, print_json, print_table
-from formats.gguf_import import ARCHITECTURES, OUT_DTYPES, ImportReport, import_gguf as run_import
+from cortiq_engine.convert import gguf_architectures, import_gguf as run_import
+from formats.gguf_import import OUT_DTYPES, ImportReport
 
 
 @handle_errors
 def import_gguf(
-    file: Path = typer.Argument(..., help=f"The .gguf file ({', '.join(ARCHITECTURES)})."),
+    file: Path = typer.Argument(..., help=f"The .gguf file ({', '.join(gguf_architectures())})."),
     out_dir: Path = typer.Argument(..., help="Folder to create: config.json, model.safetensors, tokenizer files."),
     dtype: str = typer.Option("f32", "--dtype", help=f"Weight dtype in model.safetensors: {', '.join(OUT_DTYPES)}."),
     force: bool = typer.Option(False, "--force", help="Replace OUT_DIR if it exists."),

@@ -11,6 +11,9 @@ from pathlib import Path
 
 from formats.convert import ConvertReport, ProgressFn
 from formats.convert import convert_checkpoint as _convert_checkpoint
+from formats.gguf_import import GgufModel, ImportReport
+from formats.gguf_import import import_gguf as _import_gguf
+from formats.gguf_import import read_gguf as _read_gguf
 from cortiq_engine.models import FAMILIES
 
 
@@ -31,3 +34,18 @@ def convert_checkpoint(
         src, out, families=FAMILIES, quant=quant, keep=keep, mtp=mtp, force=force, progress=progress,
         imatrix=imatrix,
     )
+
+
+def read_gguf(path: str | Path) -> GgufModel:
+    """Parse and validate a GGUF against the families (``formats.gguf_import.read_gguf``)."""
+    return _read_gguf(path, FAMILIES)
+
+
+def import_gguf(src: str | Path, out_dir: str | Path, **kw) -> ImportReport:
+    """A GGUF -> an HF checkpoint folder (``formats.gguf_import.import_gguf``)."""
+    return _import_gguf(src, out_dir, families=FAMILIES, **kw)
+
+
+def gguf_architectures() -> list[str]:
+    """The llama.cpp architectures the families import."""
+    return sorted(FAMILIES.by_gguf)

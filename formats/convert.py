@@ -284,7 +284,7 @@ def _convert_gguf(
         raise CortiqError(f"{path}: no such file")
     from formats.gguf_import import open_gguf_checkpoint
 
-    ck, blocks = open_gguf_checkpoint(path)
+    ck, blocks = open_gguf_checkpoint(path, families)
     _trim_heap()  # what building the tokenizer freed, before the converter parses it again
     try:
         return _convert(ck, out, families, policy, mtp, force, progress, source_format="gguf", blocks=blocks, keep_source=keep_source)

@@ -33,9 +33,13 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from formats.arch_check import arch_from_config
 from formats.errors import CortiqError
-from formats.staging import hold, remove_stale
+from formats.gguf_spec import GLOBAL_NAMES, GgufContext, GgufSpec
 from formats.gguf_tokenizer import TokenizerFiles, build_tokenizer
+from formats.manifest import Families, check_manifest
+from formats.sanitize import sanitized_shapes
+from formats.staging import hold, remove_stale
 from formats.safetensors_writer import SafetensorsStream
 
 # Bump when the files written change, so caches keyed on it rebuild.
@@ -43,41 +47,6 @@ IMPORTER_VERSION = "3"
 OUT_DTYPES = {"f32": ("F32", 4), "f16": ("F16", 2), "bf16": ("BF16", 2)}
 ProgressFn = Callable[[str, int, int], None]  # (tensor name, params done, params total)
 
-# GGUF architecture -> (HF model_type, HF class, llama.cpp permuted q/k rows for RoPE?)
-ARCHITECTURES: dict[str, tuple[str, str, bool]] = {
-    "llama": ("llama", "LlamaForCausalLM", True),
-    "qwen2": ("qwen2", "Qwen2ForCausalLM", False),
-    "qwen3": ("qwen3", "Qwen3ForCausalLM", False),
-    "gemma3": ("gemma3_text", "Gemma3ForCausalLM", False),
-}
-# Block tensor names that differ per architecture (Gemma's four norms per block).
-_ARCH_BLOCK_NAMES: dict[str, dict[str, str]] = {
-    "gemma3": {
-        "post_attention_norm": "post_attention_layernorm",
-        "ffn_norm": "pre_feedforward_layernorm",
-        "post_ffw_norm": "post_feedforward_layernorm",
-    },
-}
-# Architectures whose GGUF norm weights are stored as 1 + w (llama.cpp adds the 1).
-_NORM_PLUS_ONE = ("gemma3",)
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_BLOCK_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.([a-z_0-9]+)\.(weight|bias)")
 _ROPE_FREQS = "rope_freqs.weight"  # llama-3.1 style scaling, folded back into rope_scaling
 
@@ -188,8 +157,9 @@ def _f32(v: Any) -> float:
     return float(str(np.float32(v)))
 
 
-def read_gguf(path: str | os.PathLike) -> GgufModel:
-    """Open and validate ``path``; raises ``CortiqError`` on anything it cannot import."""
+def read_gguf(path: str | os.PathLike, families: Families) -> GgufModel:
+    """Open and validate ``path``; raises ``CortiqError`` on anything it cannot import.
+    ``families``: the registry whose family files declare the GGUF architectures."""
     path = Path(path)
     reader = _open_reader(path)
     size = path.stat().st_size
@@ -198,19 +168,19 @@ def read_gguf(path: str | os.PathLike) -> GgufModel:
             raise CortiqError(f"{path}: truncated GGUF (tensor {t.name} runs past the end of the file)")
     meta = _metadata(reader)
     arch = meta.get("general.architecture")
-    if arch not in ARCHITECTURES:
-        raise CortiqError(
-            f"{path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})"
-        )
+    try:
+        family, spec = families.for_gguf_arch(arch)
+    except CortiqError as e:
+        raise CortiqError(f"{path}: {e}") from None
     by_name = {t.name: t for t in reader.tensors}
     if "token_embd.weight" not in by_name:
         raise CortiqError(f"{path}: GGUF has no token_embd.weight")
     vocab, width = (int(d) for d in reversed(by_name["token_embd.weight"].shape.tolist()))
     try:
-        tok = build_tokenizer(meta, vocab, arch)
-        config = _hf_config(meta, arch, by_name, tok, vocab, width)
-        plan = _plan_tensors(reader, arch, config)
-        _check_shapes(plan, config)
+        tok = build_tokenizer(meta, vocab, spec.sentencepiece)
+        config = _hf_config(meta, spec, by_name, tok, vocab, width)
+        plan = _plan_tensors(reader, spec, config)
+        _check_shapes(plan, config, families)
         _check_types(reader, plan)
     except CortiqError as e:
         raise CortiqError(f"{path}: {e}") from None
@@ -229,41 +199,40 @@ def read_gguf(path: str | os.PathLike) -> GgufModel:
 
 
 def _hf_config(
-    meta: dict[str, Any], arch: str, by_name: dict[str, Any], tok: TokenizerFiles, vocab: int, width: int
+    meta: dict[str, Any], spec: GgufSpec, by_name: dict[str, Any], tok: TokenizerFiles, vocab: int, width: int
 ) -> dict[str, Any]:
-    """config.json from the ``{arch}.*`` metadata and which tensors exist."""
-    model_type, hf_class, _ = ARCHITECTURES[arch]
+    """config.json from the ``{arch}.*`` metadata every architecture writes alike, then
+    the family's own fields (``spec.config``)."""
+    arch = spec.arch
 
     def key(k: str, default: Any = None, required: bool = False) -> Any:
         return _scalar(meta, f"{arch}.{k}", default, required)
 
-    if (key("expert_count") or 0) > 0:
-        raise CortiqError("mixture-of-experts GGUFs are not supported")
-    hidden = int(key("embedding_length", required=True))
-    layers = int(key("block_count", required=True))
-    heads = int(key("attention.head_count", required=True))
-    head_dim = int(key("attention.key_length", hidden // heads))
-    if int(key("attention.value_length", head_dim)) != head_dim:
-        raise CortiqError("GGUFs with different key and value head sizes are not supported")
-    if int(key("rope.dimension_count", head_dim)) != head_dim:
-        raise CortiqError("partial rotary embeddings (rope.dimension_count < head size) are not supported")
+    def array(k: str) -> list[Any] | None:
+        v = meta.get(f"{arch}.{k}")
+        return None if v is None else (list(v) if isinstance(v, list) else [v])
+
+    hidden = _int(key("embedding_length", required=True), f"{arch}.embedding_length")
+    layers = _int(key("block_count", required=True), f"{arch}.block_count")
+    heads = _int(key("attention.head_count", required=True), f"{arch}.attention.head_count")
+    head_dim = _int(key("attention.key_length", hidden // max(heads, 1)), f"{arch}.attention.key_length")
     if width != hidden:
         raise CortiqError(f"token_embd.weight has width {width}, {arch}.embedding_length says {hidden}")
     eos = tok.eos_token_ids
     config: dict[str, Any] = {
-        "architectures": [hf_class],
-        "model_type": model_type,
+        "architectures": [spec.hf_class],
+        "model_type": spec.model_type,
         "vocab_size": vocab,
         "hidden_size": hidden,
-        "intermediate_size": int(key("feed_forward_length", required=True)),
+        "intermediate_size": _int(key("feed_forward_length", required=True), f"{arch}.feed_forward_length"),
         "num_hidden_layers": layers,
         "num_attention_heads": heads,
-        "num_key_value_heads": int(key("attention.head_count_kv", heads)),
+        "num_key_value_heads": _int(key("attention.head_count_kv", heads), f"{arch}.attention.head_count_kv"),
         "head_dim": head_dim,
         "hidden_act": "silu",
-        "max_position_embeddings": int(key("context_length", 4096)),
-        "rms_norm_eps": _f32(key("attention.layer_norm_rms_epsilon", required=True)),
-        "rope_theta": _f32(key("rope.freq_base", 10000.0)),
+        "max_position_embeddings": _int(key("context_length", 4096), f"{arch}.context_length"),
+        "rms_norm_eps": _f32(_num(key("attention.layer_norm_rms_epsilon", required=True), f"{arch}.attention.layer_norm_rms_epsilon")),
+        "rope_theta": _f32(_num(key("rope.freq_base", 10000.0), f"{arch}.rope.freq_base")),
         "tie_word_embeddings": "output.weight" not in by_name,
         "bos_token_id": tok.bos_token_id,
         "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
@@ -274,124 +243,67 @@ def _hf_config(
         "torch_dtype": "float32",
     }
     bias = [f"blk.0.attn_{p}.bias" in by_name for p in ("q", "k", "v", "output")]
-    if model_type == "qwen2":  # q/k/v biases always, o_proj never
-        config.update(use_sliding_window=False, sliding_window=None, max_window_layers=layers)
-    else:
-        if any(bias) and not all(bias):
-            raise CortiqError("GGUFs with biases on only some attention projections are not supported")
-        config["attention_bias"] = all(bias)
-        if model_type == "llama":
-            config.update(mlp_bias=False, pretraining_tp=1)
-        else:
-            config.update(use_sliding_window=False, sliding_window=None, max_window_layers=layers)
+    config["attention_bias"] = all(bias)
     scaling = _rope_scaling(meta, arch, by_name.get(_ROPE_FREQS), config["rope_theta"], head_dim)
-    if model_type == "gemma3_text":
-        return _gemma3_config(config, key, scaling)
     if scaling is not None:
         config["rope_scaling"] = scaling
+    if spec.config is not None:
+        ctx = GgufContext(arch=arch, meta=meta, tensors=frozenset(by_name), key=key, array=array)
+        spec.config(ctx, config)
     return config
 
 
-def _gemma3_config(config: dict[str, Any], key: Callable[..., Any], scaling: dict[str, Any] | None) -> dict[str, Any]:
-    """Gemma 3's config.json. What the GGUF does not store, llama.cpp hard-codes for
-    gemma3 and so do we: every 6th layer global, a local RoPE base of 10000, and
-    query_pre_attn_scalar = head_dim (the 27B model's hidden/heads differs; llama.cpp
-    special-cases it by size, which a GGUF does not name, so it is refused below)."""
-    layers, hd = config["num_hidden_layers"], config["head_dim"]
-    for k in ("max_window_layers", "use_sliding_window", "mlp_bias", "pretraining_tp", "rope_theta"):
-        config.pop(k, None)
-    if config["hidden_size"] == 5376 and layers == 62:
-        raise CortiqError("Gemma 3 27B GGUFs are not supported (their query scale is not stored in the file)")
-    window = key("attention.sliding_window")
-    if not window:
-        raise CortiqError("gemma3 GGUF has no gemma3.attention.sliding_window")
-    full = {"rope_type": "default", "rope_theta": _f32(key("rope.freq_base", 1_000_000.0))}
-    if scaling is not None:
-        if scaling.get("rope_type") != "linear":
-            raise CortiqError(f"gemma3 GGUF rope scaling {scaling.get('rope_type')!r} is not supported (supported: linear)")
-        full.update(scaling)
-    config.update(
-        architectures=["Gemma3ForCausalLM"],
-        hidden_activation="gelu_pytorch_tanh",
-        hidden_act="gelu_pytorch_tanh",
-        query_pre_attn_scalar=hd,
-        sliding_window=int(window),
-        layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)],
-        rope_parameters={"full_attention": full, "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
-        final_logit_softcapping=key("final_logit_softcapping"),
-        attn_logit_softcapping=key("attn_logit_softcapping"),
-        attention_bias=bool(config.get("attention_bias", False)),
-    )
-    return config
+def _int(v: Any, key: str) -> int:
+    """A GGUF integer field: an int (not a bool, a float or a string), in range."""
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 0 <= int(v) <= 1 << 40:
+        raise CortiqError(f"GGUF metadata {key} is {str(v)[:40]!r}, expected a non-negative integer")
+    return int(v)
 
 
-def _plan_tensors(reader, arch: str, config: dict[str, Any]) -> list[PlannedTensor]:
-    permuted = ARCHITECTURES[arch][2]
+def _num(v: Any, key: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) or not math.isfinite(float(v)):
+        raise CortiqError(f"GGUF metadata {key} is {str(v)[:40]!r}, expected a finite number")
+    return float(v)
+
+
+def _plan_tensors(reader, spec: GgufSpec, config: dict[str, Any]) -> list[PlannedTensor]:
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    names = {**_BLOCK_NAMES, **_ARCH_BLOCK_NAMES.get(arch, {})}
-    norm_offset = -1.0 if arch in _NORM_PLUS_ONE else 0.0
+    names = spec.names()
     plan = []
     for i, t in enumerate(reader.tensors):
-        if t.name == _ROPE_FREQS:
-            continue  # folded into config.rope_scaling
-        name = _GLOBAL_NAMES.get(t.name)
+        if t.name in spec.skip:
+            continue  # folded into config.json (rope_freqs: config.rope_scaling)
+        name = GLOBAL_NAMES.get(t.name)
         unpermute = None
         if name is None:
             m = _BLOCK_RE.fullmatch(t.name)
             if m is None or m.group(2) not in names:
-                raise CortiqError(f"GGUF tensor {t.name!r} has no HF counterpart for architecture {arch!r}")
+                raise CortiqError(f"GGUF tensor {t.name!r} has no HF counterpart for architecture {spec.arch!r}")
             layer, part, kind = m.groups()
             name = f"model.layers.{layer}.{names[part]}.{kind}"
-            if permuted and part in ("attn_q", "attn_k"):
+            if spec.permute_qk and part in ("attn_q", "attn_k"):
                 unpermute = heads if part == "attn_q" else kv_heads
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        offset = norm_offset if t.name.endswith("norm.weight") else 0.0
+        offset = spec.norm_offset if t.name.endswith("norm.weight") else 0.0
         plan.append(PlannedTensor(i, t.name, name, shape, t.tensor_type.name, unpermute, offset))
     return plan
 
 
-def _check_shapes(plan: list[PlannedTensor], cfg: dict[str, Any]) -> None:
-    """Every tensor the HF model needs, at the shape config.json implies."""
-    h, inter, hd = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
-    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
-    want: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg["vocab_size"], h), "model.norm.weight": (h,)}
-    if not cfg["tie_word_embeddings"]:
-        want["lm_head.weight"] = (cfg["vocab_size"], h)
-    for i in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        want.update({
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (q, h),
-            p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h),
-            p + "self_attn.o_proj.weight": (h, q),
-            p + "mlp.gate_proj.weight": (inter, h),
-            p + "mlp.up_proj.weight": (inter, h),
-            p + "mlp.down_proj.weight": (h, inter),
-        })
-        if cfg["model_type"] in ("qwen3", "gemma3_text"):
-            want[p + "self_attn.q_norm.weight"] = (hd,)
-            want[p + "self_attn.k_norm.weight"] = (hd,)
-        if cfg["model_type"] == "gemma3_text":
-            want[p + "pre_feedforward_layernorm.weight"] = (h,)
-            want[p + "post_feedforward_layernorm.weight"] = (h,)
-        if cfg["model_type"] == "qwen2" or cfg.get("attention_bias"):
-            for proj, n in (("q", q), ("k", kv), ("v", kv)):
-                want[p + f"self_attn.{proj}_proj.bias"] = (n,)
-            if cfg["model_type"] != "qwen2":
-                want[p + "self_attn.o_proj.bias"] = (h,)
-    have = {t.name: t for t in plan}
-    for name, shape in want.items():
-        if name not in have:
-            raise CortiqError(f"GGUF is missing the tensor for {name}")
-        if have[name].shape != shape:
-            raise CortiqError(
-                f"{have[name].source} has shape {list(have[name].shape)}, the metadata implies {list(shape)}"
-            )
-    extra = sorted(set(have) - set(want))
+def _check_shapes(plan: list[PlannedTensor], cfg: dict[str, Any], families: Families) -> None:
+    """The planned tensors are exactly what the family reads (its manifest, after its
+    checkpoint-name rules), at the shapes config.json implies: the converter's one
+    check, run before anything is written."""
+    family, arch = arch_from_config(families, json.loads(json.dumps(cfg)))
+    shapes = sanitized_shapes({p.name: p.shape for p in plan}, family.rules_for(cfg))
+    source = {p.name: p.source for p in plan}
+    manifest = family.manifest(arch, ())
+    try:
+        check_manifest(manifest, shapes, holder="GGUF", implied_by="the metadata")
+    except CortiqError as e:
+        raise CortiqError(str(e)) from None
+    extra = sorted(set(shapes) - manifest.names())
     if extra:
-        raise CortiqError(f"GGUF tensor {have[extra[0]].source} does not fit the model ({len(extra)} such)")
+        raise CortiqError(f"GGUF tensor {source.get(extra[0], extra[0])} does not fit the model ({len(extra)} such)")
 
 
 def _check_types(reader, plan: list[PlannedTensor]) -> None:
@@ -505,6 +417,7 @@ def import_gguf(
     src: str | os.PathLike,
     out_dir: str | os.PathLike,
     *,
+    families: Families,
     dtype: str = "f32",
     force: bool = False,
     progress: ProgressFn | None = None,
@@ -522,7 +435,7 @@ def import_gguf(
         raise CortiqError(f"output folder {out.parent} does not exist")
     if src.resolve() == out.resolve() or (out.exists() and src.resolve().is_relative_to(out.resolve())):
         raise CortiqError(f"{out} contains the input file; choose another output folder")
-    model = model if model is not None else read_gguf(src)
+    model = model if model is not None else read_gguf(src, families)
     config = dict(model.config, torch_dtype={"f32": "float32", "f16": "float16", "bf16": "bfloat16"}[dtype])
     st_dtype, itemsize = OUT_DTYPES[dtype]
     total = model.params
@@ -724,7 +637,7 @@ class GgufCheckpoint:
         return None if text is None else json.loads(text)
 
 
-def open_gguf_checkpoint(src: str | os.PathLike) -> tuple[GgufCheckpoint, dict[str, SourceBlocks]]:
+def open_gguf_checkpoint(src: str | os.PathLike, families: Families) -> tuple[GgufCheckpoint, dict[str, SourceBlocks]]:
     """The GGUF ``src`` as a checkpoint (see ``GgufCheckpoint``) and its ``source_blocks``."""
-    model = read_gguf(src)
+    model = read_gguf(src, families)
     return GgufCheckpoint(model), source_blocks(model)

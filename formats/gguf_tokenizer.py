@@ -3,10 +3,11 @@
 A GGUF carries no tokenizer.json: llama.cpp keeps the vocabulary, merges, token
 types and special ids as ``tokenizer.ggml.*`` metadata and picks its splitting
 regex from the ``tokenizer.ggml.pre`` name. This module rebuilds the equivalent
-``tokenizers`` pipeline: byte-level BPE (``tokenizer.ggml.model == "gpt2"``), and
-Gemma's SentencePiece BPE (``"llama"`` in a ``gemma3`` file: the merges rebuilt from
-the vocabulary as transformers' GGUF loader does); other SentencePiece vocabularies
-are refused with a clear message.
+``tokenizers`` pipeline: byte-level BPE (``tokenizer.ggml.model == "gpt2"``), and a
+SentencePiece BPE with byte fallback (``"llama"``, the merges rebuilt from the
+vocabulary as transformers' GGUF loader does) for the architectures whose family
+declares one (``formats.gguf_spec.SentencePieceStyle``); other vocabularies are
+refused with a clear message.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from formats.errors import CortiqError
+from formats.gguf_spec import SentencePieceStyle
 
 # llama.cpp token types (llama_token_type): 3 = control, 4 = user-defined.
 CONTROL, USER_DEFINED = 3, 4
@@ -82,21 +84,18 @@ def byte_alphabet() -> dict[int, str]:
     return dict(sorted(table.items()))
 
 
-# Architectures whose "llama" (SentencePiece) vocabulary this module can rebuild.
-SPM_ARCHITECTURES = ("gemma3",)
-
-
-def build_tokenizer(meta: dict[str, Any], n_embd_rows: int, arch: str | None = None) -> TokenizerFiles:
-    """The tokenizer files for the ``tokenizer.*`` entries of ``meta`` (a GGUF's metadata)."""
+def build_tokenizer(meta: dict[str, Any], n_embd_rows: int, spm: SentencePieceStyle | None = None) -> TokenizerFiles:
+    """The tokenizer files for the ``tokenizer.*`` entries of ``meta`` (a GGUF's metadata);
+    ``spm``: how the architecture's SentencePiece vocabulary is rebuilt (None: it has none)."""
     kind = meta.get("tokenizer.ggml.model")
     if kind is None:
         raise CortiqError("GGUF has no tokenizer (tokenizer.ggml.model is missing)")
-    if kind == "llama" and arch in SPM_ARCHITECTURES:
-        return _build_gemma(meta, n_embd_rows)
+    if kind == "llama" and spm is not None:
+        return _build_sentencepiece(meta, n_embd_rows, spm)
     if kind != "gpt2":
         raise CortiqError(
-            f"tokenizer model {kind!r} is not supported for architecture {arch!r} "
-            f"(supported: gpt2, i.e. byte-level BPE; llama/SentencePiece for {', '.join(SPM_ARCHITECTURES)})"
+            f"tokenizer model {str(kind)[:40]!r} is not supported for this architecture "
+            f"(supported: gpt2, i.e. byte-level BPE{'; llama, i.e. SentencePiece' if spm else ''})"
         )
     return _build_byte_level(meta, n_embd_rows)
 
@@ -237,56 +236,6 @@ def _post_processor(tokens: list[str], bos: int | None, eos: int | None):
 
 # ------------------------------------------------------------------ SentencePiece (Gemma)
 
-# The chat template of Google's Gemma 3 releases (tokenizer_config.json of
-# google/gemma-3-*-it), used when a gemma3 GGUF carries none (many conversions of the
-# base models do not): llama.cpp then falls back to its built-in "gemma" format, which
-# renders the same turns.
-GEMMA3_CHAT_TEMPLATE = (
-    "{{ bos_token }}\n"
-    "{%- if messages[0]['role'] == 'system' -%}\n"
-    "    {%- if messages[0]['content'] is string -%}\n"
-    "        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}\n"
-    "    {%- else -%}\n"
-    "        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}\n"
-    "    {%- endif -%}\n"
-    "    {%- set loop_messages = messages[1:] -%}\n"
-    "{%- else -%}\n"
-    "    {%- set first_user_prefix = \"\" -%}\n"
-    "    {%- set loop_messages = messages -%}\n"
-    "{%- endif -%}\n"
-    "{%- for message in loop_messages -%}\n"
-    "    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}\n"
-    "        {{ raise_exception(\"Conversation roles must alternate user/assistant/user/assistant/...\") }}\n"
-    "    {%- endif -%}\n"
-    "    {%- if (message['role'] == 'assistant') -%}\n"
-    "        {%- set role = \"model\" -%}\n"
-    "    {%- else -%}\n"
-    "        {%- set role = message['role'] -%}\n"
-    "    {%- endif -%}\n"
-    "    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else \"\") }}\n"
-    "    {%- if message['content'] is string -%}\n"
-    "        {{ message['content'] | trim }}\n"
-    "    {%- elif message['content'] is iterable -%}\n"
-    "        {%- for item in message['content'] -%}\n"
-    "            {%- if item['type'] == 'image' -%}\n"
-    "                {{ '<start_of_image>' }}\n"
-    "            {%- elif item['type'] == 'text' -%}\n"
-    "                {{ item['text'] | trim }}\n"
-    "            {%- endif -%}\n"
-    "        {%- endfor -%}\n"
-    "    {%- else -%}\n"
-    "        {{ raise_exception(\"Invalid content type\") }}\n"
-    "    {%- endif -%}\n"
-    "    {{ '<end_of_turn>\n' }}\n"
-    "{%- endfor -%}\n"
-    "{%- if add_generation_prompt -%}\n"
-    "    {{'<start_of_turn>model\n'}}\n"
-    "{%- endif -%}\n"
-)
-# Tokens llama.cpp treats as end of generation besides EOS, by text (llama-vocab.cpp).
-_EOG_TEXTS = ("<end_of_turn>",)
-
-
 def _spm_merges(tokens: list[str]) -> list[tuple[str, str]]:
     """BPE merges implied by a SentencePiece BPE vocabulary: every split of a token
     into two tokens, best-first by the token's position in the file (Gemma's scores
@@ -307,8 +256,8 @@ def _spm_merges(tokens: list[str]) -> list[tuple[str, str]]:
     return [(m[3], m[4]) for m in merges]
 
 
-def _build_gemma(meta: dict[str, Any], n_embd_rows: int) -> TokenizerFiles:
-    """Gemma's tokenizer: BPE with byte fallback over "\u2581"-for-space text, no prefix space."""
+def _build_sentencepiece(meta: dict[str, Any], n_embd_rows: int, spm: SentencePieceStyle) -> TokenizerFiles:
+    """A SentencePiece BPE with byte fallback over "\u2581"-for-space text, no prefix space."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
     tokens: list[str] = list(meta.get("tokenizer.ggml.tokens") or [])
@@ -356,18 +305,18 @@ def _build_gemma(meta: dict[str, Any], n_embd_rows: int) -> TokenizerFiles:
     warnings: list[str] = []
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", True))  # llama.cpp's SentencePiece default
     add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
-    eog = [vocab[t] for t in _EOG_TEXTS if t in vocab]
+    eog = [vocab[t] for t in spm.eog_texts if t in vocab]
     eos_ids = list(dict.fromkeys(i for i in (eos, token_id("eot_token_id"), *eog) if i is not None))
     template = meta.get("tokenizer.chat_template")
-    if not template:
-        template = GEMMA3_CHAT_TEMPLATE
-        warnings.append("GGUF has no tokenizer.chat_template; using Gemma 3's own chat template")
+    if not template and spm.chat_template:
+        template = spm.chat_template
+        warnings.append("GGUF has no tokenizer.chat_template; using the architecture's own chat template")
 
     def text(i: int | None) -> str | None:
         return tokens[i] if i is not None else None
 
     tcfg: dict[str, Any] = {
-        "tokenizer_class": "GemmaTokenizer",
+        "tokenizer_class": spm.tokenizer_class,
         "bos_token": text(bos),
         "eos_token": text(eos),
         "unk_token": text(unk),

@@ -18,6 +18,7 @@ from typing import Any, Iterable, Mapping, Protocol, Sequence
 from formats.arch import ArchConfig
 from formats.errors import CortiqError
 from formats.mtp_names import MTP_PREFIX
+from formats.gguf_spec import GgufSpec
 from formats.sanitize import SanitizeRules
 
 # A tensor's expected shape; None for a width the family reads from the tensors
@@ -64,6 +65,8 @@ class ArchFamily(Protocol):
 
     def parse(self, config: Mapping[str, Any]) -> ArchConfig: ...
 
+    def rules_for(self, config: Mapping[str, Any]) -> SanitizeRules: ...
+
     def manifest(self, arch: ArchConfig, mtp_layers: Sequence[int] = ()) -> Manifest: ...
 
 
@@ -74,6 +77,8 @@ class Families(Protocol):
     def for_model_type(self, model_type: Any) -> ArchFamily: ...
 
     def for_arch(self, arch: Any) -> ArchFamily: ...
+
+    def for_gguf_arch(self, arch: Any) -> tuple[ArchFamily, GgufSpec]: ...
 
 
 def check_manifest(

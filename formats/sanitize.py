@@ -220,6 +220,26 @@ def sanitize_checkpoint(ck: Any, rules: SanitizeRules = NO_RULES) -> Any:
     return view
 
 
+class _ShapesOnly:
+    """A checkpoint of names and shapes only, for checking a plan before reading data."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]]):
+        self._shapes = shapes
+        self.root = "checkpoint"
+
+    def names(self) -> list[str]:
+        return list(self._shapes)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._shapes[name]
+
+
+def sanitized_shapes(shapes: dict[str, tuple[int, ...]], rules: SanitizeRules = NO_RULES) -> dict[str, tuple[int, ...]]:
+    """The engine's names and shapes for checkpoint tensors ``shapes`` under ``rules``."""
+    view = SanitizedCheckpoint(_ShapesOnly(dict(shapes)), rules)
+    return {n: tuple(view.shape(n)) for n in view.names()}
+
+
 # ------------------------------------------------------------------ interleaved fused experts
 _INTERLEAVED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?$")
 

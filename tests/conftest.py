@@ -72,7 +72,8 @@ def smollm2_gguf() -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_hf(smollm2_gguf: Path) -> Path:
-    from formats.gguf_import import IMPORTER_VERSION, import_gguf
+    from cortiq_engine.convert import import_gguf
+    from formats.gguf_import import IMPORTER_VERSION
 
     st = smollm2_gguf.stat()
     out = cache_root() / f"smollm2-{st.st_size}-{int(st.st_mtime)}-v{IMPORTER_VERSION}" / "hf"
@@ -113,7 +114,8 @@ def gemma3_gguf() -> Path:
 
 @pytest.fixture(scope="session")
 def gemma3_hf(gemma3_gguf: Path) -> Path:
-    from formats.gguf_import import IMPORTER_VERSION, import_gguf
+    from cortiq_engine.convert import import_gguf
+    from formats.gguf_import import IMPORTER_VERSION
 
     st = gemma3_gguf.stat()
     out = cache_root() / f"gemma3-{st.st_size}-{int(st.st_mtime)}-v{IMPORTER_VERSION}-{_formats_hash()}" / "hf"

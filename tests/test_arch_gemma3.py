@@ -17,7 +17,7 @@ from formats.arch import LAYER_FULL, LAYER_SLIDING
 from cortiq_engine.models import parse_config
 from cortiq_engine.convert import convert_checkpoint
 from formats.errors import CortiqError
-from formats.gguf_import import import_gguf
+from cortiq_engine.convert import import_gguf
 from cortiq_engine import Engine, SamplingConfig
 from tests import arch_tiny
 from tests.tiny import build_tiny

@@ -80,7 +80,8 @@ TINY_QTYPES = {
 def convert_through_hf_folder(src: Path, out: Path, folder: Path, quant: str) -> Path:
     """The route the streamed conversion replaced: GGUF -> f32 HF folder -> CMF."""
     from formats.checkpoint import open_checkpoint
-    from formats.gguf_import import import_gguf, read_gguf, source_blocks
+    from cortiq_engine.convert import import_gguf, read_gguf
+    from formats.gguf_import import source_blocks
 
     import_gguf(src, folder)
     ck = open_checkpoint(folder)
@@ -129,7 +130,8 @@ def test_streamed_gguf_equals_the_hf_folder_route_byte_for_byte(tiny_quantized_g
 def test_gguf_checkpoint_reads_the_import_values(tiny_quantized_gguf):
     """Row slices of any size, samples and whole tensors: the dequantized, de-permuted
     values ``import_gguf`` writes (``dequantized``), element for element."""
-    from formats.gguf_import import GgufCheckpoint, dequantized, read_gguf
+    from cortiq_engine.convert import read_gguf
+    from formats.gguf_import import GgufCheckpoint, dequantized
 
     model = read_gguf(tiny_quantized_gguf)
     ck = GgufCheckpoint(model)
@@ -176,7 +178,7 @@ INTERPRETER = (
 def test_smollm2_gguf_peak_memory_is_one_tensor(smollm2_gguf, tmp_path, quant):
     """Issue 10: below 1.3x the largest tensor (as f32) plus the interpreter (it was the
     whole f32 model through a temporary folder)."""
-    from formats.gguf_import import read_gguf
+    from cortiq_engine.convert import read_gguf
 
     largest = max(int(np.prod(t.shape)) for t in read_gguf(smollm2_gguf).tensors) * 4
     base = _child_peak_rss(INTERPRETER)

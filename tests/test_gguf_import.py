@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from formats.errors import CortiqError
-from formats.gguf_import import import_gguf, unpermute_rope_rows
+from cortiq_engine.convert import import_gguf
+from formats.gguf_import import unpermute_rope_rows
 from tests.tiny import build_tiny
 
 # Both transformers' GGUF tokenizer and llama.cpp agree on these.
@@ -107,7 +108,7 @@ def test_gemma3_tokenizer_matches_llama_cpp(gemma3_gguf: Path):
     from tokenizers import Tokenizer
 
     from evals.text_source import BUNDLED_CORPORA
-    from formats.gguf_import import read_gguf
+    from cortiq_engine.convert import read_gguf
 
     ours = Tokenizer.from_str(read_gguf(gemma3_gguf).tokenizer.tokenizer_json)
     lcpp = llama_cpp.Llama(str(gemma3_gguf), vocab_only=True, verbose=False)
@@ -445,7 +446,7 @@ def _bad_inputs(tmp: Path, good: Path) -> dict[str, tuple[Path, str]]:
         "not-gguf": (tmp / "text.gguf", "not a GGUF file"),
         "truncated-header": (tmp / "head.gguf", "truncated"),
         "truncated-data": (tmp / "cut.gguf", "truncated"),
-        "architecture": (tmp / "bert.gguf", "architecture 'bert' is not supported"),
+        "architecture": (tmp / "bert.gguf", "unsupported GGUF architecture 'bert'"),
         "missing": (tmp / "nope.gguf", "no such file"),
     }
 

@@ -19,6 +19,7 @@ from formats.arch_check import arch_from_config, model_arch
 from formats.cmf import CmfFile
 from formats.errors import CortiqError
 from cortiq_engine.models.base import DraftLayer, Family
+from formats.gguf_spec import GgufSpec
 
 
 @dataclass(frozen=True)
@@ -28,18 +29,30 @@ class Registry:
     families: tuple[Family, ...]
     by_model_type: dict[str, Family] = field(init=False, repr=False)
     by_arch: dict[str, Family] = field(init=False, repr=False)
+    by_hf_architecture: dict[str, Family] = field(init=False, repr=False)
+    by_gguf: dict[str, tuple[Family, GgufSpec]] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         mts: dict[str, Family] = {}
         archs: dict[str, Family] = {}
+        hf: dict[str, Family] = {}
+        gguf: dict[str, tuple[Family, GgufSpec]] = {}
         for f in self.families:
-            for key, table in ((f.model_types, mts), (f.archs, archs)):
+            for key, table in ((f.model_types, mts), (f.archs, archs), (f.hf_architectures, hf)):
                 for k in key:
                     if k in table:
                         raise ValueError(f"{k!r} is claimed by families {table[k].name} and {f.name}")
                     table[k] = f
+            for spec in f.gguf:
+                if spec.arch in gguf:
+                    raise ValueError(f"GGUF architecture {spec.arch!r} is claimed by families {gguf[spec.arch][0].name} and {f.name}")
+                if spec.model_type not in f.model_types:
+                    raise ValueError(f"family {f.name}'s GGUF {spec.arch!r} names model_type {spec.model_type!r}, which it does not parse")
+                gguf[spec.arch] = (f, spec)
         object.__setattr__(self, "by_model_type", mts)
         object.__setattr__(self, "by_arch", archs)
+        object.__setattr__(self, "by_hf_architecture", hf)
+        object.__setattr__(self, "by_gguf", gguf)
 
     def supported_model_types(self) -> list[str]:
         return sorted(self.by_model_type)
@@ -47,10 +60,18 @@ class Registry:
     def for_model_type(self, model_type: Any) -> Family:
         if not isinstance(model_type, str) or model_type not in self.by_model_type:
             raise CortiqError(
-                f"unsupported architecture {model_type!r} (model_type in config.json); "
-                f"supported: {', '.join(self.supported_model_types())}"
+                f"unsupported architecture {_show(model_type)} (model_type in config.json); "
+                f"supported: {', '.join(self.supported_model_types())}; see {DOCS}"
             )
         return self.by_model_type[model_type]
+
+    def for_gguf_arch(self, arch: Any) -> tuple[Family, GgufSpec]:
+        if not isinstance(arch, str) or arch not in self.by_gguf:
+            raise CortiqError(
+                f"unsupported GGUF architecture {_show(arch)} (general.architecture); "
+                f"supported: {', '.join(sorted(self.by_gguf))}; see {DOCS}"
+            )
+        return self.by_gguf[arch]
 
     def for_arch(self, arch: Any) -> Family:
         if not isinstance(arch, str) or arch not in self.by_arch:
@@ -58,6 +79,14 @@ class Registry:
                 f"the engine cannot run architecture {arch!r} yet (supported: {', '.join(sorted(self.by_arch))})"
             )
         return self.by_arch[arch]
+
+
+DOCS = "docs/architectures.md"
+
+
+def _show(v: Any) -> str:
+    s = repr(v)
+    return s if len(s) <= 60 else s[:57] + "..."
 
 
 def _discover(modules: Iterable[str]) -> tuple[Family, ...]:

@@ -20,6 +20,7 @@ import numpy as np
 from formats.arch import ACTIVATIONS, LAYER_FULL, LAYER_SLIDING, ArchConfig, MoeConfig
 from formats.cmf import CmfFile
 from formats.errors import CortiqError
+from formats.gguf_spec import GgufSpec
 from formats.manifest import Manifest
 from formats.mtp_names import MTP_PREFIX
 from formats.sanitize import NO_RULES, SanitizeRules
@@ -53,6 +54,11 @@ class Family:
     sanitize: SanitizeRules = NO_RULES
     activations: tuple[str, ...] = ACTIVATIONS
     mtp_style: str | None = None
+    # config.json "architectures" names (e.g. "LlamaForCausalLM"): found by these when a
+    # config has no model_type, and listed in the docs and the unsupported-architecture error.
+    hf_architectures: tuple[str, ...] = ()
+    # llama.cpp GGUF architectures this family imports (formats.gguf_spec.GgufSpec).
+    gguf: tuple[GgufSpec, ...] = ()
     # Name rules that depend on config.json (sizes of fused tensors to split); None: ``sanitize``.
     sanitize_for: Callable[[Mapping[str, Any]], SanitizeRules] | None = None
 

@@ -17,6 +17,7 @@ import numpy as np
 from formats.arch import ACTIVATIONS, LAYER_FULL, LAYER_SLIDING, ArchConfig
 from formats.cmf import CmfFile
 from formats.errors import CortiqError
+from formats.gguf_spec import GgufContext, GgufSpec, SentencePieceStyle
 from formats.manifest import Manifest
 from cortiq_engine.layers import GegluMLP, RMSNorm, RoPE, SandwichBlock
 from cortiq_engine.model import Model
@@ -132,6 +133,108 @@ def build(cmf: CmfFile, arch: ArchConfig, kernels) -> Model:
     )
 
 
+# ------------------------------------------------------------------ GGUF
+# The chat template of Google's Gemma 3 releases (tokenizer_config.json of
+# google/gemma-3-*-it), used when a gemma3 GGUF carries none (many conversions of the
+# base models do not): llama.cpp then falls back to its built-in "gemma" format, which
+# renders the same turns.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}\n"
+    "{%- if messages[0]['role'] == 'system' -%}\n"
+    "    {%- if messages[0]['content'] is string -%}\n"
+    "        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}\n"
+    "    {%- else -%}\n"
+    "        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}\n"
+    "    {%- endif -%}\n"
+    "    {%- set loop_messages = messages[1:] -%}\n"
+    "{%- else -%}\n"
+    "    {%- set first_user_prefix = \"\" -%}\n"
+    "    {%- set loop_messages = messages -%}\n"
+    "{%- endif -%}\n"
+    "{%- for message in loop_messages -%}\n"
+    "    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}\n"
+    "        {{ raise_exception(\"Conversation roles must alternate user/assistant/user/assistant/...\") }}\n"
+    "    {%- endif -%}\n"
+    "    {%- if (message['role'] == 'assistant') -%}\n"
+    "        {%- set role = \"model\" -%}\n"
+    "    {%- else -%}\n"
+    "        {%- set role = message['role'] -%}\n"
+    "    {%- endif -%}\n"
+    "    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else \"\") }}\n"
+    "    {%- if message['content'] is string -%}\n"
+    "        {{ message['content'] | trim }}\n"
+    "    {%- elif message['content'] is iterable -%}\n"
+    "        {%- for item in message['content'] -%}\n"
+    "            {%- if item['type'] == 'image' -%}\n"
+    "                {{ '<start_of_image>' }}\n"
+    "            {%- elif item['type'] == 'text' -%}\n"
+    "                {{ item['text'] | trim }}\n"
+    "            {%- endif -%}\n"
+    "        {%- endfor -%}\n"
+    "    {%- else -%}\n"
+    "        {{ raise_exception(\"Invalid content type\") }}\n"
+    "    {%- endif -%}\n"
+    "    {{ '<end_of_turn>\n' }}\n"
+    "{%- endfor -%}\n"
+    "{%- if add_generation_prompt -%}\n"
+    "    {{'<start_of_turn>model\n'}}\n"
+    "{%- endif -%}\n"
+)
+
+
+def _gguf_config(ctx: GgufContext, config: dict[str, Any]) -> None:
+    """Gemma 3's config.json. What the GGUF does not store, llama.cpp hard-codes for
+    gemma3 and so do we: every 6th layer global, a local RoPE base of 10000, and
+    query_pre_attn_scalar = head_dim (the 27B model's hidden/heads differs; llama.cpp
+    special-cases it by size, which a GGUF does not name, so it is refused below)."""
+    layers, hd = config["num_hidden_layers"], config["head_dim"]
+    if int(ctx.key("attention.value_length", hd)) != hd:
+        raise CortiqError("GGUFs with different key and value head sizes are not supported")
+    if int(ctx.key("rope.dimension_count", hd)) != hd:
+        raise CortiqError("partial rotary embeddings (rope.dimension_count < head size) are not supported")
+    scaling = config.pop("rope_scaling", None)
+    theta = config.pop("rope_theta")
+    if config["hidden_size"] == 5376 and layers == 62:
+        raise CortiqError("Gemma 3 27B GGUFs are not supported (their query scale is not stored in the file)")
+    window = ctx.key("attention.sliding_window")
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise CortiqError(f"gemma3 GGUF has no valid gemma3.attention.sliding_window ({str(window)[:40]!r})")
+    full = {"rope_type": "default", "rope_theta": theta if "gemma3.rope.freq_base" in ctx.meta else 1_000_000.0}
+    if scaling is not None:
+        if scaling.get("rope_type") != "linear":
+            raise CortiqError(f"gemma3 GGUF rope scaling {scaling.get('rope_type')!r} is not supported (supported: linear)")
+        full.update(scaling)
+    caps = {}
+    for k in ("final_logit_softcapping", "attn_logit_softcapping"):
+        v = ctx.key(k)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0):
+            raise CortiqError(f"GGUF metadata gemma3.{k} is {str(v)[:40]!r}, expected a number >= 0")
+        caps[k] = v
+    config.update(
+        hidden_activation=GELU_TANH,
+        hidden_act=GELU_TANH,
+        query_pre_attn_scalar=hd,
+        sliding_window=window,
+        layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)],
+        rope_parameters={"full_attention": full, "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+        **caps,
+    )
+
+
+GGUF = GgufSpec(
+    "gemma3", "gemma3_text", "Gemma3ForCausalLM",
+    # Gemma's four norms per block; llama.cpp stores them (and the q/k norms) as 1 + w.
+    block_names={
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
+    norm_offset=-1.0,
+    config=_gguf_config,
+    sentencepiece=SentencePieceStyle("GemmaTokenizer", CHAT_TEMPLATE, eog_texts=("<end_of_turn>",)),
+)
+
+
 FAMILY = Family(
     name="gemma3",
     parsers={"gemma3_text": _gemma3},
@@ -140,4 +243,6 @@ FAMILY = Family(
     build=build,
     draft_layer=blocks.dense_draft_layer,
     activations=ACTIVATIONS + (GELU_TANH,),
+    hf_architectures=("Gemma3ForCausalLM",),
+    gguf=(GGUF,),
 )

@@ -15,6 +15,7 @@ from typing import Any, Sequence
 from formats.arch import LAYER_FULL, LAYER_SLIDING, ArchConfig
 from formats.cmf import CmfFile
 from formats.errors import CortiqError
+from formats.gguf_spec import GgufContext, GgufSpec
 from formats.manifest import Manifest
 from cortiq_engine.model import Model
 from cortiq_engine.models import blocks
@@ -80,6 +81,45 @@ def build(cmf: CmfFile, arch: ArchConfig, kernels) -> Model:
     return Model(arch=arch, kernels=kernels, embed=embed, blocks=tuple(layers), norm=norm, head=head)
 
 
+# ------------------------------------------------------------------ GGUF
+def _gguf_llama(ctx: GgufContext, config: dict[str, Any]) -> None:
+    bias = [f"blk.0.attn_{p}.bias" in ctx.tensors for p in ("q", "k", "v", "output")]
+    if any(bias) and not all(bias):
+        raise CortiqError("GGUFs with biases on only some attention projections are not supported")
+    config.update(mlp_bias=False, pretraining_tp=1)
+
+
+def _gguf_qwen(ctx: GgufContext, config: dict[str, Any]) -> None:
+    bias = [f"blk.0.attn_{p}.bias" in ctx.tensors for p in ("q", "k", "v", "output")]
+    if config["model_type"] == "qwen2":
+        config["attention_bias"] = True  # q/k/v biases always, o_proj never (the manifest checks)
+    elif any(bias) and not all(bias):
+        raise CortiqError("GGUFs with biases on only some attention projections are not supported")
+    config.update(use_sliding_window=False, sliding_window=None, max_window_layers=config["num_hidden_layers"])
+
+
+def _check_gguf_geometry(ctx: GgufContext, config: dict[str, Any]) -> None:
+    hd = config["head_dim"]
+    if int(ctx.key("attention.value_length", hd)) != hd:
+        raise CortiqError("GGUFs with different key and value head sizes are not supported")
+    if int(ctx.key("rope.dimension_count", hd)) != hd:
+        raise CortiqError("partial rotary embeddings (rope.dimension_count < head size) are not supported")
+
+
+def _with_geometry(hook):
+    def run(ctx: GgufContext, config: dict[str, Any]) -> None:
+        _check_gguf_geometry(ctx, config)
+        hook(ctx, config)
+    return run
+
+
+GGUF = (
+    GgufSpec("llama", "llama", "LlamaForCausalLM", permute_qk=True, config=_with_geometry(_gguf_llama)),
+    GgufSpec("qwen2", "qwen2", "Qwen2ForCausalLM", config=_with_geometry(_gguf_qwen)),
+    GgufSpec("qwen3", "qwen3", "Qwen3ForCausalLM", config=_with_geometry(_gguf_qwen)),
+)
+
+
 FAMILY = Family(
     name="llama",
     parsers={"llama": _llama, "mistral": _mistral, "qwen2": _qwen2, "qwen3": qwen3},
@@ -87,4 +127,6 @@ FAMILY = Family(
     manifest=manifest,
     build=build,
     draft_layer=blocks.dense_draft_layer,
+    hf_architectures=("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"),
+    gguf=GGUF,
 )
