@@ -152,6 +152,75 @@ CONFIGS["smollm3"] = dict(
 )
 
 
+# llama.cpp's block part names for the HF modules of a Llama-shaped layer.
+_LLAMA_GGUF_PARTS = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}  # fmt: skip
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.permute: HF rotary halves -> interleaved pairs."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_llama_style_gguf(model, path: str | Path, arch: str, floats: dict[str, float] | None = None,
+                           weight_type: str = "F32") -> Path:
+    """The GGUF llama.cpp's converter writes for a Llama-lineage model (``LlamaModel``
+    and its subclasses: q/k rows permuted, no output.weight when tied) of ``arch``, with
+    the byte-level vocabulary of ``tests.tiny``; ``floats``: extra ``{arch}.*`` keys;
+    ``weight_type``: the GGML type of the 2-D tensors (gguf-py quantizes)."""
+    import gguf
+    from tokenizers import pre_tokenizers
+
+    cfg = model.config
+    hd = cfg.hidden_size // cfg.num_attention_heads
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_dimension_count(hd)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    for key, value in (floats or {}).items():
+        w.add_float32(f"{arch}.{key}", value)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(sorted(pre_tokenizers.ByteLevel.alphabet()))
+    w.add_token_types([1] * 256)
+    for name, t in model.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        x = t.detach().numpy().astype(np.float32)
+        if name == "model.embed_tokens.weight":
+            gname = "token_embd.weight"
+        elif name == "model.norm.weight":
+            gname = "output_norm.weight"
+        elif name == "lm_head.weight":
+            gname = "output.weight"
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            module, kind = rest.rsplit(".", 1)
+            gname = f"blk.{layer}.{_LLAMA_GGUF_PARTS[module]}.{kind}"
+            if module in ("self_attn.q_proj", "self_attn.k_proj"):
+                heads = cfg.num_attention_heads if module == "self_attn.q_proj" else cfg.num_key_value_heads
+                x = llama_cpp_permute(x, heads)
+        if weight_type != "F32" and x.ndim == 2:
+            qt = gguf.GGMLQuantizationType[weight_type]
+            w.add_tensor(gname, gguf.quants.quantize(x, qt), raw_dtype=qt)
+        else:
+            w.add_tensor(gname, x)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(path)
+
+
 # Phi-3: its fused qkv_proj / gate_up_proj, a sliding window of 5 (its default pad id lies
 # past the tiny vocabulary).
 CONFIGS["phi3"] = dict(pad_token_id=None, sliding_window=5)

@@ -106,3 +106,45 @@ def test_q8_conversion_stays_close(tiny, tmp_path):
 def test_unsupported_or_bad_config_is_refused(tiny, change, match):
     with pytest.raises(CortiqError, match=match):
         parse_config({**_config(tiny), **change})
+
+
+# ------------------------------------------------------------------ a tiny granite GGUF
+GGUF_SCALES = {"embedding_scale": 6.0, "residual_scale": 0.3, "logit_scale": 0.25, "attention.scale": 30.0}
+
+
+@pytest.mark.parametrize("weight_type", ["F32", "Q8_0"])
+def test_gguf_matches_transformers(tmp_path, weight_type):
+    """A granite GGUF as llama.cpp's converter writes it (q/k rows permuted, the
+    multipliers as granite.*_scale keys) converts straight to the source model."""
+    src = build_tiny("granite", **{**TINY, "attention_bias": False})
+    path = arch_tiny.write_llama_style_gguf(src, tmp_path / "g.gguf", "granite", GGUF_SCALES, weight_type)
+    convert_checkpoint(path, tmp_path / "g.cmf", quant="f32")
+    ids = arch_tiny.sample_ids(24)
+    with Engine.load(tmp_path / "g.cmf") as eng:
+        err = arch_tiny.rel_err(eng.logits(ids), arch_tiny.torch_logits(src, ids))
+    assert err < (1e-4 if weight_type == "F32" else 0.05)
+
+
+def test_gguf_import_restores_the_checkpoint(tiny, tmp_path):
+    """import-gguf writes the source's config.json multipliers and its exact weights
+    (attention biases de-permuted like the weights), which transformers loads."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from cortiq_engine.convert import import_gguf
+
+    model = tiny[0]
+    path = arch_tiny.write_llama_style_gguf(model, tmp_path / "g.gguf", "granite", GGUF_SCALES)
+    report = import_gguf(path, tmp_path / "hf")
+    assert report.model_type == "granite" and report.tied_embeddings
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert [cfg[k] for k in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")] == [6.0, 0.3, 30.0, 0.25]
+    ours = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    want = model.state_dict()
+    for name, t in ours.state_dict().items():
+        assert torch.equal(t, want[name]), name
+    # Without the keys, llama.cpp's defaults: scores by head_dim**-0.5, the rest unscaled.
+    bare = arch_tiny.write_llama_style_gguf(model, tmp_path / "b.gguf", "granite")
+    import_gguf(bare, tmp_path / "hf_bare")
+    cfg = json.loads((tmp_path / "hf_bare" / "config.json").read_text())
+    assert [cfg[k] for k in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")] == [1.0, 1.0, 0.25, 1.0]

@@ -134,3 +134,27 @@ def test_q8_conversion_stays_close(tiny, tmp_path):
 def test_unsupported_or_bad_config_is_refused(tiny, change, match):
     with pytest.raises(CortiqError, match=match):
         parse_config({**_config(tiny), **change})
+
+
+# ------------------------------------------------------------------ a tiny smollm3 GGUF
+@pytest.mark.parametrize("weight_type", ["F32", "Q8_0"])
+def test_gguf_matches_transformers(tmp_path, weight_type):
+    """A smollm3 GGUF as llama.cpp's converter writes it (Llama's: q/k rows permuted, no
+    key for the NoPE layers, which llama.cpp fixes at every 4th) converts straight to
+    the source model: layer 3 of 4 without RoPE, full attention everywhere."""
+    from cortiq_engine.convert import import_gguf
+
+    cfg = {**TINY, "no_rope_layer_interval": 4, "use_sliding_window": False, "sliding_window": None, "attention_bias": False}
+    src = sharpen(build_tiny("smollm3", **cfg))
+    assert src.config.no_rope_layers == [1, 1, 1, 0]
+    path = arch_tiny.write_llama_style_gguf(src, tmp_path / "s.gguf", "smollm3", weight_type=weight_type)
+    convert_checkpoint(path, tmp_path / "s.cmf", quant="f32")
+    ids = arch_tiny.sample_ids(24)
+    with Engine.load(tmp_path / "s.cmf") as eng:
+        assert eng.model.arch.no_rope_layers == [3] and eng.model.arch.layer_types == [LAYER_FULL] * 4
+        err = arch_tiny.rel_err(eng.logits(ids), arch_tiny.torch_logits(src, ids))
+    assert err < (1e-4 if weight_type == "F32" else 0.05)
+    if weight_type == "F32":
+        report = import_gguf(path, tmp_path / "hf")
+        assert report.model_type == "smollm3" and report.tied_embeddings
+        assert parse_config(json.loads((tmp_path / "hf" / "config.json").read_text())).no_rope_layers == [3]

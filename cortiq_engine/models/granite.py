@@ -12,9 +12,12 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
+import numpy as np
+
 from formats.arch import LAYER_FULL, ArchConfig
 from formats.cmf import CmfFile
 from formats.errors import CortiqError
+from formats.gguf_spec import GgufContext, GgufSpec
 from formats.manifest import Manifest
 from cortiq_engine.layers import Block
 from cortiq_engine.model import Model
@@ -93,6 +96,42 @@ def build(cmf: CmfFile, arch: ArchConfig, kernels) -> Model:
     )
 
 
+# ------------------------------------------------------------------ GGUF
+# llama.cpp's names for the multipliers (convert_hf_to_gguf.py writes each only when it is
+# set and non-zero); an absent one means what llama.cpp's granite graph does without it.
+_GGUF_SCALES = {
+    "embedding_multiplier": "embedding_scale",
+    "residual_multiplier": "residual_scale",
+    "logits_scaling": "logit_scale",
+    "attention_multiplier": "attention.scale",
+}
+
+
+def _gguf_config(ctx: GgufContext, config: dict[str, Any]) -> None:
+    """Granite's config.json from a llama.cpp granite GGUF: the four multipliers. Without
+    attention.scale llama.cpp scales scores by head_dim**-0.5; without the others it
+    leaves the values unscaled (a multiplier of 1)."""
+    hd = config["head_dim"]
+    if int(ctx.key("attention.value_length", hd)) != hd:
+        raise CortiqError("GGUFs with different key and value head sizes are not supported")
+    if int(ctx.key("rope.dimension_count", hd)) != hd:
+        raise CortiqError("partial rotary embeddings (rope.dimension_count < head size) are not supported")
+    if any(f"blk.0.ffn_{p}.bias" in ctx.tensors for p in ("gate", "up", "down")):
+        raise CortiqError("granite GGUFs with MLP biases are not supported (the engine's gated MLP has no biases)")
+    for field, key in _GGUF_SCALES.items():
+        v = ctx.key(key, 0.0)
+        if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) or not math.isfinite(float(v)):
+            raise CortiqError(f"GGUF metadata granite.{key} is {str(v)[:40]!r}, expected a finite number")
+        # A float32 in the file, written back as the decimal its author wrote (0.22, not 0.2199999988079071).
+        v = float(str(np.float32(v)))
+        config[field] = v if v else (hd**-0.5 if field == "attention_multiplier" else 1.0)
+    config["mlp_bias"] = False
+
+
+# Granite's converter is Llama's: q/k rows permuted for llama.cpp's interleaved RoPE.
+GGUF = (GgufSpec("granite", "granite", "GraniteForCausalLM", permute_qk=True, config=_gguf_config),)
+
+
 FAMILY = Family(
     name="granite",
     parsers={"granite": _granite},
@@ -100,4 +139,6 @@ FAMILY = Family(
     manifest=manifest,
     build=build,
     draft_layer=blocks.dense_draft_layer,
+    hf_architectures=("GraniteForCausalLM",),
+    gguf=GGUF,
 )

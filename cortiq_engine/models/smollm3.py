@@ -17,6 +17,7 @@ from typing import Any, Sequence
 from formats.arch import LAYER_FULL, LAYER_SLIDING, ArchConfig
 from formats.cmf import CmfFile
 from formats.errors import CortiqError
+from formats.gguf_spec import GgufContext, GgufSpec
 from formats.manifest import Manifest
 from cortiq_engine.model import Model
 from cortiq_engine.models import blocks
@@ -111,6 +112,25 @@ def build(cmf: CmfFile, arch: ArchConfig, kernels) -> Model:
     return Model(arch=arch, kernels=kernels, embed=embed, blocks=tuple(layers), norm=norm, head=head)
 
 
+# ------------------------------------------------------------------ GGUF
+def _gguf_config(ctx: GgufContext, config: dict[str, Any]) -> None:
+    """SmolLM3's config.json from a llama.cpp smollm3 GGUF. The file stores neither the
+    NoPE layers nor windows: llama.cpp hard-codes a NoPE layer every 4th layer and runs
+    every layer on full attention, and so does the import."""
+    hd = config["head_dim"]
+    if int(ctx.key("attention.value_length", hd)) != hd:
+        raise CortiqError("GGUFs with different key and value head sizes are not supported")
+    if int(ctx.key("rope.dimension_count", hd)) != hd:
+        raise CortiqError("partial rotary embeddings (rope.dimension_count < head size) are not supported")
+    if any(f"blk.0.ffn_{p}.bias" in ctx.tensors for p in ("gate", "up", "down")):
+        raise CortiqError("smollm3 GGUFs with MLP biases are not supported (the engine's gated MLP has no biases)")
+    config.update(mlp_bias=False, no_rope_layer_interval=4, use_sliding_window=False, sliding_window=None)
+
+
+# SmolLM3's converter is Llama's: q/k rows permuted for llama.cpp's interleaved RoPE.
+GGUF = (GgufSpec("smollm3", "smollm3", "SmolLM3ForCausalLM", permute_qk=True, config=_gguf_config),)
+
+
 FAMILY = Family(
     name="smollm3",
     parsers={"smollm3": _smollm3},
@@ -118,4 +138,6 @@ FAMILY = Family(
     manifest=manifest,
     build=build,
     draft_layer=blocks.dense_draft_layer,
+    hf_architectures=("SmolLM3ForCausalLM",),
+    gguf=GGUF,
 )
