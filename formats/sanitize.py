@@ -339,7 +339,8 @@ class InterleavedExperts(SanitizedCheckpoint):
             if bias is not None:
                 shape = tuple(int(d) for d in ck.shape(bias))
                 if len(shape) != 2 or (proj == "gate_up_proj" and shape[1] % 2):
-                    raise CortiqError(f"tensor {bias} has shape {list(shape)}: expected [experts, {'2 * ' if proj == 'gate_up_proj' else ''}width]")
+                    width = "2 * intermediate" if proj == "gate_up_proj" else "hidden"
+                    raise CortiqError(f"tensor {bias} has shape {list(shape)}: expected [experts, {width}]")
                 names = (("gate_proj", 0, 2), ("up_proj", 1, 2)) if proj == "gate_up_proj" else (("down_proj", 0, 1),)
                 for k in range(shape[0]):
                     for name, half, step in names:

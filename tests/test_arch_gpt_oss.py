@@ -234,7 +234,9 @@ def _write_mxfp4(model, folder):
                 out[name] = p.contiguous().clone()
     save_file(out, str(folder / "model.safetensors"))
     cfg = json.loads(json.dumps(model.config.to_dict()))
-    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.embed_tokens", "lm_head"]}
+    cfg["quantization_config"] = {
+        "quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.embed_tokens", "lm_head"],
+    }
     (folder / "config.json").write_text(json.dumps(cfg))
     write_byte_tokenizer(folder)
     return folder
