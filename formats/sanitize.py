@@ -184,10 +184,33 @@ class SanitizedCheckpoint:
             return bf16_to_f32(a)
         return a.astype(np.float32, copy=False)
 
+    def _whole(self, name: str) -> bool:
+        sl = self._map[name]
+        return sl.r0 == 0 and tuple(self._ck.shape(sl.source)) == sl.shape
+
+    def _mapped(self) -> bool:
+        """Whether the source exposes its stored rows (safetensors); a GGUF checkpoint
+        dequantizes as it reads, so its slices are cut from its own row stream."""
+        return hasattr(self._ck, "raw")
+
+    def _cut_rows(self, name: str, max_elems: int) -> Iterator[np.ndarray]:
+        """The slice's f32 rows from the source's row stream (which stops past them)."""
+        sl, r = self._map[name], 0
+        for block in self._ck.iter_f32_rows(sl.source, max_elems):
+            lo, hi = max(sl.r0 - r, 0), min(sl.r1 - r, block.shape[0])
+            if lo < hi:
+                yield block[lo:hi]
+            r += block.shape[0]
+            if r >= sl.r1:
+                return
+
     def iter_f32_rows(self, name: str, max_elems: int = 1 << 20) -> Iterator[np.ndarray]:
         sl = self._map[name]
-        if sl.r0 == 0 and tuple(self._ck.shape(sl.source)) == sl.shape:
+        if self._whole(name):
             yield from self._ck.iter_f32_rows(sl.source, max_elems)  # untouched: the reader's own streaming
+            return
+        if not self._mapped():
+            yield from self._cut_rows(name, max_elems)
             return
         a = self._rows(name)
         rows, cols = rows_cols(sl.shape)
@@ -199,14 +222,36 @@ class SanitizedCheckpoint:
     def tensor(self, name: str) -> np.ndarray:
         if name not in self._map:
             raise CortiqError(f"{self._ck.root}: missing tensor {name}")
-        return self._f32(np.ascontiguousarray(self._rows(name)), name).reshape(self._map[name].shape)
+        shape = self._map[name].shape
+        if not self._mapped():
+            if self._whole(name):
+                return self._ck.tensor(self._map[name].source).reshape(shape)
+            return np.concatenate(list(self._cut_rows(name, 1 << 20))).reshape(shape)
+        return self._f32(np.ascontiguousarray(self._rows(name)), name).reshape(shape)
 
     def sample_f32(self, name: str, count: int = 64) -> np.ndarray:
+        if not self._mapped():
+            return self._sample_stream(name, count)
         flat = self._rows(name).reshape(-1)
         if flat.size == 0:
             return np.zeros(0, np.float32)
         idx = np.linspace(0, flat.size - 1, num=min(count, flat.size)).astype(np.int64)
         return self._f32(flat[idx], name)
+
+    def _sample_stream(self, name: str, count: int) -> np.ndarray:
+        """The elements ``sample_f32`` picks, gathered from the row stream block by block."""
+        if self._whole(name):
+            return self._ck.sample_f32(self._map[name].source, count)
+        rows, cols = rows_cols(self._map[name].shape)
+        if rows * cols == 0:
+            return np.zeros(0, np.float32)
+        idx = np.linspace(0, rows * cols - 1, num=min(count, rows * cols)).astype(np.int64)
+        out, r = np.empty(idx.size, np.float32), 0
+        for block in self._cut_rows(name, 1 << 20):
+            sel = (idx // cols >= r) & (idx // cols < r + block.shape[0])
+            out[sel] = block[idx[sel] // cols - r, idx[sel] % cols]
+            r += block.shape[0]
+        return out
 
 
 def sanitize_checkpoint(ck: Any, rules: SanitizeRules = NO_RULES) -> Any:

@@ -241,3 +241,100 @@ def test_fused_rows_that_do_not_add_up_are_refused():
         split_fused_rows("model.layers.0.self_attn.qkv_proj.weight", "src", (120, 64), rules)
     assert split_fused_rows("model.layers.0.mlp.experts.gate_up_proj", "src", (4, 64, 64), rules) == {}
     assert split_fused_rows("x.mlp.gate_up_proj.weight", "x", (4, 2), SanitizeRules()) == {}
+
+
+# ------------------------------------------------------------------ a tiny phi3 GGUF
+_GGUF_PARTS = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.qkv_proj": "attn_qkv",
+    "self_attn.o_proj": "attn_output", "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}  # fmt: skip
+
+
+def write_phi3_gguf(model, path, weight_type: str = "F32"):
+    """The GGUF llama.cpp's converter (``Phi3MiniModel``) writes: the fused projections
+    as they are (no row permutation), rope.dimension_count = int(factor * hidden) // heads,
+    sliding_window 0 when there is none, the LongRoPE factors as tensors; the byte-level
+    vocabulary of ``tests.tiny`` (Phi-4's tokenizer is byte-level BPE)."""
+    import gguf
+    from tokenizers import pre_tokenizers
+
+    cfg = model.config
+    rp = cfg.rope_parameters
+    w = gguf.GGUFWriter(str(path), "phi3")
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_rope_scaling_orig_ctx_len(cfg.original_max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_dimension_count(int(rp.get("partial_rotary_factor", 1.0) * cfg.hidden_size) // cfg.num_attention_heads)
+    w.add_rope_freq_base(rp["rope_theta"])
+    w.add_sliding_window(cfg.sliding_window or 0)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(sorted(pre_tokenizers.ByteLevel.alphabet()))
+    w.add_token_types([1] * 256)
+    if rp.get("long_factor"):
+        w.add_tensor("rope_factors_long.weight", np.asarray(rp["long_factor"], np.float32))
+        w.add_tensor("rope_factors_short.weight", np.asarray(rp["short_factor"], np.float32))
+    for name, t in model.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        x = t.detach().numpy().astype(np.float32)
+        gname = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                 "lm_head.weight": "output.weight"}.get(name)  # fmt: skip
+        if gname is None:
+            _, _, layer, rest = name.split(".", 3)
+            module, kind = rest.rsplit(".", 1)
+            gname = f"blk.{layer}.{_GGUF_PARTS[module]}.{kind}"
+        if weight_type != "F32" and x.ndim == 2:
+            qt = gguf.GGMLQuantizationType[weight_type]
+            w.add_tensor(gname, gguf.quants.quantize(x, qt), raw_dtype=qt)
+        else:
+            w.add_tensor(gname, x)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+GGUF_CASES = {
+    "sliding": dict(COMMON, sliding_window=7),
+    "partial_tied": dict(COMMON, tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                                         "partial_rotary_factor": 0.75}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case,weight_type,quant", [
+    ("sliding", "F32", "f32"), ("partial_tied", "F32", "f32"), ("sliding", "Q8_0", "f32"), ("partial_tied", "Q8_0", "q8"),
+])  # fmt: skip
+def test_gguf_matches_transformers(tmp_path, case, weight_type, quant):
+    """A phi3 GGUF as llama.cpp writes it converts straight to the source model: the
+    fused attn_qkv / ffn_up split like the HF tensors, the partial rotary width and the
+    window read back from the metadata. A Q8_0 file into q8 copies the blocks of the
+    tensors it keeps whole and re-encodes the row slices of the fused ones."""
+    src = build_tiny("phi3", seed=4, **GGUF_CASES[case])
+    path = write_phi3_gguf(src, tmp_path / "p.gguf", weight_type)
+    report = convert_checkpoint(path, tmp_path / "p.cmf", quant=quant)
+    if quant == "q8":
+        assert "model.layers.0.self_attn.o_proj.weight" in report.block_copied
+        assert not any(n.endswith(("q_proj.weight", "gate_proj.weight")) for n in report.block_copied)
+    ids = arch_tiny.sample_ids(PROMPT + NEW, seed=5)
+    with Engine.load(tmp_path / "p.cmf") as eng:
+        got_arch = eng.model.arch
+        err = arch_tiny.rel_err(eng.logits(ids), arch_tiny.torch_logits(src, ids))
+    want = parse_config(json.loads(src.config.to_json_string()))
+    assert (got_arch.rotary_dim, got_arch.sliding_window, got_arch.tie_word_embeddings) == (
+        want.rotary_dim, want.sliding_window, want.tie_word_embeddings)
+    assert err < (1e-4 if weight_type == "F32" else 0.05), err
+
+
+def test_longrope_gguf_is_refused(tmp_path):
+    src = build_tiny("phi3", seed=4, **CONFIGS["longrope"])
+    path = write_phi3_gguf(src, tmp_path / "p.gguf")
+    with pytest.raises(CortiqError, match="LongRoPE factors .* are not supported yet"):
+        convert_checkpoint(path, tmp_path / "p.cmf", quant="f32")
+    assert not (tmp_path / "p.cmf").exists()

@@ -18,6 +18,7 @@ from typing import Any, Mapping, Sequence
 from formats.arch import LAYER_FULL, LAYER_SLIDING, ArchConfig
 from formats.cmf import CmfFile
 from formats.errors import CortiqError
+from formats.gguf_spec import GgufContext, GgufSpec
 from formats.manifest import Manifest
 from formats.sanitize import SanitizeRules
 from cortiq_engine.model import Model
@@ -135,6 +136,46 @@ def build(cmf: CmfFile, arch: ArchConfig, kernels) -> Model:
     return Model(arch=arch, kernels=kernels, embed=embed, blocks=tuple(layers), norm=norm, head=head)
 
 
+# ------------------------------------------------------------------ GGUF
+# llama.cpp's LongRoPE factors: tensors, whose values config.json needs.
+_GGUF_ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+
+
+def _gguf_config(ctx: GgufContext, config: dict[str, Any]) -> None:
+    """Phi-3's config.json from llama.cpp's ``phi3.*`` keys: the rotary width
+    (``rope.dimension_count``, int(partial_rotary_factor * hidden) // heads), the
+    pretraining length, the sliding window (0: none, as its converter writes for Phi-4)."""
+    hd = config["head_dim"]
+    if int(ctx.key("attention.value_length", hd)) != hd:
+        raise CortiqError("GGUFs with different key and value head sizes are not supported")
+    if config.pop("rope_scaling", None) is not None:
+        raise CortiqError("phi3 GGUF rope scaling other than LongRoPE's factor tensors is not supported")
+    if any(t in ctx.tensors for t in _GGUF_ROPE_FACTORS):
+        # The import hook reads metadata and tensor names, not tensor values.
+        raise CortiqError("phi3 GGUFs with LongRoPE factors (rope_factors_long/short) are not supported yet")
+    rot = ctx.key("rope.dimension_count", hd)
+    if isinstance(rot, bool) or not isinstance(rot, int) or not 0 < rot <= hd or rot % 2:
+        raise CortiqError(f"GGUF metadata phi3.rope.dimension_count is {str(rot)[:40]!r}, expected an even number 2..{hd}")
+    prf = rot / hd
+    if int(hd * prf) != rot:
+        raise CortiqError(f"phi3 GGUF rotary width {rot} of head size {hd} is not a partial_rotary_factor transformers reproduces")
+    window = ctx.key("attention.sliding_window", 0)
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise CortiqError(f"GGUF metadata phi3.attention.sliding_window is {str(window)[:40]!r}, expected an integer >= 0")
+    orig = ctx.key("rope.scaling.original_context_length")
+    if orig is not None:
+        config["original_max_position_embeddings"] = orig
+    config.update(partial_rotary_factor=prf, sliding_window=window or None)
+
+
+GGUF = GgufSpec(
+    "phi3", "phi3", "Phi3ForCausalLM",
+    # llama.cpp keeps both fused projections: attn_qkv [q | k | v], ffn_up [gate | up].
+    block_names={"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    config=_gguf_config,
+)
+
+
 FAMILY = Family(
     name="phi3",
     parsers={"phi3": _phi3},
@@ -142,5 +183,7 @@ FAMILY = Family(
     manifest=manifest,
     build=build,
     draft_layer=blocks.dense_draft_layer,
+    hf_architectures=("Phi3ForCausalLM",),
     sanitize_for=sanitize_for,
+    gguf=(GGUF,),
 )
