@@ -1,7 +1,9 @@
 """Gemma 2 on tiny random checkpoints (fast, for CI): the engine against transformers'
 Gemma2ForCausalLM with attention and final soft-caps small enough to bite (each shown
 to change the logits), mixed sliding / global layers with a window of 6 (shown to
-matter), and the f32 attention soft-cap kernel against float64 math.
+matter), the f32 attention soft-cap kernel against float64 math, and a tiny gemma2
+GGUF written the way llama.cpp writes one (F32 and Q8_0) against transformers' own
+GGUF loader.
 """
 
 from __future__ import annotations
@@ -188,3 +190,124 @@ def test_softcap_attend_matches_float64():
 
     plain = NumpyKernels().attend(q, kc, vc, start, window, scale)
     assert np.abs(plain - want).max() > 1e-2
+
+
+# ------------------------------------------------------------------ a tiny gemma2 GGUF
+_GGUF_NAMES = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}  # fmt: skip
+
+
+def spm_vocab(n: int) -> tuple[list[str], list[int]]:
+    """A Gemma-shaped SentencePiece vocabulary of ``n``: specials, byte tokens, pieces."""
+    toks = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+    types = [3] * len(toks)
+    toks += [f"<0x{b:02X}>" for b in range(256)]
+    types += [6] * 256
+    pieces = list(dict.fromkeys(["\u2581", "\u2581t", "he", "\u2581the", "an", "\u2581an", "nd", "\u2581and", *"thenadob"]))
+    pieces = pieces[: n - len(toks)]
+    pieces += [f"p{i}" for i in range(n - len(toks) - len(pieces))]
+    return toks + pieces, types + [1] * (n - len(toks))
+
+
+def write_gemma2_gguf(model, path: Path, weight_type: str = "F32") -> Path:
+    """What llama.cpp's converter writes for Gemma2ForCausalLM: no rope base (10000),
+    the window and both caps, norms as 1 + w, no output.weight (tied)."""
+    import gguf
+
+    cfg = model.config
+    w = gguf.GGUFWriter(str(path), "gemma2")
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+    w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    w.add_sliding_window(cfg.sliding_window)
+    toks, types = spm_vocab(cfg.vocab_size)
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(toks)
+    w.add_token_scores([-float(i) for i in range(len(toks))])
+    w.add_token_types(types)
+    w.add_bos_token_id(2)
+    w.add_eos_token_id(1)
+    w.add_add_bos_token(True)
+    w.add_add_space_prefix(False)
+    for name, t in model.state_dict().items():
+        if name == "lm_head.weight":
+            continue
+        x = t.detach().numpy().astype(np.float32)
+        if name == "model.embed_tokens.weight":
+            gname = "token_embd.weight"
+        elif name == "model.norm.weight":
+            gname = "output_norm.weight"
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            module, kind = rest.rsplit(".", 1)
+            gname = f"blk.{layer}.{_GGUF_NAMES[module]}.{kind}"
+        if gname.endswith("norm.weight"):
+            x = x + 1
+        if weight_type != "F32" and x.ndim == 2:
+            qt = getattr(gguf.GGMLQuantizationType, weight_type)
+            w.add_tensor(gname, gguf.quants.quantize(x, qt), raw_dtype=qt)
+        else:
+            w.add_tensor(gname, x)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+# llama.cpp fixes what a gemma2 GGUF does not store: layers alternate from a sliding
+# one, the query scale is head_dim**-0.5, RoPE's base is 10000.
+GGUF_TINY = dict(layer_types=None, query_pre_attn_scalar=TINY["head_dim"])
+
+
+@pytest.mark.parametrize("weight_type", ["F32", "Q8_0"])
+def test_tiny_gemma2_gguf_matches_transformers(tmp_path: Path, weight_type: str):
+    """The GGUF imports to the source weights (F32: exactly) and the engine's logits
+    match transformers' own GGUF loader (given the caps, which it does not read)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from cortiq_engine.convert import import_gguf
+
+    src = build(**GGUF_TINY)
+    write_gemma2_gguf(src, tmp_path / "g.gguf", weight_type)
+    report = import_gguf(tmp_path / "g.gguf", tmp_path / "hf")
+    assert report.tied_embeddings and report.model_type == "gemma2"
+    arch = parse_config(json.loads((tmp_path / "hf" / "config.json").read_text()))
+    assert arch.layer_types == [LAYER_SLIDING, LAYER_FULL] * 2 and arch.sliding_window == 6
+    assert (arch.attn_logit_softcapping, arch.final_logit_softcapping, arch.query_pre_attn_scalar) == (5.0, 3.0, 16)
+    ours = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    if weight_type == "F32":
+        ours_sd = ours.state_dict()
+        for name, t in src.state_dict().items():
+            assert torch.allclose(ours_sd[name], t, rtol=0, atol=1e-6), name
+    ref = AutoModelForCausalLM.from_pretrained(
+        tmp_path, gguf_file="g.gguf", dtype=torch.float32, query_pre_attn_scalar=16,
+        attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
+    ).eval()
+    convert_checkpoint(tmp_path / "hf", tmp_path / "g.cmf", quant="f32")
+    hf_tok = AutoTokenizer.from_pretrained(tmp_path, gguf_file="g.gguf")
+    with Engine.load(tmp_path / "g.cmf") as eng:
+        for text in ["the and an thane", "<start_of_turn>user\nhi<end_of_turn>"]:
+            assert eng.tokenizer.encode(text) == hf_tok(text)["input_ids"], text
+        ids = arch_tiny.sample_ids(N_IDS, seed=4, vocab=300)
+        got = eng.logits(ids)
+    assert arch_tiny.rel_err(got, arch_tiny.torch_logits(ref, ids)) < 1e-4
+    # `cortiq convert FILE.gguf` streams the same model without the folder.
+    convert_checkpoint(tmp_path / "g.gguf", tmp_path / "direct.cmf", quant="f32")
+    with Engine.load(tmp_path / "direct.cmf") as eng:
+        assert np.array_equal(eng.logits(ids), got)
+    assert arch_tiny.rel_err(got, arch_tiny.torch_logits(ours, ids)) < 1e-4

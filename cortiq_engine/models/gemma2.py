@@ -17,6 +17,7 @@ import numpy as np
 from formats.arch import ACTIVATIONS, LAYER_FULL, LAYER_SLIDING, ArchConfig
 from formats.cmf import CmfFile
 from formats.errors import CortiqError
+from formats.gguf_spec import GgufContext, GgufSpec, SentencePieceStyle
 from formats.manifest import Manifest
 from cortiq_engine.layers import GegluMLP, RMSNorm, SandwichBlock
 from cortiq_engine.model import Model
@@ -126,6 +127,52 @@ def build(cmf: CmfFile, arch: ArchConfig, kernels) -> Model:
     )
 
 
+# ------------------------------------------------------------------ GGUF
+def _gguf_number(ctx: GgufContext, name: str, default: float) -> float:
+    v = ctx.key(name, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+        raise CortiqError(f"GGUF metadata gemma2.{name} is {str(v)[:40]!r}, expected a number > 0")
+    return float(v)
+
+
+def _gguf_config(ctx: GgufContext, config: dict[str, Any]) -> None:
+    """Gemma 2's config.json. What the GGUF may leave out, llama.cpp hard-codes for
+    gemma2 and so do we: even layers slide, a window of 4096 and caps of 50 (scores)
+    and 30 (logits) when the file names none, and query_pre_attn_scalar = head_dim,
+    except hidden / heads for the 27B model (46 layers), as llama.cpp picks it."""
+    layers, hd = config["num_hidden_layers"], config["head_dim"]
+    if int(ctx.key("attention.value_length", hd)) != hd:
+        raise CortiqError("GGUFs with different key and value head sizes are not supported")
+    if int(ctx.key("rope.dimension_count", hd)) != hd:
+        raise CortiqError("partial rotary embeddings (rope.dimension_count < head size) are not supported")
+    window = ctx.key("attention.sliding_window", 4096)
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise CortiqError(f"GGUF metadata gemma2.attention.sliding_window is {str(window)[:40]!r}, expected an integer >= 1")
+    config.update(
+        hidden_activation=GELU_TANH,
+        hidden_act=GELU_TANH,
+        query_pre_attn_scalar=config["hidden_size"] // config["num_attention_heads"] if layers == 46 else hd,
+        sliding_window=window,
+        layer_types=["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)],
+        attn_logit_softcapping=_gguf_number(ctx, "attn_logit_softcapping", 50.0),
+        final_logit_softcapping=_gguf_number(ctx, "final_logit_softcapping", 30.0),
+    )
+
+
+GGUF = GgufSpec(
+    "gemma2", "gemma2", "Gemma2ForCausalLM",
+    # Gemma's four norms per block; llama.cpp stores them as 1 + w.
+    block_names={
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
+    norm_offset=-1.0,
+    config=_gguf_config,
+    sentencepiece=SentencePieceStyle("GemmaTokenizer", None, eog_texts=("<end_of_turn>",)),
+)
+
+
 FAMILY = Family(
     name="gemma2",
     parsers={"gemma2": _gemma2},
@@ -134,4 +181,6 @@ FAMILY = Family(
     build=build,
     draft_layer=blocks.dense_draft_layer,
     activations=ACTIVATIONS + (GELU_TANH,),
+    hf_architectures=("Gemma2ForCausalLM",),
+    gguf=(GGUF,),
 )

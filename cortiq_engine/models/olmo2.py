@@ -14,6 +14,7 @@ from typing import Any, Sequence
 from formats.arch import LAYER_FULL, ArchConfig
 from formats.cmf import CmfFile
 from formats.errors import CortiqError
+from formats.gguf_spec import GgufContext, GgufSpec
 from formats.manifest import Manifest
 from cortiq_engine.layers import Attention, SandwichBlock
 from cortiq_engine.model import Model
@@ -105,6 +106,30 @@ def build(cmf: CmfFile, arch: ArchConfig, kernels) -> Model:
     return Model(arch=arch, kernels=kernels, embed=embed, blocks=tuple(layers), norm=norm, head=head)
 
 
+# ------------------------------------------------------------------ GGUF
+def _gguf_config(ctx: GgufContext, config: dict[str, Any]) -> None:
+    """OLMo 2's config.json: the common fields are all it has. llama.cpp also files
+    OLMo 3 (sliding-window layers) under olmo2; such a file is refused."""
+    hd = config["head_dim"]
+    if int(ctx.key("attention.value_length", hd)) != hd:
+        raise CortiqError("GGUFs with different key and value head sizes are not supported")
+    if int(ctx.key("rope.dimension_count", hd)) != hd:
+        raise CortiqError("partial rotary embeddings (rope.dimension_count < head size) are not supported")
+    if ctx.key("attention.sliding_window") is not None:
+        raise CortiqError("olmo2 GGUFs with olmo2.attention.sliding_window (OLMo 3) are not supported")
+    bias = [f"blk.0.attn_{p}.bias" in ctx.tensors for p in ("q", "k", "v", "output")]
+    if any(bias) and not all(bias):
+        raise CortiqError("GGUFs with biases on only some attention projections are not supported")
+
+
+GGUF = GgufSpec(
+    "olmo2", "olmo2", "Olmo2ForCausalLM",
+    # Only the post-sublayer norms; q/k norms keep the shared names (attn_q_norm / attn_k_norm).
+    block_names={"post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"},
+    config=_gguf_config,
+)
+
+
 FAMILY = Family(
     name="olmo2",
     parsers={"olmo2": _olmo2},
@@ -112,4 +137,6 @@ FAMILY = Family(
     manifest=manifest,
     build=build,
     draft_layer=blocks.dense_draft_layer,
+    hf_architectures=("Olmo2ForCausalLM",),
+    gguf=(GGUF,),
 )
