@@ -137,6 +137,19 @@ def test_q8_conversion_stays_close(tiny, tmp_path):
         assert arch_tiny.rel_err(eng.logits(ids), arch_tiny.torch_logits(model, ids)) < 0.05
 
 
+def test_bf16_checkpoint_converts(tmp_path):
+    """A bf16 checkpoint (how transformers saves the dequantized release): the strided
+    gate/up views widen the bf16 rows they read."""
+    import torch
+
+    model = build(seed=2).to(torch.bfloat16)
+    src = arch_tiny.save(model, tmp_path / "hf")
+    convert_checkpoint(src, tmp_path / "b.cmf", quant="f32")
+    ids = arch_tiny.sample_ids(24, seed=2)
+    with Engine.load(tmp_path / "b.cmf") as eng:
+        assert arch_tiny.rel_err(eng.logits(ids), arch_tiny.torch_logits(model.float(), ids)) < 1e-4
+
+
 # ------------------------------------------------------------------ router and expert against transformers
 def test_router_equals_softmax_topk_renormalized():
     """transformers' top-k of the logits then softmax over the k == the engine's softmax,
@@ -390,3 +403,4 @@ def test_yarn_tables_match_transformers():
     ref_cos, ref_sin = emb(torch.zeros(1, dtype=torch.float32), torch.from_numpy(pos)[None])
     np.testing.assert_allclose(cos, ref_cos[0].numpy(), atol=3e-4)
     np.testing.assert_allclose(sin, ref_sin[0].numpy(), atol=3e-4)
+

@@ -126,5 +126,9 @@ FAMILY = Family(
     manifest=manifest,
     build=build,
     draft_layer=blocks.routed_draft_layer,
-    sanitize=SanitizeRules(renames=((r"\.mlp\.router\.", ".mlp.gate."),), interleaved_experts=True),
+    sanitize=SanitizeRules(
+        renames=((r"\.mlp\.router\.", ".mlp.gate."),),
+        interleaved_experts=True,
+    ),
+    hf_architectures=("GptOssForCausalLM",),
 )
