@@ -31,6 +31,10 @@ class Step:
 
     positions: np.ndarray  # int64 [n]
     _tables: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+    # The sequence's context length (its cache capacity; 0: the positions' own extent):
+    # length-dependent RoPE (longrope, dynamic) picks its frequencies from it, so every
+    # token of a sequence is rotated alike however its forward calls are split.
+    context: int = 0
     # The sequence's expert-choice counts (layer -> [experts]); MoE blocks add to it.
     expert_usage: dict[int, np.ndarray] | None = None
 
@@ -41,7 +45,7 @@ class Step:
     def rope_tables(self, rope: "RoPE") -> tuple[np.ndarray, np.ndarray]:
         key = id(rope)
         if key not in self._tables:
-            self._tables[key] = rope.tables(self.positions)
+            self._tables[key] = rope.tables(self.positions, self.context)
         return self._tables[key]
 
 
@@ -71,10 +75,13 @@ class RoPE:
     Tables are computed in float32 exactly as transformers does (angle = pos * inv_freq
     rounded to f32), so long positions round the same way as the oracle. ``scaling`` is a
     config's ``rope_scaling`` (``ROPE_TYPES``): linear, llama3, yarn (with its attention
-    factor on cos/sin), longrope (short factors while a call's last position is within
+    factor on cos/sin), longrope (short factors while the sequence's context is within
     the original context, long factors past it, and its attention factor) and dynamic NTK
-    (the base grows with the call's last position past ``max_position_embeddings``), each
-    as transformers computes it. ``score_factor`` is what YaRN's ``mscale_all_dim`` asks
+    (the base grows with the context past ``max_position_embeddings``), each as
+    transformers computes it for a sequence of that length. The context is the cache's
+    capacity (as llama.cpp picks its factors by n_ctx), not the positions seen so far:
+    transformers recomputes the whole sequence when it crosses the original length; a
+    KV cache cannot, so the choice is made once per sequence. ``score_factor`` is what YaRN's ``mscale_all_dim`` asks
     of the score scale (MLA families multiply their scale by it).
     """
 
@@ -101,10 +108,10 @@ class RoPE:
         exps = np.arange(0, self.rotary_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(self.rotary_dim)
         return (np.float32(1.0) / (np.float32(theta) ** exps)).astype(np.float32)
 
-    def _inv_for(self, positions: np.ndarray) -> np.ndarray:
-        if positions.size == 0:
+    def _inv_for(self, positions: np.ndarray, context: int = 0) -> np.ndarray:
+        if positions.size == 0 and not context:
             return self.inv_freq
-        seq = int(positions.max()) + 1
+        seq = max(int(context), int(positions.max()) + 1 if positions.size else 0)
         if self.kind == "longrope" and seq > int(self.scaling["original_max_position_embeddings"]):
             return self._long
         if self.kind == "dynamic" and seq > self.max_positions > 0:
@@ -112,8 +119,10 @@ class RoPE:
             return self._inv(self.theta * ((factor * seq / self.max_positions) - (factor - 1)) ** (d / (d - 2)))
         return self.inv_freq
 
-    def tables(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        ang = positions.astype(np.float32)[:, None] * self._inv_for(positions)[None, :]
+    def tables(self, positions: np.ndarray, context: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """cos/sin [n, rotary_dim / 2] for ``positions`` in a sequence of ``context`` tokens
+        (0: as long as the last position)."""
+        ang = positions.astype(np.float32)[:, None] * self._inv_for(positions, context)[None, :]
         cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
         if self.attention_factor != 1.0:
             f = np.float32(self.attention_factor)

@@ -33,11 +33,12 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from formats.arch_check import arch_from_config
+from formats.arch_check import MAX_EXPERTS, arch_from_config
 from formats.errors import CortiqError
 from formats.gguf_spec import GLOBAL_NAMES, GgufContext, GgufSpec
 from formats.gguf_tokenizer import TokenizerFiles, build_tokenizer
-from formats.manifest import Families, check_manifest
+from formats.manifest import Families, check_manifest, mtp_layer_indices
+from formats.mtp_names import normalize
 from formats.sanitize import sanitized_shapes
 from formats.staging import hold, remove_stale
 from formats.safetensors_writer import SafetensorsStream
@@ -47,7 +48,7 @@ IMPORTER_VERSION = "3"
 OUT_DTYPES = {"f32": ("F32", 4), "f16": ("F16", 2), "bf16": ("BF16", 2)}
 ProgressFn = Callable[[str, int, int], None]  # (tensor name, params done, params total)
 
-_BLOCK_RE = re.compile(r"blk\.(\d+)\.([a-z_0-9]+)\.(weight|bias)")
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.([a-z_0-9]+(?:\.[a-z_0-9]+)?)\.(weight|bias)")
 _ROPE_FREQS = "rope_freqs.weight"  # llama-3.1 style scaling, folded back into rope_scaling
 
 
@@ -60,6 +61,7 @@ class PlannedTensor:
     ggml_type: str
     unpermute_heads: int | None = None  # llama q/k: heads whose rotary rows to de-interleave
     offset: float = 0.0  # added after dequantizing (-1 for Gemma's stored 1 + w norms)
+    row0: int = 0  # first row in the stored tensor's rows (one expert of a stacked [experts, rows, cols])
 
 
 @dataclass
@@ -248,9 +250,22 @@ def _hf_config(
     if scaling is not None:
         config["rope_scaling"] = scaling
     if spec.config is not None:
-        ctx = GgufContext(arch=arch, meta=meta, tensors=frozenset(by_name), key=key, array=array)
+        ctx = GgufContext(arch=arch, meta=meta, tensors=frozenset(by_name), key=key, array=array,
+                          values=lambda name: _small_values(by_name, name))
         spec.config(ctx, config)
     return config
+
+
+def _small_values(by_name: dict[str, Any], name: str) -> np.ndarray | None:
+    """A folded-in tensor's values as f32 (None if absent); bounded, it becomes config.json."""
+    import gguf
+
+    t = by_name.get(name)
+    if t is None:
+        return None
+    if int(t.n_elements) > 1 << 16:
+        raise CortiqError(f"GGUF tensor {name} has {int(t.n_elements)} values, expected a small table")
+    return gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float64).ravel()
 
 
 def _int(v: Any, key: str) -> int:
@@ -285,22 +300,33 @@ def _plan_tensors(reader, spec: GgufSpec, config: dict[str, Any]) -> list[Planne
                 unpermute = heads if part == "attn_q" else kv_heads
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
         offset = spec.norm_offset if t.name.endswith("norm.weight") else 0.0
+        if "{e}" in name:  # stacked experts [experts, rows, cols]: one planned tensor each
+            if len(shape) not in (2, 3) or shape[0] > MAX_EXPERTS:
+                raise CortiqError(f"GGUF tensor {t.name} has shape {list(shape)}, expected [experts, rows(, cols)]")
+            rows = shape[1] if len(shape) == 3 else 1
+            for e in range(shape[0]):
+                plan.append(PlannedTensor(i, t.name, name.format(e=e), shape[1:], t.tensor_type.name, None, offset, e * rows))
+            continue
         plan.append(PlannedTensor(i, t.name, name, shape, t.tensor_type.name, unpermute, offset))
     return plan
 
 
 def _check_shapes(plan: list[PlannedTensor], cfg: dict[str, Any], families: Families) -> None:
     """The planned tensors are exactly what the family reads (its manifest, after its
-    checkpoint-name rules), at the shapes config.json implies: the converter's one
-    check, run before anything is written."""
+    checkpoint-name rules, MTP layers included), at the shapes config.json implies: the
+    converter's check, run before anything is written."""
     family, arch = arch_from_config(families, json.loads(json.dumps(cfg)))
-    shapes = sanitized_shapes({p.name: p.shape for p in plan}, family.rules_for(cfg))
     source = {p.name: p.source for p in plan}
-    manifest = family.manifest(arch, ())
-    try:
-        check_manifest(manifest, shapes, holder="GGUF", implied_by="the metadata")
-    except CortiqError as e:
-        raise CortiqError(str(e)) from None
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, shape in sanitized_shapes({p.name: p.shape for p in plan}, family.rules_for(cfg)).items():
+        new, _ = normalize(name, cfg)
+        if new is not None:
+            shapes[new] = shape
+            source.setdefault(new, source.get(name, name))
+    if arch.tie_word_embeddings:
+        shapes.pop("lm_head.weight", None)
+    manifest = family.manifest(arch, mtp_layer_indices(shapes))
+    check_manifest(manifest, shapes, holder="GGUF", implied_by="the metadata")
     extra = sorted(set(shapes) - manifest.names())
     if extra:
         raise CortiqError(f"GGUF tensor {source.get(extra[0], extra[0])} does not fit the model ({len(extra)} such)")
@@ -383,12 +409,24 @@ def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def stored_rows(t, p: PlannedTensor) -> np.ndarray:
+    """The planned tensor's rows as stored (a view of the map): [rows, stored bytes or
+    values per row], from row ``p.row0`` of the GGUF tensor's rows."""
+    n = math.prod(p.shape[:-1]) if len(p.shape) > 1 else 1
+    data = t.data.reshape(-1, t.data.shape[-1]) if t.data.ndim > 1 else t.data.reshape(1, -1)
+    return data[p.row0 : p.row0 + n]
+
+
+def stored_row_count(t) -> int:
+    return int(t.data.reshape(-1, t.data.shape[-1]).shape[0]) if t.data.ndim > 1 else 1
+
+
 def dequantized(model: GgufModel, p: PlannedTensor) -> np.ndarray:
     """The f32 HF tensor for one planned entry."""
     import gguf
 
     t = model.reader.tensors[p.index]
-    x = gguf.quants.dequantize(t.data, t.tensor_type).reshape(p.shape)
+    x = gguf.quants.dequantize(stored_rows(t, p), t.tensor_type).reshape(p.shape)
     if p.unpermute_heads:
         x = unpermute_rope_rows(x, p.unpermute_heads)
     x = np.ascontiguousarray(x, dtype=np.float32)
@@ -526,7 +564,7 @@ def source_blocks(model: GgufModel) -> dict[str, SourceBlocks]:
         if p.offset:
             continue
         t = model.reader.tensors[p.index]
-        out[p.name] = SourceBlocks(p.ggml_type, np.asarray(t.data), p.unpermute_heads)
+        out[p.name] = SourceBlocks(p.ggml_type, np.asarray(stored_rows(t, p)), p.unpermute_heads)
     return out
 
 
@@ -572,9 +610,11 @@ class GgufCheckpoint:
         """HF rows ``rows`` of ``p`` as f32 [n, cols]: dequantized, de-permuted, offset."""
         import gguf
 
+        if len(p.shape) < 2:  # a vector (a bias, a norm): one row, de-permuted whole
+            return dequantized(self.model, p).reshape(1, -1)[rows]
         t = self.model.reader.tensors[p.index]
-        n_rows = math.prod(p.shape[:-1]) if len(p.shape) > 1 else 1
-        data = t.data.reshape(n_rows, -1)
+        n_rows = math.prod(p.shape[:-1])
+        data = stored_rows(t, p)
         if p.unpermute_heads:
             rows = unpermute_rope_rows(np.arange(n_rows), p.unpermute_heads)[rows]
         x = gguf.quants.dequantize(data[rows], t.tensor_type)
@@ -594,8 +634,9 @@ class GgufCheckpoint:
             r1 = min(rows, r0 + step)
             yield self._rows(p, slice(r0, r1))
             if not p.unpermute_heads:  # permuted rows come from all over the tensor
-                row_bytes = t.n_bytes // max(rows, 1)
-                self.model.reader.release(t.data_offset + r0 * row_bytes, t.data_offset + r1 * row_bytes)
+                row_bytes = t.n_bytes // max(stored_row_count(t), 1)
+                at = t.data_offset + p.row0 * row_bytes
+                self.model.reader.release(at + r0 * row_bytes, at + r1 * row_bytes)
         if p.unpermute_heads:
             self.release(name)
 

@@ -42,13 +42,15 @@ class GgufContext:
     """What a family's ``config`` hook reads: ``key(name, default, required)`` gives the
     ``{arch}.name`` metadata value (a per-layer array only when every layer agrees),
     ``meta`` all metadata, ``tensors`` every tensor name of the file, ``array(name)`` a
-    per-layer metadata array as a list."""
+    per-layer metadata array as a list, ``values(name)`` a (small) tensor's values as f32
+    (RoPE factor tables that become config.json fields)."""
 
     arch: str
     meta: Mapping[str, Any]
     tensors: frozenset[str]
     key: Callable[..., Any]
     array: Callable[[str], list[Any] | None]
+    values: Callable[[str], Any] = lambda name: None
 
 
 @dataclass(frozen=True)

@@ -118,61 +118,60 @@ def test_logits_match_transformers(tiny, case, kernels):
             assert err < 1e-4, (case, n, err)
 
 
+def _long_everywhere(model):
+    """The same transformers model with LongRoPE's short factors set to its long ones: it
+    rotates every position with the long factors, whatever the sequence's length."""
+    import copy
+
+    cfg = copy.deepcopy(model.config)
+    cfg.rope_parameters["short_factor"] = list(cfg.rope_parameters["long_factor"])
+    twin = type(model)(cfg).eval()
+    twin.load_state_dict(model.state_dict())
+    return twin
+
+
 @pytest.mark.parametrize("case", list(CONFIGS))
 def test_greedy_matches_transformers_generate(tiny, case):
-    """16 greedy tokens, plain decoding, against transformers' generate with its KV cache.
-    Past LongRoPE's switch generate recomputes the sequence with the long factors and the
-    engine keeps its cached keys (see the next test): on these models the logits past
-    the switch then differ by about 1e-2 relative and the greedy tokens still agree."""
+    """16 greedy tokens against transformers' generate with its KV cache. The engine picks
+    LongRoPE's factors once per sequence from its context (here prompt + 16 > the
+    original length: the long factors for every token, as llama.cpp picks by n_ctx);
+    its oracle is the same model rotating every position with the long factors. Within
+    the original length (a context of ORIG) both use the short factors throughout."""
     import torch
 
     model, _, cmf = tiny[case]
     ids = arch_tiny.sample_ids(PROMPT, seed=7)
-    with torch.no_grad():
-        ref = model.generate(
-            torch.tensor([ids]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, use_cache=True
-        )[0, PROMPT:].tolist()
-    with Engine.load(cmf) as eng:
-        got = eng.generate(ids, SamplingConfig(temperature=0.0), max_tokens=NEW, ignore_eos=True, speculative=False)
-    assert got.token_ids == ref
+    longrope = "rope_parameters" in CONFIGS[case]
+    for ctx, new, oracle in ((PROMPT + NEW, NEW, _long_everywhere(model) if longrope else model), (ORIG, ORIG - PROMPT, model)):
+        with torch.no_grad():
+            ref = oracle.generate(
+                torch.tensor([ids]), max_new_tokens=new, min_new_tokens=new, do_sample=False, use_cache=True
+            )[0, PROMPT:].tolist()
+        with Engine.load(cmf, ctx=ctx) as eng:
+            got = eng.generate(ids, SamplingConfig(temperature=0.0), max_tokens=new, ignore_eos=True)
+        assert got.token_ids == ref, (case, ctx)
 
 
 @pytest.mark.parametrize("case", ["longrope", "partial_tied"])
 @pytest.mark.parametrize("kernels", ["numba", "numpy"])
-def test_decode_logits_across_the_longrope_switch(tiny, case, kernels):
-    """Each decode step's logits against Phi3ForCausalLM stepped one token at a time over
-    a DynamicCache while the sequence crosses original_max_position_embeddings: a call
-    rotates with the factors its own last position picks, and cached keys keep the
-    rotation of the call that computed them (so the steps past the switch differ from a
-    full forward of the same tokens, which rotates every key with the long factors).
-
-    transformers' ``generate`` differs here: its ``prepare_inputs_for_generation`` drops
-    the cache at the first step past the switch and recomputes the whole sequence with
-    the long factors; the engine does not (a model forward cannot re-run earlier rows)."""
-    import torch
-    from transformers import DynamicCache
-
+def test_a_sequence_rotates_alike_however_its_calls_split(tiny, case, kernels):
+    """Prefill then one token at a time gives the logits of one whole forward over the
+    same context, and both those of transformers' full forward of the whole sequence
+    (past the original length: the long factors at every position)."""
     from cortiq_engine import forward
 
     model, _, cmf = tiny[case]
-    ids = arch_tiny.sample_ids(PROMPT, seed=7)
-    ref, toks = [], []
-    with torch.no_grad():
-        cache, x = DynamicCache(config=model.config), torch.tensor([ids])
-        for _ in range(NEW):
-            logits = model(x, past_key_values=cache, use_cache=True).logits[0, -1].float().numpy()
-            ref.append(logits)
-            toks.append(int(logits.argmax()))
-            x = torch.tensor([[toks[-1]]])
-    ref = np.stack(ref)
+    ids = arch_tiny.sample_ids(PROMPT + NEW, seed=7)
     with Engine.load(cmf, kernels=kernels) as eng:
-        m, st = eng.model, eng.new_state(64)
-        rows = [m.lm_head(m.final_norm(forward(st, ids)))[-1]]
-        rows += [m.lm_head(m.final_norm(forward(st, [t])))[-1] for t in toks[:-1]]
-    assert arch_tiny.rel_err(np.stack(rows), ref) < 1e-4
-    full = arch_tiny.torch_logits(model, ids + toks[:-1])[PROMPT - 1 :]
-    past = ORIG + 1 - PROMPT  # the first step whose sequence is longer than ORIG
-    assert arch_tiny.rel_err(full[past:], ref[past:]) > 1e-3
+        m = eng.model
+        st = m.new_state(len(ids))
+        whole = m.lm_head(m.final_norm(forward(st, ids)))
+        st = m.new_state(len(ids))
+        rows = [m.lm_head(m.final_norm(forward(st, ids[:PROMPT])))]
+        rows += [m.lm_head(m.final_norm(forward(st, [t]))) for t in ids[PROMPT:]]
+    split = np.concatenate(rows)
+    assert arch_tiny.rel_err(split, whole) < 1e-5
+    assert arch_tiny.rel_err(whole, arch_tiny.torch_logits(model, ids)) < 1e-4
 
 
 @pytest.mark.parametrize("case", ["plain", "partial_tied"])
@@ -332,9 +331,16 @@ def test_gguf_matches_transformers(tmp_path, case, weight_type, quant):
     assert err < (1e-4 if weight_type == "F32" else 0.05), err
 
 
-def test_longrope_gguf_is_refused(tmp_path):
+def test_longrope_gguf_matches_transformers(tmp_path):
+    """llama.cpp's rope_factors_long / rope_factors_short tensors become config.json's
+    LongRoPE factors: the GGUF's conversion has the logits of the source model, on both
+    sides of the original length."""
     src = build_tiny("phi3", seed=4, **CONFIGS["longrope"])
     path = write_phi3_gguf(src, tmp_path / "p.gguf")
-    with pytest.raises(CortiqError, match="LongRoPE factors .* are not supported yet"):
-        convert_checkpoint(path, tmp_path / "p.cmf", quant="f32")
-    assert not (tmp_path / "p.cmf").exists()
+    convert_checkpoint(path, tmp_path / "p.cmf", quant="f32")
+    with Engine.load(tmp_path / "p.cmf") as eng:
+        for n in (PROMPT, PROMPT + NEW):
+            ids = arch_tiny.sample_ids(n, seed=5)
+            assert arch_tiny.rel_err(eng.logits(ids), arch_tiny.torch_logits(src, ids)) < 1e-4, n
+
+

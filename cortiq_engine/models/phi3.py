@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
+import numpy as np
+
 from formats.arch import LAYER_FULL, LAYER_SLIDING, ArchConfig
 from formats.cmf import CmfFile
 from formats.errors import CortiqError
@@ -150,9 +152,9 @@ def _gguf_config(ctx: GgufContext, config: dict[str, Any]) -> None:
         raise CortiqError("GGUFs with different key and value head sizes are not supported")
     if config.pop("rope_scaling", None) is not None:
         raise CortiqError("phi3 GGUF rope scaling other than LongRoPE's factor tensors is not supported")
-    if any(t in ctx.tensors for t in _GGUF_ROPE_FACTORS):
-        # The import hook reads metadata and tensor names, not tensor values.
-        raise CortiqError("phi3 GGUFs with LongRoPE factors (rope_factors_long/short) are not supported yet")
+    long, short = (ctx.values(t) for t in _GGUF_ROPE_FACTORS)
+    if (long is None) != (short is None):
+        raise CortiqError("phi3 GGUF has only one of rope_factors_long / rope_factors_short")
     rot = ctx.key("rope.dimension_count", hd)
     if isinstance(rot, bool) or not isinstance(rot, int) or not 0 < rot <= hd or rot % 2:
         raise CortiqError(f"GGUF metadata phi3.rope.dimension_count is {str(rot)[:40]!r}, expected an even number 2..{hd}")
@@ -166,6 +168,13 @@ def _gguf_config(ctx: GgufContext, config: dict[str, Any]) -> None:
     if orig is not None:
         config["original_max_position_embeddings"] = orig
     config.update(partial_rotary_factor=prf, sliding_window=window or None)
+    if long is not None:
+        if orig is None:
+            raise CortiqError("phi3 GGUF has LongRoPE factors but no phi3.rope.scaling.original_context_length")
+        config["rope_scaling"] = {
+            "type": "longrope", "long_factor": [float(np.float32(v)) for v in long],
+            "short_factor": [float(np.float32(v)) for v in short],
+        }
 
 
 GGUF = GgufSpec(
@@ -173,6 +182,7 @@ GGUF = GgufSpec(
     # llama.cpp keeps both fused projections: attn_qkv [q | k | v], ffn_up [gate | up].
     block_names={"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
     config=_gguf_config,
+    skip=_GGUF_ROPE_FACTORS,  # folded into config.json's rope_scaling
 )
 
 
