@@ -37,7 +37,7 @@ from formats.arch_check import arch_from_config
 from formats.cmf import FORMAT_MINOR, FORMAT_VERSION, MAGIC as CMF_MAGIC, CmfFile, CmfWriter
 from formats.errors import CortiqError
 from formats.manifest import ArchFamily, Families, check_manifest
-from formats.mtp_names import mtp_layer_count, naming_scheme, normalize
+from formats.mtp_names import mtp_layer_count
 from formats.imatrix import read_imatrix
 from formats.policy import QuantPolicy
 from formats.quants import DTYPES, f32_to_bf16, get_dtype, rows_cols
@@ -154,7 +154,7 @@ def _plan(ck, arch: ArchConfig, family: ArchFamily, check_mtp: bool = True) -> l
     for src in ck.names():
         if src.endswith("rotary_emb.inv_freq"):
             continue  # a cache, recomputed by the engine
-        name, is_mtp = normalize(src, ck.config)
+        name, is_mtp = family.mtp_name(src, ck.config)
         if name is None:
             continue
         plan.append(PlannedTensor(src, name, tuple(ck.shape(src)), is_mtp))
@@ -557,7 +557,7 @@ def _convert(
     mtp_plan = [p for p in plan if p.mtp]
     if mtp_plan:
         n_layers = len({p.name.split(".")[3] for p in mtp_plan}) or mtp_layer_count(ck.config)
-        style = family.mtp_style or naming_scheme(p.source for p in mtp_plan)
+        style = family.draft_style(p.source for p in mtp_plan)
         arch.mtp = MtpConfig(num_layers=n_layers, style=style)
     tok_header, tok_bytes = tokenizer_header(ck)
     fp = fingerprint(ck, plan)

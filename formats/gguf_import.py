@@ -38,7 +38,6 @@ from formats.errors import CortiqError
 from formats.gguf_spec import GLOBAL_NAMES, GgufContext, GgufSpec
 from formats.gguf_tokenizer import TokenizerFiles, build_tokenizer
 from formats.manifest import Families, check_manifest, mtp_layer_indices
-from formats.mtp_names import normalize
 from formats.sanitize import sanitized_shapes
 from formats.staging import hold, remove_stale
 from formats.safetensors_writer import SafetensorsStream
@@ -319,7 +318,7 @@ def _check_shapes(plan: list[PlannedTensor], cfg: dict[str, Any], families: Fami
     source = {p.name: p.source for p in plan}
     shapes: dict[str, tuple[int, ...]] = {}
     for name, shape in sanitized_shapes({p.name: p.shape for p in plan}, family.rules_for(cfg)).items():
-        new, _ = normalize(name, cfg)
+        new, _ = family.mtp_name(name, cfg)
         if new is not None:
             shapes[new] = shape
             source.setdefault(new, source.get(name, name))

@@ -133,7 +133,7 @@ def write_random_sidecar(main: str | Path, out: str | Path, n_layers: int = 3, q
     """A sidecar of random MiMo-named draft layers for an existing backbone CMF (e.g. SmolLM2),
     with the backbone record ``formats.sidecar.check_sidecar`` expects."""
     from formats.cmf import CmfFile, CmfWriter
-    from formats.mtp_names import normalize
+    from cortiq_engine.models.base import mtp_normalize as normalize
     from formats.sidecar import ROLE_SIDECAR, backbone_identity
 
     main, out = Path(main), Path(out)

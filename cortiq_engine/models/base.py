@@ -13,7 +13,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+import re
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -22,7 +23,7 @@ from formats.cmf import CmfFile
 from formats.errors import CortiqError
 from formats.gguf_spec import GgufSpec
 from formats.manifest import Manifest
-from formats.mtp_names import MTP_PREFIX
+from formats.mtp_names import MTP_PREFIX, mtp_layer_count
 from formats.sanitize import NO_RULES, SanitizeRules
 from cortiq_engine.cache import KVCache
 from cortiq_engine.layers import ROPE_TYPES, RMSNorm, Step
@@ -62,6 +63,14 @@ class Family:
     # Name rules that depend on config.json (sizes of fused tensors to split); None: ``sanitize``.
     sanitize_for: Callable[[Mapping[str, Any]], SanitizeRules] | None = None
 
+    def mtp_name(self, name: str, config: Mapping[str, Any]) -> tuple[str | None, bool]:
+        """(the CMF name of checkpoint tensor ``name`` or None to drop it, is an MTP tensor)."""
+        return mtp_normalize(name, config)
+
+    def draft_style(self, sources: Iterable[str]) -> str:
+        """The style recorded for draft layers whose checkpoint names are ``sources``."""
+        return self.mtp_style or mtp_naming_scheme(sources)
+
     def rules_for(self, config: Mapping[str, Any]) -> SanitizeRules:
         """The checkpoint-name rules for a checkpoint with this config.json."""
         return self.sanitize_for(config) if self.sanitize_for is not None else self.sanitize
@@ -75,6 +84,65 @@ class Family:
         if mt not in self.parsers:
             raise CortiqError(f"family {self.name} does not parse model_type {mt!r} (it parses {', '.join(self.parsers)})")
         return self.parsers[mt](dict(config))
+
+
+# ------------------------------------------------------------------ MTP naming
+# The releases' MTP naming schemes, each normalized to ``model.mtp.layers.{k}.*``:
+# - trailing layers: ``model.layers.{num_hidden_layers + k}.*`` with ``num_nextn_predict_layers``
+#   (DeepSeek-V3, GLM-4.5); the per-layer ``embed_tokens`` / ``shared_head.head`` copies
+#   duplicate the trunk's and are dropped, ``shared_head.norm`` becomes ``final_layernorm``;
+# - ``model.mtp.layers.{k}.*`` (MiMo-V2: its ``pre_mlp_layernorm`` and
+#   ``self_attn.attention_sink_bias`` become ``post_attention_layernorm`` and ``self_attn.sinks``);
+# - ``mtp.layers.{k}.*`` with ``mtp.fc`` (eh_proj), ``mtp.pre_fc_norm_embedding`` (enorm),
+#   ``mtp.pre_fc_norm_hidden`` (hnorm), ``mtp.norm`` (final_layernorm) (Qwen3-Next / Qwen3.5).
+# MiMo-V2 release names inside its MTP layers -> the names every other family uses.
+_MIMO_ALIASES = {".pre_mlp_layernorm.": ".post_attention_layernorm.", ".self_attn.attention_sink_bias": ".self_attn.sinks"}
+
+
+def _mimo_alias(name: str) -> str:
+    for old, new in _MIMO_ALIASES.items():
+        name = name.replace(old, new)
+    return name
+
+
+def mtp_normalize(name: str, config: Mapping[str, Any]) -> tuple[str | None, bool]:
+    """(CMF name or None to drop, is an MTP tensor)."""
+    n_main = int(config.get("num_hidden_layers", 0))
+    m = re.match(r"model\.layers\.(\d+)\.(.*)", name)
+    if m and int(m.group(1)) >= n_main and mtp_layer_count(config):
+        k = int(m.group(1)) - n_main
+        rest = m.group(2)
+        if rest.startswith("embed_tokens.") or rest.startswith("shared_head.head."):
+            return None, True
+        if rest.startswith("shared_head.norm."):
+            rest = "final_layernorm." + rest[len("shared_head.norm.") :]
+        return f"{MTP_PREFIX}{k}.{rest}", True
+    if name.startswith(MTP_PREFIX):
+        return _mimo_alias(name), True
+    if name.startswith("mtp."):
+        rest = name[len("mtp.") :]
+        m = re.match(r"layers\.(\d+)\.(.*)", rest)
+        if m:
+            return f"{MTP_PREFIX}{m.group(1)}.{m.group(2)}", True
+        # Qwen3-Next keeps one set of shared pieces around its single layer.
+        renames = {"fc.": "eh_proj.", "pre_fc_norm_embedding.": "enorm.", "pre_fc_norm_hidden.": "hnorm.", "norm.": "final_layernorm."}
+        for old, new in renames.items():
+            if rest.startswith(old):
+                return f"{MTP_PREFIX}0.{new}{rest[len(old):]}", True
+        return f"{MTP_PREFIX}0.{rest}", True
+    return name, False
+
+
+def mtp_naming_scheme(sources: Iterable[str]) -> str:
+    """Which release scheme names the MTP tensors ``sources`` (checkpoint names): "mimo"
+    (``model.mtp.layers.*``), "qwen3_next" (``mtp.*``) or "deepseek" (``model.layers.{N+k}``).
+    The style recorded for a family whose ``Family.mtp_style`` does not fix it."""
+    sources = list(sources)
+    if any(s.startswith(MTP_PREFIX) for s in sources):
+        return "mimo"
+    if any(s.startswith("mtp.") for s in sources):
+        return "qwen3_next"
+    return "deepseek"
 
 
 # ------------------------------------------------------------------ config.json
