@@ -12,11 +12,13 @@ import typer
 from rich import box
 from rich.table import Table
 
+from cortiq_cli import cluster_options as copt
 from cortiq_cli import text_options as opt
 from cortiq_cli.common import KvCache, console, err_console, handle_errors, print_json, print_table
 from cortiq_cli.eval_run import interrupted, load_engines, model_label, scoring_progress, whole_windows
 from cortiq_cli.help import cortiq_version
-from evals.perplexity import DP_QUANTILES, KLD_QUANTILES, Comparison, PerplexityAccumulator, PerplexityReport, PerplexityResult, build_reports
+from evals.perplexity import (DP_QUANTILES, KLD_QUANTILES, Comparison, PerplexityAccumulator, PerplexityReport, PerplexityResult, build_reports,
+                              window_partial)
 from evals.reference import (DEFAULT_SAMPLES, DEFAULT_TOP_K, ReferenceIdentity, ReferenceRecorder, SavedReference, form_name, text_sha256,
                              tokenizer_fingerprint)
 from evals.scoring import count_scored, iter_scored, scored_text_bytes
@@ -104,12 +106,18 @@ def ppl(
     kv_cache: KvCache = "f32",
     threads: opt.Threads = None,
     json_out: opt.Json = False,
+    cluster: copt.Cluster = None,
+    cluster_threads: copt.ClusterThreads = None,
+    resume: copt.Resume = False,
 ) -> None:
     """Perplexity, NLL with its standard error, bits per byte; with several models (or --ref), llama.cpp's KL-divergence statistics against the reference."""
     if ref is not None and save_ref is not None:
         raise CortiqError("--ref and --save-ref cannot be combined (save the reference in its own run)")
     if save_ref is not None and any(save_ref.resolve() == m.resolve() for m in models):
         raise CortiqError(f"--save-ref {save_ref} is one of the models; give a new file name such as ref.cref")
+    where = copt.check(cluster, resume)
+    if where is not None and save_ref is not None:
+        raise CortiqError("--save-ref runs in one process: save the reference without --cluster")
     saved = SavedReference(ref) if ref is not None else None
     settings = resolve_settings(mode, ctx, stride, max_tokens, chunks, saved.settings if saved else None)
     source = load_text(opt.text_spec(text, dataset, config, split, column, data_files))
@@ -130,8 +138,12 @@ def ppl(
         recorder = ReferenceRecorder(save_ref, tokens=tokens, windows=windows, vocab_size=int(engines[0].vocab_size),
                                      top_k=ref_top_k, samples=ref_samples, meta=meta)
     total = count_scored(windows)
+    creport = None
     try:
-        if json_out:
+        if where is not None:
+            result, done, creport = copt.score_ppl(where, cluster_threads or engines[0].threads, resume, not json_out, models, settings.ctx, kv_cache, batch,
+                                                   names, tokens, windows, engines[0].tokenizer, saved=saved)
+        elif json_out:
             result, done = score_partial(engines, names, tokens, windows, engines[0].tokenizer, batch, saved=saved, recorder=recorder)
         else:
             with scoring_progress("scoring", "ppl") as bar:
@@ -163,6 +175,7 @@ def ppl(
            if recorder is not None and done == len(windows) else {}),
         # only after a Ctrl-C: the figures cover the first windows_done windows
         **({"partial": True, "windows_done": done} if done < len(windows) else {}),
+        **({"cluster": creport.to_json()} if creport is not None else {}),
     }
     paths = ([ref] if saved else []) + list(models)
     if json_out:
@@ -172,6 +185,8 @@ def ppl(
     if done < len(windows):
         if recorder is not None:
             err_console.print(f"[yellow]{save_ref} was not written (the pass did not finish)[/]", highlight=False)
+        if creport is not None:
+            copt.note_interrupted()
         interrupted(done, len(windows))
 
 
@@ -199,13 +214,11 @@ def score_partial(
     total, done = count_scored(windows), 0
     try:
         for group in whole_windows(iter_scored(engines, tokens, windows, chunk=chunk), windows):
-            for block in group:
-                if saved is not None:
-                    acc.add(block, saved.next_rows(len(block.targets)))
-                else:
-                    if recorder is not None:
-                        recorder.add(block.logits[0], block.targets)
-                    acc.add(block)
+            refs = [saved.next_rows(len(b.targets)) for b in group] if saved is not None else None
+            if recorder is not None:
+                for block in group:
+                    recorder.add(block.logits[0], block.targets)
+            acc.add_partial(window_partial(group[0].window, group, len(engines), refs))
             done = group[0].window + 1
             if progress:
                 progress(acc.count, total, acc.running_ppl)

@@ -91,6 +91,19 @@ class PerplexityAccumulator:
             self.nll[m].append(st.nll)
             self.rows[m].append(st)
 
+    def add_partial(self, part: "WindowPartial") -> None:
+        """One window's values, as ``window_partial`` gives them (windows in plan order)."""
+        if len(part.nll) != self.n_reports:
+            raise ValueError(f"a partial of {len(part.nll)} reports for an accumulator of {self.n_reports}")
+        self.nll[0].append(part.nll[0])
+        self._sum_nll0 += float(part.nll[0].sum())
+        self._count += len(part.nll[0])
+        for m in range(1, self.n_reports):
+            st = part.rows[m]
+            assert st is not None
+            self.nll[m].append(st.nll)
+            self.rows[m].append(st)
+
     @property
     def count(self) -> int:
         return self._count
@@ -106,6 +119,32 @@ class PerplexityAccumulator:
         rs = self.rows[m]
         cat = lambda f, dt: np.concatenate([getattr(r, f) for r in rs]).astype(dt) if rs else np.zeros(0, dt)  # noqa: E731
         return RowStats(cat("nll", np.float64), cat("kld", np.float64), cat("rkld", np.float64), cat("dp", np.float64), cat("same", bool))
+
+
+@dataclass
+class WindowPartial:
+    """One window's per-token values for every report (the reference first): what a
+    process scoring a share of the windows hands back, and what ``add_partial`` reduces.
+    Concatenating these in plan order gives exactly the arrays ``add`` collects block by
+    block, so every figure is the same whichever process scored which window."""
+
+    window: int  # index into the plan
+    nll: list[np.ndarray]  # per report, float64 [scored rows]
+    rows: list[RowStats | None]  # per report; None for the reference
+
+    @property
+    def tokens(self) -> int:
+        return len(self.nll[0])
+
+
+def window_partial(window: int, blocks: Sequence[ScoredBlock], n_models: int,
+                   refs: Sequence[RefRows] | None = None) -> WindowPartial:
+    """The values of one window's scored blocks; ``refs`` (one per block) for a saved reference."""
+    acc = PerplexityAccumulator(n_models, saved_ref=refs is not None)
+    for i, block in enumerate(blocks):
+        acc.add(block, None if refs is None else refs[i])
+    return WindowPartial(window, [acc.nll_of(m) for m in range(acc.n_reports)],
+                         [None] + [acc.stats_of(m) for m in range(1, acc.n_reports)])
 
 
 @dataclass(frozen=True)
@@ -298,4 +337,4 @@ def run_perplexity(
     return PerplexityResult(reports, comps)
 
 
-__all__ = ["PerplexityAccumulator", "PerplexityReport", "Comparison", "RmsEstimate", "quantiles", "KLD_QUANTILES", "DP_QUANTILES", "build_reports", "run_perplexity", "PerplexityResult", "log_softmax_rows", "kl_rows", "Z95"]
+__all__ = ["PerplexityAccumulator", "WindowPartial", "window_partial", "PerplexityReport", "Comparison", "RmsEstimate", "quantiles", "KLD_QUANTILES", "DP_QUANTILES", "build_reports", "run_perplexity", "PerplexityResult", "log_softmax_rows", "kl_rows", "Z95"]

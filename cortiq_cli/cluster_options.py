@@ -1,0 +1,81 @@
+"""The options that send an eval's windows to a Ray cluster (``--cluster``, ``--cluster-threads``,
+``--resume``), their checks, and the progress bar over all workers."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from cortiq_cli.common import err_console
+from evals.cluster import INSTALL_HINT, ClusterAddress, ClusterReport, journal_dir, ray_available
+from formats.errors import CortiqError
+
+CLUSTER_PANEL = "Cluster"
+
+Cluster = Annotated[
+    Optional[str],
+    typer.Option("--cluster", metavar="ADDRESS", help="Score the windows on a Ray cluster, with the same figures as one process: local:N (N workers on this machine), auto (the cluster `ray start` runs here) or ray://HOST:PORT.", rich_help_panel=CLUSTER_PANEL),
+]
+# The figures are bit-identical to a one-process run with as many engine threads as each
+# worker has: a prefill's f32 products are split by thread count.
+ClusterThreads = Annotated[
+    Optional[int],
+    typer.Option("--cluster-threads", min=1, help="Engine threads (and Ray CPUs) per worker (default: --threads, or this machine's cores); the figures equal a one-process run with --threads this.", rich_help_panel=CLUSTER_PANEL),
+]
+Resume = Annotated[
+    bool,
+    typer.Option("--resume", help=f"With --cluster: keep the windows an interrupted run of the same models, text and plan journaled (under ${'{'}CORTIQ_CLUSTER_CACHE{'}'} or ~/.cache/cortiq/cluster) and score the rest.", rich_help_panel=CLUSTER_PANEL),
+]
+
+
+def check(cluster: str | None, resume: bool) -> ClusterAddress | None:
+    """The parsed address (None without --cluster); a one-line error, exit 2, without Ray."""
+    if cluster is None:
+        if resume:
+            raise CortiqError("--resume continues a --cluster run; give --cluster too")
+        return None
+    where = ClusterAddress.parse(cluster)
+    if not ray_available():
+        err_console.print(f"error: --cluster needs Ray, which is not installed: {INSTALL_HINT}", highlight=False)
+        raise typer.Exit(2)
+    return where
+
+
+def progress_bar() -> Progress:
+    """One bar over every worker: windows done, tokens per second, time left."""
+    return Progress(
+        TextColumn("[bold]cluster[/]"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("windows  [cyan]{task.fields[rate]}[/] tok/s"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=err_console,
+        transient=True,
+        disable=not err_console.is_terminal,
+    )
+
+
+def note_interrupted() -> None:
+    err_console.print(f"the finished windows are journaled under {journal_dir()}: the same command with --resume continues",
+                      highlight=False)
+
+
+
+
+def score_ppl(where: ClusterAddress, threads: int, resume: bool, show: bool, *args: Any, **kwargs: Any) -> tuple[Any, int, ClusterReport]:
+    """``evals.cluster.score_ppl`` under the progress bar (``show``)."""
+    from evals.cluster import score_ppl as run
+
+    with progress_bar() as bar:
+        task = bar.add_task("cluster", total=None, rate="-")
+
+        def progress(done: int, windows: int, _tokens: int, _total: int, rate: float) -> None:
+            bar.update(task, completed=done, total=windows, rate=f"{rate:,.0f}" if rate == rate else "-")
+
+        return run(where, threads, *args, resume=resume, progress=progress if show else None, **kwargs)
+
+
+__all__ = ["Cluster", "ClusterThreads", "Resume", "check", "progress_bar", "note_interrupted", "score_ppl", "CLUSTER_PANEL"]

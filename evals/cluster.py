@@ -1,0 +1,500 @@
+"""Scoring a window plan on a Ray cluster, with the same figures as one process.
+
+The driver (the ``cortiq`` process) plans the windows and tokenizes the text as it
+does alone; each worker is a Ray actor that maps the model files once, checks them
+against the driver's (``ModelFingerprint``) and scores the windows it is handed,
+returning one ``WindowPartial`` per window: the per-token values the one-process
+path collects. The driver reduces them in plan order with the same accumulator
+(``PerplexityAccumulator.add_partial``), so every figure is bit-identical to a run
+without a cluster, whichever worker scored which window and in whatever order the
+results came back.
+
+Faults: Ray restarts a worker whose process dies (``max_restarts``); the windows it
+had in flight are handed out again by the driver, which keys results by window
+index, so nothing is counted twice. Every result is journaled (``WindowJournal``)
+as it arrives, so a driver that dies or is interrupted continues with ``resume``.
+
+Ray is imported only here, and only when a cluster is asked for.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import socket
+import struct
+import time
+import zlib
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+
+from evals.kl import RefRows, RowStats
+from evals.perplexity import PerplexityAccumulator, PerplexityResult, WindowPartial, build_reports, window_partial
+from evals.scoring import iter_scored, scored_text_bytes
+from evals.windows import Window
+from formats.errors import CortiqError
+
+INSTALL_HINT = "pip install 'cortiq[cluster]'"
+MAX_RESTARTS = 4  # per worker process, by Ray
+MAX_WINDOW_ATTEMPTS = 4  # a window that loses this many workers is a failure, not bad luck
+IN_FLIGHT = 2  # windows queued per worker: the next one is there when the last one ends
+JOURNAL_ENV = "CORTIQ_CLUSTER_CACHE"
+
+
+def ray_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("ray") is not None
+
+
+# ---------------------------------------------------------------------------- address
+
+
+@dataclass(frozen=True)
+class ClusterAddress:
+    """``local:N`` (start N workers on this machine, stop them at the end), ``auto``
+    (the cluster ``ray start`` runs here) or ``ray://host:port`` / ``host:port``."""
+
+    address: str
+    local_workers: int | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> "ClusterAddress":
+        t = text.strip()
+        if t.startswith("local:"):
+            n = t[len("local:"):]
+            if not n.isdigit() or int(n) < 1:
+                raise CortiqError(f"--cluster local:N needs a worker count N >= 1 (got {text[:40]!r})")
+            return cls(t, int(n))
+        if t == "auto" or t.startswith("ray://") or (":" in t and t.rsplit(":", 1)[1].isdigit()):
+            return cls(t)
+        raise CortiqError(f"--cluster {text[:60]!r}: give local:N, auto, ray://HOST:PORT or HOST:PORT")
+
+    @property
+    def is_local(self) -> bool:
+        return self.local_workers is not None
+
+
+# ---------------------------------------------------------------------------- model identity
+
+
+@dataclass(frozen=True)
+class ModelFingerprint:
+    """A model file's size and a hash of its first bytes (the CMF preamble, whose checksum
+    covers the header and the tensor directory, and the header itself): the worker's file
+    must be the driver's."""
+
+    size: int
+    digest: str
+
+    HEAD = 1 << 20  # the header of any CMF file we write is far smaller
+
+    @classmethod
+    def of(cls, path: Path) -> "ModelFingerprint":
+        try:
+            size = path.stat().st_size
+            with open(path, "rb") as f:
+                head = f.read(min(size, cls.HEAD))
+        except OSError as e:
+            raise CortiqError(f"{path}: cannot read the model file ({e.strerror or e})") from None
+        return cls(size, hashlib.sha256(head).hexdigest()[:32])
+
+    def check(self, path: Path, host: str) -> None:
+        mine = ModelFingerprint.of(path)
+        if mine != self:
+            raise CortiqError(f"{path} on worker {host} is not the driver's file "
+                              f"(size {mine.size:,} vs {self.size:,}, header hash {mine.digest[:12]} vs {self.digest[:12]})")
+
+
+# ---------------------------------------------------------------------------- the journal
+
+
+def journal_dir() -> Path:
+    """``$CORTIQ_CLUSTER_CACHE``, else ``~/.cache/cortiq/cluster``."""
+    env = os.environ.get(JOURNAL_ENV)
+    return Path(env) if env else Path.home() / ".cache" / "cortiq" / "cluster"
+
+
+def _partial_arrays(p: WindowPartial) -> dict[str, np.ndarray]:
+    out = {"window": np.int64(p.window), "nll0": p.nll[0]}
+    for m, st in enumerate(p.rows[1:], start=1):
+        assert st is not None
+        out.update({f"nll{m}": st.nll, f"kld{m}": st.kld, f"rkld{m}": st.rkld, f"dp{m}": st.dp, f"same{m}": st.same})
+    return out
+
+
+def _partial_of(d: dict[str, np.ndarray]) -> WindowPartial:
+    n = 1 + sum(1 for k in d if k.startswith("kld"))
+    rows: list[RowStats | None] = [None] + [RowStats(d[f"nll{m}"], d[f"kld{m}"], d[f"rkld{m}"], d[f"dp{m}"], d[f"same{m}"])
+                                            for m in range(1, n)]
+    return WindowPartial(int(d["window"]), [d["nll0"]] + [r.nll for r in rows[1:] if r is not None], rows)
+
+
+class WindowJournal:
+    """Finished windows of one run, appended as they arrive: a header line naming the run,
+    then records of (u64 length, u32 CRC-32, an .npz of the window's arrays). A record cut
+    short by a crash fails its length or CRC and is dropped with everything after it."""
+
+    MAGIC = b"CORTIQ-WINDOWS 1 "
+    _REC = struct.Struct("<QI")
+
+    def __init__(self, path: Path, key: str):
+        self.path = path
+        self.key = key
+        self._f: io.BufferedWriter | None = None
+        self._valid = 0  # bytes of whole records that load read
+
+    def load(self) -> dict[int, WindowPartial]:
+        """The windows a previous run of the same key finished (empty without a journal)."""
+        out: dict[int, WindowPartial] = {}
+        try:
+            data = self.path.read_bytes()
+        except OSError:
+            return out
+        head = self.MAGIC + self.key.encode() + b"\n"
+        if not data.startswith(head):
+            return out
+        pos = len(head)
+        while pos + self._REC.size <= len(data):
+            n, crc = self._REC.unpack_from(data, pos)
+            body = data[pos + self._REC.size : pos + self._REC.size + n]
+            if len(body) != n or zlib.crc32(body) != crc:
+                break
+            with np.load(io.BytesIO(body), allow_pickle=False) as z:
+                p = _partial_of({k: z[k] for k in z.files})
+            out[p.window] = p
+            pos += self._REC.size + n
+        self._valid = pos
+        return out
+
+    def open(self, keep: bool) -> None:
+        """Start writing: after the records ``load`` read (``keep``), or afresh."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if keep and self.path.exists() and self._valid:
+            self._f = open(self.path, "r+b")
+            self._f.seek(self._valid)
+            self._f.truncate()
+        else:
+            self._f = open(self.path, "wb")
+            self._f.write(self.MAGIC + self.key.encode() + b"\n")
+            self._f.flush()
+
+    def append(self, p: WindowPartial) -> None:
+        assert self._f is not None
+        buf = io.BytesIO()
+        np.savez(buf, **_partial_arrays(p))
+        body = buf.getvalue()
+        self._f.write(self._REC.pack(len(body), zlib.crc32(body)) + body)
+        self._f.flush()
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+
+    def remove(self) -> None:
+        self.close()
+        self.path.unlink(missing_ok=True)
+
+
+def run_key(kind: str, fingerprints: Sequence[ModelFingerprint], tokens: np.ndarray, windows: Sequence[Window],
+            extra: dict[str, Any]) -> str:
+    """What makes two runs the same run: models, text, plan and the scoring options."""
+    h = hashlib.sha256()
+    h.update(json.dumps({"kind": kind, "models": [[f.size, f.digest] for f in fingerprints], **extra}, sort_keys=True).encode())
+    h.update(np.ascontiguousarray(tokens, dtype=np.int64).tobytes())
+    h.update(np.array([[w.begin, w.end, w.row_from, w.row_to, -1 if w.bos is None else w.bos] for w in windows], np.int64).tobytes())
+    return h.hexdigest()[:32]
+
+
+# ---------------------------------------------------------------------------- the worker
+
+
+class WindowScorer:
+    """One worker: the models mapped once, windows scored on request (a Ray actor's body)."""
+
+    def __init__(self, paths: list[str], fingerprints: list[ModelFingerprint], threads: int, ctx: int, kv_cache: str, chunk: int):
+        self.host = socket.gethostname()
+        self.error: str | None = None
+        self.chunk = chunk
+        self.engines: list[Any] = []
+        try:
+            for p, fp in zip(paths, fingerprints):
+                fp.check(Path(p), self.host)
+            from cortiq_engine import Engine
+
+            self.engines = [Engine.load(Path(p), threads=threads, ctx=ctx, kv_cache=kv_cache) for p in paths]
+        except CortiqError as e:
+            self.error = str(e)
+        except Exception as e:  # noqa: BLE001 - reported to the driver as one line
+            self.error = f"worker on {self.host}: {type(e).__name__}: {e}"
+
+    def info(self) -> dict[str, Any]:
+        return {"host": self.host, "pid": os.getpid(), "error": self.error}
+
+    def score(self, index: int, window: Window, ids: np.ndarray, ref: RefRows | None) -> WindowPartial:
+        if self.error:
+            raise CortiqError(self.error)
+        # The window's own tokens, re-based: the same ids, rows and targets as in the whole text.
+        local = Window(0, window.end - window.begin, window.row_from, window.row_to, window.bos)
+        blocks = list(iter_scored(self.engines, ids, [local], chunk=self.chunk))
+        refs = None
+        if ref is not None:
+            refs, a = [], 0
+            for b in blocks:
+                refs.append(ref.slice(a, a + len(b.targets)))
+                a += len(b.targets)
+        return window_partial(index, blocks, len(self.engines), refs)
+
+
+# ---------------------------------------------------------------------------- the driver
+
+
+@dataclass
+class ClusterReport:
+    address: str
+    workers: int
+    tasks: int = 0  # windows handed to workers, retries included
+    retried: int = 0  # windows handed out again after their worker was lost
+    resumed: int = 0  # windows read back from the journal
+    tokens: int = 0  # tokens scored by the workers in this run
+    seconds: float = 0.0  # from the first window handed out to the last result
+    startup_s: float = 0.0  # starting or joining the cluster and loading the models on every worker
+    hosts: list[str] = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else float("nan")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"address": self.address, "workers": self.workers, "tasks": self.tasks, "retried": self.retried,
+                "resumed": self.resumed, "tokens_per_s": self.tokens_per_s, "startup_s": self.startup_s,
+                "hosts": sorted(set(self.hosts))}
+
+
+ClusterProgress = Callable[[int, int, int, int, float], None]  # (windows done, windows, tokens done, tokens, tokens/s)
+
+
+@dataclass
+class WindowTask:
+    """What one window's worker needs: its tokens and, for a saved reference, its rows."""
+
+    index: int
+    window: Window
+    ids: np.ndarray
+    ref: RefRows | None
+
+
+class Cluster:
+    """A started or joined Ray cluster with ``workers`` WindowScorer actors; a context manager
+    that shuts down what it started."""
+
+    def __init__(self, where: ClusterAddress, threads: int, paths: list[Path], ctx: int, kv_cache: str, chunk: int):
+        if not ray_available():
+            raise CortiqError(f"--cluster needs Ray: {INSTALL_HINT}")
+        self.where = where
+        self.threads = threads
+        self.paths = [Path(p).resolve() for p in paths]
+        self.fingerprints = [ModelFingerprint.of(p) for p in self.paths]
+        self.ctx, self.kv_cache, self.chunk = ctx, kv_cache, chunk
+        self.actors: list[Any] = []
+        self.hosts: list[str] = []
+        self.startup_s = 0.0
+
+    def __enter__(self) -> "Cluster":
+        import logging
+
+        import ray
+
+        t0 = time.perf_counter()
+        quiet = dict(include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
+        try:
+            if self.where.is_local:
+                n = int(self.where.local_workers or 1)
+                ray.init(address="local", num_cpus=n * self.threads, **quiet)
+            else:
+                ray.init(address=self.where.address, **{k: v for k, v in quiet.items() if k != "include_dashboard"})
+        except (ConnectionError, RuntimeError, ValueError) as e:
+            raise CortiqError(f"--cluster {self.where.address}: cannot start or reach the Ray cluster ({str(e).splitlines()[0][:200]})") from None
+        try:
+            n = int(self.where.local_workers) if self.where.is_local else max(1, int(ray.cluster_resources().get("CPU", 0)) // self.threads)
+            actor = ray.remote(WindowScorer).options(
+                num_cpus=self.threads, max_restarts=MAX_RESTARTS, max_task_retries=0, scheduling_strategy="SPREAD")
+            args = ([str(p) for p in self.paths], self.fingerprints, self.threads, self.ctx, self.kv_cache, self.chunk)
+            self.actors = [actor.remote(*args) for _ in range(n)]
+            infos = ray.get([a.info.remote() for a in self.actors])
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        for i in infos:
+            if i["error"]:
+                self.__exit__(None, None, None)
+                raise CortiqError(i["error"])
+        self.hosts = [i["host"] for i in infos]
+        self.startup_s = time.perf_counter() - t0
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        import ray
+
+        for a in self.actors:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        self.actors = []
+        if ray.is_initialized():
+            ray.shutdown()
+
+    def worker_pids(self) -> list[int]:
+        import ray
+
+        return [i["pid"] for i in ray.get([a.info.remote() for a in self.actors])]
+
+    def score(self, tasks: Iterator[WindowTask], n_tasks: int, report: ClusterReport,
+              on_result: Callable[[WindowPartial], None]) -> None:
+        """Hand the windows out, at most IN_FLIGHT per worker, and pass each result on as it
+        arrives; a window whose worker dies goes to the next free worker. Ctrl-C stops it
+        (KeyboardInterrupt goes on up after the in-flight windows are cancelled)."""
+        import ray
+        from ray.exceptions import GetTimeoutError, ObjectLostError, OwnerDiedError, RayActorError, RayTaskError, WorkerCrashedError
+
+        lost = (RayActorError, WorkerCrashedError, ObjectLostError, OwnerDiedError)
+        todo: deque[WindowTask] = deque()
+        source = iter(tasks)
+        exhausted = False
+        inflight: dict[Any, tuple[int, WindowTask]] = {}
+        load = [0] * len(self.actors)
+        attempts: dict[int, int] = {}
+        t0 = time.perf_counter()
+        try:
+            while True:
+                for a in range(len(self.actors)):
+                    while load[a] < IN_FLIGHT:
+                        if not todo and not exhausted:
+                            nxt = next(source, None)
+                            if nxt is None:
+                                exhausted = True
+                            else:
+                                todo.append(nxt)
+                        if not todo:
+                            break
+                        t = todo.popleft()
+                        ref = self.actors[a].score.remote(t.index, t.window, t.ids, t.ref)
+                        inflight[ref] = (a, t)
+                        load[a] += 1
+                        report.tasks += 1
+                if not inflight:
+                    break
+                ready, _ = ray.wait(list(inflight), num_returns=1, timeout=0.5)
+                for r in ready:
+                    a, t = inflight.pop(r)
+                    load[a] -= 1
+                    try:
+                        part = ray.get(r, timeout=60)
+                    except RayTaskError as e:
+                        cause = e.cause if isinstance(getattr(e, "cause", None), BaseException) else e
+                        raise CortiqError(f"window {t.index}: {str(cause).splitlines()[0][:300]}") from None
+                    except (*lost, GetTimeoutError) as e:
+                        attempts[t.index] = attempts.get(t.index, 0) + 1
+                        if attempts[t.index] >= MAX_WINDOW_ATTEMPTS:
+                            raise CortiqError(f"window {t.index} lost its worker {attempts[t.index]} times "
+                                              f"({type(e).__name__}); is the cluster out of memory?") from None
+                        report.retried += 1
+                        todo.appendleft(t)
+                        continue
+                    report.tokens += part.tokens
+                    on_result(part)
+        except KeyboardInterrupt:
+            for r in inflight:
+                ray.cancel(r, force=True)
+            raise
+        finally:
+            report.seconds += time.perf_counter() - t0
+
+
+# ---------------------------------------------------------------------------- perplexity
+
+
+def score_ppl(
+    where: ClusterAddress, threads: int, paths: list[Path], ctx: int, kv_cache: str, chunk: int,
+    names: list[str], tokens: np.ndarray, windows: list[Window], decoder: Any, *,
+    saved: Any | None = None, resume: bool = False, progress: ClusterProgress | None = None,
+) -> tuple[PerplexityResult, int, ClusterReport]:
+    """``cortiq ppl``'s scoring on a cluster: (the figures, windows done in plan order, the
+    cluster's report). On Ctrl-C the figures cover the first ``done`` windows, as in one
+    process; the journal keeps every finished window for ``resume``."""
+    tokens = np.asarray(tokens, dtype=np.int64)
+    n_models = len(paths)
+    fps = [ModelFingerprint.of(Path(p).resolve()) for p in paths]
+    extra = {"ctx": ctx, "kv_cache": kv_cache, "chunk": chunk,
+             "ref": None if saved is None else [str(saved.path), ModelFingerprint.of(Path(saved.path)).digest]}
+    key = run_key("ppl", fps, tokens, windows, extra)
+    journal = WindowJournal(journal_dir() / f"ppl-{key}.journal", key)
+    parts = journal.load() if resume else {}
+    report = ClusterReport(where.address, 0, resumed=len(parts))
+    total_tokens = sum(w.n_scored for w in windows)
+    done_tokens = sum(p.tokens for p in parts.values())
+
+    # A saved reference's rows, in plan order, for every window (read once, sequentially).
+    ref_rows: list[RefRows | None] = [saved.next_rows(w.n_scored) if saved is not None else None for w in windows]
+
+    def tasks() -> Iterator[WindowTask]:
+        for i, w in enumerate(windows):
+            if i not in parts:
+                yield WindowTask(i, w, tokens[w.begin : w.end].copy(), ref_rows[i])
+
+    def on_result(p: WindowPartial) -> None:
+        nonlocal done_tokens
+        if p.window in parts:
+            return  # a late duplicate of a retried window: counted once
+        parts[p.window] = p
+        journal.append(p)
+        done_tokens += p.tokens
+        if progress:
+            progress(len(parts), len(windows), done_tokens, total_tokens, report.tokens / max(time.perf_counter() - t_start, 1e-9))
+
+    interrupted = False
+    t_start = time.perf_counter()
+    journal.open(keep=bool(parts))
+    try:
+        if progress:
+            progress(len(parts), len(windows), done_tokens, total_tokens, float("nan"))
+        if len(parts) < len(windows):
+            with Cluster(where, threads, paths, ctx, kv_cache, chunk) as cl:
+                report.workers = len(cl.actors)
+                report.hosts = cl.hosts
+                report.startup_s = cl.startup_s
+                t_start = time.perf_counter()
+                try:
+                    cl.score(tasks(), len(windows) - len(parts), report, on_result)
+                except KeyboardInterrupt:
+                    interrupted = True
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        journal.close()
+
+    done = 0
+    while done < len(windows) and done in parts:
+        done += 1
+    if interrupted and not done:
+        raise KeyboardInterrupt
+    if done == len(windows):
+        journal.remove()
+    acc = PerplexityAccumulator(n_models, saved_ref=saved is not None)
+    for i in range(done):
+        acc.add_partial(parts[i])
+    form = saved.form if saved is not None else "full"
+    reports, comps = build_reports(acc, names, scored_text_bytes(decoder, tokens, windows[:done]), form)
+    return PerplexityResult(reports, comps), done, report
+
+
+__all__ = ["ClusterAddress", "ModelFingerprint", "WindowJournal", "WindowScorer", "Cluster", "ClusterReport",
+           "score_ppl", "journal_dir", "ray_available", "INSTALL_HINT", "run_key"]
