@@ -327,3 +327,125 @@ def test_mtp_layer_with_wrong_shape_is_refused(glm, tmp_path):
     save_file(t, str(folder / "mtp.safetensors"))
     with pytest.raises(CortiqError, match="shared_expert.up_proj"):
         convert_checkpoint(folder, tmp_path / "bad.cmf", quant="f32")
+
+
+# ------------------------------------------------------------------ a tiny glm4moe GGUF
+def write_glm4moe_gguf(folder, path, weight_type: str = "F32"):
+    """What llama.cpp's converter (``Glm4MoeModel``) writes for the HF folder ``folder``
+    (trunk and MTP shards): block_count counting the MTP layer, rope.dimension_count as the
+    rotated width, the expert_* routing keys, each layer's experts stacked [experts, rows,
+    cols], ``e_score_correction_bias`` as ``exp_probs_b.bias``, names from gguf-py's own
+    tensor map; the router stays F32; the byte-level vocabulary of ``tests.tiny``. The
+    tiny model's expert groups travel in DeepSeek's expert_group_* keys."""
+    import gguf
+    from tokenizers import pre_tokenizers
+
+    cfg = json.loads((folder / "config.json").read_text())
+    t: dict[str, np.ndarray] = {}
+    for shard in sorted(folder.glob("*.safetensors")):
+        t.update(load_file(str(shard)))
+    n_main, nextn = cfg["num_hidden_layers"], cfg.get("num_nextn_predict_layers", 0)
+    n_blocks = n_main + (nextn if any(k.startswith(f"model.layers.{n_main}.") for k in t) else 0)
+    hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    rp = cfg["rope_parameters"]
+    w = gguf.GGUFWriter(str(path), "glm4moe")
+    w.add_block_count(n_blocks)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_key_length(hd)
+    w.add_value_length(hd)
+    w.add_rope_freq_base(rp["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    w.add_rope_dimension_count(int(hd * rp.get("partial_rotary_factor", 0.5)))
+    w.add_expert_count(cfg["n_routed_experts"])
+    w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    w.add_expert_shared_count(cfg["n_shared_experts"])
+    w.add_leading_dense_block_count(cfg["first_k_dense_replace"])
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    w.add_expert_weights_scale(cfg["routed_scaling_factor"])
+    w.add_expert_weights_norm(cfg["norm_topk_prob"])
+    if n_blocks > n_main:
+        w.add_nextn_predict_layers(nextn)
+    if cfg["n_group"] > 1:  # the releases route ungrouped; DeepSeek's converter writes these keys
+        w.add_expert_group_count(cfg["n_group"])
+        w.add_expert_group_used_count(cfg["topk_group"])
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(sorted(pre_tokenizers.ByteLevel.alphabet()))
+    w.add_token_types([1] * 256)
+    tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GLM4_MOE, n_blocks)
+    for bid in range(n_blocks):
+        p = f"model.layers.{bid}.mlp.experts."
+        if p + "0.down_proj.weight" in t:
+            for x in ("gate", "up", "down"):
+                parts = [t.pop(f"{p}{e}.{x}_proj.weight") for e in range(cfg["n_routed_experts"])]
+                t[f"{p}{x}_proj.weight"] = np.stack(parts)
+    for name, x in t.items():
+        x = x.astype(np.float32)
+        name = name.replace("e_score_correction_bias", "e_score_correction.bias")
+        gname = "token_embd.weight" if name == "model.embed_tokens.weight" else tmap.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert gname is not None, name
+        if weight_type != "F32" and x.ndim >= 2 and ".ffn_gate_inp." not in gname:
+            qt = gguf.GGMLQuantizationType[weight_type]
+            w.add_tensor(gname, gguf.quants.quantize(x, qt), raw_dtype=qt)
+        else:
+            w.add_tensor(gname, x)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("weight_type,quant", [("F32", "f32"), ("Q8_0", "q8")])
+def test_gguf_with_its_mtp_layer_matches_transformers(glm, glm_mtp, tmp_path, weight_type, quant):
+    """A glm4moe GGUF as llama.cpp writes it (the MTP layer included) converts straight
+    to the source model: stacked experts split, the routing bias and the rotated width
+    read back; its MTP layer goes to the sidecar as the HF folder's does (F32: the same
+    tensors bit for bit), and speculative decoding on it equals greedy."""
+    model = glm["qk_norm"][0]
+    src, hf_cmf, hf_rep = glm_mtp
+    path = write_glm4moe_gguf(src, tmp_path / "g.gguf", weight_type)
+    out = tmp_path / "g.cmf"
+    rep = convert_checkpoint(path, out, quant=quant)
+    assert rep.sidecar is not None
+    ids = arch_tiny.sample_ids(24)
+    with Engine.load(out, kernels="numpy") as eng:
+        got_arch = eng.model.arch
+        err = arch_tiny.rel_err(eng.logits(ids), arch_tiny.torch_logits(model, ids))
+    want = parse_config(json.loads(model.config.to_json_string()))
+    assert got_arch.rotary_dim == want.rotary_dim and got_arch.moe == want.moe and got_arch.qk_norm
+    assert err < (1e-4 if weight_type == "F32" else 0.05), err
+    with CmfFile(rep.sidecar) as a, CmfFile(hf_rep.sidecar) as b:
+        assert set(a.names()) == set(b.names())
+        if weight_type == "F32":
+            for n in b.names():
+                assert np.array_equal(a.tensor_f32(n), b.tensor_f32(n)), n
+    with Engine.load(out, mtp=True) as eng:
+        assert eng.drafts is not None and eng.drafts.num_layers == 1
+        prompt = arch_tiny.sample_ids(10, seed=3)
+        plain = eng.generate(prompt, max_tokens=12, ignore_eos=True, speculative=False).token_ids
+        res = eng.generate(prompt, max_tokens=12, ignore_eos=True, speculative=SpeculativeConfig(threshold=0, lookup=0))
+    assert res.token_ids == plain and res.extra["mtp"]["rounds"] > 0
+
+
+def test_gguf_softmax_gating_is_refused(glm, tmp_path):
+    import gguf
+
+    src = glm["qk_norm"][1]
+    path = write_glm4moe_gguf(src, tmp_path / "g.gguf")
+    r = gguf.GGUFReader(str(path))
+    assert r.fields["glm4moe.expert_gating_func"].parts[-1][0] == 2
+    # Rewrite the one value in place: softmax gating is not GLM's routing.
+    field = r.fields["glm4moe.expert_gating_func"]
+    data = np.memmap(path, mode="r+")
+    off = int(field.parts[-1].ctypes.data - r.data.ctypes.data)
+    data[off : off + 4] = np.array([1], np.uint32).view(np.uint8)
+    data.flush()
+    del data
+    with pytest.raises(CortiqError, match="expert_gating_func"):
+        convert_checkpoint(path, tmp_path / "g.cmf", quant="f32")

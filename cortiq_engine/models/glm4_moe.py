@@ -15,15 +15,22 @@ The release's MTP layer (``num_nextn_predict_layers``, stored DeepSeek-style as
 ends (``draft_layer``): the same attention and the routed FFN with its shared expert.
 
 Checkpoint names: ``mlp.shared_experts.*`` -> ``mlp.shared_expert.*``.
+
+GGUF: llama.cpp's ``glm4moe`` (``GGUF``): q/k rows as HF has them (NEOX rotary, by
+halves), stacked experts split per expert, the ``nextn.*`` MTP layer counted in
+``block_count`` and the routing settings in the ``expert_*`` keys.
 """
 
 from __future__ import annotations
 
 from typing import Any, Sequence
 
+import numpy as np
+
 from formats.arch import LAYER_FULL, ArchConfig, MoeConfig
 from formats.cmf import CmfFile
 from formats.errors import CortiqError
+from formats.gguf_spec import GgufContext, GgufSpec
 from formats.manifest import Manifest
 from formats.sanitize import SanitizeRules
 from cortiq_engine.model import Model
@@ -156,6 +163,84 @@ def draft_layer(cmf: CmfFile, k: int, arch: ArchConfig, kernels) -> DraftLayer:
     return wrap_draft(cmf, k, arch, kernels, block)
 
 
+# ------------------------------------------------------------------ GGUF
+def _gguf_int(ctx: GgufContext, key: str, default: Any = None, required: bool = False) -> int:
+    v = ctx.key(key, default, required)
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or int(v) < 0:
+        raise CortiqError(f"GGUF metadata {ctx.arch}.{key} is {str(v)[:40]!r}, expected a non-negative integer")
+    return int(v)
+
+
+def _gguf_config(ctx: GgufContext, config: dict[str, Any]) -> None:
+    """GLM-4.5's config.json from llama.cpp's metadata. ``block_count`` counts the MTP
+    layers (``nextn_predict_layers``) after the trunk's; a missing gating function is
+    sigmoid and a missing ``expert_weights_norm`` false, as llama.cpp reads them."""
+    hd = config["head_dim"]
+    if _gguf_int(ctx, "attention.value_length", hd) != hd:
+        raise CortiqError("GGUFs with different key and value head sizes are not supported")
+    rot = _gguf_int(ctx, "rope.dimension_count", hd)
+    if not 0 < rot <= hd or rot % 2 or int(hd * (rot / hd)) != rot:
+        raise CortiqError(f"GGUF metadata {ctx.arch}.rope.dimension_count={rot} does not fit head size {hd}")
+    blocks_total = config["num_hidden_layers"]
+    nextn = _gguf_int(ctx, "nextn_predict_layers", 0)
+    if nextn >= blocks_total:
+        raise CortiqError(f"GGUF metadata {ctx.arch}.nextn_predict_layers={nextn} leaves no trunk layer of {blocks_total}")
+    gating = _gguf_int(ctx, "expert_gating_func", 2)
+    if gating not in (0, 2):  # 0: unset (llama.cpp then uses sigmoid), 2: sigmoid
+        raise CortiqError(f"GGUF metadata {ctx.arch}.expert_gating_func={gating} is not supported (GLM-4-MoE routes by sigmoid)")
+    if "blk.0.attn_output.bias" in ctx.tensors:
+        raise CortiqError("glm4moe GGUF with an attn_output bias is not supported (GLM-4-MoE has none)")
+    bias = [f"blk.0.attn_{p}.bias" in ctx.tensors for p in ("q", "k", "v")]
+    if any(bias) and not all(bias):
+        raise CortiqError("GGUFs with biases on only some of q/k/v are not supported")
+    routed = [i for i in range(blocks_total) if f"blk.{i}.ffn_gate_inp.weight" in ctx.tensors]
+    dense = _gguf_int(ctx, "leading_dense_block_count", routed[0] if routed else 0)
+    norm = ctx.key("expert_weights_norm", False)
+    scale = ctx.key("expert_weights_scale", 1.0)
+    if not isinstance(norm, (bool, np.bool_)) or isinstance(scale, bool) or not isinstance(scale, (int, float, np.number)):
+        raise CortiqError(f"GGUF metadata {ctx.arch}.expert_weights_norm / expert_weights_scale are {norm!r} / {scale!r}")
+    config.update(
+        num_hidden_layers=blocks_total - nextn,
+        num_nextn_predict_layers=nextn,
+        partial_rotary_factor=rot / hd,
+        attention_bias=all(bias),
+        use_qk_norm="blk.0.attn_q_norm.weight" in ctx.tensors,
+        first_k_dense_replace=dense,
+        n_routed_experts=_gguf_int(ctx, "expert_count", required=True),
+        num_experts_per_tok=_gguf_int(ctx, "expert_used_count", required=True),
+        moe_intermediate_size=_gguf_int(ctx, "expert_feed_forward_length", required=True),
+        n_shared_experts=_gguf_int(ctx, "expert_shared_count", 0),
+        n_group=_gguf_int(ctx, "expert_group_count", 1) or 1,
+        topk_group=_gguf_int(ctx, "expert_group_used_count", 1) or 1,
+        norm_topk_prob=bool(norm),
+        routed_scaling_factor=float(scale),
+    )
+
+
+GGUF = GgufSpec(
+    "glm4moe", "glm4_moe", "Glm4MoeForCausalLM",
+    block_names={
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_gate_inp": "mlp.gate",
+        # -> mlp.gate.e_score_correction.bias, which ``sanitize`` names as transformers does
+        "exp_probs_b": "mlp.gate.e_score_correction",
+        "ffn_gate_exps": "mlp.experts.{e}.gate_proj",
+        "ffn_up_exps": "mlp.experts.{e}.up_proj",
+        "ffn_down_exps": "mlp.experts.{e}.down_proj",
+        "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+        "ffn_up_shexp": "mlp.shared_experts.up_proj",
+        "ffn_down_shexp": "mlp.shared_experts.down_proj",
+        "nextn.eh_proj": "eh_proj",
+        "nextn.enorm": "enorm",
+        "nextn.hnorm": "hnorm",
+        "nextn.shared_head_norm": "shared_head.norm",
+        "nextn.shared_head_head": "shared_head.head",
+        "nextn.embed_tokens": "embed_tokens",
+    },
+    config=_gguf_config,
+)
+
+
 FAMILY = Family(
     name="glm4_moe",
     parsers={"glm4_moe": _glm4_moe},
@@ -163,5 +248,13 @@ FAMILY = Family(
     manifest=manifest,
     build=build,
     draft_layer=draft_layer,
-    sanitize=SanitizeRules(renames=((r"\.mlp\.shared_experts\.", ".mlp.shared_expert."),), split_fused_experts=True),
+    sanitize=SanitizeRules(
+        renames=(
+            (r"\.mlp\.shared_experts\.", ".mlp.shared_expert."),
+            (r"\.mlp\.gate\.e_score_correction\.bias$", ".mlp.gate.e_score_correction_bias"),  # llama.cpp's name
+        ),
+        split_fused_experts=True,
+    ),
+    hf_architectures=("Glm4MoeForCausalLM",),
+    gguf=(GGUF,),
 )
