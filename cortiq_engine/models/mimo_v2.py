@@ -179,4 +179,5 @@ FAMILY = Family(
     draft_layer=draft_layer,
     sanitize=SanitizeRules(renames=((r"\.self_attn\.attention_sink_bias$", ".self_attn.sinks"),), split_fused_experts=True),
     mtp_style="mimo",
+    hf_architectures=("MiMoV2FlashForCausalLM",),
 )

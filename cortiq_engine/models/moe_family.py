@@ -90,4 +90,5 @@ FAMILY = Family(
         ),
         split_fused_experts=True,
     ),
+    hf_architectures=("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM"),
 )

@@ -190,4 +190,5 @@ FAMILY = Family(
     draft_layer=draft_layer,
     sanitize=SanitizeRules(split_fused_experts=True, squeeze_conv=True),
     mtp_style="qwen3_next",
+    hf_architectures=("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"),
 )
