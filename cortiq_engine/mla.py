@@ -12,6 +12,9 @@ Per position the layer projects the hidden state to
 ``kv_b_proj`` expands a latent into each head's non-rotary key and its value
 (rows per head: [k_nope (qk_nope_head_dim) | v (v_head_dim)]). Scores use
 qk_head_dim**-0.5 (times YaRN's ``mscale_all_dim`` factor, ``RoPE.score_factor``).
+llama.cpp's newer GGUFs store it split per head instead: ``k_b_proj.{h}``
+[kv_lora_rank, qk_nope_head_dim] (the key part, transposed) and ``v_b_proj.{h}``
+[v_head_dim, kv_lora_rank]; the layer reads either form (exactly one of them).
 
 **The cache** (``MlaCache``) holds [normed latent | rotated k_rope] per position:
 kv_lora_rank + qk_rope_head_dim values, not per-head keys and values.
@@ -68,10 +71,15 @@ def mla_manifest(p: str, hidden: int, num_heads: int, m: MlaConfig) -> Manifest:
     req = {
         a + "kv_a_proj_with_mqa.weight": (m.kv_lora_rank + m.qk_rope_head_dim, hidden),
         a + "kv_a_layernorm.weight": (m.kv_lora_rank,),
-        a + "kv_b_proj.weight": (num_heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank),
         a + "o_proj.weight": (hidden, num_heads * m.v_head_dim),
     }
     opt = {a + "kv_a_proj_with_mqa.bias": (m.kv_lora_rank + m.qk_rope_head_dim,), a + "o_proj.bias": (hidden,)}
+    # kv_b_proj whole, or split per head (llama.cpp's attn_k_b / attn_v_b): the loader
+    # takes exactly one complete form.
+    opt[a + "kv_b_proj.weight"] = (num_heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank)
+    for h in range(num_heads):
+        opt[f"{a}k_b_proj.{h}.weight"] = (m.kv_lora_rank, m.qk_nope_head_dim)
+        opt[f"{a}v_b_proj.{h}.weight"] = (m.v_head_dim, m.kv_lora_rank)
     if m.q_lora_rank:
         req[a + "q_a_proj.weight"] = (m.q_lora_rank, hidden)
         req[a + "q_a_layernorm.weight"] = (m.q_lora_rank,)
@@ -138,13 +146,15 @@ class MlaWeights:
     q_b: Weight  # q_b_proj (after q_a_proj and its norm), or q_proj when q_a is None
     kv_a: Weight  # kv_a_proj_with_mqa: [latent | k_rope] rows
     kv_a_norm: np.ndarray
-    kv_b: Weight  # per head [k_nope | v] rows, latent columns
+    kv_b: Weight | None  # per head [k_nope | v] rows, latent columns; None: k_b and v_b
     o: Weight
     q_a: Weight | None = None
     q_a_norm: np.ndarray | None = None
     q_a_bias: np.ndarray | None = None
     kv_a_bias: np.ndarray | None = None
     o_bias: np.ndarray | None = None
+    k_b: tuple[Weight, ...] | None = None  # per head [kv_lora_rank, nope]: W_uk_h transposed
+    v_b: tuple[Weight, ...] | None = None  # per head [v, kv_lora_rank]: W_uv_h
 
 
 class MlaAttention:
@@ -178,18 +188,30 @@ class MlaAttention:
             ).astype(np.float32)
         # kv_b_proj split per head, f32, for the absorbed products: W_uk [heads, nope, rank]
         # (a query's nope part times it lands in latent space) and W_uv^T [heads, rank, v].
-        kvb = w.kv_b.dequantize().reshape(self.nh, self.nope + self.vd, self.rank)
-        self.w_uk = np.ascontiguousarray(kvb[:, : self.nope, :], dtype=np.float32)
-        self.w_uv_t = np.ascontiguousarray(kvb[:, self.nope :, :].transpose(0, 2, 1), dtype=np.float32)
+        if w.kv_b is not None:
+            kvb = w.kv_b.dequantize().reshape(self.nh, self.nope + self.vd, self.rank)
+            self.w_uk = np.ascontiguousarray(kvb[:, : self.nope, :], dtype=np.float32)
+            self.w_uv_t = np.ascontiguousarray(kvb[:, self.nope :, :].transpose(0, 2, 1), dtype=np.float32)
+        else:
+            self.w_uk = np.ascontiguousarray(np.stack([k.dequantize().T for k in w.k_b]), dtype=np.float32)
+            self.w_uv_t = np.ascontiguousarray(np.stack([v.dequantize().T for v in w.v_b]), dtype=np.float32)
 
     def _check_geometry(self, rope: RoPE) -> None:
         """The products index by these sizes: refuse any tensor that disagrees with them."""
         w, nh, nope, r, rank, vd = self.w, self.nh, self.nope, self.r, self.rank, self.vd
         hidden = w.kv_a.cols
-        want = {
-            "kv_a": (w.kv_a, (rank + r, hidden)), "kv_b": (w.kv_b, (nh * (nope + vd), rank)),
-            "o": (w.o, (w.o.rows, nh * vd)),
-        }
+        want = {"kv_a": (w.kv_a, (rank + r, hidden)), "o": (w.o, (w.o.rows, nh * vd))}
+        some_split, whole_split = (w.k_b is not None or w.v_b is not None), (w.k_b is not None and w.v_b is not None)
+        if not ((w.kv_b is not None and not some_split) or (w.kv_b is None and whole_split)):
+            raise CortiqError("latent attention needs kv_b_proj or, per head, k_b_proj and v_b_proj (exactly one form)")
+        if w.kv_b is not None:
+            want["kv_b"] = (w.kv_b, (nh * (nope + vd), rank))
+        else:
+            if len(w.k_b) != nh or len(w.v_b) != nh:
+                raise CortiqError(f"latent attention with {nh} heads has {len(w.k_b)} k_b_proj and {len(w.v_b)} v_b_proj")
+            for h in range(nh):
+                want[f"k_b{h}"] = (w.k_b[h], (rank, nope))
+                want[f"v_b{h}"] = (w.v_b[h], (vd, rank))
         if w.q_a is not None:
             want["q_a"] = (w.q_a, (self.qa_rows, hidden))
             want["q_b"] = (w.q_b, (nh * (nope + r), self.qa_rows))
@@ -217,7 +239,8 @@ class MlaAttention:
         return MlaCache(self.rank, self.r, capacity, kv_dtype(kv))
 
     def weights(self) -> list[Weight]:
-        return [x for x in (self.w.q_a, self.w.q_b, self.w.kv_a, self.w.kv_b, self.w.o) if x is not None]
+        split = (*(self.w.k_b or ()), *(self.w.v_b or ()))
+        return [x for x in (self.w.q_a, self.w.q_b, self.w.kv_a, self.w.kv_b, *split, self.w.o) if x is not None]
 
     def _halves(self, x: np.ndarray) -> np.ndarray:
         """The rotary part as the half-split rotation takes it (contiguous)."""
@@ -270,10 +293,15 @@ class MlaAttention:
         n, nh, nope, rank, vd = q_nope.shape[0], self.nh, self.nope, self.rank, self.vd
         hi = start + n
         rows = cache.rows_f32(hi)
-        kv = self.ks.matmul((self.w.kv_b,), np.ascontiguousarray(rows[:, :rank])).reshape(hi, nh, nope + vd)
         keys = np.empty((nh, hi, nope + self.r), np.float32)
-        keys[:, :, :nope] = kv[:, :, :nope].transpose(1, 0, 2)
+        latent = np.ascontiguousarray(rows[:, :rank])
+        if self.w.kv_b is not None:
+            kv = self.ks.matmul((self.w.kv_b,), latent).reshape(hi, nh, nope + vd)
+            keys[:, :, :nope] = kv[:, :, :nope].transpose(1, 0, 2)
+            values = np.ascontiguousarray(kv[:, :, nope:].transpose(1, 0, 2))
+        else:  # the per-head split form: the same products from the f32 W_uk / W_uv^T
+            keys[:, :, :nope] = np.matmul(latent[None], self.w_uk.transpose(0, 2, 1))
+            values = np.ascontiguousarray(np.matmul(latent[None], self.w_uv_t))
         keys[:, :, nope:] = rows[None, :, rank:]
-        values = np.ascontiguousarray(kv[:, :, nope:].transpose(1, 0, 2))
         q = np.ascontiguousarray(np.concatenate([q_nope, q_rope], axis=2), dtype=np.float32)
         return self.ks.attend(q, keys, values, start, 0, self.scale)

@@ -368,3 +368,148 @@ def test_mtp_layer_with_wrong_latent_geometry_is_refused(ds, tmp_path):
     save_file(t, str(src / "mtp.safetensors"))
     with pytest.raises(CortiqError, match="kv_b_proj"):
         convert_checkpoint(src, tmp_path / "bad.cmf", quant="f32")
+
+
+# ------------------------------------------------------------------ GGUF (llama.cpp's deepseek2)
+# llama.cpp's deepseek2 rotates adjacent pairs and its converter keeps q / kv_a rows as
+# shipped, so a GGUF holds the release's interleaved layout; its YaRN leaves cos/sin
+# unscaled (mscale == mscale_all_dim, as in the releases).
+GGUF_VARIANTS = {
+    "q_lora": dict(VARIANTS["q_lora"], rope_parameters=dict(YARN, mscale=1.0, mscale_all_dim=1.0)),
+    "q_proj": dict(VARIANTS["q_proj"], rope_interleave=True, rope_parameters=dict(YARN, mscale=1.0, mscale_all_dim=1.0)),
+}
+
+
+def build_gguf_source(variant: str, seed: int = 2):
+    import torch
+
+    model = build_tiny(MT, seed=seed, **GGUF_VARIANTS[variant])
+    g = torch.Generator().manual_seed(seed + 7)
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(torch.randn(buf.shape, generator=g) * 0.2)
+    return model
+
+
+def write_deepseek2_gguf(model, path, weight_type: str = "F32", split_kv_b: bool = True, meta: dict | None = None):
+    """The GGUF llama.cpp's DeepseekV2Model writes: MLA as one KV head (key_length
+    kv_lora_rank + rope, the real sizes in *_mla), experts stacked [experts, rows, cols],
+    the routing bias as exp_probs_b.bias, YaRN's mscale_all_dim as 0.1 * it in
+    yarn_log_multiplier, q / kv_a rows unpermuted; ``split_kv_b``: attn_kv_b split per
+    head into attn_k_b (transposed) and attn_v_b as newer converters do, else attn_kv_b
+    whole as older ones. ``meta``: ``deepseek2.*`` keys to override (None drops one)."""
+    import gguf
+    from tokenizers import pre_tokenizers
+
+    cfg = model.config
+    rp = cfg.rope_parameters
+    rope_dim, nope, vd, rank = cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    keys = {
+        "block_count": cfg.num_hidden_layers, "context_length": cfg.max_position_embeddings,
+        "embedding_length": cfg.hidden_size, "feed_forward_length": cfg.intermediate_size,
+        "attention.head_count": cfg.num_attention_heads, "attention.head_count_kv": 1,
+        "rope.freq_base": float(rp["rope_theta"]), "attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps),
+        "expert_used_count": cfg.num_experts_per_tok, "expert_group_count": cfg.n_group,
+        "expert_group_used_count": cfg.topk_group, "expert_gating_func": int(gguf.ExpertGatingFuncType.SIGMOID),
+        "leading_dense_block_count": cfg.first_k_dense_replace, "vocab_size": cfg.vocab_size,
+        "attention.kv_lora_rank": rank, "attention.key_length": rank + rope_dim, "attention.value_length": rank,
+        "attention.key_length_mla": nope + rope_dim, "attention.value_length_mla": vd,
+        "expert_feed_forward_length": cfg.moe_intermediate_size, "expert_count": cfg.n_routed_experts,
+        "expert_shared_count": cfg.n_shared_experts, "expert_weights_scale": float(cfg.routed_scaling_factor),
+        "expert_weights_norm": bool(cfg.norm_topk_prob), "rope.dimension_count": rope_dim,
+        "rope.scaling.type": "yarn", "rope.scaling.factor": float(rp["factor"]),
+        "rope.scaling.original_context_length": rp["original_max_position_embeddings"],
+        "rope.scaling.yarn_beta_fast": float(rp["beta_fast"]), "rope.scaling.yarn_beta_slow": float(rp["beta_slow"]),
+        "rope.scaling.yarn_log_multiplier": 0.1 * rp["mscale_all_dim"],
+    }
+    if cfg.q_lora_rank:
+        keys["attention.q_lora_rank"] = cfg.q_lora_rank
+    keys.update(meta or {})
+    w = gguf.GGUFWriter(str(path), "deepseek2")
+    for k, v in keys.items():
+        if v is None:
+            continue
+        if isinstance(v, bool):
+            w.add_bool(f"deepseek2.{k}", v)
+        elif isinstance(v, str):
+            w.add_string(f"deepseek2.{k}", v)
+        elif isinstance(v, float):
+            w.add_float32(f"deepseek2.{k}", v)
+        else:
+            w.add_uint32(f"deepseek2.{k}", v)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(sorted(pre_tokenizers.ByteLevel.alphabet()))
+    w.add_token_types([1] * 256)
+
+    def add(name, x):
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if weight_type != "F32" and x.ndim >= 2 and x.shape[-1] % 32 == 0:
+            qt = gguf.GGMLQuantizationType[weight_type]
+            w.add_tensor(name, gguf.quants.quantize(x, qt), raw_dtype=qt)
+        else:
+            w.add_tensor(name, x)
+
+    parts = {
+        "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+        "self_attn.q_a_proj": "attn_q_a", "self_attn.q_a_layernorm": "attn_q_a_norm", "self_attn.q_b_proj": "attn_q_b",
+        "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa", "self_attn.kv_a_layernorm": "attn_kv_a_norm",
+        "self_attn.kv_b_proj": "attn_kv_b", "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp",
+        "mlp.shared_experts.gate_proj": "ffn_gate_shexp", "mlp.shared_experts.up_proj": "ffn_up_shexp",
+        "mlp.shared_experts.down_proj": "ffn_down_shexp",
+    }
+    for name, t in model.state_dict().items():
+        x = t.detach().numpy().astype(np.float32)
+        if name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+            add({"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                 "lm_head.weight": "output.weight"}[name], x)
+            continue
+        _, _, layer, rest = name.split(".", 3)
+        b = f"blk.{layer}."
+        if rest == "mlp.gate.e_score_correction_bias":
+            add(b + "exp_probs_b.bias", x)
+        elif rest == "mlp.experts.gate_up_proj":  # [E, 2I, H]: gate rows, then up rows
+            inter = x.shape[1] // 2
+            add(b + "ffn_gate_exps.weight", x[:, :inter])
+            add(b + "ffn_up_exps.weight", x[:, inter:])
+        elif rest == "mlp.experts.down_proj":
+            add(b + "ffn_down_exps.weight", x)
+        elif rest == "self_attn.kv_b_proj.weight" and split_kv_b:
+            kv_b = x.reshape(cfg.num_attention_heads, nope + vd, rank)
+            add(b + "attn_k_b.weight", kv_b[:, :nope].transpose(0, 2, 1))  # [heads, rank, nope]
+            add(b + "attn_v_b.weight", kv_b[:, nope:])  # [heads, v, rank]
+        else:
+            module, kind = rest.rsplit(".", 1)
+            add(f"{b}{parts[module]}.{kind}", x)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize(
+    "variant,weight_type,split",
+    [("q_lora", "F32", True), ("q_lora", "F32", False), ("q_proj", "F32", True), ("q_lora", "Q8_0", True)],
+)
+def test_gguf_matches_transformers(tmp_path, variant, weight_type, split):
+    """A deepseek2 GGUF as llama.cpp's converter writes it (kv_b whole or split per head
+    into k_b / v_b, q with and without its LoRA) converts to the source model."""
+    src = build_gguf_source(variant)
+    path = write_deepseek2_gguf(src, tmp_path / "d.gguf", weight_type, split)
+    convert_checkpoint(path, tmp_path / "d.cmf", quant="f32")
+    ids = arch_tiny.sample_ids(24)
+    ref = arch_tiny.torch_logits(src, ids)
+    with Engine.load(tmp_path / "d.cmf", kernels="numpy") as eng:
+        arch = eng.arch
+        err = arch_tiny.rel_err(eng.logits(ids), ref)
+        attn = eng.model.blocks[0].attn
+        assert (attn.w.kv_b is None) == split
+        st = eng.new_state(32)  # absorbed decode a token at a time over the same cache
+        steps = np.concatenate([eng.model.lm_head(eng.model.final_norm(forward(st, [i]))) for i in ids])
+    want = parse_config(json.loads(src.config.to_json_string()))
+    assert (arch.mla, arch.moe, arch.rope_scaling["mscale_all_dim"]) == (want.mla, want.moe, 1.0)
+    assert err < (1e-4 if weight_type == "F32" else 0.05), err
+    assert arch_tiny.rel_err(steps, ref) < (1e-4 if weight_type == "F32" else 0.05)

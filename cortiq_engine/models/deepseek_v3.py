@@ -16,15 +16,21 @@ Checkpoint names: ``mlp.shared_experts.*`` -> ``mlp.shared_expert.*`` (one SwiGL
 MTP: ``num_nextn_predict_layers`` layers stored as ``model.layers.{N + k}.*``
 (``formats.mtp_names`` moves them to ``model.mtp.layers.{k}.*``); each is the trunk's
 block, latent attention over the MoE FFN, between the shared draft ends.
+
+GGUF: llama.cpp's ``deepseek2`` (its converter's DeepseekV2Model, see ``GGUF`` below).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, Sequence
+
+import numpy as np
 
 from formats.arch import LAYER_FULL, ArchConfig, MlaConfig, MoeConfig
 from formats.cmf import CmfFile
 from formats.errors import CortiqError
+from formats.gguf_spec import GgufContext, GgufSpec
 from formats.manifest import Manifest
 from formats.sanitize import SanitizeRules
 from cortiq_engine.layers import RoPE
@@ -133,6 +139,13 @@ def _opt_vector(cmf: CmfFile, name: str) -> Any:
     return load_vector(cmf, name) if name in cmf else None
 
 
+def _per_head(cmf: CmfFile, stem: str, heads: int) -> tuple | None:
+    """``{stem}.{h}.weight`` for every head (llama.cpp's split kv_b), or None when absent."""
+    if f"{stem}.0.weight" not in cmf:
+        return None
+    return tuple(load_weight(cmf, f"{stem}.{h}.weight") for h in range(heads))
+
+
 def attention(cmf: CmfFile, arch: ArchConfig, kernels, p: str, rope_: RoPE, absorb: bool | None = None) -> MlaAttention:
     """The latent attention of the block with prefix ``p``."""
     a, m = p + "self_attn.", arch.mla
@@ -141,13 +154,15 @@ def attention(cmf: CmfFile, arch: ArchConfig, kernels, p: str, rope_: RoPE, abso
         q_b=load_weight(cmf, a + ("q_b_proj.weight" if lora else "q_proj.weight")),
         kv_a=load_weight(cmf, a + "kv_a_proj_with_mqa.weight"),
         kv_a_norm=load_vector(cmf, a + "kv_a_layernorm.weight", m.kv_lora_rank),
-        kv_b=load_weight(cmf, a + "kv_b_proj.weight"),
+        kv_b=load_weight(cmf, a + "kv_b_proj.weight") if a + "kv_b_proj.weight" in cmf else None,
         o=load_weight(cmf, a + "o_proj.weight"),
         q_a=load_weight(cmf, a + "q_a_proj.weight") if lora else None,
         q_a_norm=load_vector(cmf, a + "q_a_layernorm.weight", m.q_lora_rank) if lora else None,
         q_a_bias=_opt_vector(cmf, a + "q_a_proj.bias") if lora else None,
         kv_a_bias=_opt_vector(cmf, a + "kv_a_proj_with_mqa.bias"),
         o_bias=_opt_vector(cmf, a + "o_proj.bias"),
+        k_b=_per_head(cmf, a + "k_b_proj", arch.num_heads),
+        v_b=_per_head(cmf, a + "v_b_proj", arch.num_heads),
     )
     return MlaAttention(kernels, w, m, num_heads=arch.num_heads, rope=rope_, absorb=absorb)
 
@@ -183,6 +198,110 @@ def draft_layer(cmf: CmfFile, k: int, arch: ArchConfig, kernels) -> DraftLayer:
     return wrap_draft(cmf, k, arch, kernels, blocks.draft_block(cmf, p, arch, kernels, attn, mlp))
 
 
+# ------------------------------------------------------------------ GGUF
+def _gguf_num(ctx: GgufContext, key: str, default: Any = None, *, integer: bool = False) -> Any:
+    """``deepseek2.{key}`` as a typed, finite, non-negative number (``default`` when absent)."""
+    v = ctx.key(key, default)
+    if v is None:
+        raise CortiqError(f"GGUF metadata has no 'deepseek2.{key}'")
+    ok = not isinstance(v, bool) and isinstance(v, (int, float, np.integer, np.floating)) and math.isfinite(float(v))
+    if not ok or float(v) < 0 or (integer and float(v) != int(v)):
+        raise CortiqError(f"GGUF metadata deepseek2.{key} is {str(v)[:40]!r}, expected a non-negative {'integer' if integer else 'number'}")
+    # A float32 in the file, as the decimal its author wrote (2.5, not 2.500000238...).
+    return int(v) if integer else float(str(np.float32(v)))
+
+
+def _gguf_config(ctx: GgufContext, config: dict[str, Any]) -> None:
+    """DeepSeek-V3's config.json from llama.cpp's deepseek2 metadata.
+
+    The converter writes the latent attention as one-KV-head attention over the cache
+    row (head_count_kv 1, key_length kv_lora_rank + rope, value_length kv_lora_rank) and
+    the real head sizes as key_length_mla / value_length_mla; older files have no *_mla
+    keys and the real sizes in key_length / value_length. It does not permute q or
+    kv_a rows: llama.cpp rotates adjacent pairs, the release's interleaved layout.
+    What a key's absence means is what llama.cpp's deepseek2 graph then does: no
+    routing groups, no weight renormalization, a routed scale of 1."""
+    heads = config["num_attention_heads"]
+    rope_dim = _gguf_num(ctx, "rope.dimension_count", integer=True)
+    mla = ctx.key("attention.key_length_mla") is not None
+    qk = _gguf_num(ctx, "attention.key_length_mla" if mla else "attention.key_length", integer=True)
+    v = _gguf_num(ctx, "attention.value_length_mla" if mla else "attention.value_length", integer=True)
+    if not 0 < rope_dim < qk or rope_dim % 2 or v < 1:
+        raise CortiqError(f"deepseek2 GGUF head sizes (query/key {qk}, rotary {rope_dim}, value {v}) are not a latent attention geometry")
+    q_lora = "blk.0.attn_q_a.weight" in ctx.tensors
+    gating = ctx.key("expert_gating_func", None)
+    if gating != 2:  # gguf.ExpertGatingFuncType.SIGMOID; llama.cpp reads a missing key as softmax (DeepSeek-V2)
+        raise CortiqError(
+            f"deepseek2 GGUF expert_gating_func {gating!r} is not supported (DeepSeek-V2's softmax routing; supported: 2, sigmoid)"
+        )
+    dense = _gguf_num(ctx, "leading_dense_block_count", 0, integer=True)
+    if dense < config["num_hidden_layers"] and f"blk.{dense}.exp_probs_b.bias" not in ctx.tensors:
+        raise CortiqError(f"deepseek2 GGUF has no exp_probs_b (the routing bias) in its first MoE layer {dense}")
+    for key in ("rope.scaling.yarn_ext_factor", "rope.scaling.yarn_attn_factor"):
+        if ctx.key(key, 1.0) != 1.0:
+            raise CortiqError(f"deepseek2 GGUF {key} {ctx.key(key)!r} is not supported (transformers has no such factor)")
+    config.update(
+        num_key_value_heads=heads,
+        head_dim=rope_dim,  # DeepseekV3Config's head_dim is the rotary width
+        q_lora_rank=_gguf_num(ctx, "attention.q_lora_rank", integer=True) if q_lora else None,
+        kv_lora_rank=_gguf_num(ctx, "attention.kv_lora_rank", integer=True),
+        qk_nope_head_dim=qk - rope_dim,
+        qk_rope_head_dim=rope_dim,
+        v_head_dim=v,
+        rope_interleave=True,
+        first_k_dense_replace=dense,
+        n_routed_experts=_gguf_num(ctx, "expert_count", integer=True),
+        num_experts_per_tok=_gguf_num(ctx, "expert_used_count", integer=True),
+        moe_intermediate_size=_gguf_num(ctx, "expert_feed_forward_length", integer=True),
+        n_shared_experts=_gguf_num(ctx, "expert_shared_count", 0, integer=True),
+        routed_scaling_factor=_gguf_num(ctx, "expert_weights_scale", 1.0),
+        norm_topk_prob=bool(ctx.key("expert_weights_norm", False)),
+        n_group=max(1, _gguf_num(ctx, "expert_group_count", 1, integer=True)),
+        topk_group=max(1, _gguf_num(ctx, "expert_group_used_count", 1, integer=True)),
+        scoring_func="sigmoid",
+        topk_method="noaux_tc",
+    )
+    rs = config.get("rope_scaling")
+    if rs is not None:
+        if rs.get("rope_type") != "yarn":
+            raise CortiqError(f"deepseek2 GGUF rope scaling {rs.get('rope_type')!r} is not supported (supported: yarn)")
+        # The converter stores 0.1 * mscale_all_dim; llama.cpp scales scores by its YaRN
+        # factor squared and leaves cos/sin unscaled (mscale == mscale_all_dim).
+        log_mul = _gguf_num(ctx, "rope.scaling.yarn_log_multiplier", 0.0)
+        rs.update(
+            beta_fast=_gguf_num(ctx, "rope.scaling.yarn_beta_fast", 32.0),
+            beta_slow=_gguf_num(ctx, "rope.scaling.yarn_beta_slow", 1.0),
+            mscale=log_mul / 0.1, mscale_all_dim=log_mul / 0.1, attention_factor=1.0,
+        )
+
+
+# llama.cpp's deepseek2 block parts. Newer converters split attn_kv_b per head into
+# attn_k_b [heads, kv_lora_rank, nope] (the key part, transposed) and attn_v_b
+# [heads, v, kv_lora_rank]; they become per-head views the latent attention reads directly.
+GGUF = GgufSpec(
+    "deepseek2", "deepseek_v3", "DeepseekV3ForCausalLM",
+    block_names={
+        "attn_q_a": "self_attn.q_a_proj",
+        "attn_q_a_norm": "self_attn.q_a_layernorm",
+        "attn_q_b": "self_attn.q_b_proj",
+        "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+        "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+        "attn_kv_b": "self_attn.kv_b_proj",
+        "attn_k_b": "self_attn.k_b_proj.{e}",
+        "attn_v_b": "self_attn.v_b_proj.{e}",
+        "ffn_gate_inp": "mlp.gate",
+        "exp_probs_b": "mlp.gate.e_score_correction",
+        "ffn_gate_exps": "mlp.experts.{e}.gate_proj",
+        "ffn_up_exps": "mlp.experts.{e}.up_proj",
+        "ffn_down_exps": "mlp.experts.{e}.down_proj",
+        "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+        "ffn_up_shexp": "mlp.shared_experts.up_proj",
+        "ffn_down_shexp": "mlp.shared_experts.down_proj",
+    },
+    config=_gguf_config,
+)
+
+
 FAMILY = Family(
     name="deepseek_v3",
     parsers={"deepseek_v3": _deepseek_v3, "kimi_k2": _deepseek_v3},
@@ -190,6 +309,15 @@ FAMILY = Family(
     manifest=manifest,
     build=build,
     draft_layer=draft_layer,
-    sanitize=SanitizeRules(renames=((r"\.mlp\.shared_experts\.", ".mlp.shared_expert."),), split_fused_experts=True),
+    sanitize=SanitizeRules(
+        renames=(
+            (r"\.mlp\.shared_experts\.", ".mlp.shared_expert."),
+            # llama.cpp's exp_probs_b.bias, imported as e_score_correction.bias
+            (r"\.mlp\.gate\.e_score_correction\.bias$", ".mlp.gate.e_score_correction_bias"),
+        ),
+        split_fused_experts=True,
+    ),
     mtp_style="deepseek",
+    hf_architectures=("DeepseekV3ForCausalLM",),
+    gguf=(GGUF,),
 )
