@@ -291,10 +291,13 @@ def _plan_tensors(reader, spec: GgufSpec, config: dict[str, Any]) -> list[Planne
         unpermute = None
         if name is None:
             m = _BLOCK_RE.fullmatch(t.name)
-            if m is None or m.group(2) not in names:
+            if m is None or (m.group(2) not in names and m.group(2) not in spec.full_names):
                 raise CortiqError(f"GGUF tensor {t.name!r} has no HF counterpart for architecture {spec.arch!r}")
             layer, part, kind = m.groups()
-            name = f"model.layers.{layer}.{names[part]}.{kind}"
+            if part in spec.full_names:
+                name = f"model.layers.{layer}.{spec.full_names[part]}"
+            else:
+                name = f"model.layers.{layer}.{names[part]}.{kind}"
             if spec.permute_qk and part in ("attn_q", "attn_k"):
                 unpermute = heads if part == "attn_q" else kv_heads
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))

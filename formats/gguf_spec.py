@@ -72,6 +72,9 @@ class GgufSpec:
     model_type: str  # the config.json model_type it becomes
     hf_class: str  # config.json architectures[0]
     block_names: Mapping[str, str] = field(default_factory=dict)  # added to / overriding BLOCK_NAMES
+    # Block parts whose HF tensor name is not ``<module>.weight`` / ``.bias``: part -> the whole
+    # name under model.layers.N (llama.cpp's exp_probs_b.bias is e_score_correction_bias).
+    full_names: Mapping[str, str] = field(default_factory=dict)
     permute_qk: bool = False  # llama.cpp interleaved each head's rotary halves in q/k rows
     norm_offset: float = 0.0  # added to every *norm.weight (-1: the file stores 1 + w)
     # (ctx, config) -> None: the family's config.json fields, set in place after the common ones.

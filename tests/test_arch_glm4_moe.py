@@ -449,3 +449,19 @@ def test_gguf_softmax_gating_is_refused(glm, tmp_path):
     del data
     with pytest.raises(CortiqError, match="expert_gating_func"):
         convert_checkpoint(path, tmp_path / "g.cmf", quant="f32")
+
+
+def test_import_gguf_writes_the_checkpoint_transformers_loads(glm, glm_mtp, tmp_path):
+    """``import-gguf``'s folder carries the routing bias under transformers' own name
+    (llama.cpp's exp_probs_b.bias), so transformers loads it with every weight set."""
+    import torch
+    import transformers
+
+    from cortiq_engine.convert import import_gguf
+
+    model = glm["qk_norm"][0]
+    src = glm_mtp[0]
+    import_gguf(write_glm4moe_gguf(src, tmp_path / "g.gguf"), tmp_path / "hf")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    ids = arch_tiny.sample_ids(24)
+    assert arch_tiny.rel_err(arch_tiny.torch_logits(back, ids), arch_tiny.torch_logits(model, ids)) < 1e-5

@@ -222,8 +222,6 @@ GGUF = GgufSpec(
     block_names={
         "post_attention_norm": "post_attention_layernorm",
         "ffn_gate_inp": "mlp.gate",
-        # -> mlp.gate.e_score_correction.bias, which ``sanitize`` names as transformers does
-        "exp_probs_b": "mlp.gate.e_score_correction",
         "ffn_gate_exps": "mlp.experts.{e}.gate_proj",
         "ffn_up_exps": "mlp.experts.{e}.up_proj",
         "ffn_down_exps": "mlp.experts.{e}.down_proj",
@@ -237,6 +235,7 @@ GGUF = GgufSpec(
         "nextn.shared_head_head": "shared_head.head",
         "nextn.embed_tokens": "embed_tokens",
     },
+    full_names={"exp_probs_b": "mlp.gate.e_score_correction_bias"},
     config=_gguf_config,
 )
 
@@ -251,7 +250,6 @@ FAMILY = Family(
     sanitize=SanitizeRules(
         renames=(
             (r"\.mlp\.shared_experts\.", ".mlp.shared_expert."),
-            (r"\.mlp\.gate\.e_score_correction\.bias$", ".mlp.gate.e_score_correction_bias"),  # llama.cpp's name
         ),
         split_fused_experts=True,
     ),
