@@ -392,13 +392,13 @@ def build_gguf_source(variant: str, seed: int = 2):
     return model
 
 
-def write_deepseek2_gguf(model, path, weight_type: str = "F32", split_kv_b: bool = True, meta: dict | None = None):
+def write_deepseek2_gguf(model, path, weight_type: str = "F32", split_kv_b: bool | str = True, meta: dict | None = None):
     """The GGUF llama.cpp's DeepseekV2Model writes: MLA as one KV head (key_length
     kv_lora_rank + rope, the real sizes in *_mla), experts stacked [experts, rows, cols],
     the routing bias as exp_probs_b.bias, YaRN's mscale_all_dim as 0.1 * it in
     yarn_log_multiplier, q / kv_a rows unpermuted; ``split_kv_b``: attn_kv_b split per
-    head into attn_k_b (transposed) and attn_v_b as newer converters do, else attn_kv_b
-    whole as older ones. ``meta``: ``deepseek2.*`` keys to override (None drops one)."""
+    head into attn_k_b (transposed) and attn_v_b as newer converters do ("both": and
+    attn_kv_b too), else attn_kv_b whole as older ones. ``meta``: ``deepseek2.*`` keys to override (None drops one)."""
     import gguf
     from tokenizers import pre_tokenizers
 
@@ -480,6 +480,8 @@ def write_deepseek2_gguf(model, path, weight_type: str = "F32", split_kv_b: bool
             kv_b = x.reshape(cfg.num_attention_heads, nope + vd, rank)
             add(b + "attn_k_b.weight", kv_b[:, :nope].transpose(0, 2, 1))  # [heads, rank, nope]
             add(b + "attn_v_b.weight", kv_b[:, nope:])  # [heads, v, rank]
+            if split_kv_b == "both":
+                add(b + "attn_kv_b.weight", x)
         else:
             module, kind = rest.rsplit(".", 1)
             add(f"{b}{parts[module]}.{kind}", x)
@@ -492,7 +494,8 @@ def write_deepseek2_gguf(model, path, weight_type: str = "F32", split_kv_b: bool
 
 @pytest.mark.parametrize(
     "variant,weight_type,split",
-    [("q_lora", "F32", True), ("q_lora", "F32", False), ("q_proj", "F32", True), ("q_lora", "Q8_0", True)],
+    [("q_lora", "F32", True), ("q_lora", "F32", False), ("q_lora", "F32", "both"), ("q_proj", "F32", True),
+     ("q_lora", "Q8_0", True)],
 )
 def test_gguf_matches_transformers(tmp_path, variant, weight_type, split):
     """A deepseek2 GGUF as llama.cpp's converter writes it (kv_b whole or split per head
@@ -506,10 +509,41 @@ def test_gguf_matches_transformers(tmp_path, variant, weight_type, split):
         arch = eng.arch
         err = arch_tiny.rel_err(eng.logits(ids), ref)
         attn = eng.model.blocks[0].attn
-        assert (attn.w.kv_b is None) == split
+        assert (attn.w.kv_b is None) == (split is True)
         st = eng.new_state(32)  # absorbed decode a token at a time over the same cache
         steps = np.concatenate([eng.model.lm_head(eng.model.final_norm(forward(st, [i]))) for i in ids])
     want = parse_config(json.loads(src.config.to_json_string()))
     assert (arch.mla, arch.moe, arch.rope_scaling["mscale_all_dim"]) == (want.mla, want.moe, 1.0)
     assert err < (1e-4 if weight_type == "F32" else 0.05), err
     assert arch_tiny.rel_err(steps, ref) < (1e-4 if weight_type == "F32" else 0.05)
+
+
+def test_gguf_without_the_mla_keys_and_refusals(tmp_path):
+    """An older deepseek2 GGUF (no *_mla keys: the real head sizes in key/value_length,
+    every head a KV head) imports alike; DeepSeek-V2's softmax routing (no
+    expert_gating_func), a missing routing bias, and latent attention without any kv_b
+    form are refused by name."""
+    from cortiq_engine.convert import import_gguf
+
+    src = build_gguf_source("q_lora")
+    cfg = src.config
+    old = {"attention.key_length_mla": None, "attention.value_length_mla": None, "attention.head_count_kv": 4,
+           "attention.key_length": cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, "attention.value_length": cfg.v_head_dim}
+    path = write_deepseek2_gguf(src, tmp_path / "old.gguf", split_kv_b=False, meta=old)
+    convert_checkpoint(path, tmp_path / "old.cmf", quant="f32")
+    ids = arch_tiny.sample_ids(24)
+    with Engine.load(tmp_path / "old.cmf", kernels="numpy") as eng:
+        assert arch_tiny.rel_err(eng.logits(ids), arch_tiny.torch_logits(src, ids)) < 1e-4
+    bad = write_deepseek2_gguf(src, tmp_path / "v2.gguf", meta={"expert_gating_func": None})
+    with pytest.raises(CortiqError, match="expert_gating_func None is not supported"):
+        convert_checkpoint(bad, tmp_path / "v2.cmf", quant="f32")
+    import_gguf(path, tmp_path / "hf")
+    t = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    no_bias = {k: v for k, v in t.items() if "e_score_correction" not in k}
+    save_file(no_bias, str(tmp_path / "hf" / "model.safetensors"))
+    with pytest.raises(CortiqError, match="missing tensor model.layers.1.mlp.gate.e_score_correction_bias"):
+        convert_checkpoint(tmp_path / "hf", tmp_path / "nb.cmf", quant="f32")
+    save_file({k: v for k, v in t.items() if "layers.0.self_attn.kv_b_proj" not in k}, str(tmp_path / "hf" / "model.safetensors"))
+    convert_checkpoint(tmp_path / "hf", tmp_path / "nokv.cmf", quant="f32")
+    with pytest.raises(CortiqError, match="needs kv_b_proj or, per head, k_b_proj and v_b_proj"):
+        Engine.load(tmp_path / "nokv.cmf", kernels="numpy")

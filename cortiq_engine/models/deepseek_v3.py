@@ -150,19 +150,21 @@ def attention(cmf: CmfFile, arch: ArchConfig, kernels, p: str, rope_: RoPE, abso
     """The latent attention of the block with prefix ``p``."""
     a, m = p + "self_attn.", arch.mla
     lora = m.q_lora_rank > 0
+    # Some llama.cpp GGUFs carry kv_b whole and split alike: the whole one is read then.
+    whole = a + "kv_b_proj.weight" in cmf
     w = MlaWeights(
         q_b=load_weight(cmf, a + ("q_b_proj.weight" if lora else "q_proj.weight")),
         kv_a=load_weight(cmf, a + "kv_a_proj_with_mqa.weight"),
         kv_a_norm=load_vector(cmf, a + "kv_a_layernorm.weight", m.kv_lora_rank),
-        kv_b=load_weight(cmf, a + "kv_b_proj.weight") if a + "kv_b_proj.weight" in cmf else None,
+        kv_b=load_weight(cmf, a + "kv_b_proj.weight") if whole else None,
         o=load_weight(cmf, a + "o_proj.weight"),
         q_a=load_weight(cmf, a + "q_a_proj.weight") if lora else None,
         q_a_norm=load_vector(cmf, a + "q_a_layernorm.weight", m.q_lora_rank) if lora else None,
         q_a_bias=_opt_vector(cmf, a + "q_a_proj.bias") if lora else None,
         kv_a_bias=_opt_vector(cmf, a + "kv_a_proj_with_mqa.bias"),
         o_bias=_opt_vector(cmf, a + "o_proj.bias"),
-        k_b=_per_head(cmf, a + "k_b_proj", arch.num_heads),
-        v_b=_per_head(cmf, a + "v_b_proj", arch.num_heads),
+        k_b=None if whole else _per_head(cmf, a + "k_b_proj", arch.num_heads),
+        v_b=None if whole else _per_head(cmf, a + "v_b_proj", arch.num_heads),
     )
     return MlaAttention(kernels, w, m, num_heads=arch.num_heads, rope=rope_, absorb=absorb)
 
