@@ -19,12 +19,14 @@ Ray is imported only here, and only when a cluster is asked for.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
 import os
 import socket
 import struct
+import sys
 import time
 import zlib
 from collections import deque
@@ -306,6 +308,7 @@ class Cluster:
         self.actors: list[Any] = []
         self.hosts: list[str] = []
         self.startup_s = 0.0
+        self._stack = contextlib.ExitStack()
 
     def __enter__(self) -> "Cluster":
         import logging
@@ -313,6 +316,8 @@ class Cluster:
         import ray
 
         t0 = time.perf_counter()
+        # Ray prints its raylet's notices (a worker died...) on stdout: stdout is the report's.
+        self._stack.enter_context(contextlib.redirect_stdout(sys.stderr))
         quiet = dict(include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
         try:
             if self.where.is_local:
@@ -321,6 +326,7 @@ class Cluster:
             else:
                 ray.init(address=self.where.address, **{k: v for k, v in quiet.items() if k != "include_dashboard"})
         except (ConnectionError, RuntimeError, ValueError) as e:
+            self._stack.close()
             raise CortiqError(f"--cluster {self.where.address}: cannot start or reach the Ray cluster ({str(e).splitlines()[0][:200]})") from None
         try:
             n = int(self.where.local_workers) if self.where.is_local else max(1, int(ray.cluster_resources().get("CPU", 0)) // self.threads)
@@ -351,6 +357,7 @@ class Cluster:
         self.actors = []
         if ray.is_initialized():
             ray.shutdown()
+        self._stack.close()
 
     def worker_pids(self) -> list[int]:
         import ray
@@ -360,8 +367,7 @@ class Cluster:
     def score(self, tasks: Iterator[WindowTask], n_tasks: int, report: ClusterReport,
               on_result: Callable[[WindowPartial], None]) -> None:
         """Hand the windows out, at most IN_FLIGHT per worker, and pass each result on as it
-        arrives; a window whose worker dies goes to the next free worker. Ctrl-C stops it
-        (KeyboardInterrupt goes on up after the in-flight windows are cancelled)."""
+        arrives; a window whose worker dies goes to the next free worker."""
         import ray
         from ray.exceptions import GetTimeoutError, ObjectLostError, OwnerDiedError, RayActorError, RayTaskError, WorkerCrashedError
 
@@ -411,11 +417,7 @@ class Cluster:
                         continue
                     report.tokens += part.tokens
                     on_result(part)
-        except KeyboardInterrupt:
-            for r in inflight:
-                ray.cancel(r, force=True)
-            raise
-        finally:
+        finally:  # on Ctrl-C the windows in flight are dropped: leaving the cluster kills its workers
             report.seconds += time.perf_counter() - t0
 
 

@@ -1,0 +1,177 @@
+"""``cortiq ppl --cluster``: a real local Ray cluster of two workers gives the one-process
+figures bit for bit (perplexity, NLL and its SE, bits per byte, every KL statistic and
+percentile), also when a worker process is killed mid-run and when the driver is
+interrupted and resumed."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from evals.cluster import ClusterAddress, ModelFingerprint, WindowJournal
+from evals.kl import RowStats
+from evals.perplexity import WindowPartial
+from evals.text_source import BUNDLED_TEXT
+from formats.errors import CortiqError
+
+REPO = Path(__file__).resolve().parents[1]
+TEXT = BUNDLED_TEXT.read_text(encoding="utf-8")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny llama (byte tokenizer) as f32 and q8 CMF files, and a text of ~300 windows."""
+    from cortiq_engine.convert import convert_checkpoint
+    from tests.tiny import save_tiny
+
+    d = tmp_path_factory.mktemp("cluster")
+    hf = save_tiny("llama", d / "hf", max_position_embeddings=512)
+    out = {}
+    for q in ("f32", "q8"):
+        out[q] = d / f"tiny-{q}.cmf"
+        convert_checkpoint(hf, out[q], quant=q)
+    text = d / "t.txt"
+    text.write_text(TEXT[:4800], encoding="utf-8")
+    return out["f32"], out["q8"], text
+
+
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # a backgrounded run inherits SIGINT ignored
+
+
+def _start(args: list[str], cache: Path) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", CORTIQ_CLUSTER_CACHE=str(cache))
+    return subprocess.Popen([sys.executable, "-m", "cortiq_cli.main", "ppl", *args, "--json"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_default_sigint)
+
+
+def _finish(p: subprocess.Popen) -> tuple[int, str, str]:
+    try:
+        out, err = p.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.communicate()
+        raise
+    return p.returncode, out, err
+
+
+def _ppl(args: list[str], cache: Path) -> dict:
+    code, out, err = _finish(_start(args, cache))
+    assert code == 0, err
+    return json.loads(out)
+
+
+def _args(tiny, *extra: str) -> list[str]:
+    f32, q8, text = tiny
+    return [str(f32), str(q8), "--text", str(text), "-c", "32", "--stride", "16", "-t", "1", *extra]
+
+
+def _records(cache: Path) -> int:
+    """Windows journaled so far (0 before the journal exists)."""
+    files = list(cache.glob("ppl-*.journal"))
+    if not files:
+        return 0
+    key = files[0].name[len("ppl-"):-len(".journal")]
+    return len(WindowJournal(files[0], key).load())
+
+
+def _wait_for(cache: Path, p: subprocess.Popen, windows: int) -> None:
+    deadline = time.monotonic() + 120
+    while _records(cache) < windows:
+        assert p.poll() is None, "the run ended before the test could act on it"
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
+def _same_figures(got: dict, want: dict) -> dict:
+    """``got`` equals ``want`` exactly, apart from its cluster report (returned)."""
+    cluster = got["settings"].pop("cluster")
+    assert got == want  # every float compared exactly, as JSON prints them (repr: round-trips bit for bit)
+    return cluster
+
+
+@pytest.fixture(scope="module")
+def one_process(tiny, tmp_path_factory):
+    return _ppl(_args(tiny), tmp_path_factory.mktemp("journal"))
+
+
+def test_two_workers_give_the_one_process_figures_bit_for_bit(tiny, one_process, tmp_path):
+    assert one_process["settings"]["windows"] >= 250 and one_process["comparisons"][0]["kl_mean"] > 0
+    got = _ppl(_args(tiny, "--cluster", "local:2"), tmp_path)
+    cluster = _same_figures(got, one_process)
+    assert cluster["workers"] == 2 and cluster["address"] == "local:2"
+    assert cluster["tasks"] == one_process["settings"]["windows"] and cluster["retried"] == 0
+    assert cluster["tokens_per_s"] > 0
+    assert not list(tmp_path.glob("*.journal"))  # a finished run leaves no journal
+
+
+def test_a_killed_worker_costs_only_its_windows(tiny, one_process, tmp_path):
+    p = _start(_args(tiny, "--cluster", "local:2"), tmp_path)
+    _wait_for(tmp_path, p, 3)
+    workers = [c for c in psutil.Process(p.pid).children(recursive=True) if "WindowScorer" in " ".join(c.cmdline())]
+    assert workers, "no worker process found under the run"
+    os.kill(workers[0].pid, signal.SIGKILL)
+    code, out, err = _finish(p)
+    assert code == 0, err
+    cluster = _same_figures(json.loads(out), one_process)
+    assert cluster["retried"] >= 1 and cluster["tasks"] == one_process["settings"]["windows"] + cluster["retried"]
+
+
+def test_an_interrupted_driver_resumes_to_the_same_figures(tiny, one_process, tmp_path):
+    p = _start(_args(tiny, "--cluster", "local:2"), tmp_path)
+    _wait_for(tmp_path, p, 5)
+    p.send_signal(signal.SIGINT)
+    code, out, err = _finish(p)
+    assert code == 130, err
+    kept = _records(tmp_path)
+    assert kept >= 5 and "--resume" in err
+    partial = json.loads(out)
+    assert partial["settings"]["partial"] and partial["settings"]["windows_done"] <= kept
+    got = _ppl(_args(tiny, "--cluster", "local:2", "--resume"), tmp_path)
+    cluster = _same_figures(got, one_process)
+    assert cluster["resumed"] == kept and cluster["tasks"] == one_process["settings"]["windows"] - kept
+
+
+def test_cluster_input_errors(tiny, tmp_path):
+    f32, _, text = tiny
+    for args, msg in (
+        (["--cluster", "local:0"], "worker count"),
+        (["--cluster", "nowhere"], "give local:N"),
+        (["--resume"], "give --cluster too"),
+        (["--cluster", "local:1", "--save-ref", str(tmp_path / "r.cref")], "without --cluster"),
+    ):
+        code, out, err = _finish(_start([str(f32), "--text", str(text), "-c", "32", *args], tmp_path))
+        assert code == 2 and out == "" and msg in err and "Traceback" not in err, (args, err)
+        assert len(err.strip().splitlines()) == 1, err
+
+
+def test_fingerprint_and_journal(tiny, tmp_path):
+    f32, q8, _ = tiny
+    assert ModelFingerprint.of(f32) == ModelFingerprint.of(f32) != ModelFingerprint.of(q8)
+    with pytest.raises(CortiqError, match="not the driver's file"):
+        ModelFingerprint.of(f32).check(q8, "here")
+    assert ClusterAddress.parse("ray://head:10001").address == "ray://head:10001" and ClusterAddress.parse("local:3").local_workers == 3
+    import numpy as np
+
+    j = WindowJournal(tmp_path / "x.journal", "k1")
+    j.open(keep=False)
+    parts = [WindowPartial(i, [np.arange(3.0) + i, np.arange(3.0)],
+                           [None, RowStats(np.arange(3.0), np.ones(3), np.ones(3), np.zeros(3), np.array([True, False, True]))])
+             for i in range(3)]
+    for p in parts:
+        j.append(p)
+    j.close()
+    with open(j.path, "ab") as f:
+        f.write(b"\x05\x00")  # a record cut short by a crash
+    back = WindowJournal(j.path, "k1").load()
+    assert sorted(back) == [0, 1, 2] and np.array_equal(back[2].nll[0], parts[2].nll[0])
+    assert np.array_equal(back[1].rows[1].same, parts[1].rows[1].same)
+    assert WindowJournal(j.path, "another run").load() == {}
