@@ -45,9 +45,12 @@ LOGIT_BLOCK_BYTES = 32 << 20
 
 def check_ctx_memory(model: Model, ctx: int) -> None:
     """Refuse a context whose KV caches could not fit in this machine's memory (a
-    typo such as --ctx 1000000000000 is one line, not a MemoryError)."""
+    typo such as --ctx 1000000000000 is one line, not a MemoryError). Latent attention
+    caches one row of kv_lora_rank + qk_rope_head_dim values per position and layer
+    (``cortiq_engine.mla.MlaCache``), not per-head keys and values."""
     a = model.arch
-    per_token = a.num_layers * a.num_kv_heads * (a.head_dim + a.v_head_dim) * np.dtype(kv_dtype(model.kv_cache)).itemsize
+    row = a.mla.kv_lora_rank + a.mla.qk_rope_head_dim if a.mla is not None else a.num_kv_heads * (a.head_dim + a.v_head_dim)
+    per_token = a.num_layers * row * np.dtype(kv_dtype(model.kv_cache)).itemsize
     try:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):

@@ -547,3 +547,23 @@ def test_gguf_without_the_mla_keys_and_refusals(tmp_path):
     convert_checkpoint(tmp_path / "hf", tmp_path / "nokv.cmf", quant="f32")
     with pytest.raises(CortiqError, match="needs kv_b_proj or, per head, k_b_proj and v_b_proj"):
         Engine.load(tmp_path / "nokv.cmf", kernels="numpy")
+
+
+def test_ctx_memory_check_counts_the_latent_row(ds):
+    """--ctx is sized by the latent cache row (kv_lora_rank + qk_rope_head_dim per layer,
+    32 + 8 here), not by per-head keys and values (4 x (24 + 16)): a context whose
+    latent caches fit is accepted although expanded ones would not fit."""
+    import os
+
+    from cortiq_engine.engine import check_ctx_memory
+
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    with Engine.load(ds["q_lora"][2], kernels="numpy") as eng:
+        a = eng.arch
+        latent = a.num_layers * (a.mla.kv_lora_rank + a.mla.qk_rope_head_dim) * 4
+        expanded = a.num_layers * a.num_kv_heads * (a.head_dim + a.v_head_dim) * 4
+        ctx = total // (2 * latent)  # half the memory as latent rows, twice of it expanded
+        assert ctx * expanded > total
+        check_ctx_memory(eng.model, ctx)
+        with pytest.raises(CortiqError, match=f"--ctx {3 * ctx} needs"):
+            check_ctx_memory(eng.model, 3 * ctx)
