@@ -9,14 +9,28 @@ prepends BOS itself, so one rule holds for every model.
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Sequence
 
 from formats.errors import CortiqError
+from formats.tokenizer_check import check_tokenizer_json, library_error
 
 REPLACEMENT = "\ufffd"
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def clean_text(text: str) -> str:
+    """``text`` with each lone surrogate (what Python makes of bytes that are not UTF-8 in
+    argv, or a JSON escape such as \\ud800) replaced by U+FFFD: the tokenizers library
+    takes only text that encodes as UTF-8."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return _SURROGATE.sub(REPLACEMENT, text)
+    return text
 
 
 def _is_id(v: Any) -> bool:
@@ -121,10 +135,18 @@ class Tokenizer:
     def __init__(self, tokenizer_json: bytes, header: dict[str, Any], name: str = "the model"):
         from tokenizers import Tokenizer as HFTokenizer
 
+        what = f"embedded tokenizer.json of {name}"
+        text = tokenizer_json.decode("utf-8", errors="replace")
+        check_tokenizer_json(text, what, header.get("vocab_size"))
         try:
-            self._tok = HFTokenizer.from_str(tokenizer_json.decode("utf-8"))
-        except Exception as e:  # the tokenizers library raises plain Exceptions
-            raise CortiqError(f"embedded tokenizer.json does not load ({e})") from None
+            self._tok = HFTokenizer.from_str(text)
+            # cortiq sizes its own inputs: a file's padding or truncation never applies.
+            self._tok.no_padding()
+            self._tok.no_truncation()
+        except BaseException as e:  # a Rust panic is a BaseException
+            if not library_error(e):
+                raise
+            raise CortiqError(f"{what} does not load ({_first_line(e)})") from None
         self.header = header
         self.template_name = f"chat template of {name}"
         self.bos_id: int | None = header.get("bos_token_id")
@@ -139,21 +161,33 @@ class Tokenizer:
             if header.get(key) is not None and not isinstance(header.get(key), str):
                 raise CortiqError(f"header tokenizer.{key} is not a string")
 
+    def _library(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """A call into the tokenizers library; whatever it raises (a Rust panic included)
+        is one CortiqError."""
+        try:
+            return fn(*args, **kwargs)
+        except BaseException as e:
+            if not library_error(e):
+                raise
+            raise CortiqError(f"the tokenizer failed to {what} ({_first_line(e)})") from None
+
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if not isinstance(text, str):
+            raise CortiqError(f"text to tokenize is {type(text).__name__}, expected a string")
+        ids = self._library("encode", self._tok.encode, clean_text(text), add_special_tokens=False).ids
         if add_bos and self.add_bos and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
             ids = [int(self.bos_id)] + ids
         return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+        return self._library("decode", self._tok.decode, [int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
     def id_to_token(self, i: int) -> str | None:
-        return self._tok.id_to_token(int(i))
+        return self._library("look up a token", self._tok.id_to_token, int(i))
 
     def special_ids(self) -> list[int]:
         """Ids of the added tokens marked special (chat markers, EOS, padding), ascending."""
@@ -194,6 +228,11 @@ class Tokenizer:
         if tid is not None:
             return self._tok.id_to_token(int(tid)) or ""
         return ""
+
+
+def _first_line(e: BaseException) -> str:
+    lines = str(e).splitlines()
+    return f"{type(e).__name__}: {lines[0][:160]}" if lines else type(e).__name__
 
 
 class StreamDecoder:

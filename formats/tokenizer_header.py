@@ -26,13 +26,24 @@ def _is_id(v: Any) -> bool:
 
 
 def _check_loads(tok_json: str, where: Any) -> None:
-    """Refuse a tokenizer.json the tokenizers library cannot load now, not at first use."""
+    """Refuse a tokenizer.json the tokenizers library cannot load now, not at first use:
+    its structure is checked first (``formats.tokenizer_check``), then the library loads it."""
     from tokenizers import Tokenizer
 
+    from formats.tokenizer_check import check_tokenizer_json, library_error
+
+    try:
+        check_tokenizer_json(tok_json, "tokenizer.json")
+    except CortiqError as e:
+        detail = str(e).removeprefix("tokenizer.json: ")
+        raise CortiqError(f"{where}: the tokenizers library cannot load it safely ({detail})") from None
     try:
         Tokenizer.from_str(tok_json)
-    except Exception as e:  # the tokenizers library raises plain Exceptions
-        raise CortiqError(f"{where}: the tokenizers library cannot load it ({str(e).splitlines()[0][:160]})") from None
+    except BaseException as e:  # the library raises plain Exceptions, and a Rust panic as a BaseException
+        if not library_error(e):
+            raise
+        lines = str(e).splitlines()
+        raise CortiqError(f"{where}: the tokenizers library cannot load it ({lines[0][:160] if lines else type(e).__name__})") from None
 
 
 def tokenizer_header(ck) -> tuple[dict[str, Any], bytes]:

@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import struct
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -128,3 +129,120 @@ def test_adversarial_safetensors_header_is_refused_quickly(tmp_path):
             read_imatrix(p)
         assert "\n" not in str(e.value)
         assert time.perf_counter() - t0 < 20_000 * base + 0.5, kind
+
+
+# ------------------------------------------------------------------ 2. tokenizer.json checked first
+
+def with_tokenizer(src: Path, dst: Path, tok: dict | bytes, header_edit=None) -> Path:
+    """A copy of CMF ``src`` whose embedded tokenizer.json is ``tok``, written by the real
+    writer (every checksum right): what an attacker can make."""
+    from formats.cmf import CmfFile, CmfWriter
+    from formats.tokenizer_header import TOKENIZER_TENSOR
+
+    raw = tok if isinstance(tok, bytes) else json.dumps(tok).encode()
+    with CmfFile(src) as f:
+        header = json.loads(json.dumps(f.header))
+        if header_edit is not None:
+            header_edit(header)
+        with CmfWriter(dst, header, force=True) as w:
+            for name in f.names():
+                if name != TOKENIZER_TENSOR:
+                    info = f.info(name)
+                    w.add_encoded(name, info.dtype, tuple(info.shape), list(f.tensor_parts(name).values()))
+            w.add_bytes(TOKENIZER_TENSOR, raw)
+    return dst
+
+
+def _tokenizer_json(cmf: Path) -> dict:
+    from formats.cmf import CmfFile
+    from formats.tokenizer_header import TOKENIZER_TENSOR
+
+    with CmfFile(cmf) as f:
+        return json.loads(f.raw_bytes(TOKENIZER_TENSOR))
+
+
+def _edit(tok: dict, path: str, value) -> dict:
+    tok = json.loads(json.dumps(tok))
+    keys = path.split(".")
+    obj = tok
+    for k in keys[:-1]:
+        obj = obj[k]
+    obj[keys[-1]] = value
+    return tok
+
+
+_SPLIT = {"type": "Split", "pattern": {"Regex": "a" * 5000}, "behavior": "Isolated", "invert": False}
+_TEMPLATE = {"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "[X]", "type_id": 0}}], "pair": [],
+             "special_tokens": {}}
+
+
+@pytest.mark.parametrize(
+    "path, value, message",
+    [
+        # the library aborts the process (SIGABRT) allocating this at the first encode
+        ("padding", {"strategy": {"Fixed": 10**12}, "direction": "Right", "pad_to_multiple_of": None, "pad_id": 0,
+                     "pad_type_id": 0, "pad_token": "x"}, "padding.strategy.Fixed"),
+        # the library panics (PanicException, a BaseException) on a special token it cannot find
+        ("post_processor", _TEMPLATE, "which special_tokens lacks"),
+        # a Precompiled charsmap the library indexes out of bounds
+        ("normalizer", {"type": "Precompiled", "precompiled_charsmap": "AAAAAAAA"}, "known normalizers"),
+        ("model.type", "Hypothetical", "known models: BPE, WordPiece, Unigram, WordLevel"),
+        ("model.merges", [["zz", "qq"]], "'zz', which is not in the vocabulary"),
+        ("model.vocab", {"a": -1}, "expected a token id"),
+        ("pre_tokenizer", _SPLIT, "5000 characters long"),
+        ("pre_tokenizer", {"type": "Sequence", "pretokenizers": [_SPLIT]}, "pre_tokenizer.pretokenizers[0]"),
+        ("decoder", {"type": "Strip", "content": " ", "start": 2**40, "stop": 0}, "decoder.start"),
+        ("decoder", {"type": "Replace", "pattern": {"String": "x"}, "content": "y" * 10**5}, "decoder.content"),
+        ("truncation", {"max_length": 2**62, "stride": 0, "strategy": "LongestFirst", "direction": "Right"},
+         "truncation.max_length"),
+    ],
+    ids=["padding-abort", "template-panic", "precompiled", "model-type", "merges", "vocab-id", "split-regex",
+         "sequence", "strip", "replace", "truncation"],
+)
+def test_hostile_tokenizer_json_is_refused_before_the_library(tiny, tmp_path, path, value, message):
+    _, cmf = tiny
+    bad = with_tokenizer(cmf, tmp_path / "t.cmf", _edit(_tokenizer_json(cmf), path, value))
+    _one_line_error(runner.invoke(app, ["generate", str(bad), "hi", "-n", "1"]), message)
+
+
+def test_tokenizer_vocab_size_must_match_the_header(tiny, tmp_path):
+    _, cmf = tiny
+
+    def grow(h):
+        h["tokenizer"]["vocab_size"] = 300
+
+    bad = with_tokenizer(cmf, tmp_path / "v.cmf", _tokenizer_json(cmf), grow)
+    _one_line_error(runner.invoke(app, ["generate", str(bad), "hi", "-n", "1"]), "256 tokens, the header says 300")
+
+
+def test_tokenizer_json_that_is_not_an_object_or_not_json(tiny, tmp_path):
+    _, cmf = tiny
+    for i, raw in enumerate([b"[1, 2]", b'{"model": ', b"\xff\xfe"]):
+        bad = with_tokenizer(cmf, tmp_path / f"n{i}.cmf", raw)
+        _one_line_error(runner.invoke(app, ["generate", str(bad), "hi", "-n", "1"]), "tokenizer.json")
+
+
+def test_convert_refuses_a_hostile_tokenizer_json(tiny, tmp_path):
+    src, _ = tiny
+    ck = tmp_path / "ck"
+    shutil.copytree(src, ck)
+    tok = json.loads((ck / "tokenizer.json").read_text())
+    (ck / "tokenizer.json").write_text(json.dumps(_edit(tok, "post_processor", _TEMPLATE)))
+    _one_line_error(runner.invoke(app, ["convert", str(ck), str(tmp_path / "o.cmf"), "--quant", "q8"]),
+                    "which special_tokens lacks")
+    assert not (tmp_path / "o.cmf").exists()
+
+
+def test_lone_surrogates_in_a_prompt_are_replaced(tiny):
+    """Bytes that are not UTF-8 in argv reach Python as lone surrogates; the library takes
+    only UTF-8 text (a TypeError before)."""
+    _, cmf = tiny
+    res = runner.invoke(app, ["generate", str(cmf), "caf\udce9 \ud800", "-n", "2"])
+    assert res.exit_code == 0 and res.exception is None, res.output
+
+
+def test_lone_surrogates_through_the_real_cli(tiny):
+    _, cmf = tiny
+    p = subprocess.run([sys.executable, "-m", "cortiq_cli.main", "generate", str(cmf), b"caf\xe9", "-n", "2"],
+                       capture_output=True, cwd=REPO, timeout=300)
+    assert p.returncode == 0 and b"Traceback" not in p.stderr, p.stderr[-2000:]
