@@ -1,4 +1,5 @@
-"""Every new architecture through the command line: convert, generate, ppl, calibrate."""
+"""Every architecture family through the command line: convert, ppl, calibrate, generate (held
+to transformers' greedy tokens), bench."""
 
 from __future__ import annotations
 
@@ -13,8 +14,33 @@ from cortiq_cli.main import app
 from tests import arch_tiny
 
 runner = CliRunner()
-FAMILIES = ["qwen2_moe", "qwen3_moe", "mixtral", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "mimo_v2_flash", "granite", "smollm3"]
-DENSE = ("qwen3_5_text", "granite", "smollm3")
+FAMILIES = [
+    "qwen2_moe", "qwen3_moe", "mixtral", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "mimo_v2_flash", "granite",
+    "smollm3", "phi3", "gpt_oss", "glm4_moe", "gemma2", "olmo2", "deepseek_v3",
+]
+DENSE = ("qwen3_5_text", "granite", "smollm3", "phi3", "gemma2", "olmo2")
+
+
+def _checkpoint(mt: str, folder):
+    """(transformers model, HF folder) of a tiny ``mt`` checkpoint: the family test's own
+    configuration where the family has one (caps, latent attention), else arch_tiny's."""
+    if mt in ("gemma2", "olmo2"):
+        import importlib
+
+        from tests.tiny import build_tiny
+
+        model = build_tiny(mt, **importlib.import_module(f"tests.test_arch_{mt}").TINY)
+        return model, arch_tiny.save(model, folder)
+    if mt == "deepseek_v3":
+        import torch
+        import transformers
+
+        from tests.test_arch_deepseek_v3 import save_checkpoint
+
+        src = save_checkpoint(folder)
+        return transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval(), src
+    model = arch_tiny.build(mt)
+    return model, arch_tiny.save(model, folder)
 
 
 def _run(args: list[str]) -> dict:
@@ -25,8 +51,7 @@ def _run(args: list[str]) -> dict:
 
 @pytest.mark.parametrize("mt", FAMILIES)
 def test_convert_ppl_calibrate_generate(tmp_path, mt):
-    model = arch_tiny.build(mt)
-    src = arch_tiny.save(model, tmp_path / "hf")
+    model, src = _checkpoint(mt, tmp_path / "hf")
     out = tmp_path / "m.cmf"
     # f32, so generate can be held to transformers' greedy tokens (q8 is tested per family).
     conv = _run(["convert", str(src), str(out), "--quant", "f32", "--json"])
@@ -56,6 +81,9 @@ def test_convert_ppl_calibrate_generate(tmp_path, mt):
         nxt = int(np.argmax(arch_tiny.torch_logits(model, ids)[-1]))
         assert tok == nxt
         ids.append(nxt)
+    bench = _run(["bench", str(out), "-p", "8", "-n", "4", "-r", "1", "-t", "1", "--json"])
+    assert {r["test"] for r in bench["rows"]} >= {"pp8", "tg4"}, bench["rows"]
+    assert all(r["median_tok_s"] > 0 for r in bench["rows"])
     if moe:
         usage = gen["moe_stats"]["layers"]
         k = gen["moe_stats"]["top_k"]
