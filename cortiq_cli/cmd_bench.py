@@ -1,5 +1,8 @@
 """``cortiq bench MODEL.cmf [MODEL2.cmf ...]``: prefill and decode speed, as llama-bench.
 
+The flags are llama-bench's: ``-m`` a model (repeatable), ``-p`` the prompt's length
+in tokens, ``-n`` the tokens to generate, ``-r`` repetitions, ``-t`` thread counts.
+
 Rows stream as they are measured, in llama-bench's markdown table (model, size,
 params, quant, threads, test, t/s as median ± standard deviation over the
 repetitions); ``--threads 1,2`` sweeps thread counts; models with MTP draft layers
@@ -54,6 +57,7 @@ def _human_params(n: int) -> str:
 
 
 def _gib(n: int) -> str:
+    """llama-bench's size column: two decimals, in GiB (MiB under one GiB)."""
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
 
 
@@ -82,7 +86,10 @@ class MarkdownTable:
 
 @handle_errors
 def bench(
-    models: Annotated[list[Path], typer.Argument(help="CMF model files.", show_default=False)],
+    models: Annotated[Optional[list[Path]], typer.Argument(help="CMF model files; or give -m/--model (repeatable).", show_default=False)] = None,
+    model_opts: Annotated[
+        Optional[list[Path]], typer.Option("--model", "-m", help="A model file (.cmf), as llama-bench takes it (repeatable).", show_default=False)
+    ] = None,
     n_prompt: Annotated[int, typer.Option("--n-prompt", "-p", min=0, help="Prefill test: this many prompt tokens (0 = skip).")] = 512,
     n_gen: Annotated[int, typer.Option("--n-gen", "-n", min=0, help="Decode test: this many generated tokens (0 = skip).")] = 128,
     reps: Annotated[int, typer.Option("--repetitions", "-r", min=1, help="Timed repetitions of each test (after one warm-up).")] = 3,
@@ -99,6 +106,9 @@ def bench(
     from cortiq_engine.threads import max_threads, set_threads
     from evals import speed
 
+    models = [*(model_opts or []), *(models or [])]
+    if not models:
+        raise CortiqError("no model: give MODEL... or -m/--model PATH")
     sweep = parse_threads(threads)
     if n_prompt == 0 and n_gen == 0:
         raise CortiqError("nothing to measure: -p and -n are both 0")

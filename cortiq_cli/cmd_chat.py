@@ -22,12 +22,15 @@ import typer
 from rich.markup import escape
 
 from cortiq_cli import mtp_options as mtp_opt
+from cortiq_cli import options as opts
 from cortiq_cli.common import KvCache, err_console, handle_errors, human_bytes, load_engine, peak_rss_bytes, print_json
 from cortiq_cli.cmd_generate import MAX_LOGPROBS, print_logprobs
 from formats.errors import CortiqError
 
-SAMPLING = "Sampling"
 CONTEXT = "Context"
+TEMPLATE_MODEL = "model"
+TEMPLATE_RAW = "raw"
+RAW_ROLES = {"system": "System", "user": "User", "assistant": "Assistant"}
 COMMANDS_HELP = (
     "/reset  forget the conversation (the system prompt stays)\n"
     "/system TEXT  set the system prompt\n"
@@ -66,6 +69,13 @@ class Conversation:
             path.write_text(json.dumps(self.rendered(), ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
         except OSError as e:
             raise CortiqError(f"{path}: cannot write ({e})") from None
+
+
+def raw_template(messages: list[dict[str, str]]) -> str:
+    """--chat-template raw: each message as "Role: text" on its own paragraph, then
+    "Assistant:" for the answer to follow: plain text any base model continues."""
+    turns = [f"{RAW_ROLES.get(m['role'], m['role'].capitalize())}: {m['content']}" for m in messages]
+    return "\n\n".join([*turns, "Assistant:"])
 
 
 def _turns(interactive: bool) -> Iterator[str]:
@@ -123,26 +133,26 @@ class _Interrupt:
 
 @handle_errors
 def chat(
-    model: Annotated[Path, typer.Argument(help="Model file (.cmf) with a chat template.", show_default=False)],
+    model: Annotated[Optional[str], typer.Argument(help="Model file (.cmf) with a chat template; or give -m/--model.", show_default=False)] = None,
+    model_opt: opts.ModelOption = None,
     system: Annotated[Optional[str], typer.Option("--system", "-s", help="System prompt.")] = None,
     load: Annotated[Optional[Path], typer.Option("--load", help="Start from the messages in this JSON file (as /load).")] = None,
+    chat_template: Annotated[
+        str, typer.Option("--chat-template", metavar="model|raw", help="model: the model's own chat template (a model without one is refused); raw: plain 'Role: text' turns, for a model without one.")
+    ] = TEMPLATE_MODEL,
     max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", min=1, help="At most this many tokens per answer.")] = 512,
-    temperature: Annotated[
-        float, typer.Option("--temperature", "--temp", min=0.0, help="0 = greedy (the default); > 0 samples.", rich_help_panel=SAMPLING)
-    ] = 0.0,
-    top_k: Annotated[int, typer.Option("--top-k", min=0, help="Keep the k most likely tokens (0 = off).", rich_help_panel=SAMPLING)] = 0,
-    top_p: Annotated[float, typer.Option("--top-p", help="Nucleus mass to keep (1 = off).", rich_help_panel=SAMPLING)] = 1.0,
-    min_p: Annotated[float, typer.Option("--min-p", help="Drop tokens below min_p x the top probability (0 = off).", rich_help_panel=SAMPLING)] = 0.0,
-    repetition_penalty: Annotated[
-        float, typer.Option("--repetition-penalty", "--repeat-penalty", help="Penalty on seen tokens (1 = off).", rich_help_panel=SAMPLING)
-    ] = 1.0,
-    seed: Annotated[Optional[int], typer.Option("--seed", help="Sampling seed.", rich_help_panel=SAMPLING)] = None,
-    ctx: Annotated[Optional[int], typer.Option("--ctx", min=1, help="Context length (default: min(max_position_embeddings, 4096)).", rich_help_panel=CONTEXT)] = None,
+    temperature: opts.Temp = 0.0,
+    top_k: opts.TopK = 0,
+    top_p: opts.TopP = 1.0,
+    min_p: opts.MinP = 0.0,
+    repetition_penalty: opts.RepeatPenalty = 1.0,
+    seed: opts.Seed = None,
+    ctx: opts.Ctx = None,
     kv_cache: KvCache = "f32",
     evict: Annotated[
         bool, typer.Option("--evict", help="When the context is full: drop the oldest turns before a turn, the oldest half of the cache during an answer.", rich_help_panel=CONTEXT)
     ] = False,
-    threads: Annotated[Optional[int], typer.Option("--threads", "-t", min=1, help="Compute threads, fixed (default: all cores for the prompt; each decode step runs on 1 or all cores, whichever measures faster).")] = None,
+    threads: opts.Threads = None,
     json_out: Annotated[bool, typer.Option("--json", help="One JSON object per turn (JSON lines) instead of streamed text.")] = False,
     logprobs: Annotated[int, typer.Option("--logprobs", min=0, max=MAX_LOGPROBS, help="Each step's N most likely tokens and log-probabilities (in --json; else listed after each answer).")] = 0,
     mtp: mtp_opt.MtpPath = None,
@@ -164,6 +174,9 @@ def chat(
     from cortiq_engine import SamplingConfig
     from cortiq_engine.session import ChatSession
 
+    model, _ = opts.model_and_prompt(model, None, model_opt, None, takes_prompt=False)
+    if chat_template not in (TEMPLATE_MODEL, TEMPLATE_RAW):
+        raise CortiqError(f"unknown --chat-template {chat_template!r}; choose {TEMPLATE_MODEL} or {TEMPLATE_RAW}")
     config = SamplingConfig(
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty, seed=seed
     )
@@ -172,8 +185,21 @@ def chat(
         conv.load(load)
     eng = load_engine(model, threads=threads, ctx=ctx, quiet=json_out, mtp=mtp_opt.load_arg(mtp, no_mtp), kv_cache=kv_cache)
     tok = eng.tokenizer
-    if not tok.chat_template:
-        raise CortiqError(f"{model}: no chat template in the header; use cortiq generate for plain text")
+    if chat_template == TEMPLATE_RAW:
+        err_console.print(f"[yellow]warning:[/] --chat-template raw: plain 'User: ... Assistant:' turns, not a format "
+                          f"{escape(model.name)} was trained on; expect weaker answers", highlight=False, soft_wrap=True)
+    elif not tok.chat_template:
+        raise CortiqError(f"{model}: no chat template in the header; use cortiq generate for plain text, "
+                          f"or --chat-template {TEMPLATE_RAW} for plain 'User: ... Assistant:' turns")
+
+    # raw turns end where the model starts the user's next one
+    stops = [f"\n{RAW_ROLES['user']}:"] if chat_template == TEMPLATE_RAW else []
+
+    def render() -> list[int]:
+        """The conversation as token ids, through the model's template or the raw one."""
+        if chat_template == TEMPLATE_RAW:
+            return tok.encode(raw_template(conv.rendered()))
+        return tok.encode(tok.apply_chat_template(conv.rendered()), add_bos=False)
     # The conversation keeps one drafter (its rows of the cached prefix) across turns.
     drafter, mtp_note = eng.drafter(mtp_opt.speculative_arg(no_mtp, mtp_depth, mtp_chain, mtp_hidden, mtp_vocab, mtp_threshold, lookup, lookup_ngram, mtp_gate), config, evict=evict)
     session = ChatSession(eng, drafter)
@@ -236,13 +262,12 @@ def chat(
 
         conv.messages.append({"role": "user", "content": line})
         try:
-            ids = tok.encode(tok.apply_chat_template(conv.rendered()), add_bos=False)
+            ids = render()
             if evict:
-                ids = _drop_oldest_turns(conv, ids, lambda: tok.encode(tok.apply_chat_template(conv.rendered()), add_bos=False),
-                                         room=min(max_tokens, eng.ctx // 2), ctx=eng.ctx, note=note)
+                ids = _drop_oldest_turns(conv, ids, render, room=min(max_tokens, eng.ctx // 2), ctx=eng.ctx, note=note)
             with _Interrupt() as stop:
                 turn = session.generate(
-                    ids, config, max_tokens=max_tokens, evict=evict, logprobs=logprobs,
+                    ids, config, max_tokens=max_tokens, evict=evict, logprobs=logprobs, stop=stops,
                     on_token=lambda _ev: not stop.flag.is_set(), on_text=None if json_out else stream,
                 )
         except CortiqError as e:

@@ -8,7 +8,10 @@ import typer
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 
-from cortiq_cli.common import console, err_console, handle_errors, human_bytes, print_json, print_table
+from cortiq_cli.common import (
+    console, err_console, handle_errors, human_bytes, mib_per_s, print_json, print_table, quant_names_help, resolve_dtype,
+    resolve_quant,
+)
 from formats.convert import MTP_MODES, ConvertReport, QuantPolicy
 from formats.policy import quant_help
 
@@ -25,17 +28,18 @@ def convert_checkpoint(src, out, **kw) -> ConvertReport:
 def convert(
     src: str = typer.Argument(..., help="HF checkpoint folder, hub repo id (org/name) or .gguf file."),
     out: Path = typer.Argument(..., help="Output .cmf file."),
-    quant: str = typer.Option("q8", "--quant", "-q", help=f"Dtype preset of the matrices (b/w = bits per weight): {quant_help()}; keep = the source's blocks where CMF has them."),
+    quant: str = typer.Option("q8_0", "--quant", "-q", metavar="TYPE", help=f"Quantization, as llama.cpp names it (cortiq's short name in brackets): {quant_names_help()}, or keep: the source's blocks where CMF has them. The presets (b/w = bits per weight): {quant_help()}."),
     keep: list[str] = typer.Option(
-        [], "--keep", help="PATTERN=DTYPE override on CMF tensor names (fnmatch; repeatable), e.g. 'lm_head.weight=f16'."
+        [], "--keep", metavar="PATTERN=DTYPE", help="Dtype override on CMF tensor names (fnmatch; repeatable; llama.cpp's type names too), e.g. 'lm_head.weight=f16'."
     ),
-    mtp: str = typer.Option("sidecar", "--mtp", help=f"MTP draft layers: {', '.join(MTP_MODES)} (sidecar = OUT.mtp.cmf)."),
+    mtp: str = typer.Option("sidecar", "--mtp", metavar="|".join(MTP_MODES), help="MTP draft layers (sidecar = OUT.mtp.cmf)."),
     force: bool = typer.Option(False, "--force", "-f", help="Overwrite OUT (and its sidecar) if they exist."),
     json_out: bool = typer.Option(False, "--json", help="Print the report as JSON."),
     imatrix: Path = typer.Option(None, "--imatrix", help="Importance matrix from `cortiq imatrix`: the K-quant encoders minimize the activation-weighted error."),
 ) -> None:
     """Convert a checkpoint into a CMF file, one tensor at a time."""
-    keep_pairs = QuantPolicy.parse_keep(keep)
+    quant = resolve_quant(quant)
+    keep_pairs = [(pat, resolve_dtype(dt)) for pat, dt in QuantPolicy.parse_keep(keep)]
     if json_out:
         report = convert_checkpoint(src, out, quant=quant, keep=keep_pairs, mtp=mtp, force=force, imatrix=imatrix)
         print_json(report.to_json())
@@ -73,7 +77,7 @@ def _render(r: ConvertReport) -> None:
         t.add_row(name, str(s.tensors), f"{s.params:,}", human_bytes(s.bytes), f"{100 * s.rms_rel_error:.3f}%")
     print_table(console, t)
     console.print(
-        f"{human_bytes(r.source_bytes)} read in {r.seconds:.1f} s ({r.mb_per_s:.0f} MB/s) from {r.source}",
+        f"{human_bytes(r.source_bytes)} read in {r.seconds:.1f} s ({mib_per_s(r.source_bytes, r.seconds)}) from {r.source}",
         highlight=False,
     )
     if r.sidecar:

@@ -1,9 +1,10 @@
 """``cortiq generate MODEL.cmf PROMPT``: stream a continuation to the terminal.
 
-Greedy decoding is the default (``--temperature 0``) so the same command gives the
+Greedy decoding is the default (``--temp 0``) so the same command gives the
 same text every time; any temperature > 0 samples (seeded by ``--seed``). The text
 streams to stdout as it is produced; the closing statistics line goes to stderr, so
-``cortiq generate ... > out.txt`` keeps only the text. ``--json`` prints one JSON
+``cortiq generate ... > out.txt`` keeps only the text. Ctrl-C ends the line, prints the
+statistics so far and exits 130; a reader that closes the pipe (``| head``) ends it quietly. ``--json`` prints one JSON
 object instead (text, per-token id/text/confidence, with ``--logprobs N`` the top-N
 log-probabilities per step, timings, peak RSS, finish reason).
 """
@@ -11,53 +12,49 @@ log-probabilities per step, timings, peak RSS, finish reason).
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
 
 from cortiq_cli import mtp_options as mtp_opt
-from cortiq_cli.common import KvCache, err_console, handle_errors, human_bytes, load_engine, peak_rss_bytes, print_json, read_prompt
+from cortiq_cli import options as opts
+from cortiq_cli.common import EXIT_INTERRUPTED, KvCache, err_console, handle_errors, human_bytes, load_engine, peak_rss_bytes, print_json, read_prompt
 from cortiq_cli.moe_stats import moe_stats_json, print_moe_stats
 from formats.errors import CortiqError
 
-SAMPLING = "Sampling"
 MAX_LOGPROBS = 20  # OpenAI's bound; more is a different question (use the engine's logits)
 CONTEXT = "Context"
 
 
 @handle_errors
 def generate(
-    model: Annotated[Path, typer.Argument(help="Model file (.cmf).", show_default=False)],
+    model: Annotated[Optional[str], typer.Argument(help="Model file (.cmf); or give -m/--model.", show_default=False)] = None,
     prompt: Annotated[
-        Optional[str], typer.Argument(help="Prompt text; '-' reads it from stdin (or give --prompt-file).", show_default=False)
+        Optional[str], typer.Argument(help="Prompt text; '-' reads it from stdin (or give -p/--prompt or --prompt-file).", show_default=False)
     ] = None,
+    model_opt: opts.ModelOption = None,
+    prompt_opt: opts.PromptOption = None,
     prompt_file: Annotated[Optional[Path], typer.Option("--prompt-file", "-f", help="Read the prompt from this file (UTF-8).")] = None,
     max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", min=1, help="Generate at most this many tokens.")] = 256,
-    temperature: Annotated[
-        float, typer.Option("--temperature", "--temp", min=0.0, help="0 = greedy (the default, reproducible); > 0 samples.", rich_help_panel=SAMPLING)
-    ] = 0.0,
-    top_k: Annotated[int, typer.Option("--top-k", min=0, help="Keep the k most likely tokens (0 = off).", rich_help_panel=SAMPLING)] = 0,
-    top_p: Annotated[float, typer.Option("--top-p", help="Nucleus: keep the smallest set with this mass (1 = off).", rich_help_panel=SAMPLING)] = 1.0,
-    min_p: Annotated[float, typer.Option("--min-p", help="Drop tokens below min_p x the top probability (0 = off).", rich_help_panel=SAMPLING)] = 0.0,
-    repetition_penalty: Annotated[
-        float,
-        typer.Option("--repetition-penalty", "--repeat-penalty", help="Divide positive / multiply negative logits of seen tokens (1 = off).", rich_help_panel=SAMPLING),
-    ] = 1.0,
-    seed: Annotated[Optional[int], typer.Option("--seed", help="Sampling seed: same seed, same output.", rich_help_panel=SAMPLING)] = None,
+    temperature: opts.Temp = 0.0,
+    top_k: opts.TopK = 0,
+    top_p: opts.TopP = 1.0,
+    min_p: opts.MinP = 0.0,
+    repetition_penalty: opts.RepeatPenalty = 1.0,
+    seed: opts.Seed = None,
     stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop when this string appears (repeatable); it is not printed.")] = None,
     chat: Annotated[bool, typer.Option("--chat", help="Wrap the prompt in the model's chat template as a user message.")] = False,
     system: Annotated[Optional[str], typer.Option("--system", help="System message (implies --chat).")] = None,
-    ctx: Annotated[
-        Optional[int], typer.Option("--ctx", min=1, help="Context length (default: min(max_position_embeddings, 4096)).", rich_help_panel=CONTEXT)
-    ] = None,
+    ctx: opts.Ctx = None,
     evict: Annotated[
         bool,
         typer.Option("--evict", help="When the context is full, drop its oldest half and go on (positions keep increasing) instead of stopping.", rich_help_panel=CONTEXT),
     ] = False,
     kv_cache: KvCache = "f32",
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Do not stop at end-of-sequence tokens (benchmarks).")] = False,
-    threads: Annotated[Optional[int], typer.Option("--threads", "-t", min=1, help="Compute threads, fixed (default: all cores for the prompt; each decode step runs on 1 or all cores, whichever measures faster).")] = None,
+    threads: opts.Threads = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of streaming text.")] = False,
     logprobs: Annotated[
         int, typer.Option("--logprobs", min=0, max=MAX_LOGPROBS, help="Each step's N most likely tokens with their log-probabilities (in --json; else listed after the text).")
@@ -80,6 +77,7 @@ def generate(
     """Generate text from a prompt with a CMF model (greedy by default)."""
     from cortiq_engine import SamplingConfig
 
+    model, prompt = opts.model_and_prompt(model, prompt, model_opt, prompt_opt)
     prompt = read_prompt(prompt, prompt_file)
     if not prompt:
         raise CortiqError("empty prompt: nothing to generate from")
@@ -104,23 +102,35 @@ def generate(
         sys.stdout.flush()
 
     so_far: list[Any] = []  # every token event, for the partial result of a Ctrl-C
+    clock = _Clock()
+
+    def on_token(ev: Any) -> None:
+        clock.tick()
+        so_far.append(ev)
+
+    clock.start()
     try:
         res = eng.generate(
             ids, config, max_tokens=max_tokens, stop=stop or [], on_text=None if json_out else stream, evict=evict,
-            ignore_eos=ignore_eos, logprobs=logprobs, on_token=so_far.append, speculative=speculative,
+            ignore_eos=ignore_eos, logprobs=logprobs, on_token=on_token, speculative=speculative,
         )
         if mtp_compare and "mtp" in res.extra:
             mtp_opt.compare_with_plain(eng, res, ids, config, max_tokens=max_tokens, stop=stop or [], ignore_eos=ignore_eos)
     except KeyboardInterrupt:
         if not json_out:
-            raise
+            # the line the text was on ends, the figures so far follow
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+            _print_stats(len(ids), clock.prefill_tok_s(len(ids)), len(so_far), clock.decode_tok_s(len(so_far)),
+                         so_far, eng.calibration_temperature, "interrupted")
+            raise typer.Exit(EXIT_INTERRUPTED) from None
         # --json: the tokens so far are the answer (the text is their pieces; stop strings not applied)
         print_json({
             "model": str(model), "prompt": prompt, "text": "".join(ev.text for ev in so_far),
             "token_ids": [ev.id for ev in so_far], "tokens": [ev.to_json() for ev in so_far],
             "prompt_tokens": len(ids), "generated_tokens": len(so_far), "finish_reason": "interrupted",
         })
-        raise typer.Exit(130) from None
+        raise typer.Exit(EXIT_INTERRUPTED) from None
     if json_out:
         print_json(
             {
@@ -147,15 +157,8 @@ def generate(
         return
     sys.stdout.write("\n")
     sys.stdout.flush()
-    mean_conf = sum(t.confidence for t in res.tokens) / max(len(res.tokens), 1)
-    calib = f" (calibrated, T={eng.calibration_temperature:.3g})" if eng.calibration_temperature else ""
-    err_console.print(
-        f"[dim]prompt[/] {res.prompt_tokens} tok · [dim]prefill[/] {res.prefill_tok_s:.1f} tok/s · "
-        f"[dim]decode[/] {len(res.token_ids)} tok, {res.decode_tok_s:.1f} tok/s · "
-        f"[dim]mean confidence[/] {mean_conf:.2f}{calib} · [dim]peak RSS[/] {human_bytes(peak_rss_bytes())} · "
-        f"[dim]finish[/] [bold]{res.finish_reason}[/]",
-        highlight=False,
-    )
+    _print_stats(res.prompt_tokens, res.prefill_tok_s, len(res.token_ids), res.decode_tok_s, res.tokens,
+                 eng.calibration_temperature, res.finish_reason)
     if logprobs:
         print_logprobs(err_console, res.tokens)
     if moe_stats:
@@ -166,6 +169,41 @@ def generate(
         (mtp_opt.render if asked or mtp["source"] != "lookup" else mtp_opt.render_line)(err_console, mtp)
     elif "mtp_note" in res.extra:
         err_console.print(f"[dim]{res.extra['mtp_note']}[/]", highlight=False)
+
+
+class _Clock:
+    """When generation started, and when its first and latest tokens came: the figures of
+    a generation cut short, which has no result to read them from."""
+
+    def __init__(self) -> None:
+        self.t0 = self.first = self.last = 0.0
+
+    def start(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def tick(self) -> None:
+        self.last = time.perf_counter()
+        self.first = self.first or self.last
+
+    def prefill_tok_s(self, prompt_tokens: int) -> float:
+        return prompt_tokens / (self.first - self.t0) if self.first > self.t0 else 0.0
+
+    def decode_tok_s(self, tokens: int) -> float:
+        return (tokens - 1) / (self.last - self.first) if tokens > 1 and self.last > self.first else 0.0
+
+
+def _print_stats(prompt_tokens: int, prefill_tok_s: float, generated: int, decode_tok_s: float, tokens: list[Any],
+                 calibration_temperature: float | None, finish: str) -> None:
+    """The closing line on stderr: prompt, prefill and decode speed, confidence, memory, why it ended."""
+    mean_conf = sum(t.confidence for t in tokens) / max(len(tokens), 1)
+    calib = f" (calibrated, T={calibration_temperature:.3g})" if calibration_temperature else ""
+    err_console.print(
+        f"[dim]prompt[/] {prompt_tokens} tok · [dim]prefill[/] {prefill_tok_s:.1f} tok/s · "
+        f"[dim]decode[/] {generated} tok, {decode_tok_s:.1f} tok/s · "
+        f"[dim]mean confidence[/] {mean_conf:.2f}{calib} · [dim]peak RSS[/] {human_bytes(peak_rss_bytes())} · "
+        f"[dim]finish[/] [bold]{finish}[/]",
+        highlight=False,
+    )
 
 
 def print_logprobs(console, tokens) -> None:

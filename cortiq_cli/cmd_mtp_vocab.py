@@ -22,7 +22,7 @@ def mtp_vocab(
     column: opt.Column = None,
     data_files: opt.DataFiles = None,
     max_tokens: opt.MaxTokens = None,
-    size: Annotated[Optional[int], typer.Option("--size", "-n", min=0, help="Ids in the draft vocabulary; 0 removes it (drafts score the full vocabulary).")] = 8192,
+    size: Annotated[Optional[int], typer.Option("--size", min=0, help="Ids in the draft vocabulary; 0 removes it (drafts score the full vocabulary).")] = 8192,
     mtp: Annotated[Optional[Path], typer.Option("--mtp", help="The sidecar to read (default: MODEL.mtp.cmf beside the model).")] = None,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Sidecar to write (default: rewrite the one read, in place).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing --out file.")] = False,

@@ -14,7 +14,7 @@ from rich.table import Table
 
 from cortiq_cli import text_options as opt
 from cortiq_cli.cmd_ppl import DEFAULT_CTX, plan_windows, resolve_settings
-from cortiq_cli.common import console, err_console, handle_errors, human_bytes, print_json, print_table
+from cortiq_cli.common import console, err_console, handle_errors, human_bytes, print_json, print_table, resolve_quant
 from cortiq_cli.eval_run import scoring_progress
 from evals.sweep import SweepResult, parse_types, run_sweep
 from evals.text_source import load_text
@@ -26,7 +26,7 @@ SWEEP_PANEL = "Sweep"
 @handle_errors
 def quant_sweep(
     src: Annotated[str, typer.Argument(help="HF checkpoint folder, hub repo id, .gguf or .cmf file (as for convert).", show_default=False)],
-    types: Annotated[str, typer.Option("--types", help="Comma-separated --quant types to try (any type convert accepts), e.g. q8,q4.", rich_help_panel=SWEEP_PANEL)] = "q8,q4",
+    types: Annotated[str, typer.Option("--types", metavar="TYPE,...", help="Comma-separated --quant types to try (any type convert accepts, llama.cpp's names or cortiq's), e.g. q8_0,q4_k_m,q4_0.", rich_help_panel=SWEEP_PANEL)] = "q8_0,q4_1",
     text: opt.TextFile = None,
     dataset: opt.Dataset = None,
     config: opt.Config = None,
@@ -35,7 +35,7 @@ def quant_sweep(
     data_files: opt.DataFiles = None,
     max_tokens: opt.MaxTokens = None,
     ctx: Annotated[int, typer.Option("--ctx", "-c", min=4, help="Tokens per forward window.", rich_help_panel=opt.WINDOW_PANEL)] = DEFAULT_CTX,
-    mode: Annotated[str, typer.Option("--mode", help="chunks (llama.cpp, default) or sliding.", rich_help_panel=opt.WINDOW_PANEL)] = "chunks",
+    mode: Annotated[str, typer.Option("--mode", metavar="chunks|sliding", help="chunks (llama.cpp, default) or sliding.", rich_help_panel=opt.WINDOW_PANEL)] = "chunks",
     chunks: Annotated[int | None, typer.Option("--chunks", min=1, help="chunks mode: score at most this many chunks.", rich_help_panel=opt.WINDOW_PANEL)] = None,
     stride: opt.Stride = None,
     top_k: Annotated[int, typer.Option("--ref-top-k", min=1, help="Reference log-probabilities kept per position (docs/evals.md: the error this leaves).", rich_help_panel=SWEEP_PANEL)] = 64,
@@ -50,7 +50,7 @@ def quant_sweep(
     json_out: opt.Json = False,
 ) -> None:
     """Convert SRC to each --types quantization, score each against the f32 reference on the same windows, and time its decode."""
-    kinds = parse_types(types)
+    kinds = parse_types(",".join(resolve_quant(t, option="--types") for t in types.split(",") if t.strip()) or types)
     if keep_files and workdir is None:
         raise CortiqError("--keep-files needs --workdir (a temporary folder is removed afterwards)")
     if plot is not None:

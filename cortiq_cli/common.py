@@ -6,6 +6,7 @@ import errno
 import functools
 import json
 import math
+import os
 import sys
 from typing import Annotated, Any, Callable, TypeVar
 
@@ -59,8 +60,15 @@ def print_table(out: Console, table: Table) -> None:
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def fail(message: str, code: int = 1) -> None:
-    """Print a one-line error and exit non-zero."""
+# Exit codes (README's table): 0 done, 1 a runtime failure (the OS, memory, a failed
+# check), 2 bad input the user can fix (a CortiqError, a bad option), 130 Ctrl-C.
+EXIT_FAILURE = 1
+EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130
+
+
+def fail(message: str, code: int = EXIT_BAD_INPUT) -> None:
+    """Print a one-line error and exit non-zero (2: bad input, unless ``code`` says otherwise)."""
     err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
@@ -93,7 +101,12 @@ class OneLineErrors(TyperGroup):
         except click_exc.ClickException as e:
             _one_line(e.format_message(), e.exit_code, standalone_mode)
         except typer.Abort:
-            _one_line("interrupted", 130, standalone_mode)
+            _one_line("interrupted", EXIT_INTERRUPTED, standalone_mode)
+        except BrokenPipeError:
+            _quiet_after_closed_pipe()
+            if standalone_mode:
+                sys.exit(0)
+            raise typer.Exit(0)
         except OSError as e:
             _one_line(_os_error_line(e), 1, standalone_mode)
         except RecursionError:
@@ -132,12 +145,24 @@ def handle_errors(fn: F) -> F:
             fail(str(e))
         except KeyboardInterrupt:
             err_console.print("[bold red]interrupted[/]")
-            raise typer.Exit(130)
+            raise typer.Exit(EXIT_INTERRUPTED)
         except BrokenPipeError:
-            sys.stderr.close()
-            raise typer.Exit(1)
+            # the reader went away (``cortiq generate ... | head``): what it wanted, it has
+            _quiet_after_closed_pipe()
+            raise typer.Exit(0)
 
     return wrapper  # type: ignore[return-value]
+
+
+def _quiet_after_closed_pipe() -> None:
+    """Point stdout at /dev/null, so the interpreter's last flush at exit finds no closed
+    pipe to complain about (as ``yes | head`` ends: quietly)."""
+    try:
+        fd = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(fd, sys.stdout.fileno())
+        os.close(fd)
+    except (OSError, ValueError, AttributeError):  # a captured stdout (tests) has no descriptor
+        pass
 
 
 def print_json(obj: Any) -> None:
@@ -170,16 +195,71 @@ def _json_default(o: Any) -> Any:
 
 
 def human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1024 or unit == "TB":
+    """Sizes in one family, powers of 1024 with their binary names (KiB, MiB, GiB)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
-    return f"{n:.1f} TB"
+    return f"{n:.1f} TiB"
+
+
+def mib_per_s(n_bytes: float, seconds: float) -> str:
+    rate = n_bytes / 2**20 / max(seconds, 1e-9)
+    return f"{rate:.0f} MiB/s" if rate >= 10 else f"{rate:.1f} MiB/s"
+
+
+# ------------------------------------------------------------------ quant names
+# llama.cpp's type names (llama-quantize's ftypes, lower case) -> cortiq's --quant presets.
+# q4 has Q4_1's block layout, so llama.cpp's q4_1 is cortiq's q4; q4_0 is its own type.
+LLAMA_CPP_QUANTS: dict[str, str] = {
+    "q8_0": "q8",
+    "q6_k": "q6k",
+    "q5_k_m": "q5km",
+    "q5_k_s": "q5k",
+    "q5_0": "q5",
+    "q4_k_m": "q4km",
+    "q4_k_s": "q4k",
+    "q4_1": "q4",
+    "q4_0": "q4_0",
+    "f16": "f16",
+    "bf16": "bf16",
+    "f32": "f32",
+}
+# llama.cpp's ggml tensor types -> cortiq's dtypes (``--keep PATTERN=DTYPE``).
+LLAMA_CPP_DTYPES: dict[str, str] = {
+    "q8_0": "q8", "q6_k": "q6k", "q5_k": "q5k", "q5_0": "q5", "q5_1": "q5_1",
+    "q4_k": "q4k", "q4_1": "q4", "q4_0": "q4_0", "f16": "f16", "bf16": "bf16", "f32": "f32",
+}
+KEEP_QUANT = "keep"  # convert: the source's blocks where CMF has the layout
+
+
+def quant_names_help() -> str:
+    """The --quant names, llama.cpp's first, each with cortiq's short alias."""
+    return ", ".join(k if v == k else f"{k} ({v})" for k, v in LLAMA_CPP_QUANTS.items())
+
+
+def resolve_quant(name: str, *, option: str = "--quant", allow_keep: bool = True) -> str:
+    """A --quant name as llama.cpp (Q4_K_M, q8_0) or cortiq (q4km, q8) spells it -> the preset."""
+    from formats.policy import QUANT_CHOICES
+
+    key = name.strip().lower()
+    if key in LLAMA_CPP_QUANTS:
+        return LLAMA_CPP_QUANTS[key]
+    if key in QUANT_CHOICES or (allow_keep and key == KEEP_QUANT):
+        return key
+    raise CortiqError(f"unknown {option} {name!r}; choose one of {quant_names_help()}"
+                      + (f", {KEEP_QUANT}" if allow_keep else ""))
+
+
+def resolve_dtype(name: str) -> str:
+    """A --keep dtype as llama.cpp (q8_0, q6_k) or cortiq (q8, q6k) spells it."""
+    key = name.strip().lower()
+    return LLAMA_CPP_DTYPES.get(key, key)
 
 
 # The KV cache's element type, for every command that runs a model over a context.
 KvCache = Annotated[str, typer.Option(
-    "--kv-cache", help="KV cache element type: f32 (default), or f16: half the memory and half the bytes a "
+    "--kv-cache", metavar="f32|f16", help="KV cache element type: f32 (default), or f16: half the memory and half the bytes a "
     "long-context decode step reads (llama.cpp's default); each key and value rounded once as it is stored.",
     rich_help_panel="Context")]
 

@@ -5,16 +5,20 @@ arguments as ``{model}`` and keeps the hard line breaks of a docstring inside a
 sentence. The command and group classes below render help the way llama.cpp and
 click users know it instead: ``Usage: cortiq generate [OPTIONS] MODEL PROMPT``,
 ``-n, --max-tokens N  help [default: 256]``, one section per help panel, text
-reflowed to the terminal (and not wrapped at all when stdout is not a terminal).
+reflowed to the terminal's width (80 columns when stdout is not a terminal, plain text
+without colour codes), an option with fixed values listed by its values (``f32|f16``).
 """
 
 from __future__ import annotations
 
 import inspect as _inspect
+import io
+import sys
 from importlib.metadata import PackageNotFoundError, version as _dist_version
 from pathlib import Path
 from typing import Any, get_args, get_origin
 
+from rich.console import Console
 from rich.errors import MarkupError
 from rich.padding import Padding
 from rich.table import Table
@@ -24,6 +28,7 @@ from typer.core import TyperArgument, TyperCommand, TyperGroup
 VERSION_OPTION = "--version"
 OPTIONS_PANEL = "Options"
 ARGUMENTS_PANEL = "Arguments"
+PIPED_HELP_WIDTH = 80  # help read from a pipe or a file: the width of a classic terminal
 
 
 def cortiq_version() -> str:
@@ -128,9 +133,9 @@ def _default(param: Any) -> str:
     return f"[default: {d}]"
 
 
-def _option_row(param: Any) -> tuple[Text, Text]:
-    shorts = [o for o in param.opts if not o.startswith("--")]
-    longs = [o for o in param.opts if o.startswith("--")]
+def _option_row(param: Any, hidden: frozenset[str] = frozenset()) -> tuple[Text, Text]:
+    shorts = [o for o in param.opts if not o.startswith("--") and o not in hidden]
+    longs = [o for o in param.opts if o.startswith("--") and o not in hidden]
     names = ", ".join(shorts + longs)
     if param.secondary_opts:
         names += " / " + ", ".join(param.secondary_opts)
@@ -165,13 +170,25 @@ def _header(ctx: Any, cmd: Any) -> list[Any]:
 
 
 def _render(renderables: list[Any]) -> None:
-    from cortiq_cli.common import console
-
+    """To the terminal at its width; into a pipe or a file as plain text at 80 columns
+    (rich writes no colour codes there), without the padding spaces at line ends."""
+    console = Console()  # the stdout of the moment (a test's capture too)
+    if console.is_terminal:
+        for r in renderables:
+            console.print(r, highlight=False)
+        return
+    buf = io.StringIO()
+    plain = Console(file=buf, width=PIPED_HELP_WIDTH, color_system=None)
     for r in renderables:
-        console.print(r, highlight=False)
+        plain.print(r, highlight=False)
+    sys.stdout.write("".join(line.rstrip() + "\n" for line in buf.getvalue().splitlines()))
+    sys.stdout.flush()
 
 
 def _option_sections(ctx: Any, cmd: Any) -> list[Any]:
+    from cortiq_cli.options import HIDDEN_ALIASES
+
+    hidden = HIDDEN_ALIASES.get(cmd.name or "", frozenset())
     panels: dict[str, list[tuple[Text, Text]]] = {ARGUMENTS_PANEL: [], OPTIONS_PANEL: []}
     help_option = cmd.get_help_option(ctx)
     for p in cmd.get_params(ctx):
@@ -180,7 +197,7 @@ def _option_sections(ctx: Any, cmd: Any) -> list[Any]:
         if isinstance(p, TyperArgument):
             panels[ARGUMENTS_PANEL].append((Text(_argument_name(p), style="bold cyan"), _markup(_reflow(p.help or ""))))
         else:
-            panels.setdefault(getattr(p, "rich_help_panel", None) or OPTIONS_PANEL, []).append(_option_row(p))
+            panels.setdefault(getattr(p, "rich_help_panel", None) or OPTIONS_PANEL, []).append(_option_row(p, hidden))
     panels[OPTIONS_PANEL].append((Text(VERSION_OPTION, style="bold cyan"), Text("Show the version and exit.")))
     if help_option is not None:
         panels[OPTIONS_PANEL].append(_option_row(help_option))

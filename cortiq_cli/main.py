@@ -13,11 +13,26 @@ import typer  # noqa: E402
 
 from cortiq_cli.common import OneLineErrors  # noqa: E402
 from cortiq_cli.help import CortiqCommand, CortiqGroup  # noqa: E402
+from cortiq_cli.options import check_cmf_paths, check_renamed  # noqa: E402
 
 
 class CliGroup(OneLineErrors, CortiqGroup):
     """llama.cpp-style help and --version (cortiq_cli/help.py); bad option values and OS
     failures as one line, not a box or a traceback (cortiq_cli/common.py)."""
+
+
+class CliCommand(CortiqCommand):
+    """A command that refuses a retired flag by its new name and a folder where it reads
+    a CMF file by the command that makes one (cortiq_cli/options.py), before it runs."""
+
+    def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:
+        if not {"-h", "--help"} & set(args):
+            check_renamed(self.name or "", args)
+        return super().parse_args(ctx, args)
+
+    def invoke(self, ctx: typer.Context) -> object:
+        check_cmf_paths(self.name or "", ctx.params)
+        return super().invoke(ctx)
 
 
 app = typer.Typer(
@@ -50,7 +65,7 @@ COMMANDS = [
 ]
 
 for _name, _module, _func in COMMANDS:
-    app.command(_name, cls=CortiqCommand)(getattr(importlib.import_module(f"cortiq_cli.{_module}"), _func))
+    app.command(_name, cls=CliCommand)(getattr(importlib.import_module(f"cortiq_cli.{_module}"), _func))
 
 
 def main() -> None:

@@ -27,9 +27,9 @@ NoMtp = Annotated[bool, typer.Option("--no-mtp", help="Plain decoding: neither d
 MtpDepth = Annotated[Optional[int], typer.Option("--mtp-depth", min=1, help="Drafts per round (default: every draft layer).", rich_help_panel=MTP_PANEL)]
 MtpChain = Annotated[
     Optional[str],
-    typer.Option("--mtp-chain", help="independent (layer k drafts depth k+1; default when there is a layer per depth) or recursive (layer 0 on its own output).", rich_help_panel=MTP_PANEL),
+    typer.Option("--mtp-chain", metavar="independent|recursive", help="independent (layer k drafts depth k+1; default when there is a layer per depth) or recursive (layer 0 on its own output).", rich_help_panel=MTP_PANEL),
 ]
-MtpHidden = Annotated[Optional[str], typer.Option("--mtp-hidden", help="pre (default) or post: the backbone hidden before or after its final norm.", rich_help_panel=MTP_PANEL)]
+MtpHidden = Annotated[Optional[str], typer.Option("--mtp-hidden", metavar="pre|post", help="pre (default) or post: the backbone hidden before or after its final norm.", rich_help_panel=MTP_PANEL)]
 MtpVocab = Annotated[
     Optional[str],
     typer.Option("--mtp-vocab", metavar="N|full", help="Draft vocabulary: the first N ids of the sidecar's (most useful first), or full (the whole lm_head). Default: the sidecar's when it has one (`cortiq mtp-vocab` adds one), else full.", rich_help_panel=MTP_PANEL),

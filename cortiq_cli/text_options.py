@@ -30,7 +30,9 @@ DataFiles = Annotated[
     Optional[list[str]],
     typer.Option("--data-files", help="Local data files for --dataset json|csv|parquet|text (repeatable).", rich_help_panel=TEXT_PANEL),
 ]
-MaxTokens = Annotated[Optional[int], typer.Option("--max-tokens", min=1, help="Score at most this many tokens.", rich_help_panel=TEXT_PANEL)]
+# --max-tokens is the number of tokens to generate (generate, chat): the text's bound is
+# --text-tokens; --max-tokens still reads here, out of the help (cortiq_cli/options.py).
+MaxTokens = Annotated[Optional[int], typer.Option("--text-tokens", "--max-tokens", min=1, help="Use at most this many tokens of the text.", rich_help_panel=TEXT_PANEL)]
 
 Ctx = Annotated[int, typer.Option("--ctx", "-c", min=2, help="Tokens per forward window.", rich_help_panel=WINDOW_PANEL)]
 Stride = Annotated[

@@ -75,13 +75,13 @@ def test_markdown_table(mtp_model):
 )
 def test_errors_are_one_line(mtp_model, args, needle):
     r = _bench(mtp_model, *args)
-    assert r.exit_code == 1 and "Traceback" not in r.output
+    assert r.exit_code == 2 and "Traceback" not in r.output
     assert r.stderr.startswith("error:") and needle in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
 def test_missing_file(tmp_path):
     r = _bench(tmp_path / "nope.cmf")
-    assert r.exit_code == 1 and "no such file" in r.stderr
+    assert r.exit_code == 2 and "no such file" in r.stderr
 
 
 @pytest.mark.slow

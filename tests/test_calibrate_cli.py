@@ -142,7 +142,7 @@ def test_plot_without_matplotlib(tiny, tmp_path, monkeypatch):
     path, _, _ = tiny
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
     r = runner.invoke(app, ["calibrate", str(path), "--max-tokens", "50", "--plot", str(tmp_path / "x.png")])
-    assert r.exit_code == 1 and r.stderr.strip() == "error: --plot needs matplotlib: pip install 'cortiq[plot]'"
+    assert r.exit_code == 2 and r.stderr.strip() == "error: --plot needs matplotlib: pip install 'cortiq[plot]'"
 
 
 @pytest.mark.parametrize(
@@ -167,6 +167,6 @@ def test_one_line_errors(tiny, tmp_path, args, msg):
     subs = {"{model}": str(path), "{bad}": str(tmp_path / "bad.cmf"), "{one}": str(tmp_path / "one.txt"),
             "{csv}": str(tmp_path / "d.csv")}
     r = runner.invoke(app, ["calibrate", *[subs.get(a, a) for a in args]])
-    assert r.exit_code == 1, r.stdout
+    assert r.exit_code == 2, r.stdout
     assert r.stderr.startswith("error: ") and msg in r.stderr
     assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr

@@ -177,7 +177,7 @@ def test_cli_streams_text_and_reports_the_cache(tiny):
 )
 def test_errors_are_one_line(tiny, args, stdin, needle):
     r = runner.invoke(app, ["chat", str(tiny[args[0]])], input=stdin)
-    assert r.exit_code == 1 and "Traceback" not in r.output
+    assert r.exit_code == (2 if args == ["plain"] else 1) and "Traceback" not in r.output  # refused: bad input; a failed turn: 1
     assert needle in r.stderr and r.stderr.strip().startswith("error:") and len(r.stderr.strip().splitlines()) == 1
 
 
@@ -185,7 +185,7 @@ def test_bad_load_file(tiny, tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text('{"role": "user"}')
     r = runner.invoke(app, ["chat", str(tiny["chat"]), "--load", str(bad)], input="hi\n")
-    assert r.exit_code == 1 and "expected a JSON list" in r.stderr and "Traceback" not in r.output
+    assert r.exit_code == 2 and "expected a JSON list" in r.stderr and "Traceback" not in r.output
 
 
 # ------------------------------------------------------------------ speculative

@@ -44,15 +44,17 @@ def test_short_help_on_every_command_without_type_tags(name):
 
 def test_generate_usage_reads_model_prompt():
     first = _run("generate", "-h").stdout.splitlines()[0]
-    assert first.endswith("generate [OPTIONS] MODEL [PROMPT]")  # PROMPT may come from --prompt-file
+    assert first.endswith("generate [OPTIONS] [MODEL] [PROMPT]")  # or -m/--model, -p/--prompt, --prompt-file
     out = _run("generate", "-h").stdout
     assert re.search(r"^  -n, --max-tokens N +Generate at most this many tokens\. \[default: 256\]", out, re.M)
     assert re.search(r"^  --json +Print one JSON object", out, re.M)  # a flag: no metavar
 
 
 def test_usage_errors_name_arguments_in_upper_case():
-    r = _run("generate")
-    assert r.exit_code == 2 and "Missing argument 'MODEL'" in r.output
+    r = _run("inspect")
+    assert r.exit_code == 2 and "Missing argument 'FILE'" in r.output
+    r = _run("generate")  # the model may come as -m: the command itself says what is missing
+    assert r.exit_code == 2 and r.stderr.strip() == "error: no model: give MODEL or -m/--model PATH"
 
 
 def test_group_help_lists_each_command_on_one_line():
@@ -62,8 +64,10 @@ def test_group_help_lists_each_command_on_one_line():
     for name in NAMES:
         row = [ln for ln in lines if ln.startswith(f"  {name} ")]
         assert len(row) == 1, name
-    probe = next(ln for ln in lines if ln.startswith("  mtp-probe "))
-    assert probe.rstrip().endswith("(per depth alone and chained).")  # the whole sentence, one line
+    at = next(i for i, ln in enumerate(lines) if ln.startswith("  mtp-probe "))
+    probe = " ".join(ln.strip() for ln in lines[at : at + 3])  # wrapped at 80 columns, under its own column
+    assert probe.endswith("(per depth alone and chained).")
+    assert all(len(ln) <= 80 for ln in lines)
 
 
 def test_unwrapped_console_when_not_a_terminal():
@@ -126,7 +130,7 @@ def test_piped_inspect_and_verify(long_named):
     assert _box_rows_intact(r.output) >= 3  # dtype table: q8, u8, f32
     r = _run("verify", str(long_named))
     assert r.exit_code == 0, r.output
-    assert r.output == f"{long_named}: 273 tensors, 137.9 MB OK\n"  # no blank line before it, no wrap
+    assert r.output == f"{long_named}: 273 tensors, 137.9 MiB OK\n"  # no blank line before it, no wrap
 
 
 @pytest.mark.slow

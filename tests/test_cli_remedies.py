@@ -31,7 +31,7 @@ def plain(tmp_path_factory):
 def test_no_draft_layers_points_to_mtp_train(plain, cmd):
     args = [cmd[0], str(plain), *cmd[1:]]
     r = runner.invoke(app, args)
-    assert r.exit_code == 1 and "Traceback" not in r.output
+    assert r.exit_code == 2 and "Traceback" not in r.output
     err = r.stderr.strip()
     assert len(err.splitlines()) == 1 and err.startswith("error:")
     assert "no MTP draft layers" in err and f"cortiq mtp-train {plain}" in err and "--mtp PATH" in err
@@ -46,11 +46,11 @@ def _without(module: str, *argv: str) -> subprocess.CompletedProcess:
 
 def test_missing_torch_names_the_train_extra(plain, tmp_path):
     r = _without("torch", "mtp-train", str(plain), "--steps", "1", "--out", str(tmp_path / "s.mtp.cmf"))
-    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip() == "error: mtp-train needs torch: pip install 'cortiq[train]'"
 
 
 def test_missing_matplotlib_names_the_plot_extra(plain, tmp_path):
     r = _without("matplotlib", "calibrate", str(plain), "--plot", str(tmp_path / "x.png"))
-    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip() == "error: --plot needs matplotlib: pip install 'cortiq[plot]'"

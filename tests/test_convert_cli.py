@@ -33,8 +33,8 @@ def _copy(src: Path, dst: Path) -> Path:
 
 
 def assert_clean_failure(result, out_dir: Path, expect: str, allowed=()) -> None:
-    """Exit 1, exactly one 'error:' line on stderr naming the problem, no traceback, nothing written."""
-    assert result.exit_code == 1, (result.stdout, result.stderr)
+    """Exit 2 (bad input), exactly one 'error:' line on stderr naming the problem, no traceback, nothing written."""
+    assert result.exit_code == 2, (result.stdout, result.stderr)
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
     assert expect in lines[0], lines[0]
@@ -45,7 +45,7 @@ def assert_clean_failure(result, out_dir: Path, expect: str, allowed=()) -> None
 def test_convert_prints_a_table_and_json(llama, tmp_path):
     r = runner.invoke(app, ["convert", str(llama), str(tmp_path / "m.cmf"), "--quant", "q4"])
     assert r.exit_code == 0, r.stderr
-    for word in ("q4", "q8", "f32", "RMS rel. error", "MB/s"):
+    for word in ("q4", "q8", "f32", "RMS rel. error", "MiB/s"):
         assert word in r.stdout
     r = runner.invoke(app, ["convert", str(llama), str(tmp_path / "j.cmf"), "--json", "--keep", "lm_head.weight=f16"])
     assert r.exit_code == 0, r.stderr
@@ -131,7 +131,7 @@ def test_unknown_architecture_lists_the_supported_ones(llama, tmp_path):
     src = _copy(llama, tmp_path / "src")
     _config(model_type="gpt_neo")(src)
     r = runner.invoke(app, ["convert", str(src), str(tmp_path / "m.cmf")])
-    assert r.exit_code == 1
+    assert r.exit_code == 2
     for name in ("llama", "mistral", "qwen2", "qwen3"):
         assert name in r.stderr.split("supported:")[1]
 
@@ -170,7 +170,7 @@ def test_hub_id_offline_is_one_line(tmp_path):
         [sys.executable, "-m", "cortiq_cli.main", "convert", "cortiq-test/no-such-model", str(out / "m.cmf")],
         capture_output=True, text=True, env=env, timeout=120,
     )
-    assert p.returncode == 1, p.stderr
+    assert p.returncode == 2, p.stderr
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and "cortiq-test/no-such-model" in lines[0] and "hub" in lines[0], p.stderr
     assert "Traceback" not in p.stderr and list(out.iterdir()) == []

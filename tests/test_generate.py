@@ -319,7 +319,7 @@ def test_cli_errors_are_one_line(tiny, tmp_path, case, needle):
     elif case == "bad_kv_cache":
         extra = ["--kv-cache", "f8"]
     r = _run(model, prompt, *extra)
-    assert r.exit_code == 1
+    assert r.exit_code == 2
     assert "Traceback" not in r.output
     err = r.stderr.strip()
     assert err.startswith("error:") and needle in err

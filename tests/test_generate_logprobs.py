@@ -96,7 +96,7 @@ def test_prompt_errors_are_one_line(tiny, tmp_path, args, needle):
     (tmp_path / "p.txt").write_text("x", encoding="utf-8")
     args = [str(tmp_path / a) if a.endswith(".txt") else a for a in args]
     r = runner.invoke(app, ["generate", str(tiny), *args])
-    assert r.exit_code == 1 and "Traceback" not in r.output
+    assert r.exit_code == 2 and "Traceback" not in r.output
     assert r.stderr.startswith("error:") and needle in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 

@@ -456,7 +456,7 @@ def test_cli_bad_input_is_one_line_and_leaves_nothing(tmp_path: Path, tiny_gguf:
     inp, message = _bad_inputs(tmp_path, tiny_gguf)[case]
     before = sorted(p.name for p in tmp_path.iterdir())
     r = _cli(inp, tmp_path / "out")
-    assert r.returncode == 1, r.stderr
+    assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], r.stderr
     assert "Traceback" not in r.stderr and r.stdout == ""
@@ -468,7 +468,7 @@ def test_cli_existing_output_needs_force(tmp_path: Path, tiny_gguf: Path):
     out.mkdir()
     (out / "keep.txt").write_text("mine")
     r = _cli(tiny_gguf, out)
-    assert r.returncode == 1 and r.stderr.strip() == f"error: {out} exists (use --force to overwrite)"
+    assert r.returncode == 2 and r.stderr.strip() == f"error: {out} exists (use --force to overwrite)"
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
     r = _cli(tiny_gguf, out, "--force", "--json")
     assert r.returncode == 0, r.stderr

@@ -37,7 +37,7 @@ def models(tmp_path_factory):
 
 
 def _one_error_line(r, expect: str) -> None:
-    assert r.exit_code == 1, (r.stdout, r.stderr)
+    assert r.exit_code == 2, (r.stdout, r.stderr)
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and expect in lines[0], r.stderr
     assert "Traceback" not in r.stdout + r.stderr
@@ -128,7 +128,7 @@ def test_verify_ok_and_corrupt(models, tmp_path):
     assert "model.layers.1.mlp.down_proj.weight" in r.stderr and "model.norm.weight" in r.stderr
     assert "lm_head.weight" not in r.stderr
     r = runner.invoke(app, ["verify", str(bad), "--json"])
-    assert r.exit_code == 1
+    assert r.exit_code == 2
     d = json.loads(r.stdout)
     assert d["ok"] is False and sorted(d["files"][0]["bad"]) == ["model.layers.1.mlp.down_proj.weight", "model.norm.weight"]
 
@@ -169,4 +169,4 @@ def test_bad_files(models, tmp_path, command, how, expect):
 def test_missing_file(tmp_path):
     _one_error_line(runner.invoke(app, ["inspect", str(tmp_path / "nope.cmf")]), "no such file")
     os.mkdir(tmp_path / "d.cmf")
-    _one_error_line(runner.invoke(app, ["verify", str(tmp_path / "d.cmf")]), "no such file")
+    _one_error_line(runner.invoke(app, ["verify", str(tmp_path / "d.cmf")]), "is a folder: did you mean \"cortiq convert")

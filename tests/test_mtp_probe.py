@@ -105,8 +105,8 @@ def test_cli_json_and_table(const_model, tmp_path):
 def test_cli_errors(const_model, tmp_path):
     runner = CliRunner()
     r = runner.invoke(app, ["mtp-probe", str(const_model), "--mtp", str(tmp_path / "nope.mtp.cmf"), "--threads", "1"])
-    assert r.exit_code == 1 and "no such file" in r.output and "Traceback" not in r.output
+    assert r.exit_code == 2 and "no such file" in r.output and "Traceback" not in r.output
     r = runner.invoke(app, ["mtp-probe", str(const_model), "--mtp-chain", "sideways", "--threads", "1"])
-    assert r.exit_code == 1 and "sideways" in r.output
+    assert r.exit_code == 2 and "sideways" in r.output
     r = runner.invoke(app, ["mtp-probe", str(const_model), "--mtp-chain", "independent", "--mtp-depth", "4", "--threads", "1"])
-    assert r.exit_code == 1 and "independent" in r.output
+    assert r.exit_code == 2 and "independent" in r.output

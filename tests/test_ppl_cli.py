@@ -151,7 +151,7 @@ def test_one_line_errors(tiny, tmp_path, args, msg):
     subs = {"{f32}": str(paths["f32"]), "{bad}": str(tmp_path / "bad.cmf"), "{one}": str(tmp_path / "one.txt"),
             "{jsonl}": str(tmp_path / "d.jsonl"), "{missing}": str(tmp_path / "no_such_dataset_dir")}
     r = runner.invoke(app, ["ppl", *[subs.get(a, a) for a in args], "--max-tokens", "50"])
-    assert r.exit_code == 1
+    assert r.exit_code == 2
     assert r.stderr.startswith("error: ") and msg in r.stderr
     assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
 
@@ -240,7 +240,7 @@ def test_saved_reference_matches_the_live_comparison(tiny, tmp_path):
 
 def one_line_error(*args: str) -> str:
     r = runner.invoke(app, list(args))
-    assert r.exit_code == 1, r.output
+    assert r.exit_code == 2, r.output
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:"), r.stderr
     return lines[0]

@@ -77,7 +77,7 @@ def test_sweep_cleans_up_and_plots(tiny_hf, text, tmp_path):
 def test_bad_types_are_one_line(tiny_hf, text, tmp_path, types, msg):
     r = runner.invoke(app, ["quant-sweep", str(tiny_hf), "--types", types, "--text", str(text), "--ctx", "64",
                             "--workdir", str(tmp_path / "w")])
-    assert r.exit_code == 1
+    assert r.exit_code == 2
     assert msg in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 

@@ -71,11 +71,11 @@ def test_bad_sidecar_is_an_error_not_a_fallback(pair, tmp_path):
     shutil.copy(root / "o.mtp.cmf", tmp_path / "x.mtp.cmf")  # cut from another backbone
     for extra in ([], ["--temperature", "0.8"]):
         r = _gen(tmp_path / "x.cmf", "Hi", "-n", "3", *extra)
-        assert r.exit_code == 1 and "fingerprint" in r.output and "--no-mtp" in r.output
+        assert r.exit_code == 2 and "fingerprint" in r.output and "--no-mtp" in r.output
         assert "Traceback" not in r.output
     assert _gen(tmp_path / "x.cmf", "Hi", "-n", "3", "--no-mtp").exit_code == 0
     # An explicit sidecar: the right one works wherever it lies.
     r = _gen(tmp_path / "x.cmf", "Hi", "-n", "4", "--json", "--mtp", root / "m.mtp.cmf")
     assert r.exit_code == 0 and json.loads(r.stdout)["mtp"]["source"].endswith("m.mtp.cmf")
     r = _gen(tmp_path / "x.cmf", "Hi", "-n", "3", "--mtp", root / "m.mtp.cmf", "--no-mtp")
-    assert r.exit_code == 1 and "contradict" in r.output
+    assert r.exit_code == 2 and "contradict" in r.output
