@@ -321,7 +321,7 @@ def test_mtp_vocab_command_adds_replaces_and_removes(tiny, tmp_path):
     text = tmp_path / "t.txt"
     text.write_text("one two three two three three " * 30)
     out = tmp_path / "with.mtp.cmf"
-    r = CliRunner().invoke(app, ["mtp-vocab", str(path), "--text", str(text), "-n", "20", "--out", str(out), "--json"])
+    r = CliRunner().invoke(app, ["mtp-vocab", str(path), "--text", str(text), "--size", "20", "--out", str(out), "--json"])
     assert r.exit_code == 0, r.output
     doc = json.loads(r.output)
     assert doc["draft_vocab"] == 20 and doc["sidecar"] == str(out)
@@ -335,16 +335,16 @@ def test_mtp_vocab_command_adds_replaces_and_removes(tiny, tmp_path):
         assert b.header["mtp"]["draft_vocab"]["size"] == 20
     plain = eng.generate([3, 4, 5], max_tokens=12, speculative=False)
     _assert_same(plain, eng.generate([3, 4, 5], max_tokens=12))
-    # Refuses to overwrite without --force; rewrites in place without --out; -n 0 removes it.
-    r = CliRunner().invoke(app, ["mtp-vocab", str(path), "--text", str(text), "-n", "8", "--out", str(out)])
+    # Refuses to overwrite without --force; rewrites in place without --out; --size 0 removes it.
+    r = CliRunner().invoke(app, ["mtp-vocab", str(path), "--text", str(text), "--size", "8", "--out", str(out)])
     assert r.exit_code != 0 and "exists (use --force" in r.output
-    r = CliRunner().invoke(app, ["mtp-vocab", str(path), "--mtp", str(out), "--text", str(text), "-n", "8"])
+    r = CliRunner().invoke(app, ["mtp-vocab", str(path), "--mtp", str(out), "--text", str(text), "--size", "8"])
     assert r.exit_code == 0, r.output
     assert Engine.load(path, threads=1, mtp=out, warmup=False).drafts.vocab.size == 8
-    r = CliRunner().invoke(app, ["mtp-vocab", str(path), "--mtp", str(out), "-n", "0"])
+    r = CliRunner().invoke(app, ["mtp-vocab", str(path), "--mtp", str(out), "--size", "0"])
     assert r.exit_code == 0, r.output
     assert Engine.load(path, threads=1, mtp=out, warmup=False).drafts.vocab is None
-    r = CliRunner().invoke(app, ["mtp-vocab", str(path), "--text", str(text), "-n", "999", "--out", str(tmp_path / "x.mtp.cmf")])
+    r = CliRunner().invoke(app, ["mtp-vocab", str(path), "--text", str(text), "--size", "999", "--out", str(tmp_path / "x.mtp.cmf")])
     assert r.exit_code != 0 and "between 1 and the vocab size 256" in r.output
 
 
