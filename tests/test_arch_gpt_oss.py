@@ -404,3 +404,149 @@ def test_yarn_tables_match_transformers():
     np.testing.assert_allclose(cos, ref_cos[0].numpy(), atol=3e-4)
     np.testing.assert_allclose(sin, ref_sin[0].numpy(), atol=3e-4)
 
+
+# ------------------------------------------------------------------ GGUF
+def write_gpt_oss_gguf(model, path, expert_type: str = "F32"):
+    """The GGUF llama.cpp's converter (``GptOssModel``) writes: the experts stacked per
+    projection [experts, out, in] with gate and up de-interleaved (MXFP4 blocks when
+    ``expert_type`` is MXFP4, as it repacks the release's), their biases split alike, the
+    router as ffn_gate_inp, sinks as attn_sinks.weight, the second norm as
+    post_attention_norm, YaRN's factor and original length; a byte-level vocabulary."""
+    import gguf
+    from tokenizers import pre_tokenizers
+
+    cfg = model.config
+    rp = cfg.rope_parameters
+    w = gguf.GGUFWriter(str(path), "gpt-oss")
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_rope_freq_base(rp["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_expert_count(cfg.num_local_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_sliding_window(cfg.sliding_window)
+    w.add_expert_feed_forward_length(cfg.intermediate_size)
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(rp["factor"])
+    w.add_rope_scaling_orig_ctx_len(rp["original_max_position_embeddings"])
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(sorted(pre_tokenizers.ByteLevel.alphabet()))
+    w.add_token_types([1] * 256)
+    parts = {
+        "input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+        "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output", "mlp.router": "ffn_gate_inp",
+    }  # fmt: skip
+    globals_ = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                "lm_head.weight": "output.weight"}  # fmt: skip
+    mx = gguf.GGMLQuantizationType.MXFP4
+    for name, t in model.state_dict().items():
+        x = t.detach().numpy().astype(np.float32)
+        if name in globals_:
+            w.add_tensor(globals_[name], x)
+            continue
+        _, _, layer, rest = name.split(".", 3)
+        blk = f"blk.{layer}."
+        if rest == "self_attn.sinks":
+            w.add_tensor(blk + "attn_sinks.weight", x)
+        elif rest == "mlp.experts.gate_up_proj":  # [E, H, 2I] -> gate / up [E, I, H]
+            for part, half in (("ffn_gate_exps", x[..., ::2]), ("ffn_up_exps", x[..., 1::2])):
+                _add_experts(w, blk + part + ".weight", np.ascontiguousarray(half.transpose(0, 2, 1)), expert_type, mx)
+        elif rest == "mlp.experts.down_proj":  # [E, I, H] -> [E, H, I]
+            _add_experts(w, blk + "ffn_down_exps.weight", np.ascontiguousarray(x.transpose(0, 2, 1)), expert_type, mx)
+        elif rest == "mlp.experts.gate_up_proj_bias":
+            w.add_tensor(blk + "ffn_gate_exps.bias", np.ascontiguousarray(x[..., ::2]))
+            w.add_tensor(blk + "ffn_up_exps.bias", np.ascontiguousarray(x[..., 1::2]))
+        elif rest == "mlp.experts.down_proj_bias":
+            w.add_tensor(blk + "ffn_down_exps.bias", x)
+        else:
+            module, kind = rest.rsplit(".", 1)
+            w.add_tensor(f"{blk}{parts[module]}.{kind}", x)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _add_experts(w, name, x, expert_type, mx):
+    import gguf
+
+    if expert_type == "MXFP4":
+        w.add_tensor(name, gguf.quants.quantize(x, mx), raw_dtype=mx)
+    else:
+        w.add_tensor(name, x)
+
+
+def _gguf_oracle(model):
+    """The model with its expert weights as an MXFP4 GGUF holds them (gguf-py's decoding)."""
+    import gguf
+    import torch
+
+    mx = gguf.GGMLQuantizationType.MXFP4
+    with torch.no_grad():
+        for layer in model.model.layers:
+            ex = layer.mlp.experts
+            for p in (ex.gate_up_proj, ex.down_proj):
+                x = p.detach().numpy().transpose(0, 2, 1)  # rows [out, in]: blocks run along the input
+                q = gguf.quants.dequantize(gguf.quants.quantize(np.ascontiguousarray(x), mx), mx)
+                p.copy_(torch.from_numpy(np.ascontiguousarray(q.reshape(x.shape).transpose(0, 2, 1))))
+    return model
+
+
+@pytest.mark.parametrize("expert_type", ["F32", "MXFP4"])
+def test_gguf_matches_transformers(tmp_path, expert_type):
+    """A gpt-oss GGUF as llama.cpp writes it converts to the source model: stacked experts
+    split per expert, biases, sinks, router bias, window and YaRN read back."""
+    src = build(seed=6)
+    src.config.swiglu_limit = 7.0  # llama.cpp fixes the clamp at GPT-OSS's 7
+    for layer in src.model.layers:
+        layer.mlp.experts.limit = 7.0
+    if expert_type == "MXFP4":
+        src = _gguf_oracle(src)
+    path = write_gpt_oss_gguf(src, tmp_path / "g.gguf", expert_type)
+    convert_checkpoint(path, tmp_path / "g.cmf", quant="f32")
+    ids = arch_tiny.sample_ids(24, seed=7)
+    with Engine.load(tmp_path / "g.cmf") as eng:
+        arch = eng.model.arch
+        err = arch_tiny.rel_err(eng.logits(ids), arch_tiny.torch_logits(src, ids))
+    want = parse_config(json.loads(src.config.to_json_string()))
+    assert (arch.layer_types, arch.sliding_window, arch.rope_scaling) == (want.layer_types, want.sliding_window, want.rope_scaling)
+    assert (arch.moe.num_experts, arch.moe.top_k, arch.moe.expert_intermediate_size) == (4, 2, 96)
+    assert err < 1e-4, err
+
+
+@pytest.mark.parametrize(
+    "drop,match",
+    [("expert_count", "gpt-oss.expert_count"), ("attention.sliding_window", "gpt-oss.attention.sliding_window")],
+)
+def test_gguf_without_expert_metadata_is_refused(tmp_path, drop, match):
+    import gguf
+
+    path = write_gpt_oss_gguf(build(seed=6), tmp_path / "g.gguf")
+    r = gguf.GGUFReader(str(path))
+    w = gguf.GGUFWriter(str(tmp_path / "bad.gguf"), "gpt-oss")
+    for f in r.fields.values():
+        if f.name.startswith("GGUF.") or f.name in ("general.architecture", f"gpt-oss.{drop}"):
+            continue
+        vt = f.types[0]
+        if vt == gguf.GGUFValueType.ARRAY:
+            w.add_key_value(f.name, f.contents(), vt, sub_type=f.types[-1])
+        else:
+            w.add_key_value(f.name, f.contents(), vt)
+    for t in r.tensors:
+        w.add_tensor(t.name, np.asarray(t.data), raw_shape=list(reversed(t.shape.tolist())), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(CortiqError, match=match) as e:
+        convert_checkpoint(tmp_path / "bad.gguf", tmp_path / "g.cmf", quant="f32")
+    assert "\n" not in str(e.value)

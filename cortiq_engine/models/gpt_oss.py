@@ -21,6 +21,7 @@ from typing import Any, Sequence
 from formats.arch import LAYER_FULL, LAYER_SLIDING, ArchConfig, MoeConfig
 from formats.cmf import CmfFile
 from formats.errors import CortiqError
+from formats.gguf_spec import GgufContext, GgufSpec
 from formats.manifest import Manifest
 from formats.sanitize import SanitizeRules
 from cortiq_engine.model import Model
@@ -119,6 +120,53 @@ def build(cmf: CmfFile, arch: ArchConfig, kernels) -> Model:
     return Model(arch=arch, kernels=kernels, embed=embed, blocks=tuple(layers), norm=norm, head=head)
 
 
+# ------------------------------------------------------------------ GGUF
+def _gguf_int(ctx: GgufContext, key: str, lo: int = 1) -> int:
+    v = ctx.key(key, required=True)
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise CortiqError(f"GGUF metadata gpt-oss.{key} is {str(v)[:40]!r}, expected an integer >= {lo}")
+    return int(v)
+
+
+def _gguf_config(ctx: GgufContext, config: dict[str, Any]) -> None:
+    """GPT-OSS's config.json from llama.cpp's ``gpt-oss.*`` keys: experts, their width
+    (``expert_feed_forward_length``), the window (llama.cpp alternates sliding and full
+    layers from the first, as transformers' default ``layer_types`` does) and YaRN, whose
+    betas and ``truncate`` llama.cpp's converter does not write: GPT-OSS's fixed values."""
+    config.update(
+        num_local_experts=_gguf_int(ctx, "expert_count"),
+        num_experts_per_tok=_gguf_int(ctx, "expert_used_count"),
+        intermediate_size=_gguf_int(ctx, "expert_feed_forward_length"),
+        sliding_window=_gguf_int(ctx, "attention.sliding_window"),
+    )
+    rs = config.get("rope_scaling")
+    if rs is not None:
+        if rs.get("rope_type") != "yarn":
+            raise CortiqError(f"gpt-oss GGUF rope scaling {rs.get('rope_type')!r} is not supported (supported: yarn)")
+        betas = {}
+        for name, key, default in (("beta_fast", "yarn_beta_fast", 32.0), ("beta_slow", "yarn_beta_slow", 1.0)):
+            v = ctx.key(f"rope.scaling.{key}", default)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise CortiqError(f"GGUF metadata gpt-oss.rope.scaling.{key} is {str(v)[:40]!r}, expected a number > 0")
+            betas[name] = float(v)
+        rs.update(betas, truncate=False)
+
+
+GGUF = GgufSpec(
+    "gpt-oss", "gpt_oss", "GptOssForCausalLM",
+    # llama.cpp's experts are stacked [experts, out, in] per projection, gate and up apart.
+    block_names={
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_gate_inp": "mlp.gate",
+        "ffn_gate_exps": "mlp.experts.{e}.gate_proj",
+        "ffn_up_exps": "mlp.experts.{e}.up_proj",
+        "ffn_down_exps": "mlp.experts.{e}.down_proj",
+    },
+    full_names={"attn_sinks": "self_attn.sinks"},  # attn_sinks.weight: the engine's self_attn.sinks
+    config=_gguf_config,
+)
+
+
 FAMILY = Family(
     name="gpt_oss",
     parsers={"gpt_oss": _gpt_oss},
@@ -131,4 +179,5 @@ FAMILY = Family(
         interleaved_experts=True,
     ),
     hf_architectures=("GptOssForCausalLM",),
+    gguf=(GGUF,),
 )
