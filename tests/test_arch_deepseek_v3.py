@@ -516,6 +516,10 @@ def test_gguf_matches_transformers(tmp_path, variant, weight_type, split):
     assert (arch.mla, arch.moe, arch.rope_scaling["mscale_all_dim"]) == (want.mla, want.moe, 1.0)
     assert err < (1e-4 if weight_type == "F32" else 0.05), err
     assert arch_tiny.rel_err(steps, ref) < (1e-4 if weight_type == "F32" else 0.05)
+    if weight_type != "F32":  # q8 straight from the Q8_0 blocks
+        convert_checkpoint(path, tmp_path / "q8.cmf", quant="q8")
+        with Engine.load(tmp_path / "q8.cmf", kernels="numpy") as eng:
+            assert 1e-5 < arch_tiny.rel_err(eng.logits(ids), ref) < 0.05
 
 
 def test_gguf_without_the_mla_keys_and_refusals(tmp_path):
