@@ -59,8 +59,11 @@ def mtp_train(
     json_out: opt.Json = False,
 ) -> None:
     """Train K MTP draft layers on a frozen backbone by distillation, write them as its sidecar, report held-out acceptance."""
-    from cortiq_engine.mtp_train.config import TrainConfig
-    from cortiq_engine.mtp_train.run import Callbacks, train_mtp
+    from cortiq_train.config import TrainConfig
+    from cortiq_train.run import Callbacks, train_mtp
+    from cortiq_train.trainer import require_torch
+
+    require_torch()  # the optional [train] extra: one line before any text is read
 
     cfg = TrainConfig(
         layers=layers, steps=steps, seq=seq, batch=batch, lr=lr, warmup=warmup, topk=topk,

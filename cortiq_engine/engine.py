@@ -94,6 +94,65 @@ class SpeculativeConfig:
         return any(v is not None for v in (self.depth, self.chain, self.hidden, self.vocab, self.threshold))
 
 
+@dataclass(eq=False)
+class Trunk:
+    """A model file opened for computing: its map, its architecture, the trunk on a
+    kernel set, its tokenizer (None: the file has none, or it was not asked for) and
+    the thread count the pools were set to."""
+
+    cmf: CmfFile
+    arch: ArchConfig
+    model: Model
+    tokenizer: Tokenizer | None
+    threads: int
+
+    @property
+    def header(self) -> dict:
+        return self.cmf.header
+
+    @property
+    def path(self) -> Path:
+        return Path(self.cmf.path)
+
+
+def open_trunk(
+    path: str | os.PathLike,
+    *,
+    threads: int | None = None,
+    kernels: str | object | None = None,
+    wrap_kernels: Callable[[object], object] | None = None,
+    kv_cache: str = "f32",
+    tokenizer: bool = True,
+) -> Trunk:
+    """The one way every command opens a model file: the thread pools set up
+    (``threads.set_threads``: ``threads`` None is every usable core), the kernel set
+    chosen (a name, see ``Engine.load``, or a set; ``wrap_kernels`` wraps it, as
+    imatrix's recorder does), the file mapped and checked to be a model, its trunk
+    built and, with ``tokenizer``, its tokenizer loaded. Bad input is a one-line
+    ``CortiqError`` and leaves the file closed."""
+    kv_dtype(kv_cache)  # an unknown name fails before the model is mapped
+    n_threads = set_threads(threads)  # before the kernels: numba's pool starts with its wait policy
+    ks = get_kernels(kernels) if kernels is None or isinstance(kernels, str) else kernels
+    if wrap_kernels is not None:
+        ks = wrap_kernels(ks)
+    cmf = CmfFile(path)
+    try:
+        header = cmf.header
+        if header.get("role", "model") != "model":
+            raise CortiqError(f"{path}: not a model file (role {header.get('role')!r}); an MTP sidecar is loaded with its model")
+        if not isinstance(header.get("arch"), dict):
+            raise CortiqError(f"{path}: not a model file (the header has no arch section)")
+        arch = read_arch(cmf)
+        model = replace(build_model(cmf, arch, ks), kv_cache=kv_cache)
+        tok = None
+        if tokenizer and TOKENIZER_TENSOR in cmf:
+            tok = Tokenizer(cmf.raw_bytes(TOKENIZER_TENSOR), section(header, "tokenizer", str(path)), name=Path(path).name)
+    except BaseException:
+        cmf.close()
+        raise
+    return Trunk(cmf, arch, model, tok, n_threads)
+
+
 class Engine:
     def __init__(
         self, cmf: CmfFile, model: Model, tokenizer: Tokenizer | None, ctx: int, threads: int, drafts: DraftStack | None = None,
@@ -135,27 +194,21 @@ class Engine:
         does not fit the backbone is an error, never a silent fallback.
 
         ``kv_cache``: the KV caches' element type, "f32" or "f16" (``cache.KV_DTYPES``)."""
-        kv_dtype(kv_cache)  # an unknown name fails before the model is mapped
-        n_threads = set_threads(threads)
-        ks = get_kernels(kernels) if kernels is None or isinstance(kernels, str) else kernels
-        cmf = CmfFile(path)
-        header = cmf.header
-        if header.get("role", "model") != "model" or "arch" not in header:
-            raise CortiqError(f"{path}: not a model file (role {header.get('role')!r}); an MTP sidecar is loaded with its model")
-        arch = read_arch(cmf)
-        model = replace(build_model(cmf, arch, ks), kv_cache=kv_cache)
-        if ctx is None:
-            ctx = min(arch.max_position_embeddings, DEFAULT_CTX)
-        if ctx < 1:
-            raise CortiqError(f"--ctx must be >= 1, got {ctx}")
-        check_ctx_memory(model, int(ctx))
-        tok = None
-        if TOKENIZER_TENSOR in cmf:
-            tok_header = section(header, "tokenizer", str(path))
-            tok = Tokenizer(cmf.raw_bytes(TOKENIZER_TENSOR), tok_header, name=Path(path).name)
-            # Parsing tokenizer.json leaves ~25 MiB of freed heap (SmolLM2's 49k-token BPE);
-            # returned now, before later allocations land above it and pin it.
-            release_free_heap()
+        trunk = open_trunk(path, threads=threads, kernels=kernels, kv_cache=kv_cache)
+        cmf, arch, model = trunk.cmf, trunk.arch, trunk.model
+        try:
+            if ctx is None:
+                ctx = min(arch.max_position_embeddings, DEFAULT_CTX)
+            if ctx < 1:
+                raise CortiqError(f"--ctx must be >= 1, got {ctx}")
+            check_ctx_memory(model, int(ctx))
+        except BaseException:
+            cmf.close()
+            raise
+        # Parsing tokenizer.json leaves ~25 MiB of freed heap (SmolLM2's 49k-token BPE);
+        # returned now, before later allocations land above it and pin it.
+        release_free_heap()
+        ks, tok, n_threads = model.kernels, trunk.tokenizer, trunk.threads
         drafts = None
         if mtp is not False:
             drafts = load_draft_stack(cmf, arch, ks, path=None if mtp is True else mtp)

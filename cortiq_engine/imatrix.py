@@ -13,11 +13,8 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
-from cortiq_engine.kernels import get_kernels
+from cortiq_engine.engine import open_trunk
 from cortiq_engine.model import forward
-from cortiq_engine.models import build_model, read_arch
-from cortiq_engine.threads import set_threads
-from formats.cmf import CmfFile
 
 
 class RecordingKernels:
@@ -57,18 +54,19 @@ def collect_imatrix(
 ) -> tuple[dict[str, np.ndarray], int]:
     """Run each token window through the model at ``path`` (the lm_head included) and
     return (CMF weight name -> mean squared input f32[cols], token positions seen)."""
-    set_threads(threads)
-    rec = RecordingKernels(get_kernels(kernels))
-    cmf = CmfFile(path)
-    model = build_model(cmf, read_arch(cmf), rec)
-    tokens = 0
-    for ids in windows:
-        arr = np.asarray(ids, dtype=np.int64)
-        state = model.new_state(int(arr.size))
-        h = model.final_norm(forward(state, arr))
-        for j in range(0, h.shape[0], 64):
-            model.lm_head(h[j : j + 64])
-        tokens += int(arr.size)
-        if progress:
-            progress(int(arr.size))
+    trunk = open_trunk(path, threads=threads, kernels=kernels, wrap_kernels=RecordingKernels, tokenizer=False)
+    model, rec = trunk.model, trunk.model.kernels
+    try:
+        tokens = 0
+        for ids in windows:
+            arr = np.asarray(ids, dtype=np.int64)
+            state = model.new_state(int(arr.size))
+            h = model.final_norm(forward(state, arr))
+            for j in range(0, h.shape[0], 64):
+                model.lm_head(h[j : j + 64])
+            tokens += int(arr.size)
+            if progress:
+                progress(int(arr.size))
+    finally:
+        trunk.cmf.close()
     return rec.means(), tokens

@@ -18,6 +18,6 @@ imported only when training starts), are written as a standard MTP sidecar
 - ``engine_drafts`` the sidecar run by the engine's numpy/numba layers
 """
 
-from cortiq_engine.mtp_train.config import TrainConfig
+from cortiq_train.config import TrainConfig
 
 __all__ = ["TrainConfig"]

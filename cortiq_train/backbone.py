@@ -1,5 +1,5 @@
-"""A frozen backbone: the engine's model of a CMF file, its tokenizer, and f32
-copies of the few tensors the draft layers start from."""
+"""A frozen backbone: the engine's model of a CMF file (opened by the engine's one
+loader), its tokenizer, and f32 copies of the few tensors the draft layers start from."""
 
 from __future__ import annotations
 
@@ -13,9 +13,7 @@ from formats.arch import ArchConfig
 from formats.cmf import CmfFile
 from formats.errors import CortiqError
 from formats.untrusted_json import section
-from formats.sidecar import ROLE_MODEL
-from formats.tokenizer_header import TOKENIZER_TENSOR
-from cortiq_engine.models import FAMILIES, build_model, read_arch
+from cortiq_engine.models import FAMILIES
 
 @dataclass(eq=False)
 class Backbone:
@@ -25,6 +23,7 @@ class Backbone:
     arch: ArchConfig
     model: Any  # cortiq_engine.model.Model
     tokenizer: Any  # cortiq_engine.tokenizer.Tokenizer
+    threads: int = 1  # the engine's pools (threads.set_threads); the trainer's torch pool follows
 
     @property
     def fingerprint(self) -> str | None:
@@ -56,28 +55,15 @@ class Backbone:
         self.cmf.close()
 
 
-def open_backbone(path: str | Path, kernels: str | None = None) -> Backbone:
-    """Open ``path`` for training; one-line errors for files that cannot be a backbone."""
-    from cortiq_engine.kernels import get_kernels
-    from cortiq_engine.tokenizer import Tokenizer
+def open_backbone(path: str | Path, kernels: str | None = None, threads: int | None = None) -> Backbone:
+    """Open ``path`` for training through the engine's one loader (``open_trunk``: the
+    thread pools, the kernels, the checks every command makes); one-line errors for
+    files that cannot be a backbone."""
+    from cortiq_engine.engine import open_trunk
 
     path = Path(path)
-    cmf = CmfFile(path)
-    header = cmf.header
-    if header.get("role", ROLE_MODEL) != ROLE_MODEL:
-        cmf.close()
-        raise CortiqError(f"{path}: not a model file (role {header.get('role')!r}); give the backbone .cmf")
-    if TOKENIZER_TENSOR not in cmf:
-        cmf.close()
+    trunk = open_trunk(path, threads=threads, kernels=kernels)
+    if trunk.tokenizer is None:
+        trunk.cmf.close()
         raise CortiqError(f"{path}: the file has no tokenizer (mtp-train tokenizes the training text)")
-    if not isinstance(header.get("arch"), dict):
-        cmf.close()
-        raise CortiqError(f"{path}: the header has no arch section")
-    try:
-        arch = read_arch(cmf)
-    except CortiqError:
-        cmf.close()
-        raise
-    model = build_model(cmf, arch, get_kernels(kernels))
-    tok = Tokenizer(cmf.raw_bytes(TOKENIZER_TENSOR), section(header, "tokenizer", str(path)), name=path.name)
-    return Backbone(path, cmf, header, arch, model, tok)
+    return Backbone(path, trunk.cmf, trunk.header, trunk.arch, trunk.model, trunk.tokenizer, trunk.threads)

@@ -13,7 +13,7 @@ from formats.errors import CortiqError
 from formats.untrusted_json import section
 from formats.sidecar import sidecar_path
 from cortiq_engine.acceptance import Acceptance
-from cortiq_engine.mtp_train.config import TrainConfig
+from cortiq_train.config import TrainConfig
 
 
 EVAL_WINDOWS = 32
@@ -27,7 +27,7 @@ def check_torch_backbone(runner, backbone, ids: np.ndarray) -> None:
     """--backbone torch re-implements the backbone's blocks in torch (llama-style blocks
     only): its hidden rows must be the engine's, or the drafts learn another model. One
     short window through both, before any collection."""
-    from cortiq_engine.mtp_train.features import EngineRunner
+    from cortiq_train.features import EngineRunner
 
     e = EngineRunner(backbone).hidden(ids)
     t = runner.hidden(ids)
@@ -116,10 +116,10 @@ def train_mtp(
     """``features``: the folder of the collected backbone rows (memory-mapped, resumable;
     default OUT stem + ``.features`` beside the sidecar; reused by any run of the same
     backbone, text and collection settings)."""
-    from cortiq_engine.mtp_train.backbone import open_backbone
-    from cortiq_engine.mtp_train.export import write_sidecar
-    from cortiq_engine.mtp_train.features import EngineRunner, collect
-    from cortiq_engine.mtp_train.trainer import Trainer, checkpoint_path, missing_checkpoint, require_torch
+    from cortiq_train.backbone import open_backbone
+    from cortiq_train.export import write_sidecar
+    from cortiq_train.features import EngineRunner, collect
+    from cortiq_train.trainer import Trainer, checkpoint_path, missing_checkpoint, require_torch
 
     cb = callbacks or Callbacks()
     require_torch()  # before any slow work
@@ -132,7 +132,7 @@ def train_mtp(
     if not out.parent.is_dir():
         raise CortiqError(f"output folder {out.parent} does not exist")
     ckpt = checkpoint_path(out)
-    backbone = open_backbone(model_path, kernels)
+    backbone = open_backbone(model_path, kernels, threads)
     cfg.check(backbone.arch.num_layers)
     if resume and not ckpt.is_file():
         raise missing_checkpoint(ckpt)
@@ -147,7 +147,7 @@ def train_mtp(
     fingerprint = backbone.fingerprint or str(model_path.resolve())
     feature_dir = Path(features) if features else features_path(out)
     if cfg.chat or cfg.self_distill:
-        from cortiq_engine.mtp_train.features import chat_prompts, continuations, continue_windows
+        from cortiq_train.features import chat_prompts, continuations, continue_windows
 
         if cb.phase:
             cb.phase("continue")
@@ -172,7 +172,7 @@ def train_mtp(
         cb.phase("collect")
     t0 = time.perf_counter()
     if backend == "torch":
-        from cortiq_engine.mtp_train.draft_torch import TorchBackbone
+        from cortiq_train.draft_torch import TorchBackbone
 
         runner = TorchBackbone(backbone, cfg.seq)
         check_torch_backbone(runner, backbone, np.asarray(ids[: min(len(ids), cfg.seq, TORCH_CHECK_TOKENS)]))
@@ -230,7 +230,7 @@ def train_mtp(
     write_sidecar(out, backbone.header, model_path.name, res.stack.tensors(), quant=quant, hidden=cfg.hidden,
                   trained=trained, force=force or resume, draft_vocab=vocab)
     if len(held):
-        from cortiq_engine.mtp_train.engine_drafts import engine_drafts, load_draft_layers
+        from cortiq_train.engine_drafts import engine_drafts, load_draft_layers
 
         layers = load_draft_layers(out, backbone)
         drafts = engine_drafts(backbone, layers, np.asarray(feats.tokens[held], np.int64),

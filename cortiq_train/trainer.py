@@ -39,8 +39,8 @@ import numpy as np
 from formats.errors import CortiqError
 from formats.untrusted_json import load_object
 from cortiq_engine.acceptance import Acceptance
-from cortiq_engine.mtp_train.config import TrainConfig
-from cortiq_engine.mtp_train.features import Features
+from cortiq_train.config import TrainConfig
+from cortiq_train.features import Features
 
 CHECKPOINT_VERSION = 2  # 2: safetensors + JSON metadata (1 was a torch pickle, no longer read)
 CHECKPOINT_KEY = "cortiq_mtp_train"
@@ -104,12 +104,13 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
 class Trainer:
     def __init__(self, backbone, feats: Features, cfg: TrainConfig, threads: int | None = None):
         self.torch = torch = require_torch()
-        from cortiq_engine.mtp_train.draft_torch import build_stack
+        from cortiq_train.draft_torch import build_stack
 
-        if threads:
-            torch.set_num_threads(int(threads))
-        elif backbone.arch.hidden_size < 256:
-            torch.set_num_threads(1)  # tiny matrices: thread hand-offs cost more than they save
+        # torch's pool takes the count the engine's pools were set to (threads.set_threads,
+        # through open_trunk); left open on tiny matrices, one thread: hand-offs cost more
+        # than they save.
+        tiny = threads is None and backbone.arch.hidden_size < 256
+        torch.set_num_threads(1 if tiny else backbone.threads)
         self.backbone, self.f, self.cfg = backbone, feats, cfg
         # Statistics from a sample of windows: the features may be a memory-mapped file
         # far larger than RAM, read a batch at a time.
@@ -237,7 +238,7 @@ class Trainer:
         return self.torch.from_numpy(np.asarray(self.f.hidden[wins], np.float32))
 
     def train_step(self) -> tuple[float, list[float]]:
-        from cortiq_engine.mtp_train.draft_torch import depth_outputs
+        from cortiq_train.draft_torch import depth_outputs
 
         torch, cfg, f = self.torch, self.cfg, self.f
         rng = np.random.default_rng([cfg.seed, self.step])
@@ -299,7 +300,7 @@ class Trainer:
         """Full-vocabulary argmax drafts [W, T] per depth (torch weights, f32). Teacher-forced
         by default, as the engine's check (``engine_drafts``) and ``mtp-probe`` read the
         text; ``ttt`` feeds each depth the earlier depths' drafts, as the Drafter does."""
-        from cortiq_engine.mtp_train.draft_torch import depth_outputs
+        from cortiq_train.draft_torch import depth_outputs
 
         torch, f, cfg = self.torch, self.f, self.cfg
         t = f.seq

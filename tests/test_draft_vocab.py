@@ -457,7 +457,7 @@ def test_i32_dtype_round_trips_and_refuses_floats(tmp_path):
 def test_write_sidecar_stores_a_draft_vocabulary(tiny, tmp_path):
     """The trainer's writer (``mtp-train --draft-vocab``): the vocabulary and its record
     land in the sidecar, and the engine reads them back."""
-    from cortiq_engine.mtp_train.export import write_sidecar
+    from cortiq_train.export import write_sidecar
 
     path, side = tiny["mimo", "f32"]
     with CmfFile(side) as s, CmfFile(path) as m:

@@ -15,10 +15,10 @@ from typer.testing import CliRunner  # noqa: E402
 
 from cortiq_cli.main import app  # noqa: E402
 from cortiq_engine.acceptance import Acceptance  # noqa: E402
-from cortiq_engine.mtp_train.backbone import open_backbone  # noqa: E402
-from cortiq_engine.mtp_train.config import TrainConfig  # noqa: E402
-from cortiq_engine.mtp_train.features import EngineRunner, collect  # noqa: E402
-from cortiq_engine.mtp_train.run import Callbacks, train_mtp  # noqa: E402
+from cortiq_train.backbone import open_backbone  # noqa: E402
+from cortiq_train.config import TrainConfig  # noqa: E402
+from cortiq_train.features import EngineRunner, collect  # noqa: E402
+from cortiq_train.run import Callbacks, train_mtp  # noqa: E402
 from formats.cmf import CmfFile, CmfWriter  # noqa: E402
 from cortiq_engine.convert import convert_checkpoint  # noqa: E402
 from formats.errors import CortiqError  # noqa: E402
@@ -56,7 +56,7 @@ def test_features_match_transformers(tiny):
     """Pre-norm hidden rows and teacher log-probs of both collectors equal transformers'."""
     import torch
 
-    from cortiq_engine.mtp_train.draft_torch import TorchBackbone
+    from cortiq_train.draft_torch import TorchBackbone
     from tests.tiny import build_tiny
 
     _, cmf = tiny
@@ -93,7 +93,7 @@ def test_acceptance_by_hand():
 
 
 def test_training_lowers_the_loss_and_the_sidecar_loads(tiny, tmp_path):
-    from cortiq_engine.mtp_train.engine_drafts import engine_drafts, layer_hidden, load_draft_layers
+    from cortiq_train.engine_drafts import engine_drafts, layer_hidden, load_draft_layers
 
     _, cmf = tiny
     out = tmp_path / "tiny.mtp.cmf"
@@ -115,7 +115,7 @@ def test_training_lowers_the_loss_and_the_sidecar_loads(tiny, tmp_path):
     # And the engine's rows equal a torch layer loaded with the sidecar's own tensors.
     import torch
 
-    from cortiq_engine.mtp_train.draft_torch import TorchBackbone, build_stack
+    from cortiq_train.draft_torch import TorchBackbone, build_stack
 
     bb = open_backbone(cmf, "numpy")
     layers = load_draft_layers(out, bb)
@@ -184,7 +184,7 @@ def test_cli_trains_and_reports_json(tiny, tmp_path):
     assert doc["defaults"]["saved"] is None and "--self-distill" in doc["defaults"]["reason"]
     # Without --force the sidecar is not overwritten.
     code, output = run_cli(str(cmf), "--text", str(text), "--steps", "1", "--seq", "32", "--out", str(out))
-    assert code == 1 and "exists" in output
+    assert code == 2 and "exists" in output
 
 
 def test_cli_bad_input(tiny, tmp_path):
@@ -209,7 +209,7 @@ def test_cli_bad_input(tiny, tmp_path):
     cases.append(((str(bare),), "no tokenizer"))
     for args, msg in cases:
         code, output = run_cli(*args)
-        assert code == 1, (args, output)
+        assert code == 2, (args, output)
         assert msg in output and "Traceback" not in output, (args, output)
         assert output.strip().startswith("error:"), output
 
@@ -218,8 +218,8 @@ def test_engine_drafter_loads_the_sidecar_and_drafts_the_same(tiny, tmp_path):
     """The speculative decoder's own loader and draft path (cortiq_engine.mtp) read the
     trained sidecar beside the backbone and draft what the trainer's evaluation drafts."""
     from cortiq_engine import mtp
-    from cortiq_engine.mtp_train.draft_torch import TorchBackbone
-    from cortiq_engine.mtp_train.engine_drafts import engine_drafts, load_draft_layers
+    from cortiq_train.draft_torch import TorchBackbone
+    from cortiq_train.engine_drafts import engine_drafts, load_draft_layers
 
     _, cmf = tiny
     local = tmp_path / "m.cmf"
@@ -258,7 +258,7 @@ def test_smollm2_drafts_learn(smollm2_cmf, english_text, tmp_path):
 def test_intermediate_width(tiny, tmp_path):
     """--intermediate: a wider draft MLP starts as the backbone's (new units feed zeros to
     down_proj), so untrained drafts are the same; a narrower one keeps the first units."""
-    from cortiq_engine.mtp_train.engine_drafts import load_draft_layers
+    from cortiq_train.engine_drafts import load_draft_layers
 
     _, cmf = tiny
     runs = {}

@@ -20,12 +20,12 @@ torch = pytest.importorskip("torch")
 
 from cortiq_engine import mtp  # noqa: E402
 from cortiq_engine.convert import convert_checkpoint  # noqa: E402
-from cortiq_engine.mtp_train.backbone import open_backbone  # noqa: E402
-from cortiq_engine.mtp_train.config import TrainConfig  # noqa: E402
-from cortiq_engine.mtp_train.draft_torch import TorchBackbone, build_stack, depth_outputs  # noqa: E402
-from cortiq_engine.mtp_train.export import write_sidecar  # noqa: E402
-from cortiq_engine.mtp_train.features import collect  # noqa: E402
-from cortiq_engine.mtp_train.run import train_mtp  # noqa: E402
+from cortiq_train.backbone import open_backbone  # noqa: E402
+from cortiq_train.config import TrainConfig  # noqa: E402
+from cortiq_train.draft_torch import TorchBackbone, build_stack, depth_outputs  # noqa: E402
+from cortiq_train.export import write_sidecar  # noqa: E402
+from cortiq_train.features import collect  # noqa: E402
+from cortiq_train.run import train_mtp  # noqa: E402
 from evals import corpora  # noqa: E402
 from formats.errors import CortiqError  # noqa: E402
 from tests.tiny import save_tiny  # noqa: E402
@@ -146,7 +146,7 @@ def test_collection_resumes_and_counts_tokens(tiny, tmp_path):
 
 def test_training_resumes_after_a_kill_during_collection(tiny, tmp_path):
     """A run killed while collecting and restarted trains exactly as one uninterrupted run."""
-    from cortiq_engine.mtp_train.run import Callbacks
+    from cortiq_train.run import Callbacks
 
     cfg = TrainConfig(layers=2, steps=4, seq=32, batch=2, lr=3e-3, warmup=1, topk=8, holdout=0.0,
                       max_tokens=600, checkpoint_every=0, negatives=16, ttt=True)
@@ -187,7 +187,7 @@ def test_corpus_fetch_rejects_a_wrong_sha256(tmp_path, monkeypatch):
 def test_self_distill_windows_are_the_backbones_greedy_text(tiny):
     """--self-distill: past the real prompt every token is the backbone's greedy choice,
     i.e. the teacher's top-1 at the position before it (the engine computes both)."""
-    from cortiq_engine.mtp_train.features import EngineRunner, continuations
+    from cortiq_train.features import EngineRunner, continuations
 
     bb = open_backbone(tiny, "numpy")
     ids = np.array(bb.tokenizer.encode(TEXT))[: 3 * 24]
@@ -214,7 +214,7 @@ def test_continuations_resume_after_a_kill_equal_one_run(tiny, tmp_path, tempera
     self-distillation): a run killed after two windows and run again continues from the
     folder, and every window equals an uninterrupted run's (each window has its own
     generator, so sampled text does not depend on where a run stopped)."""
-    from cortiq_engine.mtp_train.features import continuations
+    from cortiq_train.features import continuations
 
     bb = open_backbone(tiny, "numpy")
     ids = np.array(bb.tokenizer.encode(TEXT))[: 4 * 20]
@@ -240,7 +240,7 @@ def test_chat_windows_are_template_turns_answered_greedily(tiny, tmp_path):
     """--chat: each window is an ask about a passage through the chat template, then the
     backbone's greedy answer (every later token is the teacher's top-1 before it)."""
     from tests.test_chat import TEMPLATE, _with_template
-    from cortiq_engine.mtp_train.features import EngineRunner, chat_prompts, continue_windows, passages
+    from cortiq_train.features import EngineRunner, chat_prompts, continue_windows, passages
 
     cut = passages(TEXT, 60)
     assert len(cut) > 10 and all(30 < len(p) <= 60 for p in cut)

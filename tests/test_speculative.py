@@ -279,8 +279,8 @@ def test_smollm2_exact_with_a_trained_sidecar(smollm2_cmf, english_text, tmp_pat
     with and without adaptive depth, is plain greedy token for token, through the
     plain and chat prompts, and the trained drafts are accepted."""
     pytest.importorskip("torch")
-    from cortiq_engine.mtp_train.config import TrainConfig
-    from cortiq_engine.mtp_train.run import train_mtp
+    from cortiq_train.config import TrainConfig
+    from cortiq_train.run import train_mtp
 
     path = smollm2_cmf("q8")
     cfg = TrainConfig(layers=3, steps=30, seq=160, batch=2, lr=2e-3, warmup=3, holdout=0.0, max_tokens=8 * 160,
