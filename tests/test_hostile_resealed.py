@@ -246,3 +246,73 @@ def test_lone_surrogates_through_the_real_cli(tiny):
     p = subprocess.run([sys.executable, "-m", "cortiq_cli.main", "generate", str(cmf), b"caf\xe9", "-n", "2"],
                        capture_output=True, cwd=REPO, timeout=300)
     assert p.returncode == 0 and b"Traceback" not in p.stderr, p.stderr[-2000:]
+
+
+# ------------------------------------------------------------------ 3. chat templates bounded inside one call
+
+def _with_template(cmf: Path, dst: Path, template: str) -> Path:
+    from formats.cmf import CmfFile
+
+    with CmfFile(cmf) as f:
+        h = json.loads(json.dumps(f.header))
+    h["tokenizer"]["chat_template"] = template
+    return _cmf_with_header(cmf, dst, json.dumps(h).encode())
+
+
+_TUPLES = "{% set ns = namespace(t=('a',)) %}{% for i in range(40) %}{% set ns.t = (ns.t, ns.t) %}{% endfor %}"
+
+
+@pytest.mark.parametrize(
+    "template, message",
+    [
+        ("{{ lipsum(10**6) }}", "lipsum paragraphs"),
+        ('{{ "x"|center(10**9) }}', "center width"),
+        ('{{ "%*s"|format(10**9, "") }}', "'*' width"),
+        ('{{ "ab" * 10**9 }}', "repeated string"),
+        ("{% for i in range(10**9) %}{% endfor %}", "range() items"),
+        ('{{ "x".ljust(10**9) }}', "str.ljust width"),
+        ('{{ "{:>999999999}".format(1) }}', "format width"),
+        ('{{ "%0999999999d" % 1 }}', "% format width"),
+        ('{{ ("x" * 2**20).replace("x", "yy") }}', "str.replace result"),
+        ("{{ [1]|batch(10**9, 0)|list }}", "batch size"),
+        ('{% set a = "x" * 2**20 %}{{ a ~ a ~ a }}', "concatenation"),
+        # a small list of shared references that prints as 4^4 MiB
+        ('{% set a = ["x" * 2**19] %}{% set b = [a, a, a, a] %}{% set c = [b, b, b, b] %}{{ [c, c, c, c] }}',
+         "printed value"),
+        # no call at all inside the loops: the loop guard counts iterations
+        ('{% set a = "x" * 2**20 %}{% for c in a %}{% for d in a %}{% endfor %}{% endfor %}', "iterations"),
+        ("{{ (2**64)**64 }}", "integer power"),
+        ('{{ ("<!--" * 200000)|striptags }}', "striptags input"),
+        # hashing a tuple of 2^40 shared leaves is one C call: the hard deadline stops it
+        (_TUPLES + "{{ {ns.t: 1} }}", "longer than 2 s"),
+    ],
+    ids=["lipsum", "center", "printf-star", "repeat", "range", "ljust", "format-width", "percent-width", "replace",
+         "batch", "concat", "shared-refs", "loops-without-calls", "power", "striptags", "hash-bomb"],
+)
+def test_chat_templates_are_bounded_inside_one_call(tiny, tmp_path, template, message):
+    """Each is a one-line error within a multiple of a trivial template's time (plus the
+    render limit itself)."""
+    from cortiq_engine.tokenizer import TEMPLATE_SECONDS
+
+    _, cmf = tiny
+    ok = _with_template(cmf, tmp_path / "ok.cmf", "{% for m in messages %}{{ m.content }}{% endfor %}")
+    args = ["hi", "--chat", "-n", "1"]
+    t0 = time.perf_counter()
+    assert runner.invoke(app, ["generate", str(ok), *args]).exit_code == 0
+    base = time.perf_counter() - t0
+    bad = _with_template(cmf, tmp_path / "t.cmf", template)
+    t0 = time.perf_counter()
+    err = _one_line_error(runner.invoke(app, ["generate", str(bad), *args]), message)
+    assert "chat template of t.cmf" in err
+    assert time.perf_counter() - t0 < 5 * base + 2 * TEMPLATE_SECONDS
+
+
+def test_a_template_render_cannot_grow_this_process(tiny, tmp_path):
+    """The render runs in a forked child: whatever it allocates is not this process's."""
+    import resource
+
+    _, cmf = tiny
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    bad = _with_template(cmf, tmp_path / "m.cmf", _TUPLES + "{% set s = ns.t|string %}")
+    _one_line_error(runner.invoke(app, ["generate", str(bad), "hi", "--chat", "-n", "1"]))
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 200_000  # KiB
