@@ -17,7 +17,7 @@ LAYER_FULL = "full"
 LAYER_SLIDING = "sliding"
 LAYER_LINEAR = "linear"
 # The gated-MLP activation every family computes (SwiGLU); a family adds its own
-# (Gemma 3: the tanh GELU) in its ``Family.activations``.
+# (e.g. the tanh GELU) in its ``Family.activations``.
 ACTIVATIONS = ("silu", "swish")
 
 
@@ -28,17 +28,17 @@ class MoeConfig:
     expert_intermediate_size: int
     norm_topk_prob: bool = False
     shared_expert_intermediate_size: int = 0  # 0 = no shared expert
-    shared_expert_gate: bool = False  # Qwen2-MoE: sigmoid gate on the shared expert
+    shared_expert_gate: bool = False  # a sigmoid gate on the shared expert
     # Layers whose FFN is an MoE block (others are dense with intermediate_size).
     moe_layers: list[int] = field(default_factory=list)
-    scoring: str = "softmax"  # "softmax": softmax over all experts, then top-k; "sigmoid": per-expert sigmoid (MiMo-V2)
-    # Sigmoid routing (DeepSeek-V3 style, MiMo-V2): a learned bias added for the choice only,
+    scoring: str = "softmax"  # "softmax": softmax over all experts, then top-k; "sigmoid": per-expert sigmoid
+    # Sigmoid routing: a learned bias added for the choice only,
     # experts split into n_group groups of which topk_group are eligible, weights scaled after.
     score_bias: bool = False
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
-    # GPT-OSS: a router bias added to the logits, biases on every expert's gate/up/down, and the
+    # A router bias added to the logits, biases on every expert's gate/up/down, and the
     # clamped SwiGLU: gate clamped above at swiglu_limit, up to +-swiglu_limit (0 = no clamp),
     # out = (up + 1) * gate * sigmoid(swiglu_alpha * gate) (swiglu_alpha 0 = silu(gate) * up).
     router_bias: bool = False
@@ -49,21 +49,21 @@ class MoeConfig:
 
 @dataclass
 class LinearAttnConfig:
-    """Gated DeltaNet geometry (Qwen3-Next / Qwen3.5 linear layers)."""
+    """Gated DeltaNet geometry (linear-attention layers)."""
 
     num_key_heads: int
     num_value_heads: int
     key_head_dim: int
     value_head_dim: int
     conv_kernel: int
-    # Qwen3-Next fuses q|k|v|z (and b|a) into in_proj_qkvz / in_proj_ba, grouped per key
-    # head; Qwen3.5 keeps in_proj_qkv, in_proj_z, in_proj_b, in_proj_a separate.
+    # Fused: q|k|v|z (and b|a) in in_proj_qkvz / in_proj_ba, grouped per key head;
+    # separate: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a.
     fused_projection: bool = True
 
 
 @dataclass
 class SlidingConfig:
-    """Geometry of sliding-window layers when it differs from the full layers (MiMo-V2)."""
+    """Geometry of sliding-window layers when it differs from the full layers."""
 
     window: int
     num_heads: int
@@ -77,7 +77,7 @@ class SlidingConfig:
 
 @dataclass
 class MlaConfig:
-    """Multi-head latent attention (DeepSeek-V2/V3, Kimi K2): queries through an optional
+    """Multi-head latent attention (MLA): queries through an optional
     low-rank ``q_lora_rank`` bottleneck, keys and values from one ``kv_lora_rank`` latent
     plus a shared rotary key of ``qk_rope_head_dim``."""
 
@@ -87,14 +87,14 @@ class MlaConfig:
     qk_rope_head_dim: int
     v_head_dim: int
     # The checkpoint stores each rotary key/query part as interleaved pairs (x0, x1), (x2, x3), ...
-    # (DeepSeek-V3's release layout; transformers' ``rope_interleave``).
+    # (transformers' ``rope_interleave``).
     rope_interleave: bool = False
 
 
 @dataclass
 class MtpConfig:
     num_layers: int
-    style: str  # "deepseek" | "mimo" | "qwen3_next"
+    style: str  # the release naming scheme of the drafts (the family records it)
 
 
 @dataclass
@@ -113,7 +113,7 @@ class ArchConfig:
     rotary_dim: int = 0  # dims rotated per head (partial rotary); 0 = head_dim
     v_head_dim: int = 0  # 0 = head_dim
     norm_eps: float = 1e-6
-    norm_style: str = "rms"  # "rms": x*w ; "rms_one": x*(1+w) (Qwen3-Next)
+    norm_style: str = "rms"  # "rms": x*w ; "rms_one": x*(1+w)
     hidden_act: str = "silu"
     attention_bias: bool = False
     qk_norm: bool = False
@@ -122,21 +122,21 @@ class ArchConfig:
     layer_types: list[str] = field(default_factory=list)
     sliding_window: int = 0
     attention_sinks: bool = False
-    attention_value_scale: float = 1.0  # MiMo-V2 multiplies V by a constant
-    # Gemma 3: scores scaled by query_pre_attn_scalar**-0.5 (0 = head_dim**-0.5), the
+    attention_value_scale: float = 1.0  # V multiplied by a constant
+    # Scores scaled by query_pre_attn_scalar**-0.5 (0 = head_dim**-0.5), the
     # sliding layers' own RoPE base (0 = rope_theta), tanh caps (0 = none).
     query_pre_attn_scalar: float = 0.0
     rope_local_theta: float = 0.0
     final_logit_softcapping: float = 0.0
     attn_logit_softcapping: float = 0.0
-    # Granite's multipliers: embeddings times embedding_scale, each sublayer's output times
+    # Multipliers: embeddings times embedding_scale, each sublayer's output times
     # residual_scale before the add, scores times attention_scale (0 = the default scale),
     # logits divided by logits_scaling.
     embedding_scale: float = 1.0
     residual_scale: float = 1.0
     attention_scale: float = 0.0
     logits_scaling: float = 1.0
-    no_rope_layers: list[int] = field(default_factory=list)  # layers whose attention has no RoPE (SmolLM3)
+    no_rope_layers: list[int] = field(default_factory=list)  # layers whose attention has no RoPE
     moe: MoeConfig | None = None
     linear_attn: LinearAttnConfig | None = None
     sliding: SlidingConfig | None = None

@@ -395,7 +395,7 @@ def _reencode(src: CmfFile, name: str, info, dtype: str, w: CmfWriter, err: list
 def _trim_heap() -> None:
     """Hand the heap that parsing the tokenizer freed back to the OS. glibc keeps freed
     heap memory for reuse, and the tensor phase (large arrays, mapped separately) never
-    reuses it: a 262k-token vocabulary (Gemma 3) left ~340 MB resident for the whole run."""
+    reuses it: a 262k-token vocabulary left ~340 MB resident for the whole run."""
     try:
         ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: nothing to trim this way
@@ -534,7 +534,7 @@ class _Streamer:
 
 def ggml_block_parts(b, shape: tuple[int, ...]) -> list[np.ndarray]:
     """A tensor's interleaved GGML blocks -> the planar parts of its CMF dtype, byte for
-    byte (``DType.from_ggml``). Rows move whole (llama's q/k row order)."""
+    byte (``DType.from_ggml``). Rows move whole (the q/k row order llama.cpp permuted)."""
     from formats.gguf_import import unpermute_rope_rows
 
     rows, cols = shape

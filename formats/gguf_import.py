@@ -7,10 +7,11 @@ types, tokenizer) without writing; ``import_gguf`` then dequantizes one tensor a
 time into a streamed safetensors file inside a temporary folder beside OUT_DIR and
 renames it into place, so a failure leaves nothing behind.
 
-llama.cpp's converter interleaves the two rotary halves of every head in llama's
-q_proj/k_proj rows (its RoPE rotates adjacent pairs, HF rotates halves); the import
-puts those rows back in HF order. It stores Gemma's (1 + w) norm weights with the 1
-added; the import subtracts it again (as transformers' GGUF loader does).
+For some architectures llama.cpp's converter interleaves the two rotary halves of
+every head in the q_proj/k_proj rows (its RoPE rotates adjacent pairs, HF rotates
+halves); the import puts those rows back in HF order. Where it stores norm weights as
+1 + w, the import subtracts the 1 again (as transformers' GGUF loader does). Which
+applies is the family's ``GgufSpec``.
 
 Tensors may be of any type gguf-py dequantizes (F32/F16/BF16, Q4_0..Q8_0, the K-quants
 Q2_K..Q6_K, the IQ types it implements); any other is a one-line error naming the
@@ -58,8 +59,8 @@ class PlannedTensor:
     name: str  # HF name
     shape: tuple[int, ...]  # HF (numpy) shape
     ggml_type: str
-    unpermute_heads: int | None = None  # llama q/k: heads whose rotary rows to de-interleave
-    offset: float = 0.0  # added after dequantizing (-1 for Gemma's stored 1 + w norms)
+    unpermute_heads: int | None = None  # q/k: heads whose rotary rows to de-interleave
+    offset: float = 0.0  # added after dequantizing (-1 for norms stored as 1 + w)
     row0: int = 0  # first row in the stored tensor's rows (one expert of a stacked [experts, rows, cols])
 
 
@@ -438,13 +439,9 @@ def dequantized(model: GgufModel, p: PlannedTensor) -> np.ndarray:
 
 
 def _encode(x: np.ndarray, dtype: str) -> np.ndarray:
-    if dtype == "f32":
-        return x
-    if dtype == "f16":
-        return x.astype(np.float16)
-    from formats.quants import f32_to_bf16
+    from formats.quants import get_dtype
 
-    return f32_to_bf16(x)
+    return get_dtype(dtype).encode(x)[0].reshape(x.shape)
 
 
 # ------------------------------------------------------------------ writing

@@ -1,7 +1,7 @@
 """A fast GGUF parser: metadata as Python values, tensors as numpy views of a memory map.
 
 gguf-py's ``GGUFReader`` builds numpy views for every element of every metadata
-array; for a 262k-token vocabulary (Gemma 3) that alone takes over half a minute.
+array; for a 262k-token vocabulary that alone takes over half a minute.
 This reads the same file in about a second and exposes what ``gguf_import`` uses
 of ``GGUFReader``: ``fields[key].contents()`` and ``tensors`` (name, shape in ggml
 order, tensor_type, n_bytes, data_offset, data shaped as gguf-py shapes it).

@@ -234,11 +234,11 @@ def _post_processor(tokens: list[str], bos: int | None, eos: int | None):
     return processors.Sequence([byte_level, template])
 
 
-# ------------------------------------------------------------------ SentencePiece (Gemma)
+# ------------------------------------------------------------------ SentencePiece
 
 def _spm_merges(tokens: list[str]) -> list[tuple[str, str]]:
     """BPE merges implied by a SentencePiece BPE vocabulary: every split of a token
-    into two tokens, best-first by the token's position in the file (Gemma's scores
+    into two tokens, best-first by the token's position in the file (the scores
     follow that order too), ties by the shorter left piece; as transformers'
     ``generate_merges`` with the positions as scores."""
     vocab = {t: i for i, t in enumerate(tokens)}

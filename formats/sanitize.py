@@ -2,8 +2,8 @@
 
 ``sanitize_checkpoint(ck, rules)`` returns a view of an ``HFCheckpoint`` whose
 tensor names follow one convention. The *rules* belong to the architecture family
-(``Family.sanitize`` in ``cortiq_engine/models/<family>.py``: Mixtral's
-``block_sparse_moe.*.w1/w2/w3``, MiMo-V2's ``attention_sink_bias``...); this module
+(``Family.sanitize`` in ``cortiq_engine/models/<family>.py``: regex renames such as
+``block_sparse_moe.*.w1/w2/w3`` -> ``mlp.experts.*``); this module
 only applies them, together with what every family shares:
 
 - multimodal wrappers' ``model.language_model.*`` become ``model.*`` and their vision
@@ -15,8 +15,8 @@ only applies them, together with what every family shares:
   ``mlp.experts.E.{gate,up,down}_proj.weight``;
 - ``rules.squeeze_conv``: Gated DeltaNet's depthwise ``conv1d.weight`` [C, 1, K]
   becomes [C, K];
-- ``rules.split_rows``: a fused 2-D tensor is split by rows into named parts (Phi-3's
-  ``self_attn.qkv_proj`` into q/k/v and ``mlp.gate_up_proj`` into gate/up); the row
+- ``rules.split_rows``: a fused 2-D tensor is split by rows into named parts
+  (``self_attn.qkv_proj`` into q/k/v, ``mlp.gate_up_proj`` into gate/up); the row
   counts come from config.json, so such rules are built per checkpoint
   (``Family.sanitize_for``).
 
@@ -55,7 +55,7 @@ class SanitizeRules:
     # (regex, ((replacement, rows), ...)): a 2-D tensor whose name (after the renames)
     # fully matches is split into those parts, top rows first; the counts must add up.
     split_rows: tuple[tuple[str, tuple[tuple[str, int], ...]], ...] = ()
-    # GPT-OSS: fused experts [E, in, 2 * out] with gate/up interleaved along the last dim,
+    # Fused experts [E, in, 2 * out] with gate/up interleaved along the last dim,
     # per-expert biases, and MXFP4 ``*_blocks`` / ``*_scales`` (``InterleavedExperts``).
     interleaved_experts: bool = False
 
@@ -301,7 +301,7 @@ class _View:
 
 
 class InterleavedExperts(SanitizedCheckpoint):
-    """GPT-OSS's fused experts as the engine's per-expert ``mlp.experts.E.{gate,up,down}_proj``
+    """Interleaved fused experts as the engine's per-expert ``mlp.experts.E.{gate,up,down}_proj``
     weights [out, in] and biases, computed per expert and row range, never a whole stack:
 
     - ``gate_up_proj`` [E, H, 2I]: gate = columns 0::2, up = columns 1::2, transposed;
