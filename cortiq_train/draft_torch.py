@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from formats.arch import ArchConfig
+from formats.errors import CortiqError
 
 
 class RMSNorm(nn.Module):
@@ -228,8 +229,36 @@ class DraftStack(nn.Module):
         return out
 
 
+# The tensors of a llama-style block, the one these draft layers copy and re-implement.
+LLAMA_BLOCK = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+               "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+
+
+def require_llama_blocks(backbone, layers: list[int], hint: str) -> None:
+    """Refuse, in one line, a backbone whose ``layers`` are not llama-style blocks: the
+    draft layers start from one (and the torch backbone re-implements them all), and
+    the sidecar they make is loaded by the backbone's family as its own draft blocks."""
+    from cortiq_engine.models import FAMILIES
+
+    arch = backbone.arch
+    if arch.mla is not None:
+        raise CortiqError(
+            f"mtp-train makes llama-style draft layers (q/k/v/o attention, a gated MLP); this {arch.arch} model's layers "
+            "use multi-head latent attention, which they can neither start from nor be loaded as (use its own MTP layers)"
+        )
+    manifest = FAMILIES.for_arch(arch.arch).manifest(arch, ())
+    for i in layers:
+        missing = [n for n in LLAMA_BLOCK if f"model.layers.{i}.{n}" not in manifest.names()]
+        if missing:
+            raise CortiqError(
+                f"mtp-train makes llama-style draft layers (q/k/v/o attention, a gated MLP); layer {i} of this "
+                f"{arch.arch} model has no {missing[0]} ({hint})"
+            )
+
+
 def build_stack(backbone, k: int, inter: int | None, init_layer: int, hnorm_scale: float, seq: int, seed: int) -> DraftStack:
     arch = backbone.arch
+    require_llama_blocks(backbone, [init_layer % arch.num_layers], "choose another --init-layer")
     block = backbone.block_f32(init_layer % arch.num_layers)
     width = inter or block["mlp.gate_proj.weight"].shape[0]
     final = backbone.final_norm_weight()
@@ -252,6 +281,7 @@ class TorchBackbone:
 
     def __init__(self, backbone, max_len: int):
         arch = backbone.arch
+        require_llama_blocks(backbone, list(range(arch.num_layers)), "use --backbone engine")
         self.blocks = [TorchBlock(arch, backbone.block_f32(i)).requires_grad_(False) for i in range(arch.num_layers)]
         self.cos, self.sin = rope_tables(arch, max_len)
         self.backbone = backbone

@@ -571,3 +571,19 @@ def test_ctx_memory_check_counts_the_latent_row(ds):
         check_ctx_memory(eng.model, ctx)
         with pytest.raises(CortiqError, match=f"--ctx {3 * ctx} needs"):
             check_ctx_memory(eng.model, 3 * ctx)
+
+
+@pytest.mark.parametrize("backend", ["torch", "engine"])
+def test_mtp_train_refuses_a_latent_attention_trunk(ds, tmp_path, backend):
+    """mtp-train's llama-style draft layers cannot start from (or be loaded as) latent
+    attention blocks: one line naming why, whichever backend collects the rows."""
+    from pathlib import Path
+
+    from cortiq_train.config import TrainConfig
+    from cortiq_train.run import train_mtp
+
+    text = (Path(__file__).resolve().parents[1] / "evals" / "data" / "alice.txt").read_text(encoding="utf-8")[:1000]
+    cfg = TrainConfig(layers=1, steps=2, seq=32, batch=2, warmup=1, topk=8, holdout=0.2, max_tokens=400,
+                      checkpoint_every=0, negatives=16)
+    with pytest.raises(CortiqError, match="llama-style draft layers .* multi-head latent attention"):
+        train_mtp(ds["q_lora"][2], text, "alice", cfg, out=tmp_path / "d.mtp.cmf", kernels="numpy", backend=backend)
