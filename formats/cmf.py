@@ -44,8 +44,8 @@ import numpy as np
 
 from formats.errors import CortiqError
 from formats.quants import ALIGN, DTYPES, align_up, get_dtype
-from formats.staging import Staged, hold, remove_stale
-from formats.untrusted_json import is_int, loads as untrusted_loads
+from formats.staging import Staged, hold, new_temp, place, refuse_special, remove_stale
+from formats.untrusted_json import is_int, loads as untrusted_loads, open_regular
 
 MAGIC = b"CORTIQMF"
 # Readers reject a newer major version; a newer minor version only adds things an
@@ -119,15 +119,6 @@ def _header_bytes(header: dict[str, Any]) -> bytes:
     return json.dumps(header, ensure_ascii=False, sort_keys=True).encode("utf-8")
 
 
-def _new_temp(path: Path) -> tuple[int, Path]:
-    """A temporary file beside ``path`` with the permissions a plain ``open`` would give."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    umask = os.umask(0o022)
-    os.umask(umask)
-    os.fchmod(fd, 0o666 & ~umask)  # mkstemp makes 0600 files
-    return fd, Path(tmp)
-
-
 class CmfWriter(Staged):
     """Streams tensors into ``path`` through a temporary file in the same folder.
 
@@ -139,6 +130,7 @@ class CmfWriter(Staged):
 
     def __init__(self, path: str | os.PathLike, header: dict[str, Any], *, force: bool = False):
         self.path = Path(path)
+        refuse_special(self.path)
         if self.path.is_dir():
             raise CortiqError(f"{self.path} is a folder; give a file name such as model.cmf")
         if self.path.exists() and not force:
@@ -152,7 +144,7 @@ class CmfWriter(Staged):
         hjson = _header_bytes(header)
         self._data_off = align_up(PREAMBLE + len(hjson) + HEADER_SLACK)
         remove_stale(self.path)
-        fd, self._tmp = _new_temp(self.path)
+        fd, self._tmp = new_temp(self.path)
         self._held = hold(self._tmp)  # a later run removes it only once this process is gone
         self._f = os.fdopen(fd, "wb")
         try:
@@ -240,7 +232,7 @@ class CmfWriter(Staged):
         """Rename the sealed file into place (atomic on one filesystem)."""
         if not self._sealed:
             raise AssertionError("seal() before publish()")
-        os.replace(self._tmp, self.path)
+        place(self._tmp, self.path)
 
     def commit(self) -> None:
         self.seal()
@@ -314,10 +306,8 @@ class CmfFile:
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
-        if not self.path.is_file():
-            raise CortiqError(f"{self.path}: no such file")
-        size = self.path.stat().st_size
-        with open(self.path, "rb") as f:
+        with open_regular(self.path, "file") as f:  # a FIFO, a device or /proc entry is refused unread
+            size = os.fstat(f.fileno()).st_size
             raw_pre = f.read(PREAMBLE)
             f.seek(0)
             pre = read_preamble(self.path, f, size)
@@ -356,7 +346,9 @@ class CmfFile:
         for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
             if start < end:
                 raise CortiqError(f"{self.path}: tensors {a} and {b} overlap (corrupt file)")
-        with open(self.path, "rb") as f:
+        with open_regular(self.path, "file") as f:
+            if os.fstat(f.fileno()).st_size != size:
+                raise CortiqError(f"{self.path}: the file changed while it was being opened")
             self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         self._buf = np.frombuffer(self._mmap, dtype=np.uint8)
 
@@ -463,7 +455,7 @@ def rewrite_header(path: str | os.PathLike, header: dict[str, Any]) -> None:
     dir_json = json.dumps(entries).encode("utf-8")
     remove_stale(path)
     with open(path, "rb") as src:
-        fd, tmp = _new_temp(path)
+        fd, tmp = new_temp(path)
         held = hold(tmp)  # a later run removes it only once this process is gone
         try:
             os.fchmod(fd, os.stat(path).st_mode & 0o7777)
@@ -482,7 +474,7 @@ def rewrite_header(path: str | os.PathLike, header: dict[str, Any]) -> None:
                 dst.write(dir_json)
                 dst.flush()
                 os.fsync(dst.fileno())
-            os.replace(tmp, path)
+            place(tmp, path)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise

@@ -43,7 +43,6 @@ from __future__ import annotations
 import json
 import os
 import struct
-import tempfile
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,8 +51,8 @@ from typing import Any
 import numpy as np
 
 from formats.errors import CortiqError
-from formats.staging import Staged, hold, remove_stale
-from formats.untrusted_json import load_object
+from formats.staging import Staged, hold, new_temp, place, preallocate, refuse_special, remove_stale
+from formats.untrusted_json import load_object, open_regular
 
 MAGIC = b"CORTIQRF"
 VERSION = 1
@@ -112,6 +111,7 @@ class CrefWriter(Staged):
     def __init__(self, path: str | os.PathLike, *, rows: int, vocab: int, top_k: int,
                  tokens: np.ndarray, windows: np.ndarray, meta: dict[str, Any], samples: int = 0, force: bool = True):
         self.path = Path(path)
+        refuse_special(self.path)
         if self.path.is_dir():
             raise CortiqError(f"{self.path} is a folder; give a file name such as ref.cref")
         if not self.path.parent.is_dir():
@@ -129,17 +129,16 @@ class CrefWriter(Staged):
             pos = _align(pos + _nbytes(name, shape))
         self._end = pos
         remove_stale(self.path)
-        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
-        self._tmp = Path(tmp)
+        fd, self._tmp = new_temp(self.path)
         self._held = hold(self._tmp)
-        umask = os.umask(0o022)
-        os.umask(umask)
-        os.fchmod(fd, 0o666 & ~umask)  # mkstemp makes 0600 files
-        os.close(fd)
         self._done = False
         try:
-            with open(self._tmp, "r+b") as f:
-                f.truncate(self._end)
+            try:
+                # Every page of the map gets its disk blocks now: a full disk is one error
+                # here, never a SIGBUS when a page is stored.
+                preallocate(fd, self._end, self.path)
+            finally:
+                os.close(fd)
             self._map = np.memmap(self._tmp, dtype=np.uint8, mode="r+", shape=(self._end,))
             self.view("tokens")[:] = np.asarray(tokens, np.int32)
             self.view("windows")[:] = np.asarray(windows, np.int64)
@@ -188,7 +187,7 @@ class CrefWriter(Staged):
             f.write(hjson)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(self._tmp, self.path)
+        place(self._tmp, self.path)
         self._done = True
         self._held.release()
 
@@ -222,8 +221,8 @@ class CrefFile:
     def __init__(self, path: str | os.PathLike):
         self.path = p = Path(path)
         try:
-            size = p.stat().st_size
-            with open(p, "rb") as f:
+            with open_regular(p, "reference file") as f:
+                size = os.fstat(f.fileno()).st_size
                 pre = f.read(PREAMBLE)
                 if len(pre) < PREAMBLE:
                     raise CortiqError(f"{p}: not a cortiq reference file (only {size} bytes)")

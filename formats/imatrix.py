@@ -9,6 +9,7 @@ Read back as untrusted input: every tensor must be 1-D f32, finite and >= 0.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import numpy as np
 from formats.errors import CortiqError
 from formats.safetensors_reader import SafetensorsFile
 from formats.safetensors_writer import SafetensorsStream
+from formats.staging import hold, new_temp, place, refuse_special, remove_stale
 
 TOKENS_KEY = "cortiq.imatrix.tokens"
 
@@ -37,15 +39,30 @@ class Imatrix:
 
 
 def write_imatrix(path: str | Path, means: dict[str, np.ndarray], tokens: int) -> None:
+    """Stage the file beside ``path`` and rename it into place: an interrupted or failed
+    write leaves nothing, and only a regular file is ever replaced."""
+    path = Path(path)
+    refuse_special(path)
     names = sorted(means)
     entries = [(n, "F32", (int(means[n].size),), 4) for n in names] + [(TOKENS_KEY, "I64", (1,), 8)]
-    st = SafetensorsStream(Path(path), entries)
+    remove_stale(path)
+    fd, tmp = new_temp(path)
+    os.close(fd)
+    held = hold(tmp)
     try:
-        for n in names:
-            st.write(n, np.ascontiguousarray(means[n], dtype=np.float32).reshape(-1))
-        st.write(TOKENS_KEY, np.array([tokens], np.int64))
+        st = SafetensorsStream(tmp, entries)
+        try:
+            for n in names:
+                st.write(n, np.ascontiguousarray(means[n], dtype=np.float32).reshape(-1))
+            st.write(TOKENS_KEY, np.array([tokens], np.int64))
+        finally:
+            st.close()
+        place(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     finally:
-        st.close()
+        held.release()
 
 
 def read_imatrix(path: str | Path) -> Imatrix:

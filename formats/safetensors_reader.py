@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import mmap
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +18,7 @@ import numpy as np
 
 from formats.errors import CortiqError
 from formats.quants import bf16_to_f32, rows_cols
-from formats.untrusted_json import load_object
+from formats.untrusted_json import load_object, open_regular
 
 _ST_DTYPES = {
     "F32": np.dtype("<f4"),
@@ -59,8 +60,8 @@ class StEntry:
 class SafetensorsFile:
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        size = self.path.stat().st_size
-        with open(self.path, "rb") as f:
+        with open_regular(self.path, "safetensors file") as f:  # a FIFO or device is refused unread
+            size = os.fstat(f.fileno()).st_size
             head = f.read(8)
             if len(head) < 8:
                 raise CortiqError(f"{self.path}: not a safetensors file")
@@ -92,7 +93,9 @@ class SafetensorsFile:
                     f"{self.path}: tensor {name} has {en - b} bytes for shape {list(entry.shape)} {entry.dtype}"
                 )
             self.entries[name] = entry
-        with open(self.path, "rb") as f:
+        with open_regular(self.path, "safetensors file") as f:
+            if os.fstat(f.fileno()).st_size != size:
+                raise CortiqError(f"{self.path}: the file changed while it was being opened")
             self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
         self._buf = np.frombuffer(self._mmap, dtype=np.uint8) if self._mmap else np.zeros(0, np.uint8)
 

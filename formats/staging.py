@@ -13,11 +13,73 @@ and its files.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import re
 import shutil
+import stat
+import tempfile
 from pathlib import Path
+
+from formats.errors import CortiqError
+
+
+def refuse_special(out: Path) -> None:
+    """Refuse an output name that exists as anything but a regular file or a folder (a
+    device such as /dev/full, a FIFO, a socket), whatever ``--force`` says: writers replace
+    only regular files."""
+    try:
+        st = os.stat(out)
+    except OSError:
+        return  # absent, or a dangling symlink: a new file takes the name
+    if not stat.S_ISREG(st.st_mode) and not stat.S_ISDIR(st.st_mode):
+        kind = "a FIFO" if stat.S_ISFIFO(st.st_mode) else "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(
+            st.st_mode) else "a socket" if stat.S_ISSOCK(st.st_mode) else "not a regular file"
+        raise CortiqError(f"{out} is {kind}; cortiq replaces only regular files (--force included)")
+
+
+def place(tmp: Path, out: Path) -> None:
+    """Rename the staged ``tmp`` over ``out`` (atomic on one filesystem), checking at the
+    last moment that ``out`` is not a device, FIFO, socket or folder."""
+    refuse_special(out)
+    if out.is_dir() and not out.is_symlink():
+        raise CortiqError(f"{out} is a folder; give a file name")
+    os.replace(tmp, out)
+
+
+def new_temp(path: Path) -> tuple[int, Path]:
+    """A staging file ``.NAME.<random>.tmp`` beside ``path`` with the permissions a plain
+    ``open`` would give (mkstemp makes 0600 files)."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    umask = os.umask(0o022)
+    os.umask(umask)
+    os.fchmod(fd, 0o666 & ~umask)
+    return fd, Path(tmp)
+
+
+def preallocate(fd: int, size: int, path: Path) -> None:
+    """Reserve ``size`` bytes for a file that is then written through a memory map: a full
+    disk fails here with one CortiqError (ENOSPC), not later as SIGBUS on a page store."""
+    if size <= 0:
+        return
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise CortiqError(f"{path}: cannot reserve {size} bytes ({e.strerror or e})") from None
+        try:  # a filesystem without fallocate: zeros written back every page
+            _write_zeros(fd, size)
+        except OSError as e2:
+            raise CortiqError(f"{path}: cannot reserve {size} bytes ({e2.strerror or e2})") from None
+
+
+def _write_zeros(fd: int, size: int) -> None:
+    block = bytes(1 << 20)
+    os.lseek(fd, 0, os.SEEK_SET)
+    left = size
+    while left:
+        left -= os.write(fd, block[: min(left, len(block))])
 
 
 class Staged:

@@ -12,8 +12,10 @@ refused.
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -44,37 +46,57 @@ def _parse_constant(s: str) -> Any:
 
 
 _CHUNK = 1 << 22  # bytes scanned at once: bounded memory for a 256 MB tokenizer.json
+# Byte classes: 0 other, 1 opening bracket, 2 closing bracket, 3 quote, 4 backslash.
+_CLASS = np.zeros(256, np.uint8)
+_CLASS[[ord("["), ord("{")]] = 1
+_CLASS[[ord("]"), ord("}")]] = 2
+_CLASS[_QUOTE] = 3
+_CLASS[_BACKSLASH] = 4
 
 
-def nesting_depth(raw: bytes) -> int:
+def nesting_depth(raw: bytes, chunk: int = _CHUNK) -> int:
     """The deepest bracket nesting of JSON text, strings excluded: vectorized passes over
     chunks, no regex, no recursion (a backtracking string pattern is quadratic on a
     header of escaped quotes).
 
     A quote opens or closes a string unless an odd run of backslashes precedes it;
-    a bracket counts when an even number of such quotes precede it. Text that is not
-    JSON may get a wrong depth, but ``json`` then refuses it anyway.
+    a bracket counts when an even number of such quotes precede it. Only the bytes of
+    those four kinds are looked at after one table look-up. Text that is not JSON may
+    get a wrong depth, but ``json`` then refuses it anyway.
     """
     data = memoryview(raw).cast("B")
     deepest = depth = quotes = backslashes = 0  # carried from one chunk to the next
-    for start in range(0, len(data), _CHUNK):
-        b = np.frombuffer(data[start : start + _CHUNK], np.uint8)
-        idx = np.arange(b.size, dtype=np.int64)
-        # The last byte at or before i that is not a backslash (a carried run sits before 0).
-        last_plain = np.maximum.accumulate(np.where(b != _BACKSLASH, idx, -1 - backslashes))
-        run_before = np.empty(b.size, np.int64)  # backslashes right before byte i
-        run_before[0] = backslashes
-        run_before[1:] = idx[:-1] - last_plain[:-1]
-        quote = (b == _QUOTE) & (run_before % 2 == 0)
-        seen = np.cumsum(quote) + quotes  # structural quotes up to and including byte i
-        outside = (seen % 2 == 0) & ~quote
-        opens = (b == ord("[")) | (b == ord("{"))
-        closes = (b == ord("]")) | (b == ord("}"))
-        step = np.where(outside, opens.astype(np.int64) - closes.astype(np.int64), 0)
+    for start in range(0, len(data), chunk):
+        cls = _CLASS[np.frombuffer(data[start : start + chunk], np.uint8)]
+        size = cls.size
+        pos = np.flatnonzero(cls)
+        if not pos.size:
+            backslashes = 0
+            continue
+        c = cls[pos]
+        is_bs = c == 4
+        # A backslash continues the run of the entry before it when it sits right after it.
+        cont = np.empty(pos.size, bool)
+        cont[0] = backslashes > 0 and pos[0] == 0
+        cont[1:] = is_bs[:-1] & (pos[1:] == pos[:-1] + 1)
+        run_start = np.where(is_bs & ~cont, pos, np.iinfo(np.int64).min)
+        if is_bs[0] and cont[0]:
+            run_start[0] = -backslashes
+        run_start = np.maximum.accumulate(run_start)  # for a backslash: where its run began
+        # Backslashes right before each entry.
+        before = np.zeros(pos.size, np.int64)
+        before[0] = backslashes if pos[0] == 0 else 0
+        after_bs = is_bs[:-1] & (pos[1:] == pos[:-1] + 1)
+        before[1:] = np.where(after_bs, pos[1:] - run_start[:-1], 0)
+        quote = (c == 3) & (before % 2 == 0)
+        seen = np.cumsum(quote) + quotes  # structural quotes up to and including each entry
+        bracket = (c == 1) | (c == 2)
+        outside = bracket & (seen % 2 == 0)
+        step = np.where(outside, np.where(c == 1, 1, -1), 0)
         levels = np.cumsum(step) + depth
         deepest = max(deepest, int(levels.max()))
         depth, quotes = int(levels[-1]), int(seen[-1])
-        backslashes = int(b.size - 1 - last_plain[-1])
+        backslashes = int(size - run_start[-1]) if is_bs[-1] and pos[-1] == size - 1 else 0
     return deepest
 
 
@@ -104,15 +126,65 @@ def load_object(data: bytes | str, what: str, **limits: int) -> dict[str, Any]:
     return obj
 
 
-def read_text(path: Path, max_bytes: int = MAX_BYTES) -> str:
-    """A UTF-8 text file, bounded in size, as one CortiqError on anything unreadable."""
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def open_regular(path: str | os.PathLike, what: str = "file", max_bytes: int | None = None) -> BinaryIO:
+    """``path`` opened for reading when it is a regular file (not a FIFO, device, socket,
+    folder, or a /proc or /sys entry) of at most ``max_bytes``; else one CortiqError.
+
+    It is opened with O_NONBLOCK so a FIFO cannot block the open, then checked with
+    fstat on the open descriptor (no window between the check and the use)."""
+    path = Path(path)
     try:
-        size = path.stat().st_size
-        if size > max_bytes:
-            raise CortiqError(f"{path}: {size} bytes exceeds the limit of {max_bytes} for a text file")
-        raw = path.read_bytes()
-    except IsADirectoryError:
-        raise CortiqError(f"{path}: is a folder, expected a file") from None
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise CortiqError(f"{path}: no such {what}") from None
+    except OSError as e:
+        try:  # a socket cannot be opened at all: name what it is
+            mode = os.stat(path).st_mode
+        except OSError:
+            mode = stat.S_IFREG
+        if not stat.S_ISREG(mode):
+            raise CortiqError(f"{path}: is {_kind(mode)}, expected a regular {what}") from None
+        raise CortiqError(f"{path}: cannot open ({e.strerror or e})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CortiqError(f"{path}: is {_kind(st.st_mode)}, expected a regular {what}")
+        if any(_same_device(st, root) for root in ("/proc", "/sys")):
+            raise CortiqError(f"{path}: is a kernel pseudo-file, expected a regular {what}")
+        if max_bytes is not None and st.st_size > max_bytes:
+            raise CortiqError(f"{path}: {st.st_size} bytes exceeds the limit of {max_bytes} for a {what}")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _same_device(st: os.stat_result, root: str) -> bool:
+    try:
+        return os.stat(root).st_dev == st.st_dev
+    except OSError:
+        return False
+
+
+def read_text(path: Path, max_bytes: int = MAX_BYTES, what: str = "text file") -> str:
+    """A UTF-8 text file, bounded in size, as one CortiqError on anything unreadable
+    (a FIFO, a device or a /proc entry included: see ``open_regular``)."""
+    with open_regular(path, what, max_bytes) as f:
+        try:
+            raw = f.read(max_bytes + 1)
+        except OSError as e:
+            raise CortiqError(f"{path}: cannot read ({e.strerror or e})") from None
+    if len(raw) > max_bytes:
+        raise CortiqError(f"{path}: over {max_bytes} bytes, the limit for a {what}")
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:

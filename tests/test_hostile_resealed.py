@@ -316,3 +316,120 @@ def test_a_template_render_cannot_grow_this_process(tiny, tmp_path):
     bad = _with_template(cmf, tmp_path / "m.cmf", _TUPLES + "{% set s = ns.t|string %}")
     _one_line_error(runner.invoke(app, ["generate", str(bad), "hi", "--chat", "-n", "1"]))
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 200_000  # KiB
+
+
+# ------------------------------------------------------------------ 4. only regular files, read or replaced
+
+def _specials(tmp_path: Path) -> dict[str, Path]:
+    import socket
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    sock = tmp_path / "sock"
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(str(sock))
+    s.close()
+    out = {"fifo": fifo, "socket": sock, "dev-zero": Path("/dev/zero"), "proc": Path("/proc/self/status")}
+    if os.geteuid() == 0:  # a device node of our own (1, 7 is /dev/full): replacing it harms nothing
+        node = tmp_path / "full"
+        os.mknod(node, 0o666 | __import__("stat").S_IFCHR, os.makedev(1, 7))
+        out["device-node"] = node
+    return out
+
+
+def test_special_files_are_refused_as_inputs_at_once(tiny, tmp_path):
+    """A FIFO with no writer would block open() and read(); /dev/zero never ends; /proc
+    files claim 0 bytes: each is one line, at once."""
+    from formats.cref import CrefFile
+    from formats.untrusted_json import read_text
+
+    _, cmf = tiny
+    base = min(_timed(lambda: runner.invoke(app, ["inspect", str(cmf)])) for _ in range(3))
+    for kind, p in _specials(tmp_path).items():
+        t0 = time.perf_counter()
+        err = _one_line_error(runner.invoke(app, ["inspect", str(p)]))
+        assert "regular file" in err or "pseudo-file" in err, (kind, err)
+        for fn in (read_text, CrefFile):
+            with pytest.raises(CortiqError, match="regular|pseudo-file"):
+                fn(p)
+        assert time.perf_counter() - t0 < 20 * base + 1.0, kind
+
+
+def test_force_replaces_only_regular_files(tiny, tmp_path):
+    """``--force`` onto a FIFO, socket or device node is refused and leaves it as it was
+    (as root, renaming over /dev/full would replace the device node)."""
+    import stat as st
+
+    src, cmf = tiny
+    for kind, p in _specials(tmp_path).items():
+        if kind in ("dev-zero", "proc"):
+            continue  # system files: never a test's output
+        mode = os.lstat(p).st_mode
+        err = _one_line_error(runner.invoke(app, ["convert", str(src), str(p), "--quant", "q8", "--force"]))
+        assert "replaces only regular files" in err, err
+        assert os.lstat(p).st_mode == mode and not st.S_ISREG(mode), kind
+        assert not [q for q in tmp_path.iterdir() if q.name.endswith(".tmp")]
+    from formats.imatrix import write_imatrix
+
+    with pytest.raises(CortiqError, match="replaces only regular files"):
+        write_imatrix(tmp_path / "fifo", {"w": np.ones(2, np.float32)}, 1)
+    # a regular file is still replaced
+    out = tmp_path / "o.cmf"
+    out.write_bytes(b"old")
+    res = runner.invoke(app, ["convert", str(src), str(out), "--quant", "q8", "--force"])
+    assert res.exit_code == 0, res.output
+    assert out.read_bytes()[:8] == b"CORTIQMF"
+
+
+# ------------------------------------------------------------------ 6. mmap writers reserve their blocks
+
+_FULL_DISK = r"""
+import sys
+import numpy as np
+from formats.cref import CrefWriter
+from formats.errors import CortiqError
+
+out = sys.argv[1]
+rows, vocab = 1000, 1000
+try:
+    with CrefWriter(out, rows=rows, vocab=vocab, top_k=0, tokens=np.zeros(rows + 1, np.int32),
+                    windows=np.array([[0, rows + 1, 0, rows, -1]], np.int64), meta={}) as w:
+        w.write_rows(0, {"nll": np.zeros(rows), "top1": np.zeros(rows, np.int32),
+                         "logp": np.full((rows, vocab), -1.0, np.float32)})
+except CortiqError as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+"""
+
+
+def _limit_file_size() -> None:
+    import resource
+    import signal
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the limit a write fails with EFBIG
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+
+
+def test_a_full_disk_under_a_mapped_writer_is_one_line(tmp_path):
+    """The .cref writer stores its rows through a memory map of a sparse file: on a full
+    disk that was a SIGBUS at the first page stored. Its blocks are reserved first, so the
+    disk fills at one call that fails cleanly, and the staging file is removed. As root a
+    256 KiB tmpfs is the full disk; otherwise a file-size limit stands in."""
+    import subprocess as sp
+
+    folder, mounted = tmp_path / "disk", False
+    folder.mkdir()
+    if os.geteuid() == 0:
+        mounted = sp.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(folder)],
+                         capture_output=True).returncode == 0
+    try:
+        env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+        p = sp.run([sys.executable, "-c", _FULL_DISK, str(folder / "r.cref")], env=env, capture_output=True,
+                   text=True, timeout=120, preexec_fn=None if mounted else _limit_file_size)
+        assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
+        lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+        assert len(lines) == 1 and "cannot reserve" in lines[0], p.stderr
+        assert list(folder.iterdir()) == []
+    finally:
+        if mounted:
+            sp.run(["umount", str(folder)], check=True)
