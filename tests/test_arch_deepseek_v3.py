@@ -494,8 +494,7 @@ def write_deepseek2_gguf(model, path, weight_type: str = "F32", split_kv_b: bool
 
 @pytest.mark.parametrize(
     "variant,weight_type,split",
-    [("q_lora", "F32", True), ("q_lora", "F32", False), ("q_lora", "F32", "both"), ("q_proj", "F32", True),
-     ("q_lora", "Q8_0", True)],
+    [("q_lora", "F32", True), ("q_lora", "F32", "both"), ("q_proj", "F32", False), ("q_lora", "Q8_0", True)],
 )
 def test_gguf_matches_transformers(tmp_path, variant, weight_type, split):
     """A deepseek2 GGUF as llama.cpp's converter writes it (kv_b whole or split per head

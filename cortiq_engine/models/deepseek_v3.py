@@ -208,7 +208,8 @@ def _gguf_num(ctx: GgufContext, key: str, default: Any = None, *, integer: bool 
         raise CortiqError(f"GGUF metadata has no 'deepseek2.{key}'")
     ok = not isinstance(v, bool) and isinstance(v, (int, float, np.integer, np.floating)) and math.isfinite(float(v))
     if not ok or float(v) < 0 or (integer and float(v) != int(v)):
-        raise CortiqError(f"GGUF metadata deepseek2.{key} is {str(v)[:40]!r}, expected a non-negative {'integer' if integer else 'number'}")
+        want = "integer" if integer else "number"
+        raise CortiqError(f"GGUF metadata deepseek2.{key} is {str(v)[:40]!r}, expected a non-negative {want}")
     # A float32 in the file, as the decimal its author wrote (2.5, not 2.500000238...).
     return int(v) if integer else float(str(np.float32(v)))
 
@@ -229,12 +230,15 @@ def _gguf_config(ctx: GgufContext, config: dict[str, Any]) -> None:
     qk = _gguf_num(ctx, "attention.key_length_mla" if mla else "attention.key_length", integer=True)
     v = _gguf_num(ctx, "attention.value_length_mla" if mla else "attention.value_length", integer=True)
     if not 0 < rope_dim < qk or rope_dim % 2 or v < 1:
-        raise CortiqError(f"deepseek2 GGUF head sizes (query/key {qk}, rotary {rope_dim}, value {v}) are not a latent attention geometry")
+        raise CortiqError(
+            f"deepseek2 GGUF head sizes (query/key {qk}, rotary {rope_dim}, value {v}) are not a latent attention geometry"
+        )
     q_lora = "blk.0.attn_q_a.weight" in ctx.tensors
     gating = ctx.key("expert_gating_func", None)
     if gating != 2:  # gguf.ExpertGatingFuncType.SIGMOID; llama.cpp reads a missing key as softmax (DeepSeek-V2)
         raise CortiqError(
-            f"deepseek2 GGUF expert_gating_func {gating!r} is not supported (DeepSeek-V2's softmax routing; supported: 2, sigmoid)"
+            f"deepseek2 GGUF expert_gating_func {gating!r} is not supported "
+            "(DeepSeek-V2's softmax routing; supported: 2, sigmoid)"
         )
     dense = _gguf_num(ctx, "leading_dense_block_count", 0, integer=True)
     if dense < config["num_hidden_layers"] and f"blk.{dense}.exp_probs_b.bias" not in ctx.tensors:
