@@ -38,18 +38,19 @@ def mtp_train(
     mtp_hidden: Annotated[str, typer.Option("--mtp-hidden", metavar="pre|post", help="Backbone hidden the drafts read: pre or post its final norm.", rich_help_panel=TRAIN_PANEL)] = "pre",
     topk: Annotated[int, typer.Option("--topk", help="Teacher probabilities kept per position.", rich_help_panel=TRAIN_PANEL)] = 32,
     vocab: Annotated[str, typer.Option("--vocab", metavar="active|full", help="Draft softmax during training: active (tokens the teacher uses, + random negatives) or full.", rich_help_panel=TRAIN_PANEL)] = "active",
-    backbone: Annotated[str, typer.Option("--backbone", metavar="torch|engine", help="Who runs the frozen backbone to collect its hidden rows: torch (fast on CPU) or engine (the decode path's exact numbers).", rich_help_panel=TRAIN_PANEL)] = "torch",
+    backbone: Annotated[str, typer.Option("--backbone", metavar="engine|torch", help="Who runs the frozen backbone to collect its hidden rows: engine (the decode path's exact numbers) or torch (faster on CPU, llama-style blocks only; checked against the engine first).", rich_help_panel=TRAIN_PANEL)] = "engine",
     ttt: Annotated[Optional[bool], typer.Option("--ttt/--teacher-forcing", help="Training-time test: depth k reads the drafts of depths < k where inference does, or the true tokens (default: TTT for --chain recursive, teacher forcing for independent).", show_default=False, rich_help_panel=TRAIN_PANEL)] = None,
     chain: Annotated[str, typer.Option("--chain", metavar="independent|recursive", help="How the drafts chain: independent (K layers) or recursive (one layer re-fed, --layers 1).", rich_help_panel=TRAIN_PANEL)] = "independent",
     depth: Annotated[int, typer.Option("--depth", help="Depths trained with --chain recursive (0: 3).", rich_help_panel=TRAIN_PANEL)] = 0,
-    features: Annotated[Optional[Path], typer.Option("--features", help="Folder of the collected backbone rows (memory-mapped, resumed after a kill, reused by runs on the same text; default OUT stem + .features).", rich_help_panel=TRAIN_PANEL)] = None,
+    features: Annotated[Optional[Path], typer.Option("--features", help="Keep the collected backbone rows in this folder (memory-mapped, resumed after a kill, reused by runs on the same text; default: the run's work folder in the cache, removed when the run succeeds).", rich_help_panel=TRAIN_PANEL)] = None,
     feature_dtype: Annotated[str, typer.Option("--feature-dtype", metavar="f16|f32", help="Stored hidden rows: f16 (half the disk) or f32.", rich_help_panel=TRAIN_PANEL)] = "f16",
     self_distill: Annotated[int, typer.Option("--self-distill", help="Train on the backbone's own text: each window keeps this many real tokens and the backbone continues it (0: real text only).", rich_help_panel=TRAIN_PANEL)] = 0,
     self_temperature: Annotated[float, typer.Option("--self-temperature", help="With --self-distill: sample the continuations at this temperature (0: greedy).", rich_help_panel=TRAIN_PANEL)] = 0.0,
     chat: Annotated[bool, typer.Option("--chat", help="Train on chat turns: each window asks about a passage of the text through the model's chat template and the backbone answers (greedy, or at --self-temperature); with --self-distill N, chat turns alternate with plain windows.", rich_help_panel=TRAIN_PANEL)] = False,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the window choice and negatives.", rich_help_panel=TRAIN_PANEL)] = 0,
-    checkpoint_every: Annotated[int, typer.Option("--checkpoint-every", help="Save a checkpoint (OUT stem + .train.safetensors; no pickle) every N steps; 0 = never.", rich_help_panel=TRAIN_PANEL)] = 50,
-    resume: Annotated[bool, typer.Option("--resume", help="Continue from the checkpoint beside the output.", rich_help_panel=TRAIN_PANEL)] = False,
+    checkpoint_every: Annotated[int, typer.Option("--checkpoint-every", help="Save a checkpoint (safetensors, no pickle; in the run's work folder under $XDG_CACHE_HOME/cortiq/mtp-train) every N steps; 0 = never.", rich_help_panel=TRAIN_PANEL)] = 50,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue from the checkpoint of a stopped (or --keep-checkpoint) run for the same output, checked against this run first.", rich_help_panel=TRAIN_PANEL)] = False,
+    keep_checkpoint: Annotated[bool, typer.Option("--keep-checkpoint", help="Keep the checkpoint and collected rows after a successful run (for a later --resume with more --steps); by default only the sidecar remains.", rich_help_panel=TRAIN_PANEL)] = False,
     draft_vocab: Annotated[Optional[int], typer.Option("--draft-vocab", min=1, help="Also store a draft vocabulary of N ids chosen from the training text (the drafts then score only those; `cortiq mtp-vocab` changes it later).", rich_help_panel=TRAIN_PANEL)] = None,
     defaults: Annotated[bool, typer.Option("--defaults/--no-defaults", help="After training, time this machine's drafts and verifies on the live rounds of the held-out windows (the backbone's own text: --self-distill or --chat) and store the fastest depth and --mtp-threshold in the sidecar as generate's defaults.", rich_help_panel=TRAIN_PANEL)] = True,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Sidecar to write (default: MODEL.mtp.cmf beside MODEL.cmf).")] = None,
@@ -76,7 +77,8 @@ def mtp_train(
     source = load_text(opt.text_spec(text, dataset, config, split, column, data_files))
     if json_out:
         result = train_mtp(model, source.text, source.source, cfg, out=out, quant=quant, resume=resume,
-                           force=force, threads=threads, backend=backbone, features=features, draft_vocab=draft_vocab)
+                           keep_checkpoint=keep_checkpoint, force=force, threads=threads, backend=backbone,
+                           features=features, draft_vocab=draft_vocab)
         if defaults:
             result.extra["defaults"] = _defaults_json(_measure_defaults(model, result, threads))
         print_json(result.to_json())
@@ -111,7 +113,8 @@ def mtp_train(
             bar.update(tasks["train"], completed=done, info=f"loss [cyan]{loss:.4f}[/]  top-1 {acc}")
 
         result = train_mtp(model, source.text, source.source, cfg, out=out, quant=quant, resume=resume,
-                           force=force, threads=threads, backend=backbone, callbacks=Callbacks(collect=collect, step=step, generate=generate),
+                           keep_checkpoint=keep_checkpoint, force=force, threads=threads, backend=backbone,
+                           callbacks=Callbacks(collect=collect, step=step, generate=generate),
                            features=features, draft_vocab=draft_vocab)
         found = None
         if defaults:

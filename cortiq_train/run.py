@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
+import shutil
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -17,6 +21,7 @@ from cortiq_train.config import TrainConfig
 
 
 EVAL_WINDOWS = 32
+BACKENDS = ("engine", "torch")  # who runs the frozen backbone to collect its rows
 
 
 TORCH_CHECK_TOKENS = 64
@@ -37,9 +42,18 @@ def check_torch_backbone(runner, backbone, ids: np.ndarray) -> None:
                           f"(relative difference {rel:.3g} over {len(ids)} tokens): use --backbone engine")
 
 
-def features_path(out: Path) -> Path:
-    stem = out.name[: -len(".cmf")] if out.name.endswith(".cmf") else out.name
-    return out.with_name(f"{stem}.features")
+FEATURES_NAME = "features"
+
+
+def work_dir(out: Path, environ: Mapping[str, str] = os.environ) -> Path:
+    """Where a run keeps its checkpoint and collected rows until it succeeds:
+    ``$XDG_CACHE_HOME/cortiq/mtp-train/<OUT's name>-<digest of OUT's absolute path>``
+    (``~/.cache`` by default), so a ``--resume`` for the same OUT finds them and
+    nothing but the sidecar lands beside the model."""
+    out = Path(out).resolve()
+    base = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    digest = hashlib.sha256(str(out).encode()).hexdigest()[:16]
+    return Path(base) / "cortiq" / "mtp-train" / f"{out.name}-{digest}"
 
 
 @dataclass
@@ -65,6 +79,8 @@ class RunResult:
     losses: list[float]
     train_seconds: float
     collect_seconds: float
+    backbone: str = "engine"  # who ran the backbone: engine or torch
+    threads: int = 1  # the engine's pools and torch's
     held_torch: Acceptance | None = None
     held_engine: Acceptance | None = None
     # The held-out windows the report drafted (tokens, the backbone's greedy token after
@@ -77,6 +93,8 @@ class RunResult:
         return {
             "sidecar": str(self.sidecar),
             "checkpoint": str(self.checkpoint) if self.checkpoint else None,
+            "backbone": self.backbone,
+            "threads": self.threads,
             "config": self.config.to_json(),
             "text": self.source,
             "tokens": self.tokens,
@@ -105,24 +123,33 @@ def train_mtp(
     out: str | Path | None = None,
     quant: str | None = None,
     resume: bool = False,
+    keep_checkpoint: bool = False,
     force: bool = False,
     threads: int | None = None,
     kernels: str | None = None,
-    backend: str = "torch",
+    backend: str = "engine",
     callbacks: Callbacks | None = None,
     features: str | Path | None = None,
+    work: str | Path | None = None,
     draft_vocab: int | None = None,
 ) -> RunResult:
-    """``features``: the folder of the collected backbone rows (memory-mapped, resumable;
-    default OUT stem + ``.features`` beside the sidecar; reused by any run of the same
-    backbone, text and collection settings)."""
+    """Train, write the sidecar ``out`` (default ``MODEL.mtp.cmf``) and nothing else beside it.
+
+    ``work``: the folder of the run's checkpoint and collected rows (default
+    ``work_dir(out)``); a run that stops leaves them there for ``resume``, a run that
+    succeeds removes them unless ``keep_checkpoint``. ``features``: a folder of the
+    collected backbone rows of the caller's own (memory-mapped, resumable, reused by any
+    run of the same backbone, text and collection settings; never removed).
+    ``threads``: the engine's pools and torch's (None: every usable core)."""
     from cortiq_train.backbone import open_backbone
     from cortiq_train.export import write_sidecar
     from cortiq_train.features import EngineRunner, collect
-    from cortiq_train.trainer import Trainer, checkpoint_path, missing_checkpoint, require_torch
+    from cortiq_train.trainer import CHECKPOINT_NAME, Trainer, missing_checkpoint, require_torch
 
     cb = callbacks or Callbacks()
     require_torch()  # before any slow work
+    if backend not in BACKENDS:
+        raise CortiqError(f"--backbone {backend!r}: choose {' or '.join(BACKENDS)}")
     model_path = Path(model_path)
     out = Path(out) if out else sidecar_path(model_path)
     if out.resolve() == model_path.resolve():
@@ -131,11 +158,16 @@ def train_mtp(
         raise CortiqError(f"{out} exists (use --force to overwrite)")
     if not out.parent.is_dir():
         raise CortiqError(f"output folder {out.parent} does not exist")
-    ckpt = checkpoint_path(out)
+    work = Path(work) if work else work_dir(out)
+    ckpt = work / CHECKPOINT_NAME
+    if resume and not ckpt.is_file():
+        raise missing_checkpoint(ckpt, out)
     backbone = open_backbone(model_path, kernels, threads)
     cfg.check(backbone.arch.num_layers)
-    if resume and not ckpt.is_file():
-        raise missing_checkpoint(ckpt)
+    if resume:
+        check_resume(ckpt, backbone, cfg)  # before any backbone row is collected
+    else:
+        ckpt.unlink(missing_ok=True)  # an earlier run's, for this OUT: never resumed by accident
     q = section(backbone.header, "quant").get("default")
     quant = quant or (q if isinstance(q, str) else None) or "f32"
 
@@ -145,7 +177,7 @@ def train_mtp(
     if len(ids) < 2:
         raise CortiqError(f"{source}: too little text ({len(ids)} token)")
     fingerprint = backbone.fingerprint or str(model_path.resolve())
-    feature_dir = Path(features) if features else features_path(out)
+    feature_dir = Path(features) if features else work / FEATURES_NAME
     if cfg.chat or cfg.self_distill:
         from cortiq_train.features import chat_prompts, continuations, continue_windows
 
@@ -176,10 +208,8 @@ def train_mtp(
 
         runner = TorchBackbone(backbone, cfg.seq)
         check_torch_backbone(runner, backbone, np.asarray(ids[: min(len(ids), cfg.seq, TORCH_CHECK_TOKENS)]))
-    elif backend == "engine":
-        runner = EngineRunner(backbone)
     else:
-        raise CortiqError(f"--backbone {backend!r}: choose torch or engine")
+        runner = EngineRunner(backbone)
     feats = collect(runner, ids, seq=cfg.seq, topk=cfg.topk, hidden=cfg.hidden, holdout=cfg.holdout,
                     min_len=cfg.depths + 2, progress=cb.collect, cache=feature_dir,
                     dtype=cfg.feature_dtype, backbone=fingerprint)
@@ -194,13 +224,16 @@ def train_mtp(
         trainer.load(ckpt)
     if cb.phase:
         cb.phase("train")
+    if cfg.checkpoint_every:
+        work.mkdir(parents=True, exist_ok=True)
     res = trainer.run(ckpt if cfg.checkpoint_every else None, cb.step)
 
     result = RunResult(
-        sidecar=out, checkpoint=ckpt if ckpt.is_file() else None, config=cfg, source=source,
+        sidecar=out, checkpoint=None, config=cfg, source=source,
         tokens=len(ids), train_windows=len(feats.train), held_windows=len(held),
         active_vocab=len(trainer.active), start_step=res.start_step, steps=res.steps_done,
         losses=res.losses, train_seconds=res.seconds, collect_seconds=collect_s,
+        backbone=backend, threads=backbone.threads,
     )
     if cb.phase:
         cb.phase("evaluate")
@@ -238,4 +271,32 @@ def train_mtp(
         result.held_tokens = np.asarray(feats.tokens[held], np.int64)
         result.held_greedy = np.asarray(feats.greedy[held], np.int64)
         result.held_engine = Acceptance.from_arrays(drafts, result.held_greedy)
+    if keep_checkpoint:
+        result.checkpoint = ckpt if ckpt.is_file() else None
+    else:
+        remove_work(work, feature_dir if not features else None)
     return result
+
+
+def check_resume(ckpt: Path, backbone, cfg: TrainConfig) -> None:
+    """The checkpoint fits this run (``trainer.read_checkpoint``), checked on a fresh
+    stack of the run's shapes before the slow collection starts."""
+    from cortiq_train.draft_torch import build_stack
+    from cortiq_train.trainer import CheckpointLayout, read_checkpoint
+
+    stack = build_stack(backbone, cfg.layers, cfg.intermediate, cfg.init_layer, 1.0, cfg.seq + cfg.depths, cfg.seed)
+    read_checkpoint(ckpt, CheckpointLayout.of(stack), cfg, backbone.fingerprint)
+
+
+def remove_work(work: Path, feature_dir: Path | None) -> None:
+    """A finished run's checkpoint and collected rows (``feature_dir``: None when they
+    are the caller's own folder), then the work folder when nothing else is in it."""
+    from cortiq_train.trainer import CHECKPOINT_NAME
+
+    (work / CHECKPOINT_NAME).unlink(missing_ok=True)
+    if feature_dir is not None:
+        shutil.rmtree(feature_dir, ignore_errors=True)
+    try:
+        work.rmdir()
+    except OSError:
+        pass

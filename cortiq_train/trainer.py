@@ -16,12 +16,14 @@ only its windows' rows.
 
 Every random choice is a function of (seed, step), and the checkpoint holds the
 weights, the optimizer and the step, so a resumed run equals an uninterrupted one.
-The checkpoint (``OUT stem + .train.safetensors``) is a safetensors file: tensors
-``model.*`` (the draft stack) and ``optim.<param>.<key>`` (AdamW moments and steps),
-everything else (version, step, settings, backbone fingerprint, losses, optimizer
-hyper-parameters) as JSON in its metadata, checked before any tensor is read. It is
-never a pickle: a file someone placed beside a model cannot run code (an old
-``.train.pt`` pickle is named in the error, never opened).
+The checkpoint (``train.safetensors`` in the run's work folder, ``run.work_dir``) is
+a safetensors file: tensors ``model.*`` (the draft stack) and ``optim.<param>.<key>``
+(AdamW moments and step counters), everything else (version, step, settings, backbone
+fingerprint, losses, optimizer hyper-parameters) as JSON in its metadata.
+``read_checkpoint`` checks all of it against the run it would continue (names, shapes,
+dtypes, step counts) before any weight is read. It is never a pickle: a file someone
+placed beside a model cannot run code (an old ``.train.pt`` pickle beside the sidecar
+is named in the error, never opened).
 """
 
 from __future__ import annotations
@@ -62,16 +64,100 @@ def _json_scalar(v: Any) -> Any:
     raise TypeError(f"{type(v).__name__} in the optimizer settings")
 
 
-def missing_checkpoint(path: Path) -> CortiqError:
-    legacy = path.with_name(path.name[: -len(".safetensors")] + ".pt")
-    hint = f" ({legacy.name} is an old pickle checkpoint, which cortiq never opens)" if legacy.is_file() else ""
-    return CortiqError(f"--resume: no checkpoint at {path}{hint}")
+CHECKPOINT_NAME = "train.safetensors"
+OPTIM_KEYS = ("step", "exp_avg", "exp_avg_sq")  # AdamW's state of one parameter
 
 
-def checkpoint_path(out: str | Path) -> Path:
-    out = Path(out)
+def missing_checkpoint(path: Path, out: Path) -> CortiqError:
     stem = out.name[: -len(".cmf")] if out.name.endswith(".cmf") else out.name
-    return out.with_name(f"{stem}.train.safetensors")
+    legacy = out.with_name(f"{stem}.train.pt")
+    hint = f" ({legacy.name} is an old pickle checkpoint, which cortiq never opens)" if legacy.is_file() else ""
+    return CortiqError(f"--resume: no checkpoint at {path}{hint}; a run keeps it when stopped, or with --keep-checkpoint")
+
+
+@dataclass(frozen=True)
+class CheckpointLayout:
+    """What a checkpoint of one draft stack holds: its state tensors' shapes by name and
+    the shapes of its trainable parameters in the optimizer's order."""
+
+    model: dict[str, tuple[int, ...]]
+    params: list[tuple[int, ...]]
+
+    @classmethod
+    def of(cls, stack) -> "CheckpointLayout":
+        return cls({k: tuple(v.shape) for k, v in stack.state_dict().items()},
+                   [tuple(p.shape) for p in stack.parameters() if p.requires_grad])
+
+    def tensors(self, step: int) -> dict[str, tuple[int, ...]]:
+        """Every tensor name with its shape; the optimizer holds state once a step ran."""
+        out = {f"model.{k}": shape for k, shape in self.model.items()}
+        if step > 0:
+            for i, shape in enumerate(self.params):
+                out.update({f"optim.{i}.step": (), f"optim.{i}.exp_avg": shape, f"optim.{i}.exp_avg_sq": shape})
+        return out
+
+
+@dataclass(frozen=True)
+class CheckpointMeta:
+    step: int
+    losses: list[float]
+    param_groups: list[dict[str, Any]]
+
+
+def read_checkpoint(path: Path, layout: CheckpointLayout, cfg: TrainConfig, fingerprint: str | None) -> CheckpointMeta:
+    """Check the checkpoint at ``path`` against the run it would continue, reading no
+    weight: its metadata (version, backbone, settings), its step against the losses, the
+    optimizer's counters and ``--steps``, and every tensor's name, shape and dtype
+    against ``layout``. One-line ``CortiqError``s."""
+    from formats.safetensors_reader import SafetensorsFile
+
+    st = SafetensorsFile(path)
+    try:
+        raw_meta = st.metadata.get(CHECKPOINT_KEY)
+        if not isinstance(raw_meta, str):
+            raise CortiqError(f"{path}: not an mtp-train checkpoint (no {CHECKPOINT_KEY} metadata)")
+        meta = load_object(raw_meta, f"{path} (checkpoint metadata)")
+        if meta.get("version") != CHECKPOINT_VERSION:
+            raise CortiqError(f"{path}: not an mtp-train checkpoint of version {CHECKPOINT_VERSION}")
+        if meta.get("fingerprint") != fingerprint:
+            raise CortiqError(f"{path}: the checkpoint was trained on another backbone (fingerprint {str(meta.get('fingerprint'))[:40]})")
+        saved_cfg = meta.get("config")
+        diffs = cfg.resume_mismatch(saved_cfg if isinstance(saved_cfg, dict) else {})
+        if diffs:
+            raise CortiqError(f"{path}: settings differ from the checkpoint: " + "; ".join(diffs))
+        step, losses, groups = meta.get("step"), meta.get("losses"), meta.get("param_groups")
+        if not (isinstance(step, int) and not isinstance(step, bool) and step >= 0):
+            raise CortiqError(f"{path}: bad step {str(step)[:20]} in the checkpoint")
+        if step > cfg.steps:
+            raise CortiqError(f"{path}: the checkpoint is at step {step}, past --steps {cfg.steps} (the total, a resumed run included)")
+        if not (isinstance(losses, list) and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in losses)):
+            raise CortiqError(f"{path}: bad losses in the checkpoint")
+        if len(losses) != step:
+            raise CortiqError(f"{path}: the checkpoint is at step {step} but holds {len(losses)} losses")
+        if not (isinstance(groups, list) and len(groups) == 1 and isinstance(groups[0], dict)
+                and groups[0].get("params") == list(range(len(layout.params)))):
+            raise CortiqError(f"{path}: the checkpoint's optimizer settings do not fit the {len(layout.params)} draft parameters")
+        want = layout.tensors(step)
+        missing = sorted(set(want) - set(st.entries))
+        extra = sorted(set(st.entries) - set(want))
+        if missing or extra:
+            first = (f"{missing[0]} is missing" if missing else f"{extra[0][:80]} is not a tensor of these draft layers")
+            more = len(missing) + len(extra) - 1
+            raise CortiqError(f"{path}: the checkpoint's tensors do not match the draft layers ({first}"
+                              + (f", and {more} more" if more else "") + ")")
+        for name, shape in want.items():
+            e = st.entries[name]
+            if e.shape != shape:
+                raise CortiqError(f"{path}: tensor {name} is {list(e.shape)} in the checkpoint, {list(shape)} here")
+            if e.dtype != "F32":
+                raise CortiqError(f"{path}: tensor {name} is {e.dtype} in the checkpoint, F32 here")
+        for i in range(len(layout.params) if step else 0):
+            n = float(st.raw(f"optim.{i}.step"))
+            if n != step:
+                raise CortiqError(f"{path}: the optimizer's counter optim.{i}.step is {n:g}, the checkpoint's step {step}")
+        return CheckpointMeta(step, [float(x) for x in losses], groups)
+    finally:
+        st.close()
 
 
 @dataclass
@@ -161,57 +247,26 @@ class Trainer:
             raise
 
     def load(self, path: Path) -> None:
-        """Resume from ``path``: its metadata (version, fingerprint, settings) is checked
-        before a tensor is read; the tensors then must match the draft stack exactly."""
+        """Resume from ``path``, checked first (``read_checkpoint``: metadata, names,
+        shapes, dtypes, step counts) against this stack."""
         from formats.safetensors_reader import SafetensorsFile
 
-        if not path.is_file():
-            raise missing_checkpoint(path)
+        meta = read_checkpoint(path, CheckpointLayout.of(self.stack), self.cfg, self.backbone.fingerprint)
         st = SafetensorsFile(path)
         try:
-            raw_meta = st.metadata.get(CHECKPOINT_KEY)
-            if not isinstance(raw_meta, str):
-                raise CortiqError(f"{path}: not an mtp-train checkpoint (no {CHECKPOINT_KEY} metadata)")
-            meta = load_object(raw_meta, f"{path} (checkpoint metadata)")
-            if meta.get("version") != CHECKPOINT_VERSION:
-                raise CortiqError(f"{path}: not an mtp-train checkpoint of version {CHECKPOINT_VERSION}")
-            if meta.get("fingerprint") != self.backbone.fingerprint:
-                raise CortiqError(f"{path}: the checkpoint was trained on another backbone (fingerprint {str(meta.get('fingerprint'))[:40]})")
-            saved_cfg = meta.get("config")
-            diffs = self.cfg.resume_mismatch(saved_cfg if isinstance(saved_cfg, dict) else {})
-            if diffs:
-                raise CortiqError(f"{path}: settings differ from the checkpoint: " + "; ".join(diffs))
-            step, losses, groups = meta.get("step"), meta.get("losses"), meta.get("param_groups")
-            if not (isinstance(step, int) and 0 <= step <= self.cfg.steps * 10 + 10**6):
-                raise CortiqError(f"{path}: bad step {str(step)[:20]} in the checkpoint")
-            if not (isinstance(losses, list) and all(isinstance(x, (int, float)) for x in losses)):
-                raise CortiqError(f"{path}: bad losses in the checkpoint")
-            if not (isinstance(groups, list) and all(isinstance(g, dict) for g in groups)):
-                raise CortiqError(f"{path}: bad optimizer settings in the checkpoint")
-            want = self.stack.state_dict()
-            model_names = {n[len("model."):] for n in st.entries if n.startswith("model.")}
-            if model_names != set(want):
-                raise CortiqError(f"{path}: the checkpoint's tensors do not match the draft layers")
-            model = {}
-            for k, ref in want.items():
-                t = self._tensor(st, f"model.{k}")
-                if tuple(t.shape) != tuple(ref.shape):
-                    raise CortiqError(f"{path}: tensor {k} is {list(t.shape)} in the checkpoint, {list(ref.shape)} here")
-                model[k] = t
+            model = {k: self._tensor(st, f"model.{k}") for k in self.stack.state_dict()}
             state: dict[int, dict[str, Any]] = {}
             for n in st.entries:
                 if n.startswith("optim."):
                     _, idx, key = n.split(".", 2)
-                    if not idx.isdigit():
-                        raise CortiqError(f"{path}: bad optimizer tensor {n[:80]}")
                     state.setdefault(int(idx), {})[key] = self._tensor(st, n)
             self.stack.load_state_dict(model)
             try:
-                self.opt.load_state_dict({"state": state, "param_groups": groups})
+                self.opt.load_state_dict({"state": state, "param_groups": meta.param_groups})
             except (ValueError, KeyError, TypeError, RuntimeError) as e:
                 raise CortiqError(f"{path}: optimizer state does not fit ({str(e)[:120]})") from None
-            self.step = step
-            self.losses = [float(x) for x in losses]
+            self.step = meta.step
+            self.losses = list(meta.losses)
         finally:
             st.close()
 

@@ -138,7 +138,8 @@ def test_training_lowers_the_loss_and_the_sidecar_loads(tiny, tmp_path):
 def test_resume_continues_at_the_saved_step(tiny, tmp_path):
     _, cmf = tiny
     cfg = small_cfg(steps=6, checkpoint_every=3, holdout=0.0)
-    full = train_mtp(cmf, TEXT, "alice", cfg, out=tmp_path / "a.mtp.cmf", kernels="numpy")
+    full = train_mtp(cmf, TEXT, "alice", cfg, out=tmp_path / "a.mtp.cmf", kernels="numpy", work=tmp_path / "wa")
+    assert not (tmp_path / "wa").exists()  # a finished run keeps only its sidecar
 
     class Stop(Exception):
         pass
@@ -148,23 +149,32 @@ def test_resume_continues_at_the_saved_step(tiny, tmp_path):
             raise Stop
 
     with pytest.raises(Stop):
-        train_mtp(cmf, TEXT, "alice", cfg, out=tmp_path / "b.mtp.cmf", kernels="numpy", callbacks=Callbacks(step=interrupt))
-    assert not (tmp_path / "b.mtp.cmf").exists() and (tmp_path / "b.mtp.train.safetensors").is_file()
-    resumed = train_mtp(cmf, TEXT, "alice", cfg, out=tmp_path / "b.mtp.cmf", kernels="numpy", resume=True)
+        train_mtp(cmf, TEXT, "alice", cfg, out=tmp_path / "b.mtp.cmf", kernels="numpy", work=tmp_path / "wb",
+                  callbacks=Callbacks(step=interrupt))
+    # A stopped run leaves its checkpoint and rows in the work folder, nothing beside the model.
+    assert not (tmp_path / "b.mtp.cmf").exists() and (tmp_path / "wb" / "train.safetensors").is_file()
+    assert (tmp_path / "wb" / "features" / "meta.json").is_file()
+    resumed = train_mtp(cmf, TEXT, "alice", cfg, out=tmp_path / "b.mtp.cmf", kernels="numpy", work=tmp_path / "wb",
+                        resume=True)
     assert resumed.start_step == 3 and resumed.steps == 6
     assert resumed.losses == pytest.approx(full.losses, rel=1e-6)
+    assert not (tmp_path / "wb").exists() and resumed.checkpoint is None
     a, b = CmfFile(tmp_path / "a.mtp.cmf"), CmfFile(tmp_path / "b.mtp.cmf")
     assert a.names() == b.names()
     for name in a.names():
         np.testing.assert_allclose(a.tensor_f32(name), b.tensor_f32(name), rtol=1e-6, atol=1e-7)
     # A resume with other settings is refused, naming them.
+    kept = train_mtp(cmf, TEXT, "alice", cfg, out=tmp_path / "c.mtp.cmf", kernels="numpy", work=tmp_path / "wc",
+                     keep_checkpoint=True)
+    assert kept.checkpoint == tmp_path / "wc" / "train.safetensors" and kept.checkpoint.is_file()
     with pytest.raises(CortiqError, match="layers"):
         train_mtp(cmf, TEXT, "alice", small_cfg(steps=6, checkpoint_every=3, holdout=0.0, layers=1),
-                  out=tmp_path / "b.mtp.cmf", kernels="numpy", resume=True)
+                  out=tmp_path / "c.mtp.cmf", kernels="numpy", work=tmp_path / "wc", resume=True)
 
 
-def run_cli(*args: str):
-    res = CliRunner().invoke(app, ["mtp-train", *args])
+def run_cli(*args: str, cache: Path | None = None):
+    """The command in-process; ``cache``: its $XDG_CACHE_HOME (where a run's work folder goes)."""
+    res = CliRunner().invoke(app, ["mtp-train", *args], env={"XDG_CACHE_HOME": str(cache)} if cache else None)
     return res.exit_code, res.output
 
 
@@ -173,13 +183,17 @@ def test_cli_trains_and_reports_json(tiny, tmp_path):
     text = tmp_path / "t.txt"
     text.write_text(TEXT)
     out = tmp_path / "x.mtp.cmf"
+    cache = tmp_path / "cache"
     code, output = run_cli(str(cmf), "--text", str(text), "--layers", "2", "--steps", "4", "--seq", "32",
-                           "--max-tokens", "800", "--checkpoint-every", "2", "--out", str(out), "--json")
+                           "--max-tokens", "800", "--checkpoint-every", "2", "--out", str(out), "--json", cache=cache)
     assert code == 0, output
     doc = json.loads(output)
     assert doc["steps"] == 4 and len(doc["losses"]) == 4 and doc["sidecar"] == str(out)
     assert len(doc["held_out"]["acceptance_alone"]) == 2 and doc["held_out"]["tokens_per_round"] >= 1.0
-    assert out.is_file() and (tmp_path / "x.mtp.train.safetensors").is_file()
+    # The engine runs the backbone by default; only the sidecar is written, the work folder is gone.
+    assert doc["backbone"] == "engine" and doc["checkpoint"] is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "t.txt", "x.mtp.cmf"]
+    assert [p for p in cache.rglob("*") if not p.is_dir()] == []
     # Real text, not the backbone's own: too few live rounds to measure generate's defaults on.
     assert doc["defaults"]["saved"] is None and "--self-distill" in doc["defaults"]["reason"]
     # Without --force the sidecar is not overwritten.
@@ -271,3 +285,116 @@ def test_intermediate_width(tiny, tmp_path):
         assert len(load_draft_layers(out, open_backbone(cmf, "numpy"))) == 2
     assert runs[192].held_engine.alone == runs[None].held_engine.alone
     assert runs[192].held_engine.chained == runs[None].held_engine.chained
+
+
+def test_cli_keep_checkpoint_then_resume(tiny, tmp_path):
+    """--keep-checkpoint keeps the work folder (in the cache, keyed by OUT); --resume with
+    more --steps continues from it at the saved step, then removes it."""
+    from cortiq_train.run import work_dir
+
+    _, cmf = tiny
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT)
+    out, cache = tmp_path / "k.mtp.cmf", tmp_path / "cache"
+    common = (str(cmf), "--text", str(text), "--seq", "32", "--max-tokens", "800", "--checkpoint-every", "1",
+              "--out", str(out), "--no-defaults", "--json")
+    code, output = run_cli(*common, "--steps", "2", "--keep-checkpoint", cache=cache)
+    assert code == 0, output
+    work = work_dir(out, {"XDG_CACHE_HOME": str(cache)})
+    assert json.loads(output)["checkpoint"] == str(work / "train.safetensors") and (work / "train.safetensors").is_file()
+    code, output = run_cli(*common, "--steps", "4", "--resume", cache=cache)
+    assert code == 0, output
+    doc = json.loads(output)
+    assert doc["start_step"] == 2 and doc["steps"] == 4 and len(doc["losses"]) == 4
+    assert not work.exists() and out.is_file()
+
+
+def test_cli_threads_set_the_engine_and_torch_pools(tiny, tmp_path):
+    import numba
+    import torch
+
+    from cortiq_engine.threads import max_threads
+
+    _, cmf = tiny
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT)
+    n = min(2, max_threads())  # tiny matrices alone would put torch on one thread
+    code, output = run_cli(str(cmf), "--text", str(text), "--steps", "1", "--seq", "32", "--max-tokens", "400",
+                           "--out", str(tmp_path / "t.mtp.cmf"), "--threads", str(n), "--no-defaults", "--json",
+                           cache=tmp_path / "cache")
+    assert code == 0, output
+    assert json.loads(output)["threads"] == n
+    assert numba.get_num_threads() == n and torch.get_num_threads() == n
+    code, output = run_cli(str(cmf), "--text", str(text), "--threads", "999", "--out", str(tmp_path / "u.mtp.cmf"),
+                           cache=tmp_path / "cache")
+    assert code == 2 and output.strip().startswith("error: --threads 999") and len(output.strip().splitlines()) == 1
+
+
+def _rewrite(path: Path, edit) -> None:
+    """The checkpoint at ``path`` rewritten through ``edit(tensors, metadata)``."""
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+
+    with safe_open(str(path), "np") as f:
+        meta = dict(f.metadata())
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    body = json.loads(meta["cortiq_mtp_train"])
+    edit(tensors, body)
+    meta["cortiq_mtp_train"] = json.dumps(body)
+    save_file(tensors, str(path), metadata=meta)
+
+
+def test_resume_checks_the_checkpoint_before_collecting(tiny, tmp_path):
+    """A checkpoint whose names, shapes, dtypes or step counts do not fit the run is one
+    line, before any backbone row is collected."""
+    import shutil
+
+    _, cmf = tiny
+    cfg = small_cfg(steps=2, checkpoint_every=1, holdout=0.0)
+    good = train_mtp(cmf, TEXT, "alice", cfg, out=tmp_path / "g.mtp.cmf", kernels="numpy", work=tmp_path / "g",
+                     keep_checkpoint=True).checkpoint
+    name = "model.layers.0.eh_proj.weight"
+
+    def bad_shape(t, m):
+        t[name] = t[name][:, :-1].copy()
+
+    def bad_dtype(t, m):
+        t[name] = t[name].astype(np.float16)
+
+    def missing(t, m):
+        del t[name]
+
+    def extra(t, m):
+        t["model.layers.9.eh_proj.weight"] = t[name]
+
+    def losses(t, m):
+        m["losses"] = m["losses"][:1]
+
+    def counter(t, m):
+        t["optim.0.step"] = np.array(7.0, np.float32)
+
+    def past_steps(t, m):
+        m["step"], m["losses"] = 5, m["losses"] * 3
+        for k in t:
+            if k.endswith(".step"):
+                t[k] = np.array(5.0, np.float32)
+
+    cases = [(bad_shape, r"eh_proj.weight is \[\d+, \d+\] in the checkpoint, \[\d+, \d+\] here"),
+             (bad_dtype, "eh_proj.weight is F16 in the checkpoint, F32 here"),
+             (missing, "eh_proj.weight is missing"), (extra, "layers.9.eh_proj.weight is not a tensor of these draft layers"),
+             (losses, "at step 2 but holds 1 losses"), (counter, "optim.0.step is 7, the checkpoint's step 2"),
+             (past_steps, "at step 5, past --steps 2")]
+    for i, (edit, msg) in enumerate(cases):
+        work = tmp_path / f"w{i}"
+        work.mkdir()
+        shutil.copy(good, work / "train.safetensors")
+        _rewrite(work / "train.safetensors", edit)
+        phases: list[str] = []
+        with pytest.raises(CortiqError, match=msg) as e:
+            train_mtp(cmf, TEXT, "alice", cfg, out=tmp_path / f"r{i}.mtp.cmf", kernels="numpy", work=work, resume=True,
+                      callbacks=Callbacks(phase=phases.append))
+        assert "\n" not in str(e.value) and phases == [] and not (work / "features").exists(), edit.__name__
+    # The untouched checkpoint resumes.
+    r = train_mtp(cmf, TEXT, "alice", small_cfg(steps=3, checkpoint_every=1, holdout=0.0), out=tmp_path / "g.mtp.cmf",
+                  kernels="numpy", work=tmp_path / "g", resume=True)
+    assert r.start_step == 2 and r.steps == 3

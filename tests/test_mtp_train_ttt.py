@@ -150,15 +150,17 @@ def test_training_resumes_after_a_kill_during_collection(tiny, tmp_path):
 
     cfg = TrainConfig(layers=2, steps=4, seq=32, batch=2, lr=3e-3, warmup=1, topk=8, holdout=0.0,
                       max_tokens=600, checkpoint_every=0, negatives=16, ttt=True)
-    full = train_mtp(tiny, TEXT, "alice", cfg, out=tmp_path / "a.mtp.cmf", kernels="numpy")
+    full = train_mtp(tiny, TEXT, "alice", cfg, out=tmp_path / "a.mtp.cmf", kernels="numpy", work=tmp_path / "wa")
 
     def stop(d, n):
         if d >= 32 * 5:
             raise Stop
 
     with pytest.raises(Stop):
-        train_mtp(tiny, TEXT, "alice", cfg, out=tmp_path / "b.mtp.cmf", kernels="numpy", callbacks=Callbacks(collect=stop))
-    again = train_mtp(tiny, TEXT, "alice", cfg, out=tmp_path / "b.mtp.cmf", kernels="numpy")
+        train_mtp(tiny, TEXT, "alice", cfg, out=tmp_path / "b.mtp.cmf", kernels="numpy", work=tmp_path / "wb",
+                  callbacks=Callbacks(collect=stop))
+    assert (tmp_path / "wb" / "features" / "meta.json").is_file()  # the rows so far, for the next run
+    again = train_mtp(tiny, TEXT, "alice", cfg, out=tmp_path / "b.mtp.cmf", kernels="numpy", work=tmp_path / "wb")
     assert again.losses == pytest.approx(full.losses, rel=1e-6)
 
 
@@ -286,14 +288,15 @@ def test_mtp_train_chat_end_to_end(tiny, tmp_path):
     chat = _with_template(tiny, tmp_path / "chat.cmf", TEMPLATE)
     cfg = TrainConfig(layers=1, steps=2, seq=128, batch=1, lr=3e-3, warmup=1, topk=8, holdout=0.0,
                       max_tokens=3 * 128, checkpoint_every=0, negatives=16, chat=True)
-    r = train_mtp(chat, TEXT[:2000], "alice", cfg, out=tmp_path / "c.mtp.cmf", kernels="numpy", draft_vocab=40)
+    r = train_mtp(chat, TEXT[:2000], "alice", cfg, out=tmp_path / "c.mtp.cmf", kernels="numpy", draft_vocab=40,
+                  features=tmp_path / "c.features")
     assert r.tokens == 3 * 128 and r.train_windows == 3
-    assert (tmp_path / "c.mtp.features" / "continuations" / "windows.npy").is_file()
+    assert (tmp_path / "c.features" / "continuations" / "windows.npy").is_file()
     from cortiq_engine.draft_vocab import choose_draft_vocab
     from formats.sidecar import read_draft_vocab
 
     bb = open_backbone(chat, "numpy")
-    wins = np.load(tmp_path / "c.mtp.features" / "continuations" / "windows.npy").ravel()
+    wins = np.load(tmp_path / "c.features" / "continuations" / "windows.npy").ravel()
     want = choose_draft_vocab(wins, 40, bb.arch.vocab_size, [*bb.tokenizer.eos_ids, *bb.tokenizer.special_ids()])
     with CmfFile(tmp_path / "c.mtp.cmf") as f:
         np.testing.assert_array_equal(read_draft_vocab(f, bb.arch.vocab_size), want)
@@ -307,9 +310,10 @@ def test_mtp_train_chat_and_plain_windows_alternate(tiny, tmp_path):
     chat = _with_template(tiny, tmp_path / "chat.cmf", TEMPLATE)
     cfg = TrainConfig(layers=1, steps=1, seq=128, batch=1, warmup=1, topk=8, holdout=0.0,
                       max_tokens=4 * 128, checkpoint_every=0, negatives=16, chat=True, self_distill=10)
-    r = train_mtp(chat, TEXT[:2000], "alice", cfg, out=tmp_path / "m.mtp.cmf", kernels="numpy")
+    r = train_mtp(chat, TEXT[:2000], "alice", cfg, out=tmp_path / "m.mtp.cmf", kernels="numpy",
+                  features=tmp_path / "m.features")
     assert r.train_windows == 4
-    wins = np.load(tmp_path / "m.mtp.features" / "continuations" / "windows.npy")
+    wins = np.load(tmp_path / "m.features" / "continuations" / "windows.npy")
     bb = open_backbone(chat, "numpy")
     text_ids = np.array(bb.tokenizer.encode(TEXT[:2000], add_bos=True))
     for w in (0, 2):
