@@ -433,3 +433,30 @@ def test_a_full_disk_under_a_mapped_writer_is_one_line(tmp_path):
     finally:
         if mounted:
             sp.run(["umount", str(folder)], check=True)
+
+
+# ------------------------------------------------------------------ 5. non-finite weights
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_check_finite_names_the_first_bad_weight(bad):
+    from formats.finite import check_finite, check_finite_parts
+    from formats.quants import get_dtype
+
+    x = np.ones((4, 8), np.float32)
+    check_finite("w", x)  # finite: quiet
+    big = np.full((4, 8), np.finfo(np.float32).max, np.float32)
+    check_finite("w", big)  # large but finite (a sum or a dot product of these overflows)
+    x[2, 5] = bad
+    with pytest.raises(CortiqError, match=rf"tensor w holds {bad} at row 12, column 5"):
+        check_finite("w", x, first_row=10)
+    with pytest.raises(CortiqError, match="row 0, column 3"):
+        check_finite("v", np.array([1, 2, 3, bad], np.float16))
+    parts = get_dtype("q8").encode(np.ones((4, 64), np.float32))
+    named = dict(zip([sp.name for sp in get_dtype("q8").parts((4, 64))], parts))
+    check_finite_parts("w", named)
+    scales = next(k for k, v in named.items() if np.issubdtype(np.asarray(v).dtype, np.floating))
+    named[scales] = np.array(named[scales], copy=True)
+    named[scales].reshape(-1)[1] = bad
+    with pytest.raises(CortiqError, match=rf"tensor w \({scales}\) holds"):
+        check_finite_parts("w", named)
+    check_finite("ids", np.array([1, 2], np.int32))  # integer tensors hold no NaN
