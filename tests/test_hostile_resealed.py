@@ -460,3 +460,28 @@ def test_check_finite_names_the_first_bad_weight(bad):
     with pytest.raises(CortiqError, match=rf"tensor w \({scales}\) holds"):
         check_finite_parts("w", named)
     check_finite("ids", np.array([1, 2], np.int32))  # integer tensors hold no NaN
+
+
+# ------------------------------------------------------------------ 7. data sets never run code
+
+def test_a_dataset_folder_with_a_loading_script_is_refused(tiny, tmp_path):
+    """datasets >= 4 runs no loading scripts (pyproject requires it): a folder whose script
+    would write a file is one line, and the file is never written."""
+    import datasets
+
+    assert int(datasets.__version__.split(".")[0]) >= 4
+    _, cmf = tiny
+    folder = tmp_path / "evil"
+    folder.mkdir()
+    sentinel = tmp_path / "ran"
+    (folder / "evil.py").write_text(
+        "import pathlib, datasets\n"
+        f"pathlib.Path({str(sentinel)!r}).write_text('ran')\n"
+        "class Evil(datasets.GeneratorBasedBuilder):\n"
+        "    def _info(self): return datasets.DatasetInfo(features=datasets.Features({'text': datasets.Value('string')}))\n"
+        "    def _split_generators(self, dl): return [datasets.SplitGenerator(name='train')]\n"
+        "    def _generate_examples(self): yield 0, {'text': 'hello ' * 50}\n"
+    )
+    err = _one_line_error(runner.invoke(app, ["ppl", str(cmf), "--dataset", str(folder), "--split", "train"]))
+    assert "script" in err, err
+    assert not sentinel.exists()
