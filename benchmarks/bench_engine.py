@@ -226,7 +226,7 @@ def add_comparisons(rows: list[Row]) -> None:
 
 
 def targets(rows: list[Row], system: str = "cortiq-q8") -> list[Target]:
-    """The issue's goals for cortiq q8; ``ok`` is None when a needed row is missing."""
+    """The speed goals for cortiq q8; ``ok`` is None when a needed row is missing."""
     r = next((x for x in rows if x.system == system and x.status == "ok"), None)
 
     def t(name: str, value: float | None, threshold: float, higher_is_better: bool = True) -> Target:

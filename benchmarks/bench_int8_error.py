@@ -7,7 +7,7 @@ q4); prefill keeps float activations. This script runs a real text through the
 decode path one token at a time (every matmul takes the small-batch kernels) with
 ``numba-float``, ``numba-i8`` and ``numba-i16``, and scores each against the f32
 model's logits on the same tokens: mean KL(f32 || model), top-1 agreement, and the
-ratio integer / float KL (issue 11 asks for q8 within 1.2x).
+ratio integer / float KL (the target: q8 within 1.2x).
 
     python benchmarks/bench_int8_error.py F32.cmf Q8.cmf [Q4.cmf ...] --tokens 256
 """

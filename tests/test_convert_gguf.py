@@ -176,7 +176,7 @@ INTERPRETER = (
 @pytest.mark.slow
 @pytest.mark.parametrize("quant", ["q8", "q4"])
 def test_smollm2_gguf_peak_memory_is_one_tensor(smollm2_gguf, tmp_path, quant):
-    """Issue 10: below 1.3x the largest tensor (as f32) plus the interpreter (it was the
+    """Peak memory below 1.3x the largest tensor (as f32) plus the interpreter (it was the
     whole f32 model through a temporary folder)."""
     from cortiq_engine.convert import read_gguf
 

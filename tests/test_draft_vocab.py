@@ -1,4 +1,4 @@
-"""The draft vocabulary and adaptive depth (issue 15): speculative output stays the plain
+"""The draft vocabulary and adaptive depth: speculative output stays the plain
 greedy stream token for token; the draft vocabulary's sub-head scores exactly what the
 full lm_head scores at those ids; the sidecar's vocabulary is validated on load (one
 line per fault); the chooser picks the right ids of a known text; the counters report

@@ -1,4 +1,4 @@
-"""Hostile files and hard stops (issue 12): the cases the issue names, one by one.
+"""Hostile files and hard stops: each known case, one by one.
 
 Each test reproduces a reported failure (a crash, a traceback, code run from a
 pickle, a leftover, a lost result) and checks the one-line error or the fix.
@@ -69,7 +69,7 @@ def _with_header(src: Path, dst: Path, header: dict) -> Path:
 # ------------------------------------------------------------------ memory safety
 
 def test_rotary_dim_past_head_dim_is_refused_at_load(tiny, tmp_path):
-    """The issue's SIGSEGV: arch.rotary_dim > head_dim made the rope kernel write out of bounds."""
+    """A SIGSEGV case: arch.rotary_dim > head_dim made the rope kernel write out of bounds."""
     _, cmf = tiny
     h = _header(cmf)
     h["arch"]["rotary_dim"] = h["arch"]["head_dim"] * 8
