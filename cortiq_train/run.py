@@ -164,6 +164,10 @@ def train_mtp(
         raise missing_checkpoint(ckpt, out)
     backbone = open_backbone(model_path, kernels, threads)
     cfg.check(backbone.arch.num_layers)
+    # The draft block starts from a backbone layer: refused now, not after the collection.
+    from cortiq_train.draft_torch import require_llama_blocks  # torch is there (require_torch)
+
+    require_llama_blocks(backbone, [cfg.init_layer % backbone.arch.num_layers], "choose another --init-layer")
     if resume:
         check_resume(ckpt, backbone, cfg)  # before any backbone row is collected
     else:
