@@ -55,12 +55,19 @@ RECIPES: dict[str, Recipe] = {
         # llama.cpp's Q4_0 file: Q4_0 everywhere, the output / tied embeddings Q6_K (Q8_0
         # where a row is not a multiple of 256, the q6k fallback)
         Recipe("q4_0", "q4_0", "q6k"),
+        # llama.cpp's IQ4_XS and Q3_K_S files: the type everywhere, the output / tied
+        # embeddings Q6_K
+        Recipe("iq4_xs", "iq4_xs", "q6k"),
+        Recipe("q3k", "q3k", "q6k"),
         Recipe("f16", "f16", "f16"),
         Recipe("bf16", "bf16", "bf16"),
         Recipe("f32", "f32", "f32"),
     )
 }
 QUANT_CHOICES = tuple(RECIPES)
+# A single-dtype preset also answers to its dtype's aliases (q3_k -> q3k).
+QUANT_ALIASES = {a: r.name for r in RECIPES.values() if r.name == r.base for a in get_dtype(r.base).aliases
+                 if a not in RECIPES}
 
 
 def quant_help() -> str:
@@ -71,6 +78,11 @@ def quant_help() -> str:
 def use_more_bits(layer: int, layers: int) -> bool:
     """llama.cpp's choice of layers for the extra bits of its _M mixes."""
     return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
+def _alias(name: str) -> str:
+    """The dtype ``name`` is an alias of, else ``name`` (the check then names it)."""
+    return next((n for n, d in DTYPES.items() if name.lower() in d.aliases), name)
 
 
 @dataclass
@@ -94,8 +106,11 @@ class QuantPolicy:
     imatrix: Imatrix | None = None  # importance weights for the encoders (``--imatrix``)
 
     def __post_init__(self) -> None:
+        self.quant = QUANT_ALIASES.get(self.quant, self.quant)
         if self.quant not in RECIPES:
             raise CortiqError(f"unknown --quant {self.quant!r}; choose one of {', '.join(QUANT_CHOICES)}")
+        # a dtype as llama.cpp spells it (q6_k) is the dtype it names
+        self.keep = [(pat, DTYPES[dt].name if dt in DTYPES else _alias(dt)) for pat, dt in self.keep]
         for pat, dt in self.keep:
             if dt not in MATRIX_DTYPES:
                 raise CortiqError(f"--keep {pat}={dt}: unknown dtype {dt!r}; choose one of {', '.join(MATRIX_DTYPES)}")

@@ -24,11 +24,17 @@ for a 2-D weight [out, in] that is rows = out, cols = in). Full spec: docs/cmf.m
   value = d * (q - 8); the encoder searches the scale.
 - ``q6k``, ``q5k``, ``q4k`` (llama.cpp Q6_K, Q5_K, Q4_K): super-blocks of 256, the
   fields of ggml's block structs as planar parts (see the classes below).
+- ``q3k`` (llama.cpp Q3_K, ``formats/q3_k.py``) and ``iq4_xs`` (llama.cpp IQ4_XS,
+  ``formats/iq4_xs.py``): the same, each in its own module.
 - ``u8``: raw bytes (embedded files such as tokenizer.json).
 
 Each dtype is one ``DType`` subclass registered in ``DTYPES`` by its ``name``: it owns
-its parts, encoder, decoder, the parts its kernels take (``kernel_parts``) and the
-GGML type whose blocks it can copy (``ggml_type``). Nothing compares dtype names.
+its parts, encoder, decoder, the parts its kernels take (``kernel_parts``), the GGML
+type whose blocks it can copy (``ggml_type``, ``dtype_for_ggml``), its other spellings
+(``aliases``), whether its encoder takes an imatrix (``takes_imatrix``) and its row of
+the dtype table (``table_row``). The engine's kernel module attaches its compiled
+kernels (``register_kernels``), so code asks ``dt.has_int8_kernels`` and this module
+imports no engine code. Nothing compares dtype names.
 
 The q4 quantizer reproduces ggml's ``quantize_row_q4_1_ref`` (as mirrored by
 ``gguf.quants``) bit for bit; ``quantize_q8_ggml`` does the same for Q8_0, and the
@@ -209,14 +215,50 @@ class DType:
     ggml_type: ClassVar[str | None] = None
     # The dtype a tensor gets when its shape does not fit this one (llama.cpp's choice).
     fallback: ClassVar[str] = "f16"
+    # Other spellings a user may type (llama.cpp's lower-case GGML type name).
+    aliases: ClassVar[tuple[str, ...]] = ()
+    # The encoder weights its error by an imatrix entry (``encode``'s ``importance``).
+    takes_imatrix: ClassVar[bool] = False
+    # One line for the dtype tables (``table_row``, docs/cmf.md).
+    summary: ClassVar[str] = ""
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
         if "name" in cls.__dict__:
             DTYPES[cls.name] = cls()
 
+    def __init__(self) -> None:
+        self._kernels: object | None = None
+
     def __repr__(self) -> str:
         return f"DType({self.name!r})"
+
+    # ------------------------------------------------------------ kernels
+    def register_kernels(self, ops: object) -> None:
+        """Attach the engine's compiled operations of this dtype (its ``DtypeOps``
+        record: matmul, dequantize and the integer kernels' capabilities); the kernel
+        module calls this once, when it registers the record."""
+        self._kernels = ops
+
+    @property
+    def kernels(self) -> object | None:
+        """The engine's kernel record of this dtype, or None before the engine loaded it."""
+        return self._kernels
+
+    @property
+    def has_int8_kernels(self) -> bool:
+        """Decode and verify multiply on integer activations (qdot.py) for this dtype."""
+        return bool(getattr(self._kernels, "int_widths", ()))
+
+    @property
+    def has_tile_kernels(self) -> bool:
+        """Prefill multiplies on integer tile products (amx.py) for this dtype."""
+        return bool(getattr(self._kernels, "tiles", False))
+
+    def table_row(self) -> tuple[str, str, str, str, str]:
+        """(name, GGML type, bits per weight, imatrix, summary): the dtype tables' row."""
+        return (self.name, self.ggml_type or "", f"{self.bits:g}", "yes" if self.takes_imatrix else "",
+                self.summary or (self.__doc__ or "").strip().splitlines()[0])
 
     # ------------------------------------------------------------ layout
     def parts(self, shape: tuple[int, ...]) -> list[Part]:
@@ -459,6 +501,7 @@ class Q8(Blocked):
     kernel_parts = ("d", "qs")
     bits = 8.5
     ggml_type = "Q8_0"
+    aliases = ("q8_0",)
 
     def encode_rows(self, x2, importance=None):
         return (_kernels() or _reference).quantize_q8(x2)
@@ -484,6 +527,7 @@ class Q4(Blocked):
     kernel_parts = ("d", "m", "qs")
     bits = 5.0
     ggml_type = "Q4_1"
+    aliases = ("q4_1",)
 
     def encode_rows(self, x2, importance=None):
         return (_kernels() or _reference).quantize_q4(x2)
@@ -541,6 +585,8 @@ class Q5(Blocked):
     kernel_parts = ("d", "qh", "qs")
     bits = 5.5
     ggml_type = "Q5_0"
+    aliases = ("q5_0",)
+    takes_imatrix = True
 
     def encode_rows(self, x2, importance=None):
         if importance is None:
@@ -597,6 +643,7 @@ class Q5_1(Blocked):
     kernel_parts = ("d", "m", "qh", "qs")
     bits = 6.0
     ggml_type = "Q5_1"
+    takes_imatrix = True
 
     def encode_rows(self, x2, importance=None):
         from formats import kquant_kernels
@@ -643,6 +690,7 @@ class Q4_0(Blocked):
     kernel_parts = ("d", "qs")
     bits = 4.5
     ggml_type = "Q4_0"
+    takes_imatrix = True
 
     def encode_rows(self, x2, importance=None):
         from formats import kquant_kernels
@@ -714,6 +762,7 @@ def dequantize_q6k(ql, qh, scales, d) -> np.ndarray:
 
 class _KQuant(Blocked):
     block = QK_K
+    takes_imatrix = True
 
     def encode_rows(self, x2, importance=None):
         from formats import kquant_kernels
@@ -733,6 +782,7 @@ class Q6K(_KQuant):
     kernel_parts = ("ql", "qh", "scales", "d")
     bits = 6.5625
     ggml_type = "Q6_K"
+    aliases = ("q6_k",)
     fallback = "q8"
     dequantize = staticmethod(dequantize_q6k)
 
@@ -746,6 +796,7 @@ class Q5K(_KQuant):
     kernel_parts = ("d", "dmin", "scales", "qh", "qs")
     bits = 5.5
     ggml_type = "Q5_K"
+    aliases = ("q5_k",)
     fallback = "q5_1"
     dequantize = staticmethod(dequantize_q5k)
 
@@ -759,6 +810,7 @@ class Q4K(_KQuant):
     kernel_parts = ("d", "dmin", "scales", "qs")
     bits = 4.5
     ggml_type = "Q4_K"
+    aliases = ("q4_k",)
     fallback = "q5"
     dequantize = staticmethod(dequantize_q4k)
 
@@ -780,8 +832,30 @@ def _kernels():
     return quant_kernels
 
 
+def dtype_for_ggml(ggml_type: str) -> DType | None:
+    """The dtype whose parts are exactly the blocks of GGML type ``ggml_type`` (a block
+    copy keeps them bit for bit), or None."""
+    for dt in DTYPES.values():
+        if dt.ggml_type == ggml_type:
+            return dt
+    return None
+
+
+def resolve_dtype(name: str) -> DType:
+    """A dtype as a user spells it: its name or an alias (llama.cpp's ``q8_0``, ``q6_k``)."""
+    key = name.strip().lower()
+    for dt in DTYPES.values():
+        if key == dt.name or key in dt.aliases:
+            return dt
+    return get_dtype(key)
+
+
 def get_dtype(name: str) -> DType:
     try:
         return DTYPES[name]
     except KeyError:
         raise CortiqError(f"unknown dtype {name!r}; known: {', '.join(DTYPES)}") from None
+
+
+# Dtypes in their own modules register on import (they subclass ``Blocked`` above).
+from formats import iq4_xs as _iq4_xs, q3_k as _q3_k  # noqa: E402,F401

@@ -176,7 +176,7 @@ def test_unsupported_shapes_and_names():
         q8.encode(np.zeros((4, 48), np.float32))
     with pytest.raises(CortiqError, match="unknown dtype 'q3'"):
         get_dtype("q3")
-    assert set(DTYPES) == {"f32", "f16", "bf16", "q8", "q5", "q5_1", "q4", "q4_0", "q6k", "q5k", "q4k", "u8", "i32"} and QBLOCK == 32
+    assert set(DTYPES) == {"f32", "f16", "bf16", "q8", "q5", "q5_1", "q4", "q4_0", "q6k", "q5k", "q4k", "iq4_xs", "q3k", "u8", "i32"} and QBLOCK == 32
 
 
 @pytest.mark.parametrize("x", [_gauss(64, 512), _hard_cases(), _gauss(5, 4096, seed=9) * 1e-3], ids=["gauss", "hard", "small"])

@@ -74,7 +74,7 @@ def test_mixed_presets_and_fallbacks():
     assert QuantPolicy("q4").choose("lm_head.weight", (100, 64)) == ("q8", False)  # unchanged: q4 keeps q8 embeddings
     assert set(QUANT_CHOICES) >= {"q8", "q6k", "q5km", "q5k", "q5", "q4", "q4km", "q4k", "f16", "bf16", "f32"}
     assert all(get_dtype(r.base).matrix and get_dtype(r.embed).matrix for r in RECIPES.values())
-    with pytest.raises(CortiqError, match="unknown --quant 'q3k'"):
-        QuantPolicy("q3k")
+    with pytest.raises(CortiqError, match="unknown --quant 'q2k'"):
+        QuantPolicy("q2k")
     with pytest.raises(CortiqError, match="unknown dtype 'u8'"):
         QuantPolicy("q8", keep=[("*", "u8")])

@@ -47,7 +47,7 @@ The output is the matmul's own [inputs, columns] array: each weight row's 16 sum
 their column by one masked scatter (the padding inputs of the last tile are never
 written), where a transposed copy of a [columns, inputs] result took 3.4 ms per 512 x 3072.
 
-Measured (eighth session, Intel Xeon with AMX; ``benchmarks/bench_amx_prefill.py``, one
+Measured (Intel Xeon with AMX; ``benchmarks/bench_amx_prefill.py``, one
 thread, 512 rows): 1.0-1.1x the dequantize + sgemm path on SmolLM2's [1536 x 576], 1.2-1.3x
 on [576 x 1536], 1.4-1.65x on TinyLlama's [5632 x 2048] and [2048 x 5632], far from the
 tile unit's peak. Per-32-block scales take every 16 x 16 block sum out of the tile
@@ -57,11 +57,11 @@ block, so a block's tile work is a serial chain of about 200 cycles for 8,192
 multiply-adds (the float work runs one block late, overlapping it). int8 activations
 (one product, one store) or bf16 tiles on dequantized weights (sums stay in the tile
 across K) would go faster, at an error this path does not add. The unsigned dtypes, one
-thread, 512 rows (ninth session): 1.2-1.6x on TinyLlama's shapes, 0.9-1.1x on SmolLM2's.
+thread, 512 rows: 1.2-1.6x on TinyLlama's shapes, 0.9-1.1x on SmolLM2's.
 
 The VNNI form (``_vnni_entry_ir``, below): 16 ``vpdpbusd`` per weight row and block on
-the same packed activations, the same integer sums and float work. Measured (twelfth
-session, an Emerald Rapids VM that hides AMX; 2 threads, 512 rows, q8, with the packing):
+the same packed activations, the same integer sums and float work. Measured (an
+Emerald Rapids VM that hides AMX; 2 threads, 512 rows, q8, with the packing):
 1.25-1.32x dequantize + sgemm on TinyLlama's shapes, 0.8-1.0x on SmolLM2's (the block
 scaling is 9 vector operations beside every 16 products), so ``fast.py`` gives it only
 matmuls of VNNI_MIN_WEIGHTS weights or more.
@@ -90,6 +90,7 @@ from llvmlite import ir
 from numba.extending import intrinsic
 
 from cortiq_engine.kernels import jit, llvm_jit, qdot
+from cortiq_engine.kernels.dtype_ops import OPS, ops_for
 
 QB = 32
 TILE = 16  # weight rows and input rows per tile
@@ -221,7 +222,7 @@ def pack_x16_ref(X: np.ndarray, bits: int = 16) -> tuple[np.ndarray, np.ndarray,
 # reused by every 16 inputs of the call), and
 #     out[m, n] = sum_b  d_w[n, b] * d_x[m, b] * sum_j q[n, b, j] * q_x[m, b, j]  +  m_w[n, b] * s_x[m, b]
 # with s_x = d_x * sum_j q_x (exact: the min times the rounded activations' block sum).
-UNSIGNED = ("q4", "q4_0", "q5", "q5_1", "q4k", "q5k")
+UNSIGNED = tuple(d for d, o in OPS.items() if o.tiles and o.tile_unpacked)
 
 
 # byte value -> its 8 bits spread to bit 4 of 8 bytes (a fifth bit per element)
@@ -292,11 +293,11 @@ def unpack_ref(dtype: str, parts: dict[str, np.ndarray]) -> np.ndarray:
     """numpy twin of the unpackers: every row's unsigned quants, uint8 [rows, cols]."""
     qs = np.asarray(parts["qs"])
     rows = qs.shape[0]
-    if dtype in ("q4k", "q5k"):
+    if ops_for(dtype).k4_scales:
         n = qs.size // 128
         q = (qs.reshape(n, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & np.uint8(15)
         q = q.reshape(n, 8, 32)
-        if dtype == "q5k":
+        if "qh" in parts:
             h = np.asarray(parts["qh"]).reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
             q = q | ((h & np.uint8(1)) << np.uint8(4))
         return q.reshape(rows, -1)
@@ -317,14 +318,17 @@ def _f16(a: np.ndarray) -> np.ndarray:
 def block_scales(dtype: str, parts: dict[str, np.ndarray], r0: int, r1: int) -> tuple[np.ndarray, np.ndarray | None]:
     """(d_w, m_w) of rows r0..r1 per block of 32, f32 [rows, nb] (m_w None for q8), the
     f32 values the dtype's decoder multiplies by (``formats.quants``)."""
+    k = ops_for(dtype)
+    if not k.tiles:
+        raise ValueError(f"no AMX prefill for {dtype}")
     d = _f16(np.asarray(parts["d"][r0:r1]))
-    if dtype == "q8":
+    if not k.tile_unpacked:
         return d, None
-    if dtype in ("q4", "q5_1"):
+    if k.nibbles and k.roles[1] is not None:
         return d, _f16(np.asarray(parts["m"][r0:r1]))
-    if dtype in qdot._ZERO:  # the zero point decode's kernels derive the min from
-        return d, d * np.float32(-qdot._ZERO[dtype])
-    if dtype in ("q4k", "q5k"):
+    if k.zero:  # the zero point decode's kernels derive the min from
+        return d, d * np.float32(-k.zero)
+    if k.k4_scales:
         from formats.quants import _k4_scale_min
 
         rows, ns = d.shape
@@ -338,9 +342,10 @@ def block_scales(dtype: str, parts: dict[str, np.ndarray], r0: int, r1: int) -> 
 
 def unpack_quants(dtype: str, parts: dict[str, np.ndarray], r0: int, r1: int, out: np.ndarray) -> None:
     """The unsigned quants of rows r0..r1 into ``out`` uint8[r1 - r0, cols]."""
-    if dtype in ("q4", "q4_0", "q5", "q5_1"):
+    k = ops_for(dtype)
+    if k.tiles and k.tile_unpacked and k.nibbles:
         unpack_nibbles(parts["qs"], parts.get("qh"), r0, r1, out)
-    elif dtype in ("q4k", "q5k"):
+    elif k.tiles and k.tile_unpacked and k.k4_scales:
         unpack_k4(parts["qs"], parts.get("qh"), r0, r1, out)
     else:
         raise ValueError(f"no AMX prefill for {dtype}")
@@ -1055,7 +1060,7 @@ def widths(unit: str) -> dict[str, tuple[int, ...]]:
     """Activation widths per dtype on ``unit`` (``prepare``'s ``bits``): int16 for q8,
     int16 or int8 for the unsigned dtypes; int16 only on "avx2"."""
     eight = () if unit == "avx2" else (8,)
-    return {"q8": (16,), **{d: (16, *eight) for d in UNSIGNED}}
+    return {d: (16, *eight) if o.tile_unpacked else (16,) for d, o in OPS.items() if o.tiles}
 
 
 class TileKernels:
@@ -1066,7 +1071,7 @@ class TileKernels:
     bit for bit). Calls release the GIL (ctypes), so the prefill pool's threads run
     slices side by side."""
 
-    DTYPES = ("q8",) + UNSIGNED
+    DTYPES = tuple(d for d, o in OPS.items() if o.tiles)
 
     def __init__(self, cache_dir: Path | None | str = "default", unit: str = "amx") -> None:
         if unit == "amx" and not host_amx():
@@ -1104,7 +1109,7 @@ class TileKernels:
     def scratch_bytes(self, dtype: str, rows: int, cols: int) -> int:
         """The bytes of ``rows``' ``scratch`` for a slice of ``rows`` x ``cols``: the unsigned
         dtypes' unpacked quants, and for "avx2" the int16 interleave after them."""
-        unpacked = 0 if dtype == "q8" else rows * cols
+        unpacked = rows * cols if ops_for(dtype).tile_unpacked else 0
         return unpacked + (2 * rows * cols + 8 * rows * (cols // QB) if self.unit == "avx2" else 0)
 
     @staticmethod
@@ -1160,15 +1165,15 @@ class TileKernels:
             return
         dw, mw = block_scales(dtype, parts, r0, r1)
         wdt = panel(dw)
-        if dtype == "q8":
+        k = ops_for(dtype)
+        if not k.tile_unpacked:
             a, a0, a1, wmt, used = parts["qs"], r0, r1, None, 0
         else:
             used = (r1 - r0) * cols
             a = scratch.reshape(-1)[:used].reshape(r1 - r0, cols)
             unpack_quants(dtype, parts, r0, r1, a)
             a0, a1, wmt = 0, r1 - r0, panel(mw)
-        kind = "q8" if dtype == "q8" else "u8"
-        fn = self._fns[(kind, x.bits)]
+        fn = self._fns[(k.tile_form, x.bits)]
         wm = None if wmt is None else wmt.ctypes.data
         dst = out.ctypes.data + 4 * col
         if self.unit == "amx":
@@ -1185,22 +1190,23 @@ class TileKernels:
         the unsigned dtypes' unpacking and, for q4k/q5k, their scales (``block_scales``)."""
         rows, nb = r1 - r0, cols // QB
         buf = scratch.reshape(-1)
-        unpacked = 0 if dtype == "q8" else rows * cols
+        k = ops_for(dtype)
+        unpacked = rows * cols if k.tile_unpacked else 0
         w16 = buf[unpacked : unpacked + 2 * rows * cols].view(np.int16).reshape(rows // TILE, nb, QB // 2, TILE, 2)
         at = unpacked + 2 * rows * cols
         wdt = buf[at : at + 4 * rows * nb].view(np.float32).reshape(rows // TILE, nb, TILE)
         wmt = buf[at + 4 * rows * nb : at + 8 * rows * nb].view(np.float32).reshape(rows // TILE, nb, TILE)
         d16 = parts["d"].view(np.uint16)
         m16, zero, src, fill = d16, 0, parts["qs"][r0:r1], True
-        if dtype != "q8":
+        if k.tile_unpacked:
             src = buf[:unpacked].reshape(rows, cols)
             unpack_quants(dtype, parts, r0, r1, src)
-            if dtype in ("q4k", "q5k"):  # per-32 scales from the 6-bit packed ones, here in numpy
+            if k.k4_scales:  # per-32 scales from the 6-bit packed ones, here in numpy
                 dw, mw = block_scales(dtype, parts, r0, r1)
                 wdt[...], wmt[...], fill = panel(dw), panel(mw), False
             elif "m" in parts:
                 m16 = parts["m"].view(np.uint16)
             else:
-                zero = qdot._ZERO[dtype]
-        _avx2_slice(self._fns[("q8" if dtype == "q8" else "u8", x.bits)], dtype != "q8", src, fill, d16,
+                zero = k.zero
+        _avx2_slice(self._fns[(k.tile_form, x.bits)], k.tile_unpacked, src, fill, d16,
                     m16, zero, r0, w16, wdt, wmt, x.xq, x.xd, x.xs, out, col, x.n)

@@ -39,7 +39,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from cortiq_engine.kernels import llvm_jit, qdot
+from cortiq_engine.kernels import llvm_jit
 
 LANES = 16
 # Heads one call serves (a KV head's query group; larger groups take several calls).
@@ -537,6 +537,8 @@ def host_layout() -> Layout:
     """WIDE where the host has AVX-512's 32 vector registers, else NARROW."""
     import llvmlite.binding as llvm
 
+    from cortiq_engine.kernels import qdot  # here: qdot imports the dtype records, which import jit, which imports this
+
     return WIDE if qdot.host_supports() and llvm.get_host_cpu_features().get("avx512f", False) else NARROW
 
 
@@ -556,6 +558,8 @@ class AttentionLoops:
         self._engine = None  # the machine code lives as long as its engine
         self.layout = layout or host_layout()
         self.kv = kv
+        from cortiq_engine.kernels import qdot
+
         if enabled is False or not qdot.host_supports():
             return
         compiled = llvm_jit.compile_ir(module_ir(self.layout, kv), self.NAMES,

@@ -11,10 +11,16 @@ fast kernel set needs of it, and registers itself for that dtype by subclassing
 - ``dequant(parts, r0, r1, out)``: rows r0..r1 of one matrix to f32 ``out`` (prefill
   tiles, then BLAS).
 
+Each class also declares what the integer kernels need to know of its dtype
+(``int_widths``, ``act_bits``, the part roles of the IR bodies in ``qdot.py``, the
+tile form of ``amx.py``): those modules ask the record, they never compare dtype
+names. Registering a class attaches it to its ``formats.quants.DType``
+(``DType.kernels``), so the formats record answers ``has_int8_kernels`` without
+importing engine code.
+
 A new dtype brings a ``formats.quants.DType`` subclass and a ``DtypeOps`` subclass;
-no kernel set code changes. Its integer-activation decode kernel, if it has one, is
-an IR body in ``qdot.py`` listed in ``qdot.WIDTHS`` (the one place that says which
-dtypes have one).
+no kernel set code changes. An integer-activation decode kernel, if it has one, is
+an IR body in ``qdot.py`` selected by the record's flags.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from typing import ClassVar
 import numpy as np
 
 from formats.errors import CortiqError
+from formats.quants import get_dtype
 from cortiq_engine.kernels import jit
 from cortiq_engine.kernels import kquant_jit as kq
 
@@ -32,12 +39,54 @@ OPS: dict[str, "DtypeOps"] = {}
 
 class DtypeOps:
     dtype: ClassVar[str]
+    # Integer-activation decode and verify kernels (qdot.py): the activation widths
+    # they exist for, and the one the default kernel set uses (0: float kernels).
+    int_widths: ClassVar[tuple[int, ...]] = ()
+    act_bits: ClassVar[int] = 0
+    # The largest int16 activation, where it is not 32767 (qdot.qmax).
+    qmax16: ClassVar[int | None] = None
+    # The 32-block IR bodies: kernel-part index of (scale, min, fifth bits, quants),
+    # None where the dtype has no such part; ``zero``: the zero point of a symmetric
+    # dtype (value = d * (q - zero), the min derived from the scale); ``nibbles``:
+    # quants packed two a byte (16 bytes a block) with a min term.
+    roles: ClassVar[tuple[int | None, ...] | None] = None
+    zero: ClassVar[int] = 0
+    nibbles: ClassVar[bool] = False
+    # The K-quant super-block IR body (``qdot._kbody``): ``ksigned``: Q6_K's signed
+    # 6-bit quants with 8-bit scales and no mins, else Q4_K's packed 6-bit scales and
+    # mins; ``kfifth``: a fifth quant bit per value (Q5_K).
+    kbody: ClassVar[bool] = False
+    ksigned: ClassVar[bool] = False
+    kfifth: ClassVar[bool] = False
+    # Activation widths with the 512-bit 3- and 4-row bodies: input rows side by side
+    # (``qdot._zbody``) or weight rows side by side (``qdot._wbody``).
+    zbody_widths: ClassVar[tuple[int, ...]] = ()
+    wbody_widths: ClassVar[tuple[int, ...]] = ()
+    # The prefill tile products (amx.py), else dequantize + sgemm; ``tile_unpacked``:
+    # unsigned quants unpacked to bytes with a min term, else signed bytes read in place.
+    tiles: ClassVar[bool] = False
+    tile_unpacked: ClassVar[bool] = False
 
     def __init_subclass__(cls, dtype: str | None = None, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
         if dtype is not None:
             cls.dtype = dtype
-            OPS[dtype] = cls()
+            OPS[dtype] = ops = cls()
+            get_dtype(dtype).register_kernels(ops)
+
+    @property
+    def tile_form(self) -> str:
+        """The tile kernels' entry family (``amx.FORMS``): "u8" unpacked, "q8" in place."""
+        return "u8" if self.tile_unpacked else "q8"
+
+    @property
+    def k4_scales(self) -> bool:
+        """Q4_K's 12 bytes of packed 6-bit scales and mins per super-block (q4k, q5k)."""
+        return self.kbody and not self.ksigned
+
+    def qmax(self, act: int) -> int:
+        """The largest activation integer at ``act`` bits."""
+        return self.qmax16 if act == 16 and self.qmax16 is not None else (1 << (act - 1)) - 1
 
     def small(self, parts, count: int, offs: np.ndarray, X: np.ndarray, out: np.ndarray) -> None:
         raise NotImplementedError
@@ -76,6 +125,11 @@ class BF16Ops(F16Ops, dtype="bf16"):
 
 
 class Q8Ops(DtypeOps, dtype="q8"):
+    int_widths, act_bits = (8, 16), 16
+    roles = (0, None, None, 1)
+    wbody_widths = (16,)
+    tiles = True
+
     def small(self, parts, count, offs, X, out):
         jit.q8_matmul_small(parts[0], parts[1], count, offs, X, out)
 
@@ -89,6 +143,11 @@ def _group_sums(X: np.ndarray) -> np.ndarray:
 
 
 class Q4Ops(DtypeOps, dtype="q4"):
+    int_widths, act_bits = (8, 16), 8
+    roles, nibbles = (0, 1, None, 2), True
+    zbody_widths = (8,)
+    tiles, tile_unpacked = True, True
+
     def small(self, parts, count, offs, X, out):
         # The Q4_1 min term factors out of the dot: sum of X over each block.
         jit.q4_matmul_small(parts[0], parts[1], parts[2], count, offs, X, _group_sums(X), out)
@@ -101,6 +160,9 @@ class Q5Ops(DtypeOps, dtype="q5"):
     """Q5_0: the Q5_1 kernels with the min derived from the scale (-16 d)."""
 
     stored_min: ClassVar[bool] = False
+    int_widths, act_bits = (8, 16), 8
+    roles, zero, nibbles = (0, None, 1, 2), 16, True
+    tiles, tile_unpacked = True, True
 
     def _split(self, parts):
         if self.stored_min:
@@ -118,9 +180,15 @@ class Q5Ops(DtypeOps, dtype="q5"):
 
 class Q5_1Ops(Q5Ops, dtype="q5_1"):
     stored_min = True
+    roles, zero = (0, 1, 2, 3), 0
 
 
 class Q4_0Ops(DtypeOps, dtype="q4_0"):
+    int_widths, act_bits = (8, 16), 8
+    roles, zero, nibbles = (0, None, None, 1), 8, True
+    zbody_widths = (8,)
+    tiles, tile_unpacked = True, True
+
     def small(self, parts, count, offs, X, out):
         kq.q4_0_matmul_small(parts[0], parts[1], count, offs, X, out)
 
@@ -129,6 +197,10 @@ class Q4_0Ops(DtypeOps, dtype="q4_0"):
 
 
 class Q4KOps(DtypeOps, dtype="q4k"):
+    int_widths, act_bits = (8, 16), 8
+    kbody = True
+    tiles, tile_unpacked = True, True
+
     def small(self, parts, count, offs, X, out):
         kq.q4k_matmul_small(parts[0], parts[1], parts[2], parts[3], count, offs, X, _group_sums(X), out)
 
@@ -137,6 +209,10 @@ class Q4KOps(DtypeOps, dtype="q4k"):
 
 
 class Q5KOps(DtypeOps, dtype="q5k"):
+    int_widths, act_bits = (8, 16), 8
+    kbody, kfifth = True, True
+    tiles, tile_unpacked = True, True
+
     def small(self, parts, count, offs, X, out):
         kq.q5k_matmul_small(parts[0], parts[1], parts[2], parts[3], parts[4], count, offs, X, _group_sums(X), out)
 
@@ -145,8 +221,18 @@ class Q5KOps(DtypeOps, dtype="q5k"):
 
 
 class Q6KOps(DtypeOps, dtype="q6k"):
+    # int16 activations to 15 bits: a group sums 32 products of |q - 32| <= 32,
+    # |scale| <= 128 and the activation; at 16383 the worst case (2,147,352,576) fits an i32.
+    int_widths, act_bits, qmax16 = (8, 16), 16, 16383
+    kbody, ksigned = True, True
+
     def small(self, parts, count, offs, X, out):
         kq.q6k_matmul_small(parts[0], parts[1], parts[2], parts[3], count, offs, X, out)
 
     def dequant(self, parts, r0, r1, out):
         kq.q6k_dequant(parts[0], parts[1], parts[2], parts[3], r0, r1, out)
+
+
+# Dtypes whose kernels live in their own module register on import (each subclasses
+# ``DtypeOps`` above).
+from cortiq_engine.kernels import iq4_xs_jit as _iq4_xs_jit, q3k_jit as _q3k_jit  # noqa: E402,F401

@@ -33,7 +33,7 @@ import numba
 import numpy as np
 
 from cortiq_engine.kernels import amx, attn_ir, jit, qdot
-from cortiq_engine.kernels.dtype_ops import DtypeOps, ops_for
+from cortiq_engine.kernels.dtype_ops import OPS, DtypeOps, ops_for
 from cortiq_engine.kernels.reference import NumpyKernels, attend_block, attention_jobs
 from cortiq_engine.weights import Weight
 from formats.quants import align_up
@@ -50,7 +50,8 @@ SMALL_N = 16
 # SmolLM2 (0.0058 -> 0.0092, llama.cpp Q6_K's own level), int16 by 1.00.
 # q4_0, q5, q5_1, q4k, q5k: int8, as ggml's dot products (its Q8_0 / Q8_K activations): KL
 # x1.00-1.06 beside the weights' own error, and 1.3x faster than int16 for q4k/q5k.
-ACT_BITS: dict[str, int] = {"q8": 16, "q4": 8, "q4_0": 8, "q5": 8, "q5_1": 8, "q4k": 8, "q5k": 8, "q6k": 16}
+# Each dtype's record says its width (``dtype_ops``, ``act_bits``).
+ACT_BITS: dict[str, int] = {d: o.act_bits for d, o in OPS.items() if o.act_bits}
 # An empty array of each activation width's integer type (``qdot.intdot`` allocates its like).
 _ACT_PROTO = {8: np.empty(0, np.int8), 16: np.empty(0, np.int16)}
 # Above this many new queries attention goes by blocks of queries and keys
@@ -77,7 +78,7 @@ TILE_ELEMS = 1 << 21
 VNNI_MIN_WEIGHTS = 0
 # Prefill sgemm slices take at least this many weight rows (fewer rows, more calls: a
 # SmolLM2 q8 prefill ran 170 tok/s with per-weight slices (k and v: 16 rows), 215-220 with
-# slices of >= 128 rows across q|k|v; Zen 1 EPYC, docs/performance.md, eleventh session).
+# slices of >= 128 rows across q|k|v; Zen 1 EPYC, docs/performance.md).
 MIN_SLICE_ROWS = 128
 # The shape of one sgemm run before a process's first prefill matmul. On that EPYC,
 # OpenBLAS 0.3.31 ran every sgemm of a process at a third of its speed (256 x 256 x 2048:

@@ -56,6 +56,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from cortiq_engine.kernels import llvm_jit
+from cortiq_engine.kernels.dtype_ops import OPS, ops_for
 
 QB = 32
 # Input rows one IR call handles with all accumulators in registers (AVX2 has 16).
@@ -146,35 +147,31 @@ _PARGS = ", ".join(f"i8* %p{k}" for k in range(NPARTS))
 _ARGS = _PARGS + (", i64 %r0, i64 %r1, i64 %nb, i8* %xq, float* %xd, float* %xs, float* %out, i64 %ostride,"
                   " i8* %xt, float* %xdt, float* %xst")
 _CALL_ARGS = _ARGS
-# Which kernel part each role of the 32-block bodies is: (scale, min, fifth bits,
-# quants), None where the dtype has no such part. q8 has no min term; q4_0 and q5
-# (Q5_0) derive theirs from the scale (``_ZERO``).
-_ROLES = {"q8": (0, None, None, 1), "q4": (0, 1, None, 2), "q4_0": (0, None, None, 1),
-          "q5": (0, None, 1, 2), "q5_1": (0, 1, 2, 3)}
-# q4_0 and q5 are symmetric: d * (q - z) = d * q + (-z * d), a min derived from the
-# scale (exact in f32), so they take the nibble body with that min.
-_ZERO = {"q4_0": 8, "q5": 16}
+# Which kernel part each role of the 32-block bodies is, (scale, min, fifth bits,
+# quants), is the dtype record's ``roles`` (dtype_ops.py). q8 has no min term; q4_0
+# and q5 (Q5_0) are symmetric: d * (q - z) = d * q + (-z * d), a min derived from the
+# scale (exact in f32, the record's ``zero``), so they take the nibble body with that min.
 
 
 def _nibbles(kind: str) -> bool:
-    """Packed 4-bit quants (16 bytes a block) and a min term: every 32-block dtype but q8."""
-    return kind != "q8"
+    """Packed 4-bit quants (16 bytes a block) and a min term."""
+    return ops_for(kind).nibbles
 
 
 def _stored_min(kind: str) -> bool:
-    return _ROLES[kind][1] is not None
-# Integer widths each dtype's kernels exist for: the K-quants take ggml's int8 path only.
-WIDTHS = {"q8": (8, 16), "q4": (8, 16), "q4_0": (8, 16), "q5": (8, 16), "q5_1": (8, 16),
-          "q4k": (8, 16), "q5k": (8, 16), "q6k": (8, 16)}
-# The largest activation integer per (dtype, width), where it is not 2^(width-1) - 1:
-# a q6k group sums 32 products of |q - 32| <= 32, |scale| <= 128 and the activation
-# in the integer domain; at 16383 the worst case (2,147,352,576) still fits an i32.
-QMAX = {("q6k", 16): 16383}
+    return ops_for(kind).roles[1] is not None
+
+
+# Integer widths each dtype's kernels exist for (the records' ``int_widths``).
+WIDTHS = {d: o.int_widths for d, o in OPS.items() if o.int_widths}
 
 
 def qmax(kind: str, act: int) -> int:
-    return QMAX.get((kind, act), (1 << (act - 1)) - 1)
-KQUANTS = ("q4k", "q5k", "q6k")
+    """The largest activation integer of ``kind``'s kernels on ``act``-bit activations."""
+    return ops_for(kind).qmax(act)
+
+
+KQUANTS = tuple(d for d, o in OPS.items() if o.kbody)
 
 
 def _entry(kind: str, act: int) -> str:
@@ -225,7 +222,7 @@ def _wunpack(f: _Fn, kind: str, act: int, b: str, prefetch: bool = True) -> tupl
         pk = f.v(f"load <16 x i8>, <16 x i8>* {f.v(f'bitcast i8* {wp} to <16 x i8>*')}, align 1")
         lo, hi = f.v(f"and <16 x i8> {pk}, {v16}"), f.v(f"lshr <16 x i8> {pk}, {v4}")
         w = f.v(f"shufflevector <16 x i8> {lo}, <16 x i8> {hi}, <32 x i32> <" + ", ".join(f"i32 {k}" for k in range(32)) + ">")
-        if _ROLES[kind][2] is not None:  # the fifth bits: bit j of the block's u32 -> element j
+        if ops_for(kind).roles[2] is not None:  # the fifth bits: bit j of the block's u32 -> element j
             hp = f.v(f"getelementptr i32, i32* %wh, i64 {f.v(f'add i64 %wdrow, {b}')}")
             bits = f.v(f"bitcast i32 {f.v(f'load i32, i32* {hp}, align 4')} to <32 x i1>")
             hb = f.v(f"shl <32 x i8> {f.v(f'zext <32 x i1> {bits} to <32 x i8>')}, " + "<" + ", ".join(["i8 4"] * 32) + ">")
@@ -251,7 +248,7 @@ def _isum(f: _Fn, kind: str, act: int, wv: tuple[str, ...], r: int, b: str) -> s
     xo = f.v(f"add i64 {f.v(f'mul i64 %cols, {r}')}, {f.v(f'mul i64 {b}, 32')}")
     if act == 8:
         x = f.v(f"load <32 x i8>, <32 x i8>* {f.v(f'bitcast i8* ' + f.v(f'getelementptr i8, i8* %xq, i64 {xo}') + ' to <32 x i8>*')}, align 1")
-        if kind == "q8":
+        if not _nibbles(kind):  # signed quants
             u, v = wv[1], f.v(f"call <32 x i8> @llvm.x86.avx2.psign.b(<32 x i8> {x}, <32 x i8> {wv[0]})")
         else:
             u, v = wv[0], x
@@ -296,7 +293,7 @@ def _block(f: _Fn, kind: str, act: int, nx: int, b: str, accs: list[str], maccs:
     if _stored_min(kind):
         mw = _half(f, "%wm", wdo)
     elif q4:  # q4_0, q5: d * (q - z) = d * q + (-z * d), exact in f32
-        mw = f.v(f"fmul float {dw}, -{_ZERO[kind]}.0")
+        mw = f.v(f"fmul float {dw}, -{ops_for(kind).zero}.0")
     new_accs, new_maccs = [], []
     for r in range(nx):
         p32 = _isum(f, kind, act, wv, r, b)
@@ -389,7 +386,7 @@ def _grouped_prologue(f: _Fn, kind: str) -> None:
     ``_zbody``): part pointers by role, row and group counts, then the group loop's
     first line (``%g``, its phis go after it)."""
     wbytes = 16 if _nibbles(kind) else 32
-    sd, sm, sh, sq = _ROLES[kind]
+    sd, sm, sh, sq = ops_for(kind).roles
     f(f"  %wd = bitcast i8* %p{sd} to i16*")
     f(f"  %wm = bitcast i8* %p{sd if sm is None else sm} to i16*")
     f(f"  %wq = getelementptr i8, i8* %p{sq}, i64 0")
@@ -459,7 +456,7 @@ def _gbody(kind: str, nx: int, act: int = 8, vnni: bool = False) -> str:
     if _stored_min(kind):
         mw8 = half8("%wm")
     elif q4:
-        mw8 = f.v(f"fmul <8 x float> {dw8}, {_splat(f, 'float', 8, f'-{_ZERO[kind]}.0')}")
+        mw8 = f.v(f"fmul <8 x float> {dw8}, {_splat(f, 'float', 8, f'-{ops_for(kind).zero}.0')}")
     new_f, new_m = [], []
     for r in range(nx):
         u = _reduce8(f, [_isum(f, kind, act, wvs[k], r, bks[k]) for k in range(GROUP)])
@@ -529,16 +526,18 @@ def _kbody(kind: str, nx: int, act: int = 8, vnni: bool = False) -> str:
     per group (16 values each) multiply the pair sums in the integer domain
     (``vpmaddwd``), so only its f16 ``d`` meets the float side. The order depends on
     nothing but the column count: row-exact."""
-    assert kind in KQUANTS and act in WIDTHS[kind]
+    k = ops_for(kind)
+    assert k.kbody and act in k.int_widths
+    six, fifth = k.ksigned, k.kfifth  # Q6_K's signed quants and 8-bit scales; Q5_K's fifth bit
     f = _Fn(vnni)
-    mins = kind != "q6k"
+    mins = not six
     f(f"define internal void @{_entry(kind, act)}_rows{nx}({_ARGS}) nounwind alwaysinline {{")
     f("entry:")
     f("  %xq16 = bitcast i8* %xq to i16*")
     f("  %nsb = udiv i64 %nb, 8")
     f("  %cols = mul i64 %nb, 32")
     # part roles and their bytes per super-block
-    if kind == "q6k":  # (ql, qh, scales, d)
+    if six:  # (ql, qh, scales, d)
         f("  %kd = bitcast i8* %p3 to i16*")
         f("  %ql_row = mul i64 %nsb, 128")
         f("  %qh_row = mul i64 %nsb, 64")
@@ -551,7 +550,7 @@ def _kbody(kind: str, nx: int, act: int = 8, vnni: bool = False) -> str:
         f("  %sc_row = mul i64 %nsb, 12")
         f("  %qs_row = mul i64 %nsb, 128")
         f(f"  %pf_ahead = add i64 0, {PREFETCH_BYTES}")
-        if kind == "q5k":
+        if fifth:
             f("  %qh_row = mul i64 %nsb, 32")
             f(f"  %pf_ahead_h = add i64 0, {PREFETCH_BYTES // 4}")  # qh: a quarter of qs's bytes
     f("  %empty = icmp sge i64 %r0, %r1")
@@ -569,7 +568,7 @@ def _kbody(kind: str, nx: int, act: int = 8, vnni: bool = False) -> str:
     di = f.v("add i64 %drow, %s")
     dd = _half(f, "%kd", di)
     groups: list[tuple[str, str, str | None]] = []  # (weights <32 x i8>, float scale, float min)
-    if kind == "q6k":
+    if six:
         qlo = f.v(f"add i64 {f.v('mul i64 %row, %ql_row')}, {f.v('mul i64 %s, 128')}")
         qho = f.v(f"add i64 {f.v('mul i64 %row, %qh_row')}, {f.v('mul i64 %s, 64')}")
         sco = f.v(f"add i64 {f.v('mul i64 %row, %sc_row')}, {f.v('mul i64 %s, 16')}")
@@ -603,12 +602,12 @@ def _kbody(kind: str, nx: int, act: int = 8, vnni: bool = False) -> str:
         for off in ("0", "64"):
             o1 = f.v(f"add i64 {qso}, {off}")
             o2 = f.v(f"add i64 {o1}, %pf_ahead")
-            pp = f.v(f"getelementptr i8, i8* %p{4 if kind == 'q5k' else 3}, i64 {o2}")
+            pp = f.v(f"getelementptr i8, i8* %p{4 if fifth else 3}, i64 {o2}")
             f(f"  call void @llvm.prefetch.p0i8(i8* {pp}, i32 0, i32 3, i32 1)")
         dm = _half(f, "%kdm", di)
         scm = _k4_scales(f, "%p2", sco)
-        qs_p = "%p4" if kind == "q5k" else "%p3"
-        if kind == "q5k":
+        qs_p = "%p4" if fifth else "%p3"
+        if fifth:
             qho = f.v(f"add i64 {f.v('mul i64 %row, %qh_row')}, {f.v('mul i64 %s, 32')}")
             pp = f.v(f"getelementptr i8, i8* %p3, i64 {f.v(f'add i64 {qho}, %pf_ahead_h')}")
             f(f"  call void @llvm.prefetch.p0i8(i8* {pp}, i32 0, i32 3, i32 1)")
@@ -618,7 +617,7 @@ def _kbody(kind: str, nx: int, act: int = 8, vnni: bool = False) -> str:
             for half in range(2):
                 j = 2 * k + half
                 q = f.v(f"and <32 x i8> {pk}, {_const('i8', 32, 15)}") if half == 0 else f.v(f"lshr <32 x i8> {pk}, {_const('i8', 32, 4)}")
-                if kind == "q5k":
+                if fifth:
                     hb = qh if j == 0 else f.v(f"lshr <32 x i8> {qh}, {_const('i8', 32, j)}")
                     hb = f.v(f"and <32 x i8> {hb}, {_const('i8', 32, 1)}")
                     hb = f.v(f"shl <32 x i8> {hb}, {_const('i8', 32, 4)}")
@@ -628,26 +627,26 @@ def _kbody(kind: str, nx: int, act: int = 8, vnni: bool = False) -> str:
                 scf, mnf = f.v(f"fmul float {dd}, {scu}"), f.v(f"fmul float {dm}, {mu}")
                 groups.append((q, scf, mnf))
     # The eight groups' scales as vectors (lane g = group g), shared by every input row.
-    if kind == "q6k":
+    if six:
         sc8 = _splat(f, "float", 8, dd)
     else:
         sc8 = mn8 = "undef"
         for g, (_, scale, mn) in enumerate(groups):
             sc8 = f.v(f"insertelement <8 x float> {sc8}, float {scale}, i32 {g}")
             mn8 = f.v(f"insertelement <8 x float> {mn8}, float {mn}, i32 {g}")
-    aws = [f.v(f"call <32 x i8> @llvm.abs.v32i8(<32 x i8> {w}, i1 false)") if kind == "q6k" and act == 8 else None
+    aws = [f.v(f"call <32 x i8> @llvm.abs.v32i8(<32 x i8> {w}, i1 false)") if six and act == 8 else None
            for w, _, _ in groups]
     if act == 16:
         # int16 activations: each group's weights as two <16 x i16> halves; q6k's two
         # 8-bit scales multiplied in (|(q - 32) * sc| <= 4096 fits i16).
         halves = []
         for w, scale, _ in groups:
-            ext = "sext" if kind == "q6k" else "zext"
+            ext = "sext" if six else "zext"
             hs = []
             for k in range(2):
                 hk = f.v(f"shufflevector <32 x i8> {w}, <32 x i8> undef, <16 x i32> <" + ", ".join(f"i32 {16 * k + j}" for j in range(16)) + ">")
                 hk = f.v(f"{ext} <16 x i8> {hk} to <16 x i16>")
-                if kind == "q6k":
+                if six:
                     sk = f.v(f"shufflevector <16 x i16> {scale}, <16 x i16> undef, <16 x i32> <" + ", ".join([f"i32 {8 * k}"] * 16) + ">")
                     hk = f.v(f"mul <16 x i16> {hk}, {sk}")
                 hs.append(hk)
@@ -665,7 +664,7 @@ def _kbody(kind: str, nx: int, act: int = 8, vnni: bool = False) -> str:
                 ps.append(_dot_i16(f, halves[g][0], x0, halves[g][1], x1))
                 continue
             x = _load32(f, "%xq", f.v(f"add i64 {xo}, {32 * g}"))
-            if kind == "q6k":
+            if six:
                 sx = f.v(f"call <32 x i8> @llvm.x86.avx2.psign.b(<32 x i8> {x}, <32 x i8> {w})")
                 p16 = f.v(f"call <16 x i16> @llvm.x86.avx2.pmadd.ub.sw(<32 x i8> {aws[g]}, <32 x i8> {sx})")
                 ps.append(f.v(f"call <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16> {p16}, <16 x i16> {scale})"))
@@ -707,7 +706,7 @@ ZROWS_FROM = 3  # fewer rows keep the per-row bodies (a 4-lane pass would idle h
 # chunks would have to be sign-extended and repeated across lanes (8 port-5 shuffles a
 # block: 1.37 vs 1.11 ms), so q8 takes ``_wbody`` instead; q5/q5_1 (fifth bits) and the
 # K-quants keep the per-row bodies.
-ZBODIES = (("q4", 8), ("q4_0", 8))
+ZBODIES = tuple((d, a) for d, o in OPS.items() for a in o.zbody_widths)
 ZFEATURES = ("avx512f", "avx512bw", "avx512vnni")
 _DECLS_Z = """
 declare <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32>, <16 x i32>, <16 x i32>)
@@ -850,7 +849,7 @@ def _zbody(kind: str, act: int, nx: int) -> str:
         if _stored_min(kind):
             mw = half4("%wm")
         else:  # q4_0: the min -8 d, exact in f32, as _gbody
-            mw = f.v(f"fmul <16 x float> {dw}, {_splat(f, 'float', 16, f'-{_ZERO[kind]}.0')}")
+            mw = f.v(f"fmul <16 x float> {dw}, {_splat(f, 'float', 16, f'-{ops_for(kind).zero}.0')}")
         new[macc] = f.v(f"call <16 x float> @llvm.fma.v16f32(<16 x float> {mw}, <16 x float> {rows16('%xst')}, <16 x float> {macc})")
     carried = [(n, "<16 x float>", "zeroinitializer", new[n]) for n in names]
     _loop_back(f, "%g", "%gnext", "%ngroups", "grp", "rowloop", "gdone", phi_at, carried)
@@ -879,7 +878,7 @@ def _zbody(kind: str, act: int, nx: int) -> str:
 # lane for lane: row-exact, the per-row bodies' bits. Rows of the call's range past a
 # multiple of 4 take the per-row body.
 # q8 4-row call, 5632 x 2048, one thread: 1.06-1.11 -> 0.86-0.89 ms, 8 rows 2.18 -> 1.6.
-WROWS_KINDS = (("q8", 16),)
+WROWS_KINDS = tuple((d, a) for d, o in OPS.items() for a in o.wbody_widths)
 # Prefetch distance of the four side-by-side rows: the band's last row plus PREFETCH_BYTES
 # (PREFETCH_BYTES alone lands inside the band: a 1.1B 4-row verify took 88 ms, this 65-73,
 # the per-row bodies 78-80).
@@ -1080,7 +1079,7 @@ def module_ir(kind: str | None = None, act: int | None = None, vnni: bool = Fals
         for bits in (act,) if act else WIDTHS[k]:
             if bits not in WIDTHS[k]:
                 raise ValueError(f"no {bits}-bit activation kernel for {k}")
-            body = _kbody if k in KQUANTS else _gbody
+            body = _kbody if ops_for(k).kbody else _gbody
             parts += [body(k, n, bits, vnni) for n in range(1, MAX_ROWS + 1)]
             z = zmm and ((k, bits) in ZBODIES or (k, bits) in WROWS_KINDS)
             if z:

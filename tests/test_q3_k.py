@@ -1,0 +1,75 @@
+"""q3k (llama.cpp's Q3_K): its bytes against gguf-py, its kernels against their numpy
+twin and float64, its encoder against float64 error bounds (gguf-py has no Q3_K
+encoder and llama.cpp's library is not a dependency), GGUF blocks copied bit for bit,
+``cortiq convert --quant q3k`` and the engine on the result."""
+
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGMLQuantizationType as GT
+
+from cortiq_engine.convert import convert_checkpoint
+from formats.q3_k import scales_q3k
+from formats.quants import get_dtype
+from tests import superblocks as sb
+from tests.tiny import save_tiny
+
+DT = get_dtype("q3k")
+
+
+def test_layout_is_ggml_block_q3_k():
+    assert DT.block_bytes == 110 and DT.bits == 3.4375 and DT.ggml_type == "Q3_K"
+    sb.check_ggml_layout(DT, GT.Q3_K)
+
+
+def test_kernels_against_numpy_and_float64():
+    sb.check_kernels(DT)
+
+
+def test_encoder_error_and_grid():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((32, 1024)).astype(np.float32)
+    named = DT.named(DT.encode(x), x.shape)
+    # every value is d * (sc - 32) * q, q in -4..3
+    d = named["d"].astype(np.float32).reshape(-1, 1)
+    sc = scales_q3k(named["scales"]).astype(np.float32)
+    q = DT.decode(named, x.shape).reshape(-1, 16, 16) / (d * sc)[:, :, None]
+    assert np.array_equal(q, np.round(q)) and q.min() >= -4 and q.max() <= 3
+    err = sb.relative_rms(DT, x)
+    assert 0.1 < err < 0.17  # N(0, 1) at 3.44 bits
+    assert err > sb.relative_rms(get_dtype("q4k"), x)
+    z = np.zeros((2, 256), np.float32)
+    assert not DT.decode(DT.named(DT.encode(z), z.shape), z.shape).any()
+    both = DT.encode(x)
+    halves = [DT.encode(x[:10]), DT.encode(x[10:])]
+    assert all(np.array_equal(a, np.concatenate([h0, h1])) for a, h0, h1 in zip(both, *halves))
+
+
+def test_imatrix_lowers_the_weighted_error():
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((64, 512)).astype(np.float32)
+    imp = (rng.random(512) ** 6 * 100).astype(np.float32)  # a few columns matter most
+    assert sb.relative_rms(DT, x, imp) < sb.weighted_rms_of_plain(DT, x, imp)
+
+
+def test_gguf_blocks_copy_bit_for_bit_and_run(tmp_path):
+    from cortiq_engine import Engine, forward
+
+    out = sb.check_gguf_keep("q3k", "Q3_K", DT, tmp_path)
+    ids = np.random.default_rng(2).integers(0, 256, 12)
+    logits = {}
+    for k in ("numba", "numpy"):
+        eng = Engine.load(out, kernels=k)
+        st = eng.new_state(32)
+        h = np.concatenate([forward(st, ids[:8])] + [forward(st, ids[i : i + 1]) for i in range(8, 12)])
+        logits[k] = eng.model.lm_head(eng.model.final_norm(h))
+    assert np.abs(logits["numba"] - logits["numpy"]).max() <= 1e-4 * np.abs(logits["numpy"]).max()
+
+
+def test_convert_quant_writes_the_dtype(tmp_path):
+    src = save_tiny("llama", tmp_path / "m", hidden_size=256, intermediate_size=512, head_dim=64)
+    rep = convert_checkpoint(src, tmp_path / "m.cmf", quant="q3_k")  # the dtype's alias names the preset
+    chosen = {t.name: t.dtype for t in rep.tensors}
+    assert chosen["model.layers.0.mlp.down_proj.weight"] == "q3k"
+    assert chosen["lm_head.weight"] == "q6k" and chosen["model.layers.0.input_layernorm.weight"] == "f32"
+    assert 0.1 < rep.by_dtype["q3k"].rms_rel_error < 0.18
