@@ -181,7 +181,7 @@ def verify(
     file: Path = typer.Argument(..., help="A .cmf file (its MTP sidecar, if any, is checked too)."),
     json_out: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
-    """Check every tensor's CRC-32; exit 1 naming the tensors that do not match."""
+    """Check every tensor's CRC-32; exit 2 naming the tensors that do not match."""
     files = [CmfFile(file)]
     side = sidecar_path(file)
     problems: list[str] = []
