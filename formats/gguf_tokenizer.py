@@ -33,6 +33,13 @@ _QWEN2 = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
+_DEEPSEEK3 = (
+    r"\p{N}{1,3}",
+    r"[一-龥぀-ゟ゠-ヿ]+",
+    r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+    r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+)
+
 
 @dataclass(frozen=True)
 class PreTokenizer:
@@ -55,6 +62,7 @@ _FAMILIES: list[tuple[tuple[str, ...], PreTokenizer]] = [
     (("dbrx", "smaug-bpe"), PreTokenizer((_LLAMA3,))),
     (("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "hunyuan"), PreTokenizer((_QWEN2,), clean_spaces=False)),
     (("megrez", "stablelm2"), PreTokenizer((_QWEN2,))),
+    (("deepseek-v3",), PreTokenizer(_DEEPSEEK3, clean_spaces=False)),
 ]
 PRE_TOKENIZERS: dict[str, PreTokenizer] = {name: pre for names, pre in _FAMILIES for name in names}
 

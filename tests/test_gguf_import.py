@@ -484,3 +484,17 @@ def test_cli_table(tmp_path: Path, tiny_gguf: Path):
     r = _cli(tiny_gguf, tmp_path / "hf")
     assert r.returncode == 0, r.stderr
     assert "tiny llama" in r.stdout and "258 tokens" in r.stdout and "F32 x" in r.stdout
+
+
+def test_deepseek_v3_pre_tokenizer_splits_as_llama_cpp():
+    """llama.cpp's deepseek-v3 splitting (LLAMA_VOCAB_PRE_TYPE_DEEPSEEK3_LLM): digits in
+    threes, CJK/kana runs apart, then the letters/punctuation pattern; what DeepSeek-V3's
+    own tokenizer.json does with the same three Split steps before its byte-level step."""
+    from formats.gguf_tokenizer import PRE_TOKENIZERS, _pre_tokenizer
+
+    pre = PRE_TOKENIZERS["deepseek-v3"]
+    pieces = [w for w, _ in _pre_tokenizer(pre.regexes).pre_tokenize_str("Hello, world! 1234567 你好世界 ok.\n\n  x")]
+    space, nl = "\u0120", "\u010a"
+    assert pieces == ["Hello", ",", space + "world", "!", space, "123", "456", "7", space,
+                      "ä½łå¥½ä¸ĸçķĮ", space + "ok", "." + nl + nl, space, space + "x"]
+    assert not pre.clean_spaces

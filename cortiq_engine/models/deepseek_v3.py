@@ -296,7 +296,6 @@ GGUF = GgufSpec(
         "attn_k_b": "self_attn.k_b_proj.{e}",
         "attn_v_b": "self_attn.v_b_proj.{e}",
         "ffn_gate_inp": "mlp.gate",
-        "exp_probs_b": "mlp.gate.e_score_correction",
         "ffn_gate_exps": "mlp.experts.{e}.gate_proj",
         "ffn_up_exps": "mlp.experts.{e}.up_proj",
         "ffn_down_exps": "mlp.experts.{e}.down_proj",
@@ -304,6 +303,7 @@ GGUF = GgufSpec(
         "ffn_up_shexp": "mlp.shared_experts.up_proj",
         "ffn_down_shexp": "mlp.shared_experts.down_proj",
     },
+    full_names={"exp_probs_b": "mlp.gate.e_score_correction_bias"},
     config=_gguf_config,
 )
 
@@ -318,8 +318,6 @@ FAMILY = Family(
     sanitize=SanitizeRules(
         renames=(
             (r"\.mlp\.shared_experts\.", ".mlp.shared_expert."),
-            # llama.cpp's exp_probs_b.bias, imported as e_score_correction.bias
-            (r"\.mlp\.gate\.e_score_correction\.bias$", ".mlp.gate.e_score_correction_bias"),
         ),
         split_fused_experts=True,
     ),
