@@ -9,8 +9,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 from rich.table import Table
 
 from cortiq_cli.common import (
-    console, err_console, handle_errors, human_bytes, mib_per_s, print_json, print_table, quant_names_help, resolve_dtype,
-    resolve_quant,
+    console, err_console, handle_errors, human_bytes, mib_per_s, print_json, print_table, quant_names_help, resolve_quant,
 )
 from formats.convert import MTP_MODES, ConvertReport, QuantPolicy
 from formats.policy import quant_help
@@ -39,7 +38,7 @@ def convert(
 ) -> None:
     """Convert a checkpoint into a CMF file, one tensor at a time."""
     quant = resolve_quant(quant)
-    keep_pairs = [(pat, resolve_dtype(dt)) for pat, dt in QuantPolicy.parse_keep(keep)]
+    keep_pairs = QuantPolicy.parse_keep(keep)  # a dtype as llama.cpp spells it (q8_0) reads as cortiq's
     if json_out:
         report = convert_checkpoint(src, out, quant=quant, keep=keep_pairs, mtp=mtp, force=force, imatrix=imatrix)
         print_json(report.to_json())

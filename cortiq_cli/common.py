@@ -221,40 +221,42 @@ LLAMA_CPP_QUANTS: dict[str, str] = {
     "q4_k_s": "q4k",
     "q4_1": "q4",
     "q4_0": "q4_0",
+    "iq4_xs": "iq4_xs",
+    "q3_k_s": "q3k",
     "f16": "f16",
     "bf16": "bf16",
     "f32": "f32",
 }
-# llama.cpp's ggml tensor types -> cortiq's dtypes (``--keep PATTERN=DTYPE``).
-LLAMA_CPP_DTYPES: dict[str, str] = {
-    "q8_0": "q8", "q6_k": "q6k", "q5_k": "q5k", "q5_0": "q5", "q5_1": "q5_1",
-    "q4_k": "q4k", "q4_1": "q4", "q4_0": "q4_0", "f16": "f16", "bf16": "bf16", "f32": "f32",
-}
 KEEP_QUANT = "keep"  # convert: the source's blocks where CMF has the layout
 
 
+def quant_names() -> dict[str, str]:
+    """Every --quant name this build takes -> its preset: llama.cpp's first, then the
+    presets llama.cpp has no name for."""
+    from formats.policy import QUANT_CHOICES
+
+    names = {k: v for k, v in LLAMA_CPP_QUANTS.items() if v in QUANT_CHOICES}
+    names.update({q: q for q in QUANT_CHOICES if q not in names.values()})
+    return names
+
+
 def quant_names_help() -> str:
-    """The --quant names, llama.cpp's first, each with cortiq's short alias."""
-    return ", ".join(k if v == k else f"{k} ({v})" for k, v in LLAMA_CPP_QUANTS.items())
+    """The --quant names, llama.cpp's first, each with cortiq's short name in brackets."""
+    return ", ".join(k if v == k else f"{k} ({v})" for k, v in quant_names().items())
 
 
 def resolve_quant(name: str, *, option: str = "--quant", allow_keep: bool = True) -> str:
     """A --quant name as llama.cpp (Q4_K_M, q8_0) or cortiq (q4km, q8) spells it -> the preset."""
-    from formats.policy import QUANT_CHOICES
+    from formats.policy import QUANT_ALIASES, QUANT_CHOICES
 
     key = name.strip().lower()
-    if key in LLAMA_CPP_QUANTS:
-        return LLAMA_CPP_QUANTS[key]
-    if key in QUANT_CHOICES or (allow_keep and key == KEEP_QUANT):
+    preset = quant_names().get(key) or QUANT_ALIASES.get(key) or (key if key in QUANT_CHOICES else None)
+    if preset is not None:
+        return preset
+    if allow_keep and key == KEEP_QUANT:
         return key
     raise CortiqError(f"unknown {option} {name!r}; choose one of {quant_names_help()}"
                       + (f", {KEEP_QUANT}" if allow_keep else ""))
-
-
-def resolve_dtype(name: str) -> str:
-    """A --keep dtype as llama.cpp (q8_0, q6_k) or cortiq (q8, q6k) spells it."""
-    key = name.strip().lower()
-    return LLAMA_CPP_DTYPES.get(key, key)
 
 
 # The KV cache's element type, for every command that runs a model over a context.

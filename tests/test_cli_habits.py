@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from cortiq_cli.common import LLAMA_CPP_QUANTS, human_bytes, resolve_quant
+from cortiq_cli.common import LLAMA_CPP_QUANTS, human_bytes, quant_names, resolve_quant
 from cortiq_cli.help import cortiq_version
 from cortiq_cli.main import COMMANDS, app
 from cortiq_engine.convert import convert_checkpoint
@@ -126,13 +126,16 @@ def test_llama_cpp_quant_names_resolve_to_the_same_layouts():
         "q4_0": "q4_0", "q4_1": "q4", "q4_k_m": "q4km", "q4_k_s": "q4k", "q5_k_m": "q5km", "q6_k": "q6k",
         "q8_0": "q8", "f16": "f16", "bf16": "bf16", "f32": "f32"}
     assert resolve_quant("Q4_K_M") == "q4km" and resolve_quant("q4") == "q4" and resolve_quant("q4km") == "q4km"
-    with pytest.raises(CortiqError, match="unknown --quant 'q3_k'; choose one of q8_0 \\(q8\\)"):
-        resolve_quant("q3_k")
+    with pytest.raises(CortiqError, match="unknown --quant 'q2_k'; choose one of q8_0 \\(q8\\)"):
+        resolve_quant("q2_k")
     from formats.quants import DTYPES
 
     # q4 is Q4_1's layout: llama.cpp's q4_1 is it, and q4_0 is Q4_0, not q4
     assert DTYPES["q4"].ggml_type == "Q4_1" and DTYPES["q4_0"].ggml_type == "Q4_0" and DTYPES["q8"].ggml_type == "Q8_0"
-    assert set(LLAMA_CPP_QUANTS.values()) - {"f16", "bf16", "f32"} <= set(DTYPES) | {"q4km", "q4k", "q5km"}
+    from formats.policy import QUANT_CHOICES
+
+    assert set(quant_names().values()) == set(QUANT_CHOICES)  # every preset has a name, every name a preset
+    assert set(LLAMA_CPP_QUANTS) <= set(quant_names())
 
 
 @pytest.mark.parametrize("name,dtype", [("q4_1", "q4"), ("Q4_0", "q4_0"), ("q8_0", "q8"), ("q4", "q4")])
