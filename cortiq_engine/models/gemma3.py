@@ -95,7 +95,8 @@ def _check(cmf: CmfFile, arch: ArchConfig) -> None:
     if bad:
         raise CortiqError(f"{cmf.path}: layer types {bad} are not supported for gemma3")
     if arch.attn_logit_softcapping:
-        raise CortiqError(f"{cmf.path}: attention logit soft-capping (Gemma 2 style) is not supported by the engine yet")
+        # transformers' Gemma 3 and llama.cpp ignore it, so a value here names no model either computes.
+        raise CortiqError(f"{cmf.path}: gemma3 with attn_logit_softcapping is refused (transformers' Gemma 3 does not apply it)")
     if arch.rope_scaling and arch.rope_scaling.get("rope_type", arch.rope_scaling.get("type")) not in ("linear", "llama3"):
         raise CortiqError(f"{cmf.path}: rope scaling {arch.rope_scaling!r} is not supported for gemma3")
 
