@@ -585,4 +585,5 @@ def test_mtp_train_refuses_a_latent_attention_trunk(ds, tmp_path, backend):
     cfg = TrainConfig(layers=1, steps=2, seq=32, batch=2, warmup=1, topk=8, holdout=0.2, max_tokens=400,
                       checkpoint_every=0, negatives=16)
     with pytest.raises(CortiqError, match="llama-style draft layers .* multi-head latent attention"):
-        train_mtp(ds["q_lora"][2], text, "alice", cfg, out=tmp_path / "d.mtp.cmf", kernels="numpy", backend=backend)
+        train_mtp(ds["q_lora"][2], text, "alice", cfg, out=tmp_path / "d.mtp.cmf", kernels="numpy", backend=backend,
+                  work=tmp_path / "work")
