@@ -5,11 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from cortiq_cli.common import (
-    console, err_console, handle_errors, human_bytes, mib_per_s, print_json, print_table, quant_names_help, resolve_quant,
+    BytesColumn, console, err_console, handle_errors, human_bytes, mib_per_s, print_json, print_table, quant_names_help, resolve_quant,
 )
 from formats.convert import MTP_MODES, ConvertReport, QuantPolicy
 from formats.policy import quant_help
@@ -46,8 +46,7 @@ def convert(
     with Progress(
         TextColumn("[bold]{task.description}", justify="left"),
         BarColumn(),
-        DownloadColumn(),
-        TransferSpeedColumn(),
+        BytesColumn(),
         TimeRemainingColumn(),
         TextColumn("{task.fields[tensor]}", style="dim"),
         console=err_console,

@@ -6,10 +6,10 @@ from pathlib import Path
 from typing import Any
 
 import typer
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+from rich.progress import BarColumn, Progress, TextColumn
 from rich.table import Table
 
-from cortiq_cli.common import console, err_console, fail, handle_errors, human_bytes, print_json
+from cortiq_cli.common import BytesColumn, console, err_console, fail, handle_errors, human_bytes, print_json
 from formats.cmf import CmfFile
 from formats.errors import CortiqError
 from formats.untrusted_json import section
@@ -194,7 +194,7 @@ def verify(
     total = sum(t.nbytes for f in files for t in f.tensors.values())
     results: list[dict[str, Any]] = []
     with Progress(
-        TextColumn("[bold]verifying"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+        TextColumn("[bold]verifying"), BarColumn(), BytesColumn(),
         console=err_console, transient=True, disable=json_out or not err_console.is_terminal,
     ) as bar:
         task = bar.add_task("verify", total=total)

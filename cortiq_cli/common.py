@@ -14,7 +14,9 @@ import numpy as np
 import typer
 from rich.console import Console, ConsoleDimensions
 from rich.markup import escape
+from rich.progress import ProgressColumn
 from rich.table import Table
+from rich.text import Text
 
 from typer._click import exceptions as click_exc  # typer vendors click; its errors live here
 from typer.core import TyperGroup
@@ -201,6 +203,17 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} TiB"
+
+
+class BytesColumn(ProgressColumn):
+    """A progress bar's bytes done / total, and its speed, in KiB/MiB/GiB (rich's own
+    columns count in powers of 1000, kB and MB)."""
+
+    def render(self, task: Any) -> Text:
+        done = human_bytes(task.completed)
+        text = f"{done}/{human_bytes(task.total)}" if task.total is not None else done
+        speed = task.finished_speed or task.speed
+        return Text(text + (f" {human_bytes(speed)}/s" if speed else ""), style="progress.download")
 
 
 def mib_per_s(n_bytes: float, seconds: float) -> str:

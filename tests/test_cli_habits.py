@@ -266,6 +266,13 @@ def test_exit_codes_follow_the_readme_table(tiny, tmp_path):
 def test_sizes_in_binary_units(tiny, tmp_path):
     hf, cmf = tiny
     assert [human_bytes(n) for n in (512, 1536, 3 * 2**20, 5 * 2**30)] == ["512 B", "1.5 KiB", "3.0 MiB", "5.0 GiB"]
+    from rich.progress import Progress
+
+    from cortiq_cli.common import BytesColumn
+
+    bar = Progress(BytesColumn(), disable=True)  # the progress bars of convert and verify
+    task = bar.tasks[bar.add_task("x", total=5 * 2**20, completed=2**20)]
+    assert BytesColumn().render(task).plain == "1.0 MiB/5.0 MiB"
     outputs = [_run("inspect", cmf), _run("verify", cmf), _run("convert", hf, tmp_path / "m.cmf", "--quant", "q8_0"),
                _run("generate", cmf, PROMPT, "-n", 2), _run("bench", cmf, "-p", 8, "-n", 2, "-r", 1, "-t", 1)]
     for r in outputs:
