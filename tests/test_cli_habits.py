@@ -271,8 +271,8 @@ def test_sizes_in_binary_units(tiny, tmp_path):
     from cortiq_cli.common import BytesColumn
 
     bar = Progress(BytesColumn(), disable=True)  # the progress bars of convert and verify
-    task = bar.tasks[bar.add_task("x", total=5 * 2**20, completed=2**20)]
-    assert BytesColumn().render(task).plain == "1.0 MiB/5.0 MiB"
+    bar.add_task("x", total=5 * 2**20, completed=2**20)
+    assert BytesColumn().render(bar.tasks[0]).plain == "1.0 MiB/5.0 MiB"
     outputs = [_run("inspect", cmf), _run("verify", cmf), _run("convert", hf, tmp_path / "m.cmf", "--quant", "q8_0"),
                _run("generate", cmf, PROMPT, "-n", 2), _run("bench", cmf, "-p", 8, "-n", 2, "-r", 1, "-t", 1)]
     for r in outputs:
