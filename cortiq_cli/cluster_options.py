@@ -8,7 +8,7 @@ from typing import Annotated, Any, Optional
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from cortiq_cli.common import err_console
+from cortiq_cli.common import console, err_console
 from evals.cluster import INSTALL_HINT, ClusterAddress, ClusterReport, journal_dir, ray_available
 from formats.errors import CortiqError
 
@@ -78,4 +78,12 @@ def score_ppl(where: ClusterAddress, threads: int, resume: bool, show: bool, *ar
         return run(where, threads, *args, resume=resume, progress=progress if show else None, **kwargs)
 
 
-__all__ = ["Cluster", "ClusterThreads", "Resume", "check", "progress_bar", "note_interrupted", "score_ppl", "CLUSTER_PANEL"]
+def render_report(report: ClusterReport) -> None:
+    """One line under the tables: where the windows ran and how fast."""
+    rate = f"{report.tokens_per_s:,.0f} tokens/s" if report.tokens_per_s == report.tokens_per_s else "nothing left to score"
+    console.print(f"cluster {report.address}: {report.workers} workers on {len(set(report.hosts))} "
+                  f"host{'s' if len(set(report.hosts)) != 1 else ''}, {report.tasks} windows handed out"
+                  f" ({report.retried} again after a lost worker, {report.resumed} from the journal), {rate}", highlight=False)
+
+
+__all__ = ["Cluster", "ClusterThreads", "Resume", "check", "progress_bar", "note_interrupted", "score_ppl", "render_report", "CLUSTER_PANEL"]

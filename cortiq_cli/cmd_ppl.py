@@ -182,6 +182,8 @@ def ppl(
         print_json(to_json(source, info, result, paths))
     else:
         render(source, info, result)
+        if creport is not None:
+            copt.render_report(creport)
     if done < len(windows):
         if recorder is not None:
             err_console.print(f"[yellow]{save_ref} was not written (the pass did not finish)[/]", highlight=False)

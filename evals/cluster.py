@@ -456,8 +456,8 @@ def score_ppl(
         nonlocal done_tokens
         if p.window in parts:
             return  # a late duplicate of a retried window: counted once
+        journal.append(p)  # first: a window counts once it is on disk (a Ctrl-C can cut the write short)
         parts[p.window] = p
-        journal.append(p)
         done_tokens += p.tokens
         if progress:
             progress(len(parts), len(windows), done_tokens, total_tokens, report.tokens / max(time.perf_counter() - t_start, 1e-9))

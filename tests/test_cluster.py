@@ -1,7 +1,7 @@
 """``cortiq ppl --cluster``: a real local Ray cluster of two workers gives the one-process
 figures bit for bit (perplexity, NLL and its SE, bits per byte, every KL statistic and
-percentile), also when a worker process is killed mid-run and when the driver is
-interrupted and resumed."""
+percentile, live or against a saved reference), also when a worker process is killed
+mid-run and when the driver is interrupted and resumed."""
 
 from __future__ import annotations
 
@@ -15,7 +15,9 @@ from pathlib import Path
 
 import psutil
 import pytest
+from typer.testing import CliRunner
 
+from cortiq_cli.main import app
 from evals.cluster import ClusterAddress, ModelFingerprint, WindowJournal
 from evals.kl import RowStats
 from evals.perplexity import WindowPartial
@@ -24,6 +26,7 @@ from formats.errors import CortiqError
 
 REPO = Path(__file__).resolve().parents[1]
 TEXT = BUNDLED_TEXT.read_text(encoding="utf-8")
+runner = CliRunner()
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +72,13 @@ def _ppl(args: list[str], cache: Path) -> dict:
     return json.loads(out)
 
 
+def _in_process(args: list[str]) -> dict:
+    """A run without --cluster, in this process (no interpreter to start)."""
+    r = runner.invoke(app, ["ppl", *args, "--json"])
+    assert r.exit_code == 0, r.output
+    return json.loads(r.stdout)
+
+
 def _args(tiny, *extra: str) -> list[str]:
     f32, q8, text = tiny
     return [str(f32), str(q8), "--text", str(text), "-c", "32", "--stride", "16", "-t", "1", *extra]
@@ -99,8 +109,8 @@ def _same_figures(got: dict, want: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def one_process(tiny, tmp_path_factory):
-    return _ppl(_args(tiny), tmp_path_factory.mktemp("journal"))
+def one_process(tiny):
+    return _in_process(_args(tiny))
 
 
 def test_two_workers_give_the_one_process_figures_bit_for_bit(tiny, one_process, tmp_path):
@@ -113,16 +123,23 @@ def test_two_workers_give_the_one_process_figures_bit_for_bit(tiny, one_process,
     assert not list(tmp_path.glob("*.journal"))  # a finished run leaves no journal
 
 
-def test_a_killed_worker_costs_only_its_windows(tiny, one_process, tmp_path):
-    p = _start(_args(tiny, "--cluster", "local:2"), tmp_path)
+def test_a_killed_worker_costs_only_its_windows(tiny, tmp_path):
+    """Against a saved reference (its rows go out with each window), a worker process killed mid-run."""
+    f32, q8, text = tiny
+    ref = tmp_path / "f32.cref"
+    _in_process([str(f32), "--text", str(text), "-c", "32", "--stride", "16", "-t", "1", "--save-ref", str(ref)])
+    args = [str(q8), "--ref", str(ref), "--text", str(text), "-t", "1"]
+    alone = _in_process(args)
+    assert alone["comparisons"][0]["reference_form"] != "full" and alone["comparisons"][0]["kl_mean"] > 0
+    p = _start([*args, "--cluster", "local:2"], tmp_path)
     _wait_for(tmp_path, p, 3)
     workers = [c for c in psutil.Process(p.pid).children(recursive=True) if "WindowScorer" in " ".join(c.cmdline())]
     assert workers, "no worker process found under the run"
     os.kill(workers[0].pid, signal.SIGKILL)
     code, out, err = _finish(p)
     assert code == 0, err
-    cluster = _same_figures(json.loads(out), one_process)
-    assert cluster["retried"] >= 1 and cluster["tasks"] == one_process["settings"]["windows"] + cluster["retried"]
+    cluster = _same_figures(json.loads(out), alone)
+    assert cluster["retried"] >= 1 and cluster["tasks"] == alone["settings"]["windows"] + cluster["retried"]
 
 
 def test_an_interrupted_driver_resumes_to_the_same_figures(tiny, one_process, tmp_path):
@@ -130,11 +147,11 @@ def test_an_interrupted_driver_resumes_to_the_same_figures(tiny, one_process, tm
     _wait_for(tmp_path, p, 5)
     p.send_signal(signal.SIGINT)
     code, out, err = _finish(p)
-    assert code == 130, err
+    assert code == 130, (out, err)
     kept = _records(tmp_path)
-    assert kept >= 5 and "--resume" in err
+    assert kept >= 5 and "--resume" in err, (kept, err)
     partial = json.loads(out)
-    assert partial["settings"]["partial"] and partial["settings"]["windows_done"] <= kept
+    assert partial["settings"].get("partial") and partial["settings"]["windows_done"] <= kept, (partial["settings"], kept, err)
     got = _ppl(_args(tiny, "--cluster", "local:2", "--resume"), tmp_path)
     cluster = _same_figures(got, one_process)
     assert cluster["resumed"] == kept and cluster["tasks"] == one_process["settings"]["windows"] - kept
@@ -148,9 +165,9 @@ def test_cluster_input_errors(tiny, tmp_path):
         (["--resume"], "give --cluster too"),
         (["--cluster", "local:1", "--save-ref", str(tmp_path / "r.cref")], "without --cluster"),
     ):
-        code, out, err = _finish(_start([str(f32), "--text", str(text), "-c", "32", *args], tmp_path))
-        assert code == 2 and out == "" and msg in err and "Traceback" not in err, (args, err)
-        assert len(err.strip().splitlines()) == 1, err
+        r = runner.invoke(app, ["ppl", str(f32), "--text", str(text), "-c", "32", *args, "--json"])
+        assert r.exit_code == 2 and r.stdout == "" and msg in r.stderr and "Traceback" not in r.stderr, (args, r.output)
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
 def test_fingerprint_and_journal(tiny, tmp_path):
