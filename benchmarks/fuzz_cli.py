@@ -1,6 +1,14 @@
 """Fuzz the cortiq CLI with a fresh corpus of hostile CMF files and sidecars.
 
     python benchmarks/fuzz_cli.py --seed 2026 --cases 3000
+    python benchmarks/fuzz_cli.py --resealed --seed 2027 --cases 3000
+
+``--resealed`` makes only mutants whose every checksum is recomputed (the preamble CRC,
+and each changed tensor's CRC in the directory): CMF header fields retyped, tokenizer.json
+structure mutations (components, model, merges, padding, added tokens, raw bytes), hostile
+chat templates, tensor bytes changed, chat session files for ``chat --load``, header and
+arch edits. Each command runs under a memory cap (``--mem-gb``, RLIMIT_AS) and a time limit
+(``--timeout``); a MemoryError that escapes counts as a memory blow-up.
 
 Makes ``--cases`` mutated files (``tests/fuzz_cmf.py``: byte flips, truncations, header
 and directory edits with and without a recomputed checksum, arch geometry edits,
@@ -32,7 +40,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.fuzz_cmf import COMMANDS, Outcome, Table, build_base, command_args, corpus, violations, write_case  # noqa: E402
+from tests.fuzz_cmf import (  # noqa: E402
+    Outcome, Table, build_base, case_commands, command_args, command_input, corpus, needs_open, resealed_corpus, violations,
+    write_case,
+)
 
 
 # ------------------------------------------------------------------ worker side
@@ -49,17 +60,28 @@ def worker(fd: int) -> None:
     runner = CliRunner()
     out = os.fdopen(fd, "w")
     for line in sys.stdin:
-        code, exc = _invoke(runner, cli, json.loads(line))
+        req = json.loads(line)
+        code, exc = _invoke(runner, cli, req["args"], req.get("input"))
         detail = f"{type(exc).__name__}: {str(exc)[:160]}" if exc is not None else ""
-        out.write(json.dumps({"code": code, "traceback": exc is not None, "detail": detail}) + "\n")
+        out.write(json.dumps({"code": code, "traceback": exc is not None, "memory": isinstance(exc, MemoryError),
+                              "detail": detail}) + "\n")
         out.flush()
+
+
+def _limit_memory(gb: float) -> None:
+    import resource
+
+    if gb > 0:
+        n = int(gb * (1 << 30))
+        resource.setrlimit(resource.RLIMIT_AS, (n, n))
 
 
 # ------------------------------------------------------------------ parent side
 
 class Worker:
-    def __init__(self, timeout: float):
+    def __init__(self, timeout: float, mem_gb: float = 0.0):
         self.timeout = timeout
+        self.mem_gb = mem_gb
         self.proc: subprocess.Popen | None = None
         self.rfd = -1
 
@@ -69,6 +91,7 @@ class Worker:
         self.proc = subprocess.Popen(
             [sys.executable, __file__, "--worker", str(w)], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL, pass_fds=(w,), env=env, text=True,
+            preexec_fn=(lambda: _limit_memory(self.mem_gb)) if self.mem_gb else None,
         )
         os.close(w)
         self.rfd = r
@@ -81,12 +104,12 @@ class Worker:
             os.close(self.rfd)
             self.proc = None
 
-    def run(self, command: str, args: list[str]) -> Outcome:
+    def run(self, command: str, args: list[str], input: str | None = None) -> Outcome:
         if self.proc is None:
             self.start()
         assert self.proc is not None and self.proc.stdin is not None
         try:
-            self.proc.stdin.write(json.dumps(args) + "\n")
+            self.proc.stdin.write(json.dumps({"args": args, "input": input}) + "\n")
             self.proc.stdin.flush()
         except BrokenPipeError:
             pass
@@ -105,23 +128,28 @@ class Worker:
             self._buf += chunk
         line, self._buf = self._buf.split(b"\n", 1)
         r = json.loads(line)
+        if r.get("memory"):
+            self.stop()  # a worker that ran out of memory may be left in any state
+            return Outcome(command, "memory", r["detail"])
         if r["traceback"]:
             return Outcome(command, "traceback", r["detail"])
         return Outcome(command, "ok" if r["code"] == 0 else "clean")
 
 
-def run_fresh(command: str, args: list[str], timeout: float) -> Outcome:
+def run_fresh(command: str, args: list[str], timeout: float, input: str | None = None, mem_gb: float = 0.0) -> Outcome:
     """One command as its own ``python -m cortiq_cli.main`` process (the user's path)."""
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     try:
         p = subprocess.run([sys.executable, "-m", "cortiq_cli.main", *args], capture_output=True, text=True,
-                           timeout=timeout, env=env, errors="replace")
+                           timeout=timeout, env=env, errors="replace", input=input or "",
+                           preexec_fn=(lambda: _limit_memory(mem_gb)) if mem_gb else None)
     except subprocess.TimeoutExpired:
         return Outcome(command, "hang")
     if p.returncode < 0:
         return Outcome(command, "crash", f"signal {-p.returncode}")
     if "Traceback (most recent call last)" in p.stderr:
-        return Outcome(command, "traceback", p.stderr.strip().splitlines()[-1][:160])
+        last = p.stderr.strip().splitlines()[-1][:160]
+        return Outcome(command, "memory" if last.startswith("MemoryError") else "traceback", last)
     return Outcome(command, "ok" if p.returncode == 0 else "clean")
 
 
@@ -132,6 +160,9 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds before a command counts as a hang")
     ap.add_argument("--exec-every", type=int, default=50, help="also run every Nth case as fresh processes (0 = never)")
     ap.add_argument("--json", type=Path, default=None, help="write the tables and violations here too")
+    ap.add_argument("--resealed", action="store_true", help="only mutants with every checksum recomputed")
+    ap.add_argument("--mem-gb", type=float, default=4.0, help="address-space cap of each command (RLIMIT_AS; 0 = none)")
+    ap.add_argument("--seconds", type=float, default=0.0, help="stop making cases after this many seconds (0 = none)")
     ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker is not None:
@@ -144,21 +175,28 @@ def main() -> int:
         bases = build_base(root / "base")
         table, fresh, bad = Table(), Table(), []
         kinds: dict[str, int] = {}
-        w = Worker(a.timeout)
+        w = Worker(a.timeout, a.mem_gb)
+        cases = resealed_corpus(a.seed, a.cases, bases) if a.resealed else corpus(a.seed, a.cases, bases)
+        done = 0
+        t_cases = time.time()
         try:
-            for i, case in enumerate(corpus(a.seed, a.cases, bases)):
+            for i, case in enumerate(cases):
+                if a.seconds and time.time() - t_cases > a.seconds:
+                    break
+                done += 1
                 kinds[case.kind] = kinds.get(case.kind, 0) + 1
                 main_path = write_case(case, root / "case")
                 outcomes: list[Outcome] = []
-                for command in COMMANDS:
-                    if command in ("generate", "ppl") and not (outcomes[0].status == "ok" or case.target == "sidecar"):
-                        continue  # the file does not open: generate and ppl stop where inspect did
-                    outcomes.append(w.run(command, command_args(command, main_path)))
+                for command in case_commands(case):
+                    if needs_open(command) and not (outcomes[0].status == "ok" or case.target == "sidecar"):
+                        continue  # the file does not open: the others stop where inspect did
+                    outcomes.append(w.run(command, command_args(command, main_path), command_input(command)))
                 for o in outcomes:
                     table.add(o)
                 v = violations(case, outcomes)
                 if a.exec_every and i % a.exec_every == 0:
-                    fo = [run_fresh(o.command, command_args(o.command, main_path), a.timeout) for o in outcomes]
+                    fo = [run_fresh(o.command, command_args(o.command, main_path), a.timeout, command_input(o.command),
+                                    a.mem_gb) for o in outcomes]
                     for o in fo:
                         fresh.add(o)
                     v += [f"(fresh process) {x}" for x in violations(case, fo)]
@@ -169,6 +207,7 @@ def main() -> int:
                     print(f"{i + 1} cases, {len(bad)} violations, {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
         finally:
             w.stop()
+    a.cases = done
     print(f"seed {a.seed}: {a.cases} files ({', '.join(f'{k} {n}' for k, n in sorted(kinds.items()))}), {time.time() - t0:.0f} s\n")
     print(table.markdown())
     if fresh.rows:
@@ -178,8 +217,11 @@ def main() -> int:
     for b in bad[:50]:
         print("  " + b)
     if a.json:
-        a.json.write_text(json.dumps({"seed": a.seed, "cases": a.cases, "kinds": kinds, "table": table.rows,
-                                      "fresh": fresh.rows, "violations": bad}, indent=1))
+        a.json.write_text(json.dumps({"seed": a.seed, "cases": a.cases, "resealed": a.resealed, "kinds": kinds,
+                                      "table": table.rows, "fresh": fresh.rows, "violations": bad,
+                                      "totals": {k: table.total(k) + fresh.total(k) for k in
+                                                 ("traceback", "crash", "hang", "memory")},
+                                      "seconds": round(time.time() - t0, 1)}, indent=1))
     return 1 if bad else 0
 
 

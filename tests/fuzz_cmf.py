@@ -33,6 +33,10 @@ from tests.cmf_edit import reseal
 
 _FMT = "<8sHHIQQQQQQ"
 COMMANDS = ("inspect", "verify", "generate", "ppl")
+# Commands of the resealed corpus beyond COMMANDS: the model's chat template, a chat session file.
+CHAT_COMMANDS = ("chat-template", "chat-load")
+ALL_COMMANDS = COMMANDS + CHAT_COMMANDS
+STATUSES = ("ok", "clean", "traceback", "crash", "hang", "memory")
 # A tiny text for ppl (the tiny models have a byte tokenizer: one token per byte).
 PPL_TEXT = "The quick brown fox jumps over the lazy dog. " * 3
 
@@ -120,6 +124,8 @@ class Case:
     unsealed_header: bool  # header/directory/preamble changed without a new checksum
     sealed: bool  # a checksum was recomputed after the change
     note: str = ""
+    session: bytes | None = None  # a chat session file for ``chat --load``
+    commands: tuple[str, ...] = ()  # the commands to run (empty: COMMANDS)
 
 
 def hostile_values(rng: random.Random) -> Any:
@@ -287,7 +293,7 @@ def _foreign(rng: random.Random, data: bytes) -> tuple[bytes, str]:
 
 
 def _arch_geometry(rng: random.Random, data: bytes) -> tuple[bytes, str]:
-    """Resealed arch edits aimed at the kernels' assumptions (the issue's SIGSEGV cases)."""
+    """Resealed arch edits aimed at the kernels' assumptions (the known SIGSEGV cases)."""
     lay = Layout.of(data)
     header = json.loads(data[lay.hoff : lay.hoff + lay.hlen])
     a = header["arch"]
@@ -383,6 +389,8 @@ def write_case(case: Case, folder: Path) -> Path:
     if case.sidecar is not None:
         (folder / "m.mtp.cmf").write_bytes(case.sidecar)
     (folder / "text.txt").write_text(PPL_TEXT)
+    if case.session is not None:
+        (folder / "session.json").write_bytes(case.session)
     return main
 
 
@@ -391,14 +399,32 @@ def command_args(command: str, main: Path) -> list[str]:
         return ["generate", str(main), "hello", "-n", "4", "--json", "--threads", "1"]
     if command == "ppl":
         return ["ppl", str(main), "--text", str(main.with_name("text.txt")), "--ctx", "32", "--json", "--threads", "1"]
+    if command == "chat-template":
+        return ["generate", str(main), "hello", "--chat", "-n", "2", "--json", "--threads", "1"]
+    if command == "chat-load":
+        return ["chat", str(main), "--load", str(main.with_name("session.json")), "-n", "2", "--json", "--threads", "1"]
     return [command, str(main)]
+
+
+def command_input(command: str) -> str | None:
+    """What the command reads on stdin (``chat`` takes one turn)."""
+    return "hi\n" if command == "chat-load" else None
+
+
+def case_commands(case: Case) -> tuple[str, ...]:
+    return case.commands or COMMANDS
+
+
+def needs_open(command: str) -> bool:
+    """Commands that stop where ``inspect`` did when the main file does not open."""
+    return command not in ("inspect", "verify")
 
 
 def violations(case: Case, outcomes: list[Outcome]) -> list[str]:
     """The properties of the module docstring this case's runs break."""
     bad = []
     for o in outcomes:
-        if o.status in ("traceback", "crash", "hang"):
+        if o.status in ("traceback", "crash", "hang", "memory"):
             bad.append(f"{case.id} {o.command}: {o.status} {o.detail}")
         if o.status == "ok" and o.command == "verify" and case.changed and not case.sealed:
             bad.append(f"{case.id} verify: exit 0 on a changed file")
@@ -413,16 +439,21 @@ class Table:
     rows: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def add(self, o: Outcome) -> None:
-        r = self.rows.setdefault(o.command, {"runs": 0, "ok": 0, "clean": 0, "traceback": 0, "crash": 0, "hang": 0})
+        r = self.rows.setdefault(o.command, {"runs": 0, **{k: 0 for k in STATUSES}})
         r["runs"] += 1
-        r[o.status] += 1
+        r[o.status] = r.get(o.status, 0) + 1
+
+    def total(self, status: str) -> int:
+        return sum(r.get(status, 0) for r in self.rows.values())
 
     def markdown(self) -> str:
-        lines = ["| command | runs | exit 0 | clean error | traceback | crash (signal) | hang |", "|---|---|---|---|---|---|---|"]
-        for c in COMMANDS:
+        lines = ["| command | runs | exit 0 | clean error | traceback | crash (signal) | hang | memory |",
+                 "|---|---|---|---|---|---|---|---|"]
+        for c in ALL_COMMANDS:
             r = self.rows.get(c)
             if r:
-                lines.append(f"| {c} | {r['runs']} | {r['ok']} | {r['clean']} | {r['traceback']} | {r['crash']} | {r['hang']} |")
+                lines.append(f"| {c} | {r['runs']} | {r['ok']} | {r['clean']} | {r['traceback']} | {r['crash']} | "
+                             f"{r['hang']} | {r.get('memory', 0)} |")
         return "\n".join(lines)
 
 
@@ -435,10 +466,10 @@ def _cli() -> Any:
     return typer.main.get_command(app)
 
 
-def _invoke(runner: Any, cli: Any, args: list[str]) -> tuple[int, BaseException | None]:
+def _invoke(runner: Any, cli: Any, args: list[str], input: str | None = None) -> tuple[int, BaseException | None]:
     """The command's exit code, or the exception that escaped it. (typer's CliRunner.invoke
     does the same but rebuilds the click command from the functions on every call.)"""
-    with runner.isolation():
+    with runner.isolation(input=input):
         try:
             cli.main(args=args, prog_name="cortiq")
         except SystemExit as e:
@@ -456,14 +487,345 @@ def run_in_process(case: Case, folder: Path, runner: Any = None) -> list[Outcome
     cli = _cli()
     main = write_case(case, folder)
     outcomes = []
-    for command in COMMANDS:
-        if command in ("generate", "ppl") and not (outcomes[0].status == "ok" or case.target == "sidecar"):
-            continue  # the file does not open: generate and ppl stop where inspect did
-        code, exc = _invoke(runner, cli, command_args(command, main))
+    for command in case_commands(case):
+        if needs_open(command) and not (outcomes[0].status == "ok" or case.target == "sidecar"):
+            continue  # the file does not open: the others stop where inspect did
+        code, exc = _invoke(runner, cli, command_args(command, main), command_input(command))
         if exc is not None:
-            outcomes.append(Outcome(command, "traceback", f"{type(exc).__name__}: {str(exc)[:120]}"))
+            status = "memory" if isinstance(exc, MemoryError) else "traceback"
+            outcomes.append(Outcome(command, status, f"{type(exc).__name__}: {str(exc)[:120]}"))
         elif code == 0:
             outcomes.append(Outcome(command, "ok"))
         else:
             outcomes.append(Outcome(command, "clean"))
     return outcomes
+
+
+# ------------------------------------------------------------------ resealed corpus
+
+# An attacker who recomputes every checksum: the preamble CRC, and each tensor's CRC in the
+# directory after its blob changed. Every mutant below is such a valid-checksum file; the
+# properties are the same (no traceback, signal, hang or memory blow-up).
+RESEALED_MUTATORS = ("retype", "tokenizer", "template", "blob", "session", "header-sealed", "geometry")
+TOKENIZER_TENSOR = "__tokenizer__/tokenizer.json"
+BENIGN_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+
+
+def _entries(data: bytes) -> list[dict[str, Any]]:
+    lay = Layout.of(data)
+    return json.loads(data[lay.diroff : lay.diroff + lay.dirlen])
+
+
+def _header_of(data: bytes) -> dict[str, Any]:
+    lay = Layout.of(data)
+    return json.loads(data[lay.hoff : lay.hoff + lay.hlen])
+
+
+def rewrite_blobs(data: bytes, replace: dict[str, bytes]) -> bytes:
+    """The file with the blobs of ``replace`` (u8 tensors) swapped for new bytes: blobs laid
+    out again 64-byte aligned, each changed tensor's shape, size and CRC-32 recomputed, the
+    preamble resealed."""
+    import zlib
+
+    lay = Layout.of(data)
+    entries = sorted(_entries(data), key=lambda e: e["offset"])
+    blobs, pos = bytearray(), lay.doff
+    for e in entries:
+        raw = replace.get(e["name"])
+        if raw is None:
+            raw = data[e["offset"] : e["offset"] + e["nbytes"]]
+        else:
+            e.update(shape=[len(raw)], nbytes=len(raw), crc32=zlib.crc32(raw), dtype="u8")
+        e["offset"] = pos
+        blobs += raw + bytes(-len(raw) % 64)
+        pos += len(raw) + (-len(raw) % 64)
+    dir_json = json.dumps(entries).encode()
+    pre = list(struct.unpack(_FMT, data[:64]))
+    pre[7], pre[8] = lay.doff + len(blobs), len(dir_json)
+    out = bytearray(struct.pack(_FMT, *pre) + data[64 : lay.doff] + bytes(blobs) + dir_json)
+    return bytes(reseal(out))
+
+
+def _with_header(data: bytes, header: dict[str, Any]) -> bytes:
+    return _rebuild(data, json.dumps(header).encode(), seal=True)
+
+
+def _retyped(rng: random.Random, v: Any) -> Any:
+    """``v`` as another JSON type: the same information in the wrong shape."""
+    if isinstance(v, bool):
+        return rng.choice([int(v), str(v).lower(), [v]])
+    if isinstance(v, int):
+        return rng.choice([str(v), float(v), [v], {"value": v}, v > 0])
+    if isinstance(v, float):
+        return rng.choice([str(v), int(v) if math.isfinite(v) else 0, [v]])
+    if isinstance(v, str):
+        return rng.choice([[v], {"text": v}, len(v), None, v.encode().hex()[:64], v * rng.choice([2, 1000])])
+    if isinstance(v, list):
+        return rng.choice([{str(i): x for i, x in enumerate(v)}, json.dumps(v), len(v), v[:1] * 3 if v else [None]])
+    if isinstance(v, dict):
+        return rng.choice([list(v.values()), list(v), json.dumps(v)[:200], len(v)])
+    return rng.choice([{}, [], "", 0])
+
+
+def _retype(rng: random.Random, data: bytes) -> tuple[bytes, str]:
+    header = _header_of(data)
+    paths = [p for p in key_paths(header) if p]
+    path = rng.choice(paths)
+    v = header
+    for k in path:
+        v = v[k]
+    new = _retyped(rng, v)
+    _set(header, path, new)
+    return _with_header(data, header), f"retype {'.'.join(map(str, path))}: {json.dumps(new)[:50]}"
+
+
+_HUGE_REGEX = "(a|aa)+$" * 600
+_COMPONENTS: dict[str, list[Any]] = {
+    "normalizer": [
+        {"type": "Replace", "pattern": {"String": ""}, "content": "x" * 100000},
+        {"type": "Replace", "pattern": {"Regex": _HUGE_REGEX}, "content": ""},
+        {"type": "Precompiled", "precompiled_charsmap": "AAAAAAAA"},
+        {"type": "Prepend", "prepend": "\u2581" * 10},
+        {"type": "Sequence", "normalizers": [{"type": "NFKC"}] * 100},
+        {"type": "Strip", "strip_left": "yes"},
+        {"type": "Lowercase"}, {"type": "NFC"}, {"type": "Hypothetical"}, [], "NFC",
+    ],
+    "pre_tokenizer": [
+        {"type": "Split", "pattern": {"Regex": _HUGE_REGEX}, "behavior": "Isolated", "invert": False},
+        {"type": "Split", "pattern": {"Regex": "("}, "behavior": "Isolated", "invert": False},
+        {"type": "Split", "pattern": {"String": " "}, "behavior": "Sideways", "invert": False},
+        {"type": "Metaspace", "replacement": "", "prepend_scheme": "always", "split": True},
+        {"type": "CharDelimiterSplit", "delimiter": ""},
+        {"type": "FixedLength", "length": 0},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
+        {"type": "Sequence", "pretokenizers": [{"type": "Whitespace"}, {"type": "Digits", "individual_digits": True}]},
+        {"type": "Whitespace"},
+    ],
+    "decoder": [
+        {"type": "Strip", "content": " ", "start": 2**62, "stop": 2**62},
+        {"type": "Replace", "pattern": {"String": "a"}, "content": "b" * 100000},
+        {"type": "Sequence", "decoders": [{"type": "ByteFallback"}, {"type": "Fuse"}, {"type": "Unknown"}]},
+        {"type": "CTC", "pad_token": "", "word_delimiter_token": "", "cleanup": True},
+        {"type": "WordPiece", "prefix": "##", "cleanup": 3},
+        {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+        {"type": "Fuse"},
+    ],
+    "post_processor": [
+        {"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "[X]", "type_id": 0}}], "pair": [],
+         "special_tokens": {}},
+        {"type": "TemplateProcessing", "single": [{"Sequence": {"id": "A", "type_id": 0}}], "pair": [],
+         "special_tokens": {"[X]": {"id": "[X]", "ids": [2**40], "tokens": ["x"]}}},
+        {"type": "BertProcessing", "sep": ["[SEP]", 10**12], "cls": ["[CLS]", 0]},
+        {"type": "RobertaProcessing", "sep": ["a", 0], "cls": ["b", 1], "trim_offsets": True, "add_prefix_space": True},
+        {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": False, "use_regex": True},
+    ],
+    "padding": [
+        {"strategy": {"Fixed": 10**12}, "direction": "Right", "pad_to_multiple_of": None, "pad_id": 0, "pad_type_id": 0,
+         "pad_token": "x"},
+        {"strategy": "BatchLongest", "direction": "Left", "pad_to_multiple_of": 2**40, "pad_id": 0, "pad_type_id": 0,
+         "pad_token": "x"},
+        {"strategy": {"Fixed": 8}, "direction": "Right", "pad_to_multiple_of": None, "pad_id": 0, "pad_type_id": 0,
+         "pad_token": "x"},
+    ],
+    "truncation": [
+        {"direction": "Right", "max_length": 0, "strategy": "LongestFirst", "stride": 5},
+        {"direction": "Right", "max_length": 2**62, "strategy": "LongestFirst", "stride": 0},
+        {"direction": "Left", "max_length": 4, "strategy": "OnlyFirst", "stride": 0},
+    ],
+}
+
+
+def _mutate_tokenizer(rng: random.Random, tok: dict[str, Any]) -> str:
+    how = rng.choice(["component", "component", "model", "model", "added", "path", "path"])
+    if how == "component":
+        key = rng.choice(list(_COMPONENTS))
+        tok[key] = rng.choice(_COMPONENTS[key])
+        return f"{key}={json.dumps(tok[key])[:60]}"
+    model = tok["model"]
+    if how == "model":
+        edit = rng.choice(["type", "vocab-id", "vocab-list", "merges", "merges-missing", "unk", "dropout", "vocab-empty"])
+        if edit == "type":
+            model["type"] = rng.choice(["Unigram", "WordPiece", "WordLevel", "Hypothetical", 5, None])
+        elif edit == "vocab-id":
+            k = rng.choice(list(model["vocab"]))
+            model["vocab"][k] = rng.choice([-1, 2**40, "3", 1.5, None, 0])
+        elif edit == "vocab-list":
+            model["vocab"] = [[k, rng.choice([0.0, -1e308, 1e308, "x"])] for k in model["vocab"]]
+        elif edit == "merges":
+            model["merges"] = rng.choice([[["a", "b"]] * 3, ["a b c"], [[1, 2]], "merges", [["\u0120", "t"]] * 1000])
+        elif edit == "merges-missing":
+            model["merges"] = [["zz", "qq"]]
+        elif edit == "unk":
+            model["unk_token"] = rng.choice(["<unk>", "", 5, "x" * 100000])
+        elif edit == "dropout":
+            model["dropout"] = rng.choice([5.0, -1, "0.1", float("1e308")])
+        else:
+            model["vocab"] = {}
+        return f"model {edit}"
+    if how == "added":
+        tok["added_tokens"] = rng.choice([
+            [{"id": 2**40, "content": "x", "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
+              "special": True}],
+            [{"id": 3, "content": "", "special": True}],
+            [{"id": i, "content": "<s>", "special": True} for i in range(3)],
+            "tokens", [None],
+            [{"id": 300, "content": "<|im_start|>", "single_word": False, "lstrip": True, "rstrip": True,
+              "normalized": True, "special": False}],
+        ])
+        return f"added_tokens={json.dumps(tok['added_tokens'])[:60]}"
+    paths = [p for p in key_paths({k: v for k, v in tok.items() if k != "model"}) if p]
+    paths += [("model",) + p for p in key_paths({k: v for k, v in model.items() if k not in ("vocab", "merges")})]
+    path = rng.choice(paths)
+    if rng.random() < 0.3:
+        _delete(tok, path)
+        return f"tokenizer delete {'.'.join(map(str, path))}"
+    v = tok
+    for k in path:
+        v = v[k]
+    value = _retyped(rng, v) if rng.random() < 0.5 else hostile_values(rng)
+    _set(tok, path, value)
+    return f"tokenizer {'.'.join(map(str, path))}={json.dumps(value)[:40]}"
+
+
+def _tokenizer_case(rng: random.Random, data: bytes) -> tuple[bytes, str]:
+    lay = Layout.of(data)
+    entry = next(e for e in _entries(data) if e["name"] == TOKENIZER_TENSOR)
+    raw = data[entry["offset"] : entry["offset"] + entry["nbytes"]]
+    kind = rng.choice(["json"] * 8 + ["bytes"])
+    header = _header_of(data)
+    if kind == "bytes":
+        new = rng.choice([raw[: rng.randrange(len(raw))], raw + b"\xff", b"[" * 100000, b"", b'{"model": null}',
+                          raw.replace(b'"vocab"', b'"vocab" ', 1)])
+        note = f"tokenizer bytes ({len(new)})"
+    else:
+        tok = json.loads(raw)
+        note = _mutate_tokenizer(rng, tok)
+        new = json.dumps(tok).encode()
+        if rng.random() < 0.5:  # keep the header's count in step, so the checks behind it are reached
+            try:
+                from formats.tokenizer_check import vocab_size_of
+
+                header["tokenizer"]["vocab_size"] = vocab_size_of(tok)
+            except Exception:  # noqa: BLE001 - a mutant the counter cannot read keeps the old count
+                pass
+    header.setdefault("tokenizer", {})["chat_template"] = BENIGN_TEMPLATE
+    out = rewrite_blobs(data, {TOKENIZER_TENSOR: new})
+    del lay
+    return _with_header(out, header), note
+
+
+TEMPLATES = [
+    "{{ lipsum(10**6) }}", '{{ "x"|center(10**9) }}', '{{ "%*s"|format(10**9, "") }}', '{{ "ab" * 10**9 }}',
+    "{% for i in range(10**9) %}{% endfor %}", '{{ "x".rjust(10**9) }}', '{{ "{:>999999999}".format(1) }}',
+    '{{ "%.999999999f" % 1.0 }}', '{{ ("x" * 2**20).replace("x", "yy") }}', "{{ [1]|batch(10**9, 0)|list }}",
+    '{% set a = "x" * 2**20 %}{{ a ~ a ~ a }}', '{% set a = "x" * 2**20 %}{% for c in a %}{% for d in a %}{% endfor %}{% endfor %}',
+    '{% set a = ["x" * 2**19] %}{% set b = [a, a, a, a] %}{% set c = [b, b, b, b] %}{{ [c, c, c, c] }}',
+    "{% set ns = namespace(t=('a',)) %}{% for i in range(40) %}{% set ns.t = (ns.t, ns.t) %}{% endfor %}{{ {ns.t: 1} }}",
+    "{{ (2**64)**64 }}", '{{ ("<!--" * 200000)|striptags }}', "{{ 1 // 0 }}", "{% for %}", "{{ raise_exception('x') }}",
+    "{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(0) }}", "{{ ''.__class__.__mro__ }}", "{{ cycler.__init__.__globals__ }}",
+    "{{ messages[0]['content'] * 10**6 }}", "{{ messages|tojson(indent=10**9) }}", "{% include 'x' %}", "{% extends 'y' %}",
+    "{{ strftime_now('%Y' * 10**5) }}", "{{ range(10**6)|list|join('x' * 10**6) }}", "{{ '\ud800' }}", "{{ x.y.z }}",
+    "{% for m in messages recursive %}{{ loop(messages) }}{% endfor %}", "{{ '%s' % messages }}", BENIGN_TEMPLATE,
+    "(" * 1000 + ")" * 1000, "{{ " + "(" * 100 + "1" + ")" * 100 + " }}", "{% raw %}", "x" * 2_000_000,
+]
+
+
+def _template_case(rng: random.Random, data: bytes) -> tuple[bytes, str]:
+    header = _header_of(data)
+    t = rng.choice(TEMPLATES)
+    if rng.random() < 0.3:  # two pieces joined: a bound hit after a benign start
+        t = rng.choice(TEMPLATES) + rng.choice(TEMPLATES)
+    header.setdefault("tokenizer", {})["chat_template"] = t
+    return _with_header(data, header), f"template {t[:60]!r}"
+
+
+def _blob_case(rng: random.Random, data: bytes) -> tuple[bytes, str]:
+    """Bytes of one tensor changed and its directory CRC-32 recomputed (NaN and Inf
+    weights, wild scales, other draft-vocabulary ids)."""
+    import zlib
+
+    entries = _entries(data)
+    e = rng.choice([x for x in entries if x["nbytes"]])
+    out = bytearray(data)
+    n = rng.choice([1, 4, 64, e["nbytes"]])
+    how = rng.choice(["random", "nan", "inf", "ff"])
+    for _ in range(min(n, 256)):
+        p = e["offset"] + rng.randrange(e["nbytes"])
+        if how == "random":
+            out[p] = rng.randrange(256)
+        elif how == "ff":
+            out[p] = 0xFF
+        else:
+            q = p - (p - e["offset"]) % 4
+            if q + 4 <= e["offset"] + e["nbytes"]:
+                out[q : q + 4] = struct.pack("<f", float("nan") if how == "nan" else float("inf"))
+    e["crc32"] = zlib.crc32(bytes(out[e["offset"] : e["offset"] + e["nbytes"]]))
+    lay = Layout.of(data)
+    return _rebuild(bytes(out), data[lay.hoff : lay.hoff + lay.hlen], json.dumps(entries).encode()), \
+        f"blob {e['name'][:40]} {how} x{n}"
+
+
+def _session(rng: random.Random) -> tuple[bytes, str]:
+    good = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hello"}]
+    how = rng.choice(["retype", "deep", "huge", "many", "surrogate", "bytes", "roles", "good"])
+    if how == "retype":
+        doc: Any = json.loads(json.dumps(good))
+        path = rng.choice([p for p in key_paths(doc) if p])
+        v = doc
+        for k in path:
+            v = v[k]
+        _set(doc, path, _retyped(rng, v) if rng.random() < 0.5 else hostile_values(rng))
+        return json.dumps(doc).encode(), f"session retype {path}"
+    if how == "deep":
+        return b"[" * rng.choice([100, 10000, 100000]) + b"]" * 10, "session deep"
+    if how == "huge":
+        return json.dumps([{"role": "user", "content": "x" * rng.choice([10**5, 10**6])}]).encode(), "session huge"
+    if how == "many":
+        return json.dumps([{"role": "user", "content": "hi"}] * rng.choice([10**3, 10**5])).encode(), "session many"
+    if how == "surrogate":
+        return b'[{"role": "user", "content": "caf\\udce9 \\ud800"}]', "session surrogate"
+    if how == "bytes":
+        return rng.choice([b"\xff\xfe", b"", b"null", b'[{"role": "user", "content": "\xe9"}]', rng.randbytes(200)]), \
+            "session bytes"
+    if how == "roles":
+        return json.dumps([{"role": r, "content": "x"} for r in ("tool", "", "\u0000", "x" * 1000)]).encode(), "session roles"
+    return json.dumps(good).encode(), "session good"
+
+
+def make_resealed_case(rng: random.Random, bases: list[Base], index: int) -> Case:
+    base = rng.choice(bases)
+    kind = rng.choice(RESEALED_MUTATORS)
+    target = "sidecar" if kind in ("retype", "blob", "header-sealed") and rng.random() < 0.2 else "main"
+    orig = base.sidecar if target == "sidecar" else base.main
+    session, commands = None, COMMANDS
+    if kind == "retype":
+        data, note = _retype(rng, orig)
+    elif kind == "tokenizer":
+        data, note = _tokenizer_case(rng, orig)
+        commands = ("inspect", "generate", "chat-template")
+    elif kind == "template":
+        data, note = _template_case(rng, orig)
+        commands = ("inspect", "chat-template")
+    elif kind == "blob":
+        data, note = _blob_case(rng, orig)
+    elif kind == "session":
+        header = _header_of(orig)
+        header["tokenizer"]["chat_template"] = BENIGN_TEMPLATE
+        data = _with_header(orig, header)
+        session, note = _session(rng)
+        commands = ("inspect", "chat-load")
+    elif kind == "header-sealed":
+        data, note = _edit_header(rng, orig, seal=True)
+    else:
+        data, note = _arch_geometry(rng, orig)
+    main, side = (base.main, data) if target == "sidecar" else (data, base.sidecar)
+    return Case(f"{index:05d}-{kind}-{base.name}-{target}", kind, base.name, target, main, side, data != orig,
+                False, True, note, session, commands)
+
+
+def resealed_corpus(seed: int, n: int, bases: list[Base]):
+    """``n`` resealed mutants, made one at a time (a mutant can be megabytes)."""
+    rng = random.Random(seed)
+    for i in range(n):
+        yield make_resealed_case(rng, bases, i)

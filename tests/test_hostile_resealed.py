@@ -485,3 +485,29 @@ def test_a_dataset_folder_with_a_loading_script_is_refused(tiny, tmp_path):
     err = _one_line_error(runner.invoke(app, ["ppl", str(cmf), "--dataset", str(folder), "--split", "train"]))
     assert "script" in err, err
     assert not sentinel.exists()
+
+
+# ------------------------------------------------------------------ 8. resealing fuzz, CI-sized
+
+def test_resealed_fuzz_ci(tmp_path):
+    """A fixed-seed corpus of resealed mutants (every checksum recomputed: header fields
+    retyped, tokenizer.json mutated, hostile chat templates, tensor bytes, chat session
+    files) through the real CLI in worker processes under a 4 GB address-space cap: no
+    traceback, signal, hang or memory blow-up. The long run is the same tool with
+    ``--cases 3000``."""
+    out = tmp_path / "fuzz.json"
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    p = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "fuzz_cli.py"), "--resealed", "--seed", "31", "--cases", "400",
+         "--seconds", "20", "--exec-every", "0", "--timeout", "60", "--mem-gb", "4", "--json", str(out)],
+        env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert out.exists(), p.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["totals"] == {"traceback": 0, "crash": 0, "hang": 0, "memory": 0}, p.stdout[-3000:]
+    assert r["violations"] == [], r["violations"][:20]
+    assert p.returncode == 0, p.stdout[-3000:]
+    # not vacuous: the corpus reached several kinds, and both outcomes
+    assert len(r["kinds"]) >= 5 and r["cases"] >= 20, r["kinds"]
+    rows = r["table"]
+    assert rows["inspect"]["ok"] > 0 and sum(x["clean"] for x in rows.values()) > 0
