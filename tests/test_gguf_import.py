@@ -87,9 +87,10 @@ def test_tokenizer_matches_gguf_tokenizers(smollm2_hf: Path, smollm2_gguf: Path)
     assert ours == theirs and ours[0] == 1
 
 
+@pytest.mark.llamacpp
 def test_tokenizer_matches_llama_cpp(smollm2_hf: Path, smollm2_gguf: Path):
-    """llama.cpp's own tokenizer is a second oracle (optional: the bench extra builds it)."""
-    llama_cpp = pytest.importorskip("llama_cpp")
+    """llama.cpp's own tokenizer is a second oracle (the bench extra builds it)."""
+    import llama_cpp
     from tokenizers import Tokenizer
 
     raw = Tokenizer.from_file(str(smollm2_hf / "tokenizer.json"))
@@ -99,12 +100,13 @@ def test_tokenizer_matches_llama_cpp(smollm2_hf: Path, smollm2_gguf: Path):
 
 
 @pytest.mark.slow
+@pytest.mark.llamacpp
 def test_gemma3_tokenizer_matches_llama_cpp(gemma3_gguf: Path):
     """Gemma's user-defined tokens (whitespace runs up to 31 spaces, HTML tags) match
     whole and longest first, as in SentencePiece and llama.cpp: 54 spaces are 31 + 23
     (a BPE over the runs would give 16 + 16 + 22; the bundled texts have such runs).
-    llama.cpp is the oracle here, optional as above (the bench extra builds it)."""
-    llama_cpp = pytest.importorskip("llama_cpp")
+    llama.cpp is the oracle here, as above (the bench extra builds it)."""
+    import llama_cpp
     from tokenizers import Tokenizer
 
     from evals.text_source import BUNDLED_CORPORA
@@ -330,11 +332,12 @@ def trained_bpe(english_text: str) -> tuple[list[str], list[str]]:
     return tokens + ["<|s|>", "<|e|>"], [" ".join(m) if isinstance(m, list) else m for m in data["merges"]]
 
 
+@pytest.mark.llamacpp
 @pytest.mark.parametrize("pre", ["default", "gpt-2", "falcon", "smollm", "llama-bpe", "qwen2"])
 def test_pre_tokenizers_match_llama_cpp(tmp_path: Path, trained_bpe, pre: str):
     """The same vocabulary under each ``tokenizer.ggml.pre`` name: the imported
     tokenizer.json must split and merge exactly as llama.cpp does."""
-    llama_cpp = pytest.importorskip("llama_cpp")
+    import llama_cpp
     from tokenizers import Tokenizer
 
     tokens, merges = trained_bpe

@@ -39,6 +39,7 @@ def _hard(rows: int = 24, cols: int = 768, seed: int = 0) -> np.ndarray:
     return x
 
 
+@pytest.mark.llamacpp
 @pytest.mark.parametrize("name,gtype", NEW)
 def test_encode_is_llama_cpp_byte_for_byte(name, gtype):
     x = _hard()
@@ -182,6 +183,7 @@ def test_gemma3_q4_k_m_blocks_are_kept_bit_for_bit(gemma3_gguf, gemma3_hf, tmp_p
 # ---------------------------------------------------------------- q4_0 and the q5 imatrix search
 
 
+@pytest.mark.llamacpp
 def test_q4_0_ggml_reference_is_llama_cpp_byte_for_byte():
     from formats.quants import quantize_q4_0_ggml
 
@@ -199,6 +201,7 @@ def _block_sse(dt, x, parts) -> np.ndarray:
     return ((y - x.astype(np.float64)) ** 2).reshape(x.shape[0], -1, 32).sum(axis=2)
 
 
+@pytest.mark.llamacpp
 def test_q5_1_ggml_reference_is_llama_cpp_byte_for_byte():
     from formats.quants import quantize_q5_1_ggml
 
@@ -252,6 +255,7 @@ def test_q4_0_search_is_never_worse_than_ggml_in_any_block():
     assert dt.nbytes((4096, 4096)) == 4096 * 4096 * 9 // 16
 
 
+@pytest.mark.llamacpp
 @pytest.mark.parametrize("name,gtype", [("q4_0", GT.Q4_0), ("q5", GT.Q5_0), ("q5_1", GT.Q5_1)])
 def test_block32_imatrix_search_beats_llama_cpps_own(name, gtype):
     """With an imatrix, q4_0 / q5 / q5_1 weight their search as ggml's quantize_q4_0 /

@@ -9,8 +9,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-pytest.importorskip("torch")
-
 from typer.testing import CliRunner  # noqa: E402
 
 from cortiq_cli.main import app  # noqa: E402

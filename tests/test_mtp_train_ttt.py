@@ -15,8 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-torch = pytest.importorskip("torch")
+import torch
 
 from cortiq_engine import mtp  # noqa: E402
 from cortiq_engine.convert import convert_checkpoint  # noqa: E402

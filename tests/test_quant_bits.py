@@ -61,8 +61,8 @@ def test_cmf_and_gguf_bits_count_the_same_way(tmp_path):
     assert g["params"] == 8 * 64 + 64 and g["tensor_bytes"] == 8 * 64 * 18 // 32 + 4 * 64
 
 
+@pytest.mark.llamacpp  # llama.cpp's library is the quantizer here
 def test_llama_cpp_imatrix_requantization_is_its_library_tensor_by_tensor(tmp_path):
-    pytest.importorskip("llama_cpp")  # the bench extra: llama.cpp's library is the quantizer here
     from formats.imatrix import write_imatrix
 
     rng = np.random.default_rng(3)

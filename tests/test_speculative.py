@@ -278,7 +278,6 @@ def test_smollm2_exact_with_a_trained_sidecar(smollm2_cmf, english_text, tmp_pat
     turns and plain windows, a draft vocabulary): speculative decoding at depths 1-3,
     with and without adaptive depth, is plain greedy token for token, through the
     plain and chat prompts, and the trained drafts are accepted."""
-    pytest.importorskip("torch")
     from cortiq_train.config import TrainConfig
     from cortiq_train.run import train_mtp
 
