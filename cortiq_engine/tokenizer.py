@@ -370,6 +370,18 @@ def _template_error(e: BaseException) -> str:
     return f"failed: {type(e).__name__}: {detail}"
 
 
+def _lower_limit(which: int, value: int) -> None:
+    """Set a resource limit to ``value`` unless one already in force is lower (a process
+    may not raise its hard limit)."""
+    import resource
+
+    soft, hard = resource.getrlimit(which)
+    if hard != resource.RLIM_INFINITY:
+        value = min(value, hard)
+    if soft == resource.RLIM_INFINITY or value < soft:
+        resource.setrlimit(which, (value, value if hard == resource.RLIM_INFINITY else hard))
+
+
 def render_template(source: str, limits: TemplateLimits, **context: Any) -> str:
     """Render a jinja2 chat template: untrusted code.
 
@@ -394,9 +406,8 @@ def render_template(source: str, limits: TemplateLimits, **context: Any) -> str:
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             with open("/proc/self/statm") as f:
                 used = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-            resource.setrlimit(resource.RLIMIT_AS, (used + TEMPLATE_MEMORY, used + TEMPLATE_MEMORY))
-            cpu = int(limits.seconds) + 2
-            resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
+            _lower_limit(resource.RLIMIT_AS, used + TEMPLATE_MEMORY)
+            _lower_limit(resource.RLIMIT_CPU, int(limits.seconds) + 2)
             try:
                 answer = b"T" + _render_bounded(source, limits, context).encode("utf-8", "surrogatepass")
             except MemoryError:
