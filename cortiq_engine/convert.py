@@ -27,12 +27,13 @@ def convert_checkpoint(
     force: bool = False,
     progress: ProgressFn | None = None,
     imatrix: str | Path | None = None,
+    allow_nonfinite: bool = False,
 ) -> ConvertReport:
     """Convert an HF checkpoint folder, a hub repo id, a .gguf or a .cmf file into ``out``
     (see ``formats.convert.convert_checkpoint``)."""
     return _convert_checkpoint(
         src, out, families=FAMILIES, quant=quant, keep=keep, mtp=mtp, force=force, progress=progress,
-        imatrix=imatrix,
+        imatrix=imatrix, allow_nonfinite=allow_nonfinite,
     )
 
 

@@ -36,6 +36,7 @@ from formats.arch import ArchConfig, MtpConfig
 from formats.arch_check import arch_from_config
 from formats.cmf import FORMAT_MINOR, FORMAT_VERSION, MAGIC as CMF_MAGIC, CmfFile, CmfWriter
 from formats.errors import CortiqError
+from formats.finite import check_finite, check_finite_parts
 from formats.manifest import ArchFamily, Families, check_manifest
 from formats.mtp_names import mtp_layer_count
 from formats.imatrix import read_imatrix
@@ -210,13 +211,16 @@ def convert_checkpoint(
     force: bool = False,
     progress: ProgressFn | None = None,
     imatrix: str | Path | None = None,
+    allow_nonfinite: bool = False,
 ) -> ConvertReport:
     """Convert an HF checkpoint folder, a hub repo id or a .gguf file into ``out``.
 
     ``families``: the architecture registry (``cortiq_engine.models.FAMILIES``; formats
     does not import the engine). The family of the checkpoint's ``model_type`` parses
     its config, names its tensors and gives the manifest they are checked against.
-    ``imatrix`` (a ``cortiq imatrix`` file) weights the quantizers' error per column."""
+    ``imatrix`` (a ``cortiq imatrix`` file) weights the quantizers' error per column.
+    A NaN or an infinity in a weight is an error naming the tensor, row and column
+    (``formats.finite``), before anything is written, unless ``allow_nonfinite``."""
     from formats.checkpoint import open_checkpoint
 
     if mtp not in MTP_MODES:
@@ -228,12 +232,13 @@ def convert_checkpoint(
     _check_output(out, force, Path(src))
     src_path = Path(src)
     if _is_cmf(src_path):
-        return _convert_cmf(src_path, out, policy, policy_keep_source, force, progress)
+        return _convert_cmf(src_path, out, policy, policy_keep_source, force, progress, allow_nonfinite)
     if _is_gguf(src_path):
-        return _convert_gguf(src_path, out, families, policy, mtp, force, progress, policy_keep_source)
+        return _convert_gguf(src_path, out, families, policy, mtp, force, progress, policy_keep_source, allow_nonfinite)
     ck = open_checkpoint(src)
     try:
-        return _convert(ck, out, families, policy, mtp, force, progress, source_format="safetensors", keep_source=policy_keep_source)
+        return _convert(ck, out, families, policy, mtp, force, progress, source_format="safetensors", keep_source=policy_keep_source,
+                        allow_nonfinite=allow_nonfinite)
     finally:
         ck.close()
 
@@ -275,7 +280,8 @@ def _is_cmf(path: Path) -> bool:
 
 
 def _convert_gguf(
-    path: Path, out: Path, families: Families, policy: QuantPolicy, mtp: str, force: bool, progress: ProgressFn | None, keep_source: bool = False
+    path: Path, out: Path, families: Families, policy: QuantPolicy, mtp: str, force: bool, progress: ProgressFn | None, keep_source: bool = False,
+    allow_nonfinite: bool = False,
 ) -> ConvertReport:
     """GGUF -> CMF, tensor by tensor: each is dequantized from the map in row slices as
     the writer needs it (nothing staged on disk); blocks whose layout CMF shares are
@@ -287,13 +293,15 @@ def _convert_gguf(
     ck, blocks = open_gguf_checkpoint(path, families)
     _trim_heap()  # what building the tokenizer freed, before the converter parses it again
     try:
-        return _convert(ck, out, families, policy, mtp, force, progress, source_format="gguf", blocks=blocks, keep_source=keep_source)
+        return _convert(ck, out, families, policy, mtp, force, progress, source_format="gguf", blocks=blocks, keep_source=keep_source,
+                        allow_nonfinite=allow_nonfinite)
     finally:
         ck.close()
 
 
 def _convert_cmf(
-    path: Path, out: Path, policy: QuantPolicy, keep_source: bool, force: bool, progress: ProgressFn | None
+    path: Path, out: Path, policy: QuantPolicy, keep_source: bool, force: bool, progress: ProgressFn | None,
+    allow_nonfinite: bool = False,
 ) -> ConvertReport:
     """CMF -> CMF with new dtypes (the ``llama-quantize`` workflow): tensors whose dtype
     stays are copied byte for byte, the others decoded to f32 and re-encoded, row slice
@@ -339,10 +347,12 @@ def _convert_cmf(
                 err = [0.0, 0.0]
                 if dtype == info.dtype:
                     parts = src.tensor_parts(name)
+                    if not allow_nonfinite:
+                        check_finite_parts(name, parts)
                     new = w.add_encoded(name, dtype, info.shape, [parts[sp.name] for sp in get_dtype(dtype).parts(info.shape)])
                     copied.append(name)
                 else:
-                    new = _reencode(src, name, info, dtype, w, err, policy.importance(name, rows_cols(info.shape)[1]))
+                    new = _reencode(src, name, info, dtype, w, err, policy.importance(name, rows_cols(info.shape)[1]), allow_nonfinite)
                 done += info.nbytes
                 if progress:
                     progress(name, done, total)
@@ -369,7 +379,8 @@ def _convert_cmf(
     )
 
 
-def _reencode(src: CmfFile, name: str, info, dtype: str, w: CmfWriter, err: list[float], importance=None):
+def _reencode(src: CmfFile, name: str, info, dtype: str, w: CmfWriter, err: list[float], importance=None,
+              allow_nonfinite: bool = False):
     """Decode ``name`` to f32 in row slices and encode it as ``dtype`` into ``w``;
     ``err`` gets (sum of squared errors, sum of squared values) against the decoded source."""
     sdt, dt = get_dtype(info.dtype), get_dtype(dtype)
@@ -381,8 +392,12 @@ def _reencode(src: CmfFile, name: str, info, dtype: str, w: CmfWriter, err: list
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
         x = sdt.decode({k: v[r0:r1] for k, v in parts.items()}, (r1 - r0, cols))
+        if not allow_nonfinite:
+            check_finite(name, x, r0)
         enc = dt.encode(x, importance)
         e, ref = dt.error(x, enc)
+        if allow_nonfinite and not np.isfinite(ref):
+            e = ref = 0.0  # a kept NaN or infinity has no error to measure
         if not np.isfinite(e):
             raise CortiqError(f"tensor {name} does not fit {dtype}; use --keep '{name}=bf16'")
         err[0] += e
@@ -428,9 +443,10 @@ class _Streamer:
 
     def __init__(
         self, ck, policy: QuantPolicy, total: int, progress: ProgressFn | None,
-        blocks: dict[str, Any] | None = None, keep_source: bool = False,
+        blocks: dict[str, Any] | None = None, keep_source: bool = False, allow_nonfinite: bool = False,
     ):
         self.ck, self.policy, self.total, self.progress = ck, policy, total, progress
+        self.allow_nonfinite = allow_nonfinite
         self.blocks = blocks or {}  # HF name -> formats.gguf_import.SourceBlocks
         self.keep_source = keep_source
         self.copied: list[str] = []  # tensors whose GGML blocks were copied bit for bit
@@ -464,7 +480,10 @@ class _Streamer:
         itemsize = _ST_ITEMSIZE[src_dtype]
         b = self.blocks.get(p.source)
         if b is not None and BLOCK_COPY.get(b.ggml_type) == dtype and len(p.shape) == 2:
-            info = w.add_encoded(p.name, dtype, p.shape, ggml_block_parts(b, p.shape))
+            parts = ggml_block_parts(b, p.shape)
+            if not self.allow_nonfinite:
+                check_finite_parts(p.source, {sp.name: a for sp, a in zip(dt.parts(p.shape), parts)})
+            info = w.add_encoded(p.name, dtype, p.shape, parts)
             self.ck.release_pages()  # the blocks read from the source's map
             self.copied.append(p.name)
             self.done += int(np.prod(p.shape)) * itemsize
@@ -481,17 +500,12 @@ class _Streamer:
         def slices() -> Iterator[tuple[int, list[np.ndarray]]]:
             r0 = 0
             for x in self.ck.iter_f32_rows(p.source, SLICE_ELEMS):
+                if not self.allow_nonfinite:
+                    check_finite(p.source, x, r0)
                 enc = dt.encode(x, importance)
-                if measure:
-                    e, ref = dt.error(x, enc)
-                    finite_src = np.isfinite(ref)
-                else:
-                    e, ref = 0.0, 0.0
-                    flat = x.reshape(-1)
-                    # a dot product is NaN/inf for any NaN/inf input: one fast pass in the usual case
-                    finite_src = np.isfinite(np.dot(flat, flat)) or bool(np.isfinite(flat).all())
-                if not finite_src:
-                    raise CortiqError(f"tensor {p.source} contains NaN or Inf")
+                e, ref = dt.error(x, enc) if measure else (0.0, 0.0)
+                if self.allow_nonfinite and not np.isfinite(ref):
+                    e = ref = 0.0  # a kept NaN or infinity has no error to measure
                 if not np.isfinite(e):
                     raise CortiqError(
                         f"tensor {p.source} does not fit {dtype} (values up to {float(np.abs(x).max()):.4g}); "
@@ -547,7 +561,7 @@ def ggml_block_parts(b, shape: tuple[int, ...]) -> list[np.ndarray]:
 
 def _convert(
     ck, out: Path, families: Families, policy: QuantPolicy, mtp_mode: str, force: bool, progress: ProgressFn | None, source_format: str,
-    blocks: dict[str, Any] | None = None, keep_source: bool = False,
+    blocks: dict[str, Any] | None = None, keep_source: bool = False, allow_nonfinite: bool = False,
 ) -> ConvertReport:
     t0 = time.perf_counter()
     family, arch = arch_from_config(families, ck.config)
@@ -589,7 +603,7 @@ def _convert(
     main_plan = [p for p in plan if not p.mtp or mtp_mode == "inline"]
     side_plan = mtp_plan if side else []
     total = sum(int(np.prod(p.shape)) * _ST_ITEMSIZE[ck.source_dtype(p.source)] for p in main_plan + side_plan)
-    streamer = _Streamer(ck, policy, total, progress, blocks=blocks, keep_source=keep_source)
+    streamer = _Streamer(ck, policy, total, progress, blocks=blocks, keep_source=keep_source, allow_nonfinite=allow_nonfinite)
 
     main_w = CmfWriter(out, header, force=force)
     side_w: CmfWriter | None = None
