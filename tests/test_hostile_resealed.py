@@ -511,3 +511,29 @@ def test_resealed_fuzz_ci(tmp_path):
     assert len(r["kinds"]) >= 5 and r["cases"] >= 20, r["kinds"]
     rows = r["table"]
     assert rows["inspect"]["ok"] > 0 and sum(x["clean"] for x in rows.values()) > 0
+
+
+def test_lone_surrogates_in_a_template_and_a_chat_file(tiny, tmp_path):
+    _, cmf = tiny
+    m = _with_template(cmf, tmp_path / "s.cmf", "{% for m in messages %}{{ m.content }}\ud800{% endfor %}")
+    res = runner.invoke(app, ["generate", str(m), "hi \udcff", "--chat", "-n", "1"])
+    assert res.exit_code == 0 and res.exception is None, res.output
+    session = tmp_path / "s.json"
+    session.write_bytes(b'[{"role": "user", "content": "caf\\udce9 \\ud800"}]')
+    res = runner.invoke(app, ["chat", str(m), "--load", str(session), "-n", "1"], input="hi\n")
+    assert res.exception is None or isinstance(res.exception, SystemExit), repr(res.exception)
+    assert "Traceback" not in res.output
+
+
+def test_templates_render_under_an_address_space_cap(tiny):
+    """The render child lowers its limits below those in force (it may not raise a hard
+    limit): under a 4 GB cap a template still renders."""
+    _, cmf = tiny
+    code = (
+        "import resource; resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))\n"
+        "from cortiq_engine.tokenizer import render_template, TemplateLimits\n"
+        "print(render_template('{{ 6 * 7 }}', TemplateLimits()))\n"
+    )
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout.strip() == "42", p.stderr[-2000:]
