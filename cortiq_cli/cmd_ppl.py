@@ -14,7 +14,7 @@ from rich.table import Table
 
 from cortiq_cli import cluster_options as copt
 from cortiq_cli import text_options as opt
-from cortiq_cli.common import KvCache, console, err_console, handle_errors, print_json, print_table
+from cortiq_cli.common import KvCache, console, err_console, handle_errors, human_bytes, print_json, print_table
 from cortiq_cli.eval_run import interrupted, load_engines, model_label, scoring_progress, whole_windows
 from cortiq_cli.help import cortiq_version
 from evals.perplexity import (DP_QUANTILES, KLD_QUANTILES, Comparison, PerplexityAccumulator, PerplexityReport, PerplexityResult, build_reports,
@@ -96,7 +96,7 @@ def ppl(
     max_tokens: opt.MaxTokens = None,
     ctx: Annotated[int | None, typer.Option("--ctx", "-c", min=2, help=f"Tokens per forward window (default {DEFAULT_CTX}, or the saved reference's).", rich_help_panel=opt.WINDOW_PANEL)] = None,
     stride: opt.Stride = None,
-    mode: Annotated[str | None, typer.Option("--mode", help="sliding (HF guide; default) or chunks (llama.cpp: disjoint ctx windows, second half scored).", rich_help_panel=opt.WINDOW_PANEL)] = None,
+    mode: Annotated[str | None, typer.Option("--mode", metavar="sliding|chunks", help="sliding (HF guide; default) or chunks (llama.cpp: disjoint ctx windows, second half scored).", rich_help_panel=opt.WINDOW_PANEL)] = None,
     chunks: Annotated[int | None, typer.Option("--chunks", min=1, help="chunks mode: score at most this many chunks (llama.cpp --chunks).", rich_help_panel=opt.WINDOW_PANEL)] = None,
     save_ref: Annotated[Path | None, typer.Option("--save-ref", help="Save the first model's distributions to this .cref file, for later --ref comparisons.", rich_help_panel=REF_PANEL)] = None,
     ref_top_k: Annotated[int, typer.Option("--ref-top-k", min=0, help="With --save-ref: log-probabilities kept per position (0 = the whole vocabulary, exact but V x 4 bytes per token).", rich_help_panel=REF_PANEL)] = DEFAULT_TOP_K,
@@ -259,7 +259,7 @@ def render(source: LoadedText, settings: dict[str, Any], result: PerplexityResul
         print_table(console, _detail_table(result.comparisons))
     if "saved_ref" in settings:
         s = settings["saved_ref"]
-        console.print(f"reference saved to {s['path']} ({s['form']}, {s['bytes']:,} bytes)", highlight=False)
+        console.print(f"reference saved to {s['path']} ({s['form']}, {human_bytes(s['bytes'])})", highlight=False)
 
 
 def _num(x: float, digits: int = 4) -> str:

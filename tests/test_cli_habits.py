@@ -183,6 +183,8 @@ def test_help_into_a_pipe_is_80_columns_of_plain_text(name):
         assert "--kv-cache f32|f16" in p.stdout
     if name in ("generate", "chat"):
         assert "--mtp-chain independent|recursive" in p.stdout and "--mtp-hidden pre|post" in p.stdout
+    if name in ("ppl", "quant-sweep"):
+        assert re.search(r"--mode (sliding\|chunks|chunks\|sliding) ", p.stdout)
     if name == "chat":
         assert "--chat-template model|raw" in p.stdout
     if name == "convert":
