@@ -303,7 +303,7 @@ def read_prompt(prompt: str | None, prompt_file: Any) -> str:
     """The prompt from the argument, stdin ('-') or ``--prompt-file``."""
     if prompt_file is not None:
         if prompt is not None:
-            raise CortiqError("give a PROMPT or --prompt-file, not both")
+            raise CortiqError("give a PROMPT (or -p) or --prompt-file, not both")
         try:
             return prompt_file.read_text(encoding="utf-8")
         except FileNotFoundError:
@@ -311,5 +311,5 @@ def read_prompt(prompt: str | None, prompt_file: Any) -> str:
         except (OSError, UnicodeDecodeError) as e:
             raise CortiqError(f"{prompt_file}: cannot read the prompt ({e})") from None
     if prompt is None:
-        raise CortiqError("no prompt: give PROMPT, '-' for stdin, or --prompt-file PATH")
+        raise CortiqError("no prompt: give PROMPT or -p/--prompt TEXT ('-' reads stdin), or --prompt-file PATH")
     return sys.stdin.read() if prompt == "-" else prompt
