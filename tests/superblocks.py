@@ -85,6 +85,44 @@ def check_kernels(dt: DType) -> None:
     assert np.array_equal(one[0], got[3])
 
 
+def check_int_kernels(dt: DType) -> None:
+    """The integer-activation decode kernels (qdot.py), int8 and int16, AVX2 and VNNI
+    forms: the float64 twin (``qdot.qdot_ref``: the same rounded activations, the
+    weights decoded in numpy), row-exact, both forms the same bits. Without AVX2 the
+    kernel set takes the float kernels, which ``check_kernels`` covers."""
+    from cortiq_engine.kernels import qdot
+    from cortiq_engine.kernels.fast import NumbaKernels
+    from cortiq_engine.weights import Weight
+
+    assert dt.has_int8_kernels
+    rng = np.random.default_rng(5)
+    cols = 3 * dt.block
+    ws = []
+    for i, rows in enumerate((50, 17, 33)):
+        W = rng.standard_normal((rows, cols)).astype(np.float32)
+        named = dt.named(dt.encode(W), W.shape)
+        ws.append(Weight(f"w{i}", dt.name, rows, cols,
+                         {n: a.view(np.uint16) if a.dtype == np.float16 else a for n, a in named.items()}))
+    forms = (False, True) if qdot.host_vnni() else (False,)
+    for bits in (8, 16):
+        results = []
+        for vnni in forms:
+            ks = NumbaKernels(act_bits=bits, vnni=vnni)
+            plan = ks._plans_for(ws)[0][0]
+            if not qdot.host_supports():
+                assert plan.fn is None
+                return
+            assert plan.fn is not None and plan.bits == bits
+            X = np.random.default_rng(bits).standard_normal((9, cols)).astype(np.float32)
+            fast = ks.matmul(ws, X)
+            twin = np.concatenate([qdot.qdot_ref(dt.name, w.parts, X, bits) for w in ws], axis=1)
+            assert np.abs(fast - twin).max() / np.abs(twin).max() < 2e-6
+            for i in (0, 4, 8):
+                assert np.array_equal(ks.matmul(ws, X[i : i + 1])[0], fast[i])
+            results.append(fast)
+        assert all(np.array_equal(r, results[0]) for r in results)
+
+
 def relative_rms(dt: DType, x: np.ndarray, importance: np.ndarray | None = None) -> float:
     """sqrt(sum (w e^2) / sum (w x^2)) in float64 of x encoded by ``dt`` (w = importance or 1)."""
     named = dt.named(dt.encode(x, importance), x.shape)

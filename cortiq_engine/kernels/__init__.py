@@ -3,7 +3,7 @@
 ``numba`` (default) is the fast path; ``numpy`` is the readable reference that
 tests hold the fast path against. The documented override ``CORTIQ_KERNELS``
 selects one without code changes: ``numba`` (integer decode kernels, ``qdot.py``:
-q8 on int16 activations; q4, q4_0, q5, q4k, q5k, q6k on int8), ``numba-i16`` /
+q8 and q6k on int16 activations; q4, q4_0, q5, q5_1, q4k, q5k, iq4_xs, q3k on int8), ``numba-i16`` /
 ``numba-i8`` (one width for all: int8 has 4x q8's KL; the K-quants have int8
 kernels only and take the float ones under ``numba-i16``), ``numba-float`` (float
 activations everywhere) or ``numpy``.

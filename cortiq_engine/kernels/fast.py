@@ -50,6 +50,7 @@ SMALL_N = 16
 # SmolLM2 (0.0058 -> 0.0092, llama.cpp Q6_K's own level), int16 by 1.00.
 # q4_0, q5, q5_1, q4k, q5k: int8, as ggml's dot products (its Q8_0 / Q8_K activations): KL
 # x1.00-1.06 beside the weights' own error, and 1.3x faster than int16 for q4k/q5k.
+# iq4_xs, q3k: int8, as ggml's.
 # Each dtype's record says its width (``dtype_ops``, ``act_bits``).
 ACT_BITS: dict[str, int] = {d: o.act_bits for d, o in OPS.items() if o.act_bits}
 # An empty array of each activation width's integer type (``qdot.intdot`` allocates its like).

@@ -6,8 +6,9 @@ its kernel record.
 ``iq4_xs_matmul_small`` is the decode matvec over 1..small_n input rows and up to three
 fused matrices, in the shape of ``kquant_jit``'s: each (weight row, input row) summed on
 its own in 32 lanes, so a row's result does not depend on how many rows share the call.
-Per sub-block of 32: value = (d * (ls - 32)) * KVALUES_IQ4NL[q]. No integer-activation
-kernel: decode takes these float ones.
+Per sub-block of 32: value = (d * (ls - 32)) * KVALUES_IQ4NL[q]. Decode and verify take
+the integer-activation kernel of ``qdot.py`` (the record's ``kgrid``) where the CPU has
+AVX2; these float ones elsewhere and under ``numba-float``.
 """
 
 from __future__ import annotations
@@ -77,6 +78,11 @@ def iq4_xs_matmul_small(ds, shs, sls, qss, count, offs, X, out):
 
 
 class IQ4XSOps(DtypeOps, dtype="iq4_xs"):
+    # Integer decode kernels (qdot._kbody): the levels by vpshufb, ggml's sign trick on
+    # int8 activations, as its IQ4_XS dot product does.
+    int_widths, act_bits = (8, 16), 8
+    kbody, kgrid = True, tuple(int(v) for v in KVALUES_IQ4NL)
+
     def small(self, parts, count, offs, X, out):
         iq4_xs_matmul_small(parts[0], parts[1], parts[2], parts[3], count, offs, X, out)
 

@@ -7,8 +7,9 @@ kernel record.
 fused matrices, in the shape of ``kquant_jit``'s: each (weight row, input row) summed on
 its own in 32 lanes, so a row's result does not depend on how many rows share the call.
 Element 128 h + 32 s + l of a super-block: low bits (qs[32 h + l] >> 2 s) & 3, high bit
-bit 4 h + s of hmask[l] (clear: minus 4), scale 8 h + 2 s + l / 16. No
-integer-activation kernel: decode takes these float ones.
+bit 4 h + s of hmask[l] (clear: minus 4), scale 8 h + 2 s + l / 16. Decode and verify
+take the integer-activation kernel of ``qdot.py`` (the record's ``kthree``) where the CPU
+has AVX2; these float ones elsewhere and under ``numba-float``.
 """
 
 from __future__ import annotations
@@ -94,6 +95,11 @@ def q3k_matmul_small(hms, qss, scs, ds, count, offs, X, out):
 
 
 class Q3KOps(DtypeOps, dtype="q3k"):
+    # Integer decode kernels (qdot._kbody): |q * (sc - 32)| <= 128, so int16 activations
+    # keep their full range.
+    int_widths, act_bits = (8, 16), 8
+    kbody, kthree = True, True
+
     def small(self, parts, count, offs, X, out):
         q3k_matmul_small(parts[0], parts[1], parts[2], parts[3], count, offs, X, out)
 

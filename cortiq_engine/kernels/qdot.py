@@ -31,6 +31,9 @@ super-blocks of 256) split into 8 groups of 32 aligned with the activation block
     sum_g  (d * sc_g) * d_x[g] * isum_g  -  sum_g (dmin * m_g) * s_x[g]   (q4k, q5k)
     sum_g  d * d_x[g] * sum_h sc_{g,h} * isum_{g,h}                        (q6k, two
                                                      8-bit scales per group, integer)
+iq4_xs (IQ4_XS) takes the q4k body with its levels looked up (vpshufb) and ggml's sign
+trick, one 6-bit scale per group and no min; q3k (Q3_K) takes q6k's, 3-bit signed quants
+and two 6-bit scales per group met in the integer domain.
 ggml itself quantizes K-quant activations per 256 (Q8_K); per 32 costs a float
 multiply per group and keeps the rounding finer. The block sums are exact integers
 and the float accumulation order of one input row never depends on the others, so a
@@ -135,6 +138,8 @@ declare <8 x float> @llvm.fma.v8f32(<8 x float>, <8 x float>, <8 x float>)
 declare float @llvm.fma.f32(float, float, float)
 declare void @llvm.prefetch.p0i8(i8*, i32, i32, i32)
 """
+# The grid bodies' table lookup (vpshufb), declared only where one is compiled.
+_DECL_GRID = "declare <32 x i8> @llvm.x86.avx2.pshuf.b(<32 x i8>, <32 x i8>)"
 _ONES16 = "<" + ", ".join(["i16 1"] * 16) + ">"
 # The signature every dtype shares: its kernel parts (``DType.kernel_parts`` order,
 # up to five, unused ones null), then the rows and the activations:
@@ -526,11 +531,14 @@ def _kbody(kind: str, nx: int, act: int = 8, vnni: bool = False) -> str:
     per group (16 values each) multiply the pair sums in the integer domain
     (``vpmaddwd``), so only its f16 ``d`` meets the float side. The order depends on
     nothing but the column count: row-exact."""
-    k = ops_for(kind)
-    assert k.kbody and act in k.int_widths
-    six, fifth = k.ksigned, k.kfifth  # Q6_K's signed quants and 8-bit scales; Q5_K's fifth bit
+    rec = ops_for(kind)
+    assert rec.kbody and act in rec.int_widths
+    six, fifth = rec.ksigned, rec.kfifth  # Q6_K's signed quants and 8-bit scales; Q5_K's fifth bit
+    grid = bool(rec.kgrid)  # IQ4_XS: 4-bit indices into a signed grid, 6-bit scales, no mins
+    three = rec.kthree  # Q3_K: signed 3-bit quants, two 6-bit scales per 32 (as Q6_K's two 8-bit ones)
+    wide = six or three  # signed quants meeting per-16 integer scales in the integer domain
     f = _Fn(vnni)
-    mins = not six
+    mins = not six and not grid and not three
     f(f"define internal void @{_entry(kind, act)}_rows{nx}({_ARGS}) nounwind alwaysinline {{")
     f("entry:")
     f("  %xq16 = bitcast i8* %xq to i16*")
@@ -544,6 +552,19 @@ def _kbody(kind: str, nx: int, act: int = 8, vnni: bool = False) -> str:
         f("  %sc_row = mul i64 %nsb, 16")
         f(f"  %pf_ahead = add i64 0, {PREFETCH_BYTES}")
         f(f"  %pf_ahead_h = add i64 0, {PREFETCH_BYTES // 2}")  # qh: half of ql's bytes
+    elif three:  # (hmask, qs, scales, d)
+        f("  %kd = bitcast i8* %p3 to i16*")
+        f("  %hm_row = mul i64 %nsb, 32")
+        f("  %qs_row = mul i64 %nsb, 64")
+        f("  %sc_row = mul i64 %nsb, 12")
+        f(f"  %pf_ahead = add i64 0, {PREFETCH_BYTES}")
+        f(f"  %pf_ahead_h = add i64 0, {PREFETCH_BYTES // 2}")  # hmask: half of qs's bytes
+    elif grid:  # (d, scales_h, scales_l, qs)
+        f("  %kd = bitcast i8* %p0 to i16*")
+        f("  %ksh = bitcast i8* %p1 to i16*")
+        f("  %sl_row = mul i64 %nsb, 4")
+        f("  %qs_row = mul i64 %nsb, 128")
+        f(f"  %pf_ahead = add i64 0, {PREFETCH_BYTES}")
     else:  # (d, dmin, scales, [qh,] qs)
         f("  %kd = bitcast i8* %p0 to i16*")
         f("  %kdm = bitcast i8* %p1 to i16*")
@@ -596,6 +617,62 @@ def _kbody(kind: str, nx: int, act: int = 8, vnni: bool = False) -> str:
                 va, vb = _splat(f, "i16", 8, sa), _splat(f, "i16", 8, sb)
                 sv = f.v(f"shufflevector <8 x i16> {va}, <8 x i16> {vb}, <16 x i32> <" + ", ".join(f"i32 {k}" for k in range(16)) + ">")
                 groups.append((w, sv, None))
+    elif three:
+        qso = f.v(f"add i64 {f.v('mul i64 %row, %qs_row')}, {f.v('mul i64 %s, 64')}")
+        hmo = f.v(f"add i64 {f.v('mul i64 %row, %hm_row')}, {f.v('mul i64 %s, 32')}")
+        sco = f.v(f"add i64 {f.v('mul i64 %row, %sc_row')}, {f.v('mul i64 %s, 12')}")
+        for src, base, ahead in ((qso, "%p1", "%pf_ahead"), (hmo, "%p0", "%pf_ahead_h")):
+            pp = f.v(f"getelementptr i8, i8* {base}, i64 {f.v(f'add i64 {src}, {ahead}')}")
+            f(f"  call void @llvm.prefetch.p0i8(i8* {pp}, i32 0, i32 3, i32 1)")
+        hm = _load32(f, "%p0", hmo)
+        sb = [f.v(f"zext i8 {_byte(f, '%p2', f.v(f'add i64 {sco}, {i}'))} to i32") for i in range(12)]
+
+        def scale16(j: int) -> str:
+            """Sub-block j's 6-bit scale minus 32, as i16."""
+            lo = f.v(f"and i32 {sb[j]}, 15") if j < 8 else f.v(f"lshr i32 {sb[j - 8]}, 4")
+            hi = f.v(f"and i32 {f.v(f'lshr i32 {sb[8 + j % 4]}, {2 * (j // 4)}')}, 3")
+            hi = f.v(f"shl i32 {hi}, 4")
+            v = f.v(f"sub i32 {f.v(f'or i32 {lo}, {hi}')}, 32")
+            return f.v(f"trunc i32 {v} to i16")
+
+        m3, one = _const("i8", 32, 3), _const("i8", 32, 1)
+        for h in range(2):
+            qv = _load32(f, "%p1", f.v(f"add i64 {qso}, {32 * h}"))
+            for t in range(4):
+                lo = qv if t == 0 else f.v(f"lshr <32 x i8> {qv}, {_const('i8', 32, 2 * t)}")
+                lo = f.v(f"and <32 x i8> {lo}, {m3}")
+                hb = hm if 4 * h + t == 0 else f.v(f"lshr <32 x i8> {hm}, {_const('i8', 32, 4 * h + t)}")
+                hb = f.v(f"shl <32 x i8> {f.v(f'and <32 x i8> {hb}, {one}')}, {_const('i8', 32, 2)}")
+                w = f.v(f"sub <32 x i8> {f.v(f'or <32 x i8> {lo}, {hb}')}, {_const('i8', 32, 4)}")
+                g = 4 * h + t
+                va, vb = _splat(f, "i16", 8, scale16(2 * g)), _splat(f, "i16", 8, scale16(2 * g + 1))
+                sv = f.v(f"shufflevector <8 x i16> {va}, <8 x i16> {vb}, <16 x i32> <" + ", ".join(f"i32 {k}" for k in range(16)) + ">")
+                groups.append((w, sv, None))
+    elif grid:
+        qso = f.v(f"add i64 {f.v('mul i64 %row, %qs_row')}, {f.v('mul i64 %s, 128')}")
+        slo = f.v(f"add i64 {f.v('mul i64 %row, %sl_row')}, {f.v('mul i64 %s, 4')}")
+        for off in ("0", "64"):
+            o1 = f.v(f"add i64 {qso}, {off}")
+            pp = f.v(f"getelementptr i8, i8* %p3, i64 {f.v(f'add i64 {o1}, %pf_ahead')}")
+            f(f"  call void @llvm.prefetch.p0i8(i8* {pp}, i32 0, i32 3, i32 1)")
+        shp = f.v(f"getelementptr i16, i16* %ksh, i64 {di}")
+        sh = f.v(f"zext i16 {f.v(f'load i16, i16* {shp}, align 2')} to i32")
+        table = "<" + ", ".join(f"i8 {v}" for v in list(rec.kgrid) * 2) + ">"
+        v16 = "<" + ", ".join(["i8 15"] * 16) + ">"
+        v4 = "<" + ", ".join(["i8 4"] * 16) + ">"
+        for ib in range(8):
+            lo = f.v(f"zext i8 {_byte(f, '%p2', f.v(f'add i64 {slo}, {ib // 2}'))} to i32")
+            lo = f.v(f"and i32 {f.v(f'lshr i32 {lo}, {4 * (ib % 2)}')}, 15")
+            hi = f.v(f"and i32 {f.v(f'lshr i32 {sh}, {2 * ib}')}, 3")
+            hi = f.v(f"shl i32 {hi}, 4")
+            ls = f.v(f"sub i32 {f.v(f'or i32 {lo}, {hi}')}, 32")
+            scf = f.v(f"fmul float {dd}, {f.v(f'sitofp i32 {ls} to float')}")
+            wp = f.v(f"getelementptr i8, i8* %p3, i64 {f.v(f'add i64 {qso}, {16 * ib}')}")
+            pk = f.v(f"load <16 x i8>, <16 x i8>* {f.v(f'bitcast i8* {wp} to <16 x i8>*')}, align 1")
+            nlo, nhi = f.v(f"and <16 x i8> {pk}, {v16}"), f.v(f"lshr <16 x i8> {pk}, {v4}")
+            idx = f.v(f"shufflevector <16 x i8> {nlo}, <16 x i8> {nhi}, <32 x i32> <" + ", ".join(f"i32 {j}" for j in range(32)) + ">")
+            w = f.v(f"call <32 x i8> @llvm.x86.avx2.pshuf.b(<32 x i8> {table}, <32 x i8> {idx})")
+            groups.append((w, scf, None))
     else:
         qso = f.v(f"add i64 {f.v('mul i64 %row, %qs_row')}, {f.v('mul i64 %s, 128')}")
         sco = f.v(f"add i64 {f.v('mul i64 %row, %sc_row')}, {f.v('mul i64 %s, 12')}")
@@ -627,26 +704,27 @@ def _kbody(kind: str, nx: int, act: int = 8, vnni: bool = False) -> str:
                 scf, mnf = f.v(f"fmul float {dd}, {scu}"), f.v(f"fmul float {dm}, {mu}")
                 groups.append((q, scf, mnf))
     # The eight groups' scales as vectors (lane g = group g), shared by every input row.
-    if six:
+    if wide:
         sc8 = _splat(f, "float", 8, dd)
     else:
         sc8 = mn8 = "undef"
         for g, (_, scale, mn) in enumerate(groups):
             sc8 = f.v(f"insertelement <8 x float> {sc8}, float {scale}, i32 {g}")
-            mn8 = f.v(f"insertelement <8 x float> {mn8}, float {mn}, i32 {g}")
-    aws = [f.v(f"call <32 x i8> @llvm.abs.v32i8(<32 x i8> {w}, i1 false)") if six and act == 8 else None
+            if mins:
+                mn8 = f.v(f"insertelement <8 x float> {mn8}, float {mn}, i32 {g}")
+    aws = [f.v(f"call <32 x i8> @llvm.abs.v32i8(<32 x i8> {w}, i1 false)") if (wide or grid) and act == 8 else None
            for w, _, _ in groups]
     if act == 16:
         # int16 activations: each group's weights as two <16 x i16> halves; q6k's two
         # 8-bit scales multiplied in (|(q - 32) * sc| <= 4096 fits i16).
         halves = []
         for w, scale, _ in groups:
-            ext = "sext" if six else "zext"
+            ext = "sext" if wide or grid else "zext"
             hs = []
             for k in range(2):
                 hk = f.v(f"shufflevector <32 x i8> {w}, <32 x i8> undef, <16 x i32> <" + ", ".join(f"i32 {16 * k + j}" for j in range(16)) + ">")
                 hk = f.v(f"{ext} <16 x i8> {hk} to <16 x i16>")
-                if six:
+                if wide:
                     sk = f.v(f"shufflevector <16 x i16> {scale}, <16 x i16> undef, <16 x i32> <" + ", ".join([f"i32 {8 * k}"] * 16) + ">")
                     hk = f.v(f"mul <16 x i16> {hk}, {sk}")
                 hs.append(hk)
@@ -664,10 +742,13 @@ def _kbody(kind: str, nx: int, act: int = 8, vnni: bool = False) -> str:
                 ps.append(_dot_i16(f, halves[g][0], x0, halves[g][1], x1))
                 continue
             x = _load32(f, "%xq", f.v(f"add i64 {xo}, {32 * g}"))
-            if six:
+            if wide:
                 sx = f.v(f"call <32 x i8> @llvm.x86.avx2.psign.b(<32 x i8> {x}, <32 x i8> {w})")
                 p16 = f.v(f"call <16 x i16> @llvm.x86.avx2.pmadd.ub.sw(<32 x i8> {aws[g]}, <32 x i8> {sx})")
                 ps.append(f.v(f"call <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16> {p16}, <16 x i16> {scale})"))
+            elif grid:  # signed levels: |w| times x with w's sign (ggml's trick, as q8's)
+                sx = f.v(f"call <32 x i8> @llvm.x86.avx2.psign.b(<32 x i8> {x}, <32 x i8> {w})")
+                ps.append(_dot_u8s8(f, aws[g], sx))
             else:
                 ps.append(_dot_u8s8(f, w, x))
         cur_a[r], m = _meet8(f, r, xg0, _reduce8(f, ps), sc8, cur_a[r], mn8 if mins else None, cur_m[r] if mins else None)
@@ -1074,8 +1155,11 @@ def module_ir(kind: str | None = None, act: int | None = None, vnni: bool = Fals
     all; ``vnni``: the dot products as VNNI instructions (the host must have them);
     ``zmm``: 3- and 4-row calls of the ``ZBODIES`` and ``WROWS_KINDS`` take the AVX-512
     bodies."""
+    kinds = (kind,) if kind else tuple(WIDTHS)
     parts = [_DECLS, _DECLS_Z if zmm else ""]
-    for k in (kind,) if kind else tuple(WIDTHS):
+    if any(ops_for(k).kgrid for k in kinds):
+        parts.append(_DECL_GRID)
+    for k in kinds:
         for bits in (act,) if act else WIDTHS[k]:
             if bits not in WIDTHS[k]:
                 raise ValueError(f"no {bits}-bit activation kernel for {k}")
