@@ -136,6 +136,7 @@ def bench(
         for n_threads in sweep:
             used = set_threads(n_threads)
             results = []
+            spec_rows: dict[int, dict] = {}  # result index -> the measured choice of its drafter
             if n_prompt:
                 results.append(speed.prefill(eng, n_prompt, reps))
             if n_gen:
@@ -143,15 +144,20 @@ def bench(
             if stack is not None:
                 results.append(speed.verify(eng, stack.num_layers + 1, reps))  # the default depth: every layer
                 if n_gen:
-                    results.append(speed.decode(eng, n_gen, reps, speculative=True))
-            for r in results:
-                row = {**info, "threads": used, **r.to_json()}
+                    drafter, _ = eng.drafter(True)  # one drafter: its decision reports the last repetition
+                    results.append(speed.decode(eng, n_gen, reps, speculative=drafter))
+                    if drafter.decision is not None:
+                        spec_rows[len(results) - 1] = drafter.decision.to_json()
+            for i, r in enumerate(results):
+                row = {**info, "threads": used, **r.to_json(), **({"speculative": spec_rows[i]} if i in spec_rows else {})}
                 docs.append(row)
                 if table is not None:
                     table.row((
                         info["model"], _gib(info["size_bytes"]), _human_params(info["params"]), str(info["quant"]),
                         str(used), r.test, f"{r.median:.2f} ± {r.stddev:.2f}",
                     ))
+                    if i in spec_rows:
+                        err_console.print(f"[dim]{r.test}: speculative: {spec_rows[i]['decision']}[/]", highlight=False)
         rss = proc.memory_info().rss
         for row in docs:
             if row["path"] == str(path):

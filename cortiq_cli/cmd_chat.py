@@ -303,5 +303,7 @@ def chat(
         )
         if logprobs:
             print_logprobs(err_console, res.tokens)
+        if "speculative" in res.extra:
+            err_console.print(f"[dim]speculative: {escape(res.extra['speculative']['decision'])}[/]", highlight=False)
     if failed and not interactive:
         raise typer.Exit(1)

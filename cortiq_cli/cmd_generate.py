@@ -169,6 +169,8 @@ def generate(
         (mtp_opt.render if asked or mtp["source"] != "lookup" else mtp_opt.render_line)(err_console, mtp)
     elif "mtp_note" in res.extra:
         err_console.print(f"[dim]{res.extra['mtp_note']}[/]", highlight=False)
+    if "speculative" in res.extra:
+        err_console.print(f"[dim]speculative: {res.extra['speculative']['decision']}[/]", highlight=False)
 
 
 class _Clock:

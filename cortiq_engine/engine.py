@@ -34,6 +34,7 @@ from cortiq_engine.draft_vocab import DraftHead, full_head, pick_vocab, sub_head
 from cortiq_engine.lookup import DEFAULT_LOOKUP, DEFAULT_NGRAM, LookupDrafter
 from cortiq_engine.mtp import DEFAULT_THRESHOLD, DraftStack, Drafter, load_draft_stack, make_drafter
 from cortiq_engine.sampling import SamplingConfig
+from cortiq_engine.spec_decision import SpecDecision
 from cortiq_engine.threads import DecodeThreads, set_threads
 from cortiq_engine.tokenizer import Tokenizer, header_eos_ids
 
@@ -77,7 +78,13 @@ class SpeculativeConfig:
     default (``lookup.DEFAULT_LOOKUP``), alone when no draft layers are loaded (for
     ``speculative=None``: greedy decoding without draft layers drafts by lookup); 0, off;
     n > 0, on (alone when no draft layers are loaded). ``ngram``: its
-    (min, max) match length; ``mtp_gate``: ``lookup.LookupDrafter.gate``."""
+    (min, max) match length.
+
+    ``decide``: each source (lookup, the MTP layers) drafts only while its rounds emit
+    tokens faster than plain steps on this machine, measured during the generation
+    (``cortiq_engine.spec_decision``; the output is plain greedy's either way); False,
+    every round drafts (benchmarks measuring a source's own rate). ``mtp_gate`` is
+    accepted for the CLI's flag and adds nothing: ``decide`` covers the MTP rounds."""
 
     depth: int | None = None
     chain: str | None = None
@@ -86,7 +93,8 @@ class SpeculativeConfig:
     threshold: float | None = None
     lookup: int | None = None
     ngram: tuple[int, int] | None = None
-    mtp_gate: bool = False  # with lookup: rounds without a match run MTP drafts or plain, whichever is faster
+    mtp_gate: bool = False
+    decide: bool = True
 
     @property
     def explicit(self) -> bool:
@@ -351,7 +359,7 @@ class Engine:
         lookup = DEFAULT_LOOKUP if spec.lookup is None else int(spec.lookup)
         ngram = spec.ngram or DEFAULT_NGRAM
         if lookup_only:
-            return LookupDrafter(self.ctx, lookup, ngram), ""
+            return LookupDrafter(self.ctx, lookup, ngram, gate=spec.decide), ""
         # Unset depth and threshold: the sidecar's measured defaults (``mtp-train``,
         # ``mtp-probe --save``) when it has them and the draft vocabulary is the one they
         # were measured with; with lookup drafting first, those measured so (the MTP
@@ -366,8 +374,9 @@ class Engine:
         threshold = spec.threshold if spec.threshold is not None else (
             best_threshold if measured else DEFAULT_THRESHOLD)
         d = make_drafter(self.model, stack, self.ctx, depth=depth, chain=spec.chain, hidden=spec.hidden or "pre",
-                         head=self.draft_head(spec.vocab), threshold=threshold)
-        return (LookupDrafter(self.ctx, lookup, ngram, mtp=d, gate=spec.mtp_gate) if lookup > 0 else d), ""
+                         head=self.draft_head(spec.vocab), threshold=threshold,
+                         decision=SpecDecision() if spec.decide and lookup == 0 else None)
+        return (LookupDrafter(self.ctx, lookup, ngram, mtp=d, gate=spec.decide) if lookup > 0 else d), ""
 
     def draft_head(self, vocab: int | str | None = None) -> DraftHead:
         """The lm_head rows drafts score (see ``SpeculativeConfig.vocab``), built once per size."""

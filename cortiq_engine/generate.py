@@ -16,7 +16,9 @@ row-exact batch (at most the kernel set's ``row_exact_rows``, see
 sampler over the same history plain decoding would have; while it equals d_{i+1}
 the next row is valid too; the first disagreement (or the row after the last draft)
 gives the step's own token, and the rows of rejected drafts are truncated from the
-cache. A drafter may propose fewer than K (adaptive depth), even none (a plain step). The drafts only choose which tokens get verified, so the emitted stream is
+cache. A drafter may propose fewer than K (adaptive depth), even none (a plain step: no
+source had drafts, or its measured choice, ``cortiq_engine.spec_decision``, runs the
+round plain because the source's rounds lately emitted tokens slower than plain steps). The drafts only choose which tokens get verified, so the emitted stream is
 the plain greedy stream token for token. Without a drafter K = 0: plain decoding.
 
 ``Emitter`` commits every token, plain or verified alike: its event (confidence,
@@ -62,6 +64,8 @@ class DraftSource(Protocol):
     def note(self, first_pos: int, rows: np.ndarray) -> None: ...
     def draft(self, t: int, ids: Sequence[int], depth: int | None = None) -> list[int]: ...
     def observe(self, emitted: int, seconds: float) -> None: ...  # the last round's tokens and time
+    # Optional: ``decision``, a ``spec_decision.SpecDecision`` (which sources draft, by
+    # their measured rate; its clock times the rounds, its report is extra["speculative"]).
     def describe(self) -> dict: ...
 
 
@@ -333,7 +337,9 @@ def generate(
     ``on_text`` receives printable text as it becomes final (UTF-8 completed,
     stop strings held back), for streaming to a terminal. ``logprobs`` > 0 adds each
     step's top-``logprobs`` log-probabilities to the token events. ``drafter``:
-    speculative decoding; ``result.extra["mtp"]`` holds its ``Acceptance`` counts.
+    speculative decoding; ``result.extra["mtp"]`` holds its ``Acceptance`` counts and
+    ``result.extra["speculative"]`` its decision (which sources drafted, their measured
+    rate over plain steps, one line saying so) when the drafter carries one.
     ``threads`` picks each decode step's thread count (``result.extra["decode_threads"]``).
     """
     prompt_ids = [int(i) for i in prompt_ids]
@@ -376,6 +382,11 @@ def generate(
 
     # A verify batch stays within the rows the kernel set declares row-exact.
     max_verify = model.kernels.row_exact_rows
+    # Drafters the engine builds carry their measured choice of sources (``spec_decision``);
+    # rounds are timed on its clock, which tests make deterministic. Other drafters
+    # (benchmarks' rigged ones) are timed on the wall clock and report no choice.
+    decision = getattr(drafter, "decision", None)
+    clock = decision.clock if decision is not None else time.perf_counter
     threads = threads or DecodeThreads(current_threads(), adaptive=False)
     evictions = 0
     finish = out.emit(sampler(logits, out.seen), logits)
@@ -390,6 +401,7 @@ def generate(
         k = 0 if drafter is None else min(drafter.depth, max_tokens - len(out.ids) - 1, state.free() - 1, max_verify - 1)
         with threads.step(k + 1):
             ta = time.perf_counter()
+            ca = clock() if k > 0 else 0.0
             drafts = drafter.draft(t, out.seen, k) if k > 0 else []
             tb = time.perf_counter()
             hb = forward(state, [out.ids[-1], *drafts])
@@ -417,13 +429,15 @@ def generate(
             tc = time.perf_counter()
             counts.record(len(drafts), used - 1, tb - ta, tc - tb, tried=k > 0, source=drafter.last_source)
             if k > 0:
-                drafter.observe(used, tc - ta)
+                drafter.observe(used, clock() - ca)
     t2 = time.perf_counter()
 
     text = out.close(finish)
     extra = {"decode_threads": threads.to_json()}
     if drafter is not None:
         extra["mtp"] = {**drafter.describe(), **counts.to_json()}
+        if decision is not None:
+            extra["speculative"] = decision.to_json()
     return GenerationResult(
         token_ids=out.ids,
         text=text,

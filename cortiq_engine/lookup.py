@@ -18,27 +18,25 @@ their next draft (``mtp.Drafter._catch_up``), every row entering a cache once.
 
 Why three drafts by default (``DEFAULT_LOOKUP``): with the pending token a round
 then verifies 4 rows, one pass of the 4-row kernels; 8 rows (7 drafts) cost about
-4 decode steps on SmolLM2 and lost to 3 drafts (docs/performance.md, tenth session).
+4 decode steps on SmolLM2 and lost to 3 drafts (docs/performance.md).
 Why a 3-token match at least: 2-token matches proposed 30 % more lookup rounds on
 held-out prose whose drafts were accepted less (1.7 against 2.0 tokens a round).
 
-The MTP gate (``gate``, off by default): once the lookup has taken the rounds where
-the text repeats, the MTP layers meet the harder rest, and on some text (SmolLM2's
-chat answers: 36 % acceptance) a round of MTP drafts costs more per token than a plain
-step (docs/performance.md, tenth session). Rounds without a match therefore go to the
-MTP layers or run plain, whichever emitted its tokens in fewer milliseconds over its
-last ``GATE_WINDOW`` rounds (``observe``: the decode loop reports each round's tokens
-and time); every ``GATE_PROBE``-th such round tries the other. Timing only chooses
-which tokens get verified: the output stays plain greedy's. Off by default because
-it lost on prose (1.24x against 1.46x ungated, SmolLM2, tenth session) and gained
-nothing clear on chat (1.19x against 1.17x): 60-ish gated rounds per 128-token answer
-are too few to time reliably on a machine whose step time wanders 7-12 ms, and a plain
-round defers the MTP layers' catch-up to the next MTP round, which then looks dearer.
+Which source drafts a round is measured, not assumed (``decision``, a
+``cortiq_engine.spec_decision.SpecDecision``): a round with a lookup match drafts by
+lookup while lookup rounds emit tokens faster than plain steps on this machine; a
+round without one (or whose lookup is switched off) goes to the MTP layers while
+theirs do; otherwise it is a plain step. On SmolLM2's chat answers, for instance, the
+MTP layers meet the rounds the lookup leaves them with 36 % acceptance, and a round of
+their drafts costs more per token than a plain step (docs/performance.md). The decode
+loop reports each round's tokens and time (``observe``); the rounds without any drafts
+time plain decoding. Timing only chooses which tokens get verified: the output stays
+plain greedy's. The MTP layers' caches catch up at their next draft on the rows of
+the rounds they sat out, so a round after a long pause costs them more than usual.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
@@ -46,17 +44,15 @@ import numpy as np
 
 from formats.errors import CortiqError
 from formats.sidecar import MAX_LOOKUP_DRAFTS as MAX_LOOKUP, MAX_LOOKUP_NGRAM as MAX_NGRAM
+from cortiq_engine.spec_decision import PLAIN, PROBE_EVERY, WINDOW, SpecDecision
 
 if TYPE_CHECKING:
     from cortiq_engine.mtp import Drafter
 
 DEFAULT_LOOKUP = 3
 DEFAULT_NGRAM = (3, 5)
-# The MTP gate: the last GATE_WINDOW rounds of each choice (MTP drafts, or a plain step)
-# give its milliseconds per emitted token; every GATE_PROBE-th round without a lookup
-# match takes the choice that is not ahead, so a change of the text or the machine is seen.
-GATE_WINDOW = 16
-GATE_PROBE = 8
+GATE_WINDOW = WINDOW  # rounds each choice's rate is measured over (spec_decision)
+GATE_PROBE = PROBE_EVERY  # every GATE_PROBE-th round a source could take runs the other choice
 
 
 class NgramIndex:
@@ -121,18 +117,17 @@ class LookupDrafter:
     lookup: int = DEFAULT_LOOKUP
     ngram: tuple[int, int] = DEFAULT_NGRAM
     mtp: Drafter | None = None
-    gate: bool = False  # choose per round between MTP drafts and a plain step by their measured cost
+    gate: bool = True  # choose each round's source by its measured rate (``decision``); False: always draft
+    decision: SpecDecision | None = None  # the measured choice (a fresh one unless given; None with gate off)
     last_source: str = field(init=False, default="")
     index: NgramIndex = field(init=False)
     _rows: int = field(init=False, default=0)  # positions noted (the MTP drafter's hist_len without one)
-    _cost: dict[str, deque] = field(init=False)  # "mtp" / "plain" -> recent (tokens, seconds)
-    _turn: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
         if not 1 <= self.lookup <= MAX_LOOKUP:
             raise CortiqError(f"lookup drafts must be in 1..{MAX_LOOKUP}, got {self.lookup}")
         self.index = NgramIndex(int(self.ngram[0]), int(self.ngram[1]))
-        self._cost = {"mtp": deque(maxlen=GATE_WINDOW), "plain": deque(maxlen=GATE_WINDOW)}
+        self.decision = (self.decision or SpecDecision()) if self.gate else None
         if self.mtp is not None:
             self.capacity = self.mtp.capacity
 
@@ -147,9 +142,8 @@ class LookupDrafter:
     def reset(self) -> None:
         self.index.clear()
         self._rows = 0
-        self._turn = 0
-        for seen in self._cost.values():
-            seen.clear()
+        if self.decision is not None:
+            self.decision.reset()  # a new sequence is judged on its own rounds
         if self.mtp is not None:
             self.mtp.reset()
 
@@ -172,37 +166,24 @@ class LookupDrafter:
         k = min(depth or self.depth, self.depth)
         # The teacher-forced probe passes the true text beyond t+1: the lookup must not see it.
         drafts = self.index.continuation(ids, min(k, self.lookup), end=t + 2)
-        if drafts:
+        if drafts and self._allow("lookup"):
             self.last_source = "lookup"
             return drafts
-        if self.mtp is None:
-            self.last_source = ""  # a plain step, no source's round
-            return []
-        if not self._use_mtp():
-            self.last_source = "plain"
+        if self.mtp is None or not self._allow("mtp"):
+            # A plain step: filed under "plain" beside the MTP rounds it stands in for; with
+            # lookup alone a plain step is not a source's round (the totals hold it).
+            self.last_source = PLAIN if self.mtp is not None and self.gate else ""
             return []
         self.last_source = "mtp"
         return self.mtp.draft(t, ids, min(k, self.mtp.depth))
 
-    def _seconds_per_token(self, name: str) -> float | None:
-        seen = self._cost[name]
-        tokens = sum(n for n, _ in seen)
-        return sum(s for _, s in seen) / tokens if len(seen) >= 2 and tokens else None
-
-    def _use_mtp(self) -> bool:
-        """The gate: MTP drafts, or a plain step, for a round without a lookup match."""
-        if not self.gate:
-            return True
-        self._turn += 1
-        mtp, plain = self._seconds_per_token("mtp"), self._seconds_per_token("plain")
-        ahead = mtp is None or plain is None or mtp <= plain
-        probe = self._turn % GATE_PROBE == 0
-        return ahead != probe
+    def _allow(self, name: str) -> bool:
+        return self.decision is None or self.decision.allow(name)
 
     def observe(self, emitted: int, seconds: float) -> None:
         """The last round emitted ``emitted`` tokens in ``seconds`` (draft and verify)."""
-        if self.gate and self.last_source in self._cost:
-            self._cost[self.last_source].append((int(emitted), float(seconds)))
+        if self.decision is not None:
+            self.decision.record(self.last_source or PLAIN, emitted, seconds)
 
     def describe(self) -> dict:
         """The settings a result reports (``extra["mtp"]``)."""

@@ -56,6 +56,7 @@ from cortiq_engine.layers import Step
 from cortiq_engine.model import Model
 from cortiq_engine.models import draft_layer, read_arch
 from cortiq_engine.models.base import DraftLayer
+from cortiq_engine.spec_decision import PLAIN, SpecDecision
 from cortiq_engine.weights import Weight
 
 CHAINS = ("independent", "recursive")
@@ -151,11 +152,16 @@ class Drafter:
     head: DraftHead | None = None  # the rows drafts score (None: the full lm_head)
     threshold: float = 0.0  # adaptive depth: stop at a draft less probable than this (0: off)
     record_probs: bool = False  # keep each draft's probability in ``probs`` (the probe)
+    # The measured choice of a drafter decoding on its own: a round drafts while MTP rounds
+    # emit tokens faster than plain steps (``spec_decision``); None: every round drafts
+    # (the probe, and the MTP layers wrapped by ``lookup.LookupDrafter``, whose choice it is).
+    decision: SpecDecision | None = None
     probs: list[float] = field(init=False, default_factory=list)  # the last round's, incl. a stopping one
     caches: list[KVCache] = field(init=False)
     committed: list[int] = field(init=False)
     hist: np.ndarray = field(init=False)
     hist_len: int = field(init=False, default=0)
+    _round: str = field(init=False, default="mtp")  # what the last round was, for ``decision``
 
     def __post_init__(self) -> None:
         if self.chain not in CHAINS:
@@ -185,6 +191,8 @@ class Drafter:
             c.truncate(0)
         self.committed = [0] * len(self.caches)
         self.hist_len = 0
+        if self.decision is not None:
+            self.decision.reset()  # a new sequence is judged on its own rounds
 
     def keep(self, n: int) -> None:
         """Keep the backbone rows of positions < n (a conversation's cached prefix); the
@@ -197,7 +205,9 @@ class Drafter:
         self.committed = [0] * len(self.caches)
 
     def observe(self, emitted: int, seconds: float) -> None:
-        """A round's outcome (``generate.DraftSource``); the MTP layers alone do not adapt."""
+        """A round's outcome (``generate.DraftSource``): timed into ``decision``."""
+        if self.decision is not None:
+            self.decision.record(self._round, emitted, seconds)
 
     def describe(self) -> dict:
         """The settings a result reports (``extra["mtp"]``)."""
@@ -239,6 +249,10 @@ class Drafter:
         self.probs = []
         if len(ids) < t + 2 or t >= self.hist_len:
             raise ValueError(f"draft at t={t} needs {t + 2} ids and hidden rows through t")
+        if self.decision is not None:
+            self._round = "mtp" if self.decision.allow("mtp") else PLAIN
+            if self._round == PLAIN:
+                return []
         if self.override is not None:
             return [int(d) for d in self.override(t, ids, k_max)][:k_max]
         if self.chain == "independent":
@@ -297,11 +311,12 @@ def make_drafter(
     head: DraftHead | None = None,
     threshold: float = 0.0,
     record_probs: bool = False,
+    decision: SpecDecision | None = None,
 ) -> Drafter:
     """A fresh per-sequence drafter; depth defaults to every layer, the chain to
     independent when there are enough layers for the depth, else recursive; ``head``
     to the full lm_head (``cortiq_engine.draft_vocab.sub_head`` makes a vocabulary's);
-    ``threshold`` to 0 (adaptive depth off)."""
+    ``threshold`` to 0 (adaptive depth off); ``decision`` to None (every round drafts)."""
     depth = stack.num_layers if depth is None else int(depth)
     chain = chain or stack.default_chain(depth)
-    return Drafter(model, stack, depth, chain, hidden, capacity, override, head, float(threshold), record_probs)
+    return Drafter(model, stack, depth, chain, hidden, capacity, override, head, float(threshold), record_probs, decision)

@@ -126,9 +126,9 @@ def _same(plain, spec):
 @pytest.mark.parametrize("with_mtp", [False, True])
 def test_lookup_drafts_give_the_plain_greedy_tokens(tiny, quant, with_mtp):
     eng = Engine.load(tiny[quant], threads=1, mtp=with_mtp)
-    # The gate is off by default: every round without a match goes to the layers.
+    # Rounds the measured choice runs plain instead of drafting are filed under "plain".
     cfg = SpeculativeConfig(lookup=3, ngram=(1, 3), threshold=0.0 if with_mtp else None)
-    totals = {"lookup": [0, 0], "mtp": [0, 0]}
+    totals = {"lookup": [0, 0], "mtp": [0, 0], "plain": [0, 0]}
     for prompt in _prompts(seed=3):
         plain = eng.generate(prompt, max_tokens=40, ignore_eos=True, speculative=False)
         spec = eng.generate(prompt, max_tokens=40, ignore_eos=True, speculative=cfg)
