@@ -9,7 +9,8 @@ each N of ``--workers``, every worker with ``--threads`` engine threads, and rep
 * forward tokens/s (window tokens through the model per second, from the first window
   handed out to the last result) and per worker;
 * parallel efficiency: rate / (N x the one-worker cluster rate);
-* per-window overhead: a cluster worker's seconds per window minus one process's;
+* busy: the fraction of the workers' time spent scoring, and the per-window overhead: a
+  worker's seconds per window that were not spent scoring (the task's round trip);
 * start-up (starting Ray and loading the model in every worker), not in the rates;
 * the projected time for wikitext-103 (``--project-tokens``, ~120M tokens) on M nodes
   of ``--node-workers`` such workers, from the measured per-worker rate and efficiency.
@@ -112,11 +113,11 @@ def main() -> None:
         rate = fed / rep.seconds
         rows.append({"run": f"--cluster local:{n}", "workers": n, "seconds": rep.seconds, "wall_s": wall, "startup_s": rep.startup_s,
                      "tok_s": rate, "per_worker_tok_s": rate / n, "per_window_s": rep.seconds * n / len(windows),
+                     "busy": rep.busy, "overhead_per_window_s": (rep.seconds * n - rep.busy_s) / len(windows),
                      "bit_identical": same, "retried": rep.retried})
     one = next((r for r in rows if r["workers"] == 1 and "cluster" in r["run"]), None)
     for r in rows[1:]:
         r["efficiency"] = r["tok_s"] / (r["workers"] * one["tok_s"]) if one else float("nan")
-        r["overhead_per_window_s"] = r["per_window_s"] - rows[0]["per_window_s"]
 
     last = rows[-1]
     per_node = args.node_workers or last["workers"]
@@ -135,10 +136,13 @@ def main() -> None:
         return
     print(f"{report['cpu']}, {report['cores']} cores, load {load0:.2f} before; {model.name}, {len(windows)} chunks of {args.ctx} "
           f"tokens ({fed:,} tokens fed), {args.threads} thread(s) per worker")
-    print(f"{'run':<26} {'tok/s':>8} {'per worker':>10} {'efficiency':>10} {'s/window':>9} {'overhead/window':>15} {'start-up':>9} {'same':>5}")
+    print(f"| run | tok/s | per worker | efficiency | s/window | busy | overhead/window | start-up | same figures |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for r in rows:
-        print(f"{r['run']:<26} {r['tok_s']:>8.0f} {r.get('per_worker_tok_s', r['tok_s']):>10.0f} {r.get('efficiency', 1.0):>10.2f} "
-              f"{r['per_window_s']:>9.3f} {r.get('overhead_per_window_s', 0.0):>15.3f} {r['startup_s']:>8.1f}s {str(r.get('bit_identical', '-')):>5}")
+        busy = f"{r['busy']:.3f}" if "busy" in r else "-"
+        over = f"{1000 * r['overhead_per_window_s']:.1f} ms" if "overhead_per_window_s" in r else "-"
+        print(f"| {r['run']} | {r['tok_s']:.0f} | {r.get('per_worker_tok_s', r['tok_s']):.0f} | {r.get('efficiency', 1.0):.2f} | "
+              f"{r['per_window_s']:.3f} | {busy} | {over} | {r['startup_s']:.1f} s | {'yes' if r.get('bit_identical') else '-'} |")
     print(f"wikitext-103 ({args.project_tokens / 1e6:.0f}M tokens) at {worker_rate:.0f} tok/s per worker, efficiency {eff:.2f}, "
           f"{per_node} workers per node:")
     for p in projection:

@@ -82,6 +82,16 @@ class ClusterAddress:
     def is_local(self) -> bool:
         return self.local_workers is not None
 
+    def check_reachable(self, timeout: float = 5.0) -> None:
+        """A named head must answer on its port (Ray itself retries a dead address for minutes)."""
+        if self.is_local or self.address == "auto":
+            return
+        host, port = self.address.removeprefix("ray://").rsplit(":", 1)
+        try:
+            socket.create_connection((host, int(port)), timeout=timeout).close()
+        except (OSError, ValueError) as e:
+            raise CortiqError(f"--cluster {self.address}: nothing answers at {host}:{port} ({e}); is `ray start --head` running there?") from None
+
 
 # ---------------------------------------------------------------------------- model identity
 
@@ -240,7 +250,9 @@ class WindowScorer:
     def info(self) -> dict[str, Any]:
         return {"host": self.host, "pid": os.getpid(), "error": self.error}
 
-    def score(self, index: int, window: Window, ids: np.ndarray, ref: RefRows | None) -> WindowPartial:
+    def score(self, index: int, window: Window, ids: np.ndarray, ref: RefRows | None) -> tuple[WindowPartial, float]:
+        """The window's partial, and the seconds it took here (the rest of a task's time is the cluster's)."""
+        t0 = time.perf_counter()
         if self.error:
             raise CortiqError(self.error)
         # The window's own tokens, re-based: the same ids, rows and targets as in the whole text.
@@ -252,7 +264,7 @@ class WindowScorer:
             for b in blocks:
                 refs.append(ref.slice(a, a + len(b.targets)))
                 a += len(b.targets)
-        return window_partial(index, blocks, len(self.engines), refs)
+        return window_partial(index, blocks, len(self.engines), refs), time.perf_counter() - t0
 
 
 # ---------------------------------------------------------------------------- the driver
@@ -267,6 +279,7 @@ class ClusterReport:
     resumed: int = 0  # windows read back from the journal
     tokens: int = 0  # tokens scored by the workers in this run
     seconds: float = 0.0  # from the first window handed out to the last result
+    busy_s: float = 0.0  # the workers' own seconds scoring windows, summed
     startup_s: float = 0.0  # starting or joining the cluster and loading the models on every worker
     hosts: list[str] = field(default_factory=list)
 
@@ -274,9 +287,14 @@ class ClusterReport:
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else float("nan")
 
+    @property
+    def busy(self) -> float:
+        """The fraction of the workers' time spent scoring (the rest: waiting for the driver, transfers)."""
+        return self.busy_s / (self.seconds * self.workers) if self.seconds > 0 and self.workers else float("nan")
+
     def to_json(self) -> dict[str, Any]:
         return {"address": self.address, "workers": self.workers, "tasks": self.tasks, "retried": self.retried,
-                "resumed": self.resumed, "tokens_per_s": self.tokens_per_s, "startup_s": self.startup_s,
+                "resumed": self.resumed, "tokens_per_s": self.tokens_per_s, "startup_s": self.startup_s, "busy": self.busy,
                 "hosts": sorted(set(self.hosts))}
 
 
@@ -316,6 +334,7 @@ class Cluster:
         import ray
 
         t0 = time.perf_counter()
+        self.where.check_reachable()
         # Ray prints its raylet's notices (a worker died...) on stdout: stdout is the report's.
         self._stack.enter_context(contextlib.redirect_stdout(sys.stderr))
         quiet = dict(include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
@@ -325,6 +344,10 @@ class Cluster:
                 ray.init(address="local", num_cpus=n * self.threads, **quiet)
             else:
                 ray.init(address=self.where.address, **{k: v for k, v in quiet.items() if k != "include_dashboard"})
+        except ImportError as e:  # ray:// is Ray Client, whose gRPC modules come with ray[client]
+            self._stack.close()
+            raise CortiqError(f"--cluster {self.where.address} needs Ray Client ({e.name or e}): pip install 'ray[client]', "
+                              "or run on a node of the cluster with --cluster auto") from None
         except (ConnectionError, RuntimeError, ValueError) as e:
             self._stack.close()
             raise CortiqError(f"--cluster {self.where.address}: cannot start or reach the Ray cluster ({str(e).splitlines()[0][:200]})") from None
@@ -403,7 +426,7 @@ class Cluster:
                     a, t = inflight.pop(r)
                     load[a] -= 1
                     try:
-                        part = ray.get(r, timeout=60)
+                        part, busy = ray.get(r, timeout=60)
                     except RayTaskError as e:
                         cause = e.cause if isinstance(getattr(e, "cause", None), BaseException) else e
                         raise CortiqError(f"window {t.index}: {str(cause).splitlines()[0][:300]}") from None
@@ -416,6 +439,7 @@ class Cluster:
                         todo.appendleft(t)
                         continue
                     report.tokens += part.tokens
+                    report.busy_s += busy
                     on_result(part)
         finally:  # on Ctrl-C the windows in flight are dropped: leaving the cluster kills its workers
             report.seconds += time.perf_counter() - t0
