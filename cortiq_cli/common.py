@@ -93,7 +93,9 @@ class OneLineErrors(TyperGroup):
         try:
             rv = super().main(*args, standalone_mode=False, **kwargs)
         except click_exc.NoArgsIsHelpError as e:
-            typer.echo(e.ctx.get_help())
+            text = e.ctx.get_help()  # cortiq's help classes print their help themselves
+            if text:
+                typer.echo(text)
             if standalone_mode:
                 sys.exit(0)
             raise typer.Exit(0)

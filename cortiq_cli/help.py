@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import inspect as _inspect
 import io
-import sys
 from importlib.metadata import PackageNotFoundError, version as _dist_version
 from pathlib import Path
 from typing import Any, get_args, get_origin
@@ -169,20 +168,16 @@ def _header(ctx: Any, cmd: Any) -> list[Any]:
     return out
 
 
-def _render(renderables: list[Any]) -> None:
-    """To the terminal at its width; into a pipe or a file as plain text at 80 columns
-    (rich writes no colour codes there), without the padding spaces at line ends."""
-    console = Console()  # the stdout of the moment (a test's capture too)
-    if console.is_terminal:
-        for r in renderables:
-            console.print(r, highlight=False)
-        return
-    buf = io.StringIO()
-    plain = Console(file=buf, width=PIPED_HELP_WIDTH, color_system=None)
+def _render(renderables: list[Any], formatter: Any) -> None:
+    """Into click's help text (which click prints): at the terminal's width with its
+    colours, or into a pipe or a file as plain text at 80 columns (rich writes no colour
+    codes there), without the padding spaces at line ends."""
+    terminal = Console()  # the stdout of the moment (a test's capture too)
+    out = Console(file=io.StringIO(), width=terminal.width if terminal.is_terminal else PIPED_HELP_WIDTH,
+                  color_system=terminal.color_system if terminal.is_terminal else None)
     for r in renderables:
-        plain.print(r, highlight=False)
-    sys.stdout.write("".join(line.rstrip() + "\n" for line in buf.getvalue().splitlines()))
-    sys.stdout.flush()
+        out.print(r, highlight=False)
+    formatter.write("".join(line.rstrip() + "\n" for line in out.file.getvalue().splitlines()))
 
 
 def _option_sections(ctx: Any, cmd: Any) -> list[Any]:
@@ -228,7 +223,7 @@ class CortiqCommand(TyperCommand):
         return ["[OPTIONS]", *args]
 
     def format_help(self, ctx: Any, formatter: Any) -> None:
-        _render(_header(ctx, self) + _option_sections(ctx, self))
+        _render(_header(ctx, self) + _option_sections(ctx, self), formatter)
 
 
 class CortiqGroup(TyperGroup):
@@ -245,4 +240,4 @@ class CortiqGroup(TyperGroup):
             cmd = self.get_command(ctx, name)
             if cmd is not None and not cmd.hidden:
                 rows.append((Text(name, style="bold cyan"), _markup(short_help(cmd))))
-        _render(_header(ctx, self) + _section("Commands", rows) + _option_sections(ctx, self))
+        _render(_header(ctx, self) + _section("Commands", rows) + _option_sections(ctx, self), formatter)

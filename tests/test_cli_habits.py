@@ -178,6 +178,7 @@ def test_help_into_a_pipe_is_80_columns_of_plain_text(name):
     assert lines[0].startswith("Usage: ") and f" {name} [OPTIONS]" in lines[0]
     assert max(len(ln) for ln in lines) <= 80
     assert all(ln == ln.rstrip() for ln in lines)
+    assert p.stdout.endswith("\n") and not p.stdout.endswith("\n\n")  # no blank line after the last one
     assert "\x1b" not in p.stdout and not re.search(r"\[/?(bold|dim|red|yellow|green|cyan)\b|\[/\]", p.stdout), p.stdout
     if name in ("generate", "chat", "ppl", "calibrate"):
         assert "--kv-cache f32|f16" in p.stdout
