@@ -93,9 +93,7 @@ class OneLineErrors(TyperGroup):
         try:
             rv = super().main(*args, standalone_mode=False, **kwargs)
         except click_exc.NoArgsIsHelpError as e:
-            text = e.ctx.get_help()  # cortiq's help classes print their help themselves
-            if text:
-                typer.echo(text)
+            typer.echo(e.ctx.get_help())
             if standalone_mode:
                 sys.exit(0)
             raise typer.Exit(0)
