@@ -54,7 +54,7 @@ TEMPLATE_MAX_INT_BITS = 4096  # integers `*` and `**` may build
 TEMPLATE_MAX_LOOP = 10_000_000  # for-loop iterations over a whole render
 TEMPLATE_MEMORY = 1 << 30  # bytes of address space a render may add
 # Filters that run a regex or a wrapping loop over their input: bounded input length.
-_TEXT_FILTERS = ("striptags", "urlize", "wordwrap", "title", "truncate")
+_TEXT_FILTERS = ("striptags", "urlize", "wordwrap")
 TEMPLATE_MAX_TEXT_FILTER = 1 << 16
 _PRINTF = re.compile(r"%(?:\([^)]*\))?[#0\- +]*(\*|\d+)?(?:\.(\*|\d+))?[hlL]?[a-zA-Z%]")
 
