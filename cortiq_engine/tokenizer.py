@@ -51,7 +51,7 @@ TEMPLATE_MAX_ITEMS = 1_000_000  # range() items over a whole render
 TEMPLATE_MAX_SEQUENCE = 1 << 20  # the longest string or list `*` may build
 TEMPLATE_MAX_SOURCE = 1 << 20  # characters of template source (real chat templates: < 64 KiB)
 TEMPLATE_MAX_INT_BITS = 4096  # integers `*` and `**` may build
-TEMPLATE_MAX_LOOP = 10_000_000  # for-loop iterations over a whole render
+TEMPLATE_MAX_LOOP = 1_000_000  # for-loop iterations over a whole render
 TEMPLATE_MEMORY = 1 << 30  # bytes of address space a render may add
 # Filters that run a regex or a wrapping loop over their input: bounded input length.
 _TEXT_FILTERS = ("striptags", "urlize", "wordwrap")
