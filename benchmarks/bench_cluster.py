@@ -123,30 +123,36 @@ def main() -> None:
     per_node = args.node_workers or last["workers"]
     worker_rate = one["tok_s"] if one else rows[0]["tok_s"]
     eff = last["efficiency"]
+    busy = last.get("busy", 1.0)
+    # Two bounds: the efficiency measured here (workers sharing this machine's cores with each
+    # other and the driver), and the workers' busy fraction (each worker on a core of its own,
+    # losing only the task round trips).
     projection = [{"nodes": m, "workers": m * per_node,
-                   "hours": args.project_tokens / (m * per_node * worker_rate * eff) / 3600}
+                   "hours": args.project_tokens / (m * per_node * worker_rate * eff) / 3600,
+                   "hours_own_cores": args.project_tokens / (m * per_node * worker_rate * busy) / 3600}
                   for m in [int(x) for x in args.nodes.split(",")]]
     report = {"model": str(model), "cpu": cpu_name(), "cores": os.cpu_count(), "load_before": load0,
               "ctx": args.ctx, "windows": len(windows), "tokens_fed": fed, "threads_per_worker": args.threads,
               "runs": rows, "projection": {"tokens": args.project_tokens, "workers_per_node": per_node,
-                                           "worker_tok_s": worker_rate, "efficiency": eff, "rows": projection},
+                                           "worker_tok_s": worker_rate, "efficiency": eff, "busy": busy, "rows": projection},
               "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])}
     if args.json:
         print(json.dumps(report, indent=2))
         return
-    print(f"{report['cpu']}, {report['cores']} cores, load {load0:.2f} before; {model.name}, {len(windows)} chunks of {args.ctx} "
-          f"tokens ({fed:,} tokens fed), {args.threads} thread(s) per worker")
+    print(f"{report['cpu']}, {report['cores']} cores, load average {load0:.2f} before; {model.name}, {len(windows)} chunks of {args.ctx} "
+          f"tokens ({fed:,} tokens fed), {args.threads} thread(s) per worker\n")
     print(f"| run | tok/s | per worker | efficiency | s/window | busy | overhead/window | start-up | same figures |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for r in rows:
-        busy = f"{r['busy']:.3f}" if "busy" in r else "-"
+        frac = f"{r['busy']:.3f}" if "busy" in r else "-"
         over = f"{1000 * r['overhead_per_window_s']:.1f} ms" if "overhead_per_window_s" in r else "-"
         print(f"| {r['run']} | {r['tok_s']:.0f} | {r.get('per_worker_tok_s', r['tok_s']):.0f} | {r.get('efficiency', 1.0):.2f} | "
-              f"{r['per_window_s']:.3f} | {busy} | {over} | {r['startup_s']:.1f} s | {'yes' if r.get('bit_identical') else '-'} |")
-    print(f"wikitext-103 ({args.project_tokens / 1e6:.0f}M tokens) at {worker_rate:.0f} tok/s per worker, efficiency {eff:.2f}, "
-          f"{per_node} workers per node:")
+              f"{r['per_window_s']:.3f} | {frac} | {over} | {r['startup_s']:.1f} s | {'yes' if r.get('bit_identical') else '-'} |")
+    print(f"\nwikitext-103 ({args.project_tokens / 1e6:.0f}M tokens) at {worker_rate:.0f} tok/s per worker, {per_node} workers per node:\n")
+    print(f"| nodes | workers | hours at efficiency {eff:.2f} | hours at busy {busy:.3f} (a core per worker) |")
+    print("| ---: | ---: | ---: | ---: |")
     for p in projection:
-        print(f"  {p['nodes']:>3} node(s), {p['workers']:>3} workers: {p['hours']:.1f} h")
+        print(f"| {p['nodes']} | {p['workers']} | {p['hours']:.1f} | {p['hours_own_cores']:.1f} |")
 
 
 if __name__ == "__main__":
