@@ -19,7 +19,7 @@ from cortiq_engine import Engine, SpeculativeConfig
 from cortiq_engine.convert import convert_checkpoint
 from cortiq_engine.lookup import LookupDrafter
 from cortiq_engine.mtp import make_drafter
-from cortiq_engine.spec_decision import MIN_ROUNDS, PROBE_EVERY, SpecDecision
+from cortiq_engine.spec_decision import MIN_ROUNDS, PROBE_EVERY, QUIET_PROBES, SpecDecision
 from tests.mtp_tiny import save_tiny_mtp
 
 runner = CliRunner()
@@ -92,12 +92,16 @@ def test_a_source_always_rejected_is_switched_off_and_the_output_is_plain(tiny, 
     assert mtp["on"] is False and mtp["switches"] == 1
     assert 0.35 < mtp["speedup"] <= 0.5  # 1 token in 2.5 units (the last rounds draft fewer) against 1 in 1
     # Off after its first MIN_ROUNDS rounds (and the plain steps timed between them);
-    # afterwards it drafts only every PROBE_EVERY-th round.
+    # afterwards it drafts only every PROBE_EVERY-th round, QUIET_PROBES times, then
+    # half as often after each probe that leaves it off.
     assert calls[1] - calls[0] == MIN_ROUNDS + 1
-    assert all(b - a == PROBE_EVERY for a, b in zip(calls[2:], calls[3:]))
-    assert len(calls) <= MIN_ROUNDS + TOKENS // PROBE_EVERY + 1
+    schedule = [PROBE_EVERY] * QUIET_PROBES + [PROBE_EVERY << i for i in range(1, 8)]
+    gaps = [b - a for a, b in zip(calls[1:], calls[2:])]
+    assert len(gaps) >= QUIET_PROBES and gaps == schedule[: len(gaps)]
     line = spec.extra["speculative"]["decision"]
     assert line.startswith("plain decoding; mtp off (0.") and f"x over plain in {mtp['rounds']} rounds)" in line
+    # The probes cost some: the whole decode a little slower than plain, far from 0.4x.
+    assert 0.85 < spec.extra["speculative"]["overall_speedup"] < 1.0 and line.endswith("x overall")
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
@@ -113,6 +117,7 @@ def test_a_source_always_accepted_stays_on(tiny, prompt):
     assert spec.acceptance.acceptance == 1.0
     line = spec.extra["speculative"]["decision"]
     assert line.startswith("mtp 1.") and f"x over plain in {src['mtp']['rounds']} rounds" in line and "off" not in line
+    assert 1.2 < spec.extra["speculative"]["overall_speedup"] < src["mtp"]["speedup"]
 
 
 def test_lookup_and_mtp_share_one_choice(tiny):
@@ -136,7 +141,7 @@ def test_lookup_and_mtp_share_one_choice(tiny):
 
 def test_hysteresis_and_probes():
     """Off below plain's rate, back on only at ON_ABOVE; an off source drafts every
-    PROBE_EVERY-th round it could."""
+    PROBE_EVERY-th round it could, less often once QUIET_PROBES probes left it off."""
     dec = SpecDecision(clock=lambda: 0.0)
     for _ in range(MIN_ROUNDS):
         dec.record("plain", 1, 1.0)
@@ -157,6 +162,10 @@ def test_hysteresis_and_probes():
         dec.record("lookup", 1, 1 / 0.99)  # 0.99x: off again
     dec.allow("lookup")
     assert dec.rates["lookup"].on is False and dec.rates["lookup"].switches == 3
+    allowed = [dec.allow("lookup") for _ in range(PROBE_EVERY * (QUIET_PROBES + 6))]
+    probes = [i + 2 for i, a in enumerate(allowed) if a]  # rounds since it went off
+    gaps = [b - a for a, b in zip([0, *probes], probes)]
+    assert gaps == [PROBE_EVERY] * QUIET_PROBES + [PROBE_EVERY * 2, PROBE_EVERY * 4]
 
 
 def test_the_json_and_the_line_carry_the_decision(tiny):
@@ -166,7 +175,7 @@ def test_the_json_and_the_line_carry_the_decision(tiny):
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
     spec = doc["speculative"]
-    assert set(spec) == {"sources", "decision"} and isinstance(spec["decision"], str) and spec["decision"]
+    assert set(spec) == {"sources", "overall_speedup", "decision"} and isinstance(spec["decision"], str) and spec["decision"]
     for name, s in spec["sources"].items():
         assert s["rounds"] > 0 and s["tokens"] > 0
         if name != "plain":
