@@ -114,6 +114,10 @@ class LinearAttnCache:
         self.length += n
         self.writes += n
 
+    def can_truncate(self, n: int) -> bool:
+        """Whether ``truncate(n)`` can roll the state back (inside the last forward call)."""
+        return n == self.length or (self._last is not None and self._last.start <= n <= self.length)
+
     def truncate(self, n: int) -> None:
         """Roll back to the state after the first ``n`` positions; ``n`` must lie inside
         the last forward call (a speculative verify)."""

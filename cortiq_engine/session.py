@@ -6,8 +6,10 @@ cache already holds (last turn's conversation plus the answer it generated), kee
 the longest common prefix, rolls the cache back to it and forwards only the rest.
 Usually that prefix is everything up to the new turn; when the template renders an
 earlier turn differently (or the answer's text re-tokenizes differently) less is
-reused, never a wrong row. The last token of the conversation is always forwarded:
-its hidden row gives the first logits.
+reused, never a wrong row. A recurrent (linear-attention) state rolls back only inside
+its last forward call; when the prefix ends before that, the turn starts from a fresh
+state. The last token of the conversation is always forwarded: its hidden row gives the
+first logits.
 """
 
 from __future__ import annotations
@@ -89,6 +91,11 @@ class ChatSession:
         eng = self.engine
         ids = [int(i) for i in ids]
         keep = self.reusable(ids)
+        if not self.state.can_truncate(keep):
+            # A recurrent (linear-attention) state cannot go back past its last forward
+            # call: forward the whole conversation again on a fresh state.
+            self.reset()
+            keep = 0
         self.state.truncate(keep)
         self.cached = self.cached[:keep]
         history, new = ids[:keep], ids[keep:]

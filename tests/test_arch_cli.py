@@ -1,5 +1,5 @@
 """Every architecture family through the command line: convert, ppl, calibrate, generate (held
-to transformers' greedy tokens), bench."""
+to transformers' greedy tokens), chat (two turns, the plain template), bench."""
 
 from __future__ import annotations
 
@@ -81,6 +81,14 @@ def test_convert_ppl_calibrate_generate(tmp_path, mt):
         nxt = int(np.argmax(arch_tiny.torch_logits(model, ids)[-1]))
         assert tok == nxt
         ids.append(nxt)
+    r = runner.invoke(app, ["chat", str(out), "--chat-template", "raw", "-n", "4", "--json"], input="Hi\nMore\n")
+    assert r.exit_code == 0, r.output
+    turns = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    assert len(turns) == 2 and all(t["token_ids"] for t in turns), r.stdout
+    q4 = tmp_path / "q4.cmf"
+    _run(["convert", str(src), str(q4), "--quant", "q4_k_m", "--json"])
+    ppl4 = _run(["ppl", str(q4), "--ctx", "32", "--max-tokens", "48", "--json"])["models"][0]
+    assert ppl4["tokens_scored"] == 48 and math.isfinite(ppl4["ppl"])
     bench = _run(["bench", str(out), "-p", "8", "-n", "4", "-r", "1", "-t", "1", "--json"])
     assert {r["test"] for r in bench["rows"]} >= {"pp8", "tg4"}, bench["rows"]
     assert all(r["median_tok_s"] > 0 for r in bench["rows"])
