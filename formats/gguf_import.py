@@ -252,7 +252,11 @@ def _hf_config(
     if spec.config is not None:
         ctx = GgufContext(arch=arch, meta=meta, tensors=frozenset(by_name), key=key, array=array,
                           values=lambda name: _small_values(by_name, name))
-        spec.config(ctx, config)
+        try:
+            spec.config(ctx, config)
+        except (TypeError, ValueError, KeyError, AttributeError, ArithmeticError, OverflowError) as e:
+            # GGUF metadata is untrusted: a retyped or out-of-range value is bad input, not a bug.
+            raise CortiqError(f"GGUF {arch}.* metadata has a bad value ({type(e).__name__}: {str(e)[:160]})") from None
     return config
 
 

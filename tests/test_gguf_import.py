@@ -501,3 +501,47 @@ def test_deepseek_v3_pre_tokenizer_splits_as_llama_cpp():
     assert pieces == ["Hello", ",", space + "world", "!", space, "123", "456", "7", space,
                       "ä½łå¥½ä¸ĸçķĮ", space + "ok", "." + nl + nl, space, space + "x"]
     assert not pre.clean_spaces
+
+
+@pytest.mark.parametrize("key,value", [
+    ("llama.attention.value_length", "sixteen"),
+    ("llama.rope.dimension_count", [4, 4]),
+    ("llama.feed_forward_length", "128"),
+    ("llama.block_count", 2.5),
+])
+def test_retyped_metadata_is_one_line(tmp_path, key, value):
+    """A GGUF whose metadata value has the wrong type (an attacker recomputes nothing
+    here: GGUF has no checksums) is one CortiqError naming it, never a traceback."""
+    import gguf
+
+    from cortiq_engine.convert import read_gguf
+    from formats.errors import CortiqError
+    from tests.tiny import build_tiny
+
+    src = write_tiny_gguf(build_tiny("llama", **TINY), tmp_path / "t.gguf", "llama")
+    reader = gguf.GGUFReader(str(src))
+    w = gguf.GGUFWriter(str(tmp_path / "r.gguf"), "llama")
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        v = value if name == key else field.contents()
+        vtype = field.types[0] if name != key else None
+        if isinstance(v, list):
+            w.add_array(name, v)
+        elif vtype is not None:
+            w.add_key_value(name, v, vtype)
+        elif isinstance(v, str):
+            w.add_string(name, v)
+        elif isinstance(v, float):
+            w.add_float32(name, v)
+        else:
+            w.add_uint32(name, v)
+    for t in reader.tensors:
+        w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(CortiqError) as e:
+        read_gguf(tmp_path / "r.gguf")
+    assert "\n" not in str(e.value) and (key.split(".", 1)[1] in str(e.value) or "bad value" in str(e.value)), str(e.value)
