@@ -78,6 +78,19 @@ def score_ppl(where: ClusterAddress, threads: int, resume: bool, show: bool, *ar
         return run(where, threads, *args, resume=resume, progress=progress if show else None, **kwargs)
 
 
+def collect_features(where: ClusterAddress, threads: int, resume: bool, show: bool, *args: Any, **kwargs: Any) -> tuple[Any, int, ClusterReport]:
+    """``evals.cluster.collect_features`` under the progress bar (``show``)."""
+    from evals.cluster import collect_features as run
+
+    with progress_bar() as bar:
+        task = bar.add_task("cluster", total=None, rate="-")
+
+        def progress(done: int, windows: int, _tokens: int, _total: int, rate: float) -> None:
+            bar.update(task, completed=done, total=windows, rate=f"{rate:,.0f}" if rate == rate else "-")
+
+        return run(where, threads, *args, resume=resume, progress=progress if show else None, **kwargs)
+
+
 def render_report(report: ClusterReport) -> None:
     """One line under the tables: where the windows ran and how fast."""
     rate = f"{report.tokens_per_s:,.0f} tokens/s" if report.tokens_per_s == report.tokens_per_s else "nothing left to score"
@@ -86,4 +99,4 @@ def render_report(report: ClusterReport) -> None:
                   f" ({report.retried} again after a lost worker, {report.resumed} from the journal), {rate}", highlight=False)
 
 
-__all__ = ["Cluster", "ClusterThreads", "Resume", "check", "progress_bar", "note_interrupted", "score_ppl", "render_report", "CLUSTER_PANEL"]
+__all__ = ["Cluster", "ClusterThreads", "Resume", "check", "progress_bar", "note_interrupted", "score_ppl", "collect_features", "render_report", "CLUSTER_PANEL"]

@@ -11,6 +11,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
+from cortiq_cli import cluster_options as copt
 from cortiq_cli import text_options as opt
 from cortiq_cli.eval_run import interrupted, load_engines, model_label, whole_windows
 from cortiq_cli.common import KvCache, console, err_console, handle_errors, print_json
@@ -50,6 +51,9 @@ def calibrate(
     kv_cache: KvCache = "f32",
     threads: opt.Threads = None,
     json_out: opt.Json = False,
+    cluster: copt.Cluster = None,
+    cluster_threads: copt.ClusterThreads = None,
+    resume: copt.Resume = False,
 ) -> None:
     """Reliability table and diagram, ECE (equal-width and equal-mass), MCE, Brier, NLL, and a fitted temperature."""
     if not 0 < fit_fraction < 1:  # checked before the (long) pass
@@ -58,6 +62,7 @@ def calibrate(
         _require_matplotlib()
         if not plot.parent.is_dir():
             raise CortiqError(f"--plot: folder {plot.parent} does not exist")
+    where = copt.check(cluster, resume)
     grid = TemperatureGrid.make(t_min, t_max)
     source = load_text(opt.text_spec(text, dataset, config, split, column, data_files))
     (engine,) = load_engines([model], threads, ctx, kv_cache)
@@ -68,7 +73,11 @@ def calibrate(
     total = sum(w.n_scored for w in windows)
     split_rows(total, fit_fraction)  # too few tokens: say so before the pass
 
-    if json_out:
+    creport = None
+    if where is not None:
+        features, done, creport = copt.collect_features(where, cluster_threads or engine.threads, resume, not json_out, model, ctx,
+                                                        kv_cache, batch, tokens, windows, grid)
+    elif json_out:
         features, done = collect_partial(engine, tokens, windows, grid, chunk=batch)
     else:
         with Progress(
@@ -92,11 +101,16 @@ def calibrate(
     report = calibration_report(name, features, grid, bins, fit_fraction)
     settings = {"ctx": ctx, "stride": step, "windows": len(windows), "max_tokens": max_tokens, "text_tokens": int(len(tokens)),
                 "t_min": float(grid.temperatures.min()), "t_max": float(grid.temperatures.max()), "grid_points": grid.n,
-                "fit_fraction": fit_fraction, **({"partial": True, "windows_done": done} if done < len(windows) else {})}
+                "fit_fraction": fit_fraction, **({"partial": True, "windows_done": done} if done < len(windows) else {}),
+                **({"cluster": creport.to_json()} if creport is not None else {})}
     if done < len(windows) and write:
         write = False  # never store a temperature fitted on an interrupted pass
     if not json_out:
         render(report, source, settings)  # before --write, which may refuse the fit
+        if creport is not None:
+            copt.render_report(creport)
+    if creport is not None and done < len(windows):
+        copt.note_interrupted()
     written = None
     if write:
         close = getattr(engine, "close", None)

@@ -134,18 +134,28 @@ def journal_dir() -> Path:
 
 
 def _partial_arrays(p: WindowPartial) -> dict[str, np.ndarray]:
-    out = {"window": np.int64(p.window), "nll0": p.nll[0]}
+    out = {"nll0": p.nll[0]}
     for m, st in enumerate(p.rows[1:], start=1):
         assert st is not None
         out.update({f"nll{m}": st.nll, f"kld{m}": st.kld, f"rkld{m}": st.rkld, f"dp{m}": st.dp, f"same{m}": st.same})
     return out
 
 
-def _partial_of(d: dict[str, np.ndarray]) -> WindowPartial:
+def _partial_of(window: int, d: dict[str, np.ndarray]) -> WindowPartial:
     n = 1 + sum(1 for k in d if k.startswith("kld"))
     rows: list[RowStats | None] = [None] + [RowStats(d[f"nll{m}"], d[f"kld{m}"], d[f"rkld{m}"], d[f"dp{m}"], d[f"same{m}"])
                                             for m in range(1, n)]
-    return WindowPartial(int(d["window"]), [d["nll0"]] + [r.nll for r in rows[1:] if r is not None], rows)
+    return WindowPartial(window, [d["nll0"]] + [r.nll for r in rows[1:] if r is not None], rows)
+
+
+def _features_arrays(f: Any) -> dict[str, np.ndarray]:
+    return {"gap": f.gap, "correct": f.correct, "L": f.L, "D": f.D}
+
+
+def _features_of(window: int, d: dict[str, np.ndarray]) -> Any:
+    from evals.temperature import RowFeatures
+
+    return RowFeatures(d["gap"], d["correct"], d["L"], d["D"])
 
 
 class WindowJournal:
@@ -162,9 +172,9 @@ class WindowJournal:
         self._f: io.BufferedWriter | None = None
         self._valid = 0  # bytes of whole records that load read
 
-    def load(self) -> dict[int, WindowPartial]:
-        """The windows a previous run of the same key finished (empty without a journal)."""
-        out: dict[int, WindowPartial] = {}
+    def load(self) -> dict[int, dict[str, np.ndarray]]:
+        """The windows a previous run of the same key finished, as their arrays (empty without a journal)."""
+        out: dict[int, dict[str, np.ndarray]] = {}
         try:
             data = self.path.read_bytes()
         except OSError:
@@ -179,8 +189,8 @@ class WindowJournal:
             if len(body) != n or zlib.crc32(body) != crc:
                 break
             with np.load(io.BytesIO(body), allow_pickle=False) as z:
-                p = _partial_of({k: z[k] for k in z.files})
-            out[p.window] = p
+                arrays = {k: z[k] for k in z.files}
+            out[int(arrays.pop("window"))] = arrays
             pos += self._REC.size + n
         self._valid = pos
         return out
@@ -197,10 +207,10 @@ class WindowJournal:
             self._f.write(self.MAGIC + self.key.encode() + b"\n")
             self._f.flush()
 
-    def append(self, p: WindowPartial) -> None:
+    def append(self, window: int, arrays: dict[str, np.ndarray]) -> None:
         assert self._f is not None
         buf = io.BytesIO()
-        np.savez(buf, **_partial_arrays(p))
+        np.savez(buf, window=np.int64(window), **arrays)
         body = buf.getvalue()
         self._f.write(self._REC.pack(len(body), zlib.crc32(body)) + body)
         self._f.flush()
@@ -250,21 +260,35 @@ class WindowScorer:
     def info(self) -> dict[str, Any]:
         return {"host": self.host, "pid": os.getpid(), "error": self.error}
 
-    def score(self, index: int, window: Window, ids: np.ndarray, ref: RefRows | None) -> tuple[WindowPartial, float]:
-        """The window's partial, and the seconds it took here (the rest of a task's time is the cluster's)."""
-        t0 = time.perf_counter()
+    def _blocks(self, window: Window, ids: np.ndarray) -> list[Any]:
         if self.error:
             raise CortiqError(self.error)
         # The window's own tokens, re-based: the same ids, rows and targets as in the whole text.
         local = Window(0, window.end - window.begin, window.row_from, window.row_to, window.bos)
-        blocks = list(iter_scored(self.engines, ids, [local], chunk=self.chunk))
+        return list(iter_scored(self.engines, ids, [local], chunk=self.chunk))
+
+    def score(self, index: int, window: Window, ids: np.ndarray, ref: RefRows | None) -> tuple[WindowPartial, int, float]:
+        """``ppl``: the window's partial, its scored rows, and the seconds it took here (the
+        rest of a task's time is the cluster's)."""
+        t0 = time.perf_counter()
+        blocks = self._blocks(window, ids)
         refs = None
         if ref is not None:
             refs, a = [], 0
             for b in blocks:
                 refs.append(ref.slice(a, a + len(b.targets)))
                 a += len(b.targets)
-        return window_partial(index, blocks, len(self.engines), refs), time.perf_counter() - t0
+        part = window_partial(index, blocks, len(self.engines), refs)
+        return part, part.tokens, time.perf_counter() - t0
+
+    def features(self, index: int, window: Window, ids: np.ndarray, ref: None, grid: Any) -> tuple[Any, int, float]:
+        """``calibrate``: the window's row features (``evals.temperature.row_features`` of each block)."""
+        from evals.temperature import RowFeatures, row_features
+
+        t0 = time.perf_counter()
+        parts = [row_features(b.logits[0], b.targets, grid) for b in self._blocks(window, ids)]
+        f = RowFeatures.concat(parts, grid)
+        return f, len(f), time.perf_counter() - t0
 
 
 # ---------------------------------------------------------------------------- the driver
@@ -387,8 +411,8 @@ class Cluster:
 
         return [i["pid"] for i in ray.get([a.info.remote() for a in self.actors])]
 
-    def score(self, tasks: Iterator[WindowTask], n_tasks: int, report: ClusterReport,
-              on_result: Callable[[WindowPartial], None]) -> None:
+    def score(self, tasks: Iterator[WindowTask], report: ClusterReport, on_result: Callable[[int, Any], None],
+              method: str = "score", args: tuple[Any, ...] = ()) -> None:
         """Hand the windows out, at most IN_FLIGHT per worker, and pass each result on as it
         arrives; a window whose worker dies goes to the next free worker."""
         import ray
@@ -415,7 +439,7 @@ class Cluster:
                         if not todo:
                             break
                         t = todo.popleft()
-                        ref = self.actors[a].score.remote(t.index, t.window, t.ids, t.ref)
+                        ref = getattr(self.actors[a], method).remote(t.index, t.window, t.ids, t.ref, *args)
                         inflight[ref] = (a, t)
                         load[a] += 1
                         report.tasks += 1
@@ -426,7 +450,7 @@ class Cluster:
                     a, t = inflight.pop(r)
                     load[a] -= 1
                     try:
-                        part, busy = ray.get(r, timeout=60)
+                        part, rows, busy = ray.get(r, timeout=60)
                     except RayTaskError as e:
                         cause = e.cause if isinstance(getattr(e, "cause", None), BaseException) else e
                         raise CortiqError(f"window {t.index}: {str(cause).splitlines()[0][:300]}") from None
@@ -438,9 +462,9 @@ class Cluster:
                         report.retried += 1
                         todo.appendleft(t)
                         continue
-                    report.tokens += part.tokens
+                    report.tokens += rows
                     report.busy_s += busy
-                    on_result(part)
+                    on_result(t.index, part)
         finally:  # on Ctrl-C the windows in flight are dropped: leaving the cluster kills its workers
             report.seconds += time.perf_counter() - t0
 
@@ -448,41 +472,34 @@ class Cluster:
 # ---------------------------------------------------------------------------- perplexity
 
 
-def score_ppl(
-    where: ClusterAddress, threads: int, paths: list[Path], ctx: int, kv_cache: str, chunk: int,
-    names: list[str], tokens: np.ndarray, windows: list[Window], decoder: Any, *,
-    saved: Any | None = None, resume: bool = False, progress: ClusterProgress | None = None,
-) -> tuple[PerplexityResult, int, ClusterReport]:
-    """``cortiq ppl``'s scoring on a cluster: (the figures, windows done in plan order, the
-    cluster's report). On Ctrl-C the figures cover the first ``done`` windows, as in one
-    process; the journal keeps every finished window for ``resume``."""
-    tokens = np.asarray(tokens, dtype=np.int64)
-    n_models = len(paths)
+def _run(kind: str, where: ClusterAddress, threads: int, paths: list[Path], ctx: int, kv_cache: str, chunk: int,
+         tokens: np.ndarray, windows: list[Window], key_extra: dict[str, Any], *, method: str, args: tuple[Any, ...],
+         refs: Sequence[RefRows | None] | None, encode: Callable[[Any], dict[str, np.ndarray]],
+         decode: Callable[[int, dict[str, np.ndarray]], Any], resume: bool,
+         progress: ClusterProgress | None) -> tuple[list[Any], ClusterReport]:
+    """Score ``windows`` on the cluster with the workers' ``method``, journaled under ``kind``:
+    (each window's result for the first windows done in plan order, the report). On Ctrl-C
+    the list stops at the first window not done; with none done the interrupt goes on up."""
     fps = [ModelFingerprint.of(Path(p).resolve()) for p in paths]
-    extra = {"ctx": ctx, "kv_cache": kv_cache, "chunk": chunk,
-             "ref": None if saved is None else [str(saved.path), ModelFingerprint.of(Path(saved.path)).digest]}
-    key = run_key("ppl", fps, tokens, windows, extra)
-    journal = WindowJournal(journal_dir() / f"ppl-{key}.journal", key)
-    parts = journal.load() if resume else {}
+    key = run_key(kind, fps, tokens, windows, {"ctx": ctx, "kv_cache": kv_cache, "chunk": chunk, **key_extra})
+    journal = WindowJournal(journal_dir() / f"{kind}-{key}.journal", key)
+    parts: dict[int, Any] = {i: decode(i, a) for i, a in journal.load().items()} if resume else {}
     report = ClusterReport(where.address, 0, resumed=len(parts))
     total_tokens = sum(w.n_scored for w in windows)
-    done_tokens = sum(p.tokens for p in parts.values())
-
-    # A saved reference's rows, in plan order, for every window (read once, sequentially).
-    ref_rows: list[RefRows | None] = [saved.next_rows(w.n_scored) if saved is not None else None for w in windows]
+    done_tokens = sum(windows[i].n_scored for i in parts)
 
     def tasks() -> Iterator[WindowTask]:
         for i, w in enumerate(windows):
             if i not in parts:
-                yield WindowTask(i, w, tokens[w.begin : w.end].copy(), ref_rows[i])
+                yield WindowTask(i, w, tokens[w.begin : w.end].copy(), refs[i] if refs is not None else None)
 
-    def on_result(p: WindowPartial) -> None:
+    def on_result(i: int, value: Any) -> None:
         nonlocal done_tokens
-        if p.window in parts:
+        if i in parts:
             return  # a late duplicate of a retried window: counted once
-        journal.append(p)  # first: a window counts once it is on disk (a Ctrl-C can cut the write short)
-        parts[p.window] = p
-        done_tokens += p.tokens
+        journal.append(i, encode(value))  # first: a window counts once it is on disk (a Ctrl-C can cut the write short)
+        parts[i] = value
+        done_tokens += windows[i].n_scored
         if progress:
             progress(len(parts), len(windows), done_tokens, total_tokens, report.tokens / max(time.perf_counter() - t_start, 1e-9))
 
@@ -499,7 +516,7 @@ def score_ppl(
                 report.startup_s = cl.startup_s
                 t_start = time.perf_counter()
                 try:
-                    cl.score(tasks(), len(windows) - len(parts), report, on_result)
+                    cl.score(tasks(), report, on_result, method, args)
                 except KeyboardInterrupt:
                     interrupted = True
     except KeyboardInterrupt:
@@ -514,13 +531,45 @@ def score_ppl(
         raise KeyboardInterrupt
     if done == len(windows):
         journal.remove()
-    acc = PerplexityAccumulator(n_models, saved_ref=saved is not None)
-    for i in range(done):
-        acc.add_partial(parts[i])
+    return [parts[i] for i in range(done)], report
+
+
+def score_ppl(
+    where: ClusterAddress, threads: int, paths: list[Path], ctx: int, kv_cache: str, chunk: int,
+    names: list[str], tokens: np.ndarray, windows: list[Window], decoder: Any, *,
+    saved: Any | None = None, resume: bool = False, progress: ClusterProgress | None = None,
+) -> tuple[PerplexityResult, int, ClusterReport]:
+    """``cortiq ppl``'s scoring on a cluster: (the figures, windows done in plan order, the
+    cluster's report). On Ctrl-C the figures cover the first ``done`` windows, as in one
+    process; the journal keeps every finished window for ``resume``."""
+    tokens = np.asarray(tokens, dtype=np.int64)
+    # A saved reference's rows, in plan order, for every window (read once, sequentially).
+    refs = [saved.next_rows(w.n_scored) for w in windows] if saved is not None else None
+    extra = {"ref": None if saved is None else [str(saved.path), ModelFingerprint.of(Path(saved.path)).digest]}
+    parts, report = _run("ppl", where, threads, paths, ctx, kv_cache, chunk, tokens, windows, extra, method="score", args=(),
+                         refs=refs, encode=_partial_arrays, decode=_partial_of, resume=resume, progress=progress)
+    acc = PerplexityAccumulator(len(paths), saved_ref=saved is not None)
+    for p in parts:
+        acc.add_partial(p)
     form = saved.form if saved is not None else "full"
-    reports, comps = build_reports(acc, names, scored_text_bytes(decoder, tokens, windows[:done]), form)
-    return PerplexityResult(reports, comps), done, report
+    reports, comps = build_reports(acc, names, scored_text_bytes(decoder, tokens, windows[:len(parts)]), form)
+    return PerplexityResult(reports, comps), len(parts), report
+
+
+def collect_features(
+    where: ClusterAddress, threads: int, path: Path, ctx: int, kv_cache: str, chunk: int,
+    tokens: np.ndarray, windows: list[Window], grid: Any, *, resume: bool = False, progress: ClusterProgress | None = None,
+) -> tuple[Any, int, ClusterReport]:
+    """``cortiq calibrate``'s pass on a cluster: (the row features of the first ``done`` windows
+    in plan order, as one process collects them; ``done``; the cluster's report)."""
+    from evals.temperature import RowFeatures
+
+    tokens = np.asarray(tokens, dtype=np.int64)
+    extra = {"temperatures": np.asarray(grid.temperatures, np.float64).tolist()}
+    parts, report = _run("calibrate", where, threads, [path], ctx, kv_cache, chunk, tokens, windows, extra, method="features",
+                         args=(grid,), refs=None, encode=_features_arrays, decode=_features_of, resume=resume, progress=progress)
+    return RowFeatures.concat(parts, grid), len(parts), report
 
 
 __all__ = ["ClusterAddress", "ModelFingerprint", "WindowJournal", "WindowScorer", "Cluster", "ClusterReport",
-           "score_ppl", "journal_dir", "ray_available", "INSTALL_HINT", "run_key"]
+           "score_ppl", "collect_features", "journal_dir", "ray_available", "INSTALL_HINT", "run_key"]

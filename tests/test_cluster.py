@@ -1,7 +1,8 @@
 """``cortiq ppl --cluster``: a real local Ray cluster of two workers gives the one-process
 figures bit for bit (perplexity, NLL and its SE, bits per byte, every KL statistic and
 percentile, live or against a saved reference), also when a worker process is killed
-mid-run and when the driver is interrupted and resumed."""
+mid-run and when the driver is interrupted and resumed; ``cortiq calibrate --cluster``
+gives the one-process report."""
 
 from __future__ import annotations
 
@@ -19,8 +20,6 @@ from typer.testing import CliRunner
 
 from cortiq_cli.main import app
 from evals.cluster import ClusterAddress, ModelFingerprint, WindowJournal
-from evals.kl import RowStats
-from evals.perplexity import WindowPartial
 from evals.text_source import BUNDLED_TEXT
 from formats.errors import CortiqError
 
@@ -157,6 +156,21 @@ def test_an_interrupted_driver_resumes_to_the_same_figures(tiny, one_process, tm
     assert cluster["resumed"] == kept and cluster["tasks"] == one_process["settings"]["windows"] - kept
 
 
+def test_calibrate_on_two_workers_gives_the_same_report(tiny, tmp_path):
+    f32, _, text = tiny
+    args = ["calibrate", str(f32), "--text", str(text), "-c", "32", "--stride", "16", "-t", "1", "--json"]
+    r = runner.invoke(app, args)
+    assert r.exit_code == 0, r.output
+    alone = json.loads(r.stdout)
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", CORTIQ_CLUSTER_CACHE=str(tmp_path))
+    p = subprocess.Popen([sys.executable, "-m", "cortiq_cli.main", *args, "--cluster", "local:2"], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_default_sigint)
+    code, out, err = _finish(p)
+    assert code == 0, err
+    cluster = _same_figures(json.loads(out), alone)
+    assert cluster["workers"] == 2 and cluster["tasks"] == alone["settings"]["windows"]
+
+
 def test_cluster_input_errors(tiny, tmp_path):
     f32, _, text = tiny
     for args, msg in (
@@ -180,15 +194,13 @@ def test_fingerprint_and_journal(tiny, tmp_path):
 
     j = WindowJournal(tmp_path / "x.journal", "k1")
     j.open(keep=False)
-    parts = [WindowPartial(i, [np.arange(3.0) + i, np.arange(3.0)],
-                           [None, RowStats(np.arange(3.0), np.ones(3), np.ones(3), np.zeros(3), np.array([True, False, True]))])
-             for i in range(3)]
-    for p in parts:
-        j.append(p)
+    parts = {i: {"nll0": np.arange(3.0) + i, "same1": np.array([True, False, True])} for i in range(3)}
+    for i, arrays in parts.items():
+        j.append(i, arrays)
     j.close()
     with open(j.path, "ab") as f:
         f.write(b"\x05\x00")  # a record cut short by a crash
     back = WindowJournal(j.path, "k1").load()
-    assert sorted(back) == [0, 1, 2] and np.array_equal(back[2].nll[0], parts[2].nll[0])
-    assert np.array_equal(back[1].rows[1].same, parts[1].rows[1].same)
+    assert sorted(back) == [0, 1, 2] and np.array_equal(back[2]["nll0"], parts[2]["nll0"])
+    assert np.array_equal(back[1]["same1"], parts[1]["same1"]) and back[1]["same1"].dtype == bool
     assert WindowJournal(j.path, "another run").load() == {}
