@@ -374,9 +374,11 @@ class Cluster:
                               "or run on a node of the cluster with --cluster auto") from None
         except (ConnectionError, RuntimeError, ValueError) as e:
             self._stack.close()
-            raise CortiqError(f"--cluster {self.where.address}: cannot start or reach the Ray cluster ({str(e).splitlines()[0][:200]})") from None
+            first = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+            raise CortiqError(f"--cluster {self.where.address}: cannot start or reach the Ray cluster ({first})") from None
         try:
-            n = int(self.where.local_workers) if self.where.is_local else max(1, int(ray.cluster_resources().get("CPU", 0)) // self.threads)
+            cpus = int(ray.cluster_resources().get("CPU", 0))
+            n = int(self.where.local_workers) if self.where.is_local else max(1, cpus // self.threads)
             actor = ray.remote(WindowScorer).options(
                 num_cpus=self.threads, max_restarts=MAX_RESTARTS, max_task_retries=0, scheduling_strategy="SPREAD")
             args = ([str(p) for p in self.paths], self.fingerprints, self.threads, self.ctx, self.kv_cache, self.chunk)
@@ -405,11 +407,6 @@ class Cluster:
         if ray.is_initialized():
             ray.shutdown()
         self._stack.close()
-
-    def worker_pids(self) -> list[int]:
-        import ray
-
-        return [i["pid"] for i in ray.get([a.info.remote() for a in self.actors])]
 
     def score(self, tasks: Iterator[WindowTask], report: ClusterReport, on_result: Callable[[int, Any], None],
               method: str = "score", args: tuple[Any, ...] = ()) -> None:
