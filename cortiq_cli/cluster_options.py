@@ -16,13 +16,13 @@ CLUSTER_PANEL = "Cluster"
 
 Cluster = Annotated[
     Optional[str],
-    typer.Option("--cluster", metavar="ADDRESS", help="Score the windows on a Ray cluster, with the same figures as one process: local:N (N workers on this machine), auto (the cluster `ray start` runs here) or ray://HOST:PORT.", rich_help_panel=CLUSTER_PANEL),
+    typer.Option("--cluster", metavar="ADDRESS", help="Score the windows on a Ray cluster, with the same figures as one process: local:N (N workers on this machine), auto (the cluster `ray start` runs here), HOST:PORT of its head, or ray://HOST:PORT (Ray Client).", rich_help_panel=CLUSTER_PANEL),
 ]
 # The figures are bit-identical to a one-process run with as many engine threads as each
 # worker has: a prefill's f32 products are split by thread count.
 ClusterThreads = Annotated[
     Optional[int],
-    typer.Option("--cluster-threads", min=1, help="Engine threads (and Ray CPUs) per worker (default: --threads, or this machine's cores); the figures equal a one-process run with --threads this.", rich_help_panel=CLUSTER_PANEL),
+    typer.Option("--cluster-threads", min=1, help="Engine threads (and Ray CPUs) per worker (default: --threads, or this machine's cores); the figures equal a one-process run with --threads set to it.", rich_help_panel=CLUSTER_PANEL),
 ]
 Resume = Annotated[
     bool,
