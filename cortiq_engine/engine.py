@@ -13,6 +13,7 @@ draft layers (inline, or the sidecar beside it; ``mtp=PATH`` a given sidecar), a
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
@@ -26,7 +27,8 @@ from formats.errors import CortiqError
 from formats.untrusted_json import section
 from cortiq_engine.cache import kv_dtype
 from cortiq_engine.generate import PREFILL_CHUNK, DraftSource, GenerationResult, TokenEvent, generate
-from cortiq_engine.kernels import get_kernels
+from cortiq_engine.kernels import (COLD_COMPILE_SECONDS, CompileMeter, CompileReport, WarmupEvent, compiles, get_kernels,
+                                   is_warm, mark_warm)
 from cortiq_engine.memory import release_free_heap
 from cortiq_engine.model import Model, State, forward
 from cortiq_engine.models import build_model, read_arch
@@ -180,6 +182,8 @@ class Engine:
         self.drafts = drafts  # the MTP draft layers, when loaded with mtp=...
         # Draft heads built so far, by vocabulary size (the row gather runs once per size).
         self._draft_heads: dict[int | None, DraftHead] = {}
+        # What the load's warm-up compiled (None: loaded without one).
+        self.compile_report: CompileReport | None = None
 
     # ---------------------------------------------------------------- loading
     @classmethod
@@ -192,6 +196,7 @@ class Engine:
         warmup: bool = True,
         mtp: bool | str | os.PathLike = False,
         kv_cache: str = "f32",
+        on_warmup: Callable[[WarmupEvent], None] | None = None,
     ) -> "Engine":
         """Open ``path``; ``ctx`` defaults to min(max_position_embeddings, 4096);
         ``kernels`` a kernel set's name (``cortiq_engine.kernels.KERNEL_CHOICES``; default
@@ -201,7 +206,10 @@ class Engine:
         ``<stem>.mtp.cmf`` beside it, else none); a path, that sidecar. A sidecar that
         does not fit the backbone is an error, never a silent fallback.
 
-        ``kv_cache``: the KV caches' element type, "f32" or "f16" (``cache.KV_DTYPES``)."""
+        ``kv_cache``: the KV caches' element type, "f32" or "f16" (``cache.KV_DTYPES``).
+
+        ``warmup``: compile every kernel a run uses before returning (``Engine.warmup``;
+        ``on_warmup`` hears its progress, ``compile_report`` says what it compiled)."""
         trunk = open_trunk(path, threads=threads, kernels=kernels, kv_cache=kv_cache)
         cmf, arch, model = trunk.cmf, trunk.arch, trunk.model
         try:
@@ -224,17 +232,76 @@ class Engine:
         if drafts is not None and drafts.vocab is not None:
             eng.draft_head()  # the row gather at load, not in the first generation
         if warmup:
-            eng.warmup()
+            eng.warmup(on_warmup)
         release_free_heap()
         return eng
 
-    def warmup(self) -> None:
-        """Run each kernel once on tiny inputs (compiles, or loads numba's cache)."""
-        self.kernels.warmup(self.model.weights())
-        st = self.model.new_state(3)
-        forward(st, [0, 0])
-        h = forward(st, [0])
-        self.model.lm_head(self.model.final_norm(h))
+    def _model_kind(self) -> list[str]:
+        """What selects this model's kernels: its dtypes, KV cache type and attention geometry."""
+        a = self.arch
+        return [a.arch, self.model.kv_cache, f"{a.head_dim}/{a.v_head_dim}", repr(getattr(a, "sliding", None)),
+                repr(a.mla is not None), *sorted({w.dtype for w in self._weights()})]
+
+    def _weights(self) -> list:
+        """The backbone's weights and the loaded draft layers'."""
+        return list(self.model.weights()) + (list(self.drafts.weights()) if self.drafts is not None else [])
+
+    def warmup(self, on_event: Callable[[WarmupEvent], None] | None = None) -> CompileReport:
+        """Run every kernel a run of this model uses once on tiny inputs, so each is
+        compiled (or loaded from the on-disk caches) before any timed work: each dtype's
+        dequantization, a decode step and a 2-row speculative verify, a prefill of more
+        rows than the small-batch kernels take (its tile products, blocked attention and
+        row-parallel activations are other kernels) and the output layer on both.
+
+        ``on_event`` hears a "cold" event before compiling when this machine has not
+        warmed this kind of model with these caches (or at the first compile when it
+        turns out to need one), then each step and compile. Returns (and keeps as
+        ``compile_report``) what was compiled."""
+        ks, model = self.kernels, self.model
+        say = on_event or (lambda ev: None)
+        kind = self._model_kind()
+        n = int(ks.row_exact_rows) + 1  # the first row count that takes the prefill kernels
+        by_dtype = {w.dtype: w for w in self._weights()}
+
+        def decode() -> None:
+            st = model.new_state(3)
+            forward(st, [0, 0])
+            model.lm_head(model.final_norm(forward(st, [0])))
+
+        def prefill() -> None:
+            st = model.new_state(n)
+            model.lm_head(model.final_norm(forward(st, [0] * n)))
+
+        steps: list[tuple[str, Callable[[], None]]] = [
+            *((f"{d} tiles", (lambda w=w: ks.warmup([w]))) for d, w in sorted(by_dtype.items())),
+            ("decode", decode),
+            ("prefill", prefill),
+        ]
+        announced = compiles(ks) and not is_warm(ks, kind)
+        cold = [announced]
+
+        def on_kernel(name: str) -> None:
+            if not cold[0]:
+                cold[0] = True
+                say(WarmupEvent("cold", total=len(steps), estimate=COLD_COMPILE_SECONDS))
+            say(WarmupEvent("kernel", name=name))
+
+        if announced:
+            say(WarmupEvent("cold", total=len(steps), estimate=COLD_COMPILE_SECONDS))
+        meter = CompileMeter(on_kernel)
+        t0 = time.perf_counter()
+        try:
+            with meter.measure():
+                for i, (name, run) in enumerate(steps):
+                    say(WarmupEvent("step", name=name, done=i, total=len(steps)))
+                    run()
+        finally:
+            say(WarmupEvent("done", done=len(steps), total=len(steps)))
+        seconds = time.perf_counter() - t0
+        if compiles(ks):
+            mark_warm(ks, kind)
+        self.compile_report = CompileReport(seconds if meter.kernels else 0.0, meter.kernels, announced)
+        return self.compile_report
 
     # ---------------------------------------------------------------- properties
     @property
