@@ -16,10 +16,12 @@ around 1.0 does not flip the choice every round). Every ``probe_every``-th round
 source could take runs the other choice: a source that is off drafts once (so a change
 of the text is seen), a source that is on yields to a plain step when plain decoding
 has not been timed in the last ``probe_every`` rounds (its figure stays current;
-rounds in which no source had drafts are plain steps already and count). A source
-whose first ``QUIET_PROBES`` probes all left it off is probed half as often after each
-further one (up to every ``MAX_PROBE_EVERY``-th round): a probe of a source at 0.4x
-costs 1.5 plain steps, which at one round in 8 would cost a long generation 16 %.
+rounds in which no source had drafts are plain steps already and count). A source that
+is off is probed less often the more its rounds lose: a probe of a source at rate r
+costs about 1/r - 1 plain steps, so it waits (1/r - 1) / ``PROBE_BUDGET`` rounds (at
+least ``probe_every``, at most ``MAX_PROBE_EVERY``), which keeps the probes' cost near
+``PROBE_BUDGET`` of the decode time whatever the source's rate (a source at 0.4x probed
+every 8th round would cost 16 %).
 
 The choice only decides which tokens get drafted and verified; the verify keeps the
 plain sampler's tokens, so the output is the plain greedy output token for token
@@ -35,6 +37,7 @@ steps: the decode's estimated speedup) and ``decision``: one line, e.g.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -47,7 +50,7 @@ PLAIN = "plain"
 WINDOW = 16
 PROBE_EVERY = 8
 MIN_ROUNDS = 2
-QUIET_PROBES = 4
+PROBE_BUDGET = 0.015
 MAX_PROBE_EVERY = 128
 OFF_BELOW = 1.0
 ON_ABOVE = 1.05
@@ -65,7 +68,6 @@ class SourceRate:
     switches: int = 0  # times the choice turned it off or on
     turns: int = 0  # rounds in which it had drafts to offer
     wait: int = 0  # while off: rounds it sat out since it was switched off or last probed
-    quiet: int = 0  # probes in a row that left it off
     recent: deque = field(init=False)
 
     def __post_init__(self) -> None:
@@ -127,19 +129,23 @@ class SpecDecision:
             if src.on and r < self.off_below:
                 src.on, src.switches, src.wait = False, src.switches + 1, 0
             elif not src.on and r >= self.on_above:
-                src.on, src.switches, src.quiet = True, src.switches + 1, 0
+                src.on, src.switches = True, src.switches + 1
         if not src.on:
             src.wait += 1
-            every = min(self.probe_every << max(src.quiet - QUIET_PROBES + 1, 0), MAX_PROBE_EVERY)
-            if src.wait < every:
+            if src.wait < self.probe_interval(r):
                 return False
-            src.wait, src.quiet = 0, src.quiet + 1
+            src.wait = 0
             return True
         plain = self.rates.get(PLAIN)
         # Plain decoding is timed early (a source cannot be judged without it) and then
         # whenever its figure is older than probe_every rounds.
         unknown = src.rounds > 0 and (plain is None or len(plain.recent) < self.min_rounds)
         return not (unknown or (src.rounds > 0 and self.since_plain >= self.probe_every))
+
+    def probe_interval(self, ratio: float | None) -> int:
+        """Rounds an off source waits between probes, at rate ``ratio`` over plain."""
+        loss = 1.0 / ratio - 1.0 if ratio else 0.0
+        return int(min(max(self.probe_every, math.ceil(loss / PROBE_BUDGET)), MAX_PROBE_EVERY))
 
     def record(self, name: str, tokens: int, seconds: float) -> None:
         """A round of ``name`` (or ``"plain"``) emitted ``tokens`` in ``seconds``."""

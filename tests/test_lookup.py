@@ -271,7 +271,7 @@ def test_the_mtp_gate_follows_the_measured_cost():
     first = run(GATE_PROBE * 4, mtp_cost=3.0, plain_cost=1.0)  # MTP: 1.5 s a token, plain 1.0
     assert first[0] == "mtp" and "plain" in first  # MTP until plain steps were measured
     late = first[GATE_PROBE * 2 :]
-    assert late.count("mtp") == len(late) // GATE_PROBE and late.count("plain") == len(late) - late.count("mtp")
+    assert late.count("mtp") <= len(late) // GATE_PROBE and late.count("plain") == len(late) - late.count("mtp")
     d.reset()
     fast = run(GATE_PROBE * 4, mtp_cost=1.0, plain_cost=1.0)  # MTP: 0.5 s a token
     assert fast[GATE_PROBE * 2 :].count("plain") == GATE_PROBE * 2 // GATE_PROBE
