@@ -9,18 +9,22 @@ sidecar's measured depth and threshold, ``mtp-train``/``mtp-probe --save``).
 (``cortiq_engine.lookup``; ``default`` = the engine's, 0 = MTP alone). SIDECAR ``none``:
 no draft layers, lookup alone (``--lookups 3 --depths default``).
 
-Every (depth, draft vocabulary, threshold) combination runs on every prompt; ``--vocabs``
-takes ``full``, ``sidecar`` (the sidecar's own) or a count of the sidecar's first ids.
+Every (depth, draft vocabulary, threshold, lookup, decide) combination runs on every
+prompt; ``--vocabs`` takes ``full``, ``sidecar`` (the sidecar's own) or a count of the
+sidecar's first ids. ``--decide on,off``: with the measured choice of sources
+(``cortiq_engine.spec_decision``, the default: a source drafts only while its rounds
+beat plain steps) and without it (every round drafts), so both the sources' own rate
+and what the choice makes of it are measured; each result carries the choice's line.
 
 Prompts are the first 400 characters of the text's paragraphs longer than 300
-characters. ``--chat`` wraps each in the model's chat template as a user message with
-an instruction (CHAT_ASKS, cycled) and lets the answer end at its end-of-turn token,
-as ``cortiq generate --chat`` does. Each combination runs ``--reps`` alternating pairs of
+characters (``--min-chars``). ``--chat`` wraps each in the model's chat template as a
+user message with an instruction (``--asks summary``: CHAT_ASKS, cycled; ``continue``:
+CONTINUE_ASKS, asking the model to go on with the text) and lets the answer end at its
+end-of-turn token, as ``cortiq generate --chat`` does. Each combination runs ``--reps`` alternating pairs of
 plain and speculative decodes of a prompt (the order flips every pair, so drift favours
 neither) and each side's median time counts: the same statistic over the same number
-of runs for both. (Until the eighth session plain kept the fastest of all its runs
-against one speculative run: on a machine whose step time wanders 7-11 ms that was a
-best-of-six against a single draw.) ``speedup_min`` compares the fastest of each. The
+of runs for both (the fastest of many plain runs against one speculative run would be a
+best-of-six against a single draw on a machine whose step time wanders 7-11 ms). ``speedup_min`` compares the fastest of each. The
 acceptance figures come from the engine's one counter (``cortiq_engine.acceptance``),
 summed over the prompts: what ``generate --json`` and ``mtp-probe`` report.
 """
@@ -44,6 +48,13 @@ CHAT_ASKS = (
 )
 
 
+# What a chat user asks to have continued (cycled over the prompts).
+CONTINUE_ASKS = (
+    "Continue this text from where it stops:\n\n{p}",
+    "Write what comes next after this passage:\n\n{p}",
+)
+
+
 def _vocab(v: str):
     return None if v == "sidecar" else v if v == "full" else int(v)
 
@@ -61,28 +72,33 @@ def main() -> None:
     ap.add_argument("--thresholds", default="0", help="comma list of adaptive-depth thresholds (0 = off)")
     ap.add_argument("--lookups", default="default", help="comma list of n-gram lookup drafts per round: default, 0 (off) or N")
     ap.add_argument("--reps", type=int, default=3, help="alternating plain/speculative pairs per prompt and combination")
-    ap.add_argument("--chat", action="store_true", help="chat prompts (CHAT_ASKS) through the chat template; answers stop at end of turn")
+    ap.add_argument("--chat", action="store_true", help="chat prompts (--asks) through the chat template; answers stop at end of turn")
+    ap.add_argument("--asks", choices=("summary", "continue"), default="summary", help="with --chat: CHAT_ASKS or CONTINUE_ASKS")
+    ap.add_argument("--decide", default="on", help="comma list of on (the measured choice of sources) and off (every round drafts)")
+    ap.add_argument("--min-chars", type=int, default=300, help="paragraphs (blank-line separated) at least this long become prompts")
     a = ap.parse_args()
     print(json.dumps({"loadavg_start": os.getloadavg()}), flush=True)
     eng = Engine.load(a.model, threads=a.threads, mtp=False if a.sidecar == "none" else a.sidecar)
-    paras = [p for p in open(a.text, encoding="utf-8").read().split("\n\n") if len(p) > 300][: a.prompts]
+    paras = [p for p in open(a.text, encoding="utf-8").read().split("\n\n") if len(p) > a.min_chars][: a.prompts]
+    asks = CHAT_ASKS if a.asks == "summary" else CONTINUE_ASKS
     # "default": what `cortiq generate` drafts unless told (the sidecar's measured
     # depth and threshold when it has them, else every layer at mtp.DEFAULT_THRESHOLD).
-    combos = [("default", "sidecar", None, lk) if d == "default" else (int(d), v, float(t), lk)
+    combos = [("default", "sidecar", None, lk, dc) if d == "default" else (int(d), v, float(t), lk, dc)
               for d in a.depths.split(",") for v in (["sidecar"] if d == "default" else a.vocabs.split(","))
               for t in ([None] if d == "default" else a.thresholds.split(","))
-              for lk in [None if x == "default" else int(x) for x in a.lookups.split(",")]]
+              for lk in [None if x == "default" else int(x) for x in a.lookups.split(",")]
+              for dc in [x == "on" for x in a.decide.split(",")]]
     rows = []
     ignore_eos = not a.chat
     for n, p in enumerate(paras):
         if a.chat:
-            msg = CHAT_ASKS[n % len(CHAT_ASKS)].format(p=p[:400])
+            msg = asks[n % len(asks)].format(p=p[:400])
             ids = eng.tokenizer.encode(eng.tokenizer.apply_chat_template([{"role": "user", "content": msg}]), add_bos=False)
         else:
             ids = eng.tokenizer.encode(p[:400])
-        for depth, vocab, th, lookup in combos:
-            cfg = (SpeculativeConfig(lookup=lookup) if depth == "default" else
-                   SpeculativeConfig(depth=depth, vocab=_vocab(vocab), threshold=th, lookup=lookup))
+        for depth, vocab, th, lookup, decide in combos:
+            cfg = (SpeculativeConfig(lookup=lookup, decide=decide) if depth == "default" else
+                   SpeculativeConfig(depth=depth, vocab=_vocab(vocab), threshold=th, lookup=lookup, decide=decide))
             plains, specs = [], []
             for r in range(a.reps):
                 for speculative in ((False, cfg) if r % 2 == 0 else (cfg, False)):
@@ -92,22 +108,25 @@ def main() -> None:
             specs.sort(key=lambda g: g.decode_seconds)
             plain, spec = plains[len(plains) // 2], specs[len(specs) // 2]
             same = all(g.token_ids == plain.token_ids and g.text == plain.text for g in plains + specs)
-            rows.append(dict(depth=depth, vocab=vocab, threshold=th, lookup=lookup, same=same,
+            rows.append(dict(depth=depth, vocab=vocab, threshold=th, lookup=lookup, decide=decide, same=same,
                              plain_s=plain.decode_seconds, spec_s=spec.decode_seconds,
                              plain_min_s=plains[0].decode_seconds, spec_min_s=specs[0].decode_seconds,
-                             plain_tok_s=plain.decode_tok_s, spec_tok_s=spec.decode_tok_s, mtp=spec.extra["mtp"]))
+                             plain_tok_s=plain.decode_tok_s, spec_tok_s=spec.decode_tok_s,
+                             speculative=spec.extra.get("speculative", {}).get("decision"), mtp=spec.extra["mtp"]))
             print(json.dumps(rows[-1]), flush=True)
             rows[-1]["counts"] = spec.acceptance
-    for depth, vocab, th, lookup in combos:
-        rs = [r for r in rows if (r["depth"], r["vocab"], r["threshold"], r["lookup"]) == (depth, vocab, th, lookup)]
+    for depth, vocab, th, lookup, decide in combos:
+        rs = [r for r in rows if (r["depth"], r["vocab"], r["threshold"], r["lookup"], r["decide"]) == (depth, vocab, th, lookup, decide)]
         total = Acceptance(rs[0]["counts"].depth)
         for r in rs:
             total.merge(r.pop("counts"))
-        print(json.dumps({"depth": depth, "vocab": vocab, "threshold": th, "lookup": lookup, "all_same": all(r["same"] for r in rs),
+        print(json.dumps({"depth": depth, "vocab": vocab, "threshold": th, "lookup": lookup, "decide": decide,
+                          "all_same": all(r["same"] for r in rs),
                           "speedup": sum(r["plain_s"] for r in rs) / sum(r["spec_s"] for r in rs),
                           "speedup_min": sum(r["plain_min_s"] for r in rs) / sum(r["spec_min_s"] for r in rs),
                           "plain_tok_s": sum(r["plain_tok_s"] for r in rs) / len(rs),
-                          "spec_tok_s": sum(r["spec_tok_s"] for r in rs) / len(rs), **total.to_json()}))
+                          "spec_tok_s": sum(r["spec_tok_s"] for r in rs) / len(rs),
+                          **{k: v for k, v in total.to_json().items() if k != "depth"}}))
     print(json.dumps({"loadavg_end": os.getloadavg()}), flush=True)
 
 
