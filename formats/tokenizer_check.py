@@ -218,7 +218,7 @@ def _template_processing(w: _Where, path: str, o: dict[str, Any]) -> None:
             if kind == "Sequence":
                 if body.get("id") not in ("A", "B"):
                     raise w.fail(f"{where}.id", "is not A or B")
-            elif body.get("id") not in specials:  # the library panics on a name it cannot find
+            elif not isinstance(body.get("id"), str) or body["id"] not in specials:  # the library panics on a name it cannot find
                 raise w.fail(f"{where}.id", f"names {str(body.get('id'))[:40]!r}, which special_tokens lacks")
 
 
@@ -274,7 +274,7 @@ def _component(w: _Where, path: str, o: Any, kind: str) -> None:
     if not isinstance(o, dict):
         raise w.fail(path, f"is {type(o).__name__}, expected a {kind} object")
     t = o.get("type")
-    if t not in table:
+    if not isinstance(t, str) or t not in table:  # a list or an object cannot be looked up
         raise w.fail(f"{path}.type", f"is {str(t)[:40]!r}; known {kind}s: {', '.join(table)}")
     allowed, check = table[t]
     _check_keys(w, path, o, allowed)

@@ -195,9 +195,12 @@ _TEMPLATE = {"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "[
         ("decoder", {"type": "Replace", "pattern": {"String": "x"}, "content": "y" * 10**5}, "decoder.content"),
         ("truncation", {"max_length": 2**62, "stride": 0, "strategy": "LongestFirst", "direction": "Right"},
          "truncation.max_length"),
+        ("pre_tokenizer.type", ["ByteLevel"], "pre_tokenizer.type"),
+        ("decoder", {"type": {"text": "ByteLevel"}}, "decoder.type"),
+        ("post_processor", dict(_TEMPLATE, single=[{"SpecialToken": {"id": ["[X]"], "type_id": 0}}]), "special_tokens lacks"),
     ],
     ids=["padding-abort", "template-panic", "precompiled", "model-type", "merges", "vocab-id", "split-regex",
-         "sequence", "strip", "replace", "truncation"],
+         "sequence", "strip", "replace", "truncation", "type-list", "type-object", "special-id-list"],
 )
 def test_hostile_tokenizer_json_is_refused_before_the_library(tiny, tmp_path, path, value, message):
     _, cmf = tiny
