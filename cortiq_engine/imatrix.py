@@ -4,17 +4,35 @@ weight column over real text (``cortiq imatrix``; the file format is ``formats.i
 ``RecordingKernels`` wraps a kernel set: each matmul adds the squared columns of
 its input to every weight it multiplies, then runs the inner kernel set unchanged,
 so the forward pass and its numbers are those of plain inference.
+
+Each window's sums are taken as one ``ImatrixPartial`` and the partials are added
+in window order (``ImatrixAccumulator``): the reduction order depends on the window
+plan alone, so windows scored elsewhere (``evals.cluster``) and added in the same
+order give the same file, bit for bit.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
 from cortiq_engine.engine import open_trunk
 from cortiq_engine.model import forward
+
+LM_HEAD_ROWS = 64  # the lm_head runs on this many rows at a time (its input energy is recorded)
+
+
+@dataclass
+class ImatrixPartial:
+    """One window's recording: per weight, the f64 sum of its squared input columns and
+    the rows they came from, and the token positions the window fed."""
+
+    sums: dict[str, np.ndarray]
+    rows: dict[str, int]
+    tokens: int
 
 
 class RecordingKernels:
@@ -41,8 +59,58 @@ class RecordingKernels:
                 self.rows[w.name] += X.shape[0]
         return self.inner.matmul(ws, X)
 
+    def take(self, tokens: int) -> ImatrixPartial:
+        """What was recorded since the last ``take`` (one window's), and start afresh."""
+        part = ImatrixPartial(self.sums, self.rows, tokens)
+        self.sums, self.rows = {}, {}
+        return part
+
     def means(self) -> dict[str, np.ndarray]:
         return {k: (v / max(self.rows[k], 1)).astype(np.float32) for k, v in self.sums.items()}
+
+
+@dataclass
+class ImatrixAccumulator:
+    """Window partials added in the order given (the plan's): f64 sums, then means."""
+
+    sums: dict[str, np.ndarray] = field(default_factory=dict)
+    rows: dict[str, int] = field(default_factory=dict)
+    tokens: int = 0
+
+    def add(self, part: ImatrixPartial) -> None:
+        for name, s in part.sums.items():
+            acc = self.sums.get(name)
+            if acc is None:
+                self.sums[name] = np.array(s, dtype=np.float64)
+                self.rows[name] = part.rows[name]
+            else:
+                acc += s
+                self.rows[name] += part.rows[name]
+        self.tokens += part.tokens
+
+    def means(self) -> dict[str, np.ndarray]:
+        return {k: (v / max(self.rows[k], 1)).astype(np.float32) for k, v in self.sums.items()}
+
+
+def open_recording(path: str | os.PathLike, threads: int | None = None, kernels: str | None = None):
+    """The model at ``path`` on a ``RecordingKernels`` (a ``Trunk``: close its ``cmf``)."""
+    return open_trunk(path, threads=threads, kernels=kernels, wrap_kernels=RecordingKernels, tokenizer=False)
+
+
+def run_window(model, ids: Sequence[int]) -> int:
+    """Feed one window through ``model`` (the lm_head included) on a fresh state; its
+    recorder adds what it saw. Returns the token positions fed."""
+    arr = np.asarray(ids, dtype=np.int64)
+    state = model.new_state(int(arr.size))
+    h = model.final_norm(forward(state, arr))
+    for j in range(0, h.shape[0], LM_HEAD_ROWS):
+        model.lm_head(h[j : j + LM_HEAD_ROWS])
+    return int(arr.size)
+
+
+def window_partial(model, ids: Sequence[int]) -> ImatrixPartial:
+    """One window's ``ImatrixPartial`` (``model`` runs on a ``RecordingKernels``)."""
+    return model.kernels.take(run_window(model, ids))
 
 
 def collect_imatrix(
@@ -54,19 +122,14 @@ def collect_imatrix(
 ) -> tuple[dict[str, np.ndarray], int]:
     """Run each token window through the model at ``path`` (the lm_head included) and
     return (CMF weight name -> mean squared input f32[cols], token positions seen)."""
-    trunk = open_trunk(path, threads=threads, kernels=kernels, wrap_kernels=RecordingKernels, tokenizer=False)
-    model, rec = trunk.model, trunk.model.kernels
+    trunk = open_recording(path, threads=threads, kernels=kernels)
+    acc = ImatrixAccumulator()
     try:
-        tokens = 0
         for ids in windows:
-            arr = np.asarray(ids, dtype=np.int64)
-            state = model.new_state(int(arr.size))
-            h = model.final_norm(forward(state, arr))
-            for j in range(0, h.shape[0], 64):
-                model.lm_head(h[j : j + 64])
-            tokens += int(arr.size)
+            part = window_partial(trunk.model, ids)
+            acc.add(part)
             if progress:
-                progress(int(arr.size))
+                progress(part.tokens)
     finally:
         trunk.cmf.close()
-    return rec.means(), tokens
+    return acc.means(), acc.tokens

@@ -239,19 +239,28 @@ def run_key(kind: str, fingerprints: Sequence[ModelFingerprint], tokens: np.ndar
 
 
 class WindowScorer:
-    """One worker: the models mapped once, windows scored on request (a Ray actor's body)."""
+    """One worker: the models mapped once, windows scored on request (a Ray actor's body).
+    ``load``: "engines" (an ``Engine`` per model: ppl, calibrate) or "imatrix" (the one model
+    on ``cortiq_engine.imatrix``'s recording kernels)."""
 
-    def __init__(self, paths: list[str], fingerprints: list[ModelFingerprint], threads: int, ctx: int, kv_cache: str, chunk: int):
+    def __init__(self, paths: list[str], fingerprints: list[ModelFingerprint], threads: int, ctx: int, kv_cache: str, chunk: int,
+                 load: str = "engines"):
         self.host = socket.gethostname()
         self.error: str | None = None
         self.chunk = chunk
         self.engines: list[Any] = []
+        self.trunk: Any = None
         try:
             for p, fp in zip(paths, fingerprints):
                 fp.check(Path(p), self.host)
-            from cortiq_engine import Engine
+            if load == "imatrix":
+                from cortiq_engine.imatrix import open_recording
 
-            self.engines = [Engine.load(Path(p), threads=threads, ctx=ctx, kv_cache=kv_cache) for p in paths]
+                self.trunk = open_recording(Path(paths[0]), threads=threads)
+            else:
+                from cortiq_engine import Engine
+
+                self.engines = [Engine.load(Path(p), threads=threads, ctx=ctx, kv_cache=kv_cache) for p in paths]
         except CortiqError as e:
             self.error = str(e)
         except Exception as e:  # noqa: BLE001 - reported to the driver as one line
@@ -289,6 +298,19 @@ class WindowScorer:
         parts = [row_features(b.logits[0], b.targets, grid) for b in self._blocks(window, ids)]
         f = RowFeatures.concat(parts, grid)
         return f, len(f), time.perf_counter() - t0
+
+    def imatrix(self, index: int, window: Window, ids: np.ndarray, ref: None) -> tuple[Any, int, float]:
+        """``imatrix``: the window's ``ImatrixPartial`` (its f64 sums, not yet added to anything)."""
+        from cortiq_engine.imatrix import window_partial
+
+        if self.error:
+            raise CortiqError(self.error)
+        t0 = time.perf_counter()
+        fed = np.array(ids, dtype=np.int64)
+        if window.bos is not None:  # what ``Window.fed`` feeds: the first token replaced by BOS
+            fed[0] = window.bos
+        part = window_partial(self.trunk.model, fed)
+        return part, part.tokens, time.perf_counter() - t0
 
 
 # ---------------------------------------------------------------------------- the driver
@@ -339,14 +361,15 @@ class Cluster:
     """A started or joined Ray cluster with ``workers`` WindowScorer actors; a context manager
     that shuts down what it started."""
 
-    def __init__(self, where: ClusterAddress, threads: int, paths: list[Path], ctx: int, kv_cache: str, chunk: int):
+    def __init__(self, where: ClusterAddress, threads: int, paths: list[Path], ctx: int, kv_cache: str, chunk: int,
+                 load: str = "engines"):
         if not ray_available():
             raise CortiqError(f"--cluster needs Ray: {INSTALL_HINT}")
         self.where = where
         self.threads = threads
         self.paths = [Path(p).resolve() for p in paths]
         self.fingerprints = [ModelFingerprint.of(p) for p in self.paths]
-        self.ctx, self.kv_cache, self.chunk = ctx, kv_cache, chunk
+        self.ctx, self.kv_cache, self.chunk, self.load = ctx, kv_cache, chunk, load
         self.actors: list[Any] = []
         self.hosts: list[str] = []
         self.startup_s = 0.0
@@ -381,7 +404,7 @@ class Cluster:
             n = int(self.where.local_workers) if self.where.is_local else max(1, cpus // self.threads)
             actor = ray.remote(WindowScorer).options(
                 num_cpus=self.threads, max_restarts=MAX_RESTARTS, max_task_retries=0, scheduling_strategy="SPREAD")
-            args = ([str(p) for p in self.paths], self.fingerprints, self.threads, self.ctx, self.kv_cache, self.chunk)
+            args = ([str(p) for p in self.paths], self.fingerprints, self.threads, self.ctx, self.kv_cache, self.chunk, self.load)
             self.actors = [actor.remote(*args) for _ in range(n)]
             infos = ray.get([a.info.remote() for a in self.actors])
         except BaseException:
@@ -473,7 +496,7 @@ def _run(kind: str, where: ClusterAddress, threads: int, paths: list[Path], ctx:
          tokens: np.ndarray, windows: list[Window], key_extra: dict[str, Any], *, method: str, args: tuple[Any, ...],
          refs: Sequence[RefRows | None] | None, encode: Callable[[Any], dict[str, np.ndarray]],
          decode: Callable[[int, dict[str, np.ndarray]], Any], resume: bool,
-         progress: ClusterProgress | None) -> tuple[list[Any], ClusterReport]:
+         progress: ClusterProgress | None, load: str = "engines") -> tuple[list[Any], ClusterReport]:
     """Score ``windows`` on the cluster with the workers' ``method``, journaled under ``kind``:
     (each window's result for the first windows done in plan order, the report). On Ctrl-C
     the list stops at the first window not done; with none done the interrupt goes on up."""
@@ -507,7 +530,7 @@ def _run(kind: str, where: ClusterAddress, threads: int, paths: list[Path], ctx:
         if progress:
             progress(len(parts), len(windows), done_tokens, total_tokens, float("nan"))
         if len(parts) < len(windows):
-            with Cluster(where, threads, paths, ctx, kv_cache, chunk) as cl:
+            with Cluster(where, threads, paths, ctx, kv_cache, chunk, load) as cl:
                 report.workers = len(cl.actors)
                 report.hosts = cl.hosts
                 report.startup_s = cl.startup_s
@@ -568,5 +591,39 @@ def collect_features(
     return RowFeatures.concat(parts, grid), len(parts), report
 
 
+def _imatrix_arrays(p: Any) -> dict[str, np.ndarray]:
+    names = list(p.sums)
+    out = {"names": np.array(names, dtype=str), "rows": np.array([p.rows[n] for n in names], np.int64),
+           "tokens": np.int64(p.tokens)}
+    out.update({f"s{i}": p.sums[n] for i, n in enumerate(names)})
+    return out
+
+
+def _imatrix_of(window: int, d: dict[str, np.ndarray]) -> Any:
+    from cortiq_engine.imatrix import ImatrixPartial
+
+    names = [str(n) for n in d["names"]]
+    return ImatrixPartial({n: d[f"s{i}"] for i, n in enumerate(names)}, {n: int(r) for n, r in zip(names, d["rows"])},
+                          int(d["tokens"]))
+
+
+def collect_imatrix(
+    where: ClusterAddress, threads: int, path: Path, tokens: np.ndarray, windows: list[Window], *,
+    resume: bool = False, progress: ClusterProgress | None = None,
+) -> tuple[Any, int, ClusterReport]:
+    """``cortiq imatrix``'s pass on a cluster: (an ``ImatrixAccumulator`` holding the first
+    ``done`` windows' partials added in plan order, as one process adds them; ``done``; the
+    cluster's report). Each window's partial (an f64 sum per weight column) is journaled."""
+    from cortiq_engine.imatrix import ImatrixAccumulator
+
+    tokens = np.asarray(tokens, dtype=np.int64)
+    parts, report = _run("imatrix", where, threads, [path], 0, "f32", 0, tokens, windows, {}, method="imatrix", args=(),
+                         refs=None, encode=_imatrix_arrays, decode=_imatrix_of, resume=resume, progress=progress, load="imatrix")
+    acc = ImatrixAccumulator()
+    for p in parts:
+        acc.add(p)
+    return acc, len(parts), report
+
+
 __all__ = ["ClusterAddress", "ModelFingerprint", "WindowJournal", "WindowScorer", "Cluster", "ClusterReport",
-           "score_ppl", "collect_features", "journal_dir", "ray_available", "INSTALL_HINT", "run_key"]
+           "score_ppl", "collect_features", "collect_imatrix", "journal_dir", "ray_available", "INSTALL_HINT", "run_key"]
