@@ -23,7 +23,8 @@ from rich.markup import escape
 
 from cortiq_cli import mtp_options as mtp_opt
 from cortiq_cli import options as opts
-from cortiq_cli.common import KvCache, err_console, handle_errors, human_bytes, load_engine, peak_rss_bytes, print_json
+from cortiq_cli.common import (KvCache, compile_note, err_console, handle_errors, human_bytes, load_engine, peak_rss_bytes,
+                               print_json)
 from cortiq_cli.cmd_generate import MAX_LOGPROBS, print_logprobs
 from formats.errors import CortiqError
 
@@ -184,6 +185,10 @@ def chat(
     if load is not None:
         conv.load(load)
     eng = load_engine(model, threads=threads, ctx=ctx, quiet=json_out, mtp=mtp_opt.load_arg(mtp, no_mtp), kv_cache=kv_cache)
+    # kernel compilation at load, kept apart from every turn's speeds
+    compiled = eng.compile_report.to_json() if eng.compile_report is not None else {"compile_seconds": 0.0}
+    if compile_note(eng.compile_report) and not json_out:
+        err_console.print(f"[dim]{compile_note(eng.compile_report)}[/]", highlight=False)
     tok = eng.tokenizer
     if chat_template == TEMPLATE_RAW:
         err_console.print(f"[yellow]warning:[/] --chat-template raw: plain 'User: ... Assistant:' turns, not a format "
@@ -284,6 +289,7 @@ def chat(
                     "turn": turn_no,
                     "user": line,
                     **turn.to_json(),
+                    **compiled,
                     "peak_rss_bytes": peak_rss_bytes(),
                     **({"mtp_note": mtp_note} if mtp_note else {}),
                 }

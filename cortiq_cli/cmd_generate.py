@@ -6,7 +6,10 @@ streams to stdout as it is produced; the closing statistics line goes to stderr,
 ``cortiq generate ... > out.txt`` keeps only the text. Ctrl-C ends the line, prints the
 statistics so far and exits 130; a reader that closes the pipe (``| head``) ends it quietly. ``--json`` prints one JSON
 object instead (text, per-token id/text/confidence, with ``--logprobs N`` the top-N
-log-probabilities per step, timings, peak RSS, finish reason).
+log-probabilities per step, timings, peak RSS, finish reason, and ``compile_seconds``: the
+kernel compilation at load, which the prefill and decode figures never include).
+On a machine that has not run this kind of model yet, load compiles the kernels for the
+CPU first (one line on stderr says so; later runs load them from the on-disk caches).
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ import typer
 
 from cortiq_cli import mtp_options as mtp_opt
 from cortiq_cli import options as opts
-from cortiq_cli.common import EXIT_INTERRUPTED, KvCache, err_console, handle_errors, human_bytes, load_engine, peak_rss_bytes, print_json, read_prompt
+from cortiq_cli.common import (EXIT_INTERRUPTED, KvCache, compile_note, err_console, handle_errors, human_bytes, load_engine,
+                               peak_rss_bytes, print_json, read_prompt)
 from cortiq_cli.moe_stats import moe_stats_json, print_moe_stats
 from formats.errors import CortiqError
 
@@ -150,6 +154,8 @@ def generate(
                     "seed": seed,
                 },
                 **res.to_json(),
+                # kernel compilation at load: never part of the prefill/decode figures
+                **_compile_json(eng),
                 "peak_rss_bytes": peak_rss_bytes(),
                 **({"moe_stats": moe_stats_json(res.expert_usage, eng.arch)} if moe_stats else {}),
             }
@@ -159,6 +165,8 @@ def generate(
     sys.stdout.flush()
     _print_stats(res.prompt_tokens, res.prefill_tok_s, len(res.token_ids), res.decode_tok_s, res.tokens,
                  eng.calibration_temperature, res.finish_reason)
+    if compile_note(eng.compile_report):
+        err_console.print(f"[dim]{compile_note(eng.compile_report)}[/]", highlight=False)
     if logprobs:
         print_logprobs(err_console, res.tokens)
     if moe_stats:
@@ -171,6 +179,11 @@ def generate(
         err_console.print(f"[dim]{res.extra['mtp_note']}[/]", highlight=False)
     if "speculative" in res.extra:
         err_console.print(f"[dim]speculative: {res.extra['speculative']['decision']}[/]", highlight=False)
+
+
+def _compile_json(eng: Any) -> dict:
+    report = eng.compile_report
+    return report.to_json() if report is not None else {"compile_seconds": 0.0, "compiled_kernels": 0}
 
 
 class _Clock:

@@ -279,16 +279,67 @@ KvCache = Annotated[str, typer.Option(
     rich_help_panel="Context")]
 
 
+class CompileProgress:
+    """Renders ``Engine.load``'s warm-up (``WarmupEvent``): when the kernels are about to be
+    compiled for this CPU, one line on stderr, and on a terminal a transient progress bar
+    over the warm-up's steps naming each kernel as it compiles (redirected, the line alone).
+    ``status``: a spinner to stop while the bar shows (one live display at a time)."""
+
+    def __init__(self, console: Console, status: Any = None, bar: bool = True) -> None:
+        self.console = console
+        self.status = status
+        self.bar = bar and console.is_terminal
+        self.progress: Any = None
+        self.task: Any = None
+        self.step = ""
+
+    def __call__(self, ev: Any) -> None:
+        if ev.kind == "cold" and self.progress is None:
+            if self.status is not None:
+                self.status.stop()
+                self.status = None
+            self.console.print(f"compiling kernels for this CPU (once, ~{ev.estimate:.0f} s)", highlight=False)
+            if self.bar:
+                from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+                self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                         TimeElapsedColumn(), console=self.console, transient=True)
+                self.progress.start()
+                self.task = self.progress.add_task(self.step or "compiling", total=ev.total)
+            else:
+                self.progress = False  # announced; nothing more to draw
+        elif ev.kind == "step":
+            self.step = ev.name
+            if self.progress:
+                self.progress.update(self.task, completed=ev.done, description=ev.name)
+        elif ev.kind == "kernel" and self.progress:
+            self.progress.update(self.task, description=f"{self.step}: {escape(ev.name)}")
+        elif ev.kind == "done" and self.progress:
+            self.progress.update(self.task, completed=ev.total)
+            self.progress.stop()
+
+
 def load_engine(model: Any, *, threads: int | None, ctx: int | None, quiet: bool = False, mtp: Any = False,
-                kv_cache: str = "f32") -> Any:
+                kv_cache: str = "f32", **load: Any) -> Any:
     """``Engine.load`` with a spinner on a terminal (redirected, none: rich's live
-    display would leave a blank line in the output)."""
+    display would leave a blank line in the output), and ``CompileProgress`` when it
+    compiles kernels (the one line even when ``quiet``)."""
     from cortiq_engine import Engine
 
     if quiet or not err_console.is_terminal:
-        return Engine.load(model, threads=threads, ctx=ctx, mtp=mtp, kv_cache=kv_cache)
-    with err_console.status(f"loading {getattr(model, 'name', model)}", spinner="dots"):
-        return Engine.load(model, threads=threads, ctx=ctx, mtp=mtp, kv_cache=kv_cache)
+        return Engine.load(model, threads=threads, ctx=ctx, mtp=mtp, kv_cache=kv_cache,
+                           on_warmup=CompileProgress(err_console, bar=not quiet), **load)
+    with err_console.status(f"loading {getattr(model, 'name', model)}", spinner="dots") as status:
+        return Engine.load(model, threads=threads, ctx=ctx, mtp=mtp, kv_cache=kv_cache,
+                           on_warmup=CompileProgress(err_console, status), **load)
+
+
+def compile_note(report: Any) -> str:
+    """The line saying what load compiled, kept apart from the speeds ("" when nothing)."""
+    if report is None or not report.seconds:
+        return ""
+    return (f"kernels compiled for this CPU in {report.seconds:.1f} s at load (once; the on-disk caches serve "
+            f"later runs), not counted in the speeds")
 
 
 def peak_rss_bytes() -> int:
