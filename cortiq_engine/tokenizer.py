@@ -172,14 +172,16 @@ def _bounded_filters(env: Any, budget: _Budget) -> None:
         "indent": lambda a: budget.width(a.get("width") if isinstance(a.get("width"), int) else 0, "indent width"),
         "batch": lambda a: budget.width(a.get("linecount"), "batch size"),
         "slice": lambda a: budget.width(a.get("slices"), "slice count"),
-        "format": lambda a: budget.printf(str(a.get("value")), (a.get("args"), a.get("kwargs"))),
+        "format": lambda a: (budget.measure(a.get("value"), "format input"),
+                             budget.printf(str(a.get("value")), (a.get("args"), a.get("kwargs")))),
         "join": lambda a: budget.measure(a.get("value"), "join input"),
         "string": lambda a: budget.measure(a.get("value"), "string input"),
         "pprint": lambda a: budget.measure(a.get("value"), "pprint input"),
         "tojson": lambda a: (budget.measure(a.get("x"), "tojson input"),
                              budget.width(a.get("indent") if isinstance(a.get("indent"), int) else 0, "tojson indent")),
-        "replace": lambda a: _bounded_str_method(budget, str(a.get("s")).replace,
-                                                 (a.get("old"), a.get("new"), a.get("count") or -1), {}),
+        "replace": lambda a: (budget.measure(a.get("s"), "replace input"),
+                              _bounded_str_method(budget, str(a.get("s")).replace,
+                                                  (a.get("old"), a.get("new"), a.get("count") or -1), {})),
         "sum": lambda a: _numeric_start(a.get("start", 0)),
     }
     for name in _TEXT_FILTERS:
@@ -202,6 +204,7 @@ def _bounded_filters(env: Any, budget: _Budget) -> None:
                     a = dict(bound.arguments)
                     if text_cap:
                         v = a.get("s", a.get("value", ""))
+                        budget.measure(v, f"{name} input")
                         if len(str(v)) > TEMPLATE_MAX_TEXT_FILTER:
                             raise CortiqError(f"{name} input over {TEMPLATE_MAX_TEXT_FILTER} characters")
                     else:
