@@ -104,6 +104,19 @@ def collect_imatrix(where: ClusterAddress, threads: int, resume: bool, show: boo
         return run(where, threads, *args, resume=resume, progress=progress if show else None, **kwargs)
 
 
+def probe_mtp(where: ClusterAddress, threads: int, resume: bool, show: bool, *args: Any, **kwargs: Any) -> tuple[Any, Any, int, ClusterReport]:
+    """``evals.cluster.probe_mtp`` under the progress bar (``show``)."""
+    from evals.cluster import probe_mtp as run
+
+    with progress_bar() as bar:
+        task = bar.add_task("cluster", total=None, rate="-")
+
+        def progress(done: int, windows: int, _tokens: int, _total: int, rate: float) -> None:
+            bar.update(task, completed=done, total=windows, rate=f"{rate:,.0f}" if rate == rate else "-")
+
+        return run(where, threads, *args, resume=resume, progress=progress if show else None, **kwargs)
+
+
 def render_report(report: ClusterReport) -> None:
     """One line under the tables: where the windows ran and how fast."""
     rate = f"{report.tokens_per_s:,.0f} tokens/s" if report.tokens_per_s == report.tokens_per_s else "nothing left to score"
@@ -112,4 +125,4 @@ def render_report(report: ClusterReport) -> None:
                   f" ({report.retried} again after a lost worker, {report.resumed} from the journal), {rate}", highlight=False)
 
 
-__all__ = ["Cluster", "ClusterThreads", "Resume", "check", "progress_bar", "note_interrupted", "score_ppl", "collect_features", "collect_imatrix", "render_report", "CLUSTER_PANEL"]
+__all__ = ["Cluster", "ClusterThreads", "Resume", "check", "progress_bar", "note_interrupted", "score_ppl", "collect_features", "collect_imatrix", "probe_mtp", "render_report", "CLUSTER_PANEL"]

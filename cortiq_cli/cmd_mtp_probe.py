@@ -9,6 +9,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from cortiq_cli import cluster_options as copt
 from cortiq_cli import text_options as opt
 from cortiq_cli.common import console, err_console, handle_errors, print_json, print_table
 from cortiq_cli.mtp_options import MTP_PANEL, MtpDepth, MtpPath, MtpThreshold, MtpVocab
@@ -43,6 +44,9 @@ def mtp_probe(
     save: Annotated[bool, typer.Option("--save", help="With --choose-threshold: record the fastest depth and threshold of the independent/pre drafts (what generate runs) in the sidecar, as the defaults generate then uses.", rich_help_panel=MTP_PANEL)] = False,
     threads: opt.Threads = None,
     json_out: opt.Json = False,
+    cluster: copt.Cluster = None,
+    cluster_threads: copt.ClusterThreads = None,
+    resume: copt.Resume = False,
 ) -> None:
     """What each draft depth would propose at every position of a text, given the true
     previous tokens, against the true next tokens (per depth alone and chained)."""
@@ -53,6 +57,7 @@ def mtp_probe(
                                  with_lookup_setting)
     from evals.text_source import load_text
 
+    where = copt.check(cluster, resume)
     loaded = load_text(opt.text_spec(text, dataset, config, split, column, data_files))
     eng = Engine.load(model, threads=threads, mtp=mtp if mtp is not None else True)
     stack = eng.drafts
@@ -83,7 +88,19 @@ def mtp_probe(
     head = eng.draft_head(vocab)  # a string: read as --mtp-vocab is (draft_vocab.parse_vocab)
     traces = [] if choose_threshold else None
     kw = dict(head=head, threshold=threshold or 0.0, traces=traces)
-    if json_out:
+    creport = None
+    if where is not None:
+        # The workers load the same draft layers: inline, or this sidecar (checked to be the driver's file).
+        sidecar = None if stack.source == "inline" else Path(stack.source)
+        results, got, complete, creport = copt.probe_mtp(where, cluster_threads or eng.threads, resume, not json_out, model, sidecar,
+                                                      ids, k, variants, vocab=vocab, threshold=threshold or 0.0,
+                                                      trace=traces is not None)
+        if not complete:
+            copt.note_interrupted()  # no figures of part of the rounds
+            raise KeyboardInterrupt
+        if traces is not None:
+            traces.extend(got)
+    elif json_out:
         results = probe(eng.model, stack, ids, k, variants, **kw)
     else:
         with Progress(
@@ -104,6 +121,7 @@ def mtp_probe(
         "draft_vocab": head.label,
         "threshold": threshold or 0.0,
         "variants": [{"chain": v.chain, "hidden": v.hidden, **counts.to_json()} for v, counts in results],
+        **({"cluster": creport.to_json()} if creport is not None else {}),
     }
     if traces is not None:
         verify_ms = verify_costs(eng.model, max(k, DEFAULT_LOOKUP) + 1)
@@ -145,6 +163,8 @@ def mtp_probe(
     table.add_row("drafts/round", *(f"{c.to_json()['mean_depth']:.2f}" for c in counted))
     table.add_row("positions", *(str(c.drafting_rounds) for c in counted), style="dim")
     print_table(console, table)
+    if creport is not None:
+        copt.render_report(creport)
     if traces is not None:
         t = Table(title=f"adaptive depth: modelled ms per token by --mtp-threshold (verify of 1..{k + 1} rows: "
                         + ", ".join(f"{m:.1f}" for m in doc["verify_ms_by_rows"]) + " ms; plain = 1 row)")

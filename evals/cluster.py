@@ -240,8 +240,9 @@ def run_key(kind: str, fingerprints: Sequence[ModelFingerprint], tokens: np.ndar
 
 class WindowScorer:
     """One worker: the models mapped once, windows scored on request (a Ray actor's body).
-    ``load``: "engines" (an ``Engine`` per model: ppl, calibrate) or "imatrix" (the one model
-    on ``cortiq_engine.imatrix``'s recording kernels)."""
+    ``load``: "engines" (an ``Engine`` per model: ppl, calibrate), "imatrix" (the one model
+    on ``cortiq_engine.imatrix``'s recording kernels) or "mtp" (the model with its draft
+    layers: inline, or the sidecar that is the second path)."""
 
     def __init__(self, paths: list[str], fingerprints: list[ModelFingerprint], threads: int, ctx: int, kv_cache: str, chunk: int,
                  load: str = "engines"):
@@ -250,6 +251,7 @@ class WindowScorer:
         self.chunk = chunk
         self.engines: list[Any] = []
         self.trunk: Any = None
+        self._hidden: tuple[bytes, np.ndarray] | None = None  # mtp: the backbone rows of the last text probed
         try:
             for p, fp in zip(paths, fingerprints):
                 fp.check(Path(p), self.host)
@@ -257,6 +259,10 @@ class WindowScorer:
                 from cortiq_engine.imatrix import open_recording
 
                 self.trunk = open_recording(Path(paths[0]), threads=threads)
+            elif load == "mtp":
+                from cortiq_engine import Engine
+
+                self.engines = [Engine.load(Path(paths[0]), threads=threads, mtp=Path(paths[1]) if len(paths) > 1 else True)]
             else:
                 from cortiq_engine import Engine
 
@@ -311,6 +317,23 @@ class WindowScorer:
             fed[0] = window.bos
         part = window_partial(self.trunk.model, fed)
         return part, part.tokens, time.perf_counter() - t0
+
+    def mtp_probe(self, index: int, window: Window, ids: np.ndarray, ref: None, spec: dict[str, Any]) -> tuple[Any, int, float]:
+        """``mtp-probe``: rounds ``row_from``..``row_to``-1 over the whole text ``ids`` (a
+        ``ProbeWindow``); the backbone's rows of the text are computed once per worker."""
+        from evals.mtp_probe import Variant, backbone_hiddens, probe_window
+
+        if self.error:
+            raise CortiqError(self.error)
+        t0 = time.perf_counter()
+        eng = self.engines[0]
+        key = hashlib.sha256(np.ascontiguousarray(ids, np.int64).tobytes()).digest()
+        if self._hidden is None or self._hidden[0] != key:
+            self._hidden = (key, backbone_hiddens(eng.model, np.asarray(ids, np.int64)))
+        part = probe_window(eng.model, eng.drafts, ids, self._hidden[1], spec["depth"],
+                            [Variant(c, h) for c, h in spec["variants"]], window.row_from, window.row_to,
+                            head=eng.draft_head(spec["vocab"]), threshold=spec["threshold"], trace=spec["trace"])
+        return part, window.n_scored, time.perf_counter() - t0
 
 
 # ---------------------------------------------------------------------------- the driver
@@ -625,5 +648,68 @@ def collect_imatrix(
     return acc, len(parts), report
 
 
+_COUNTS = ("drafted", "accepted", "checked", "right", "accept_hist", "depth_hist")
+
+
+def _probe_arrays(p: Any) -> dict[str, np.ndarray]:
+    out: dict[str, np.ndarray] = {}
+    for i, c in enumerate(p.counts):
+        out.update({f"{name}{i}": np.array(getattr(c, name), np.int64) for name in _COUNTS})
+        out[f"plain{i}"], out[f"seconds{i}"] = np.int64(c.plain_steps), np.float64(c.draft_seconds)
+    for i, t in enumerate(p.traces or []):
+        out[f"tprobs{i}"], out[f"tright{i}"] = t.probs, t.right
+    return out
+
+
+def _probe_of(window: int, d: dict[str, np.ndarray]) -> Any:
+    from cortiq_engine.acceptance import Acceptance
+    from evals.mtp_probe import ProbeTrace, ProbeWindow
+
+    counts = []
+    for i in range(sum(1 for k in d if k.startswith("plain"))):
+        lists = {name: [int(x) for x in d[f"{name}{i}"]] for name in _COUNTS}
+        counts.append(Acceptance(len(lists["drafted"]), **lists, plain_steps=int(d[f"plain{i}"]),
+                                 draft_seconds=float(d[f"seconds{i}"])))
+    traces = [ProbeTrace(d[f"tprobs{i}"], d[f"tright{i}"]) for i in range(len(counts))] if "tprobs0" in d else None
+    return ProbeWindow(counts, traces)
+
+
+def probe_mtp(
+    where: ClusterAddress, threads: int, model: Path, sidecar: Path | None, ids: Sequence[int], depth: int, variants: Sequence[Any],
+    *, vocab: str | None = None, threshold: float = 0.0, trace: bool = False, resume: bool = False,
+    progress: ClusterProgress | None = None,
+) -> tuple[list[tuple[Any, Any]], list[Any] | None, bool, ClusterReport]:
+    """``cortiq mtp-probe`` on a cluster, in windows of rounds (``evals.mtp_probe.round_windows``):
+    (per variant its ``Acceptance``, the windows' counts added in plan order; per variant its
+    ``ProbeTrace`` when ``trace``; whether every window is done; the cluster's report). Every count
+    and trace equals ``evals.mtp_probe.probe``'s; the draft seconds are the workers'."""
+    from cortiq_engine.acceptance import Acceptance
+    from evals.mtp_probe import ProbeTrace, round_windows
+
+    tokens = np.asarray(ids, dtype=np.int64)
+    if depth < 1:
+        raise CortiqError(f"MTP depth must be >= 1, got {depth}")
+    if len(tokens) < depth + 2:
+        raise CortiqError(f"the text has {len(tokens)} tokens; probing depth {depth} needs at least {depth + 2}")
+    # Every window feeds the whole text (the backbone rows must be those of one pass); its rows are its rounds.
+    windows = [Window(0, len(tokens), a, b) for a, b in round_windows(len(tokens), depth)]
+    spec = {"depth": depth, "variants": [(v.chain, v.hidden) for v in variants], "vocab": vocab, "threshold": threshold, "trace": trace}
+    paths = [model] + ([sidecar] if sidecar is not None else [])
+    parts, report = _run("mtp-probe", where, threads, paths, 0, "f32", 0, tokens, windows, {"spec": spec}, method="mtp_probe",
+                         args=(spec,), refs=None, encode=_probe_arrays, decode=_probe_of, resume=resume, progress=progress,
+                         load="mtp")
+    results = []
+    for i, v in enumerate(variants):
+        c = Acceptance(depth)
+        for p in parts:
+            c.merge(p.counts[i])
+        results.append((v, c))
+    traces = None
+    if trace:
+        traces = [ProbeTrace(np.concatenate([p.traces[i].probs for p in parts]).reshape(-1, depth),
+                             np.concatenate([p.traces[i].right for p in parts]).reshape(-1, depth)) for i in range(len(variants))]
+    return results, traces, len(parts) == len(windows), report
+
+
 __all__ = ["ClusterAddress", "ModelFingerprint", "WindowJournal", "WindowScorer", "Cluster", "ClusterReport",
-           "score_ppl", "collect_features", "collect_imatrix", "journal_dir", "ray_available", "INSTALL_HINT", "run_key"]
+           "score_ppl", "collect_features", "collect_imatrix", "probe_mtp", "journal_dir", "ray_available", "INSTALL_HINT", "run_key"]

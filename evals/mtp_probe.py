@@ -190,24 +190,93 @@ def probe(
         drafter = make_drafter(model, stack, T, depth=depth, chain=v.chain, hidden=v.hidden, head=head,
                                threshold=threshold, record_probs=traces is not None)
         drafter.note(0, hidden)
-        counts = Acceptance(depth)
-        probs, right = [], []
-        # Round starts t whose every depth has a true token: t + depth + 1 <= T - 1.
-        for t in rounds:
-            t0 = time.perf_counter()
-            drafts = drafter.draft(t, id_list, depth)
-            truth = id_list[t + 2 : t + 2 + depth]
-            counts.record_forced(drafts, truth, time.perf_counter() - t0)
-            if traces is not None:
-                # Without a threshold every depth is drafted; with one, the trace is partial.
-                probs.append(drafter.probs + [0.0] * (depth - len(drafter.probs)))
-                right.append([int(d) == int(y) for d, y in zip(drafts, truth)] + [False] * (depth - len(drafts)))
-            if progress is not None:
-                progress(1)
+        counts, trace = _rounds(drafter, id_list, rounds, depth, traces is not None, progress)
         if traces is not None:
-            traces.append(ProbeTrace(np.array(probs, np.float64).reshape(-1, depth), np.array(right, bool).reshape(-1, depth)))
+            traces.append(trace)
         results.append((v, counts))
     return results
+
+
+def _rounds(drafter, id_list: list[int], rounds: Sequence[int], depth: int, trace: bool,
+            progress: Callable[[int], None] | None) -> tuple[Acceptance, ProbeTrace | None]:
+    """Draft each round start of ``rounds`` in order against the text's tokens."""
+    counts = Acceptance(depth)
+    probs, right = [], []
+    # Round starts t whose every depth has a true token: t + depth + 1 <= T - 1.
+    for t in rounds:
+        t0 = time.perf_counter()
+        drafts = drafter.draft(t, id_list, depth)
+        truth = id_list[t + 2 : t + 2 + depth]
+        counts.record_forced(drafts, truth, time.perf_counter() - t0)
+        if trace:
+            # Without a threshold every depth is drafted; with one, the trace is partial.
+            probs.append(drafter.probs + [0.0] * (depth - len(drafter.probs)))
+            right.append([int(d) == int(y) for d, y in zip(drafts, truth)] + [False] * (depth - len(drafts)))
+        if progress is not None:
+            progress(1)
+    if not trace:
+        return counts, None
+    return counts, ProbeTrace(np.array(probs, np.float64).reshape(-1, depth), np.array(right, bool).reshape(-1, depth))
+
+
+# ------------------------------------------------------------ the probe in windows of rounds
+# A window of rounds is one task of ``evals.cluster``; its counts are integers, so adding
+# the windows' counts gives the one-pass counts whatever the order.
+ROUNDS_PER_WINDOW = 32
+
+
+def round_windows(n_tokens: int, depth: int, per_window: int = ROUNDS_PER_WINDOW) -> list[tuple[int, int]]:
+    """The probe's round starts 0..n_tokens-depth-2 cut into consecutive [first, last) spans."""
+    n = max(n_tokens - depth - 1, 0)
+    return [(a, min(a + per_window, n)) for a in range(0, n, per_window)]
+
+
+@dataclass
+class ProbeWindow:
+    """One window of rounds, per variant (in the order given): its counts and, when traced, its trace rows."""
+
+    counts: list[Acceptance]
+    traces: list[ProbeTrace] | None
+
+
+def _replay(drafter, id_list: list[int], upto: int, depth: int) -> None:
+    """Bring the drafter's layer caches to where rounds 0..upto-1 of ``probe`` leave them,
+    computing their rows as those rounds do (one row per layer per round), so round
+    ``upto`` and every later one compute exactly what they compute in one pass."""
+    if drafter.threshold > 0 and drafter.chain == "independent":
+        # A round stops at its first unlikely draft and leaves the later layers' rows to a
+        # later round, in one batch: only drafting those rounds reproduces that.
+        for t in range(upto):
+            drafter.draft(t, id_list, depth)
+        return
+    # Without a stop every round catches each used layer up by exactly its row t (layer k reads
+    # the token k+1 positions on; a recursive chain uses layer 0 alone): the rows, not the drafts.
+    for t in range(upto):
+        for k in range(len(drafter.caches)):
+            drafter._catch_up(k, t, id_list, [], shift=k + 1)
+
+
+def probe_window(model, stack, ids: Sequence[int], hidden: np.ndarray, depth: int, variants: Sequence[Variant],
+                 first: int, last: int, *, head=None, threshold: float = 0.0, trace: bool = False) -> ProbeWindow:
+    """Rounds ``first``..``last``-1 of ``probe`` over ``ids`` (``hidden``: ``backbone_hiddens``
+    of all of ``ids``), with the same drafts, probabilities and counts as that one pass."""
+    from cortiq_engine.mtp import make_drafter
+
+    T = len(ids)
+    if not 0 <= first <= last <= T - depth - 1:
+        raise ValueError(f"rounds {first}..{last} outside 0..{T - depth - 1}")
+    id_list = [int(i) for i in ids]
+    counts, traces = [], []
+    for v in variants:
+        drafter = make_drafter(model, stack, T, depth=depth, chain=v.chain, hidden=v.hidden, head=head,
+                               threshold=threshold, record_probs=trace)
+        drafter.note(0, hidden)
+        _replay(drafter, id_list, first, depth)
+        c, tr = _rounds(drafter, id_list, range(first, last), depth, trace, None)
+        counts.append(c)
+        if tr is not None:
+            traces.append(tr)
+    return ProbeWindow(counts, traces if trace else None)
 
 
 # ------------------------------------------------------------ defaults from the backbone's own text

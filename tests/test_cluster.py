@@ -250,3 +250,60 @@ def test_imatrix_window_sums_stay_within_f32_rounding_of_running_sums(tiny):
     assert tokens == len(ids) and sorted(means) == sorted(running)
     for name, v in means.items():
         np.testing.assert_array_max_ulp(v, running[name], maxulp=1)
+
+
+@pytest.fixture(scope="module")
+def mtp_model(tmp_path_factory):
+    """A tiny model with two random MTP draft layers (inline), q8."""
+    from cortiq_engine.convert import convert_checkpoint
+    from tests.mtp_tiny import save_tiny_mtp
+
+    d = tmp_path_factory.mktemp("mtp")
+    path = d / "mtp.cmf"
+    convert_checkpoint(save_tiny_mtp("mimo", d / "src", n_layers=2), path, quant="q8")
+    return path
+
+
+def _without_timing(doc: dict) -> dict:
+    """The probe's figures less its per-machine timing (the draft milliseconds) and the cluster report."""
+    doc.pop("cluster", None)
+    for v in doc["variants"]:
+        v.pop("draft_ms_per_round")
+    return doc
+
+
+def test_mtp_probe_on_two_workers_gives_the_same_counts(mtp_model, tiny, tmp_path):
+    _, _, text = tiny
+    args = ["mtp-probe", str(mtp_model), "--text", str(text), "--max-tokens", "120", "--mtp-chain", "all", "-t", "1"]
+    r = runner.invoke(app, [*args, "--json"])
+    assert r.exit_code == 0, r.output
+    alone = json.loads(r.stdout)
+    got = _cli([*args, "--cluster", "local:2"], tmp_path)
+    cluster = got["cluster"]
+    assert _without_timing(got) == _without_timing(alone)
+    assert len(alone["variants"]) == 4 and all(v["drafting_rounds"] == 120 - 2 - 1 for v in alone["variants"])
+    assert cluster["workers"] == 2 and cluster["tasks"] == 4 and cluster["retried"] == 0  # 117 rounds in windows of 32
+
+
+def test_probe_windows_replay_the_one_pass(mtp_model):
+    """Windows of rounds, each replaying the draft layers' rows before it, give the one
+    pass's counts and every draft's probability bit for bit (the cluster's unit of work)."""
+    import numpy as np
+
+    from cortiq_engine import Engine
+    from cortiq_engine.acceptance import Acceptance
+    from evals.mtp_probe import backbone_hiddens, default_variants, probe, probe_window, round_windows
+
+    eng = Engine.load(mtp_model, threads=1, mtp=True)
+    ids = [int(x) for x in np.random.default_rng(3).integers(0, 256, 60)]
+    variants, head, traces = default_variants(2, 2), eng.draft_head(None), []
+    one = probe(eng.model, eng.drafts, ids, 2, variants, head=head, traces=traces)
+    hidden = backbone_hiddens(eng.model, np.asarray(ids))
+    parts = [probe_window(eng.model, eng.drafts, ids, hidden, 2, variants, a, b, head=head, trace=True)
+             for a, b in round_windows(len(ids), 2, 16)]
+    for i, (_, counts) in enumerate(one):
+        merged = Acceptance(2)
+        for p in parts:
+            merged.merge(p.counts[i])
+        assert (merged.drafted, merged.right, merged.accept_hist) == (counts.drafted, counts.right, counts.accept_hist)
+        assert np.array_equal(np.concatenate([p.traces[i].probs for p in parts]), traces[i].probs)
