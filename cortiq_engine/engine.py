@@ -27,8 +27,8 @@ from formats.errors import CortiqError
 from formats.untrusted_json import section
 from cortiq_engine.cache import kv_dtype
 from cortiq_engine.generate import PREFILL_CHUNK, DraftSource, GenerationResult, TokenEvent, generate
-from cortiq_engine.kernels import (COLD_COMPILE_SECONDS, CompileMeter, CompileReport, WarmupEvent, compiles, get_kernels,
-                                   is_warm, mark_warm)
+from cortiq_engine.kernels import (CompileMeter, CompileReport, WarmupEvent, cold_estimate, compiles, get_kernels, is_warm,
+                                   mark_warm)
 from cortiq_engine.memory import release_free_heap
 from cortiq_engine.model import Model, State, forward
 from cortiq_engine.models import build_model, read_arch
@@ -283,11 +283,11 @@ class Engine:
         def on_kernel(name: str) -> None:
             if not cold[0]:
                 cold[0] = True
-                say(WarmupEvent("cold", total=len(steps), estimate=COLD_COMPILE_SECONDS))
+                say(WarmupEvent("cold", total=len(steps), estimate=cold_estimate()))
             say(WarmupEvent("kernel", name=name))
 
         if announced:
-            say(WarmupEvent("cold", total=len(steps), estimate=COLD_COMPILE_SECONDS))
+            say(WarmupEvent("cold", total=len(steps), estimate=cold_estimate()))
         meter = CompileMeter(on_kernel)
         t0 = time.perf_counter()
         try:
@@ -297,10 +297,10 @@ class Engine:
                     run()
         finally:
             say(WarmupEvent("done", done=len(steps), total=len(steps)))
-        seconds = time.perf_counter() - t0
+        seconds = time.perf_counter() - t0 if meter.kernels else 0.0
         if compiles(ks):
-            mark_warm(ks, kind)
-        self.compile_report = CompileReport(seconds if meter.kernels else 0.0, meter.kernels, announced)
+            mark_warm(ks, kind, seconds)
+        self.compile_report = CompileReport(seconds, meter.kernels, announced)
         return self.compile_report
 
     # ---------------------------------------------------------------- properties

@@ -10,7 +10,9 @@
           then rolled back (measured only when the model has MTP draft layers).
 
 Each test runs ``reps`` times after one untimed warm-up; a result keeps every
-sample's tokens per second, so callers can show the median and the spread. Random
+sample's tokens per second, so callers can show the median and the spread. Kernel
+compilation is never in a sample: ``Engine.load`` compiles every kernel these tests run
+(``Engine.warmup``; its ``compile_report`` says how long that took). Random
 tokens (seeded) as llama-bench uses: the timing of a forward does not depend on them.
 """
 

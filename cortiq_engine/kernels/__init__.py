@@ -61,9 +61,10 @@ def get_kernels(name: str | None = None):
     raise CortiqError(f"unknown kernel set {name!r} ({KERNEL_ENV}); choose one of {', '.join(KERNEL_CHOICES)}")
 
 
-# A cold compile of one model's kernels, the estimate announced before it: SmolLM2 q8,
-# 2 threads on a Zen 4 EPYC shared with other work, measured 10-25 s.
-COLD_COMPILE_SECONDS = 15.0
+# A cold compile of one model's kernels, the estimate announced before the first one on a
+# machine (later ones announce the median this machine took): SmolLM2 q8 and q4, 2
+# threads on a Zen 4 EPYC shared with other work, measured 10-40 s.
+COLD_COMPILE_SECONDS = 20.0
 # Under ``llvm_jit``'s cache directory: one empty file per warmed (kernel set, model kind).
 STAMP_DIR = "warm"
 
@@ -182,16 +183,36 @@ def is_warm(kernels, model_kind: Sequence[str]) -> bool:
     return path is not None and path.exists()
 
 
-def mark_warm(kernels, model_kind: Sequence[str]) -> None:
+def mark_warm(kernels, model_kind: Sequence[str], seconds: float = 0.0) -> None:
+    """Record that this kernel set and model kind are compiled (``seconds``: what it took)."""
     path = _stamp(kernels, model_kind)
     if path is None:
         return
     try:
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        path.touch()
+        path.write_text(f"{seconds:.1f}\n" if seconds > 0 else "")
     except OSError:
         pass  # a cache that cannot be written only costs the announcement
 
 
+def cold_estimate() -> float:
+    """Seconds a cold compile is expected to take: the median of the ones this machine's
+    stamps recorded, else COLD_COMPILE_SECONDS."""
+    from cortiq_engine.kernels import llvm_jit
+
+    d = llvm_jit.default_cache_dir()
+    seen: list[float] = []
+    try:
+        for p in (d / STAMP_DIR).iterdir() if d is not None else ():
+            try:
+                seen.append(float(p.read_text().strip()))
+            except (OSError, ValueError):
+                continue
+    except OSError:
+        pass
+    seen.sort()
+    return seen[len(seen) // 2] if seen else COLD_COMPILE_SECONDS
+
+
 __all__ = ["COLD_COMPILE_SECONDS", "CompileMeter", "CompileReport", "KERNEL_CHOICES", "KERNEL_ENV", "NumpyKernels",
-           "RowExact", "WarmupEvent", "compiles", "get_kernels", "is_warm", "mark_warm"]
+           "RowExact", "WarmupEvent", "cold_estimate", "compiles", "get_kernels", "is_warm", "mark_warm"]
