@@ -21,8 +21,8 @@ from evals.scoring import count_scored, iter_scored
 from evals.calibration import DEFAULT_BINS, Bin, CalibrationMetrics
 from evals.temperature import DEFAULT_T_MAX, DEFAULT_T_MIN, TemperatureGrid
 from evals.text_source import LoadedText, load_text
-from evals.tokens import tokenize_for
-from evals.windows import sliding_windows
+from evals.tokens import chunk_bos, tokenize_for
+from evals.windows import DEFAULT_CTX, plan_windows, resolve_settings
 from formats.errors import CortiqError
 
 CAL_PANEL = "Calibration"
@@ -39,8 +39,10 @@ def calibrate(
     column: opt.Column = None,
     data_files: opt.DataFiles = None,
     max_tokens: opt.MaxTokens = None,
-    ctx: opt.Ctx = 512,
+    ctx: opt.Ctx = DEFAULT_CTX,
     stride: opt.Stride = None,
+    mode: opt.Mode = None,
+    chunks: opt.Chunks = None,
     bins: Annotated[int, typer.Option("--bins", min=1, help="Reliability bins (equal-width and equal-mass).", rich_help_panel=CAL_PANEL)] = DEFAULT_BINS,
     fit_fraction: Annotated[float, typer.Option("--fit-fraction", help="Leading share of the scored tokens used to fit the temperature; the rest evaluates it.", rich_help_panel=CAL_PANEL)] = DEFAULT_FIT_FRACTION,
     t_min: Annotated[float, typer.Option("--t-min", help="Lowest temperature of the grid.", rich_help_panel=CAL_PANEL)] = DEFAULT_T_MIN,
@@ -63,13 +65,13 @@ def calibrate(
         if not plot.parent.is_dir():
             raise CortiqError(f"--plot: folder {plot.parent} does not exist")
     where = copt.check(cluster, resume)
+    wset = resolve_settings(mode, ctx, stride, max_tokens, chunks)
     grid = TemperatureGrid.make(t_min, t_max)
     source = load_text(opt.text_spec(text, dataset, config, split, column, data_files))
     (engine,) = load_engines([model], threads, ctx, kv_cache)
     name = model_label(model, engine)
     tokens = tokenize_for([engine], [name], source.text)
-    step = stride if stride is not None else max(1, ctx // 2)
-    windows = sliding_windows(len(tokens), ctx, step, max_tokens)
+    windows = plan_windows(wset, len(tokens), chunk_bos(engine.tokenizer))
     total = sum(w.n_scored for w in windows)
     split_rows(total, fit_fraction)  # too few tokens: say so before the pass
 
@@ -99,7 +101,7 @@ def calibrate(
             features, done = collect_partial(engine, tokens, windows, grid, chunk=batch, progress=progress)
 
     report = calibration_report(name, features, grid, bins, fit_fraction)
-    settings = {"ctx": ctx, "stride": step, "windows": len(windows), "max_tokens": max_tokens, "text_tokens": int(len(tokens)),
+    settings = {"mode": wset.mode, "ctx": ctx, "stride": wset.stride, "chunks": wset.chunks, "windows": len(windows), "max_tokens": max_tokens, "text_tokens": int(len(tokens)),
                 "t_min": float(grid.temperatures.min()), "t_max": float(grid.temperatures.max()), "grid_points": grid.n,
                 "fit_fraction": fit_fraction, **({"partial": True, "windows_done": done} if done < len(windows) else {}),
                 **({"cluster": creport.to_json()} if creport is not None else {})}
@@ -172,6 +174,7 @@ def calibration_header(report: CalibrationReport, source: LoadedText, settings: 
         "text": source.source,
         "fit_tokens": report.fit_tokens,
         "eval_tokens": report.eval_tokens,
+        "mode": settings["mode"],
         "ctx": settings["ctx"],
         "stride": settings["stride"],
         "nll_before": report.before.nll,
@@ -213,7 +216,7 @@ def write_temperature(path: Path, report: CalibrationReport, source: LoadedText,
 def render(report: CalibrationReport, source: LoadedText, settings: dict[str, Any]) -> None:
     console.print(
         f"[bold]text[/] {source.source}: {settings['text_tokens']:,} tokens  [bold]scored[/] {report.overall.n:,} "
-        f"(ctx {settings['ctx']}, stride {settings['stride']})  [bold]model[/] {report.model}",
+        f"({_how(settings)})  [bold]model[/] {report.model}",
         highlight=False,
     )
     console.print(reliability_table(report.reliability, "Reliability (T = 1, all scored tokens)"))
@@ -223,6 +226,11 @@ def render(report: CalibrationReport, source: LoadedText, settings: dict[str, An
         console.print(
             f"[yellow]warning:[/] the NLL is lowest at the edge of the temperature grid (T = {report.temperature:.4g}); "
             "widen --t-min/--t-max", highlight=False)
+
+
+def _how(settings: dict[str, Any]) -> str:
+    how = f"{settings['mode']}, ctx {settings['ctx']}"
+    return how + (f", stride {settings['stride']}" if settings["stride"] is not None else "")
 
 
 def reliability_table(bins: list[Bin], title: str) -> Table:

@@ -11,7 +11,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from cortiq_cli import text_options as opt
 from cortiq_cli.common import console, err_console, handle_errors, print_json
 from evals.text_source import load_text
-from evals.tokens import tokenize_for
+from evals.tokens import chunk_bos, tokenize_for
+from evals.windows import DEFAULT_CTX, plan_windows, resolve_settings
 from formats.errors import CortiqError
 from formats.imatrix import write_imatrix
 
@@ -27,25 +28,29 @@ def imatrix(
     column: opt.Column = None,
     data_files: opt.DataFiles = None,
     max_tokens: opt.MaxTokens = None,
-    ctx: opt.Ctx = 512,
+    ctx: opt.Ctx = DEFAULT_CTX,
+    stride: opt.Stride = None,
+    mode: opt.Mode = None,
+    chunks: opt.Chunks = None,
     threads: opt.Threads = None,
     force: bool = typer.Option(False, "--force", help="Overwrite OUT if it exists."),
     json_out: opt.Json = False,
 ) -> None:
     """Collect an importance matrix for ``cortiq convert --imatrix``: for every weight, the
-    mean squared input activation of each column over the text (disjoint ctx windows)."""
+    mean squared input activation of each column over every token the windows feed (the
+    windows ppl scores: by default llama.cpp's chunks, as llama-imatrix)."""
     from cortiq_engine import Engine
     from cortiq_engine.imatrix import collect_imatrix
 
+    settings = resolve_settings(mode, ctx, stride, max_tokens, chunks)
     out = out or model.with_name(model.stem + ".imatrix.safetensors")
     if out.exists() and not force:
         raise CortiqError(f"{out} exists (use --force to overwrite)")
     source = load_text(opt.text_spec(text, dataset, config, split, column, data_files))
     with Engine.load(model, threads=threads, ctx=ctx, warmup=False) as eng:
         ids = tokenize_for([eng], [model.name], source.text)
-    if max_tokens is not None:
-        ids = ids[:max_tokens]
-    windows = [ids[s : s + ctx] for s in range(0, len(ids), ctx) if len(ids) - s >= 2]
+        bos = chunk_bos(eng.tokenizer)
+    windows = [w.fed(ids) for w in plan_windows(settings, len(ids), bos)]
     total = sum(len(w) for w in windows)
     if json_out or not err_console.is_terminal:
         means, tokens = collect_imatrix(model, windows, threads=threads)

@@ -4,7 +4,6 @@ from the first (or from a reference saved with ``--save-ref``)."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Callable
 
@@ -24,64 +23,10 @@ from evals.reference import (DEFAULT_SAMPLES, DEFAULT_TOP_K, ReferenceIdentity, 
 from evals.scoring import count_scored, iter_scored, scored_text_bytes
 from evals.text_source import LoadedText, load_text
 from evals.tokens import chunk_bos, tokenize_for
-from evals.windows import Window, chunk_windows, sliding_windows
+from evals.windows import DEFAULT_CTX, Window, WindowSettings, plan_windows, resolve_settings
 from formats.errors import CortiqError
 
-MODES = ("sliding", "chunks")
-DEFAULT_CTX = 512
 REF_PANEL = "Reference"
-
-
-@dataclass(frozen=True)
-class WindowSettings:
-    mode: str
-    ctx: int
-    stride: int | None  # sliding only (resolved: ctx // 2 by default)
-    max_tokens: int | None
-    chunks: int | None
-
-    def to_json(self) -> dict[str, Any]:
-        return {"mode": self.mode, "ctx": self.ctx, "stride": self.stride, "max_tokens": self.max_tokens, "chunks": self.chunks}
-
-
-def resolve_settings(mode: str | None, ctx: int | None, stride: int | None, max_tokens: int | None, chunks: int | None,
-                     saved: dict[str, Any] | None = None) -> WindowSettings:
-    """The window options; with a saved reference, those not given are the reference's."""
-    saved = saved or {}
-
-    def pick(given: Any, key: str, default: Any) -> Any:
-        if given is not None:
-            return given
-        v = saved.get(key, default)
-        return default if isinstance(v, bool) else v
-
-    mode = pick(mode, "mode", "sliding")
-    ctx = pick(ctx, "ctx", DEFAULT_CTX)
-    if mode not in MODES:
-        raise CortiqError(f"unknown --mode {str(mode)[:40]!r}; choose one of {', '.join(MODES)}")
-    if not isinstance(ctx, int) or ctx < 2:
-        raise CortiqError(f"--ctx must be an integer >= 2 (got {str(ctx)[:40]})")
-    if mode == "sliding":
-        if chunks is not None:
-            raise CortiqError("--chunks applies to --mode chunks")
-        stride = pick(stride, "stride", None)
-        stride = stride if stride is not None else max(1, ctx // 2)
-        chunks_v = None
-    else:
-        if stride is not None:
-            raise CortiqError("--stride applies to --mode sliding; chunks never overlap")
-        chunks_v = pick(chunks, "chunks", None)
-    max_tokens = pick(max_tokens, "max_tokens", None)
-    for name, v in (("stride", stride), ("max_tokens", max_tokens), ("chunks", chunks_v)):
-        if v is not None and (not isinstance(v, int) or v < 1):
-            raise CortiqError(f"--{name.replace('_', '-')} must be a positive integer (got {str(v)[:40]})")
-    return WindowSettings(mode, ctx, stride, max_tokens, chunks_v)
-
-
-def plan_windows(s: WindowSettings, n_tokens: int, bos: int | None) -> list[Window]:
-    if s.mode == "sliding":
-        return sliding_windows(n_tokens, s.ctx, s.stride, s.max_tokens)
-    return chunk_windows(n_tokens, s.ctx, bos=bos, max_scored=s.max_tokens, max_chunks=s.chunks)
 
 
 @handle_errors
@@ -96,8 +41,8 @@ def ppl(
     max_tokens: opt.MaxTokens = None,
     ctx: Annotated[int | None, typer.Option("--ctx", "-c", min=2, help=f"Tokens per forward window (default {DEFAULT_CTX}, or the saved reference's).", rich_help_panel=opt.WINDOW_PANEL)] = None,
     stride: opt.Stride = None,
-    mode: Annotated[str | None, typer.Option("--mode", metavar="sliding|chunks", help="sliding (HF guide; default) or chunks (llama.cpp: disjoint ctx windows, second half scored).", rich_help_panel=opt.WINDOW_PANEL)] = None,
-    chunks: Annotated[int | None, typer.Option("--chunks", min=1, help="chunks mode: score at most this many chunks (llama.cpp --chunks).", rich_help_panel=opt.WINDOW_PANEL)] = None,
+    mode: opt.Mode = None,
+    chunks: opt.Chunks = None,
     save_ref: Annotated[Path | None, typer.Option("--save-ref", help="Save the first model's distributions to this .cref file, for later --ref comparisons.", rich_help_panel=REF_PANEL)] = None,
     ref_top_k: Annotated[int, typer.Option("--ref-top-k", min=0, help="With --save-ref: log-probabilities kept per position (0 = the whole vocabulary, exact but V x 4 bytes per token).", rich_help_panel=REF_PANEL)] = DEFAULT_TOP_K,
     ref_samples: Annotated[int, typer.Option("--ref-samples", min=0, help="With --save-ref: tail tokens sampled per position, for an unbiased estimate of the divergence outside the top-k (0: none; the KL is then a lower bound).", rich_help_panel=REF_PANEL)] = DEFAULT_SAMPLES,

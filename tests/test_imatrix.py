@@ -32,8 +32,8 @@ def tiny(tmp_path_factory):
     return d, hf, f32
 
 
-def _torch_energy(ids: list[int], ctx: int) -> dict[str, np.ndarray]:
-    """Mean squared input of each Linear over disjoint ctx windows, from forward hooks."""
+def _torch_energy(windows: list[list[int]]) -> dict[str, np.ndarray]:
+    """Mean squared input of each Linear over the given token windows, from forward hooks."""
     model = build_tiny("llama", **DIMS)
     sums: dict[str, torch.Tensor] = {}
     counts: dict[str, int] = {}
@@ -49,8 +49,8 @@ def _torch_energy(ids: list[int], ctx: int) -> dict[str, np.ndarray]:
         if isinstance(mod, torch.nn.Linear):
             mod.register_forward_pre_hook(hook(name + ".weight"))
     with torch.no_grad():
-        for s in range(0, len(ids), ctx):
-            model(torch.tensor([ids[s : s + ctx]]))
+        for w in windows:
+            model(torch.tensor([w]))
     return {k: (v / counts[k]).numpy() for k, v in sums.items()}
 
 
@@ -59,29 +59,34 @@ def test_imatrix_collects_transformers_activation_energy(tiny, tmp_path):
     text = tmp_path / "t.txt"
     text.write_text(BUNDLED_TEXT.read_text(encoding="utf-8")[:4000], encoding="utf-8")
     out = tmp_path / "im.safetensors"
-    r = runner.invoke(app, ["imatrix", str(f32), "--text", str(text), "--max-tokens", "300", "--ctx", "128",
+    # the default plan: llama.cpp's chunks (BOS over each chunk's first token when the model uses one, as llama-imatrix)
+    r = runner.invoke(app, ["imatrix", str(f32), "--text", str(text), "--chunks", "2", "--ctx", "128",
                             "-o", str(out), "--json"])
     assert r.exit_code == 0, r.output
     rep = json.loads(r.stdout)
-    assert rep["tokens"] == 300
+    assert rep["tokens"] == 256
     im = read_imatrix(out)
     from cortiq_engine import Engine
+    from evals.tokens import chunk_bos
 
     with Engine.load(f32, warmup=False) as eng:
-        ids = eng.tokenizer.encode(text.read_text(encoding="utf-8"), add_bos=True)[:300]
-    want = _torch_energy(ids, 128)
+        ids = eng.tokenizer.encode(text.read_text(encoding="utf-8"), add_bos=True)
+        bos = chunk_bos(eng.tokenizer)
+    want = _torch_energy([([ids[s]] if bos is None else [bos]) + ids[s + 1 : s + 128] for s in (0, 128)])
     assert set(want) <= set(im.means)  # every Linear (lm_head included)
     for k, v in want.items():
         np.testing.assert_allclose(im.means[k], v, rtol=2e-4, atol=1e-7)
     # refuses to overwrite; -f is --text, as in every text command (it was --force's too)
     r = runner.invoke(app, ["imatrix", str(f32), "-f", str(text), "-o", str(out)])
     assert r.exit_code != 0 and "exists" in r.output
-    r = runner.invoke(app, ["imatrix", str(f32), "-f", str(text), "--max-tokens", "300", "--ctx", "128",
-                            "-o", str(out), "--force", "--json"])
+    # --mode sliding with --stride ctx: disjoint windows over the first 300 tokens (299 scored)
+    r = runner.invoke(app, ["imatrix", str(f32), "-f", str(text), "--mode", "sliding", "--stride", "128", "--max-tokens", "299",
+                            "--ctx", "128", "-o", str(out), "--force", "--json"])
     assert r.exit_code == 0, r.output
-    again = read_imatrix(out)
-    for k, v in im.means.items():
-        np.testing.assert_allclose(again.means[k], v, rtol=1e-6)
+    assert json.loads(r.stdout)["tokens"] == 300
+    sliding = read_imatrix(out)
+    for k, v in _torch_energy([ids[s : min(s + 128, 300)] for s in range(0, 300, 128)]).items():
+        np.testing.assert_allclose(sliding.means[k], v, rtol=2e-4, atol=1e-7)
 
 
 def test_convert_with_imatrix_weights_the_error(tiny, tmp_path):

@@ -77,7 +77,7 @@ def test_tiny_sliding_equals_transformers(tiny, tmp_path):
     f.write_text(text)
     ids = engine_tokens(paths["f32"], text)
     want, n = torch_windows_nll(model, ids, 96, 40)
-    out = cli("ppl", str(paths["f32"]), "--text", str(f), "--ctx", "96", "--stride", "40")
+    out = cli("ppl", str(paths["f32"]), "--text", str(f), "--mode", "sliding", "--ctx", "96", "--stride", "40")
     (m,) = out["models"]
     assert m["tokens_scored"] == n == len(ids) - 1
     assert m["nll_mean"] == pytest.approx(want, rel=1e-5)
@@ -135,7 +135,8 @@ def test_max_tokens_and_dataset_sources(tiny, tmp_path):
         (["{f32}", "--text", "{one}"], "scoring needs at least 2"),
         (["{f32}", "--text", "{jsonl}", "--column", "nope"], "no column 'nope'"),
         (["{f32}", "--mode", "windows"], "unknown --mode"),
-        (["{f32}", "--ctx", "64", "--stride", "65"], "--stride"),
+        (["{f32}", "--mode", "sliding", "--ctx", "64", "--stride", "65"], "--stride"),
+        (["{f32}", "--stride", "8"], "give --mode sliding"),  # the default plan is chunks
         (["{f32}", "--mode", "chunks", "--stride", "8"], "--stride applies to --mode sliding"),
         (["{f32}", "--dataset", "{missing}"], "could not load"),
     ],
@@ -171,7 +172,7 @@ def test_smollm2_f32_equals_transformers(smollm2_hf, smollm2_cmf):
     path = smollm2_cmf("f32")
     ids = engine_tokens(path, ALICE)[:1025]
     want, n = torch_windows_nll(model, ids, 256, 128)
-    out = cli("ppl", str(path), "--ctx", "256", "--stride", "128", "--max-tokens", "1024")
+    out = cli("ppl", str(path), "--mode", "sliding", "--ctx", "256", "--stride", "128", "--max-tokens", "1024")
     m = out["models"][0]
     assert m["tokens_scored"] == n == 1024
     assert m["ppl"] == pytest.approx(math.exp(want), rel=1e-3)
