@@ -187,7 +187,11 @@ class SpecDecision:
             r = self.ratio(name, recent=False)
             rate = f"{r:.2f}x over plain" if r is not None else "not yet compared with plain"
             rounds = f"{s.rounds} round{'s' * (s.rounds != 1)}"
-            parts.append(f"{name} {rate} in {rounds}" if s.on else f"{name} off ({rate} in {rounds})")
+            if not s.on:
+                parts.append(f"{name} off ({rate} in {rounds})")
+            else:
+                judged = self.ratio(name) is not None  # min_rounds of it and of plain steps
+                parts.append(f"{name} {rate} in {rounds}" + ("" if judged else ", too few to judge"))
         if not parts:
             return "plain decoding (no source drafted)"
         if not any(s.on for n, s in self.rates.items() if n != PLAIN and s.rounds):

@@ -101,6 +101,16 @@ def test_a_source_always_rejected_is_switched_off_and_the_output_is_plain(tiny, 
     assert 0.95 < spec.extra["speculative"]["overall_speedup"] < 1.0 and line.endswith("x overall")
 
 
+def test_a_source_too_new_to_judge_says_so():
+    dec = SpecDecision(clock=lambda: 0.0)
+    dec.record("plain", 1, 1.0)
+    dec.record("plain", 1, 1.0)
+    dec.allow("lookup")
+    dec.record("lookup", 1, 2.0)  # one round at 0.5x: not yet MIN_ROUNDS
+    assert dec.decision() == "lookup 0.50x over plain in 1 round, too few to judge; about 0.75x overall"
+    assert SpecDecision().decision() == "plain decoding (no source drafted)"
+
+
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_a_source_always_accepted_stays_on(tiny, prompt):
     eng = Engine.load(tiny, threads=1, mtp=True)
