@@ -13,9 +13,10 @@ import os
 import subprocess
 import sys
 
-# More than the small-batch kernels' 16 rows: the prompt takes the prefill kernels.
-PROMPT = ("The quick brown fox jumps over the lazy dog. Once upon a time in a land far away there lived a king "
-          "who had three daughters, and each of them")
+# Far more than the small-batch kernels' 16 rows: the prompt takes the prefill kernels,
+# and its prefill lasts long enough that a busy machine's noise averages out.
+PROMPT = ("Once upon a time in a land far away there lived a king who had three daughters. The eldest loved "
+          "gold, the second loved songs, and the youngest loved the forest behind the castle walls. ") * 3
 ANNOUNCE = "compiling kernels for this CPU (once, ~"
 
 
@@ -31,15 +32,15 @@ def test_first_run_compiles_apart_and_prefills_as_fast_as_the_next(smollm2_cmf, 
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba"), "CORTIQ_KERNEL_CACHE": str(tmp_path / "kernels")}
     first, first_err = _generate(model, env)
     second, second_err = _generate(model, env)
-    assert first["prompt_tokens"] > 16
+    assert first["prompt_tokens"] > 64
     # the cold run compiled, said so before compiling, and the warm one loaded everything
-    assert first["compile_seconds"] > 0 and first["compiled_kernels"] > 0
-    assert first_err.count(ANNOUNCE) == 1
-    assert second["compile_seconds"] == 0 and second["compiled_kernels"] == 0
-    assert ANNOUNCE not in second_err
+    assert first["compile_seconds"] > 0 and first["compiled_kernels"] > 0, first_err
+    assert first_err.count(ANNOUNCE) == 1, first_err
+    assert second["compile_seconds"] == 0 and second["compiled_kernels"] == 0, second_err
+    assert ANNOUNCE not in second_err, second_err
     assert first["text"] == second["text"]
     # no compile inside the timed prefill: the speeds agree within a load-noise factor,
     # where counting the compile made the first one tens of times slower
     ratio = first["prefill_tok_s"] / second["prefill_tok_s"]
-    assert 1 / 3 < ratio < 3, (first["prefill_tok_s"], second["prefill_tok_s"])
+    assert 1 / 4 < ratio < 4, (first["prefill_tok_s"], second["prefill_tok_s"])
     assert first["prefill_tok_s"] > 3 * first["prompt_tokens"] / first["compile_seconds"]
