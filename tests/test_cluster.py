@@ -80,7 +80,7 @@ def _in_process(args: list[str]) -> dict:
 
 def _args(tiny, *extra: str) -> list[str]:
     f32, q8, text = tiny
-    return [str(f32), str(q8), "--text", str(text), "-c", "32", "--stride", "16", "-t", "1", *extra]
+    return [str(f32), str(q8), "--text", str(text), "--mode", "sliding", "-c", "32", "--stride", "16", "-t", "1", *extra]
 
 
 def _records(cache: Path) -> int:
@@ -126,7 +126,7 @@ def test_a_killed_worker_costs_only_its_windows(tiny, tmp_path):
     """Against a saved reference (its rows go out with each window), a worker process killed mid-run."""
     f32, q8, text = tiny
     ref = tmp_path / "f32.cref"
-    _in_process([str(f32), "--text", str(text), "-c", "32", "--stride", "16", "-t", "1", "--save-ref", str(ref)])
+    _in_process([str(f32), "--text", str(text), "--mode", "sliding", "-c", "32", "--stride", "16", "-t", "1", "--save-ref", str(ref)])
     args = [str(q8), "--ref", str(ref), "--text", str(text), "-t", "1"]
     alone = _in_process(args)
     assert alone["comparisons"][0]["reference_form"] != "full" and alone["comparisons"][0]["kl_mean"] > 0
@@ -158,7 +158,7 @@ def test_an_interrupted_driver_resumes_to_the_same_figures(tiny, one_process, tm
 
 def test_calibrate_on_two_workers_gives_the_same_report(tiny, tmp_path):
     f32, _, text = tiny
-    args = ["calibrate", str(f32), "--text", str(text), "-c", "32", "--stride", "16", "-t", "1", "--json"]
+    args = ["calibrate", str(f32), "--text", str(text), "--mode", "sliding", "-c", "32", "--stride", "16", "-t", "1", "--json"]
     r = runner.invoke(app, args)
     assert r.exit_code == 0, r.output
     alone = json.loads(r.stdout)
