@@ -34,7 +34,6 @@ import math
 import mmap
 import os
 import struct
-import tempfile
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
