@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from cortiq_cli import cluster_options as copt
 from cortiq_cli import text_options as opt
 from cortiq_cli.common import console, err_console, handle_errors, print_json
 from evals.text_source import load_text
@@ -35,6 +36,9 @@ def imatrix(
     threads: opt.Threads = None,
     force: bool = typer.Option(False, "--force", help="Overwrite OUT if it exists."),
     json_out: opt.Json = False,
+    cluster: copt.Cluster = None,
+    cluster_threads: copt.ClusterThreads = None,
+    resume: copt.Resume = False,
 ) -> None:
     """Collect an importance matrix for ``cortiq convert --imatrix``: for every weight, the
     mean squared input activation of each column over every token the windows feed (the
@@ -43,6 +47,7 @@ def imatrix(
     from cortiq_engine.imatrix import collect_imatrix
 
     settings = resolve_settings(mode, ctx, stride, max_tokens, chunks)
+    where = copt.check(cluster, resume)
     out = out or model.with_name(model.stem + ".imatrix.safetensors")
     if out.exists() and not force:
         raise CortiqError(f"{out} exists (use --force to overwrite)")
@@ -50,9 +55,18 @@ def imatrix(
     with Engine.load(model, threads=threads, ctx=ctx, warmup=False) as eng:
         ids = tokenize_for([eng], [model.name], source.text)
         bos = chunk_bos(eng.tokenizer)
-    windows = [w.fed(ids) for w in plan_windows(settings, len(ids), bos)]
+        engine_threads = eng.threads
+    plan = plan_windows(settings, len(ids), bos)
+    windows = [w.fed(ids) for w in plan]
     total = sum(len(w) for w in windows)
-    if json_out or not err_console.is_terminal:
+    creport = None
+    if where is not None:
+        acc, done, creport = copt.collect_imatrix(where, cluster_threads or engine_threads, resume, not json_out, model, ids, plan)
+        if done < len(plan):  # never write an imatrix of part of the text
+            copt.note_interrupted()
+            raise KeyboardInterrupt
+        means, tokens = acc.means(), acc.tokens
+    elif json_out or not err_console.is_terminal:
         means, tokens = collect_imatrix(model, windows, threads=threads)
     else:
         with Progress(
@@ -62,8 +76,11 @@ def imatrix(
             task = bar.add_task("imatrix", total=total)
             means, tokens = collect_imatrix(model, windows, threads=threads, progress=lambda n: bar.advance(task, n))
     write_imatrix(out, means, tokens)
-    report = {"output": str(out), "tokens": tokens, "tensors": len(means), "source": source.source}
+    report = {"output": str(out), "tokens": tokens, "tensors": len(means), "source": source.source,
+              **({"cluster": creport.to_json()} if creport is not None else {})}
     if json_out:
         print_json(report)
     else:
         console.print(f"{out}: {len(means)} weights, {tokens:,} tokens from {source.source}", highlight=False)
+        if creport is not None:
+            copt.render_report(creport)

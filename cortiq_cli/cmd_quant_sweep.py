@@ -12,10 +12,11 @@ import typer
 from rich import box
 from rich.table import Table
 
+from cortiq_cli import cluster_options as copt
 from cortiq_cli import text_options as opt
 from cortiq_cli.common import console, err_console, handle_errors, human_bytes, print_json, print_table, resolve_quant
 from cortiq_cli.eval_run import scoring_progress
-from evals.sweep import SweepResult, parse_types, run_sweep
+from evals.sweep import REFERENCE_TYPE, SweepResult, parse_types, run_sweep
 from evals.text_source import load_text
 from evals.windows import DEFAULT_CTX, plan_windows, resolve_settings
 from formats.errors import CortiqError
@@ -48,6 +49,9 @@ def quant_sweep(
     batch: opt.BlockRows = 512,
     threads: opt.Threads = None,
     json_out: opt.Json = False,
+    cluster: copt.Cluster = None,
+    cluster_threads: copt.ClusterThreads = None,
+    resume: copt.Resume = False,
 ) -> None:
     """Convert SRC to each --types quantization, score each against the f32 reference on the same windows, and time its decode."""
     kinds = parse_types(",".join(resolve_quant(t, option="--types") for t in types.split(",") if t.strip()) or types)
@@ -58,6 +62,7 @@ def quant_sweep(
         if not plot.parent.is_dir():
             raise CortiqError(f"--plot: folder {plot.parent} does not exist")
     settings = resolve_settings(mode, ctx, stride, max_tokens, chunks)
+    where = copt.check(cluster, resume)
     source = load_text(opt.text_spec(text, dataset, config, split, column, data_files))
     need_ctx = max(settings.ctx, decode_tokens + 2)
 
@@ -73,17 +78,32 @@ def quant_sweep(
         if kind in ("convert", "decode") and not json_out and err_console.is_terminal:
             err_console.print(f"[dim]{kind} {info['type']}[/]", highlight=False)
 
+    creports: dict[str, Any] = {}
+
+    def remote(kind: str, path: Path, tokens: Any, windows: Any, eng: Any, saved: Any) -> Any:
+        """One type's scoring on the cluster (its CMF read by the workers at the same path)."""
+        result, done, creport = copt.score_ppl(where, cluster_threads or eng.threads, resume, not json_out, [path], need_ctx, "f32",
+                                               batch, [REFERENCE_TYPE, kind], tokens, windows, eng.tokenizer, saved=saved)
+        creports[kind] = creport
+        if done < len(windows):  # no row of a type scored on part of the windows
+            copt.note_interrupted()
+            raise KeyboardInterrupt
+        return result
+
     def sweep(progress=None) -> SweepResult:
+        on_cluster = remote if where is not None else None
         if workdir is not None:
             if workdir.exists() and not workdir.is_dir():
                 raise CortiqError(f"--workdir {workdir} is a file")
             return run_sweep(src, kinds, source.text, workdir, load, plan, top_k=top_k, samples=samples, decode_tokens=decode_tokens,
-                             decode_reps=decode_reps, chunk=batch, keep_files=keep_files, settings=settings.to_json(), event=event, progress=progress)
+                             decode_reps=decode_reps, chunk=batch, keep_files=keep_files, settings=settings.to_json(), event=event,
+                             progress=progress, remote=on_cluster)
         with tempfile.TemporaryDirectory(prefix="cortiq-sweep-") as tmp:
             return run_sweep(src, kinds, source.text, Path(tmp), load, plan, top_k=top_k, samples=samples, decode_tokens=decode_tokens,
-                             decode_reps=decode_reps, chunk=batch, settings=settings.to_json(), event=event, progress=progress)
+                             decode_reps=decode_reps, chunk=batch, settings=settings.to_json(), event=event, progress=progress,
+                             remote=on_cluster)
 
-    if json_out:
+    if json_out or where is not None:  # a cluster run shows its own bar per type
         result = sweep()
     else:
         with scoring_progress("scoring", "type") as bar:
@@ -99,11 +119,16 @@ def quant_sweep(
         doc = result.to_json()
         doc["text"] = {"source": source.source, "bytes": source.n_bytes}
         doc["settings"] = settings.to_json()
+        if creports:
+            doc["settings"]["cluster"] = {kind: r.to_json() for kind, r in creports.items()}
         if plot is not None:
             doc["plot"] = str(plot)
         print_json(doc)
         return
     render(result, source.source, settings.to_json())
+    for kind, creport in creports.items():
+        console.print(f"{kind}: ", end="", highlight=False)
+        copt.render_report(creport)
     if plot is not None:
         console.print(f"plot written to {plot}", highlight=False)
 

@@ -5,6 +5,11 @@ The f32 reference is converted and scored once; its distributions go to a saved
 reference (``.cref``, compact form, ``evals.reference``) so every later type is
 scored with only its own model in memory. Every file lives in ``workdir`` and each
 type's CMF is removed as soon as it is measured (unless ``keep_files``).
+
+With ``remote`` each type's scoring against the saved reference runs elsewhere (``cortiq
+quant-sweep --cluster``: ``evals.cluster.score_ppl``, the reference's rows going out with
+each window), with the figures of the loop here; the reference pass, the conversions and
+the decode timings stay in this process.
 """
 
 from __future__ import annotations
@@ -110,6 +115,9 @@ Loader = Callable[[Path], Any]  # CMF path -> an Engine (iter_logits, tokenizer,
 Planner = Callable[[int, int | None], list[Window]]  # (text tokens, chunk BOS) -> windows
 Event = Callable[[str, dict[str, Any]], None]  # ("convert" | "score" | "decode" | "done", details)
 ScoreProgress = Callable[[str, int, int], None]  # (type, tokens scored, tokens to score)
+# (type, its CMF, tokens, windows, its loaded engine, the saved reference) -> a PerplexityResult
+# over [REFERENCE_TYPE, type], every window scored, as the loop in ``run_sweep`` scores them.
+RemoteScore = Callable[[str, Path, np.ndarray, list[Window], Any, SavedReference], Any]
 
 
 def _tensor_totals(rep: ConvertReport) -> tuple[int, int]:
@@ -133,6 +141,7 @@ def run_sweep(
     settings: dict[str, Any] | None = None,
     event: Event | None = None,
     progress: ScoreProgress | None = None,
+    remote: RemoteScore | None = None,
 ) -> SweepResult:
     from evals.speed import decode as decode_speed
 
@@ -200,12 +209,16 @@ def run_sweep(
             mine = tokenize_for([eng], [quant], text)
             saved.check(ident, mine, windows)
             say("score", {"type": quant, "tokens": total})
-            qacc = PerplexityAccumulator(1, saved_ref=True)
-            for block in iter_scored([eng], tokens, windows, chunk=chunk):
-                qacc.add(block, saved.next_rows(len(block.targets)))
-                if progress:
-                    progress(quant, qacc.count, total)
-            (ref_again, report), (comp,) = build_reports(qacc, [REFERENCE_TYPE, quant], n_bytes, saved.form)
+            if remote is not None:
+                scored = remote(quant, out, np.asarray(tokens), windows, eng, saved)
+                (ref_again, report), (comp,) = scored.reports, scored.comparisons
+            else:
+                qacc = PerplexityAccumulator(1, saved_ref=True)
+                for block in iter_scored([eng], tokens, windows, chunk=chunk):
+                    qacc.add(block, saved.next_rows(len(block.targets)))
+                    if progress:
+                        progress(quant, qacc.count, total)
+                (ref_again, report), (comp,) = build_reports(qacc, [REFERENCE_TYPE, quant], n_bytes, saved.form)
             say("decode", {"type": quant})
             speed = decode_speed(eng, decode_tokens, decode_reps)
         finally:
@@ -236,4 +249,4 @@ def finite(x: float | None) -> bool:
     return x is not None and math.isfinite(x)
 
 
-__all__ = ["SweepRow", "SweepResult", "run_sweep", "parse_types", "REFERENCE_TYPE"]
+__all__ = ["SweepRow", "SweepResult", "run_sweep", "parse_types", "REFERENCE_TYPE", "RemoteScore"]

@@ -1,8 +1,13 @@
-"""``cortiq ppl --cluster``: a real local Ray cluster of two workers gives the one-process
+"""``cortiq ppl --cluster``: a real Ray cluster of two workers gives the one-process
 figures bit for bit (perplexity, NLL and its SE, bits per byte, every KL statistic and
 percentile, live or against a saved reference), also when a worker process is killed
-mid-run and when the driver is interrupted and resumed; ``cortiq calibrate --cluster``
-gives the one-process report."""
+mid-run and when the driver is interrupted and resumed; ``cortiq calibrate``,
+``imatrix``, ``mtp-probe`` and ``quant-sweep`` on the cluster give their one-process
+results (less per-machine timings).
+
+Most runs join one cluster of 2 CPUs that the module starts once (``--cluster HOST:PORT``,
+one worker per CPU at ``-t 1``); the killed-worker run starts its own (``local:2``), whose
+worker processes are the driver's children."""
 
 from __future__ import annotations
 
@@ -45,12 +50,50 @@ def tiny(tmp_path_factory):
     return out["f32"], out["q8"], text
 
 
+_HEAD = """
+import sys, ray
+ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level=40)  # a new one, never one running here
+print("GCS", ray.get_runtime_context().gcs_address, flush=True)
+sys.stdin.read()  # until the tests close it
+ray.shutdown()
+"""
+
+
+@pytest.fixture(scope="module")
+def head():
+    """The address of a Ray cluster of 2 CPUs on this machine, shared by the module's runs."""
+    p = subprocess.Popen([sys.executable, "-c", _HEAD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=_env(None),
+                         stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    try:
+        line = ""
+        while not line.startswith("GCS "):
+            line = p.stdout.readline()
+            assert line, "the Ray head ended before giving its address"
+        yield line.split()[1]
+    finally:
+        p.stdin.close()
+        try:
+            p.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)  # its own session: the head and the processes it started
+            p.wait()
+
+
+def _env(cache: Path | None) -> dict[str, str]:
+    """The runs' environment: this checkout first on the path, the journal under ``cache``, and
+    Ray's token authentication off (Ray's documented opt-out; every run is on this machine)."""
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", RAY_AUTH_MODE="disabled")
+    if cache is not None:
+        env["CORTIQ_CLUSTER_CACHE"] = str(cache)
+    return env
+
+
 def _default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)  # a backgrounded run inherits SIGINT ignored
 
 
 def _start(args: list[str], cache: Path) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", CORTIQ_CLUSTER_CACHE=str(cache))
+    env = _env(cache)
     return subprocess.Popen([sys.executable, "-m", "cortiq_cli.main", "ppl", *args, "--json"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_default_sigint)
 
@@ -112,11 +155,11 @@ def one_process(tiny):
     return _in_process(_args(tiny))
 
 
-def test_two_workers_give_the_one_process_figures_bit_for_bit(tiny, one_process, tmp_path):
+def test_two_workers_give_the_one_process_figures_bit_for_bit(tiny, one_process, head, tmp_path):
     assert one_process["settings"]["windows"] >= 250 and one_process["comparisons"][0]["kl_mean"] > 0
-    got = _ppl(_args(tiny, "--cluster", "local:2"), tmp_path)
+    got = _ppl(_args(tiny, "--cluster", head), tmp_path)
     cluster = _same_figures(got, one_process)
-    assert cluster["workers"] == 2 and cluster["address"] == "local:2"
+    assert cluster["workers"] == 2 and cluster["address"] == head
     assert cluster["tasks"] == one_process["settings"]["windows"] and cluster["retried"] == 0
     assert cluster["tokens_per_s"] > 0
     assert not list(tmp_path.glob("*.journal"))  # a finished run leaves no journal
@@ -141,8 +184,8 @@ def test_a_killed_worker_costs_only_its_windows(tiny, tmp_path):
     assert cluster["retried"] >= 1 and cluster["tasks"] == alone["settings"]["windows"] + cluster["retried"]
 
 
-def test_an_interrupted_driver_resumes_to_the_same_figures(tiny, one_process, tmp_path):
-    p = _start(_args(tiny, "--cluster", "local:2"), tmp_path)
+def test_an_interrupted_driver_resumes_to_the_same_figures(tiny, one_process, head, tmp_path):
+    p = _start(_args(tiny, "--cluster", head), tmp_path)
     _wait_for(tmp_path, p, 5)
     p.send_signal(signal.SIGINT)
     code, out, err = _finish(p)
@@ -151,19 +194,19 @@ def test_an_interrupted_driver_resumes_to_the_same_figures(tiny, one_process, tm
     assert kept >= 5 and "--resume" in err, (kept, err)
     partial = json.loads(out)
     assert partial["settings"].get("partial") and partial["settings"]["windows_done"] <= kept, (partial["settings"], kept, err)
-    got = _ppl(_args(tiny, "--cluster", "local:2", "--resume"), tmp_path)
+    got = _ppl(_args(tiny, "--cluster", head, "--resume"), tmp_path)
     cluster = _same_figures(got, one_process)
     assert cluster["resumed"] == kept and cluster["tasks"] == one_process["settings"]["windows"] - kept
 
 
-def test_calibrate_on_two_workers_gives_the_same_report(tiny, tmp_path):
+def test_calibrate_on_two_workers_gives_the_same_report(tiny, head, tmp_path):
     f32, _, text = tiny
     args = ["calibrate", str(f32), "--text", str(text), "--mode", "sliding", "-c", "32", "--stride", "16", "-t", "1", "--json"]
     r = runner.invoke(app, args)
     assert r.exit_code == 0, r.output
     alone = json.loads(r.stdout)
-    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", CORTIQ_CLUSTER_CACHE=str(tmp_path))
-    p = subprocess.Popen([sys.executable, "-m", "cortiq_cli.main", *args, "--cluster", "local:2"], env=env,
+    env = _env(tmp_path)
+    p = subprocess.Popen([sys.executable, "-m", "cortiq_cli.main", *args, "--cluster", head], env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_default_sigint)
     code, out, err = _finish(p)
     assert code == 0, err
@@ -208,7 +251,7 @@ def test_fingerprint_and_journal(tiny, tmp_path):
 
 def _cli(args: list[str], cache: Path) -> dict:
     """``cortiq ARGS --json`` in a fresh interpreter (a cluster run starts Ray there)."""
-    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", CORTIQ_CLUSTER_CACHE=str(cache))
+    env = _env(cache)
     p = subprocess.Popen([sys.executable, "-m", "cortiq_cli.main", *args, "--json"], env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_default_sigint)
     code, out, err = _finish(p)
@@ -216,13 +259,13 @@ def _cli(args: list[str], cache: Path) -> dict:
     return json.loads(out)
 
 
-def test_imatrix_on_two_workers_writes_the_one_process_file(tiny, tmp_path):
+def test_imatrix_on_two_workers_writes_the_one_process_file(tiny, head, tmp_path):
     f32, _, text = tiny
     args = ["imatrix", str(f32), "--text", str(text), "-c", "32", "--max-tokens", "1200", "-t", "1", "--force"]
     alone = tmp_path / "alone.safetensors"
     r = runner.invoke(app, [*args, "-o", str(alone), "--json"])
     assert r.exit_code == 0, r.output
-    got = _cli([*args, "-o", str(tmp_path / "cluster.safetensors"), "--cluster", "local:2"], tmp_path)
+    got = _cli([*args, "-o", str(tmp_path / "cluster.safetensors"), "--cluster", head], tmp_path)
     assert (tmp_path / "cluster.safetensors").read_bytes() == alone.read_bytes()  # every f32 mean, bit for bit
     assert got["tokens"] == json.loads(r.stdout)["tokens"] > 0
     assert got["cluster"]["workers"] == 2 and got["cluster"]["tasks"] >= 2 and got["cluster"]["retried"] == 0
@@ -272,17 +315,17 @@ def _without_timing(doc: dict) -> dict:
     return doc
 
 
-def test_mtp_probe_on_two_workers_gives_the_same_counts(mtp_model, tiny, tmp_path):
+def test_mtp_probe_on_two_workers_gives_the_same_counts(mtp_model, tiny, head, tmp_path):
     _, _, text = tiny
-    args = ["mtp-probe", str(mtp_model), "--text", str(text), "--max-tokens", "120", "--mtp-chain", "all", "-t", "1"]
+    args = ["mtp-probe", str(mtp_model), "--text", str(text), "--max-tokens", "100", "--mtp-hidden", "pre", "-t", "1"]
     r = runner.invoke(app, [*args, "--json"])
     assert r.exit_code == 0, r.output
     alone = json.loads(r.stdout)
-    got = _cli([*args, "--cluster", "local:2"], tmp_path)
+    got = _cli([*args, "--cluster", head], tmp_path)
     cluster = got["cluster"]
     assert _without_timing(got) == _without_timing(alone)
-    assert len(alone["variants"]) == 4 and all(v["drafting_rounds"] == 120 - 2 - 1 for v in alone["variants"])
-    assert cluster["workers"] == 2 and cluster["tasks"] == 4 and cluster["retried"] == 0  # 117 rounds in windows of 32
+    assert len(alone["variants"]) == 2 and all(v["drafting_rounds"] == 100 - 2 - 1 for v in alone["variants"])
+    assert cluster["workers"] == 2 and cluster["tasks"] == 4 and cluster["retried"] == 0  # 97 rounds in windows of 32
 
 
 def test_probe_windows_replay_the_one_pass(mtp_model):
@@ -307,3 +350,23 @@ def test_probe_windows_replay_the_one_pass(mtp_model):
             merged.merge(p.counts[i])
         assert (merged.drafted, merged.right, merged.accept_hist) == (counts.drafted, counts.right, counts.accept_hist)
         assert np.array_equal(np.concatenate([p.traces[i].probs for p in parts]), traces[i].probs)
+
+
+def test_quant_sweep_on_two_workers_gives_the_same_rows(tiny, head, tmp_path):
+    """Each type scored against the saved f32 reference on the cluster: every figure of its row
+    but the timings (conversion, decode) equals the one-process sweep's."""
+    f32, _, text = tiny
+    hf = f32.parent / "hf"
+    args = ["quant-sweep", str(hf), "--types", "q4_0", "--text", str(text), "-c", "32", "--max-tokens", "640",
+            "-t", "1", "--decode-tokens", "2", "--decode-reps", "1"]
+    r = runner.invoke(app, [*args, "--json"])
+    assert r.exit_code == 0, r.output
+    alone = json.loads(r.stdout)
+    got = _cli([*args, "--cluster", head], tmp_path)
+    reports = got["settings"].pop("cluster")
+    for doc in (alone, got):
+        for row in doc["types"]:
+            for k in ("convert_seconds", "decode_tok_s", "decode_tok_s_samples"):
+                row.pop(k)
+    assert got == alone and [t["type"] for t in got["types"]] == ["q4_0"] and alone["types"][0]["kl_mean"] > 0
+    assert reports["q4_0"]["workers"] == 2 and reports["q4_0"]["tasks"] == alone["windows"]
