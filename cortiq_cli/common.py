@@ -292,6 +292,7 @@ class CompileProgress:
         self.progress: Any = None
         self.task: Any = None
         self.step = ""
+        self.kernels = 0  # compiles started so far
 
     def __call__(self, ev: Any) -> None:
         if ev.kind == "cold" and self.progress is None:
@@ -313,7 +314,8 @@ class CompileProgress:
             if self.progress:
                 self.progress.update(self.task, completed=ev.done, description=ev.name)
         elif ev.kind == "kernel" and self.progress:
-            self.progress.update(self.task, description=f"{self.step}: {escape(ev.name)}")
+            self.kernels += 1
+            self.progress.update(self.task, description=f"{self.step}: kernel {self.kernels}, {escape(ev.name)}")
         elif ev.kind == "done" and self.progress:
             self.progress.update(self.task, completed=ev.total)
             self.progress.stop()
