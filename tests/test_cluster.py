@@ -370,3 +370,13 @@ def test_quant_sweep_on_two_workers_gives_the_same_rows(tiny, head, tmp_path):
                 row.pop(k)
     assert got == alone and [t["type"] for t in got["types"]] == ["q4_0"] and alone["types"][0]["kl_mean"] > 0
     assert reports["q4_0"]["workers"] == 2 and reports["q4_0"]["tasks"] == alone["windows"]
+
+
+def test_the_other_commands_check_their_cluster_options(tiny, mtp_model, tmp_path):
+    f32, _, text = tiny
+    for cmd in (["imatrix", str(f32), "-o", str(tmp_path / "m.safetensors")], ["mtp-probe", str(mtp_model)],
+                ["quant-sweep", str(f32.parent / "hf"), "--types", "q4_0"]):
+        for args, msg in ((["--resume"], "give --cluster too"), (["--cluster", "local:0"], "worker count")):
+            r = runner.invoke(app, [*cmd, "--text", str(text), *args, "--json"])
+            assert r.exit_code == 2 and r.stdout == "" and msg in r.stderr and "Traceback" not in r.stderr, (cmd, args, r.output)
+            assert len(r.stderr.strip().splitlines()) == 1, r.stderr
