@@ -63,6 +63,8 @@ def quant_sweep(
             raise CortiqError(f"--plot: folder {plot.parent} does not exist")
     settings = resolve_settings(mode, ctx, stride, max_tokens, chunks)
     where = copt.check(cluster, resume)
+    if resume and workdir is None:  # a cluster run is journaled by its saved reference's path
+        raise CortiqError("--resume with quant-sweep needs the --workdir of the interrupted run")
     source = load_text(opt.text_spec(text, dataset, config, split, column, data_files))
     need_ctx = max(settings.ctx, decode_tokens + 2)
 

@@ -380,3 +380,5 @@ def test_the_other_commands_check_their_cluster_options(tiny, mtp_model, tmp_pat
             r = runner.invoke(app, [*cmd, "--text", str(text), *args, "--json"])
             assert r.exit_code == 2 and r.stdout == "" and msg in r.stderr and "Traceback" not in r.stderr, (cmd, args, r.output)
             assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    r = runner.invoke(app, ["quant-sweep", str(f32.parent / "hf"), "--text", str(text), "--cluster", "local:2", "--resume", "--json"])
+    assert r.exit_code == 2 and "needs the --workdir" in r.stderr, r.output  # a run is journaled by its saved reference's path
