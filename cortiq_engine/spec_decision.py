@@ -12,7 +12,8 @@ rounds (tokens emitted, seconds of draft + verify). A source's rate over plain's
 ``plain seconds per token / its seconds per token``; a source is switched off when
 that falls below ``off_below`` (1.0: slower than plain) after ``min_rounds`` rounds of
 each, and back on only when it reaches ``on_above`` (hysteresis: a ratio wandering
-around 1.0 does not flip the choice every round). Every ``probe_every``-th round a
+around 1.0 does not flip the choice every round); a source switched off is judged
+again on the rounds it runs from then on. Every ``probe_every``-th round a
 source could take runs the other choice: a source that is off drafts once (so a change
 of the text is seen), a source that is on yields to a plain step when plain decoding
 has not been timed in the last ``probe_every`` rounds (its figure stays current;
@@ -68,6 +69,7 @@ class SourceRate:
     switches: int = 0  # times the choice turned it off or on
     turns: int = 0  # rounds in which it had drafts to offer
     wait: int = 0  # while off: rounds it sat out since it was switched off or last probed
+    off_ratio: float | None = None  # its rate over plain when it was switched off
     recent: deque = field(init=False)
 
     def __post_init__(self) -> None:
@@ -127,12 +129,17 @@ class SpecDecision:
         r = self.ratio(name)
         if r is not None:
             if src.on and r < self.off_below:
-                src.on, src.switches, src.wait = False, src.switches + 1, 0
+                src.on, src.switches, src.wait, src.off_ratio = False, src.switches + 1, 0, r
+                # Its probes are judged on their own: a stretch of slow rounds (the machine
+                # busy with something else) then costs the next min_rounds probes, not a
+                # window's worth.
+                src.recent.clear()
+                r = None
             elif not src.on and r >= self.on_above:
                 src.on, src.switches = True, src.switches + 1
         if not src.on:
             src.wait += 1
-            if src.wait < self.probe_interval(r):
+            if src.wait < self.probe_interval(r if r is not None else src.off_ratio):
                 return False
             src.wait = 0
             return True

@@ -206,3 +206,23 @@ def test_decide_off_drafts_every_round(tiny):
     assert isinstance(d, LookupDrafter) and d.decision is None
     res = eng.generate(PROMPTS[0], max_tokens=16, ignore_eos=True, speculative=d)
     assert "speculative" not in res.extra and "plain" not in res.extra["mtp"].get("by_source", {})
+
+
+def test_a_source_switched_off_by_a_slow_stretch_comes_back_after_two_probes():
+    """Its probes are judged on their own, not diluted by the rounds that switched it off."""
+    dec = SpecDecision(clock=lambda: 0.0)
+    for _ in range(MIN_ROUNDS):
+        dec.record("plain", 1, 1.0)
+    dec.allow("lookup")
+    for _ in range(dec.window):
+        dec.record("lookup", 1, 1 / 0.95)  # a slow stretch: 0.95x
+    dec.record("plain", 1, 1.0)
+    assert dec.allow("lookup") is False and dec.rates["lookup"].on is False
+    rounds = 0
+    while not dec.rates["lookup"].on:
+        rounds += 1
+        if dec.allow("lookup"):
+            dec.record("lookup", 2, 1.0)  # 2x again
+        else:
+            dec.record("plain", 1, 1.0)
+    assert rounds == MIN_ROUNDS * PROBE_EVERY
