@@ -26,7 +26,9 @@ from cortiq_cli import options as opts
 from cortiq_cli.common import (KvCache, compile_note, err_console, handle_errors, human_bytes, load_engine, peak_rss_bytes,
                                print_json)
 from cortiq_cli.cmd_generate import MAX_LOGPROBS, print_logprobs
+from formats import untrusted_json
 from formats.errors import CortiqError
+from formats.untrusted_json import read_text
 
 CONTEXT = "Context"
 TEMPLATE_MODEL = "model"
@@ -50,12 +52,9 @@ class Conversation:
         return ([{"role": "system", "content": self.system}] if self.system else []) + self.messages
 
     def load(self, path: Path) -> None:
-        try:
-            doc = json.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise CortiqError(f"{path}: no such file") from None
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CortiqError(f"{path}: not a JSON message list ({e})") from None
+        # Untrusted: a regular file of bounded size (no FIFO or device), JSON parsed with
+        # bounded depth and bounded integers.
+        doc = untrusted_json.loads(read_text(path, 1 << 26, "chat session file"), str(path))
         if not isinstance(doc, list) or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in doc
         ):

@@ -357,12 +357,9 @@ def read_prompt(prompt: str | None, prompt_file: Any) -> str:
     if prompt_file is not None:
         if prompt is not None:
             raise CortiqError("give a PROMPT (or -p) or --prompt-file, not both")
-        try:
-            return prompt_file.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise CortiqError(f"{prompt_file}: no such file") from None
-        except (OSError, UnicodeDecodeError) as e:
-            raise CortiqError(f"{prompt_file}: cannot read the prompt ({e})") from None
+        from formats.untrusted_json import read_text
+
+        return read_text(prompt_file, what="prompt file")
     if prompt is None:
         raise CortiqError("no prompt: give PROMPT or -p/--prompt TEXT ('-' reads stdin), or --prompt-file PATH")
     return sys.stdin.read() if prompt == "-" else prompt

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from formats.errors import CortiqError
+from formats.untrusted_json import read_text
 from evals.corpora import DOWNLOADED_CORPORA
 
 DATA_DIR = Path(__file__).parent / "data"
@@ -106,7 +107,7 @@ def downloaded(name: str) -> LoadedText:
 # ------------------------------------------------------------------ files
 
 def _from_file(path: Path, column: str | None) -> LoadedText:
-    if not path.is_file():
+    if not path.exists():
         raise CortiqError(f"{path}: no such file (bundled texts by name: {', '.join(BUNDLED_CORPORA)})")
     kind = _TABLE_SUFFIXES.get(path.suffix.lower())
     if kind is None:
@@ -124,10 +125,8 @@ def _from_file(path: Path, column: str | None) -> LoadedText:
 
 
 def _read_utf8(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise CortiqError(f"{path}: not UTF-8 text (byte {e.start})") from None
+    """A text file given by path: regular, bounded in size, UTF-8 (``read_text``)."""
+    return read_text(path, what="text file")
 
 
 def _missing_column(where: str, col: str, available: list[str]) -> CortiqError:
