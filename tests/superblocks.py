@@ -123,6 +123,23 @@ def check_int_kernels(dt: DType) -> None:
         assert all(np.array_equal(r, results[0]) for r in results)
 
 
+def check_llama_cpp_bytes(dt: DType, ggml_type) -> None:
+    """Our encoder's blocks equal llama.cpp's own library's (``ggml_quantize_chunk``), with
+    and without an imatrix, on normal, heavy-tailed and mostly-zero rows."""
+    from tests.ggml_oracle import ggml_library_quantize
+
+    rng = np.random.default_rng(0)
+    shape = (16, 1024)
+    cases = [rng.standard_normal(shape), rng.standard_t(3, shape) * 0.02,
+             rng.standard_normal(shape) * (rng.random(shape) < 0.1)]
+    imp = (rng.random(shape[1]) ** 3 * 10 + 0.01).astype(np.float32)
+    for x in cases:
+        x = x.astype(np.float32)
+        for im in (None, imp):
+            ours = dt.to_ggml(dt.named(dt.encode(x, im), x.shape)).reshape(shape[0], -1)
+            assert np.array_equal(ours, ggml_library_quantize(x, ggml_type, im))
+
+
 def relative_rms(dt: DType, x: np.ndarray, importance: np.ndarray | None = None) -> float:
     """sqrt(sum (w e^2) / sum (w x^2)) in float64 of x encoded by ``dt`` (w = importance or 1)."""
     named = dt.named(dt.encode(x, importance), x.shape)

@@ -1,11 +1,12 @@
 """q3k (llama.cpp's Q3_K): its bytes against gguf-py, its kernels against their numpy
 twin and float64, its encoder against float64 error bounds (gguf-py has no Q3_K
-encoder and llama.cpp's library is not a dependency), GGUF blocks copied bit for bit,
+encoder; llama.cpp's own library where installed: the llamacpp marker), GGUF blocks copied bit for bit,
 ``cortiq convert --quant q3k`` and the engine on the result."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from gguf import GGMLQuantizationType as GT
 
 from cortiq_engine.convert import convert_checkpoint
@@ -47,6 +48,11 @@ def test_encoder_error_and_grid():
     both = DT.encode(x)
     halves = [DT.encode(x[:10]), DT.encode(x[10:])]
     assert all(np.array_equal(a, np.concatenate([h0, h1])) for a, h0, h1 in zip(both, *halves))
+
+
+@pytest.mark.llamacpp
+def test_encoder_is_llama_cpp_byte_for_byte():
+    sb.check_llama_cpp_bytes(DT, GT.Q3_K)
 
 
 def test_imatrix_lowers_the_weighted_error():
