@@ -30,7 +30,7 @@ import numpy as np
 
 from cortiq_engine.kernels import qdot
 from cortiq_engine.kernels.fast import ACT_BITS
-from cortiq_engine.kernels.amx import TILE, UNITS, TileKernels, host_unit
+from cortiq_engine.kernels.amx import UNITS, TileKernels, host_unit
 
 
 def main() -> int:

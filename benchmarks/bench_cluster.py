@@ -141,7 +141,7 @@ def main() -> None:
         return
     print(f"{report['cpu']}, {report['cores']} cores, load average {load0:.2f} before; {model.name}, {len(windows)} chunks of {args.ctx} "
           f"tokens ({fed:,} tokens fed), {args.threads} thread(s) per worker\n")
-    print(f"| run | tok/s | per worker | efficiency | s/window | busy | overhead/window | start-up | same figures |")
+    print("| run | tok/s | per worker | efficiency | s/window | busy | overhead/window | start-up | same figures |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for r in rows:
         frac = f"{r['busy']:.3f}" if "busy" in r else "-"

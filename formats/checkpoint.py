@@ -11,7 +11,6 @@ huggingface_hub, which offline fails with a clear message.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path

@@ -153,7 +153,6 @@ def write_olmo2_gguf(model, path, weight_type: str = "F32", sliding_window: int 
     from tokenizers import pre_tokenizers
 
     cfg = model.config
-    hd = cfg.hidden_size // cfg.num_attention_heads
     w = gguf.GGUFWriter(str(path), "olmo2")
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)

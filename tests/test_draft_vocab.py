@@ -147,7 +147,6 @@ def test_greedy_equality_with_a_draft_vocabulary(tiny, tmp_path, quant, family):
     path, side = tiny[family, quant]
     small = np.random.default_rng(5).permutation(VOCAB)[:48]
     eng = Engine.load(path, threads=1, mtp=_with_vocab(side, tmp_path / "v.mtp.cmf", small))
-    allowed = set(small.tolist())
     drafted = 0
     for vocab in (None, 16, "full"):
         for prompt in _prompts(2):

@@ -27,7 +27,7 @@ from formats.cmf import MAX_HEADER, CmfFile
 from cortiq_engine.convert import convert_checkpoint
 from formats.errors import CortiqError
 from formats.untrusted_json import loads
-from tests.cmf_edit import edit_file, reseal, rewrite_directory, rewrite_header_bytes
+from tests.cmf_edit import edit_file, rewrite_directory, rewrite_header_bytes
 from tests.tiny import save_tiny
 
 REPO = Path(__file__).resolve().parents[1]

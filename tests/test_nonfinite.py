@@ -4,7 +4,6 @@ CMF re-quantized and copied), leaves nothing behind, and keeps them only when as
 
 from __future__ import annotations
 
-import json
 
 import numpy as np
 import pytest

@@ -381,7 +381,7 @@ def _softmax_ir() -> str:
     f(f"  %ev = phi {_V} [zeroinitializer, %maxt], [%evn, %expl]")
     off = f.v("shl i64 %ei, 4")
     y = _exp16(f, f.v(f"fsub {_V} {f.load('%s', off)}, {mxv}"))
-    f(f"  store {_V} {y}, {_V}* {f.v(f'bitcast float* ' + f.v(f'getelementptr float, float* %s, i64 {off}') + f' to {_V}*')}, align 4")
+    f(f"  store {_V} {y}, {_V}* {f.v('bitcast float* ' + f.v(f'getelementptr float, float* %s, i64 {off}') + f' to {_V}*')}, align 4")
     f(f"  %evn = fadd {_V} %ev, {y}")
     f("  %ein = add i64 %ei, 1")
     f("  %emore = icmp ult i64 %ein, %nc")

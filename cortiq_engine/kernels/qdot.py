@@ -252,7 +252,7 @@ def _isum(f: _Fn, kind: str, act: int, wv: tuple[str, ...], r: int, b: str) -> s
     ``r``, as <8 x i32> partial sums (their total is the block's dot product)."""
     xo = f.v(f"add i64 {f.v(f'mul i64 %cols, {r}')}, {f.v(f'mul i64 {b}, 32')}")
     if act == 8:
-        x = f.v(f"load <32 x i8>, <32 x i8>* {f.v(f'bitcast i8* ' + f.v(f'getelementptr i8, i8* %xq, i64 {xo}') + ' to <32 x i8>*')}, align 1")
+        x = f.v(f"load <32 x i8>, <32 x i8>* {f.v('bitcast i8* ' + f.v(f'getelementptr i8, i8* %xq, i64 {xo}') + ' to <32 x i8>*')}, align 1")
         if not _nibbles(kind):  # signed quants
             u, v = wv[1], f.v(f"call <32 x i8> @llvm.x86.avx2.psign.b(<32 x i8> {x}, <32 x i8> {wv[0]})")
         else:
@@ -878,7 +878,7 @@ def _zbody(kind: str, act: int, nx: int) -> str:
     A + B is ``_gbody``'s first sum step); the nb % 8 leftover blocks take
     ``_block`` per row, on the per-row layout."""
     assert (kind, act) in ZBODIES and ZROWS_FROM <= nx <= ZROWS
-    q4, wbytes, ch = True, 16, 2  # ZBODIES: nibbles on int8, two 16-byte chunks a block
+    wbytes, ch = 16, 2  # ZBODIES: nibbles on int8, two 16-byte chunks a block
     name = _entry(kind, act)
     f = _Fn(True)
     f(f"define internal void @{name}_rows{nx}z({_ARGS}) nounwind alwaysinline \"min-legal-vector-width\"=\"512\" {{")
