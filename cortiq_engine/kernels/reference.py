@@ -136,6 +136,10 @@ class NumpyKernels:
         """Compile whatever needs compiling (nothing here)."""
 
 
+# Calls of at most this many rows are computed row by row (``row_exact.py``'s 16).
+ROW_EXACT_ROWS = 16
+
+
 def softcap_attend(q: np.ndarray, kc: np.ndarray, vc: np.ndarray, start: int, window: int, scale: float, softcap: float,
                    sinks: np.ndarray | None = None) -> np.ndarray:
     """``attend`` with Gemma 2's tanh cap on the scores (the compiled routes have no cap)."""
@@ -144,7 +148,11 @@ def softcap_attend(q: np.ndarray, kc: np.ndarray, vc: np.ndarray, start: int, wi
         hi = start + q.shape[0]
         kc, vc = kc[:, :hi].astype(np.float32), vc[:, :hi].astype(np.float32)
     qs = q * np.float32(scale)
-    for job in attention_jobs(q.shape[0], kc.shape[0]):
+    # Up to ROW_EXACT_ROWS rows (decode, a speculative verify) each row runs alone, so a
+    # verify row gets bit for bit the numbers its one-row decode gets; prefill in blocks.
+    jobs = attention_jobs(q.shape[0], kc.shape[0]) if q.shape[0] > ROW_EXACT_ROWS else [
+        (i, i + 1, g) for i in range(q.shape[0]) for g in range(kc.shape[0])]
+    for job in jobs:
         attend_block(qs, kc, vc, start, window, sinks, out, *job, softcap=softcap)
     return out
 
