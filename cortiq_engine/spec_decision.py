@@ -22,7 +22,10 @@ is off is probed less often the more its rounds lose: a probe of a source at rat
 costs about 1/r - 1 plain steps, so it waits (1/r - 1) / ``PROBE_BUDGET`` rounds (at
 least ``probe_every``, at most ``MAX_PROBE_EVERY``), which keeps the probes' cost near
 ``PROBE_BUDGET`` of the decode time whatever the source's rate (a source at 0.4x probed
-every 8th round would cost 16 %).
+every 8th round would cost 16 %). The loss counts in proportion to how many rounds it
+rests on, n / (n + ``SHRINK_ROUNDS``): a lookup's first rounds are all or nothing (0 or
+3 drafts accepted), and two unlucky ones must not keep it off through the loop of
+repeated text that follows them.
 
 The choice only decides which tokens get drafted and verified; the verify keeps the
 plain sampler's tokens, so the output is the plain greedy output token for token
@@ -53,6 +56,7 @@ PROBE_EVERY = 8
 MIN_ROUNDS = 2
 PROBE_BUDGET = 0.015
 MAX_PROBE_EVERY = 128
+SHRINK_ROUNDS = 6
 OFF_BELOW = 1.0
 ON_ABOVE = 1.05
 
@@ -139,7 +143,7 @@ class SpecDecision:
                 src.on, src.switches = True, src.switches + 1
         if not src.on:
             src.wait += 1
-            if src.wait < self.probe_interval(r if r is not None else src.off_ratio):
+            if src.wait < self.probe_interval(r if r is not None else src.off_ratio, src.rounds):
                 return False
             src.wait = 0
             return True
@@ -149,9 +153,10 @@ class SpecDecision:
         unknown = src.rounds > 0 and (plain is None or len(plain.recent) < self.min_rounds)
         return not (unknown or (src.rounds > 0 and self.since_plain >= self.probe_every))
 
-    def probe_interval(self, ratio: float | None) -> int:
-        """Rounds an off source waits between probes, at rate ``ratio`` over plain."""
-        loss = 1.0 / ratio - 1.0 if ratio else 0.0
+    def probe_interval(self, ratio: float | None, rounds: int) -> int:
+        """Rounds an off source waits between probes, at rate ``ratio`` over plain
+        measured over ``rounds`` of its rounds."""
+        loss = (1.0 / ratio - 1.0) * rounds / (rounds + SHRINK_ROUNDS) if ratio else 0.0
         return int(min(max(self.probe_every, math.ceil(loss / PROBE_BUDGET)), MAX_PROBE_EVERY))
 
     def record(self, name: str, tokens: int, seconds: float) -> None:
