@@ -171,7 +171,7 @@ def test_cli_streams_text_and_reports_the_cache(tiny):
     "args,stdin,needle",
     [
         (["plain"], "hi\n", "no chat template"),
-        (["chat"], "/load nope.json\n", "no such file"),
+        (["chat"], "/load nope.json\n", "no such chat session file"),
         (["chat"], "/save\n", "needs a FILE"),
     ],
 )
