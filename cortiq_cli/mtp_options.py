@@ -48,7 +48,7 @@ LookupNgram = Annotated[
 ]
 MtpGate = Annotated[
     bool,
-    typer.Option("--mtp-gate/--no-mtp-gate", help="With lookup drafts: a round without a lookup match runs the MTP drafts or a plain step, whichever was faster per token lately (off by default: measured no gain here).", rich_help_panel=MTP_PANEL),
+    typer.Option("--mtp-gate/--no-mtp-gate", help="Accepted for compatibility; each draft source is now switched on or off by its measured speed (see docs/architectures.md).", hidden=True, rich_help_panel=MTP_PANEL),
 ]
 MtpCompare = Annotated[
     bool,
