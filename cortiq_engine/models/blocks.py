@@ -16,6 +16,7 @@ from formats.cmf import CmfFile
 from formats.errors import CortiqError
 from formats.manifest import Manifest
 from cortiq_engine.layers import Attention, AttentionWeights, Block, GatedMLP, RMSNorm, RoPE
+from cortiq_engine.model import Model
 from cortiq_engine.models import base
 from cortiq_engine.models.base import DraftLayer, Geometry, draft_prefix, wrap_draft
 from cortiq_engine.moe import BiasedExpert, MoE, MoeBlock
@@ -153,7 +154,28 @@ def ffn_block(cmf: CmfFile, arch: ArchConfig, kernels, i: int, attn) -> Block:
     n2 = norm(cmf, arch, kernels, f"{p}post_attention_layernorm.weight")
     if arch.moe is not None and i in arch.moe.moe_layers:
         return MoeBlock(n1, attn, n2, load_moe(cmf, arch, kernels, p), i)
-    return Block(n1, attn, n2, gated_mlp(cmf, kernels, f"{p}mlp."))
+    return Block(n1, attn, n2, gated_mlp(cmf, kernels, f"{p}mlp."), residual_scale=arch.residual_scale)
+
+
+def prenorm_model(cmf: CmfFile, arch: ArchConfig, kernels) -> Model:
+    """A trunk of pre-norm blocks, every option read from ``arch``: each layer's attention
+    (no RoPE on ``arch.no_rope_layers``), its FFN (dense, or routed experts on MoE layers),
+    the residual scale; embeddings scaled and logits divided as ``arch`` says."""
+    rope_ = rope(arch)
+    nope = set(arch.no_rope_layers)
+    layers = []
+    for i, kind in enumerate(arch.layer_types):
+        p = f"model.layers.{i}."
+        for x in ("gate", "up", "down"):
+            if f"{p}mlp.{x}_proj.bias" in cmf:
+                raise CortiqError(f"{cmf.path}: MLP biases are not supported by the engine yet")
+        attn = attention(cmf, arch, kernels, p, kind, None if i in nope else rope_)
+        layers.append(ffn_block(cmf, arch, kernels, i, attn))
+    embed, head, norm_ = head_and_norm(cmf, arch, kernels)
+    return Model(
+        arch=arch, kernels=kernels, embed=embed, blocks=tuple(layers), norm=norm_, head=head,
+        embed_scale=arch.embedding_scale, logit_divisor=arch.logits_scaling,
+    )
 
 
 def head_and_norm(cmf: CmfFile, arch: ArchConfig, kernels) -> tuple[Weight, Weight, RMSNorm]:

@@ -19,7 +19,6 @@ from formats.cmf import CmfFile
 from formats.errors import CortiqError
 from formats.gguf_spec import GgufContext, GgufSpec
 from formats.manifest import Manifest
-from cortiq_engine.layers import Block
 from cortiq_engine.model import Model
 from cortiq_engine.models import blocks
 from cortiq_engine.models.base import Family, dense_common
@@ -73,27 +72,7 @@ def _check(cmf: CmfFile, arch: ArchConfig) -> None:
 
 def build(cmf: CmfFile, arch: ArchConfig, kernels) -> Model:
     _check(cmf, arch)
-    rope = blocks.rope(arch)
-    layers = []
-    for i, kind in enumerate(arch.layer_types):
-        p = f"model.layers.{i}."
-        for x in ("gate", "up", "down"):
-            if f"{p}mlp.{x}_proj.bias" in cmf:
-                raise CortiqError(f"{cmf.path}: MLP biases are not supported by the engine yet")
-        attn = blocks.attention(cmf, arch, kernels, p, kind, rope)  # score scale: arch.attention_scale
-        layers.append(
-            Block(
-                blocks.norm(cmf, arch, kernels, f"{p}input_layernorm.weight"), attn,
-                blocks.norm(cmf, arch, kernels, f"{p}post_attention_layernorm.weight"),
-                blocks.gated_mlp(cmf, kernels, f"{p}mlp."),
-                residual_scale=arch.residual_scale,
-            )
-        )
-    embed, head, norm = blocks.head_and_norm(cmf, arch, kernels)
-    return Model(
-        arch=arch, kernels=kernels, embed=embed, blocks=tuple(layers), norm=norm, head=head,
-        embed_scale=arch.embedding_scale, logit_divisor=arch.logits_scaling,
-    )
+    return blocks.prenorm_model(cmf, arch, kernels)
 
 
 # ------------------------------------------------------------------ GGUF

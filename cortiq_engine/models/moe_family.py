@@ -65,13 +65,7 @@ def build(cmf: CmfFile, arch: ArchConfig, kernels) -> Model:
     bad = sorted({t for t in arch.layer_types if t not in (LAYER_FULL, LAYER_SLIDING)})
     if bad or arch.attn_output_gate or arch.sliding is not None or arch.attention_sinks:
         raise CortiqError(f"{cmf.path}: {arch.arch} with layer types {bad} or gated/sink attention is not supported")
-    rope = blocks.rope(arch)
-    layers = []
-    for i, kind in enumerate(arch.layer_types):
-        attn = blocks.attention(cmf, arch, kernels, f"model.layers.{i}.", kind, rope)
-        layers.append(blocks.ffn_block(cmf, arch, kernels, i, attn))
-    embed, head, norm = blocks.head_and_norm(cmf, arch, kernels)
-    return Model(arch=arch, kernels=kernels, embed=embed, blocks=tuple(layers), norm=norm, head=head)
+    return blocks.prenorm_model(cmf, arch, kernels)
 
 
 FAMILY = Family(

@@ -98,18 +98,7 @@ def _check(cmf: CmfFile, arch: ArchConfig) -> None:
 
 def build(cmf: CmfFile, arch: ArchConfig, kernels) -> Model:
     _check(cmf, arch)
-    rope = blocks.rope(arch)
-    nope = set(arch.no_rope_layers)
-    layers = []
-    for i, kind in enumerate(arch.layer_types):
-        p = f"model.layers.{i}."
-        for x in ("gate", "up", "down"):
-            if f"{p}mlp.{x}_proj.bias" in cmf:
-                raise CortiqError(f"{cmf.path}: MLP biases are not supported by the engine yet")
-        attn = blocks.attention(cmf, arch, kernels, p, kind, None if i in nope else rope)
-        layers.append(blocks.ffn_block(cmf, arch, kernels, i, attn))
-    embed, head, norm = blocks.head_and_norm(cmf, arch, kernels)
-    return Model(arch=arch, kernels=kernels, embed=embed, blocks=tuple(layers), norm=norm, head=head)
+    return blocks.prenorm_model(cmf, arch, kernels)
 
 
 # ------------------------------------------------------------------ GGUF
