@@ -29,6 +29,28 @@ BLOCK_NAMES: Mapping[str, str] = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# llama.cpp's routed-expert parts: the router, the stacked experts (``{e}``: one planned
+# tensor per expert) and the shared experts (HF's plural name, which families rename).
+MOE_BLOCK_NAMES: Mapping[str, str] = {
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.{e}.gate_proj",
+    "ffn_up_exps": "mlp.experts.{e}.up_proj",
+    "ffn_down_exps": "mlp.experts.{e}.down_proj",
+    "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+    "ffn_up_shexp": "mlp.shared_experts.up_proj",
+    "ffn_down_shexp": "mlp.shared_experts.down_proj",
+}
+# The sigmoid router's correction bias (a whole HF name: see ``GgufSpec.full_names``).
+ROUTING_BIAS: Mapping[str, str] = {"exp_probs_b": "mlp.gate.e_score_correction_bias"}
+# llama.cpp's nextn (MTP) layer parts -> the release names of a trailing MTP layer.
+NEXTN_BLOCK_NAMES: Mapping[str, str] = {
+    "nextn.eh_proj": "eh_proj",
+    "nextn.enorm": "enorm",
+    "nextn.hnorm": "hnorm",
+    "nextn.shared_head_norm": "shared_head.norm",
+    "nextn.shared_head_head": "shared_head.head",
+    "nextn.embed_tokens": "embed_tokens",
+}
 # The tensors outside the blocks.
 GLOBAL_NAMES: Mapping[str, str] = {
     "token_embd.weight": "model.embed_tokens.weight",

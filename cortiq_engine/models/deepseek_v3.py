@@ -30,7 +30,7 @@ import numpy as np
 from formats.arch import LAYER_FULL, ArchConfig, MlaConfig, MoeConfig
 from formats.cmf import CmfFile
 from formats.errors import CortiqError
-from formats.gguf_spec import GgufContext, GgufSpec
+from formats.gguf_spec import MOE_BLOCK_NAMES, ROUTING_BIAS, GgufContext, GgufSpec
 from formats.manifest import Manifest
 from formats.sanitize import SanitizeRules
 from cortiq_engine.layers import RoPE
@@ -295,15 +295,9 @@ GGUF = GgufSpec(
         "attn_kv_b": "self_attn.kv_b_proj",
         "attn_k_b": "self_attn.k_b_proj.{e}",
         "attn_v_b": "self_attn.v_b_proj.{e}",
-        "ffn_gate_inp": "mlp.gate",
-        "ffn_gate_exps": "mlp.experts.{e}.gate_proj",
-        "ffn_up_exps": "mlp.experts.{e}.up_proj",
-        "ffn_down_exps": "mlp.experts.{e}.down_proj",
-        "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
-        "ffn_up_shexp": "mlp.shared_experts.up_proj",
-        "ffn_down_shexp": "mlp.shared_experts.down_proj",
+        **MOE_BLOCK_NAMES,
     },
-    full_names={"exp_probs_b": "mlp.gate.e_score_correction_bias"},
+    full_names=ROUTING_BIAS,
     config=_gguf_config,
 )
 

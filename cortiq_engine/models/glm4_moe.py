@@ -30,7 +30,7 @@ import numpy as np
 from formats.arch import LAYER_FULL, ArchConfig, MoeConfig
 from formats.cmf import CmfFile
 from formats.errors import CortiqError
-from formats.gguf_spec import GgufContext, GgufSpec
+from formats.gguf_spec import MOE_BLOCK_NAMES, NEXTN_BLOCK_NAMES, ROUTING_BIAS, GgufContext, GgufSpec
 from formats.manifest import Manifest
 from formats.sanitize import SanitizeRules
 from cortiq_engine.model import Model
@@ -221,21 +221,10 @@ GGUF = GgufSpec(
     "glm4moe", "glm4_moe", "Glm4MoeForCausalLM",
     block_names={
         "post_attention_norm": "post_attention_layernorm",
-        "ffn_gate_inp": "mlp.gate",
-        "ffn_gate_exps": "mlp.experts.{e}.gate_proj",
-        "ffn_up_exps": "mlp.experts.{e}.up_proj",
-        "ffn_down_exps": "mlp.experts.{e}.down_proj",
-        "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
-        "ffn_up_shexp": "mlp.shared_experts.up_proj",
-        "ffn_down_shexp": "mlp.shared_experts.down_proj",
-        "nextn.eh_proj": "eh_proj",
-        "nextn.enorm": "enorm",
-        "nextn.hnorm": "hnorm",
-        "nextn.shared_head_norm": "shared_head.norm",
-        "nextn.shared_head_head": "shared_head.head",
-        "nextn.embed_tokens": "embed_tokens",
+        **MOE_BLOCK_NAMES,
+        **NEXTN_BLOCK_NAMES,
     },
-    full_names={"exp_probs_b": "mlp.gate.e_score_correction_bias"},
+    full_names=ROUTING_BIAS,
     config=_gguf_config,
 )
 
