@@ -79,3 +79,15 @@ def test_gguf_block_copy_with_a_nan_scale_is_refused(tmp_path):
     with pytest.raises(CortiqError, match=rf"tensor {BAD} \(d\) holds nan at row 0"):
         convert_checkpoint(path, tmp_path / "g.cmf", quant="keep")
     assert not (tmp_path / "g.cmf").exists()
+
+
+def test_generate_stops_on_non_finite_logits(poisoned, tmp_path):
+    """A kept NaN weight reaches the logits: generate stops with one clear error instead
+    of emitting argmax-of-NaN tokens."""
+    from cortiq_engine import Engine
+
+    out = tmp_path / "m.cmf"
+    convert_checkpoint(poisoned, out, quant="f32", allow_nonfinite=True)
+    with Engine.load(out, warmup=False) as eng:
+        with pytest.raises(CortiqError, match="logits became non-finite"):
+            eng.generate([1, 2, 3, 4], max_tokens=4, ignore_eos=True)

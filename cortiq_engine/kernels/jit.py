@@ -305,9 +305,12 @@ def half_dequant(w, bf16, r0, r1, out):
 
 
 # ------------------------------------------------------------ elementwise / norms
+# error_model="numpy" on the dividing kernels: a non-finite row (weights kept with
+# --allow-nonfinite, an overflow) gives NaN rows, not a ZeroDivisionError; the sampler
+# then refuses the logits in one line.
 
 
-@njit(fastmath=True, cache=True)
+@njit(fastmath=True, cache=True, error_model="numpy")
 def rms_norm(x, w, eps, out):
     """out[i] = x[i] / sqrt(mean(x[i]^2) + eps) * w, rows of a 2-D array."""
     n, h = x.shape
@@ -320,7 +323,7 @@ def rms_norm(x, w, eps, out):
             out[i, c] = w[c] * (x[i, c] * inv)
 
 
-@njit(fastmath=True, cache=True)
+@njit(fastmath=True, cache=True, error_model="numpy")
 def add_rms_norm(x, delta, w, eps, out):
     """x += delta (the residual stream, in place), then out = rms_norm(x) * w."""
     n, h = x.shape
@@ -335,7 +338,7 @@ def add_rms_norm(x, delta, w, eps, out):
             out[i, c] = w[c] * (x[i, c] * inv)
 
 
-@njit(fastmath=True, cache=True)
+@njit(fastmath=True, cache=True, error_model="numpy")
 def silu_mul(gu, out):
     """gu = [gate | up] per row -> silu(gate) * up."""
     n, two = gu.shape
