@@ -305,7 +305,7 @@ def half_dequant(w, bf16, r0, r1, out):
 
 
 # ------------------------------------------------------------ elementwise / norms
-# error_model="numpy" on the dividing kernels: a non-finite row (weights kept with
+# error_model="numpy" on the norms: a non-finite row (weights kept with
 # --allow-nonfinite, an overflow) gives NaN rows, not a ZeroDivisionError; the sampler
 # then refuses the logits in one line.
 
@@ -338,7 +338,7 @@ def add_rms_norm(x, delta, w, eps, out):
             out[i, c] = w[c] * (x[i, c] * inv)
 
 
-@njit(fastmath=True, cache=True, error_model="numpy")
+@njit(fastmath=True, cache=True)
 def silu_mul(gu, out):
     """gu = [gate | up] per row -> silu(gate) * up."""
     n, two = gu.shape
