@@ -11,6 +11,7 @@ commands (``/help``). Ctrl-C stops the current answer and keeps the chat; Ctrl-D
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import threading
@@ -26,7 +27,7 @@ from cortiq_cli import options as opts
 from cortiq_cli.common import (KvCache, compile_note, err_console, handle_errors, human_bytes, load_engine, peak_rss_bytes,
                                print_json)
 from cortiq_cli.cmd_generate import MAX_LOGPROBS, print_logprobs
-from formats import untrusted_json
+from formats import staging, untrusted_json
 from formats.errors import CortiqError
 from formats.untrusted_json import read_text
 
@@ -65,10 +66,21 @@ class Conversation:
         self.messages = [m for m in msgs if m["role"] != "system"]
 
     def save(self, path: Path) -> None:
+        """Written beside ``path`` and renamed over it: a failed write (a full disk, Ctrl-C)
+        leaves the old file or none, never half a conversation."""
+        data = (json.dumps(self.rendered(), ensure_ascii=False, indent=1) + "\n").encode("utf-8")
+        tmp = None
         try:
-            path.write_text(json.dumps(self.rendered(), ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
+            fd, tmp = staging.new_temp(path)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            staging.place(tmp, path)
+            tmp = None
         except OSError as e:
-            raise CortiqError(f"{path}: cannot write ({e})") from None
+            raise CortiqError(f"{path}: cannot write ({e.strerror or e})") from None
+        finally:
+            if tmp is not None:
+                tmp.unlink(missing_ok=True)
 
 
 def raw_template(messages: list[dict[str, str]]) -> str:

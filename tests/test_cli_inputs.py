@@ -63,3 +63,13 @@ def test_chat_load_of_a_too_deep_document(cmf, tmp_path):
 def test_prompt_and_text_files_that_are_not_regular_files(cmf, fifo):
     _one_line(_cortiq("generate", cmf, "--prompt-file", fifo, "-n", "2"), "FIFO")
     _one_line(_cortiq("ppl", cmf, "--text", "/dev/zero"), "character device")
+
+
+def test_chat_save_is_atomic_and_never_replaces_a_fifo(cmf, tmp_path, fifo):
+    """``/save`` writes beside the target and renames: a FIFO target is refused, and
+    nothing is left behind; a regular target gets the whole conversation."""
+    p = _cortiq("chat", cmf, "-n", "2", "--json", stdin=f"hi\n/save {fifo}\n/save {tmp_path / 'c.json'}\n")
+    assert "is a FIFO" in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["c.json", "pipe"]
+    doc = json.loads((tmp_path / "c.json").read_text())
+    assert [m["role"] for m in doc][-2:] == ["user", "assistant"] and doc[-2]["content"] == "hi"
