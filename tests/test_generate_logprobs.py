@@ -87,7 +87,7 @@ def test_prompt_file_and_text_listing(tiny, tmp_path):
 @pytest.mark.parametrize(
     "args,needle",
     [
-        (["-f", "missing.txt"], "no such file"),
+        (["-f", "missing.txt"], "no such prompt file"),
         ([PROMPT, "-f", "p.txt"], "not both"),
         ([], "no prompt"),
     ],
