@@ -204,7 +204,7 @@ def test_adaptive_depth_cuts_drafts_and_stays_exact(tiny, quant, family):
         for prompt in _prompts(6):
             plain = eng.generate(prompt, max_tokens=MAX_TOKENS, speculative=False)
             # MTP alone (lookup=0): the threshold decides every round.
-            spec = eng.generate(prompt, max_tokens=MAX_TOKENS, speculative=SpeculativeConfig(threshold=float(th), lookup=0))
+            spec = eng.generate(prompt, max_tokens=MAX_TOKENS, speculative=SpeculativeConfig(threshold=float(th), lookup=0, decide=False))
             _assert_same(plain, spec)
             st = spec.extra["mtp"]
             assert st["threshold"] == pytest.approx(th)
@@ -238,15 +238,15 @@ def test_rigged_drafts_with_vocabulary_and_threshold_accept_what_they_should(tin
     eng = Engine.load(path, threads=1, mtp=side)
     plain = eng.generate([5, 6, 7], max_tokens=17, speculative=False)
     # MTP alone (lookup=0): every token is id 0, which n-gram lookup would draft too.
-    high = eng.generate([5, 6, 7], max_tokens=17, speculative=SpeculativeConfig(threshold=0.2, lookup=0))
+    high = eng.generate([5, 6, 7], max_tokens=17, speculative=SpeculativeConfig(threshold=0.2, lookup=0, decide=False))
     _assert_same(plain, high)
     assert high.extra["mtp"]["depth_histogram"] == [0, 0, 0, 4] and high.extra["mtp"]["tokens_per_round"] == 4.0
-    low = eng.generate([5, 6, 7], max_tokens=17, speculative=SpeculativeConfig(threshold=0.3, lookup=0))
+    low = eng.generate([5, 6, 7], max_tokens=17, speculative=SpeculativeConfig(threshold=0.3, lookup=0, decide=False))
     _assert_same(plain, low)
     # 16 decode steps; the last has no room for a draft (a plain step, not a drafting round).
     assert low.extra["mtp"]["depth_histogram"] == [15, 0, 0, 0] and low.extra["mtp"]["rounds"] == 0
     assert low.extra["mtp"]["plain_steps"] == 16
-    full = eng.generate([5, 6, 7], max_tokens=17, speculative=SpeculativeConfig(vocab="full", threshold=0.2, lookup=0))
+    full = eng.generate([5, 6, 7], max_tokens=17, speculative=SpeculativeConfig(vocab="full", threshold=0.2, lookup=0, decide=False))
     _assert_same(plain, full)
     assert full.extra["mtp"]["depth_histogram"][0] == 15  # p = 1/256 over the full vocabulary
 
@@ -408,7 +408,8 @@ def test_generate_json_reports_the_depth_histogram(tiny, tmp_path):
     assert r.exit_code == 0, r.output
     m = json.loads(r.output)["mtp"]
     assert m["draft_vocab"] == 32 and m["threshold"] == 0.0
-    assert sum(m["depth_histogram"]) == m["drafting_rounds"] == m["rounds"] and "mean_depth" in m
+    # Rounds the measured decision turned plain still count as drafting rounds of depth 0.
+    assert sum(m["depth_histogram"]) == m["drafting_rounds"] >= m["rounds"] and "mean_depth" in m
 
 
 @pytest.mark.slow

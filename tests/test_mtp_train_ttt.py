@@ -401,7 +401,7 @@ def test_live_rounds_replay_speculative_decoding_and_set_generates_defaults(tiny
               traces=traces, starts=starts)
         want = _simulate_live(dict(zip(starts.tolist(), traces[0].right)), p - 1, depth, M)
         live = eng.generate(prompt, max_tokens=M, ignore_eos=True,
-                            speculative=SpeculativeConfig(depth=depth, threshold=0.0, lookup=0)).acceptance
+                            speculative=SpeculativeConfig(depth=depth, threshold=0.0, lookup=0, decide=False)).acceptance
         assert (live.drafted, live.accepted, live.accept_hist, live.plain_steps) == want
         assert 0 < live.accepted[0] < live.drafted[0]  # drafts both right and wrong: the replay is tested
 
