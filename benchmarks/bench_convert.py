@@ -7,7 +7,7 @@ to each ``--quant`` in a child process and reports, per run: source MB/s (the
 converter's own clock), wall time of the whole child, and the child's peak RSS
 (``wait4``), next to the RSS of a child that only starts the CLI and of one that
 has the converter imported and its quantizers compiled ("interpreter"), and the
-issue-10 target: peak - interpreter < 1.3 x the largest tensor as f32.
+The target: peak - interpreter < 1.3 x the largest tensor as f32.
 
     python benchmarks/bench_convert.py                      # 8-layer 1024-wide llama, f32, ~620 MB
     python benchmarks/bench_convert.py --dtype bfloat16 --layers 20

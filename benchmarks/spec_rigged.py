@@ -8,7 +8,7 @@ A rigged drafter then proposes, at each depth independently, the true next token
 with probability ``--accept`` and a wrong one otherwise (so depth k is accepted
 with probability accept^k in a chain), at no draft cost. The speculative run must
 reproduce the plain tokens exactly; its speed over plain decoding is what the
-batched verify alone allows (the speculative issue's target: depth 3 at 70% on the
+batched verify alone allows (the speculative target: depth 3 at 70% on the
 1.1B shape >= 1.8x). Plain decoding runs again after each speculative run and the
 faster plain run is kept, so machine drift does not flatter speculation.
 """
