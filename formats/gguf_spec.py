@@ -29,6 +29,13 @@ BLOCK_NAMES: Mapping[str, str] = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# llama.cpp's parts of a block with four norms (before and after attention and the FFN),
+# where its ffn_norm is the norm before the FFN, not after attention.
+SANDWICH_BLOCK_NAMES: Mapping[str, str] = {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 # llama.cpp's routed-expert parts: the router, the stacked experts (``{e}``: one planned
 # tensor per expert) and the shared experts (HF's plural name, which families rename).
 MOE_BLOCK_NAMES: Mapping[str, str] = {

@@ -17,7 +17,7 @@ import numpy as np
 from formats.arch import ACTIVATIONS, LAYER_FULL, LAYER_SLIDING, ArchConfig
 from formats.cmf import CmfFile
 from formats.errors import CortiqError
-from formats.gguf_spec import GgufContext, GgufSpec, SentencePieceStyle
+from formats.gguf_spec import SANDWICH_BLOCK_NAMES, GgufContext, GgufSpec, SentencePieceStyle
 from formats.manifest import Manifest
 from cortiq_engine.layers import GegluMLP, RMSNorm, RoPE, SandwichBlock
 from cortiq_engine.model import Model
@@ -225,11 +225,7 @@ def _gguf_config(ctx: GgufContext, config: dict[str, Any]) -> None:
 GGUF = GgufSpec(
     "gemma3", "gemma3_text", "Gemma3ForCausalLM",
     # Gemma's four norms per block; llama.cpp stores them (and the q/k norms) as 1 + w.
-    block_names={
-        "post_attention_norm": "post_attention_layernorm",
-        "ffn_norm": "pre_feedforward_layernorm",
-        "post_ffw_norm": "post_feedforward_layernorm",
-    },
+    block_names=SANDWICH_BLOCK_NAMES,
     norm_offset=-1.0,
     config=_gguf_config,
     sentencepiece=SentencePieceStyle("GemmaTokenizer", CHAT_TEMPLATE, eog_texts=("<end_of_turn>",)),
