@@ -58,6 +58,10 @@ class KVCache:
         self.writes += n
         return start
 
+    def can_truncate(self, n: int) -> bool:
+        """A KV cache rolls back to any of its rows."""
+        return 0 <= n <= self.length
+
     def truncate(self, n: int) -> None:
         """Roll back to the first ``n`` rows (a rejected speculative draft)."""
         if not 0 <= n <= self.length:

@@ -99,7 +99,7 @@ class State:
     def can_truncate(self, n: int) -> bool:
         """Whether every cache can roll back to ``n`` rows (a recurrent state only inside
         its last forward call; a KV cache always)."""
-        return all(getattr(c, "can_truncate", lambda m: 0 <= m <= c.length)(n) for c in self.caches)
+        return all(c.can_truncate(n) for c in self.caches)
 
     def truncate(self, n: int) -> None:
         """Roll every cache back to its first ``n`` rows (speculative rollback)."""
