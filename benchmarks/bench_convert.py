@@ -45,8 +45,13 @@ def build_checkpoint(cache: Path, layers: int, hidden: int, dtype: str) -> Path:
         return folder
     tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=cache))
     overrides = dict(
-        vocab_size=32000, hidden_size=hidden, intermediate_size=hidden * 11 // 4 // 32 * 32, num_hidden_layers=layers,
-        num_attention_heads=hidden // 64, num_key_value_heads=max(1, hidden // 256), max_position_embeddings=4096,
+        vocab_size=32000,
+        hidden_size=hidden,
+        intermediate_size=hidden * 11 // 4 // 32 * 32,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=max(1, hidden // 256),
+        max_position_embeddings=4096,
     )
     code = (
         f"import sys; sys.path.insert(0, {str(REPO)!r}); from tests.tiny import save_tiny; "
@@ -113,20 +118,32 @@ def main() -> None:
             rep = json.loads(stdout)
             largest = max(t["bytes"] for t in rep["tensors"])
             largest_f32 = max(4 * _prod(t["shape"]) for t in rep["tensors"])
-            rows.append({
-                "quant": q, "source_mb": rep["source_bytes"] / 1e6, "output_mb": rep["output_bytes"] / 1e6,
-                "convert_s": rep["seconds"], "mb_per_s": rep["mb_per_s"], "wall_s": wall,
-                "peak_rss_mb": rss / 1e6, "cli_baseline_rss_mb": base_rss / 1e6,
-                "largest_output_tensor_mb": largest / 1e6,
-                "interpreter_rss_mb": ready_rss / 1e6, "largest_tensor_f32_mb": largest_f32 / 1e6,
-                "over_interpreter_per_largest_f32": (rss - ready_rss) / largest_f32,
-                "within_target": rss - ready_rss < TARGET_TIMES_LARGEST * largest_f32,
-                "rms_rel_error": {k: v["rms_rel_error"] for k, v in rep["dtypes"].items()},
-            })
+            rows.append(
+                {
+                    "quant": q,
+                    "source_mb": rep["source_bytes"] / 1e6,
+                    "output_mb": rep["output_bytes"] / 1e6,
+                    "convert_s": rep["seconds"],
+                    "mb_per_s": rep["mb_per_s"],
+                    "wall_s": wall,
+                    "peak_rss_mb": rss / 1e6,
+                    "cli_baseline_rss_mb": base_rss / 1e6,
+                    "largest_output_tensor_mb": largest / 1e6,
+                    "interpreter_rss_mb": ready_rss / 1e6,
+                    "largest_tensor_f32_mb": largest_f32 / 1e6,
+                    "over_interpreter_per_largest_f32": (rss - ready_rss) / largest_f32,
+                    "within_target": rss - ready_rss < TARGET_TIMES_LARGEST * largest_f32,
+                    "rms_rel_error": {k: v["rms_rel_error"] for k, v in rep["dtypes"].items()},
+                }
+            )
             out.unlink()
     result = {
-        "source": str(src), "source_mb": src_bytes / 1e6, "build_s": build_s, "cpus": os.cpu_count(),
-        "load_avg": os.getloadavg(), "runs": rows,
+        "source": str(src),
+        "source_mb": src_bytes / 1e6,
+        "build_s": build_s,
+        "cpus": os.cpu_count(),
+        "load_avg": os.getloadavg(),
+        "runs": rows,
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
     }
     if args.json:
@@ -135,16 +152,37 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=f"cortiq convert: {src} ({src_bytes / 1e6:.0f} MB, {os.cpu_count()} CPUs, "
-                    f"load {result['load_avg'][0]:.1f})", title_justify="left")
-    for col in ("quant", "MB/s", "convert s", "wall s", "peak RSS MB", "CLI-only RSS MB", "interpreter RSS MB",
-                "largest tensor f32 MB", "(peak - interp.) / largest", "output MB"):
+    t = Table(
+        title=f"cortiq convert: {src} ({src_bytes / 1e6:.0f} MB, {os.cpu_count()} CPUs, "
+        f"load {result['load_avg'][0]:.1f})",
+        title_justify="left",
+    )
+    for col in (
+        "quant",
+        "MB/s",
+        "convert s",
+        "wall s",
+        "peak RSS MB",
+        "CLI-only RSS MB",
+        "interpreter RSS MB",
+        "largest tensor f32 MB",
+        "(peak - interp.) / largest",
+        "output MB",
+    ):
         t.add_column(col, justify="right")
     for r in rows:
-        t.add_row(r["quant"], f"{r['mb_per_s']:.0f}", f"{r['convert_s']:.1f}", f"{r['wall_s']:.1f}",
-                  f"{r['peak_rss_mb']:.0f}", f"{r['cli_baseline_rss_mb']:.0f}", f"{r['interpreter_rss_mb']:.0f}",
-                  f"{r['largest_tensor_f32_mb']:.1f}", f"{r['over_interpreter_per_largest_f32']:.2f}"
-                  + ("" if r["within_target"] else " (over 1.3)"), f"{r['output_mb']:.0f}")
+        t.add_row(
+            r["quant"],
+            f"{r['mb_per_s']:.0f}",
+            f"{r['convert_s']:.1f}",
+            f"{r['wall_s']:.1f}",
+            f"{r['peak_rss_mb']:.0f}",
+            f"{r['cli_baseline_rss_mb']:.0f}",
+            f"{r['interpreter_rss_mb']:.0f}",
+            f"{r['largest_tensor_f32_mb']:.1f}",
+            f"{r['over_interpreter_per_largest_f32']:.2f}" + ("" if r["within_target"] else " (over 1.3)"),
+            f"{r['output_mb']:.0f}",
+        )
     Console().print(t)
 
 

@@ -163,7 +163,12 @@ def run_system(system: System, model: Path, job: dict[str, Any], timeout: float)
     cmd = [sys.executable, str(HERE / "bench_worker.py")]
     try:
         proc = subprocess.run(
-            cmd, input=json.dumps(payload), capture_output=True, text=True, env=worker_env(job["threads"]), timeout=timeout
+            cmd,
+            input=json.dumps(payload),
+            capture_output=True,
+            text=True,
+            env=worker_env(job["threads"]),
+            timeout=timeout,
         )
     except subprocess.TimeoutExpired:
         return f"timed out after {timeout:.0f} s"
@@ -252,7 +257,12 @@ def machine_info() -> dict[str, Any]:
                 break
     except OSError:
         pass
-    return {"cpu": cpu, "logical_cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()}
+    return {
+        "cpu": cpu,
+        "logical_cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
 
 
 # --- rendering ---------------------------------------------------------------------
@@ -278,8 +288,19 @@ def render(report: dict[str, Any]) -> None:
         f"(prefill {cfg['prompt_tokens']} tok, decode {cfg['decode_tokens']} tok)",
         title_justify="left",
     )
-    for col in ("system", "prefill tok/s", "x tf32", "x llama q8", "decode tok/s", "x tf32", "x llama q8",
-                "RSS load", "RSS peak", "file", "agree"):
+    for col in (
+        "system",
+        "prefill tok/s",
+        "x tf32",
+        "x llama q8",
+        "decode tok/s",
+        "x tf32",
+        "x llama q8",
+        "RSS load",
+        "RSS peak",
+        "file",
+        "agree",
+    ):
         table.add_column(col, justify="left" if col == "system" else "right")
     for r in report["systems"]:
         if r["status"] != "ok":
@@ -287,9 +308,15 @@ def render(report: dict[str, Any]) -> None:
             continue
         table.add_row(
             r["system"],
-            f"{r['prefill_tok_s']:.1f}", _x(r["prefill_vs_tf32"]), _x(r["prefill_vs_llama_q8"]),
-            f"{r['decode_tok_s']:.1f}", _x(r["decode_vs_tf32"]), _x(r["decode_vs_llama_q8"]),
-            f"{r['rss_loaded'] / MIB:.0f} MiB", f"{r['rss_peak'] / MIB:.0f} MiB", f"{r['file_bytes'] / MIB:.0f} MiB",
+            f"{r['prefill_tok_s']:.1f}",
+            _x(r["prefill_vs_tf32"]),
+            _x(r["prefill_vs_llama_q8"]),
+            f"{r['decode_tok_s']:.1f}",
+            _x(r["decode_vs_tf32"]),
+            _x(r["decode_vs_llama_q8"]),
+            f"{r['rss_loaded'] / MIB:.0f} MiB",
+            f"{r['rss_peak'] / MIB:.0f} MiB",
+            f"{r['file_bytes'] / MIB:.0f} MiB",
             "-" if r["agree_tf32"] is None else f"{r['agree_tf32']}/{len(r['decode_token_ids'])}",
         )
     console.print(table)
@@ -303,8 +330,10 @@ def render(report: dict[str, Any]) -> None:
     console.print(tt)
     la = report["load_average"]
     if max(la["before"][0], la["after"][0]) > cfg["threads"]:
-        console.print("[bold yellow]warning:[/] the machine was busy (load average above the thread count): "
-                      "these figures are noisy; rerun on a quiet machine")
+        console.print(
+            "[bold yellow]warning:[/] the machine was busy (load average above the thread count): "
+            "these figures are noisy; rerun on a quiet machine"
+        )
     console.print(
         f"load average before {la['before'][0]:.2f}, after {la['after'][0]:.2f} on {report['machine']['logical_cpus']} "
         f"CPUs ({report['machine']['cpu']}); agree = leading greedy decode tokens equal to {TF32}'s",
@@ -355,13 +384,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=1, help="untimed warm-up rounds (default: 1)")
     ap.add_argument("--prompt-tokens", type=int, default=512, help="prefill prompt length (default: 512)")
     ap.add_argument("--decode-tokens", type=int, default=128, help="greedy tokens to generate (default: 128)")
-    ap.add_argument("--llama-bufts", choices=LLAMA_BUFTS, default="none",
-                    help="llama.cpp weight buffers: none = plain CPU kernels (default; llama.cpp's AMX buffers "
-                    "crash in this build), repack = CPU_REPACK for block matrices, default = llama.cpp's choice")
-    ap.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE, help=f"inputs and CMF files (default: {DEFAULT_CACHE})")
+    ap.add_argument(
+        "--llama-bufts",
+        choices=LLAMA_BUFTS,
+        default="none",
+        help="llama.cpp weight buffers: none = plain CPU kernels (default; llama.cpp's AMX buffers "
+        "crash in this build), repack = CPU_REPACK for block matrices, default = llama.cpp's choice",
+    )
+    ap.add_argument(
+        "--cache-dir", type=Path, default=DEFAULT_CACHE, help=f"inputs and CMF files (default: {DEFAULT_CACHE})"
+    )
     ap.add_argument("--source", type=Path, help="another GGUF to benchmark (e.g. Gemma 3 270M); default SmolLM2-135M")
-    ap.add_argument("--hf-dir", type=Path, help="transformers checkpoint to use instead of the one make_gguf.py writes "
-                    "(e.g. the folder `cortiq import-gguf` makes); also the source of the cortiq CMFs")
+    ap.add_argument(
+        "--hf-dir",
+        type=Path,
+        help="transformers checkpoint to use instead of the one make_gguf.py writes "
+        "(e.g. the folder `cortiq import-gguf` makes); also the source of the cortiq CMFs",
+    )
     ap.add_argument("--reconvert", action="store_true", help="re-run `cortiq convert` even if the CMFs are fresh")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds allowed per system (default: 1800)")
     ap.add_argument("--json", action="store_true", help="print only the JSON report on stdout")
@@ -380,16 +419,29 @@ def main(argv: list[str] | None = None) -> int:
     if not (hf_dir / "tokenizer.json").is_file():
         sys.exit(f"error: {hf_dir} has no tokenizer.json")
     prefill, decode_prompt = prompt_ids(hf_dir / "tokenizer.json", args.prompt_tokens)
-    job = dict(threads=args.threads, prefill_ids=prefill, decode_prompt_ids=decode_prompt,
-               decode_tokens=args.decode_tokens, warmup=args.warmup, reps=args.reps)
+    job = dict(
+        threads=args.threads,
+        prefill_ids=prefill,
+        decode_prompt_ids=decode_prompt,
+        decode_tokens=args.decode_tokens,
+        warmup=args.warmup,
+        reps=args.reps,
+    )
 
     load_before = os.getloadavg()
     head = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]) if argv is None else None,
-        "config": {"threads": args.threads, "reps": args.reps, "warmup": args.warmup,
-                   "prompt_tokens": args.prompt_tokens, "decode_tokens": args.decode_tokens,
-                   "llama_bufts": args.llama_bufts, "hf_dir": str(hf_dir), "prompt_file": str(PROMPT_FILE),
-                   "decode_prompt_tokens": len(decode_prompt)},
+        "config": {
+            "threads": args.threads,
+            "reps": args.reps,
+            "warmup": args.warmup,
+            "prompt_tokens": args.prompt_tokens,
+            "decode_tokens": args.decode_tokens,
+            "llama_bufts": args.llama_bufts,
+            "hf_dir": str(hf_dir),
+            "prompt_file": str(PROMPT_FILE),
+            "decode_prompt_tokens": len(decode_prompt),
+        },
         "machine": machine_info(),
         "inputs": json.loads(inputs.manifest.read_text()),
     }

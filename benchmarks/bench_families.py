@@ -28,24 +28,56 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 BASE = dict(
-    vocab_size=16384, hidden_size=576, intermediate_size=1536, num_hidden_layers=12, num_attention_heads=9,
-    num_key_value_heads=3, head_dim=64, max_position_embeddings=2048, rms_norm_eps=1e-5,
-    tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    vocab_size=16384,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=12,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
 )
-_MOE = dict(n_routed_experts=16, num_experts_per_tok=2, moe_intermediate_size=384, n_shared_experts=1,
-            first_k_dense_replace=1, n_group=4, topk_group=2, norm_topk_prob=True)
+_MOE = dict(
+    n_routed_experts=16,
+    num_experts_per_tok=2,
+    moe_intermediate_size=384,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    n_group=4,
+    topk_group=2,
+    norm_topk_prob=True,
+)
 FAMILIES: dict[str, dict] = {
     "llama": {},
     "phi3": {},
     "gemma2": dict(query_pre_attn_scalar=64, sliding_window=512),
     "olmo2": {},
-    "granite": dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.015625, logits_scaling=8.0),
+    "granite": dict(
+        embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.015625, logits_scaling=8.0
+    ),
     "smollm3": {},
-    "deepseek_v3": dict(_MOE, q_lora_rank=192, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
-                        num_key_value_heads=9),
+    "deepseek_v3": dict(
+        _MOE,
+        q_lora_rank=192,
+        kv_lora_rank=128,
+        qk_nope_head_dim=64,
+        qk_rope_head_dim=32,
+        v_head_dim=64,
+        num_key_value_heads=9,
+    ),
     "glm4_moe": dict(_MOE, partial_rotary_factor=0.5, use_qk_norm=True, attention_bias=True),
-    "gpt_oss": dict(num_local_experts=16, num_experts_per_tok=2, intermediate_size=384, sliding_window=128,
-                    layer_types=["sliding_attention", "full_attention"] * 6),
+    "gpt_oss": dict(
+        num_local_experts=16,
+        num_experts_per_tok=2,
+        intermediate_size=384,
+        sliding_window=128,
+        layer_types=["sliding_attention", "full_attention"] * 6,
+    ),
 }
 
 
@@ -87,8 +119,21 @@ def active_bytes(cmf_path: Path) -> int:
 
 
 def decode_tok_s(cmf_path: Path, threads: int, n_gen: int, reps: int) -> float:
-    cmd = [str(Path(sys.executable).parent / "cortiq"), "bench", str(cmf_path), "-p", "0", "-n", str(n_gen),
-           "-r", str(reps), "-t", str(threads), "--no-mtp", "--json"]
+    cmd = [
+        str(Path(sys.executable).parent / "cortiq"),
+        "bench",
+        str(cmf_path),
+        "-p",
+        "0",
+        "-n",
+        str(n_gen),
+        "-r",
+        str(reps),
+        "-t",
+        str(threads),
+        "--no-mtp",
+        "--json",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT).stdout
     rows = [r for r in json.loads(out)["rows"] if r["test"].startswith("tg")]
     return statistics.median(rows[0]["tok_s"])
@@ -122,7 +167,9 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for r in rows:
         rel = r["gib_s"] / ref[r["quant"]] if r["quant"] in ref else float("nan")
-        print(f"| {r['family']} | {r['quant']} | {r['active_mib']:.1f} | {r['tok_s']:.1f} | {r['gib_s']:.2f} | {rel:.2f} |")
+        print(
+            f"| {r['family']} | {r['quant']} | {r['active_mib']:.1f} | {r['tok_s']:.1f} | {r['gib_s']:.2f} | {rel:.2f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -69,7 +69,9 @@ def write_random_gguf(dst: Path, seed: int = 0) -> None:
             w.add_uint32(key, 0)
             continue
         vtype = field.types[0]
-        w.add_key_value(key, field.contents(), vtype, sub_type=field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
+        w.add_key_value(
+            key, field.contents(), vtype, sub_type=field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        )
     w.add_context_length(SHAPE["ctx"])
     w.add_embedding_length(h)
     w.add_block_count(L)
@@ -164,8 +166,11 @@ def _context_ratio(decode_at: dict[int, Any], rounds: int) -> dict[str, float]:
                 fn(k)
             speeds[ctx].append(CTX_STEPS / (time.perf_counter() - t0))
     ratios = [b / a for a, b in zip(speeds[64], speeds[2048])]
-    return {"decode_64_tok_s": statistics.median(speeds[64]), "decode_2k_tok_s": statistics.median(speeds[2048]),
-            "decode_2k_over_64": statistics.median(ratios)}
+    return {
+        "decode_64_tok_s": statistics.median(speeds[64]),
+        "decode_2k_tok_s": statistics.median(speeds[2048]),
+        "decode_2k_over_64": statistics.median(ratios),
+    }
 
 
 def worker_cortiq(model: str, threads: int, ids: list[int], long_ids: list[int], reps: int) -> dict[str, Any]:
@@ -177,11 +182,13 @@ def worker_cortiq(model: str, threads: int, ids: list[int], long_ids: list[int],
     forward(state, ids[:64])
     verify = {}
     for k in VERIFY_ROWS:
+
         def step(k=k):
             # Row-exact as a verify runs: within the kernel set's declared row_exact_rows.
             assert k <= eng.model.kernels.row_exact_rows
             forward(state, ids[64 : 64 + k])
             state.truncate(64)
+
         step()
         verify[k] = _median_seconds(step, reps)
     state.truncate(64)
@@ -197,10 +204,12 @@ def worker_cortiq(model: str, threads: int, ids: list[int], long_ids: list[int],
         forward(long_state, long_ids)
         decode_at = {}
         for ctx, st in ((64, short_state), (len(long_ids), long_state)):
+
             def one(k: int, st=st, ctx=ctx) -> None:
                 forward(st, [ids[k]])  # one decode step; the token's identity does not change its cost
                 if k == CTX_STEPS - 1:
                     st.truncate(ctx)
+
             decode_at[64 if ctx == 64 else 2048] = one
         out.update({k + suffix: v for k, v in _context_ratio(decode_at, 3 * reps).items()})
         del short_state, long_state
@@ -215,16 +224,26 @@ def worker_llama(model: str, threads: int, ids: list[int], long_ids: list[int], 
     # prefers on AMX CPUs crash this build on the first decode (bench_worker._llama_model_params).
     def make():
         with _llama_model_params("none"):
-            return llama_cpp.Llama(model_path=model, n_threads=threads, n_threads_batch=threads, n_ctx=4096,
-                                   n_batch=512, n_ubatch=512, logits_all=True, verbose=False)
+            return llama_cpp.Llama(
+                model_path=model,
+                n_threads=threads,
+                n_threads_batch=threads,
+                n_ctx=4096,
+                n_batch=512,
+                n_ubatch=512,
+                logits_all=True,
+                verbose=False,
+            )
 
     llm = make()
     llm.eval(ids[:64])
     verify = {}
     for k in VERIFY_ROWS:
+
         def step(k=k):
             llm.eval(ids[64 : 64 + k])  # logits for every row, as a verify needs
             llm.n_tokens = 64  # the next eval drops the cache past 64
+
         step()
         verify[k] = _median_seconds(step, reps)
 
@@ -240,6 +259,7 @@ def worker_llama(model: str, threads: int, ids: list[int], long_ids: list[int], 
             m.eval([ids[k]])
             if k == CTX_STEPS - 1:
                 m.n_tokens = base  # the next eval drops the cache past the prompt
+
         decode_at[ctx] = one
     out = {"verify_seconds": verify, **_context_ratio(decode_at, 3 * reps)}
     long_llm.close()
@@ -247,10 +267,18 @@ def worker_llama(model: str, threads: int, ids: list[int], long_ids: list[int], 
     return out
 
 
-def run_worker(backend: str, model: Path, threads: int, ids: list[int], long_ids: list[int], reps: int) -> dict[str, Any] | str:
+def run_worker(
+    backend: str, model: Path, threads: int, ids: list[int], long_ids: list[int], reps: int
+) -> dict[str, Any] | str:
     job = {"backend": backend, "model": str(model), "threads": threads, "ids": ids, "long_ids": long_ids, "reps": reps}
-    proc = subprocess.run([sys.executable, __file__, "--worker"], input=json.dumps(job), capture_output=True,
-                          text=True, env=worker_env(threads), cwd=REPO)
+    proc = subprocess.run(
+        [sys.executable, __file__, "--worker"],
+        input=json.dumps(job),
+        capture_output=True,
+        text=True,
+        env=worker_env(threads),
+        cwd=REPO,
+    )
     if proc.returncode != 0:
         return "worker failed: " + (proc.stderr.strip().splitlines() or ["?"])[-1]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -312,11 +340,22 @@ def main(argv: list[str] | None = None) -> int:
         entry: dict[str, Any] = {"file_bytes": model.stat().st_size}
         if "engine" not in skip:
             log(f"{s.name}: prefill/decode (load {os.getloadavg()[0]:.1f})")
-            job = {"threads": a.threads, "prefill_ids": prefill[: a.prompt_tokens], "decode_prompt_ids": decode_prompt,
-                   "decode_tokens": a.decode_tokens, "warmup": 1, "reps": a.reps}
+            job = {
+                "threads": a.threads,
+                "prefill_ids": prefill[: a.prompt_tokens],
+                "decode_prompt_ids": decode_prompt,
+                "decode_tokens": a.decode_tokens,
+                "warmup": 1,
+                "reps": a.reps,
+            }
             row = row_from(s, model, run_system(s, model, job, 3600))
-            entry.update(prefill_tok_s=row.prefill_tok_s, decode_tok_s=row.decode_tok_s, rss_loaded=row.rss_loaded,
-                         rss_peak=row.rss_peak, error=row.error)
+            entry.update(
+                prefill_tok_s=row.prefill_tok_s,
+                decode_tok_s=row.decode_tok_s,
+                rss_loaded=row.rss_loaded,
+                rss_peak=row.rss_peak,
+                error=row.error,
+            )
             if "busy" not in skip:
                 log(f"{s.name}: decode beside a busy process")
                 with Hog():
@@ -358,13 +397,17 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(report, indent=2))
         return 0
     print(f"load before {report['load_before']}, after {report['load_after']}; threads {a.threads}")
-    print(f"{'system':16s} {'prefill':>8s} {'decode':>8s} {'busy':>8s} {'2k/64':>6s} {'(f16)':>6s}  verify 2/4/8 rows vs 1   RSS MiB")
+    print(
+        f"{'system':16s} {'prefill':>8s} {'decode':>8s} {'busy':>8s} {'2k/64':>6s} {'(f16)':>6s}  verify 2/4/8 rows vs 1   RSS MiB"
+    )
     for name, e in sy.items():
         vr = e.get("verify_ratio", {})
         f16 = f"{e['decode_2k_over_64_f16']:6.2f}" if "decode_2k_over_64_f16" in e else f"{'-':>6s}"
-        print(f"{name:16s} {e.get('prefill_tok_s', 0):8.1f} {e.get('decode_tok_s', 0):8.2f} {e.get('busy_decode_tok_s', 0):8.2f} "
-              f"{e.get('decode_2k_over_64', 0):6.2f} {f16}  {vr.get(2, 0):.2f} / {vr.get(4, 0):.2f} / {vr.get(8, 0):.2f}"
-              f"        {e.get('rss_loaded', 0) / 2**20:.0f} (file {e['file_bytes'] / 2**20:.0f})")
+        print(
+            f"{name:16s} {e.get('prefill_tok_s', 0):8.1f} {e.get('decode_tok_s', 0):8.2f} {e.get('busy_decode_tok_s', 0):8.2f} "
+            f"{e.get('decode_2k_over_64', 0):6.2f} {f16}  {vr.get(2, 0):.2f} / {vr.get(4, 0):.2f} / {vr.get(8, 0):.2f}"
+            f"        {e.get('rss_loaded', 0) / 2**20:.0f} (file {e['file_bytes'] / 2**20:.0f})"
+        )
     for k, v in report["ratios"].items():
         print(f"  {k}: {v:.2f}x" if v else f"  {k}: n/a")
     return 0

@@ -230,6 +230,7 @@ def _llama_model_params(bufts: str):
         if bufts == "none":
             p.use_extra_bufts = False
         else:
+
             class Override(ctypes.Structure):
                 _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
 

@@ -26,7 +26,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--text", type=Path, default=None)
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--chunks", type=int, default=8)
-    ap.add_argument("--forms", default="16,64,256,16+16,32+32,64+64", help="K or K+M (top-K log-probabilities, M tail samples)")
+    ap.add_argument(
+        "--forms", default="16,64,256,16+16,32+32,64+64", help="K or K+M (top-K log-probabilities, M tail samples)"
+    )
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args(argv)
 
@@ -52,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
         y = block.targets
         first = int(block.positions[0])
         refs = {"full": ref_full(block.logits[0], y)} | {
-            (f"top-{k}+{m}" if m else f"top-{k}"): ref_topk(block.logits[0], y, k, m, first_row=first) for k, m in ks}
+            (f"top-{k}+{m}" if m else f"top-{k}"): ref_topk(block.logits[0], y, k, m, first_row=first) for k, m in ks
+        }
         for name, z in zip(names[1:], block.logits[1:]):
             for f, r in refs.items():
                 st = compare_rows(r, z, y)
@@ -62,22 +65,36 @@ def main(argv: list[str] | None = None) -> int:
 
     def size(f: str) -> int:
         k, m = (0, 0) if f == "full" else tuple(int(x) for x in (f[4:].split("+") + ["0"])[:2])
-        return 64 + sum(int(np.prod(s)) * (8 if n in ("nll", "windows") else 4)
-                        for n, s in shapes(rows, V, k, len(tokens), len(windows), m).items())
+        return 64 + sum(
+            int(np.prod(s)) * (8 if n in ("nll", "windows") else 4)
+            for n, s in shapes(rows, V, k, len(tokens), len(windows), m).items()
+        )
 
-    out = {"reference": names[0], "vocab": V, "tokens_scored": rows, "ctx": args.ctx, "chunks": len(windows),
-           "bytes": {f: size(f) for f in forms}, "models": {}}
+    out = {
+        "reference": names[0],
+        "vocab": V,
+        "tokens_scored": rows,
+        "ctx": args.ctx,
+        "chunks": len(windows),
+        "bytes": {f: size(f) for f in forms},
+        "models": {},
+    }
     for name in names[1:]:
         res = {}
         full = np.concatenate(acc[name]["full"], axis=1)
         for f in forms:
             v = np.concatenate(acc[name][f], axis=1)
-            res[f] = {"kl_mean": float(v[0].mean()), "kl_p99": float(np.quantile(v[0], 0.99)),
-                      "reverse_kl_mean": float(v[1].mean()),
-                      "kl_mean_rel_error": float(v[0].mean() / full[0].mean() - 1) if full[0].mean() > 0 else None,
-                      "reverse_kl_mean_rel_error": float(v[1].mean() / full[1].mean() - 1) if full[1].mean() > 0 else None,
-                      "kl_p99_rel_error": float(np.quantile(v[0], 0.99) / np.quantile(full[0], 0.99) - 1) if full[0].max() > 0 else None,
-                      "kl_max_abs_error_per_token": float(np.abs(v[0] - full[0]).max())}
+            res[f] = {
+                "kl_mean": float(v[0].mean()),
+                "kl_p99": float(np.quantile(v[0], 0.99)),
+                "reverse_kl_mean": float(v[1].mean()),
+                "kl_mean_rel_error": float(v[0].mean() / full[0].mean() - 1) if full[0].mean() > 0 else None,
+                "reverse_kl_mean_rel_error": float(v[1].mean() / full[1].mean() - 1) if full[1].mean() > 0 else None,
+                "kl_p99_rel_error": float(np.quantile(v[0], 0.99) / np.quantile(full[0], 0.99) - 1)
+                if full[0].max() > 0
+                else None,
+                "kl_max_abs_error_per_token": float(np.abs(v[0] - full[0]).max()),
+            }
         out["models"][name] = res
     print(json.dumps(out, indent=1))
     return 0

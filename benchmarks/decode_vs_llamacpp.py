@@ -47,8 +47,14 @@ def pair(name: str, cmf: Path, gguf: Path, tokens: int, rounds: int, threads: in
     load0 = os.getloadavg()
     ours, theirs = [], []
     with Engine.load(cmf, threads=threads, ctx=tokens + 8) as eng:
-        llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=tokens + 8, n_threads=threads, n_threads_batch=threads,
-                              use_extra_bufts=repack, verbose=False)
+        llm = llama_cpp.Llama(
+            model_path=str(gguf),
+            n_ctx=tokens + 8,
+            n_threads=threads,
+            n_threads_batch=threads,
+            use_extra_bufts=repack,
+            verbose=False,
+        )
         ids = random_ids(eng.vocab_size, tokens + 1, seed=1)
         llama_decode(llm, ids[:5])  # warm-up (cortiq's decode warms itself up)
         for _ in range(rounds):
@@ -56,10 +62,22 @@ def pair(name: str, cmf: Path, gguf: Path, tokens: int, rounds: int, threads: in
             theirs.append(llama_decode(llm, ids))
         del llm
     a, b = statistics.median(ours), statistics.median(theirs)
-    return {"name": name, "cmf": str(cmf), "gguf": str(gguf), "tokens": tokens, "rounds": rounds, "threads": threads,
-            "llama_repack": repack,
-            "cortiq_tok_s": a, "llama_tok_s": b, "ratio": a / b, "cortiq_samples": ours, "llama_samples": theirs,
-            "loadavg_before": load0[0], "loadavg_after": os.getloadavg()[0]}
+    return {
+        "name": name,
+        "cmf": str(cmf),
+        "gguf": str(gguf),
+        "tokens": tokens,
+        "rounds": rounds,
+        "threads": threads,
+        "llama_repack": repack,
+        "cortiq_tok_s": a,
+        "llama_tok_s": b,
+        "ratio": a / b,
+        "cortiq_samples": ours,
+        "llama_samples": theirs,
+        "loadavg_before": load0[0],
+        "loadavg_after": os.getloadavg()[0],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,9 +86,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--llama-repack", action="store_true",
-                    help="let llama.cpp repack weights into its CPU layouts at load (its default in "
-                         "llama-cli; e.g. Q4_0 -> interleaved 8x8 blocks): the extra RAM copy cortiq's mmap avoids")
+    ap.add_argument(
+        "--llama-repack",
+        action="store_true",
+        help="let llama.cpp repack weights into its CPU layouts at load (its default in "
+        "llama-cli; e.g. Q4_0 -> interleaved 8x8 blocks): the extra RAM copy cortiq's mmap avoids",
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     out = []
@@ -80,8 +101,11 @@ def main(argv: list[str] | None = None) -> int:
         r = pair(name, Path(cmf), Path(gguf), args.tokens, args.rounds, args.threads, args.llama_repack)
         out.append(r)
         if not args.json:
-            print(f"{name:8s} cortiq {r['cortiq_tok_s']:7.1f} tok/s  llama.cpp {r['llama_tok_s']:7.1f} tok/s  "
-                  f"ratio {r['ratio']:.2f}  (load {r['loadavg_before']:.1f} -> {r['loadavg_after']:.1f})", flush=True)
+            print(
+                f"{name:8s} cortiq {r['cortiq_tok_s']:7.1f} tok/s  llama.cpp {r['llama_tok_s']:7.1f} tok/s  "
+                f"ratio {r['ratio']:.2f}  (load {r['loadavg_before']:.1f} -> {r['loadavg_after']:.1f})",
+                flush=True,
+            )
     if args.json:
         print(json.dumps(out, indent=1))
     return 0

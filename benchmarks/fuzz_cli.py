@@ -41,12 +41,22 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from tests.fuzz_cmf import (  # noqa: E402
-    Outcome, Table, build_base, case_commands, command_args, command_input, corpus, needs_open, resealed_corpus, violations,
+    Outcome,
+    Table,
+    build_base,
+    case_commands,
+    command_args,
+    command_input,
+    corpus,
+    needs_open,
+    resealed_corpus,
+    violations,
     write_case,
 )
 
 
 # ------------------------------------------------------------------ worker side
+
 
 def worker(fd: int) -> None:
     """Read one JSON argument list per stdin line, run it, answer on ``fd``."""
@@ -63,8 +73,12 @@ def worker(fd: int) -> None:
         req = json.loads(line)
         code, exc = _invoke(runner, cli, req["args"], req.get("input"))
         detail = f"{type(exc).__name__}: {str(exc)[:160]}" if exc is not None else ""
-        out.write(json.dumps({"code": code, "traceback": exc is not None, "memory": isinstance(exc, MemoryError),
-                              "detail": detail}) + "\n")
+        out.write(
+            json.dumps(
+                {"code": code, "traceback": exc is not None, "memory": isinstance(exc, MemoryError), "detail": detail}
+            )
+            + "\n"
+        )
         out.flush()
 
 
@@ -78,6 +92,7 @@ def _limit_memory(gb: float) -> None:
 
 # ------------------------------------------------------------------ parent side
 
+
 class Worker:
     def __init__(self, timeout: float, mem_gb: float = 0.0):
         self.timeout = timeout
@@ -89,8 +104,13 @@ class Worker:
         r, w = os.pipe()
         env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
         self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--worker", str(w)], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL, pass_fds=(w,), env=env, text=True,
+            [sys.executable, __file__, "--worker", str(w)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            pass_fds=(w,),
+            env=env,
+            text=True,
             preexec_fn=(lambda: _limit_memory(self.mem_gb)) if self.mem_gb else None,
         )
         os.close(w)
@@ -140,9 +160,16 @@ def run_fresh(command: str, args: list[str], timeout: float, input: str | None =
     """One command as its own ``python -m cortiq_cli.main`` process (the user's path)."""
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     try:
-        p = subprocess.run([sys.executable, "-m", "cortiq_cli.main", *args], capture_output=True, text=True,
-                           timeout=timeout, env=env, errors="replace", input=input or "",
-                           preexec_fn=(lambda: _limit_memory(mem_gb)) if mem_gb else None)
+        p = subprocess.run(
+            [sys.executable, "-m", "cortiq_cli.main", *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env,
+            errors="replace",
+            input=input or "",
+            preexec_fn=(lambda: _limit_memory(mem_gb)) if mem_gb else None,
+        )
     except subprocess.TimeoutExpired:
         return Outcome(command, "hang")
     if p.returncode < 0:
@@ -195,20 +222,31 @@ def main() -> int:
                     table.add(o)
                 v = violations(case, outcomes)
                 if a.exec_every and i % a.exec_every == 0:
-                    fo = [run_fresh(o.command, command_args(o.command, main_path), a.timeout, command_input(o.command),
-                                    a.mem_gb) for o in outcomes]
+                    fo = [
+                        run_fresh(
+                            o.command, command_args(o.command, main_path), a.timeout, command_input(o.command), a.mem_gb
+                        )
+                        for o in outcomes
+                    ]
                     for o in fo:
                         fresh.add(o)
                     v += [f"(fresh process) {x}" for x in violations(case, fo)]
-                    v += [f"{case.id} {x.command}: fresh process {y.status}, worker {x.status}"
-                          for x, y in zip(outcomes, fo) if x.status != y.status]
+                    v += [
+                        f"{case.id} {x.command}: fresh process {y.status}, worker {x.status}"
+                        for x, y in zip(outcomes, fo)
+                        if x.status != y.status
+                    ]
                 bad += [f"{x} | {case.note}" for x in v]
                 if (i + 1) % 500 == 0:
-                    print(f"{i + 1} cases, {len(bad)} violations, {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
+                    print(
+                        f"{i + 1} cases, {len(bad)} violations, {time.time() - t0:.0f} s", file=sys.stderr, flush=True
+                    )
         finally:
             w.stop()
     a.cases = done
-    print(f"seed {a.seed}: {a.cases} files ({', '.join(f'{k} {n}' for k, n in sorted(kinds.items()))}), {time.time() - t0:.0f} s\n")
+    print(
+        f"seed {a.seed}: {a.cases} files ({', '.join(f'{k} {n}' for k, n in sorted(kinds.items()))}), {time.time() - t0:.0f} s\n"
+    )
     print(table.markdown())
     if fresh.rows:
         print(f"\nfresh `python -m cortiq_cli.main` processes, every {a.exec_every}th case:\n")
@@ -217,11 +255,22 @@ def main() -> int:
     for b in bad[:50]:
         print("  " + b)
     if a.json:
-        a.json.write_text(json.dumps({"seed": a.seed, "cases": a.cases, "resealed": a.resealed, "kinds": kinds,
-                                      "table": table.rows, "fresh": fresh.rows, "violations": bad,
-                                      "totals": {k: table.total(k) + fresh.total(k) for k in
-                                                 ("traceback", "crash", "hang", "memory")},
-                                      "seconds": round(time.time() - t0, 1)}, indent=1))
+        a.json.write_text(
+            json.dumps(
+                {
+                    "seed": a.seed,
+                    "cases": a.cases,
+                    "resealed": a.resealed,
+                    "kinds": kinds,
+                    "table": table.rows,
+                    "fresh": fresh.rows,
+                    "violations": bad,
+                    "totals": {k: table.total(k) + fresh.total(k) for k in ("traceback", "crash", "hang", "memory")},
+                    "seconds": round(time.time() - t0, 1),
+                },
+                indent=1,
+            )
+        )
     return 1 if bad else 0
 
 

@@ -75,8 +75,15 @@ def _ggml_quantize_chunk():
     lib = ctypes.CDLL(os.path.join(os.path.dirname(llama_cpp.__file__), "lib", "libggml-base.so"))
     fn = lib.ggml_quantize_chunk
     fn.restype = ctypes.c_size_t
-    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                   ctypes.c_void_p]
+    fn.argtypes = [
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.c_void_p,
+    ]
     return fn
 
 
@@ -118,8 +125,15 @@ def requantize_with_imatrix(f32: Path, like: Path, dst: Path, imatrix_path: Path
             imp = im.for_tensor(name, cols) if name is not None else None
             buf = np.zeros(int(t.n_bytes), np.uint8)
             imp_c = None if imp is None else np.ascontiguousarray(imp, np.float32)
-            n = fn(int(t.tensor_type), x.ctypes.data, buf.ctypes.data, 0, rows, cols,
-                   None if imp_c is None else imp_c.ctypes.data)
+            n = fn(
+                int(t.tensor_type),
+                x.ctypes.data,
+                buf.ctypes.data,
+                0,
+                rows,
+                cols,
+                None if imp_c is None else imp_c.ctypes.data,
+            )
             if n != buf.nbytes:
                 raise RuntimeError(f"{t.name}: ggml_quantize_chunk wrote {n} bytes, expected {buf.nbytes}")
             out.seek(int(t.data_offset))
@@ -140,8 +154,15 @@ def score(path: Path, ref_path: Path, threads: int, batch: int) -> dict:
     ref = SavedReference(ref_path)
     windows = ref.windows()
     ctx = max(w.end - w.begin for w in windows)
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=ctx, n_batch=min(batch, ctx), n_ubatch=min(batch, ctx),
-                          logits_all=True, n_threads=threads, verbose=False)
+    llm = llama_cpp.Llama(
+        model_path=str(path),
+        n_ctx=ctx,
+        n_batch=min(batch, ctx),
+        n_ubatch=min(batch, ctx),
+        logits_all=True,
+        n_threads=threads,
+        verbose=False,
+    )
     if llm.n_vocab() != ref.file.vocab_size:
         raise SystemExit(f"{path}: vocabulary {llm.n_vocab()} != reference {ref.file.vocab_size}")
     tokens = ref.file.tokens
@@ -160,9 +181,16 @@ def score(path: Path, ref_path: Path, threads: int, batch: int) -> dict:
     _, (c,) = build_reports(acc, ["reference", path.name], 0, ref.form)
     bpw, params = gguf_bpw(path)
     size = path.stat().st_size
-    return {"gguf": str(path), "bits_per_weight": bpw, "params": params, "file_bytes": size,
-            "file_bits_per_weight": 8.0 * size / params,
-            "seconds": seconds, "reference_form": ref.form, **c.to_json()}
+    return {
+        "gguf": str(path),
+        "bits_per_weight": bpw,
+        "params": params,
+        "file_bytes": size,
+        "file_bits_per_weight": 8.0 * size / params,
+        "seconds": seconds,
+        "reference_form": ref.form,
+        **c.to_json(),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -171,8 +199,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gguf", action="append", default=[], help="NAME=PATH (repeatable)")
     ap.add_argument("--quantize", type=Path, default=None, help="an F32 GGUF to quantize with llama.cpp first")
     ap.add_argument("--types", default="q8_0,q4_0,q4_k_m", help=f"with --quantize: of {', '.join(FTYPES)}")
-    ap.add_argument("--out-dir", type=Path, default=Path("."), help="with --quantize: where the GGUFs go (kept, reused)")
-    ap.add_argument("--imatrix", type=Path, default=None, help="with --quantize: also each type re-quantized by llama.cpp with this cortiq imatrix")
+    ap.add_argument(
+        "--out-dir", type=Path, default=Path("."), help="with --quantize: where the GGUFs go (kept, reused)"
+    )
+    ap.add_argument(
+        "--imatrix",
+        type=Path,
+        default=None,
+        help="with --quantize: also each type re-quantized by llama.cpp with this cortiq imatrix",
+    )
     ap.add_argument("--imatrix-only", action="store_true", help="with --imatrix: score only the imatrix files")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--batch", type=int, default=512)
@@ -202,9 +237,12 @@ def main(argv: list[str] | None = None) -> int:
         r = score(p, args.ref, args.threads, args.batch)
         out[name] = r
         if not args.json:
-            print(f"{name:8s} {r['bits_per_weight']:7.4f} bpw  ppl ratio {r['ppl_ratio']:.4f}  mean KLD {r['kl_mean']:.6f} "
-                  f"± {r['kl_se']:.6f}  p99 {r['kl_quantiles']['p99']:.5f}  same top-1 {100 * r['top1_agreement']:.2f}%  "
-                  f"RMS Δp {100 * r['delta_p_rms']:.3f}%  ({r['seconds']:.0f} s)", flush=True)
+            print(
+                f"{name:8s} {r['bits_per_weight']:7.4f} bpw  ppl ratio {r['ppl_ratio']:.4f}  mean KLD {r['kl_mean']:.6f} "
+                f"± {r['kl_se']:.6f}  p99 {r['kl_quantiles']['p99']:.5f}  same top-1 {100 * r['top1_agreement']:.2f}%  "
+                f"RMS Δp {100 * r['delta_p_rms']:.3f}%  ({r['seconds']:.0f} s)",
+                flush=True,
+            )
     if args.json:
         print(json.dumps(out, indent=1))
     return 0

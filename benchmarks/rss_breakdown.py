@@ -55,8 +55,13 @@ def main() -> int:
     eng.model.lm_head(eng.model.final_norm(h))
     stages.append(("a 2-token forward and its lm_head", rss_mib()))
     size = os.path.getsize(a.model) / 2**20
-    out = {"model": a.model, "file_mib": size, "stages": [{"stage": s, "rss_mib": r} for s, r in stages],
-           "over_file_mib": stages[-1][1] - size, "numba_fixed_mib": stages[2][1] - stages[0][1]}
+    out = {
+        "model": a.model,
+        "file_mib": size,
+        "stages": [{"stage": s, "rss_mib": r} for s, r in stages],
+        "over_file_mib": stages[-1][1] - size,
+        "numba_fixed_mib": stages[2][1] - stages[0][1],
+    }
     if a.json:
         print(json.dumps(out, indent=2))
         return 0
@@ -64,8 +69,10 @@ def main() -> int:
     for s, r in stages:
         print(f"{s:58s} {r:7.1f} MiB  (+{r - prev:6.1f})")
         prev = r
-    print(f"file {size:.1f} MiB; resident over the file {out['over_file_mib']:.1f} MiB, of which numba's import "
-          f"and first dispatch {out['numba_fixed_mib']:.1f}")
+    print(
+        f"file {size:.1f} MiB; resident over the file {out['over_file_mib']:.1f} MiB, of which numba's import "
+        f"and first dispatch {out['numba_fixed_mib']:.1f}"
+    )
     return 0
 
 

@@ -73,8 +73,15 @@ class RiggedDrafter:
 
     def describe(self) -> dict:
         """The settings a result reports, in the MTP drafter's keys (``mtp.Drafter.describe``)."""
-        return {"source": self.stack.source, "mtp_depth": self.depth, "chain": self.chain, "hidden": self.hidden,
-                "draft_vocab": self.head.label, "threshold": self.threshold, "accept": self.accept}
+        return {
+            "source": self.stack.source,
+            "mtp_depth": self.depth,
+            "chain": self.chain,
+            "hidden": self.hidden,
+            "draft_vocab": self.head.label,
+            "threshold": self.threshold,
+            "accept": self.accept,
+        }
 
     def draft(self, t: int, ids, depth: int | None = None) -> list[int]:
         out = []
@@ -106,31 +113,58 @@ def main() -> None:
         for d in depths:
             rig = RiggedDrafter(truth, d, a.accept, eng.ctx, seed=pi)
             # The engine's one decode loop, handed a drafter that is not a draft-layer stack.
-            spec = generate(eng.model, eng.tokenizer, ids, SamplingConfig(), capacity=eng.ctx, max_tokens=a.tokens,
-                            drafter=rig, threads=eng.decode_threads)
+            spec = generate(
+                eng.model,
+                eng.tokenizer,
+                ids,
+                SamplingConfig(),
+                capacity=eng.ctx,
+                max_tokens=a.tokens,
+                drafter=rig,
+                threads=eng.decode_threads,
+            )
             again = eng.generate(ids, max_tokens=a.tokens, ignore_eos=True, speculative=False)
             if spec.token_ids != plain.token_ids or again.token_ids != plain.token_ids:
                 raise SystemExit(f"prompt {pi}, depth {d}: speculative tokens differ from plain greedy")
             base = max(plain.decode_tok_s, again.decode_tok_s)
             acc = spec.extra["mtp"]
-            rows[d].append({"speedup": spec.decode_tok_s / base, "plain_tok_s": base, "spec_tok_s": spec.decode_tok_s,
-                            "tokens_per_round": acc.get("tokens_per_round")})
+            rows[d].append(
+                {
+                    "speedup": spec.decode_tok_s / base,
+                    "plain_tok_s": base,
+                    "spec_tok_s": spec.decode_tok_s,
+                    "tokens_per_round": acc.get("tokens_per_round"),
+                }
+            )
             plain = again if again.decode_tok_s > plain.decode_tok_s else plain
     report = {
-        "model": a.model, "accept": a.accept, "tokens": a.tokens, "prompts": len(paras), "load": os.getloadavg(),
-        "depths": {d: {"speedup_median": statistics.median(r["speedup"] for r in rs),
-                       "tokens_per_round": statistics.median(r["tokens_per_round"] or 0 for r in rs),
-                       "plain_tok_s": statistics.median(r["plain_tok_s"] for r in rs),
-                       "spec_tok_s": statistics.median(r["spec_tok_s"] for r in rs)} for d, rs in rows.items()},
+        "model": a.model,
+        "accept": a.accept,
+        "tokens": a.tokens,
+        "prompts": len(paras),
+        "load": os.getloadavg(),
+        "depths": {
+            d: {
+                "speedup_median": statistics.median(r["speedup"] for r in rs),
+                "tokens_per_round": statistics.median(r["tokens_per_round"] or 0 for r in rs),
+                "plain_tok_s": statistics.median(r["plain_tok_s"] for r in rs),
+                "spec_tok_s": statistics.median(r["spec_tok_s"] for r in rs),
+            }
+            for d, rs in rows.items()
+        },
     }
     if a.json:
         print(json.dumps(report, indent=1))
         return
-    print(f"{Path(a.model).name}: drafts rigged to {a.accept:.0%} per depth, {len(paras)} prompts x {a.tokens} tokens, "
-          f"output identical to plain greedy; load {report['load'][0]:.2f}")
+    print(
+        f"{Path(a.model).name}: drafts rigged to {a.accept:.0%} per depth, {len(paras)} prompts x {a.tokens} tokens, "
+        f"output identical to plain greedy; load {report['load'][0]:.2f}"
+    )
     print(f"{'depth':>5} {'tokens/round':>12} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>8}")
     for d, r in report["depths"].items():
-        print(f"{d:5d} {r['tokens_per_round']:12.2f} {r['plain_tok_s']:11.2f} {r['spec_tok_s']:10.2f} {r['speedup_median']:7.2f}x")
+        print(
+            f"{d:5d} {r['tokens_per_round']:12.2f} {r['plain_tok_s']:11.2f} {r['spec_tok_s']:10.2f} {r['speedup_median']:7.2f}x"
+        )
 
 
 if __name__ == "__main__":

@@ -16,17 +16,31 @@ CLUSTER_PANEL = "Cluster"
 
 Cluster = Annotated[
     Optional[str],
-    typer.Option("--cluster", metavar="ADDRESS", help="Score the windows on a Ray cluster, with the same figures as one process: local:N (N workers on this machine), auto (the cluster `ray start` runs here), HOST:PORT of its head, or ray://HOST:PORT (Ray Client).", rich_help_panel=CLUSTER_PANEL),
+    typer.Option(
+        "--cluster",
+        metavar="ADDRESS",
+        help="Score the windows on a Ray cluster, with the same figures as one process: local:N (N workers on this machine), auto (the cluster `ray start` runs here), HOST:PORT of its head, or ray://HOST:PORT (Ray Client).",
+        rich_help_panel=CLUSTER_PANEL,
+    ),
 ]
 # The figures are bit-identical to a one-process run with as many engine threads as each
 # worker has: a prefill's f32 products are split by thread count.
 ClusterThreads = Annotated[
     Optional[int],
-    typer.Option("--cluster-threads", min=1, help="Engine threads (and Ray CPUs) per worker (default: --threads, or this machine's cores); the figures equal a one-process run with --threads set to it.", rich_help_panel=CLUSTER_PANEL),
+    typer.Option(
+        "--cluster-threads",
+        min=1,
+        help="Engine threads (and Ray CPUs) per worker (default: --threads, or this machine's cores); the figures equal a one-process run with --threads set to it.",
+        rich_help_panel=CLUSTER_PANEL,
+    ),
 ]
 Resume = Annotated[
     bool,
-    typer.Option("--resume", help=f"With --cluster: keep the windows an interrupted run of the same models, text and plan journaled (under ${'{'}CORTIQ_CLUSTER_CACHE{'}'} or ~/.cache/cortiq/cluster) and score the rest.", rich_help_panel=CLUSTER_PANEL),
+    typer.Option(
+        "--resume",
+        help=f"With --cluster: keep the windows an interrupted run of the same models, text and plan journaled (under ${'{'}CORTIQ_CLUSTER_CACHE{'}'} or ~/.cache/cortiq/cluster) and score the rest.",
+        rich_help_panel=CLUSTER_PANEL,
+    ),
 ]
 
 
@@ -59,13 +73,15 @@ def progress_bar() -> Progress:
 
 
 def note_interrupted() -> None:
-    err_console.print(f"the finished windows are journaled under {journal_dir()}: the same command with --resume continues",
-                      highlight=False)
+    err_console.print(
+        f"the finished windows are journaled under {journal_dir()}: the same command with --resume continues",
+        highlight=False,
+    )
 
 
-
-
-def score_ppl(where: ClusterAddress, threads: int, resume: bool, show: bool, *args: Any, **kwargs: Any) -> tuple[Any, int, ClusterReport]:
+def score_ppl(
+    where: ClusterAddress, threads: int, resume: bool, show: bool, *args: Any, **kwargs: Any
+) -> tuple[Any, int, ClusterReport]:
     """``evals.cluster.score_ppl`` under the progress bar (``show``)."""
     from evals.cluster import score_ppl as run
 
@@ -78,7 +94,9 @@ def score_ppl(where: ClusterAddress, threads: int, resume: bool, show: bool, *ar
         return run(where, threads, *args, resume=resume, progress=progress if show else None, **kwargs)
 
 
-def collect_features(where: ClusterAddress, threads: int, resume: bool, show: bool, *args: Any, **kwargs: Any) -> tuple[Any, int, ClusterReport]:
+def collect_features(
+    where: ClusterAddress, threads: int, resume: bool, show: bool, *args: Any, **kwargs: Any
+) -> tuple[Any, int, ClusterReport]:
     """``evals.cluster.collect_features`` under the progress bar (``show``)."""
     from evals.cluster import collect_features as run
 
@@ -91,7 +109,9 @@ def collect_features(where: ClusterAddress, threads: int, resume: bool, show: bo
         return run(where, threads, *args, resume=resume, progress=progress if show else None, **kwargs)
 
 
-def collect_imatrix(where: ClusterAddress, threads: int, resume: bool, show: bool, *args: Any, **kwargs: Any) -> tuple[Any, int, ClusterReport]:
+def collect_imatrix(
+    where: ClusterAddress, threads: int, resume: bool, show: bool, *args: Any, **kwargs: Any
+) -> tuple[Any, int, ClusterReport]:
     """``evals.cluster.collect_imatrix`` under the progress bar (``show``)."""
     from evals.cluster import collect_imatrix as run
 
@@ -104,7 +124,9 @@ def collect_imatrix(where: ClusterAddress, threads: int, resume: bool, show: boo
         return run(where, threads, *args, resume=resume, progress=progress if show else None, **kwargs)
 
 
-def probe_mtp(where: ClusterAddress, threads: int, resume: bool, show: bool, *args: Any, **kwargs: Any) -> tuple[Any, Any, int, ClusterReport]:
+def probe_mtp(
+    where: ClusterAddress, threads: int, resume: bool, show: bool, *args: Any, **kwargs: Any
+) -> tuple[Any, Any, int, ClusterReport]:
     """``evals.cluster.probe_mtp`` under the progress bar (``show``)."""
     from evals.cluster import probe_mtp as run
 
@@ -119,10 +141,30 @@ def probe_mtp(where: ClusterAddress, threads: int, resume: bool, show: bool, *ar
 
 def render_report(report: ClusterReport) -> None:
     """One line under the tables: where the windows ran and how fast."""
-    rate = f"{report.tokens_per_s:,.0f} tokens/s" if report.tokens_per_s == report.tokens_per_s else "nothing left to score"
-    console.print(f"cluster {report.address}: {report.workers} workers on {len(set(report.hosts))} "
-                  f"host{'s' if len(set(report.hosts)) != 1 else ''}, {report.tasks} windows handed out"
-                  f" ({report.retried} again after a lost worker, {report.resumed} from the journal), {rate}", highlight=False)
+    rate = (
+        f"{report.tokens_per_s:,.0f} tokens/s"
+        if report.tokens_per_s == report.tokens_per_s
+        else "nothing left to score"
+    )
+    console.print(
+        f"cluster {report.address}: {report.workers} workers on {len(set(report.hosts))} "
+        f"host{'s' if len(set(report.hosts)) != 1 else ''}, {report.tasks} windows handed out"
+        f" ({report.retried} again after a lost worker, {report.resumed} from the journal), {rate}",
+        highlight=False,
+    )
 
 
-__all__ = ["Cluster", "ClusterThreads", "Resume", "check", "progress_bar", "note_interrupted", "score_ppl", "collect_features", "collect_imatrix", "probe_mtp", "render_report", "CLUSTER_PANEL"]
+__all__ = [
+    "Cluster",
+    "ClusterThreads",
+    "Resume",
+    "check",
+    "progress_bar",
+    "note_interrupted",
+    "score_ppl",
+    "collect_features",
+    "collect_imatrix",
+    "probe_mtp",
+    "render_report",
+    "CLUSTER_PANEL",
+]

@@ -74,11 +74,17 @@ class MarkdownTable:
         self.right = (False, True, True, False, True, True, True)
 
     def _line(self, cells: tuple[str, ...]) -> str:
-        return "| " + " | ".join(c.rjust(w) if r else c.ljust(w) for c, w, r in zip(cells, self.widths, self.right)) + " |"
+        return (
+            "| " + " | ".join(c.rjust(w) if r else c.ljust(w) for c, w, r in zip(cells, self.widths, self.right)) + " |"
+        )
 
     def header(self) -> None:
         self._write(self._line(COLUMNS))
-        self._write("|" + "|".join(("-" * (w + 1) + ":") if r else ("-" * (w + 2)) for w, r in zip(self.widths, self.right)) + "|")
+        self._write(
+            "|"
+            + "|".join(("-" * (w + 1) + ":") if r else ("-" * (w + 2)) for w, r in zip(self.widths, self.right))
+            + "|"
+        )
 
     def row(self, cells: tuple[str, ...]) -> None:
         self._write(self._line(cells))
@@ -91,18 +97,37 @@ class MarkdownTable:
 
 @handle_errors
 def bench(
-    models: Annotated[Optional[list[Path]], typer.Argument(help="CMF model files; or give -m/--model (repeatable).", show_default=False)] = None,
+    models: Annotated[
+        Optional[list[Path]],
+        typer.Argument(help="CMF model files; or give -m/--model (repeatable).", show_default=False),
+    ] = None,
     model_opts: Annotated[
-        Optional[list[Path]], typer.Option("--model", "-m", help="A model file (.cmf), as llama-bench takes it (repeatable).", show_default=False)
+        Optional[list[Path]],
+        typer.Option(
+            "--model", "-m", help="A model file (.cmf), as llama-bench takes it (repeatable).", show_default=False
+        ),
     ] = None,
-    n_prompt: Annotated[int, typer.Option("--n-prompt", "-p", min=0, help="Prefill test: this many prompt tokens (0 = skip).")] = 512,
-    n_gen: Annotated[int, typer.Option("--n-gen", "-n", min=0, help="Decode test: this many generated tokens (0 = skip).")] = 128,
-    reps: Annotated[int, typer.Option("--repetitions", "-r", min=1, help="Timed repetitions of each test (after one warm-up).")] = 3,
+    n_prompt: Annotated[
+        int, typer.Option("--n-prompt", "-p", min=0, help="Prefill test: this many prompt tokens (0 = skip).")
+    ] = 512,
+    n_gen: Annotated[
+        int, typer.Option("--n-gen", "-n", min=0, help="Decode test: this many generated tokens (0 = skip).")
+    ] = 128,
+    reps: Annotated[
+        int, typer.Option("--repetitions", "-r", min=1, help="Timed repetitions of each test (after one warm-up).")
+    ] = 3,
     threads: Annotated[
-        Optional[str], typer.Option("--threads", "-t", metavar="N,...", help="Thread counts to sweep, comma-separated (default: all cores).")
+        Optional[str],
+        typer.Option(
+            "--threads", "-t", metavar="N,...", help="Thread counts to sweep, comma-separated (default: all cores)."
+        ),
     ] = None,
-    mtp: Annotated[bool, typer.Option("--mtp/--no-mtp", help="Speculative rows (verify, tg+mtp) for models with MTP draft layers.")] = True,
-    json_out: Annotated[bool, typer.Option("--json", help="One JSON document (every sample) instead of the table.")] = False,
+    mtp: Annotated[
+        bool, typer.Option("--mtp/--no-mtp", help="Speculative rows (verify, tg+mtp) for models with MTP draft layers.")
+    ] = True,
+    json_out: Annotated[
+        bool, typer.Option("--json", help="One JSON document (every sample) instead of the table.")
+    ] = False,
 ) -> None:
     """Prefill and decode tokens per second of CMF models, in llama-bench's table."""
     import psutil
@@ -127,13 +152,21 @@ def bench(
     docs: list[dict[str, Any]] = []
     for path in models:
         # The context the tests need (room for a verify batch of up to 32 tokens), not the model's.
-        eng = Engine.load(path, threads=sweep[0], ctx=speed.needed_context(n_prompt, n_gen, 32), mtp=mtp,
-                          on_warmup=CompileProgress(err_console, bar=not json_out))
+        eng = Engine.load(
+            path,
+            threads=sweep[0],
+            ctx=speed.needed_context(n_prompt, n_gen, 32),
+            mtp=mtp,
+            on_warmup=CompileProgress(err_console, bar=not json_out),
+        )
         compiled = eng.compile_report.seconds if eng.compile_report is not None else 0.0
         if table is not None:
-            err_console.print(f"[dim]{path.name}: t/s excludes kernel compilation ("
-                              + (f"{compiled:.1f} s, at load)" if compiled else "none: the kernels came from the on-disk caches)")
-                              + "[/]", highlight=False)
+            err_console.print(
+                f"[dim]{path.name}: t/s excludes kernel compilation ("
+                + (f"{compiled:.1f} s, at load)" if compiled else "none: the kernels came from the on-disk caches)")
+                + "[/]",
+                highlight=False,
+            )
         stack = eng.drafts
         info = {
             "model": path.name,
@@ -161,13 +194,25 @@ def bench(
                     if drafter.decision is not None:
                         spec_rows[len(results) - 1] = drafter.decision.to_json()
             for i, r in enumerate(results):
-                row = {**info, "threads": used, **r.to_json(), **({"speculative": spec_rows[i]} if i in spec_rows else {})}
+                row = {
+                    **info,
+                    "threads": used,
+                    **r.to_json(),
+                    **({"speculative": spec_rows[i]} if i in spec_rows else {}),
+                }
                 docs.append(row)
                 if table is not None:
-                    table.row((
-                        info["model"], _gib(info["size_bytes"]), _human_params(info["params"]), str(info["quant"]),
-                        str(used), r.test, f"{r.median:.2f} ± {r.stddev:.2f}",
-                    ))
+                    table.row(
+                        (
+                            info["model"],
+                            _gib(info["size_bytes"]),
+                            _human_params(info["params"]),
+                            str(info["quant"]),
+                            str(used),
+                            r.test,
+                            f"{r.median:.2f} ± {r.stddev:.2f}",
+                        )
+                    )
                     if i in spec_rows:
                         err_console.print(f"[dim]{r.test}: speculative: {spec_rows[i]['decision']}[/]", highlight=False)
         rss = proc.memory_info().rss
@@ -176,7 +221,10 @@ def bench(
                 row["rss_bytes"] = rss
         eng.close()
         if table is not None:
-            err_console.print(f"[dim]{path.name}: RSS {human_bytes(rss)}, peak RSS so far {human_bytes(max(rss, peak_rss_bytes()))}[/]", highlight=False)
+            err_console.print(
+                f"[dim]{path.name}: RSS {human_bytes(rss)}, peak RSS so far {human_bytes(max(rss, peak_rss_bytes()))}[/]",
+                highlight=False,
+            )
     if json_out:
         print_json(
             {

@@ -43,12 +43,38 @@ def calibrate(
     stride: opt.Stride = None,
     mode: opt.Mode = None,
     chunks: opt.Chunks = None,
-    bins: Annotated[int, typer.Option("--bins", min=1, help="Reliability bins (equal-width and equal-mass).", rich_help_panel=CAL_PANEL)] = DEFAULT_BINS,
-    fit_fraction: Annotated[float, typer.Option("--fit-fraction", help="Leading share of the scored tokens used to fit the temperature; the rest evaluates it.", rich_help_panel=CAL_PANEL)] = DEFAULT_FIT_FRACTION,
-    t_min: Annotated[float, typer.Option("--t-min", help="Lowest temperature of the grid.", rich_help_panel=CAL_PANEL)] = DEFAULT_T_MIN,
-    t_max: Annotated[float, typer.Option("--t-max", help="Highest temperature of the grid.", rich_help_panel=CAL_PANEL)] = DEFAULT_T_MAX,
-    plot: Annotated[Path | None, typer.Option("--plot", help="Also draw the reliability diagram to this PNG (needs matplotlib).", rich_help_panel=CAL_PANEL)] = None,
-    write: Annotated[bool, typer.Option("--write", help="Store the fitted temperature in the model's CMF header.", rich_help_panel=CAL_PANEL)] = False,
+    bins: Annotated[
+        int,
+        typer.Option("--bins", min=1, help="Reliability bins (equal-width and equal-mass).", rich_help_panel=CAL_PANEL),
+    ] = DEFAULT_BINS,
+    fit_fraction: Annotated[
+        float,
+        typer.Option(
+            "--fit-fraction",
+            help="Leading share of the scored tokens used to fit the temperature; the rest evaluates it.",
+            rich_help_panel=CAL_PANEL,
+        ),
+    ] = DEFAULT_FIT_FRACTION,
+    t_min: Annotated[
+        float, typer.Option("--t-min", help="Lowest temperature of the grid.", rich_help_panel=CAL_PANEL)
+    ] = DEFAULT_T_MIN,
+    t_max: Annotated[
+        float, typer.Option("--t-max", help="Highest temperature of the grid.", rich_help_panel=CAL_PANEL)
+    ] = DEFAULT_T_MAX,
+    plot: Annotated[
+        Path | None,
+        typer.Option(
+            "--plot",
+            help="Also draw the reliability diagram to this PNG (needs matplotlib).",
+            rich_help_panel=CAL_PANEL,
+        ),
+    ] = None,
+    write: Annotated[
+        bool,
+        typer.Option(
+            "--write", help="Store the fitted temperature in the model's CMF header.", rich_help_panel=CAL_PANEL
+        ),
+    ] = False,
     batch: opt.BlockRows = 512,
     kv_cache: KvCache = "f32",
     threads: opt.Threads = None,
@@ -77,8 +103,19 @@ def calibrate(
 
     creport = None
     if where is not None:
-        features, done, creport = copt.collect_features(where, cluster_threads or engine.threads, resume, not json_out, model, ctx,
-                                                        kv_cache, batch, tokens, windows, grid)
+        features, done, creport = copt.collect_features(
+            where,
+            cluster_threads or engine.threads,
+            resume,
+            not json_out,
+            model,
+            ctx,
+            kv_cache,
+            batch,
+            tokens,
+            windows,
+            grid,
+        )
     elif json_out:
         features, done = collect_partial(engine, tokens, windows, grid, chunk=batch)
     else:
@@ -101,10 +138,21 @@ def calibrate(
             features, done = collect_partial(engine, tokens, windows, grid, chunk=batch, progress=progress)
 
     report = calibration_report(name, features, grid, bins, fit_fraction)
-    settings = {"mode": wset.mode, "ctx": ctx, "stride": wset.stride, "chunks": wset.chunks, "windows": len(windows), "max_tokens": max_tokens, "text_tokens": int(len(tokens)),
-                "t_min": float(grid.temperatures.min()), "t_max": float(grid.temperatures.max()), "grid_points": grid.n,
-                "fit_fraction": fit_fraction, **({"partial": True, "windows_done": done} if done < len(windows) else {}),
-                **({"cluster": creport.to_json()} if creport is not None else {})}
+    settings = {
+        "mode": wset.mode,
+        "ctx": ctx,
+        "stride": wset.stride,
+        "chunks": wset.chunks,
+        "windows": len(windows),
+        "max_tokens": max_tokens,
+        "text_tokens": int(len(tokens)),
+        "t_min": float(grid.temperatures.min()),
+        "t_max": float(grid.temperatures.max()),
+        "grid_points": grid.n,
+        "fit_fraction": fit_fraction,
+        **({"partial": True, "windows_done": done} if done < len(windows) else {}),
+        **({"cluster": creport.to_json()} if creport is not None else {}),
+    }
     if done < len(windows) and write:
         write = False  # never store a temperature fitted on an interrupted pass
     if not json_out:
@@ -123,14 +171,16 @@ def calibrate(
         draw_png(report, plot)
 
     if json_out:
-        print_json({
-            "text": {"source": source.source, "documents": source.documents, "bytes": source.n_bytes},
-            "settings": settings,
-            "path": str(model),
-            **report.to_json(),
-            "written": written,
-            "plot": str(plot) if plot else None,
-        })
+        print_json(
+            {
+                "text": {"source": source.source, "documents": source.documents, "bytes": source.n_bytes},
+                "settings": settings,
+                "path": str(model),
+                **report.to_json(),
+                "written": written,
+                "plot": str(plot) if plot else None,
+            }
+        )
         if done < len(windows):
             interrupted(done, len(windows))
         return
@@ -142,8 +192,14 @@ def calibrate(
         console.print(f"[green]wrote[/] {plot}")
 
 
-def collect_partial(engine: Any, tokens: Any, windows: list[Any], grid: TemperatureGrid, chunk: int,
-                    progress: Callable[[int, int, float], None] | None = None) -> tuple[RowFeatures, int]:
+def collect_partial(
+    engine: Any,
+    tokens: Any,
+    windows: list[Any],
+    grid: TemperatureGrid,
+    chunk: int,
+    progress: Callable[[int, int, float], None] | None = None,
+) -> tuple[RowFeatures, int]:
     """``collect_features`` that, on Ctrl-C, keeps the windows done so far (and says how
     many); with none done the interrupt goes on up."""
     parts: list[RowFeatures] = []
@@ -165,6 +221,7 @@ def collect_partial(engine: Any, tokens: Any, windows: list[Any], grid: Temperat
 
 
 # ------------------------------------------------------------------ header
+
 
 def calibration_header(report: CalibrationReport, source: LoadedText, settings: dict[str, Any]) -> dict[str, Any]:
     """``header["calibration"]``: the temperature plus what it was fitted on (read by generate and inspect)."""
@@ -196,7 +253,9 @@ def _version() -> str:
         return "unknown"
 
 
-def write_temperature(path: Path, report: CalibrationReport, source: LoadedText, settings: dict[str, Any]) -> dict[str, Any]:
+def write_temperature(
+    path: Path, report: CalibrationReport, source: LoadedText, settings: dict[str, Any]
+) -> dict[str, Any]:
     from formats.cmf import CmfFile, rewrite_header
 
     if report.fit.at_edge:
@@ -213,6 +272,7 @@ def write_temperature(path: Path, report: CalibrationReport, source: LoadedText,
 
 # ------------------------------------------------------------------ terminal
 
+
 def render(report: CalibrationReport, source: LoadedText, settings: dict[str, Any]) -> None:
     console.print(
         f"[bold]text[/] {source.source}: {settings['text_tokens']:,} tokens  [bold]scored[/] {report.overall.n:,} "
@@ -225,7 +285,9 @@ def render(report: CalibrationReport, source: LoadedText, settings: dict[str, An
     if report.fit.at_edge:
         console.print(
             f"[yellow]warning:[/] the NLL is lowest at the edge of the temperature grid (T = {report.temperature:.4g}); "
-            "widen --t-min/--t-max", highlight=False)
+            "widen --t-min/--t-max",
+            highlight=False,
+        )
 
 
 def _how(settings: dict[str, Any]) -> str:
@@ -244,8 +306,13 @@ def reliability_table(bins: list[Bin], title: str) -> Table:
         if b.count == 0:
             t.add_row(f"({b.lo:.2f}, {b.hi:.2f}]", "0", "–", "–", "–", style="dim")
             continue
-        t.add_row(f"({b.lo:.2f}, {b.hi:.2f}]", f"{b.count:,}", f"{b.confidence:.4f}", f"{b.accuracy:.4f}",
-                  Text(f"{b.gap:+.4f}", style=_gap_style(b.gap)))
+        t.add_row(
+            f"({b.lo:.2f}, {b.hi:.2f}]",
+            f"{b.count:,}",
+            f"{b.confidence:.4f}",
+            f"{b.accuracy:.4f}",
+            Text(f"{b.gap:+.4f}", style=_gap_style(b.gap)),
+        )
     return t
 
 
@@ -257,7 +324,9 @@ def _gap_style(gap: float) -> str:
 def reliability_diagram(bins: list[Bin], width: int = _BAR_WIDTH) -> Text:
     """One row per bin: a bar as long as the accuracy, a ┃ where the mean confidence is."""
     out = Text()
-    out.append("Reliability diagram: bar = accuracy, ┃ = mean confidence (calibrated: the bar ends at ┃)\n", style="bold")
+    out.append(
+        "Reliability diagram: bar = accuracy, ┃ = mean confidence (calibrated: the bar ends at ┃)\n", style="bold"
+    )
     for b in reversed(bins):
         out.append(f" {b.lo:.2f}–{b.hi:.2f} │", style="dim")
         if b.count == 0:
@@ -308,6 +377,7 @@ def summary_table(report: CalibrationReport) -> Table:
 
 # ------------------------------------------------------------------ png
 
+
 def _require_matplotlib() -> None:
     try:
         import matplotlib  # noqa: F401
@@ -331,14 +401,36 @@ def draw_png(report: CalibrationReport, path: Path) -> None:
     for ax, bins, m, title in panels:
         width = bins[0].hi - bins[0].lo
         full = [b for b in bins if b.count]
-        ax.bar([b.lo for b in full], [b.accuracy for b in full], width=width, align="edge",
-               color="#4c72b0", edgecolor="white")
+        ax.bar(
+            [b.lo for b in full],
+            [b.accuracy for b in full],
+            width=width,
+            align="edge",
+            color="#4c72b0",
+            edgecolor="white",
+        )
         over = [b for b in full if b.gap > 0]
         under = [b for b in full if b.gap <= 0]
-        ax.bar([b.lo for b in over], [b.gap for b in over], bottom=[b.accuracy for b in over], width=width, align="edge",
-               color="#dd8452", alpha=0.5, edgecolor="#dd8452")
-        ax.bar([b.lo for b in under], [-b.gap for b in under], bottom=[b.confidence for b in under], width=width,
-               align="edge", facecolor="none", hatch="///", edgecolor="#55a868")
+        ax.bar(
+            [b.lo for b in over],
+            [b.gap for b in over],
+            bottom=[b.accuracy for b in over],
+            width=width,
+            align="edge",
+            color="#dd8452",
+            alpha=0.5,
+            edgecolor="#dd8452",
+        )
+        ax.bar(
+            [b.lo for b in under],
+            [-b.gap for b in under],
+            bottom=[b.confidence for b in under],
+            width=width,
+            align="edge",
+            facecolor="none",
+            hatch="///",
+            edgecolor="#55a868",
+        )
         ax.plot([0, 1], [0, 1], "k--", lw=1)
         ax.set_xlim(0, 1)
         ax.set_ylim(0, 1)

@@ -24,8 +24,16 @@ from rich.markup import escape
 
 from cortiq_cli import mtp_options as mtp_opt
 from cortiq_cli import options as opts
-from cortiq_cli.common import (KvCache, compile_note, err_console, handle_errors, human_bytes, load_engine, peak_rss_bytes,
-                               print_json)
+from cortiq_cli.common import (
+    KvCache,
+    compile_note,
+    err_console,
+    handle_errors,
+    human_bytes,
+    load_engine,
+    peak_rss_bytes,
+    print_json,
+)
 from cortiq_cli.cmd_generate import MAX_LOGPROBS, print_logprobs
 from formats import staging, untrusted_json
 from formats.errors import CortiqError
@@ -59,7 +67,7 @@ class Conversation:
         if not isinstance(doc, list) or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in doc
         ):
-            raise CortiqError(f"{path}: expected a JSON list of {{\"role\": ..., \"content\": ...}} objects")
+            raise CortiqError(f'{path}: expected a JSON list of {{"role": ..., "content": ...}} objects')
         msgs = [{"role": m["role"], "content": m["content"]} for m in doc]
         systems = [m for m in msgs if m["role"] == "system"]
         self.system = systems[0]["content"] if systems else self.system
@@ -145,14 +153,26 @@ class _Interrupt:
 
 @handle_errors
 def chat(
-    model: Annotated[Optional[str], typer.Argument(help="Model file (.cmf) with a chat template; or give -m/--model.", show_default=False)] = None,
+    model: Annotated[
+        Optional[str],
+        typer.Argument(help="Model file (.cmf) with a chat template; or give -m/--model.", show_default=False),
+    ] = None,
     model_opt: opts.ModelOption = None,
     system: Annotated[Optional[str], typer.Option("--system", "-s", help="System prompt.")] = None,
-    load: Annotated[Optional[Path], typer.Option("--load", help="Start from the messages in this JSON file (as /load).")] = None,
+    load: Annotated[
+        Optional[Path], typer.Option("--load", help="Start from the messages in this JSON file (as /load).")
+    ] = None,
     chat_template: Annotated[
-        str, typer.Option("--chat-template", metavar="model|raw", help="model: the model's own chat template (a model without one is refused); raw: plain 'Role: text' turns, for a model without one.")
+        str,
+        typer.Option(
+            "--chat-template",
+            metavar="model|raw",
+            help="model: the model's own chat template (a model without one is refused); raw: plain 'Role: text' turns, for a model without one.",
+        ),
     ] = TEMPLATE_MODEL,
-    max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", min=1, help="At most this many tokens per answer.")] = 512,
+    max_tokens: Annotated[
+        int, typer.Option("--max-tokens", "-n", min=1, help="At most this many tokens per answer.")
+    ] = 512,
     temperature: opts.Temp = 0.0,
     top_k: opts.TopK = 0,
     top_p: opts.TopP = 1.0,
@@ -162,11 +182,26 @@ def chat(
     ctx: opts.Ctx = None,
     kv_cache: KvCache = "f32",
     evict: Annotated[
-        bool, typer.Option("--evict", help="When the context is full: drop the oldest turns before a turn, the oldest half of the cache during an answer.", rich_help_panel=CONTEXT)
+        bool,
+        typer.Option(
+            "--evict",
+            help="When the context is full: drop the oldest turns before a turn, the oldest half of the cache during an answer.",
+            rich_help_panel=CONTEXT,
+        ),
     ] = False,
     threads: opts.Threads = None,
-    json_out: Annotated[bool, typer.Option("--json", help="One JSON object per turn (JSON lines) instead of streamed text.")] = False,
-    logprobs: Annotated[int, typer.Option("--logprobs", min=0, max=MAX_LOGPROBS, help="Each step's N most likely tokens and log-probabilities (in --json; else listed after each answer).")] = 0,
+    json_out: Annotated[
+        bool, typer.Option("--json", help="One JSON object per turn (JSON lines) instead of streamed text.")
+    ] = False,
+    logprobs: Annotated[
+        int,
+        typer.Option(
+            "--logprobs",
+            min=0,
+            max=MAX_LOGPROBS,
+            help="Each step's N most likely tokens and log-probabilities (in --json; else listed after each answer).",
+        ),
+    ] = 0,
     mtp: mtp_opt.MtpPath = None,
     no_mtp: mtp_opt.NoMtp = False,
     mtp_depth: mtp_opt.MtpDepth = None,
@@ -195,18 +230,26 @@ def chat(
     conv = Conversation(system)
     if load is not None:
         conv.load(load)
-    eng = load_engine(model, threads=threads, ctx=ctx, quiet=json_out, mtp=mtp_opt.load_arg(mtp, no_mtp), kv_cache=kv_cache)
+    eng = load_engine(
+        model, threads=threads, ctx=ctx, quiet=json_out, mtp=mtp_opt.load_arg(mtp, no_mtp), kv_cache=kv_cache
+    )
     # kernel compilation at load, kept apart from every turn's speeds
     compiled = eng.compile_report.to_json() if eng.compile_report is not None else {"compile_seconds": 0.0}
     if compile_note(eng.compile_report) and not json_out:
         err_console.print(f"[dim]{compile_note(eng.compile_report)}[/]", highlight=False)
     tok = eng.tokenizer
     if chat_template == TEMPLATE_RAW:
-        err_console.print(f"[yellow]warning:[/] --chat-template raw: plain 'User: ... Assistant:' turns, not a format "
-                          f"{escape(model.name)} was trained on; expect weaker answers", highlight=False, soft_wrap=True)
+        err_console.print(
+            f"[yellow]warning:[/] --chat-template raw: plain 'User: ... Assistant:' turns, not a format "
+            f"{escape(model.name)} was trained on; expect weaker answers",
+            highlight=False,
+            soft_wrap=True,
+        )
     elif not tok.chat_template:
-        raise CortiqError(f"{model}: no chat template in the header; use cortiq generate for plain text, "
-                          f"or --chat-template {TEMPLATE_RAW} for plain 'User: ... Assistant:' turns")
+        raise CortiqError(
+            f"{model}: no chat template in the header; use cortiq generate for plain text, "
+            f"or --chat-template {TEMPLATE_RAW} for plain 'User: ... Assistant:' turns"
+        )
 
     # raw turns end where the model starts the user's next one
     stops = [f"\n{RAW_ROLES['user']}:"] if chat_template == TEMPLATE_RAW else []
@@ -216,12 +259,23 @@ def chat(
         if chat_template == TEMPLATE_RAW:
             return tok.encode(raw_template(conv.rendered()))
         return tok.encode(tok.apply_chat_template(conv.rendered()), add_bos=False)
+
     # The conversation keeps one drafter (its rows of the cached prefix) across turns.
-    drafter, mtp_note = eng.drafter(mtp_opt.speculative_arg(no_mtp, mtp_depth, mtp_chain, mtp_hidden, mtp_vocab, mtp_threshold, lookup, lookup_ngram, mtp_gate), config, evict=evict)
+    drafter, mtp_note = eng.drafter(
+        mtp_opt.speculative_arg(
+            no_mtp, mtp_depth, mtp_chain, mtp_hidden, mtp_vocab, mtp_threshold, lookup, lookup_ngram, mtp_gate
+        ),
+        config,
+        evict=evict,
+    )
     session = ChatSession(eng, drafter)
     interactive = sys.stdin.isatty() and not json_out
     if interactive:
-        how = f"speculative decoding ({mtp_opt.describe(drafter.describe())})" if drafter is not None else (mtp_note or "")
+        how = (
+            f"speculative decoding ({mtp_opt.describe(drafter.describe())})"
+            if drafter is not None
+            else (mtp_note or "")
+        )
         err_console.print(
             f"[dim]{escape(model.name)} · ctx {eng.ctx} · {eng.threads} threads{' · ' + escape(how) if how else ''} · "
             f"/help for commands, Ctrl-C stops an answer, Ctrl-D leaves[/]",
@@ -283,8 +337,14 @@ def chat(
                 ids = _drop_oldest_turns(conv, ids, render, room=min(max_tokens, eng.ctx // 2), ctx=eng.ctx, note=note)
             with _Interrupt() as stop:
                 turn = session.generate(
-                    ids, config, max_tokens=max_tokens, evict=evict, logprobs=logprobs, stop=stops,
-                    on_token=lambda _ev: not stop.flag.is_set(), on_text=None if json_out else stream,
+                    ids,
+                    config,
+                    max_tokens=max_tokens,
+                    evict=evict,
+                    logprobs=logprobs,
+                    stop=stops,
+                    on_token=lambda _ev: not stop.flag.is_set(),
+                    on_text=None if json_out else stream,
                 )
         except CortiqError as e:
             conv.messages.pop()  # the turn did not happen: the conversation stays as it was
@@ -311,7 +371,9 @@ def chat(
         spec_part = ""
         if "mtp" in res.extra:
             spec_part = f" · [dim]drafts accepted[/] {res.extra['mtp']['acceptance']:.0%}"
-        ended = {"length": "[bold yellow]context full[/] (/reset)", "cancelled": "[yellow]stopped[/]"}.get(res.finish_reason, res.finish_reason)
+        ended = {"length": "[bold yellow]context full[/] (/reset)", "cancelled": "[yellow]stopped[/]"}.get(
+            res.finish_reason, res.finish_reason
+        )
         err_console.print(
             f"[dim]cached[/] {turn.reused_tokens} · [dim]new[/] {turn.forwarded_tokens} tok, {res.prefill_tok_s:.1f} tok/s · "
             f"[dim]answer[/] {len(res.token_ids)} tok, {res.decode_tok_s:.1f} tok/s{spec_part} · "

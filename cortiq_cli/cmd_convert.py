@@ -9,7 +9,16 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from cortiq_cli.common import (
-    BytesColumn, console, err_console, handle_errors, human_bytes, mib_per_s, print_json, print_table, quant_names_help, resolve_quant,
+    BytesColumn,
+    console,
+    err_console,
+    handle_errors,
+    human_bytes,
+    mib_per_s,
+    print_json,
+    print_table,
+    quant_names_help,
+    resolve_quant,
 )
 from formats.convert import MTP_MODES, ConvertReport, QuantPolicy
 from formats.policy import quant_help
@@ -27,14 +36,29 @@ def convert_checkpoint(src, out, **kw) -> ConvertReport:
 def convert(
     src: str = typer.Argument(..., help="HF checkpoint folder, hub repo id (org/name) or .gguf file."),
     out: Path = typer.Argument(..., help="Output .cmf file."),
-    quant: str = typer.Option("q8_0", "--quant", "-q", metavar="TYPE", help=f"Quantization, as llama.cpp names it (cortiq's short name in brackets): {quant_names_help()}, or keep: the source's blocks where CMF has them. The presets (b/w = bits per weight): {quant_help()}."),
-    keep: list[str] = typer.Option(
-        [], "--keep", metavar="PATTERN=DTYPE", help="Dtype override on CMF tensor names (fnmatch; repeatable; llama.cpp's type names too), e.g. 'lm_head.weight=f16'."
+    quant: str = typer.Option(
+        "q8_0",
+        "--quant",
+        "-q",
+        metavar="TYPE",
+        help=f"Quantization, as llama.cpp names it (cortiq's short name in brackets): {quant_names_help()}, or keep: the source's blocks where CMF has them. The presets (b/w = bits per weight): {quant_help()}.",
     ),
-    mtp: str = typer.Option("sidecar", "--mtp", metavar="|".join(MTP_MODES), help="MTP draft layers (sidecar = OUT.mtp.cmf)."),
+    keep: list[str] = typer.Option(
+        [],
+        "--keep",
+        metavar="PATTERN=DTYPE",
+        help="Dtype override on CMF tensor names (fnmatch; repeatable; llama.cpp's type names too), e.g. 'lm_head.weight=f16'.",
+    ),
+    mtp: str = typer.Option(
+        "sidecar", "--mtp", metavar="|".join(MTP_MODES), help="MTP draft layers (sidecar = OUT.mtp.cmf)."
+    ),
     force: bool = typer.Option(False, "--force", "-f", help="Overwrite OUT (and its sidecar) if they exist."),
     json_out: bool = typer.Option(False, "--json", help="Print the report as JSON."),
-    imatrix: Path = typer.Option(None, "--imatrix", help="Importance matrix from `cortiq imatrix`: the K-quant encoders minimize the activation-weighted error."),
+    imatrix: Path = typer.Option(
+        None,
+        "--imatrix",
+        help="Importance matrix from `cortiq imatrix`: the K-quant encoders minimize the activation-weighted error.",
+    ),
 ) -> None:
     """Convert a checkpoint into a CMF file, one tensor at a time."""
     quant = resolve_quant(quant)
@@ -58,8 +82,9 @@ def convert(
         def on_progress(name: str, done: int, total: int) -> None:
             bar.update(task, completed=done, total=total, tensor=name)
 
-        report = convert_checkpoint(src, out, quant=quant, keep=keep_pairs, mtp=mtp, force=force, progress=on_progress,
-                                    imatrix=imatrix)
+        report = convert_checkpoint(
+            src, out, quant=quant, keep=keep_pairs, mtp=mtp, force=force, progress=on_progress, imatrix=imatrix
+        )
     _render(report)
 
 

@@ -23,8 +23,18 @@ import typer
 
 from cortiq_cli import mtp_options as mtp_opt
 from cortiq_cli import options as opts
-from cortiq_cli.common import (EXIT_INTERRUPTED, KvCache, compile_note, err_console, handle_errors, human_bytes, load_engine,
-                               peak_rss_bytes, print_json, read_prompt)
+from cortiq_cli.common import (
+    EXIT_INTERRUPTED,
+    KvCache,
+    compile_note,
+    err_console,
+    handle_errors,
+    human_bytes,
+    load_engine,
+    peak_rss_bytes,
+    print_json,
+    read_prompt,
+)
 from cortiq_cli.moe_stats import moe_stats_json, print_moe_stats
 from formats.errors import CortiqError
 
@@ -34,37 +44,66 @@ CONTEXT = "Context"
 
 @handle_errors
 def generate(
-    model: Annotated[Optional[str], typer.Argument(help="Model file (.cmf); or give -m/--model.", show_default=False)] = None,
+    model: Annotated[
+        Optional[str], typer.Argument(help="Model file (.cmf); or give -m/--model.", show_default=False)
+    ] = None,
     prompt: Annotated[
-        Optional[str], typer.Argument(help="Prompt text; '-' reads it from stdin (or give -p/--prompt or --prompt-file).", show_default=False)
+        Optional[str],
+        typer.Argument(
+            help="Prompt text; '-' reads it from stdin (or give -p/--prompt or --prompt-file).", show_default=False
+        ),
     ] = None,
     model_opt: opts.ModelOption = None,
     prompt_opt: opts.PromptOption = None,
-    prompt_file: Annotated[Optional[Path], typer.Option("--prompt-file", "-f", help="Read the prompt from this file (UTF-8).")] = None,
-    max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", min=1, help="Generate at most this many tokens.")] = 256,
+    prompt_file: Annotated[
+        Optional[Path], typer.Option("--prompt-file", "-f", help="Read the prompt from this file (UTF-8).")
+    ] = None,
+    max_tokens: Annotated[
+        int, typer.Option("--max-tokens", "-n", min=1, help="Generate at most this many tokens.")
+    ] = 256,
     temperature: opts.Temp = 0.0,
     top_k: opts.TopK = 0,
     top_p: opts.TopP = 1.0,
     min_p: opts.MinP = 0.0,
     repetition_penalty: opts.RepeatPenalty = 1.0,
     seed: opts.Seed = None,
-    stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop when this string appears (repeatable); it is not printed.")] = None,
-    chat: Annotated[bool, typer.Option("--chat", help="Wrap the prompt in the model's chat template as a user message.")] = False,
+    stop: Annotated[
+        Optional[list[str]],
+        typer.Option("--stop", help="Stop when this string appears (repeatable); it is not printed."),
+    ] = None,
+    chat: Annotated[
+        bool, typer.Option("--chat", help="Wrap the prompt in the model's chat template as a user message.")
+    ] = False,
     system: Annotated[Optional[str], typer.Option("--system", help="System message (implies --chat).")] = None,
     ctx: opts.Ctx = None,
     evict: Annotated[
         bool,
-        typer.Option("--evict", help="When the context is full, drop its oldest half and go on (positions keep increasing) instead of stopping.", rich_help_panel=CONTEXT),
+        typer.Option(
+            "--evict",
+            help="When the context is full, drop its oldest half and go on (positions keep increasing) instead of stopping.",
+            rich_help_panel=CONTEXT,
+        ),
     ] = False,
     kv_cache: KvCache = "f32",
-    ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Do not stop at end-of-sequence tokens (benchmarks).")] = False,
+    ignore_eos: Annotated[
+        bool, typer.Option("--ignore-eos", help="Do not stop at end-of-sequence tokens (benchmarks).")
+    ] = False,
     threads: opts.Threads = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of streaming text.")] = False,
     logprobs: Annotated[
-        int, typer.Option("--logprobs", min=0, max=MAX_LOGPROBS, help="Each step's N most likely tokens with their log-probabilities (in --json; else listed after the text).")
+        int,
+        typer.Option(
+            "--logprobs",
+            min=0,
+            max=MAX_LOGPROBS,
+            help="Each step's N most likely tokens with their log-probabilities (in --json; else listed after the text).",
+        ),
     ] = 0,
     moe_stats: Annotated[
-        bool, typer.Option("--moe-stats", help="MoE models: show how often each expert of each layer was chosen (and in --json).")
+        bool,
+        typer.Option(
+            "--moe-stats", help="MoE models: show how often each expert of each layer was chosen (and in --json)."
+        ),
     ] = False,
     mtp: mtp_opt.MtpPath = None,
     no_mtp: mtp_opt.NoMtp = False,
@@ -90,11 +129,17 @@ def generate(
     )
     # MTP draft layers (inline, the sidecar beside the model, or --mtp): the engine decodes
     # speculatively (exact greedy) when it can, and says why not when it cannot.
-    eng = load_engine(model, threads=threads, ctx=ctx, quiet=json_out, mtp=mtp_opt.load_arg(mtp, no_mtp), kv_cache=kv_cache)
-    speculative = mtp_opt.speculative_arg(no_mtp, mtp_depth, mtp_chain, mtp_hidden, mtp_vocab, mtp_threshold, lookup, lookup_ngram, mtp_gate)
+    eng = load_engine(
+        model, threads=threads, ctx=ctx, quiet=json_out, mtp=mtp_opt.load_arg(mtp, no_mtp), kv_cache=kv_cache
+    )
+    speculative = mtp_opt.speculative_arg(
+        no_mtp, mtp_depth, mtp_chain, mtp_hidden, mtp_vocab, mtp_threshold, lookup, lookup_ngram, mtp_gate
+    )
     tok = eng.tokenizer
     if chat or system is not None:
-        messages = ([{"role": "system", "content": system}] if system is not None else []) + [{"role": "user", "content": prompt}]
+        messages = ([{"role": "system", "content": system}] if system is not None else []) + [
+            {"role": "user", "content": prompt}
+        ]
         ids = tok.encode(tok.apply_chat_template(messages), add_bos=False)
     else:
         ids = tok.encode(prompt)
@@ -115,25 +160,49 @@ def generate(
     clock.start()
     try:
         res = eng.generate(
-            ids, config, max_tokens=max_tokens, stop=stop or [], on_text=None if json_out else stream, evict=evict,
-            ignore_eos=ignore_eos, logprobs=logprobs, on_token=on_token, speculative=speculative,
+            ids,
+            config,
+            max_tokens=max_tokens,
+            stop=stop or [],
+            on_text=None if json_out else stream,
+            evict=evict,
+            ignore_eos=ignore_eos,
+            logprobs=logprobs,
+            on_token=on_token,
+            speculative=speculative,
         )
         if mtp_compare and "mtp" in res.extra:
-            mtp_opt.compare_with_plain(eng, res, ids, config, max_tokens=max_tokens, stop=stop or [], ignore_eos=ignore_eos)
+            mtp_opt.compare_with_plain(
+                eng, res, ids, config, max_tokens=max_tokens, stop=stop or [], ignore_eos=ignore_eos
+            )
     except KeyboardInterrupt:
         if not json_out:
             # the line the text was on ends, the figures so far follow
             sys.stdout.write("\n")
             sys.stdout.flush()
-            _print_stats(len(ids), clock.prefill_tok_s(len(ids)), len(so_far), clock.decode_tok_s(len(so_far)),
-                         so_far, eng.calibration_temperature, "interrupted")
+            _print_stats(
+                len(ids),
+                clock.prefill_tok_s(len(ids)),
+                len(so_far),
+                clock.decode_tok_s(len(so_far)),
+                so_far,
+                eng.calibration_temperature,
+                "interrupted",
+            )
             raise typer.Exit(EXIT_INTERRUPTED) from None
         # --json: the tokens so far are the answer (the text is their pieces; stop strings not applied)
-        print_json({
-            "model": str(model), "prompt": prompt, "text": "".join(ev.text for ev in so_far),
-            "token_ids": [ev.id for ev in so_far], "tokens": [ev.to_json() for ev in so_far],
-            "prompt_tokens": len(ids), "generated_tokens": len(so_far), "finish_reason": "interrupted",
-        })
+        print_json(
+            {
+                "model": str(model),
+                "prompt": prompt,
+                "text": "".join(ev.text for ev in so_far),
+                "token_ids": [ev.id for ev in so_far],
+                "tokens": [ev.to_json() for ev in so_far],
+                "prompt_tokens": len(ids),
+                "generated_tokens": len(so_far),
+                "finish_reason": "interrupted",
+            }
+        )
         raise typer.Exit(EXIT_INTERRUPTED) from None
     if json_out:
         print_json(
@@ -163,8 +232,15 @@ def generate(
         return
     sys.stdout.write("\n")
     sys.stdout.flush()
-    _print_stats(res.prompt_tokens, res.prefill_tok_s, len(res.token_ids), res.decode_tok_s, res.tokens,
-                 eng.calibration_temperature, res.finish_reason)
+    _print_stats(
+        res.prompt_tokens,
+        res.prefill_tok_s,
+        len(res.token_ids),
+        res.decode_tok_s,
+        res.tokens,
+        eng.calibration_temperature,
+        res.finish_reason,
+    )
     if compile_note(eng.compile_report):
         err_console.print(f"[dim]{compile_note(eng.compile_report)}[/]", highlight=False)
     if logprobs:
@@ -207,8 +283,15 @@ class _Clock:
         return (tokens - 1) / (self.last - self.first) if tokens > 1 and self.last > self.first else 0.0
 
 
-def _print_stats(prompt_tokens: int, prefill_tok_s: float, generated: int, decode_tok_s: float, tokens: list[Any],
-                 calibration_temperature: float | None, finish: str) -> None:
+def _print_stats(
+    prompt_tokens: int,
+    prefill_tok_s: float,
+    generated: int,
+    decode_tok_s: float,
+    tokens: list[Any],
+    calibration_temperature: float | None,
+    finish: str,
+) -> None:
     """The closing line on stderr: prompt, prefill and decode speed, confidence, memory, why it ended."""
     mean_conf = sum(t.confidence for t in tokens) / max(len(tokens), 1)
     calib = f" (calibrated, T={calibration_temperature:.3g})" if calibration_temperature else ""
@@ -227,4 +310,6 @@ def print_logprobs(console, tokens) -> None:
 
     for k, ev in enumerate(tokens):
         alts = "  ".join(f"{escape(repr(t.text))} {t.logprob:.3f}" for t in ev.top_logprobs or [])
-        console.print(f"[dim]{k:>4}[/] {escape(repr(ev.text))} [bold]{ev.logprob:.3f}[/]  [dim]|[/] {alts}", highlight=False)
+        console.print(
+            f"[dim]{k:>4}[/] {escape(repr(ev.text))} [bold]{ev.logprob:.3f}[/]  [dim]|[/] {alts}", highlight=False
+        )

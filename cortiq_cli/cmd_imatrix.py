@@ -20,8 +20,13 @@ from formats.imatrix import write_imatrix
 
 @handle_errors
 def imatrix(
-    model: Path = typer.Argument(..., help="CMF model to run (f32 or a high-precision type gives the truest activations)."),
-    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Output file (safetensors; default MODEL.imatrix.safetensors).")] = None,
+    model: Path = typer.Argument(
+        ..., help="CMF model to run (f32 or a high-precision type gives the truest activations)."
+    ),
+    out: Annotated[
+        Optional[Path],
+        typer.Option("--out", "-o", help="Output file (safetensors; default MODEL.imatrix.safetensors)."),
+    ] = None,
     text: opt.TextFile = None,
     dataset: opt.Dataset = None,
     config: opt.Config = None,
@@ -61,7 +66,9 @@ def imatrix(
     total = sum(len(w) for w in windows)
     creport = None
     if where is not None:
-        acc, done, creport = copt.collect_imatrix(where, cluster_threads or engine_threads, resume, not json_out, model, ids, plan)
+        acc, done, creport = copt.collect_imatrix(
+            where, cluster_threads or engine_threads, resume, not json_out, model, ids, plan
+        )
         if done < len(plan):  # never write an imatrix of part of the text
             copt.note_interrupted()
             raise KeyboardInterrupt
@@ -70,14 +77,25 @@ def imatrix(
         means, tokens = collect_imatrix(model, windows, threads=threads)
     else:
         with Progress(
-            TextColumn("[bold]collecting[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
-            TimeElapsedColumn(), TimeRemainingColumn(), console=err_console, transient=True,
+            TextColumn("[bold]collecting[/]"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("tokens"),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            console=err_console,
+            transient=True,
         ) as bar:
             task = bar.add_task("imatrix", total=total)
             means, tokens = collect_imatrix(model, windows, threads=threads, progress=lambda n: bar.advance(task, n))
     write_imatrix(out, means, tokens)
-    report = {"output": str(out), "tokens": tokens, "tensors": len(means), "source": source.source,
-              **({"cluster": creport.to_json()} if creport is not None else {})}
+    report = {
+        "output": str(out),
+        "tokens": tokens,
+        "tensors": len(means),
+        "source": source.source,
+        **({"cluster": creport.to_json()} if creport is not None else {}),
+    }
     if json_out:
         print_json(report)
     else:

@@ -18,6 +18,7 @@ from formats.sidecar import ROLE_SIDECAR, check_sidecar, sidecar_path
 
 # ------------------------------------------------------------------ inspect
 
+
 def _dtype_summary(f: CmfFile) -> dict[str, dict[str, int]]:
     out: dict[str, dict[str, int]] = {}
     for t in f.tensors.values():
@@ -48,8 +49,11 @@ def _partner(f: CmfFile) -> tuple[Path | None, str | None, dict[str, Any]]:
     summary: dict[str, Any] = {}
     try:
         with CmfFile(other) as o:
-            summary = {"tensors": len(o.tensors), "bytes": sum(t.nbytes for t in o.tensors.values()),
-                       "dtypes": _dtype_summary(o)}
+            summary = {
+                "tensors": len(o.tensors),
+                "bytes": sum(t.nbytes for t in o.tensors.values()),
+                "dtypes": _dtype_summary(o),
+            }
             main, side = (o.header, f.header) if f.header.get("role") == ROLE_SIDECAR else (f.header, o.header)
             check_sidecar(main, side)
     except CortiqError as e:
@@ -68,13 +72,24 @@ def describe(f: CmfFile, with_tensors: bool) -> dict[str, Any]:
         "tensor_count": len(f.tensors),
         "partner": None
         if partner is None
-        else {"path": str(partner), "kind": "backbone" if f.header.get("role") == ROLE_SIDECAR else "sidecar",
-              "valid": problem is None, "error": problem, **summary},
+        else {
+            "path": str(partner),
+            "kind": "backbone" if f.header.get("role") == ROLE_SIDECAR else "sidecar",
+            "valid": problem is None,
+            "error": problem,
+            **summary,
+        },
     }
     if with_tensors:
         d["tensors"] = [
-            {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "offset": t.offset, "bytes": t.nbytes,
-             "crc32": f"{t.crc32:08x}"}
+            {
+                "name": t.name,
+                "dtype": t.dtype,
+                "shape": list(t.shape),
+                "offset": t.offset,
+                "bytes": t.nbytes,
+                "crc32": f"{t.crc32:08x}",
+            }
             for t in sorted(f.tensors.values(), key=lambda t: t.offset)
         ]
     return d
@@ -113,21 +128,30 @@ def _render(d: dict[str, Any]) -> None:
     tok = h.get("tokenizer")
     if isinstance(tok, dict):
         chat = tok.get("chat_template")
-        console.print(_kv_table("tokenizer", [
-            ("model", tok.get("model")),
-            ("vocab size", tok.get("vocab_size")),
-            ("bos", f"{tok.get('bos_token_id')} {tok.get('bos_token') or ''}".strip()),
-            ("eos", f"{_fmt(tok.get('eos_token_ids'))} {tok.get('eos_token') or ''}".strip()),
-            ("add bos", tok.get("add_bos_token")),
-            ("chat template", f"yes ({len(chat)} chars)" if isinstance(chat, str) and chat else "no"),
-        ]))
+        console.print(
+            _kv_table(
+                "tokenizer",
+                [
+                    ("model", tok.get("model")),
+                    ("vocab size", tok.get("vocab_size")),
+                    ("bos", f"{tok.get('bos_token_id')} {tok.get('bos_token') or ''}".strip()),
+                    ("eos", f"{_fmt(tok.get('eos_token_ids'))} {tok.get('eos_token') or ''}".strip()),
+                    ("add bos", tok.get("add_bos_token")),
+                    ("chat template", f"yes ({len(chat)} chars)" if isinstance(chat, str) and chat else "no"),
+                ],
+            )
+        )
     if isinstance(h.get("calibration"), dict):
         cal = h["calibration"]
         temp = cal.get("temperature")
         extra = {k: v for k, v in cal.items() if k != "temperature"}
         shown = f"{temp:.4f}" if isinstance(temp, (int, float)) and not isinstance(temp, bool) else _fmt(temp)
-        console.print(_kv_table("calibration", [("temperature", "not calibrated" if temp is None else shown)]
-                                + [(k, v) for k, v in extra.items()]))
+        console.print(
+            _kv_table(
+                "calibration",
+                [("temperature", "not calibrated" if temp is None else shown)] + [(k, v) for k, v in extra.items()],
+            )
+        )
     if isinstance(h.get("mtp"), dict):
         console.print(_kv_table("MTP", list(h["mtp"].items())))
     if isinstance(h.get("backbone"), dict):
@@ -176,6 +200,7 @@ def inspect(
 
 # ------------------------------------------------------------------ verify
 
+
 @handle_errors
 def verify(
     file: Path = typer.Argument(..., help="A .cmf file (its MTP sidecar, if any, is checked too)."),
@@ -194,8 +219,12 @@ def verify(
     total = sum(t.nbytes for f in files for t in f.tensors.values())
     results: list[dict[str, Any]] = []
     with Progress(
-        TextColumn("[bold]verifying"), BarColumn(), BytesColumn(),
-        console=err_console, transient=True, disable=json_out or not err_console.is_terminal,
+        TextColumn("[bold]verifying"),
+        BarColumn(),
+        BytesColumn(),
+        console=err_console,
+        transient=True,
+        disable=json_out or not err_console.is_terminal,
     ) as bar:
         task = bar.add_task("verify", total=total)
         for f in files:
@@ -205,7 +234,14 @@ def verify(
                 if not ok:
                     bad.append(info.name)
                 bar.advance(task, info.nbytes)
-            results.append({"file": str(f.path), "tensors": len(f.tensors), "bytes": sum(t.nbytes for t in f.tensors.values()), "bad": bad})
+            results.append(
+                {
+                    "file": str(f.path),
+                    "tensors": len(f.tensors),
+                    "bytes": sum(t.nbytes for t in f.tensors.values()),
+                    "bad": bad,
+                }
+            )
             f.close()
     ok = not problems and not any(r["bad"] for r in results)
     if json_out:

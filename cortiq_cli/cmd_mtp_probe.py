@@ -33,15 +33,54 @@ def mtp_probe(
     split: opt.Split = None,
     column: opt.Column = None,
     data_files: opt.DataFiles = None,
-    max_tokens: Annotated[int, typer.Option("--text-tokens", "--max-tokens", min=3, help="Probe the first N tokens of the text.", rich_help_panel=opt.TEXT_PANEL)] = 512,
+    max_tokens: Annotated[
+        int,
+        typer.Option(
+            "--text-tokens",
+            "--max-tokens",
+            min=3,
+            help="Probe the first N tokens of the text.",
+            rich_help_panel=opt.TEXT_PANEL,
+        ),
+    ] = 512,
     mtp: MtpPath = None,
     depth: MtpDepth = None,
-    chain: Annotated[str, typer.Option("--mtp-chain", metavar="all|independent|recursive", help="all, independent (layer k drafts depth k+1) or recursive (layer 0 on its own output).", rich_help_panel=MTP_PANEL)] = "all",
-    hidden: Annotated[str, typer.Option("--mtp-hidden", metavar="all|pre|post", help="all, pre or post: the backbone hidden before or after its final norm.", rich_help_panel=MTP_PANEL)] = "all",
+    chain: Annotated[
+        str,
+        typer.Option(
+            "--mtp-chain",
+            metavar="all|independent|recursive",
+            help="all, independent (layer k drafts depth k+1) or recursive (layer 0 on its own output).",
+            rich_help_panel=MTP_PANEL,
+        ),
+    ] = "all",
+    hidden: Annotated[
+        str,
+        typer.Option(
+            "--mtp-hidden",
+            metavar="all|pre|post",
+            help="all, pre or post: the backbone hidden before or after its final norm.",
+            rich_help_panel=MTP_PANEL,
+        ),
+    ] = "all",
     vocab: MtpVocab = None,
     threshold: MtpThreshold = None,
-    choose_threshold: Annotated[bool, typer.Option("--choose-threshold", help="Also time a verify of 1..depth+1 rows and replay the rounds under candidate --mtp-threshold values: modelled ms per token for each (pick the least).", rich_help_panel=MTP_PANEL)] = False,
-    save: Annotated[bool, typer.Option("--save", help="With --choose-threshold: record the fastest depth and threshold of the independent/pre drafts (what generate runs) in the sidecar, as the defaults generate then uses.", rich_help_panel=MTP_PANEL)] = False,
+    choose_threshold: Annotated[
+        bool,
+        typer.Option(
+            "--choose-threshold",
+            help="Also time a verify of 1..depth+1 rows and replay the rounds under candidate --mtp-threshold values: modelled ms per token for each (pick the least).",
+            rich_help_panel=MTP_PANEL,
+        ),
+    ] = False,
+    save: Annotated[
+        bool,
+        typer.Option(
+            "--save",
+            help="With --choose-threshold: record the fastest depth and threshold of the independent/pre drafts (what generate runs) in the sidecar, as the defaults generate then uses.",
+            rich_help_panel=MTP_PANEL,
+        ),
+    ] = False,
     threads: opt.Threads = None,
     json_out: opt.Json = False,
     cluster: copt.Cluster = None,
@@ -53,8 +92,15 @@ def mtp_probe(
     from cortiq_engine import Engine
     from cortiq_engine.mtp import CHAINS, HIDDENS
     from cortiq_engine.lookup import DEFAULT_LOOKUP, DEFAULT_NGRAM
-    from evals.mtp_probe import (best_setting, default_variants, lookup_rounds, probe, threshold_table, verify_costs,
-                                 with_lookup_setting)
+    from evals.mtp_probe import (
+        best_setting,
+        default_variants,
+        lookup_rounds,
+        probe,
+        threshold_table,
+        verify_costs,
+        with_lookup_setting,
+    )
     from evals.text_source import load_text
 
     where = copt.check(cluster, resume)
@@ -71,7 +117,9 @@ def mtp_probe(
     chains, hiddens = _choices(chain, CHAINS, "--mtp-chain"), _choices(hidden, HIDDENS, "--mtp-hidden")
     variants = [v for v in default_variants(stack.num_layers, k) if v.chain in chains and v.hidden in hiddens]
     if not variants:
-        raise CortiqError(f"--mtp-chain independent needs a draft layer per depth: depth {k}, {stack.num_layers} layers")
+        raise CortiqError(
+            f"--mtp-chain independent needs a draft layer per depth: depth {k}, {stack.num_layers} layers"
+        )
 
     steps = max(len(ids) - k - 1, 0) * len(variants)
     if choose_threshold and threshold:
@@ -81,10 +129,14 @@ def mtp_probe(
     if save and stack.source == "inline":
         raise CortiqError("--save writes to an MTP sidecar; these draft layers are inline in the model file")
     if save and vocab is not None:
-        raise CortiqError("--save measures the sidecar's own draft vocabulary (the one generate uses): leave --mtp-vocab out")
+        raise CortiqError(
+            "--save measures the sidecar's own draft vocabulary (the one generate uses): leave --mtp-vocab out"
+        )
     if save and not any(v.chain == "independent" and v.hidden == "pre" for v in variants):
-        raise CortiqError("--save measures the drafts generate runs (independent layers, pre-norm hidden): "
-                          "leave --mtp-chain and --mtp-hidden at all, or set them to independent and pre")
+        raise CortiqError(
+            "--save measures the drafts generate runs (independent layers, pre-norm hidden): "
+            "leave --mtp-chain and --mtp-hidden at all, or set them to independent and pre"
+        )
     head = eng.draft_head(vocab)  # a string: read as --mtp-vocab is (draft_vocab.parse_vocab)
     traces = [] if choose_threshold else None
     kw = dict(head=head, threshold=threshold or 0.0, traces=traces)
@@ -92,9 +144,20 @@ def mtp_probe(
     if where is not None:
         # The workers load the same draft layers: inline, or this sidecar (checked to be the driver's file).
         sidecar = None if stack.source == "inline" else Path(stack.source)
-        results, got, complete, creport = copt.probe_mtp(where, cluster_threads or eng.threads, resume, not json_out, model, sidecar,
-                                                      ids, k, variants, vocab=vocab, threshold=threshold or 0.0,
-                                                      trace=traces is not None)
+        results, got, complete, creport = copt.probe_mtp(
+            where,
+            cluster_threads or eng.threads,
+            resume,
+            not json_out,
+            model,
+            sidecar,
+            ids,
+            k,
+            variants,
+            vocab=vocab,
+            threshold=threshold or 0.0,
+            trace=traces is not None,
+        )
         if not complete:
             copt.note_interrupted()  # no figures of part of the rounds
             raise KeyboardInterrupt
@@ -104,7 +167,12 @@ def mtp_probe(
         results = probe(eng.model, stack, ids, k, variants, **kw)
     else:
         with Progress(
-            TextColumn("[bold]probing"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=err_console, transient=True,
+            TextColumn("[bold]probing"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=err_console,
+            transient=True,
             disable=not err_console.is_terminal,
         ) as bar:
             task = bar.add_task("probe", total=steps)
@@ -131,15 +199,23 @@ def mtp_probe(
             entry["thresholds"] = [r.to_json() for r in threshold_table(trace, draft_ms, verify_ms)]
             if save and (v.chain, v.hidden) == ("independent", "pre"):
                 d, row = best_setting(trace, draft_ms, verify_ms)
-                doc["saved"] = {"depth": d, "threshold": row.threshold, "modelled_speedup": round(row.speedup, 4),
-                                "tokens_per_step": round(row.tokens_per_step, 4), "text": loaded.source,
-                                "tokens": len(ids), "draft_vocab": head.label, "verify_ms_by_rows": verify_ms}
+                doc["saved"] = {
+                    "depth": d,
+                    "threshold": row.threshold,
+                    "modelled_speedup": round(row.speedup, 4),
+                    "tokens_per_step": round(row.tokens_per_step, 4),
+                    "text": loaded.source,
+                    "tokens": len(ids),
+                    "draft_vocab": head.label,
+                    "verify_ms_by_rows": verify_ms,
+                }
                 # ... and the setting when n-gram lookup drafts first (generate's default):
                 # the probe's rounds are every t, the text their truth.
                 looked = lookup_rounds(ids, range(trace.probs.shape[0]), DEFAULT_LOOKUP, DEFAULT_NGRAM)
                 keys = [(0, t) for t in range(trace.probs.shape[0])]
-                doc["saved"]["with_lookup"] = with_lookup_setting(trace, *looked, keys, draft_ms, verify_ms, DEFAULT_LOOKUP,
-                                                                  DEFAULT_NGRAM)
+                doc["saved"]["with_lookup"] = with_lookup_setting(
+                    trace, *looked, keys, draft_ms, verify_ms, DEFAULT_LOOKUP, DEFAULT_NGRAM
+                )
         if save:
             from formats.sidecar import write_defaults
 
@@ -148,8 +224,10 @@ def mtp_probe(
         print_json(doc)
         return
     # One column per variant, side by side; one row per measure.
-    table = Table(title=f"MTP teacher-forced acceptance ({len(ids)} tokens of {loaded.source}; {stack.num_layers} draft layer(s): "
-                        f"{stack.source}; draft vocab {head.label}; threshold {threshold or 0:g})")
+    table = Table(
+        title=f"MTP teacher-forced acceptance ({len(ids)} tokens of {loaded.source}; {stack.num_layers} draft layer(s): "
+        f"{stack.source}; draft vocab {head.label}; threshold {threshold or 0:g})"
+    )
     table.add_column("chain/hidden", style="bold")
     counted = [c for _, c in results]
     for v, _ in results:
@@ -166,20 +244,31 @@ def mtp_probe(
     if creport is not None:
         copt.render_report(creport)
     if traces is not None:
-        t = Table(title=f"adaptive depth: modelled ms per token by --mtp-threshold (verify of 1..{k + 1} rows: "
-                        + ", ".join(f"{m:.1f}" for m in doc["verify_ms_by_rows"]) + " ms; plain = 1 row)")
+        t = Table(
+            title=f"adaptive depth: modelled ms per token by --mtp-threshold (verify of 1..{k + 1} rows: "
+            + ", ".join(f"{m:.1f}" for m in doc["verify_ms_by_rows"])
+            + " ms; plain = 1 row)"
+        )
         t.add_column("threshold", justify="right")
         for v, _ in results:
             t.add_column(f"{v.chain}/{v.hidden}\ntok/step · drafts · ms/tok · speedup", justify="right")
         tables = [e["thresholds"] for e in doc["variants"]]
         for i, row in enumerate(tables[0]):
-            t.add_row(f"{row['threshold']:g}", *(f"{tb[i]['tokens_per_step']:.2f} · {tb[i]['mean_depth']:.2f} · "
-                                                    f"{tb[i]['ms_per_token']:.2f} · {tb[i]['speedup']:.2f}x" for tb in tables))
+            t.add_row(
+                f"{row['threshold']:g}",
+                *(
+                    f"{tb[i]['tokens_per_step']:.2f} · {tb[i]['mean_depth']:.2f} · "
+                    f"{tb[i]['ms_per_token']:.2f} · {tb[i]['speedup']:.2f}x"
+                    for tb in tables
+                ),
+            )
         print_table(console, t)
     if "saved" in doc:
         s = doc["saved"]
-        console.print(f"saved in {stack.source}: generate now drafts depth {s['depth']} at threshold {s['threshold']:g} "
-                      f"by default (modelled {s['modelled_speedup']:.2f}x plain decoding)")
+        console.print(
+            f"saved in {stack.source}: generate now drafts depth {s['depth']} at threshold {s['threshold']:g} "
+            f"by default (modelled {s['modelled_speedup']:.2f}x plain decoding)"
+        )
         if s.get("with_lookup"):
             from cortiq_cli.mtp_options import with_lookup_line
 

@@ -25,36 +25,205 @@ def mtp_train(
     split: opt.Split = None,
     column: opt.Column = None,
     data_files: opt.DataFiles = None,
-    max_tokens: Annotated[Optional[int], typer.Option("--text-tokens", "--max-tokens", help="Use at most this many tokens of the text (training + held out).", rich_help_panel=opt.TEXT_PANEL)] = None,
-    holdout: Annotated[float, typer.Option("--holdout", help="Fraction of the windows (the last ones) held out for the acceptance report.", rich_help_panel=opt.TEXT_PANEL)] = 0.1,
-    layers: Annotated[int, typer.Option("--layers", "-k", help="Draft layers K: depth k predicts k+1 tokens past the next.", rich_help_panel=TRAIN_PANEL)] = 1,
-    steps: Annotated[int, typer.Option("--steps", help="Optimizer steps (total, a resumed run included).", rich_help_panel=TRAIN_PANEL)] = 200,
-    seq: Annotated[int, typer.Option("--seq", help="Tokens per window (backbone context and draft sequence).", rich_help_panel=TRAIN_PANEL)] = 256,
+    max_tokens: Annotated[
+        Optional[int],
+        typer.Option(
+            "--text-tokens",
+            "--max-tokens",
+            help="Use at most this many tokens of the text (training + held out).",
+            rich_help_panel=opt.TEXT_PANEL,
+        ),
+    ] = None,
+    holdout: Annotated[
+        float,
+        typer.Option(
+            "--holdout",
+            help="Fraction of the windows (the last ones) held out for the acceptance report.",
+            rich_help_panel=opt.TEXT_PANEL,
+        ),
+    ] = 0.1,
+    layers: Annotated[
+        int,
+        typer.Option(
+            "--layers",
+            "-k",
+            help="Draft layers K: depth k predicts k+1 tokens past the next.",
+            rich_help_panel=TRAIN_PANEL,
+        ),
+    ] = 1,
+    steps: Annotated[
+        int,
+        typer.Option("--steps", help="Optimizer steps (total, a resumed run included).", rich_help_panel=TRAIN_PANEL),
+    ] = 200,
+    seq: Annotated[
+        int,
+        typer.Option(
+            "--seq", help="Tokens per window (backbone context and draft sequence).", rich_help_panel=TRAIN_PANEL
+        ),
+    ] = 256,
     batch: Annotated[int, typer.Option("--batch", help="Windows per step.", rich_help_panel=TRAIN_PANEL)] = 2,
-    lr: Annotated[float, typer.Option("--lr", help="Peak learning rate (AdamW, warm-up then cosine to lr/10).", rich_help_panel=TRAIN_PANEL)] = 5e-4,
+    lr: Annotated[
+        float,
+        typer.Option(
+            "--lr", help="Peak learning rate (AdamW, warm-up then cosine to lr/10).", rich_help_panel=TRAIN_PANEL
+        ),
+    ] = 5e-4,
     warmup: Annotated[int, typer.Option("--warmup", help="Warm-up steps.", rich_help_panel=TRAIN_PANEL)] = 10,
-    intermediate: Annotated[Optional[int], typer.Option("--intermediate", help="Draft MLP width (default: the backbone's).", rich_help_panel=TRAIN_PANEL)] = None,
-    init_layer: Annotated[int, typer.Option("--init-layer", help="Backbone layer the draft blocks start from (negative counts from the end).", rich_help_panel=TRAIN_PANEL)] = -1,
-    mtp_hidden: Annotated[str, typer.Option("--mtp-hidden", metavar="pre|post", help="Backbone hidden the drafts read: pre or post its final norm.", rich_help_panel=TRAIN_PANEL)] = "pre",
-    topk: Annotated[int, typer.Option("--topk", help="Teacher probabilities kept per position.", rich_help_panel=TRAIN_PANEL)] = 32,
-    vocab: Annotated[str, typer.Option("--vocab", metavar="active|full", help="Draft softmax during training: active (tokens the teacher uses, + random negatives) or full.", rich_help_panel=TRAIN_PANEL)] = "active",
-    backbone: Annotated[str, typer.Option("--backbone", metavar="engine|torch", help="Who runs the frozen backbone to collect its hidden rows: engine (the decode path's exact numbers) or torch (faster on CPU, llama-style blocks only; checked against the engine first).", rich_help_panel=TRAIN_PANEL)] = "engine",
-    ttt: Annotated[Optional[bool], typer.Option("--ttt/--teacher-forcing", help="Training-time test: depth k reads the drafts of depths < k where inference does, or the true tokens (default: TTT for --chain recursive, teacher forcing for independent).", show_default=False, rich_help_panel=TRAIN_PANEL)] = None,
-    chain: Annotated[str, typer.Option("--chain", metavar="independent|recursive", help="How the drafts chain: independent (K layers) or recursive (one layer re-fed, --layers 1).", rich_help_panel=TRAIN_PANEL)] = "independent",
-    depth: Annotated[int, typer.Option("--depth", help="Depths trained with --chain recursive (0: 3).", rich_help_panel=TRAIN_PANEL)] = 0,
-    features: Annotated[Optional[Path], typer.Option("--features", help="Keep the collected backbone rows in this folder (memory-mapped, resumed after a kill, reused by runs on the same text; default: the run's work folder in the cache, removed when the run succeeds).", rich_help_panel=TRAIN_PANEL)] = None,
-    feature_dtype: Annotated[str, typer.Option("--feature-dtype", metavar="f16|f32", help="Stored hidden rows: f16 (half the disk) or f32.", rich_help_panel=TRAIN_PANEL)] = "f16",
-    self_distill: Annotated[int, typer.Option("--self-distill", help="Train on the backbone's own text: each window keeps this many real tokens and the backbone continues it (0: real text only).", rich_help_panel=TRAIN_PANEL)] = 0,
-    self_temperature: Annotated[float, typer.Option("--self-temperature", help="With --self-distill: sample the continuations at this temperature (0: greedy).", rich_help_panel=TRAIN_PANEL)] = 0.0,
-    chat: Annotated[bool, typer.Option("--chat", help="Train on chat turns: each window asks about a passage of the text through the model's chat template and the backbone answers (greedy, or at --self-temperature); with --self-distill N, chat turns alternate with plain windows.", rich_help_panel=TRAIN_PANEL)] = False,
-    seed: Annotated[int, typer.Option("--seed", help="Seed of the window choice and negatives.", rich_help_panel=TRAIN_PANEL)] = 0,
-    checkpoint_every: Annotated[int, typer.Option("--checkpoint-every", help="Save a checkpoint (safetensors, no pickle; in the run's work folder under $XDG_CACHE_HOME/cortiq/mtp-train) every N steps; 0 = never.", rich_help_panel=TRAIN_PANEL)] = 50,
-    resume: Annotated[bool, typer.Option("--resume", help="Continue from the checkpoint of a stopped (or --keep-checkpoint) run for the same output, checked against this run first.", rich_help_panel=TRAIN_PANEL)] = False,
-    keep_checkpoint: Annotated[bool, typer.Option("--keep-checkpoint", help="Keep the checkpoint and collected rows after a successful run (for a later --resume with more --steps); by default only the sidecar remains.", rich_help_panel=TRAIN_PANEL)] = False,
-    draft_vocab: Annotated[Optional[int], typer.Option("--draft-vocab", min=1, help="Also store a draft vocabulary of N ids chosen from the training text (the drafts then score only those; `cortiq mtp-vocab` changes it later).", rich_help_panel=TRAIN_PANEL)] = None,
-    defaults: Annotated[bool, typer.Option("--defaults/--no-defaults", help="After training, time this machine's drafts and verifies on the live rounds of the held-out windows (the backbone's own text: --self-distill or --chat) and store the fastest depth and --mtp-threshold in the sidecar as generate's defaults.", rich_help_panel=TRAIN_PANEL)] = True,
-    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Sidecar to write (default: MODEL.mtp.cmf beside MODEL.cmf).")] = None,
-    quant: Annotated[Optional[str], typer.Option("--quant", metavar="DTYPE", help="Sidecar matrices' dtype (default: the backbone's).")] = None,
+    intermediate: Annotated[
+        Optional[int],
+        typer.Option("--intermediate", help="Draft MLP width (default: the backbone's).", rich_help_panel=TRAIN_PANEL),
+    ] = None,
+    init_layer: Annotated[
+        int,
+        typer.Option(
+            "--init-layer",
+            help="Backbone layer the draft blocks start from (negative counts from the end).",
+            rich_help_panel=TRAIN_PANEL,
+        ),
+    ] = -1,
+    mtp_hidden: Annotated[
+        str,
+        typer.Option(
+            "--mtp-hidden",
+            metavar="pre|post",
+            help="Backbone hidden the drafts read: pre or post its final norm.",
+            rich_help_panel=TRAIN_PANEL,
+        ),
+    ] = "pre",
+    topk: Annotated[
+        int, typer.Option("--topk", help="Teacher probabilities kept per position.", rich_help_panel=TRAIN_PANEL)
+    ] = 32,
+    vocab: Annotated[
+        str,
+        typer.Option(
+            "--vocab",
+            metavar="active|full",
+            help="Draft softmax during training: active (tokens the teacher uses, + random negatives) or full.",
+            rich_help_panel=TRAIN_PANEL,
+        ),
+    ] = "active",
+    backbone: Annotated[
+        str,
+        typer.Option(
+            "--backbone",
+            metavar="engine|torch",
+            help="Who runs the frozen backbone to collect its hidden rows: engine (the decode path's exact numbers) or torch (faster on CPU, llama-style blocks only; checked against the engine first).",
+            rich_help_panel=TRAIN_PANEL,
+        ),
+    ] = "engine",
+    ttt: Annotated[
+        Optional[bool],
+        typer.Option(
+            "--ttt/--teacher-forcing",
+            help="Training-time test: depth k reads the drafts of depths < k where inference does, or the true tokens (default: TTT for --chain recursive, teacher forcing for independent).",
+            show_default=False,
+            rich_help_panel=TRAIN_PANEL,
+        ),
+    ] = None,
+    chain: Annotated[
+        str,
+        typer.Option(
+            "--chain",
+            metavar="independent|recursive",
+            help="How the drafts chain: independent (K layers) or recursive (one layer re-fed, --layers 1).",
+            rich_help_panel=TRAIN_PANEL,
+        ),
+    ] = "independent",
+    depth: Annotated[
+        int, typer.Option("--depth", help="Depths trained with --chain recursive (0: 3).", rich_help_panel=TRAIN_PANEL)
+    ] = 0,
+    features: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--features",
+            help="Keep the collected backbone rows in this folder (memory-mapped, resumed after a kill, reused by runs on the same text; default: the run's work folder in the cache, removed when the run succeeds).",
+            rich_help_panel=TRAIN_PANEL,
+        ),
+    ] = None,
+    feature_dtype: Annotated[
+        str,
+        typer.Option(
+            "--feature-dtype",
+            metavar="f16|f32",
+            help="Stored hidden rows: f16 (half the disk) or f32.",
+            rich_help_panel=TRAIN_PANEL,
+        ),
+    ] = "f16",
+    self_distill: Annotated[
+        int,
+        typer.Option(
+            "--self-distill",
+            help="Train on the backbone's own text: each window keeps this many real tokens and the backbone continues it (0: real text only).",
+            rich_help_panel=TRAIN_PANEL,
+        ),
+    ] = 0,
+    self_temperature: Annotated[
+        float,
+        typer.Option(
+            "--self-temperature",
+            help="With --self-distill: sample the continuations at this temperature (0: greedy).",
+            rich_help_panel=TRAIN_PANEL,
+        ),
+    ] = 0.0,
+    chat: Annotated[
+        bool,
+        typer.Option(
+            "--chat",
+            help="Train on chat turns: each window asks about a passage of the text through the model's chat template and the backbone answers (greedy, or at --self-temperature); with --self-distill N, chat turns alternate with plain windows.",
+            rich_help_panel=TRAIN_PANEL,
+        ),
+    ] = False,
+    seed: Annotated[
+        int, typer.Option("--seed", help="Seed of the window choice and negatives.", rich_help_panel=TRAIN_PANEL)
+    ] = 0,
+    checkpoint_every: Annotated[
+        int,
+        typer.Option(
+            "--checkpoint-every",
+            help="Save a checkpoint (safetensors, no pickle; in the run's work folder under $XDG_CACHE_HOME/cortiq/mtp-train) every N steps; 0 = never.",
+            rich_help_panel=TRAIN_PANEL,
+        ),
+    ] = 50,
+    resume: Annotated[
+        bool,
+        typer.Option(
+            "--resume",
+            help="Continue from the checkpoint of a stopped (or --keep-checkpoint) run for the same output, checked against this run first.",
+            rich_help_panel=TRAIN_PANEL,
+        ),
+    ] = False,
+    keep_checkpoint: Annotated[
+        bool,
+        typer.Option(
+            "--keep-checkpoint",
+            help="Keep the checkpoint and collected rows after a successful run (for a later --resume with more --steps); by default only the sidecar remains.",
+            rich_help_panel=TRAIN_PANEL,
+        ),
+    ] = False,
+    draft_vocab: Annotated[
+        Optional[int],
+        typer.Option(
+            "--draft-vocab",
+            min=1,
+            help="Also store a draft vocabulary of N ids chosen from the training text (the drafts then score only those; `cortiq mtp-vocab` changes it later).",
+            rich_help_panel=TRAIN_PANEL,
+        ),
+    ] = None,
+    defaults: Annotated[
+        bool,
+        typer.Option(
+            "--defaults/--no-defaults",
+            help="After training, time this machine's drafts and verifies on the live rounds of the held-out windows (the backbone's own text: --self-distill or --chat) and store the fastest depth and --mtp-threshold in the sidecar as generate's defaults.",
+            rich_help_panel=TRAIN_PANEL,
+        ),
+    ] = True,
+    out: Annotated[
+        Optional[Path], typer.Option("--out", "-o", help="Sidecar to write (default: MODEL.mtp.cmf beside MODEL.cmf).")
+    ] = None,
+    quant: Annotated[
+        Optional[str],
+        typer.Option("--quant", metavar="DTYPE", help="Sidecar matrices' dtype (default: the backbone's)."),
+    ] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing sidecar.")] = False,
     threads: opt.Threads = None,
     json_out: opt.Json = False,
@@ -67,18 +236,47 @@ def mtp_train(
     require_torch()  # the optional [train] extra: one line before any text is read
 
     cfg = TrainConfig(
-        layers=layers, steps=steps, seq=seq, batch=batch, lr=lr, warmup=warmup, topk=topk,
-        intermediate=intermediate, init_layer=init_layer, hidden=mtp_hidden, vocab=vocab, holdout=holdout,
-        max_tokens=max_tokens, seed=seed, checkpoint_every=checkpoint_every,
-        ttt=ttt, chain=chain, depth=depth, feature_dtype=feature_dtype,
-        self_distill=self_distill, self_temperature=self_temperature, chat=chat,
+        layers=layers,
+        steps=steps,
+        seq=seq,
+        batch=batch,
+        lr=lr,
+        warmup=warmup,
+        topk=topk,
+        intermediate=intermediate,
+        init_layer=init_layer,
+        hidden=mtp_hidden,
+        vocab=vocab,
+        holdout=holdout,
+        max_tokens=max_tokens,
+        seed=seed,
+        checkpoint_every=checkpoint_every,
+        ttt=ttt,
+        chain=chain,
+        depth=depth,
+        feature_dtype=feature_dtype,
+        self_distill=self_distill,
+        self_temperature=self_temperature,
+        chat=chat,
     )
     cfg.check(num_layers=1 << 30)  # the one-line messages before any file is read; layers are checked again
     source = load_text(opt.text_spec(text, dataset, config, split, column, data_files))
     if json_out:
-        result = train_mtp(model, source.text, source.source, cfg, out=out, quant=quant, resume=resume,
-                           keep_checkpoint=keep_checkpoint, force=force, threads=threads, backend=backbone,
-                           features=features, draft_vocab=draft_vocab)
+        result = train_mtp(
+            model,
+            source.text,
+            source.source,
+            cfg,
+            out=out,
+            quant=quant,
+            resume=resume,
+            keep_checkpoint=keep_checkpoint,
+            force=force,
+            threads=threads,
+            backend=backbone,
+            features=features,
+            draft_vocab=draft_vocab,
+        )
         if defaults:
             result.extra["defaults"] = _defaults_json(_measure_defaults(model, result, threads))
         print_json(result.to_json())
@@ -112,10 +310,22 @@ def mtp_train(
             acc = " ".join(f"d{i + 1} {a:.0%}" for i, a in enumerate(agree))
             bar.update(tasks["train"], completed=done, info=f"loss [cyan]{loss:.4f}[/]  top-1 {acc}")
 
-        result = train_mtp(model, source.text, source.source, cfg, out=out, quant=quant, resume=resume,
-                           keep_checkpoint=keep_checkpoint, force=force, threads=threads, backend=backbone,
-                           callbacks=Callbacks(collect=collect, step=step, generate=generate),
-                           features=features, draft_vocab=draft_vocab)
+        result = train_mtp(
+            model,
+            source.text,
+            source.source,
+            cfg,
+            out=out,
+            quant=quant,
+            resume=resume,
+            keep_checkpoint=keep_checkpoint,
+            force=force,
+            threads=threads,
+            backend=backbone,
+            callbacks=Callbacks(collect=collect, step=step, generate=generate),
+            features=features,
+            draft_vocab=draft_vocab,
+        )
         found = None
         if defaults:
             task = bar.add_task("defaults (live rounds)", total=None, info="")
@@ -132,14 +342,27 @@ def _measure_defaults(model: Path, result, threads: int | None, progress=None):
     if result.held_tokens is None or not len(result.held_tokens):
         return LiveDefaults(None, 0, None, "no held-out windows")
     if cfg.chain != "independent" or cfg.hidden != "pre":
-        return LiveDefaults(None, 0, None, "generate's defaults are measured for independent layers on the pre-norm hidden")
-    return save_live_defaults(model, result.sidecar, result.held_tokens, result.held_greedy, f"{result.source} (held out)",
-                              threads=threads, progress=progress)
+        return LiveDefaults(
+            None, 0, None, "generate's defaults are measured for independent layers on the pre-norm hidden"
+        )
+    return save_live_defaults(
+        model,
+        result.sidecar,
+        result.held_tokens,
+        result.held_greedy,
+        f"{result.source} (held out)",
+        threads=threads,
+        progress=progress,
+    )
 
 
 def _defaults_json(found) -> dict[str, Any]:
-    return {"saved": found.record, "live_rounds": found.rounds, "reason": found.reason or None,
-            "acceptance": found.counts.to_json() if found.counts is not None else None}
+    return {
+        "saved": found.record,
+        "live_rounds": found.rounds,
+        "reason": found.reason or None,
+        "acceptance": found.counts.to_json() if found.counts is not None else None,
+    }
 
 
 def render(r, found=None) -> None:
@@ -167,16 +390,24 @@ def render(r, found=None) -> None:
         console.print(f"expected tokens per round: [bold]{acc.tokens_per_round:.3f}[/]", highlight=False)
     if found is not None and found.record is not None:
         d = found.record
-        console.print(f"generate's defaults (stored in the sidecar): depth [bold]{d['depth']}[/], --mtp-threshold "
-                      f"[bold]{d['threshold']:g}[/]: modelled {d['modelled_speedup']:.2f}x plain decoding, "
-                      f"{d['tokens_per_step']:.2f} tokens a step over {found.rounds} live held-out rounds", highlight=False)
+        console.print(
+            f"generate's defaults (stored in the sidecar): depth [bold]{d['depth']}[/], --mtp-threshold "
+            f"[bold]{d['threshold']:g}[/]: modelled {d['modelled_speedup']:.2f}x plain decoding, "
+            f"{d['tokens_per_step']:.2f} tokens a step over {found.rounds} live held-out rounds",
+            highlight=False,
+        )
         if d.get("with_lookup"):
             from cortiq_cli.mtp_options import with_lookup_line
 
             console.print(with_lookup_line(d), highlight=False)
         if d["modelled_speedup"] < 1.0:
-            console.print("[yellow]speculation is modelled slower than plain decoding on this machine: "
-                          "generate with --no-mtp, or train longer[/]", highlight=False)
+            console.print(
+                "[yellow]speculation is modelled slower than plain decoding on this machine: "
+                "generate with --no-mtp, or train longer[/]",
+                highlight=False,
+            )
     elif found is not None:
         console.print(f"no measured defaults: {found.reason}", highlight=False)
-    console.print(f"wrote [bold]{r.sidecar}[/]" + (f"  (checkpoint {r.checkpoint})" if r.checkpoint else ""), highlight=False)
+    console.print(
+        f"wrote [bold]{r.sidecar}[/]" + (f"  (checkpoint {r.checkpoint})" if r.checkpoint else ""), highlight=False
+    )

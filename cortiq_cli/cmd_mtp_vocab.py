@@ -22,9 +22,18 @@ def mtp_vocab(
     column: opt.Column = None,
     data_files: opt.DataFiles = None,
     max_tokens: opt.MaxTokens = None,
-    size: Annotated[Optional[int], typer.Option("--size", min=0, help="Ids in the draft vocabulary; 0 removes it (drafts score the full vocabulary).")] = 8192,
-    mtp: Annotated[Optional[Path], typer.Option("--mtp", help="The sidecar to read (default: MODEL.mtp.cmf beside the model).")] = None,
-    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Sidecar to write (default: rewrite the one read, in place).")] = None,
+    size: Annotated[
+        Optional[int],
+        typer.Option(
+            "--size", min=0, help="Ids in the draft vocabulary; 0 removes it (drafts score the full vocabulary)."
+        ),
+    ] = 8192,
+    mtp: Annotated[
+        Optional[Path], typer.Option("--mtp", help="The sidecar to read (default: MODEL.mtp.cmf beside the model).")
+    ] = None,
+    out: Annotated[
+        Optional[Path], typer.Option("--out", "-o", help="Sidecar to write (default: rewrite the one read, in place).")
+    ] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing --out file.")] = False,
     json_out: opt.Json = False,
 ) -> None:
@@ -52,10 +61,19 @@ def mtp_vocab(
         source = loaded.source
         record = draft_vocab_record(ids, source, tokens)
     copy_with_draft_vocab(src, target, ids, record, force=force or out is None)
-    doc = {"sidecar": str(target), "draft_vocab": int(len(ids)) if ids is not None else None, "text": source, "tokens": tokens,
-           "vocab_size": eng.vocab_size}
+    doc = {
+        "sidecar": str(target),
+        "draft_vocab": int(len(ids)) if ids is not None else None,
+        "text": source,
+        "tokens": tokens,
+        "vocab_size": eng.vocab_size,
+    }
     if json_out:
         print_json(doc)
         return
-    what = f"a draft vocabulary of {len(ids)} ids (from {tokens} tokens of {source})" if ids is not None else "no draft vocabulary"
+    what = (
+        f"a draft vocabulary of {len(ids)} ids (from {tokens} tokens of {source})"
+        if ids is not None
+        else "no draft vocabulary"
+    )
     console.print(f"wrote [bold]{target}[/]: {what}", highlight=False)

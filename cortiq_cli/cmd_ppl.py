@@ -16,10 +16,26 @@ from cortiq_cli import text_options as opt
 from cortiq_cli.common import KvCache, console, err_console, handle_errors, human_bytes, print_json, print_table
 from cortiq_cli.eval_run import interrupted, load_engines, model_label, scoring_progress, whole_windows
 from cortiq_cli.help import cortiq_version
-from evals.perplexity import (DP_QUANTILES, KLD_QUANTILES, Comparison, PerplexityAccumulator, PerplexityReport, PerplexityResult, build_reports,
-                              window_partial)
-from evals.reference import (DEFAULT_SAMPLES, DEFAULT_TOP_K, ReferenceIdentity, ReferenceRecorder, SavedReference, form_name, text_sha256,
-                             tokenizer_fingerprint)
+from evals.perplexity import (
+    DP_QUANTILES,
+    KLD_QUANTILES,
+    Comparison,
+    PerplexityAccumulator,
+    PerplexityReport,
+    PerplexityResult,
+    build_reports,
+    window_partial,
+)
+from evals.reference import (
+    DEFAULT_SAMPLES,
+    DEFAULT_TOP_K,
+    ReferenceIdentity,
+    ReferenceRecorder,
+    SavedReference,
+    form_name,
+    text_sha256,
+    tokenizer_fingerprint,
+)
 from evals.scoring import count_scored, iter_scored, scored_text_bytes
 from evals.text_source import LoadedText, load_text
 from evals.tokens import chunk_bos, tokenize_for
@@ -31,7 +47,12 @@ REF_PANEL = "Reference"
 
 @handle_errors
 def ppl(
-    models: Annotated[list[Path], typer.Argument(help="CMF model files; the first is the reference for comparisons (unless --ref).", show_default=False)],
+    models: Annotated[
+        list[Path],
+        typer.Argument(
+            help="CMF model files; the first is the reference for comparisons (unless --ref).", show_default=False
+        ),
+    ],
     text: opt.TextFile = None,
     dataset: opt.Dataset = None,
     config: opt.Config = None,
@@ -39,14 +60,53 @@ def ppl(
     column: opt.Column = None,
     data_files: opt.DataFiles = None,
     max_tokens: opt.MaxTokens = None,
-    ctx: Annotated[int | None, typer.Option("--ctx", "-c", min=2, help=f"Tokens per forward window (default {DEFAULT_CTX}, or the saved reference's).", rich_help_panel=opt.WINDOW_PANEL)] = None,
+    ctx: Annotated[
+        int | None,
+        typer.Option(
+            "--ctx",
+            "-c",
+            min=2,
+            help=f"Tokens per forward window (default {DEFAULT_CTX}, or the saved reference's).",
+            rich_help_panel=opt.WINDOW_PANEL,
+        ),
+    ] = None,
     stride: opt.Stride = None,
     mode: opt.Mode = None,
     chunks: opt.Chunks = None,
-    save_ref: Annotated[Path | None, typer.Option("--save-ref", help="Save the first model's distributions to this .cref file, for later --ref comparisons.", rich_help_panel=REF_PANEL)] = None,
-    ref_top_k: Annotated[int, typer.Option("--ref-top-k", min=0, help="With --save-ref: log-probabilities kept per position (0 = the whole vocabulary, exact but V x 4 bytes per token).", rich_help_panel=REF_PANEL)] = DEFAULT_TOP_K,
-    ref_samples: Annotated[int, typer.Option("--ref-samples", min=0, help="With --save-ref: tail tokens sampled per position, for an unbiased estimate of the divergence outside the top-k (0: none; the KL is then a lower bound).", rich_help_panel=REF_PANEL)] = DEFAULT_SAMPLES,
-    ref: Annotated[Path | None, typer.Option("--ref", help="Compare every model against this saved reference (.cref) instead of the first model; window options default to its own.", rich_help_panel=REF_PANEL)] = None,
+    save_ref: Annotated[
+        Path | None,
+        typer.Option(
+            "--save-ref",
+            help="Save the first model's distributions to this .cref file, for later --ref comparisons.",
+            rich_help_panel=REF_PANEL,
+        ),
+    ] = None,
+    ref_top_k: Annotated[
+        int,
+        typer.Option(
+            "--ref-top-k",
+            min=0,
+            help="With --save-ref: log-probabilities kept per position (0 = the whole vocabulary, exact but V x 4 bytes per token).",
+            rich_help_panel=REF_PANEL,
+        ),
+    ] = DEFAULT_TOP_K,
+    ref_samples: Annotated[
+        int,
+        typer.Option(
+            "--ref-samples",
+            min=0,
+            help="With --save-ref: tail tokens sampled per position, for an unbiased estimate of the divergence outside the top-k (0: none; the KL is then a lower bound).",
+            rich_help_panel=REF_PANEL,
+        ),
+    ] = DEFAULT_SAMPLES,
+    ref: Annotated[
+        Path | None,
+        typer.Option(
+            "--ref",
+            help="Compare every model against this saved reference (.cref) instead of the first model; window options default to its own.",
+            rich_help_panel=REF_PANEL,
+        ),
+    ] = None,
     batch: opt.BlockRows = 512,
     kv_cache: KvCache = "f32",
     threads: opt.Threads = None,
@@ -72,24 +132,49 @@ def ppl(
     windows = plan_windows(settings, len(tokens), chunk_bos(engines[0].tokenizer))
     if not windows:
         raise CortiqError("nothing to score: the window plan is empty")
-    ident = ReferenceIdentity(tokenizer_fingerprint(engines[0].tokenizer, engines[0].vocab_size), text_sha256(source.text),
-                              int(engines[0].vocab_size))
+    ident = ReferenceIdentity(
+        tokenizer_fingerprint(engines[0].tokenizer, engines[0].vocab_size),
+        text_sha256(source.text),
+        int(engines[0].vocab_size),
+    )
     if saved is not None:
         saved.check(ident, tokens, windows)
         names = [f"{saved.name} (saved)"] + names
     recorder = None
     if save_ref is not None:
         meta = reference_meta(models[0], names[0], engines[0], ident, source, settings, windows)
-        recorder = ReferenceRecorder(save_ref, tokens=tokens, windows=windows, vocab_size=int(engines[0].vocab_size),
-                                     top_k=ref_top_k, samples=ref_samples, meta=meta)
+        recorder = ReferenceRecorder(
+            save_ref,
+            tokens=tokens,
+            windows=windows,
+            vocab_size=int(engines[0].vocab_size),
+            top_k=ref_top_k,
+            samples=ref_samples,
+            meta=meta,
+        )
     total = count_scored(windows)
     creport = None
     try:
         if where is not None:
-            result, done, creport = copt.score_ppl(where, cluster_threads or engines[0].threads, resume, not json_out, models, settings.ctx, kv_cache, batch,
-                                                   names, tokens, windows, engines[0].tokenizer, saved=saved)
+            result, done, creport = copt.score_ppl(
+                where,
+                cluster_threads or engines[0].threads,
+                resume,
+                not json_out,
+                models,
+                settings.ctx,
+                kv_cache,
+                batch,
+                names,
+                tokens,
+                windows,
+                engines[0].tokenizer,
+                saved=saved,
+            )
         elif json_out:
-            result, done = score_partial(engines, names, tokens, windows, engines[0].tokenizer, batch, saved=saved, recorder=recorder)
+            result, done = score_partial(
+                engines, names, tokens, windows, engines[0].tokenizer, batch, saved=saved, recorder=recorder
+            )
         else:
             with scoring_progress("scoring", "ppl") as bar:
                 task = bar.add_task("ppl", total=total, value="-")
@@ -97,8 +182,17 @@ def ppl(
                 def progress(done: int, _total: int, running: float) -> None:
                     bar.update(task, completed=done, value=f"{running:.4f}")
 
-                result, done = score_partial(engines, names, tokens, windows, engines[0].tokenizer, batch, progress,
-                                             saved=saved, recorder=recorder)
+                result, done = score_partial(
+                    engines,
+                    names,
+                    tokens,
+                    windows,
+                    engines[0].tokenizer,
+                    batch,
+                    progress,
+                    saved=saved,
+                    recorder=recorder,
+                )
         if recorder is not None:
             if done < len(windows):
                 recorder.abort()
@@ -114,10 +208,22 @@ def ppl(
         "windows": len(windows),
         "chunk_bos": windows[0].bos if settings.mode == "chunks" else None,
         "text_tokens": int(len(tokens)),
-        "reference": ({"path": str(ref), "form": saved.form, "model": saved.name} if saved
-                      else {"path": str(models[0]), "form": "full", "model": names[0]}),
-        **({"saved_ref": {"path": str(save_ref), "form": form_name(recorder.top_k, recorder.samples), "bytes": save_ref.stat().st_size}}
-           if recorder is not None and done == len(windows) else {}),
+        "reference": (
+            {"path": str(ref), "form": saved.form, "model": saved.name}
+            if saved
+            else {"path": str(models[0]), "form": "full", "model": names[0]}
+        ),
+        **(
+            {
+                "saved_ref": {
+                    "path": str(save_ref),
+                    "form": form_name(recorder.top_k, recorder.samples),
+                    "bytes": save_ref.stat().st_size,
+                }
+            }
+            if recorder is not None and done == len(windows)
+            else {}
+        ),
         # only after a Ctrl-C: the figures cover the first windows_done windows
         **({"partial": True, "windows_done": done} if done < len(windows) else {}),
         **({"cluster": creport.to_json()} if creport is not None else {}),
@@ -137,13 +243,24 @@ def ppl(
         interrupted(done, len(windows))
 
 
-def reference_meta(path: Path, label: str, engine: Any, ident: ReferenceIdentity, source: LoadedText,
-                   settings: WindowSettings, windows: list[Window]) -> dict[str, Any]:
+def reference_meta(
+    path: Path,
+    label: str,
+    engine: Any,
+    ident: ReferenceIdentity,
+    source: LoadedText,
+    settings: WindowSettings,
+    windows: list[Window],
+) -> dict[str, Any]:
     """The saved reference's identity: checked by --ref, shown by inspect."""
     return {
         "model": {"path": str(path), "label": label, "arch": getattr(getattr(engine, "arch", None), "arch", None)},
-        "tokenizer": {"fingerprint": ident.tokenizer, "vocab_size": ident.vocab_size,
-                      "bos_id": getattr(engine.tokenizer, "bos_id", None), "add_bos": bool(getattr(engine.tokenizer, "add_bos", False))},
+        "tokenizer": {
+            "fingerprint": ident.tokenizer,
+            "vocab_size": ident.vocab_size,
+            "bos_id": getattr(engine.tokenizer, "bos_id", None),
+            "add_bos": bool(getattr(engine.tokenizer, "add_bos", False)),
+        },
         "text": {"sha256": ident.text_sha256, "source": source.source, "bytes": source.n_bytes},
         "settings": settings.to_json(),
         "tool": f"cortiq ppl {cortiq_version()}",
@@ -151,9 +268,16 @@ def reference_meta(path: Path, label: str, engine: Any, ident: ReferenceIdentity
 
 
 def score_partial(
-    engines: list[Any], names: list[str], tokens: Any, windows: list[Window], decoder: Any, chunk: int,
-    progress: Callable[[int, int, float], None] | None = None, *,
-    saved: SavedReference | None = None, recorder: ReferenceRecorder | None = None,
+    engines: list[Any],
+    names: list[str],
+    tokens: Any,
+    windows: list[Window],
+    decoder: Any,
+    chunk: int,
+    progress: Callable[[int, int, float], None] | None = None,
+    *,
+    saved: SavedReference | None = None,
+    recorder: ReferenceRecorder | None = None,
 ) -> tuple[PerplexityResult, int]:
     """Score every model in lockstep; on Ctrl-C, the figures over the windows done so far
     (and how many); with none done the interrupt goes on up."""
@@ -177,7 +301,9 @@ def score_partial(
     return PerplexityResult(reports, comps), done
 
 
-def to_json(source: LoadedText, settings: dict[str, Any], result: PerplexityResult, paths: list[Path]) -> dict[str, Any]:
+def to_json(
+    source: LoadedText, settings: dict[str, Any], result: PerplexityResult, paths: list[Path]
+) -> dict[str, Any]:
     return {
         "text": {"source": source.source, "documents": source.documents, "bytes": source.n_bytes},
         "settings": settings,
@@ -195,7 +321,11 @@ def render(source: LoadedText, settings: dict[str, Any], result: PerplexityResul
         f"[bold]text[/] {source.source}\n"
         f"  {source.n_bytes:,} bytes, {settings['text_tokens']:,} tokens; scored {r0.tokens_scored:,} tokens "
         f"({r0.bytes_scored:,} bytes) in {settings['windows']} windows ({how})"
-        + (f" [bold red]partial[/]: {settings['windows_done']} of {settings['windows']} windows done" if settings.get("partial") else ""),
+        + (
+            f" [bold red]partial[/]: {settings['windows_done']} of {settings['windows']} windows done"
+            if settings.get("partial")
+            else ""
+        ),
         highlight=False,
     )
     print_table(console, _ppl_table(result.reports))
@@ -246,8 +376,11 @@ def _ppl_table(reports: list[PerplexityReport]) -> Table:
 
 def _comparison_table(comps: list[Comparison]) -> Table:
     form = comps[0].reference_form
-    t = Table(title=f"Against {comps[0].reference}" + (f" ({form} saved reference)" if form != "full" else ""),
-              title_justify="left", box=box.SIMPLE_HEAD)
+    t = Table(
+        title=f"Against {comps[0].reference}" + (f" ({form} saved reference)" if form != "full" else ""),
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+    )
     t.add_column("model", style="bold", overflow="fold", min_width=12)
     t.add_column("ppl ratio", justify="right", style="cyan", no_wrap=True)
     t.add_column("95% CI", justify="right", no_wrap=True)

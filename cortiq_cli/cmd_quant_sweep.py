@@ -26,8 +26,21 @@ SWEEP_PANEL = "Sweep"
 
 @handle_errors
 def quant_sweep(
-    src: Annotated[str, typer.Argument(help="HF checkpoint folder, hub repo id, .gguf or .cmf file (as for convert).", show_default=False)],
-    types: Annotated[str, typer.Option("--types", metavar="TYPE,...", help="Comma-separated --quant types to try (any type convert accepts, llama.cpp's names or cortiq's), e.g. q8_0,q4_k_m,q4_0.", rich_help_panel=SWEEP_PANEL)] = "q8_0,q4_1",
+    src: Annotated[
+        str,
+        typer.Argument(
+            help="HF checkpoint folder, hub repo id, .gguf or .cmf file (as for convert).", show_default=False
+        ),
+    ],
+    types: Annotated[
+        str,
+        typer.Option(
+            "--types",
+            metavar="TYPE,...",
+            help="Comma-separated --quant types to try (any type convert accepts, llama.cpp's names or cortiq's), e.g. q8_0,q4_k_m,q4_0.",
+            rich_help_panel=SWEEP_PANEL,
+        ),
+    ] = "q8_0,q4_1",
     text: opt.TextFile = None,
     dataset: opt.Dataset = None,
     config: opt.Config = None,
@@ -35,17 +48,66 @@ def quant_sweep(
     column: opt.Column = None,
     data_files: opt.DataFiles = None,
     max_tokens: opt.MaxTokens = None,
-    ctx: Annotated[int, typer.Option("--ctx", "-c", min=4, help="Tokens per forward window.", rich_help_panel=opt.WINDOW_PANEL)] = DEFAULT_CTX,
+    ctx: Annotated[
+        int, typer.Option("--ctx", "-c", min=4, help="Tokens per forward window.", rich_help_panel=opt.WINDOW_PANEL)
+    ] = DEFAULT_CTX,
     mode: opt.Mode = None,
     chunks: opt.Chunks = None,
     stride: opt.Stride = None,
-    top_k: Annotated[int, typer.Option("--ref-top-k", min=1, help="Reference log-probabilities kept per position (docs/evals.md: the error this leaves).", rich_help_panel=SWEEP_PANEL)] = 64,
-    samples: Annotated[int, typer.Option("--ref-samples", min=0, help="Reference tail tokens sampled per position (unbiased tail divergence).", rich_help_panel=SWEEP_PANEL)] = 64,
-    decode_tokens: Annotated[int, typer.Option("--decode-tokens", min=1, help="Tokens per decode timing (llama-bench tg N).", rich_help_panel=SWEEP_PANEL)] = 64,
-    decode_reps: Annotated[int, typer.Option("--decode-reps", min=1, help="Decode timings per type (the median is shown).", rich_help_panel=SWEEP_PANEL)] = 3,
-    workdir: Annotated[Path | None, typer.Option("--workdir", help="Folder for the converted files (default: a temporary folder, removed afterwards).", rich_help_panel=SWEEP_PANEL)] = None,
-    keep_files: Annotated[bool, typer.Option("--keep-files", help="Keep the converted CMF files and the saved reference in --workdir.", rich_help_panel=SWEEP_PANEL)] = False,
-    plot: Annotated[Path | None, typer.Option("--plot", help="Draw bits/weight vs mean KLD and vs decode tok/s to this image (PNG, SVG or PDF; needs matplotlib).", rich_help_panel=SWEEP_PANEL)] = None,
+    top_k: Annotated[
+        int,
+        typer.Option(
+            "--ref-top-k",
+            min=1,
+            help="Reference log-probabilities kept per position (docs/evals.md: the error this leaves).",
+            rich_help_panel=SWEEP_PANEL,
+        ),
+    ] = 64,
+    samples: Annotated[
+        int,
+        typer.Option(
+            "--ref-samples",
+            min=0,
+            help="Reference tail tokens sampled per position (unbiased tail divergence).",
+            rich_help_panel=SWEEP_PANEL,
+        ),
+    ] = 64,
+    decode_tokens: Annotated[
+        int,
+        typer.Option(
+            "--decode-tokens", min=1, help="Tokens per decode timing (llama-bench tg N).", rich_help_panel=SWEEP_PANEL
+        ),
+    ] = 64,
+    decode_reps: Annotated[
+        int,
+        typer.Option(
+            "--decode-reps", min=1, help="Decode timings per type (the median is shown).", rich_help_panel=SWEEP_PANEL
+        ),
+    ] = 3,
+    workdir: Annotated[
+        Path | None,
+        typer.Option(
+            "--workdir",
+            help="Folder for the converted files (default: a temporary folder, removed afterwards).",
+            rich_help_panel=SWEEP_PANEL,
+        ),
+    ] = None,
+    keep_files: Annotated[
+        bool,
+        typer.Option(
+            "--keep-files",
+            help="Keep the converted CMF files and the saved reference in --workdir.",
+            rich_help_panel=SWEEP_PANEL,
+        ),
+    ] = False,
+    plot: Annotated[
+        Path | None,
+        typer.Option(
+            "--plot",
+            help="Draw bits/weight vs mean KLD and vs decode tok/s to this image (PNG, SVG or PDF; needs matplotlib).",
+            rich_help_panel=SWEEP_PANEL,
+        ),
+    ] = None,
     batch: opt.BlockRows = 512,
     threads: opt.Threads = None,
     json_out: opt.Json = False,
@@ -84,8 +146,21 @@ def quant_sweep(
 
     def remote(kind: str, path: Path, tokens: Any, windows: Any, eng: Any, saved: Any) -> Any:
         """One type's scoring on the cluster (its CMF read by the workers at the same path)."""
-        result, done, creport = copt.score_ppl(where, cluster_threads or eng.threads, resume, not json_out, [path], need_ctx, "f32",
-                                               batch, [REFERENCE_TYPE, kind], tokens, windows, eng.tokenizer, saved=saved)
+        result, done, creport = copt.score_ppl(
+            where,
+            cluster_threads or eng.threads,
+            resume,
+            not json_out,
+            [path],
+            need_ctx,
+            "f32",
+            batch,
+            [REFERENCE_TYPE, kind],
+            tokens,
+            windows,
+            eng.tokenizer,
+            saved=saved,
+        )
         creports[kind] = creport
         if done < len(windows):  # no row of a type scored on part of the windows
             copt.note_interrupted()
@@ -97,13 +172,42 @@ def quant_sweep(
         if workdir is not None:
             if workdir.exists() and not workdir.is_dir():
                 raise CortiqError(f"--workdir {workdir} is a file")
-            return run_sweep(src, kinds, source.text, workdir, load, plan, top_k=top_k, samples=samples, decode_tokens=decode_tokens,
-                             decode_reps=decode_reps, chunk=batch, keep_files=keep_files, settings=settings.to_json(), event=event,
-                             progress=progress, remote=on_cluster)
+            return run_sweep(
+                src,
+                kinds,
+                source.text,
+                workdir,
+                load,
+                plan,
+                top_k=top_k,
+                samples=samples,
+                decode_tokens=decode_tokens,
+                decode_reps=decode_reps,
+                chunk=batch,
+                keep_files=keep_files,
+                settings=settings.to_json(),
+                event=event,
+                progress=progress,
+                remote=on_cluster,
+            )
         with tempfile.TemporaryDirectory(prefix="cortiq-sweep-") as tmp:
-            return run_sweep(src, kinds, source.text, Path(tmp), load, plan, top_k=top_k, samples=samples, decode_tokens=decode_tokens,
-                             decode_reps=decode_reps, chunk=batch, settings=settings.to_json(), event=event, progress=progress,
-                             remote=on_cluster)
+            return run_sweep(
+                src,
+                kinds,
+                source.text,
+                Path(tmp),
+                load,
+                plan,
+                top_k=top_k,
+                samples=samples,
+                decode_tokens=decode_tokens,
+                decode_reps=decode_reps,
+                chunk=batch,
+                settings=settings.to_json(),
+                event=event,
+                progress=progress,
+                remote=on_cluster,
+            )
 
     if json_out or where is not None:  # a cluster run shows its own bar per type
         result = sweep()
@@ -143,9 +247,17 @@ def render(r: SweepResult, text: str, settings: dict[str, Any]) -> None:
         highlight=False,
     )
     t = Table(title="Quantization sweep", title_justify="left", box=box.SIMPLE_HEAD)
-    for name, justify in (("type", "left"), ("bits/weight", "right"), ("file", "right"), ("ppl ratio", "right"),
-                          ("95% CI", "right"), ("mean KLD", "right"), ("p99 KLD", "right"), ("same top-1", "right"),
-                          ("decode tok/s", "right")):
+    for name, justify in (
+        ("type", "left"),
+        ("bits/weight", "right"),
+        ("file", "right"),
+        ("ppl ratio", "right"),
+        ("95% CI", "right"),
+        ("mean KLD", "right"),
+        ("p99 KLD", "right"),
+        ("same top-1", "right"),
+        ("decode tok/s", "right"),
+    ):
         t.add_column(name, justify=justify, no_wrap=True, style="bold" if name == "type" else None)
     for row in r.rows:
         c = row.comparison
@@ -181,6 +293,7 @@ def _label_offsets(points: list[tuple[float, float]], log: bool) -> list[tuple[i
     """Text offsets (points) for the labels of ``points``: a label whose point sits
     within 0.3 bits/weight and a factor 1.6 (log axis) or 6% (linear) of an earlier
     label's point goes below it instead of above (q4km and q5km, 0.1 b/w apart)."""
+
     def close(p: tuple[float, float], q: tuple[float, float]) -> bool:
         (x, y), (x0, y0) = p, q
         near_y = max(y, y0) <= 1.6 * min(y, y0) if log else abs(y - y0) <= 0.06 * max(abs(y), abs(y0), 1e-30)

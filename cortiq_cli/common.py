@@ -77,8 +77,12 @@ def fail(message: str, code: int = EXIT_BAD_INPUT) -> None:
 
 def _os_error_line(e: OSError) -> str:
     """Disk full, read-only folder, permission denied, ...: what failed and where."""
-    reason = {errno.ENOSPC: "no space left on the device", errno.EROFS: "the file system is read-only",
-              errno.EACCES: "permission denied", errno.EDQUOT: "disk quota exceeded"}.get(e.errno or -1)
+    reason = {
+        errno.ENOSPC: "no space left on the device",
+        errno.EROFS: "the file system is read-only",
+        errno.EACCES: "permission denied",
+        errno.EDQUOT: "disk quota exceeded",
+    }.get(e.errno or -1)
     where = e.filename if e.filename is not None else None
     text = reason or e.strerror or str(e)
     return f"{where}: {text}" if where else text
@@ -118,7 +122,11 @@ class OneLineErrors(TyperGroup):
         except ArithmeticError as e:
             # compiled kernels raise on a division by zero only when the numbers went
             # non-finite: damaged weights (cortiq verify names them)
-            _one_line(f"numeric error ({type(e).__name__}) - non-finite values; run cortiq verify on the model", 1, standalone_mode)
+            _one_line(
+                f"numeric error ({type(e).__name__}) - non-finite values; run cortiq verify on the model",
+                1,
+                standalone_mode,
+            )
         else:
             if not standalone_mode:
                 return rv
@@ -268,15 +276,22 @@ def resolve_quant(name: str, *, option: str = "--quant", allow_keep: bool = True
         return preset
     if allow_keep and key == KEEP_QUANT:
         return key
-    raise CortiqError(f"unknown {option} {name!r}; choose one of {quant_names_help()}"
-                      + (f", {KEEP_QUANT}" if allow_keep else ""))
+    raise CortiqError(
+        f"unknown {option} {name!r}; choose one of {quant_names_help()}" + (f", {KEEP_QUANT}" if allow_keep else "")
+    )
 
 
 # The KV cache's element type, for every command that runs a model over a context.
-KvCache = Annotated[str, typer.Option(
-    "--kv-cache", metavar="f32|f16", help="KV cache element type: f32 (default), or f16: half the memory and half the bytes a "
-    "long-context decode step reads (llama.cpp's default); each key and value rounded once as it is stored.",
-    rich_help_panel="Context")]
+KvCache = Annotated[
+    str,
+    typer.Option(
+        "--kv-cache",
+        metavar="f32|f16",
+        help="KV cache element type: f32 (default), or f16: half the memory and half the bytes a "
+        "long-context decode step reads (llama.cpp's default); each key and value rounded once as it is stored.",
+        rich_help_panel="Context",
+    ),
+]
 
 
 class CompileProgress:
@@ -303,8 +318,14 @@ class CompileProgress:
             if self.bar:
                 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-                self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                         TimeElapsedColumn(), console=self.console, transient=True)
+                self.progress = Progress(
+                    TextColumn("{task.description}"),
+                    BarColumn(),
+                    MofNCompleteColumn(),
+                    TimeElapsedColumn(),
+                    console=self.console,
+                    transient=True,
+                )
                 self.progress.start()
                 self.task = self.progress.add_task(self.step or "compiling", total=ev.total)
             else:
@@ -321,27 +342,51 @@ class CompileProgress:
             self.progress.stop()
 
 
-def load_engine(model: Any, *, threads: int | None, ctx: int | None, quiet: bool = False, mtp: Any = False,
-                kv_cache: str = "f32", **load: Any) -> Any:
+def load_engine(
+    model: Any,
+    *,
+    threads: int | None,
+    ctx: int | None,
+    quiet: bool = False,
+    mtp: Any = False,
+    kv_cache: str = "f32",
+    **load: Any,
+) -> Any:
     """``Engine.load`` with a spinner on a terminal (redirected, none: rich's live
     display would leave a blank line in the output), and ``CompileProgress`` when it
     compiles kernels (the one line even when ``quiet``)."""
     from cortiq_engine import Engine
 
     if quiet or not err_console.is_terminal:
-        return Engine.load(model, threads=threads, ctx=ctx, mtp=mtp, kv_cache=kv_cache,
-                           on_warmup=CompileProgress(err_console, bar=not quiet), **load)
+        return Engine.load(
+            model,
+            threads=threads,
+            ctx=ctx,
+            mtp=mtp,
+            kv_cache=kv_cache,
+            on_warmup=CompileProgress(err_console, bar=not quiet),
+            **load,
+        )
     with err_console.status(f"loading {getattr(model, 'name', model)}", spinner="dots") as status:
-        return Engine.load(model, threads=threads, ctx=ctx, mtp=mtp, kv_cache=kv_cache,
-                           on_warmup=CompileProgress(err_console, status), **load)
+        return Engine.load(
+            model,
+            threads=threads,
+            ctx=ctx,
+            mtp=mtp,
+            kv_cache=kv_cache,
+            on_warmup=CompileProgress(err_console, status),
+            **load,
+        )
 
 
 def compile_note(report: Any) -> str:
     """The line saying what load compiled, kept apart from the speeds ("" when nothing)."""
     if report is None or not report.seconds:
         return ""
-    return (f"kernels compiled for this CPU in {report.seconds:.1f} s at load (once; the on-disk caches serve "
-            f"later runs), not counted in the speeds")
+    return (
+        f"kernels compiled for this CPU in {report.seconds:.1f} s at load (once; the on-disk caches serve "
+        f"later runs), not counted in the speeds"
+    )
 
 
 def peak_rss_bytes() -> int:

@@ -29,7 +29,9 @@ def model_label(path: Path, engine: Any) -> str:
 
 def interrupted(done: int, total: int) -> None:
     """After printing the figures over the windows scored before Ctrl-C: say so, exit 130."""
-    err_console.print(f"[bold red]interrupted[/]: figures above are partial, over {done} of {total} windows", highlight=False)
+    err_console.print(
+        f"[bold red]interrupted[/]: figures above are partial, over {done} of {total} windows", highlight=False
+    )
     raise typer.Exit(130)
 
 

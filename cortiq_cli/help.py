@@ -173,8 +173,11 @@ def _render(renderables: list[Any], formatter: Any) -> None:
     colours, or into a pipe or a file as plain text at 80 columns (rich writes no colour
     codes there), without the padding spaces at line ends."""
     terminal = Console()  # the stdout of the moment (a test's capture too)
-    out = Console(file=io.StringIO(), width=terminal.width if terminal.is_terminal else PIPED_HELP_WIDTH,
-                  color_system=terminal.color_system if terminal.is_terminal else None)
+    out = Console(
+        file=io.StringIO(),
+        width=terminal.width if terminal.is_terminal else PIPED_HELP_WIDTH,
+        color_system=terminal.color_system if terminal.is_terminal else None,
+    )
     for r in renderables:
         out.print(r, highlight=False)
     formatter.write("".join(line.rstrip() + "\n" for line in out.file.getvalue().splitlines()))

@@ -22,7 +22,9 @@ def moe_stats_json(usage: dict[int, list[int]] | None, arch: ArchConfig) -> dict
     return {
         "num_experts": arch.moe.num_experts,
         "top_k": arch.moe.top_k,
-        "layers": [{"layer": int(layer), "counts": [int(c) for c in counts]} for layer, counts in sorted(usage.items())],
+        "layers": [
+            {"layer": int(layer), "counts": [int(c) for c in counts]} for layer, counts in sorted(usage.items())
+        ],
     }
 
 

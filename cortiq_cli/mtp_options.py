@@ -21,38 +21,100 @@ MTP_PANEL = "Speculative decoding (MTP layers, n-gram lookup)"
 
 MtpPath = Annotated[
     Optional[Path],
-    typer.Option("--mtp", help="MTP draft layers from this sidecar (default: inline, else MODEL.mtp.cmf beside the model when it exists).", rich_help_panel=MTP_PANEL),
+    typer.Option(
+        "--mtp",
+        help="MTP draft layers from this sidecar (default: inline, else MODEL.mtp.cmf beside the model when it exists).",
+        rich_help_panel=MTP_PANEL,
+    ),
 ]
-NoMtp = Annotated[bool, typer.Option("--no-mtp", help="Plain decoding: neither draft layers nor lookup drafts (with --lookup N: n-gram lookup drafts alone).", rich_help_panel=MTP_PANEL)]
-MtpDepth = Annotated[Optional[int], typer.Option("--mtp-depth", min=1, help="Drafts per round (default: every draft layer).", rich_help_panel=MTP_PANEL)]
+NoMtp = Annotated[
+    bool,
+    typer.Option(
+        "--no-mtp",
+        help="Plain decoding: neither draft layers nor lookup drafts (with --lookup N: n-gram lookup drafts alone).",
+        rich_help_panel=MTP_PANEL,
+    ),
+]
+MtpDepth = Annotated[
+    Optional[int],
+    typer.Option(
+        "--mtp-depth", min=1, help="Drafts per round (default: every draft layer).", rich_help_panel=MTP_PANEL
+    ),
+]
 MtpChain = Annotated[
     Optional[str],
-    typer.Option("--mtp-chain", metavar="independent|recursive", help="independent (layer k drafts depth k+1; default when there is a layer per depth) or recursive (layer 0 on its own output).", rich_help_panel=MTP_PANEL),
+    typer.Option(
+        "--mtp-chain",
+        metavar="independent|recursive",
+        help="independent (layer k drafts depth k+1; default when there is a layer per depth) or recursive (layer 0 on its own output).",
+        rich_help_panel=MTP_PANEL,
+    ),
 ]
-MtpHidden = Annotated[Optional[str], typer.Option("--mtp-hidden", metavar="pre|post", help="pre (default) or post: the backbone hidden before or after its final norm.", rich_help_panel=MTP_PANEL)]
+MtpHidden = Annotated[
+    Optional[str],
+    typer.Option(
+        "--mtp-hidden",
+        metavar="pre|post",
+        help="pre (default) or post: the backbone hidden before or after its final norm.",
+        rich_help_panel=MTP_PANEL,
+    ),
+]
 MtpVocab = Annotated[
     Optional[str],
-    typer.Option("--mtp-vocab", metavar="N|full", help="Draft vocabulary: the first N ids of the sidecar's (most useful first), or full (the whole lm_head). Default: the sidecar's when it has one (`cortiq mtp-vocab` adds one), else full.", rich_help_panel=MTP_PANEL),
+    typer.Option(
+        "--mtp-vocab",
+        metavar="N|full",
+        help="Draft vocabulary: the first N ids of the sidecar's (most useful first), or full (the whole lm_head). Default: the sidecar's when it has one (`cortiq mtp-vocab` adds one), else full.",
+        rich_help_panel=MTP_PANEL,
+    ),
 ]
 MtpThreshold = Annotated[
     Optional[float],
-    typer.Option("--mtp-threshold", metavar="P", min=0.0, max=0.999, help="Adaptive depth: a round stops drafting at the first draft whose own probability is below P (0 = off; default: the engine's measured one).", rich_help_panel=MTP_PANEL),
+    typer.Option(
+        "--mtp-threshold",
+        metavar="P",
+        min=0.0,
+        max=0.999,
+        help="Adaptive depth: a round stops drafting at the first draft whose own probability is below P (0 = off; default: the engine's measured one).",
+        rich_help_panel=MTP_PANEL,
+    ),
 ]
 Lookup = Annotated[
     Optional[int],
-    typer.Option("--lookup", metavar="N", min=0, max=MAX_LOOKUP_DRAFTS, help="Draft N tokens by n-gram lookup in the prompt and output before asking the MTP layers each round (exact: the same verify). Default: 3 (without draft layers: lookup alone, greedy decoding only); 0 = off (plain decoding without draft layers).", rich_help_panel=MTP_PANEL),
+    typer.Option(
+        "--lookup",
+        metavar="N",
+        min=0,
+        max=MAX_LOOKUP_DRAFTS,
+        help="Draft N tokens by n-gram lookup in the prompt and output before asking the MTP layers each round (exact: the same verify). Default: 3 (without draft layers: lookup alone, greedy decoding only); 0 = off (plain decoding without draft layers).",
+        rich_help_panel=MTP_PANEL,
+    ),
 ]
 LookupNgram = Annotated[
     Optional[str],
-    typer.Option("--lookup-ngram", metavar="MIN:MAX", help="Match lengths the lookup tries, longest first (default 3:5).", rich_help_panel=MTP_PANEL),
+    typer.Option(
+        "--lookup-ngram",
+        metavar="MIN:MAX",
+        help="Match lengths the lookup tries, longest first (default 3:5).",
+        rich_help_panel=MTP_PANEL,
+    ),
 ]
 MtpGate = Annotated[
     bool,
-    typer.Option("--mtp-gate/--no-mtp-gate", help="Accepted for compatibility; each draft source is now switched on or off by its measured speed (see docs/architectures.md).", hidden=True, rich_help_panel=MTP_PANEL),
+    typer.Option(
+        "--mtp-gate/--no-mtp-gate",
+        help="Accepted for compatibility; each draft source is now switched on or off by its measured speed (see docs/architectures.md).",
+        hidden=True,
+        rich_help_panel=MTP_PANEL,
+    ),
 ]
 MtpCompare = Annotated[
     bool,
-    typer.Option("--mtp-compare/--no-mtp-compare", help="Also run plain decoding of the same prompt: checks the outputs are equal and measures the speedup.", rich_help_panel=MTP_PANEL),
+    typer.Option(
+        "--mtp-compare/--no-mtp-compare",
+        help="Also run plain decoding of the same prompt: checks the outputs are equal and measures the speedup.",
+        rich_help_panel=MTP_PANEL,
+    ),
 ]
 
 
@@ -77,17 +139,34 @@ def parse_ngram(text: str | None) -> tuple[int, int] | None:
     return lo, hi
 
 
-def speculative_arg(no_mtp: bool, depth: int | None, chain: str | None, hidden: str | None,
-                    vocab: str | None = None, threshold: float | None = None, lookup: int | None = None,
-                    ngram: str | None = None, gate: bool = False):
+def speculative_arg(
+    no_mtp: bool,
+    depth: int | None,
+    chain: str | None,
+    hidden: str | None,
+    vocab: str | None = None,
+    threshold: float | None = None,
+    lookup: int | None = None,
+    ngram: str | None = None,
+    gate: bool = False,
+):
     """``Engine.generate(speculative=...)`` from the flags (the engine decides the rest).
     --no-mtp keeps an explicit --lookup N: lookup drafts alone."""
     from cortiq_engine import SpeculativeConfig
     from cortiq_engine.draft_vocab import parse_vocab
 
     grams = parse_ngram(ngram)
-    given = [f for f, v in (("--mtp-depth", depth), ("--mtp-chain", chain), ("--mtp-hidden", hidden),
-                            ("--mtp-vocab", vocab), ("--mtp-threshold", threshold)) if v is not None]
+    given = [
+        f
+        for f, v in (
+            ("--mtp-depth", depth),
+            ("--mtp-chain", chain),
+            ("--mtp-hidden", hidden),
+            ("--mtp-vocab", vocab),
+            ("--mtp-threshold", threshold),
+        )
+        if v is not None
+    ]
     if no_mtp and given:
         raise CortiqError(f"--no-mtp and {given[0]} contradict each other")
     if lookup == 0 and grams is not None:
@@ -96,8 +175,16 @@ def speculative_arg(no_mtp: bool, depth: int | None, chain: str | None, hidden: 
         raise CortiqError("--lookup-ngram given, but no lookup drafts: add --lookup N")
     if no_mtp:
         return SpeculativeConfig(lookup=lookup, ngram=grams) if lookup else False
-    return SpeculativeConfig(depth=depth, chain=chain, hidden=hidden, vocab=parse_vocab(vocab), threshold=threshold,
-                             lookup=lookup, ngram=grams, mtp_gate=gate)
+    return SpeculativeConfig(
+        depth=depth,
+        chain=chain,
+        hidden=hidden,
+        vocab=parse_vocab(vocab),
+        threshold=threshold,
+        lookup=lookup,
+        ngram=grams,
+        mtp_gate=gate,
+    )
 
 
 def describe(mtp: dict[str, Any]) -> str:
@@ -107,8 +194,10 @@ def describe(mtp: dict[str, Any]) -> str:
         lo, hi = mtp["lookup_ngram"]
         parts.append(f"lookup {mtp['lookup']} ({lo}-{hi}-grams)")
     if mtp.get("chain") is not None:
-        parts.append(f"MTP {mtp['source']} · {mtp['chain']} chain · {mtp['hidden']}-norm hidden · "
-                     f"draft vocab {mtp['draft_vocab']} · threshold {mtp['threshold']:g}")
+        parts.append(
+            f"MTP {mtp['source']} · {mtp['chain']} chain · {mtp['hidden']}-norm hidden · "
+            f"draft vocab {mtp['draft_vocab']} · threshold {mtp['threshold']:g}"
+        )
     return " then ".join(parts)
 
 
@@ -116,7 +205,9 @@ def compare_with_plain(engine, res, prompt_ids, config, *, max_tokens: int, stop
     """--mtp-compare: plain decoding of the same prompt beside a speculative result; adds
     the speedup and whether the tokens are the same to ``res.extra["mtp"]``."""
     mtp = res.extra["mtp"]
-    plain = engine.generate(prompt_ids, config, max_tokens=max_tokens, stop=stop, ignore_eos=ignore_eos, speculative=False)
+    plain = engine.generate(
+        prompt_ids, config, max_tokens=max_tokens, stop=stop, ignore_eos=ignore_eos, speculative=False
+    )
     spec_s = res.prefill_seconds + res.decode_seconds
     plain_s = plain.prefill_seconds + plain.decode_seconds
     mtp.update(
@@ -139,11 +230,17 @@ def render(console, mtp: dict[str, Any]) -> None:
     t.add_row("accepted drafts", f"{mtp['accepted']}/{mtp['drafted']} ({mtp['acceptance']:.1%})")
     t.add_row("acceptance per depth", "  ".join(f"d{i + 1} {r:.1%}" for i, r in enumerate(mtp["acceptance_per_depth"])))
     t.add_row("accepted per round", "  ".join(f"{a}: {n}" for a, n in enumerate(mtp["accept_histogram"])))
-    t.add_row("drafts per round", "  ".join(f"{a}: {n}" for a, n in enumerate(mtp["depth_histogram"])) + f"  (mean {mtp['mean_depth']:.2f})")
+    t.add_row(
+        "drafts per round",
+        "  ".join(f"{a}: {n}" for a, n in enumerate(mtp["depth_histogram"])) + f"  (mean {mtp['mean_depth']:.2f})",
+    )
     t.add_row("draft / verify per round", f"{mtp['draft_ms_per_round']:.1f} ms / {mtp['verify_ms_per_round']:.1f} ms")
     for name, sub in (mtp.get("by_source") or {}).items():
-        t.add_row(f"{name} rounds", f"{sub['drafting_rounds']}: {sub['tokens_per_round']:.2f} tokens / round, "
-                                    f"{sub['accepted']}/{sub['drafted']} drafts accepted, verify {sub['verify_ms_per_round']:.1f} ms")
+        t.add_row(
+            f"{name} rounds",
+            f"{sub['drafting_rounds']}: {sub['tokens_per_round']:.2f} tokens / round, "
+            f"{sub['accepted']}/{sub['drafted']} drafts accepted, verify {sub['verify_ms_per_round']:.1f} ms",
+        )
     if "speedup" in mtp:
         same = "[green]same tokens[/]" if mtp["same_tokens_as_plain"] else "[bold red]DIFFERENT tokens[/]"
         t.add_row(
@@ -168,6 +265,8 @@ def with_lookup_line(rec: dict[str, Any]) -> str:
     wl = rec.get("with_lookup")
     if not wl:
         return ""
-    return (f"with n-gram lookup drafting first (--lookup {wl['lookup']}, the default): depth {wl['depth']}, "
-            f"threshold {wl['threshold']:g}: modelled {wl['modelled_speedup']:.2f}x plain decoding, "
-            f"{wl['lookup_rounds']} of {wl['rounds']} rounds drafted by lookup")
+    return (
+        f"with n-gram lookup drafting first (--lookup {wl['lookup']}, the default): depth {wl['depth']}, "
+        f"threshold {wl['threshold']:g}: modelled {wl['modelled_speedup']:.2f}x plain decoding, "
+        f"{wl['lookup_rounds']} of {wl['rounds']} rounds drafted by lookup"
+    )

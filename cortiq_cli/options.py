@@ -23,29 +23,67 @@ SAMPLING = "Sampling"
 CONTEXT = "Context"
 
 ModelOption = Annotated[
-    Optional[Path], typer.Option("--model", "-m", help="Model file (.cmf), instead of the MODEL argument.", show_default=False)
+    Optional[Path],
+    typer.Option("--model", "-m", help="Model file (.cmf), instead of the MODEL argument.", show_default=False),
 ]
 PromptOption = Annotated[
-    Optional[str], typer.Option("--prompt", "-p", help="Prompt text, instead of the PROMPT argument; '-' reads stdin.", show_default=False)
+    Optional[str],
+    typer.Option(
+        "--prompt", "-p", help="Prompt text, instead of the PROMPT argument; '-' reads stdin.", show_default=False
+    ),
 ]
 Ctx = Annotated[
-    Optional[int], typer.Option("--ctx", "-c", min=1, help="Context length (default: min(max_position_embeddings, 4096)).", rich_help_panel=CONTEXT)
+    Optional[int],
+    typer.Option(
+        "--ctx",
+        "-c",
+        min=1,
+        help="Context length (default: min(max_position_embeddings, 4096)).",
+        rich_help_panel=CONTEXT,
+    ),
 ]
 Threads = Annotated[
     Optional[int],
-    typer.Option("--threads", "-t", min=1, help="Compute threads, fixed (default: all cores for the prompt; each decode step runs on 1 or all cores, whichever measures faster)."),
+    typer.Option(
+        "--threads",
+        "-t",
+        min=1,
+        help="Compute threads, fixed (default: all cores for the prompt; each decode step runs on 1 or all cores, whichever measures faster).",
+    ),
 ]
 Temp = Annotated[
-    float, typer.Option("--temp", "--temperature", min=0.0, help="0 = greedy (the default, reproducible); > 0 samples.", rich_help_panel=SAMPLING)
+    float,
+    typer.Option(
+        "--temp",
+        "--temperature",
+        min=0.0,
+        help="0 = greedy (the default, reproducible); > 0 samples.",
+        rich_help_panel=SAMPLING,
+    ),
 ]
-TopK = Annotated[int, typer.Option("--top-k", min=0, help="Keep the k most likely tokens (0 = off).", rich_help_panel=SAMPLING)]
-TopP = Annotated[float, typer.Option("--top-p", help="Nucleus: keep the smallest set with this mass (1 = off).", rich_help_panel=SAMPLING)]
-MinP = Annotated[float, typer.Option("--min-p", help="Drop tokens below min_p x the top probability (0 = off).", rich_help_panel=SAMPLING)]
+TopK = Annotated[
+    int, typer.Option("--top-k", min=0, help="Keep the k most likely tokens (0 = off).", rich_help_panel=SAMPLING)
+]
+TopP = Annotated[
+    float,
+    typer.Option("--top-p", help="Nucleus: keep the smallest set with this mass (1 = off).", rich_help_panel=SAMPLING),
+]
+MinP = Annotated[
+    float,
+    typer.Option("--min-p", help="Drop tokens below min_p x the top probability (0 = off).", rich_help_panel=SAMPLING),
+]
 RepeatPenalty = Annotated[
     float,
-    typer.Option("--repeat-penalty", "--repetition-penalty", help="Divide positive / multiply negative logits of seen tokens (1 = off).", rich_help_panel=SAMPLING),
+    typer.Option(
+        "--repeat-penalty",
+        "--repetition-penalty",
+        help="Divide positive / multiply negative logits of seen tokens (1 = off).",
+        rich_help_panel=SAMPLING,
+    ),
 ]
-Seed = Annotated[Optional[int], typer.Option("--seed", help="Sampling seed: same seed, same output.", rich_help_panel=SAMPLING)]
+Seed = Annotated[
+    Optional[int], typer.Option("--seed", help="Sampling seed: same seed, same output.", rich_help_panel=SAMPLING)
+]
 
 # "At most N tokens of the text" (the eval commands) is --text-tokens, since --max-tokens
 # is the number of tokens to generate; --max-tokens still reads there, out of the help.
@@ -60,8 +98,21 @@ RENAMED: dict[str, dict[str, str]] = {
 }
 
 # Commands whose path arguments are CMF files to read (not a source folder to convert).
-READS_CMF = frozenset({"inspect", "verify", "generate", "chat", "bench", "ppl", "calibrate", "mtp-probe", "mtp-train",
-                       "mtp-vocab", "imatrix"})
+READS_CMF = frozenset(
+    {
+        "inspect",
+        "verify",
+        "generate",
+        "chat",
+        "bench",
+        "ppl",
+        "calibrate",
+        "mtp-probe",
+        "mtp-train",
+        "mtp-vocab",
+        "imatrix",
+    }
+)
 CMF_PARAMS = ("model", "models", "model_opt", "model_opts", "file")
 
 
@@ -104,8 +155,9 @@ def check_cmf_paths(command: str, params: dict[str, Any]) -> None:
                 raise BadInput(folder_message(Path(p)))
 
 
-def model_and_prompt(model: str | None, prompt: str | None, model_opt: Path | None, prompt_opt: str | None,
-                     *, takes_prompt: bool = True) -> tuple[Path, str | None]:
+def model_and_prompt(
+    model: str | None, prompt: str | None, model_opt: Path | None, prompt_opt: str | None, *, takes_prompt: bool = True
+) -> tuple[Path, str | None]:
     """The model and prompt from positionals or -m/-p in any mix: with -m the first
     positional is the prompt (``cortiq generate -m M.cmf "Hi"``)."""
     positional = [a for a in (model, prompt) if a is not None]
@@ -118,6 +170,9 @@ def model_and_prompt(model: str | None, prompt: str | None, model_opt: Path | No
         positional.append(prompt_opt)
     if len(positional) > (1 if takes_prompt else 0):
         extra = positional[-1] if takes_prompt else positional[0]
-        raise CortiqError(f"unexpected extra argument {extra!r}: give the model once (MODEL or -m) and the prompt once (PROMPT or -p)"
-                          if takes_prompt else f"unexpected extra argument {extra!r}: give the model once (MODEL or -m)")
+        raise CortiqError(
+            f"unexpected extra argument {extra!r}: give the model once (MODEL or -m) and the prompt once (PROMPT or -p)"
+            if takes_prompt
+            else f"unexpected extra argument {extra!r}: give the model once (MODEL or -m)"
+        )
     return model_path, (positional[0] if positional else None)

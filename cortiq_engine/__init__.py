@@ -15,4 +15,13 @@ from cortiq_engine.generate import GenerationResult, TokenEvent
 from cortiq_engine.model import Model, State, forward
 from cortiq_engine.sampling import SamplingConfig
 
-__all__ = ["Engine", "GenerationResult", "Model", "SamplingConfig", "SpeculativeConfig", "State", "TokenEvent", "forward"]
+__all__ = [
+    "Engine",
+    "GenerationResult",
+    "Model",
+    "SamplingConfig",
+    "SpeculativeConfig",
+    "State",
+    "TokenEvent",
+    "forward",
+]

@@ -54,8 +54,16 @@ class Acceptance:
         self.depth_hist = self.depth_hist or [0] * (self.depth + 1)
 
     # ------------------------------------------------------------ counting
-    def record(self, drafted: int, accepted: int, draft_s: float = 0.0, verify_s: float = 0.0, *, tried: bool = True,
-               source: str | None = None) -> None:
+    def record(
+        self,
+        drafted: int,
+        accepted: int,
+        draft_s: float = 0.0,
+        verify_s: float = 0.0,
+        *,
+        tried: bool = True,
+        source: str | None = None,
+    ) -> None:
         """One decode step: ``drafted`` drafts proposed, the first ``accepted`` of them kept.
         ``tried``: the step ran the drafter (False: no room for drafts, a plain step);
         ``source``: which draft source proposed them (also counted in ``by_source``)."""

@@ -32,8 +32,16 @@ def convert_checkpoint(
     """Convert an HF checkpoint folder, a hub repo id, a .gguf or a .cmf file into ``out``
     (see ``formats.convert.convert_checkpoint``)."""
     return _convert_checkpoint(
-        src, out, families=FAMILIES, quant=quant, keep=keep, mtp=mtp, force=force, progress=progress,
-        imatrix=imatrix, allow_nonfinite=allow_nonfinite,
+        src,
+        out,
+        families=FAMILIES,
+        quant=quant,
+        keep=keep,
+        mtp=mtp,
+        force=force,
+        progress=progress,
+        imatrix=imatrix,
+        allow_nonfinite=allow_nonfinite,
     )
 
 

@@ -120,8 +120,9 @@ def pick_vocab(stored: np.ndarray | None, want: int | str | None) -> np.ndarray 
     return stored[:want]
 
 
-def vocab_from_text(tokenizer, vocab_size: int, eos_ids: Sequence[int], text: str, n: int,
-                    max_tokens: int | None = None) -> tuple[np.ndarray, int]:
+def vocab_from_text(
+    tokenizer, vocab_size: int, eos_ids: Sequence[int], text: str, n: int, max_tokens: int | None = None
+) -> tuple[np.ndarray, int]:
     """(the ``n`` draft ids chosen from ``text``, tokens counted): EOS and special ids first."""
     ids = tokenizer.encode(text, add_bos=True)
     if max_tokens is not None:

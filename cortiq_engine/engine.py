@@ -27,8 +27,16 @@ from formats.errors import CortiqError
 from formats.untrusted_json import section
 from cortiq_engine.cache import kv_dtype
 from cortiq_engine.generate import PREFILL_CHUNK, DraftSource, GenerationResult, TokenEvent, generate
-from cortiq_engine.kernels import (CompileMeter, CompileReport, WarmupEvent, cold_estimate, compiles, get_kernels, is_warm,
-                                   mark_warm)
+from cortiq_engine.kernels import (
+    CompileMeter,
+    CompileReport,
+    WarmupEvent,
+    cold_estimate,
+    compiles,
+    get_kernels,
+    is_warm,
+    mark_warm,
+)
 from cortiq_engine.memory import release_free_heap
 from cortiq_engine.model import Model, State, forward
 from cortiq_engine.models import build_model, read_arch
@@ -52,7 +60,11 @@ def check_ctx_memory(model: Model, ctx: int) -> None:
     caches one row of kv_lora_rank + qk_rope_head_dim values per position and layer
     (``cortiq_engine.mla.MlaCache``), not per-head keys and values."""
     a = model.arch
-    row = a.mla.kv_lora_rank + a.mla.qk_rope_head_dim if a.mla is not None else a.num_kv_heads * (a.head_dim + a.v_head_dim)
+    row = (
+        a.mla.kv_lora_rank + a.mla.qk_rope_head_dim
+        if a.mla is not None
+        else a.num_kv_heads * (a.head_dim + a.v_head_dim)
+    )
     per_token = a.num_layers * row * np.dtype(kv_dtype(model.kv_cache)).itemsize
     try:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -149,14 +161,18 @@ def open_trunk(
     try:
         header = cmf.header
         if header.get("role", "model") != "model":
-            raise CortiqError(f"{path}: not a model file (role {header.get('role')!r}); an MTP sidecar is loaded with its model")
+            raise CortiqError(
+                f"{path}: not a model file (role {header.get('role')!r}); an MTP sidecar is loaded with its model"
+            )
         if not isinstance(header.get("arch"), dict):
             raise CortiqError(f"{path}: not a model file (the header has no arch section)")
         arch = read_arch(cmf)
         model = replace(build_model(cmf, arch, ks), kv_cache=kv_cache)
         tok = None
         if tokenizer and TOKENIZER_TENSOR in cmf:
-            tok = Tokenizer(cmf.raw_bytes(TOKENIZER_TENSOR), section(header, "tokenizer", str(path)), name=Path(path).name)
+            tok = Tokenizer(
+                cmf.raw_bytes(TOKENIZER_TENSOR), section(header, "tokenizer", str(path)), name=Path(path).name
+            )
     except BaseException:
         cmf.close()
         raise
@@ -165,7 +181,13 @@ def open_trunk(
 
 class Engine:
     def __init__(
-        self, cmf: CmfFile, model: Model, tokenizer: Tokenizer | None, ctx: int, threads: int, drafts: DraftStack | None = None,
+        self,
+        cmf: CmfFile,
+        model: Model,
+        tokenizer: Tokenizer | None,
+        ctx: int,
+        threads: int,
+        drafts: DraftStack | None = None,
         adaptive_threads: bool = False,
     ):
         self.cmf = cmf
@@ -239,8 +261,14 @@ class Engine:
     def _model_kind(self) -> list[str]:
         """What selects this model's kernels: its dtypes, KV cache type and attention geometry."""
         a = self.arch
-        return [a.arch, self.model.kv_cache, f"{a.head_dim}/{a.v_head_dim}", repr(getattr(a, "sliding", None)),
-                repr(a.mla is not None), *sorted({w.dtype for w in self._weights()})]
+        return [
+            a.arch,
+            self.model.kv_cache,
+            f"{a.head_dim}/{a.v_head_dim}",
+            repr(getattr(a, "sliding", None)),
+            repr(a.mla is not None),
+            *sorted({w.dtype for w in self._weights()}),
+        ]
 
     def _weights(self) -> list:
         """The backbone's weights and the loaded draft layers'."""
@@ -347,8 +375,9 @@ class Engine:
             raise CortiqError(f"token id outside the vocabulary (0..{self.vocab_size - 1})")
         return arr
 
-    def iter_logits(self, ids: Sequence[int], chunk: int = PREFILL_CHUNK, sub: int | None = None,
-                    first: int = 0) -> Iterator[tuple[int, np.ndarray]]:
+    def iter_logits(
+        self, ids: Sequence[int], chunk: int = PREFILL_CHUNK, sub: int | None = None, first: int = 0
+    ) -> Iterator[tuple[int, np.ndarray]]:
         """Teacher-forced logits of a fresh sequence, ``(start, block)`` at a time:
         block row j predicts ids[start + j + 1]. The model runs ``chunk`` tokens a
         forward; the output layer ``sub`` rows a call (default: as many as fit
@@ -382,8 +411,11 @@ class Engine:
 
     # ---------------------------------------------------------------- generation
     def drafter(
-        self, speculative: bool | SpeculativeConfig | DraftSource | None = None, config: SamplingConfig | None = None,
-        *, evict: bool = False,
+        self,
+        speculative: bool | SpeculativeConfig | DraftSource | None = None,
+        config: SamplingConfig | None = None,
+        *,
+        evict: bool = False,
     ) -> tuple[DraftSource | None, str]:
         """The plain-vs-speculative policy: (the drafter a generation with these settings
         decodes with, None for plain decoding; a one-line note when drafts are possible
@@ -410,7 +442,9 @@ class Engine:
                 )
             if not lookup_only:
                 if spec.ngram is not None:
-                    raise CortiqError("lookup n-gram sizes given, but no lookup drafts: drop --lookup 0 (no draft layers here)")
+                    raise CortiqError(
+                        "lookup n-gram sizes given, but no lookup drafts: drop --lookup 0 (no draft layers here)"
+                    )
                 return None, ""
         why = ""
         if not (config or SamplingConfig()).greedy:
@@ -438,11 +472,20 @@ class Engine:
         if lookup > 0 and ld is not None and (ld.lookup, ld.ngram) == (lookup, tuple(ngram)):
             best_depth, best_threshold = ld.depth, ld.threshold
         depth = spec.depth if spec.depth is not None else (best_depth if measured else None)
-        threshold = spec.threshold if spec.threshold is not None else (
-            best_threshold if measured else DEFAULT_THRESHOLD)
-        d = make_drafter(self.model, stack, self.ctx, depth=depth, chain=spec.chain, hidden=spec.hidden or "pre",
-                         head=self.draft_head(spec.vocab), threshold=threshold,
-                         decision=SpecDecision() if spec.decide and lookup == 0 else None)
+        threshold = (
+            spec.threshold if spec.threshold is not None else (best_threshold if measured else DEFAULT_THRESHOLD)
+        )
+        d = make_drafter(
+            self.model,
+            stack,
+            self.ctx,
+            depth=depth,
+            chain=spec.chain,
+            hidden=spec.hidden or "pre",
+            head=self.draft_head(spec.vocab),
+            threshold=threshold,
+            decision=SpecDecision() if spec.decide and lookup == 0 else None,
+        )
         return (LookupDrafter(self.ctx, lookup, ngram, mtp=d, gate=spec.decide) if lookup > 0 else d), ""
 
     def draft_head(self, vocab: int | str | None = None) -> DraftHead:

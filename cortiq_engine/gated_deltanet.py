@@ -137,7 +137,14 @@ class LinearAttnCache:
         self.window = np.ascontiguousarray(full[full.shape[0] - (kern - 1) :]) if kern > 1 else last.window
         _, self.state = self.rule(last.q[:m], last.k[:m], last.v[:m], last.g[:m], last.beta[:m], last.state)
         self._last = _LastCall(
-            last.start, last.window, last.state, last.conv_in[:m], last.q[:m], last.k[:m], last.v[:m], last.g[:m],
+            last.start,
+            last.window,
+            last.state,
+            last.conv_in[:m],
+            last.q[:m],
+            last.k[:m],
+            last.v[:m],
+            last.g[:m],
             last.beta[:m],
         )
         self.length = n
@@ -176,7 +183,9 @@ class GatedDeltaNet:
 
     def make_cache(self, capacity: int, kv: str = "f32") -> LinearAttnCache:
         # ``kv``: a KV cache's element type; the recurrent state stays f32 (it accumulates)
-        return LinearAttnCache(self.conv_dim, self.la.conv_kernel, self.hv, self.dk, self.dv, capacity, self.ks.delta_rule)
+        return LinearAttnCache(
+            self.conv_dim, self.la.conv_kernel, self.hv, self.dk, self.dv, capacity, self.ks.delta_rule
+        )
 
     def weights(self) -> list[Weight]:
         return [*self.w.in_proj, self.w.out_proj]

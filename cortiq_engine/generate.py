@@ -173,7 +173,10 @@ def check_history(state: State | None, history: Sequence[int]) -> None:
 
 
 def prefill(
-    state: State, ids: Sequence[int], chunk: int = PREFILL_CHUNK, on_rows: Callable[[int, np.ndarray], None] | None = None
+    state: State,
+    ids: Sequence[int],
+    chunk: int = PREFILL_CHUNK,
+    on_rows: Callable[[int, np.ndarray], None] | None = None,
 ) -> np.ndarray:
     """Forward the prompt in chunks; returns the hidden row of its last token [1, hidden].
     ``on_rows(offset, rows)`` sees each chunk's hidden rows (a drafter keeps them)."""
@@ -226,8 +229,6 @@ class StopStrings:
 
     def finish(self) -> str:
         return self._release(len(self.text))
-
-
 
 
 class Emitter:
@@ -348,7 +349,9 @@ def generate(
         raise CortiqError("empty prompt: nothing to generate from")
     check_history(state, history)
     if len(history) + len(prompt_ids) > capacity:
-        raise CortiqError(f"prompt has {len(history) + len(prompt_ids)} tokens, longer than the context of {capacity} (raise --ctx)")
+        raise CortiqError(
+            f"prompt has {len(history) + len(prompt_ids)} tokens, longer than the context of {capacity} (raise --ctx)"
+        )
     if max_tokens < 1:
         raise CortiqError(f"max tokens must be >= 1, got {max_tokens}")
     bad = [i for i in prompt_ids if not 0 <= i < model.vocab_size]
@@ -370,8 +373,15 @@ def generate(
     state = state or model.new_state(capacity)
     sampler = Sampler(config)
     out = Emitter(
-        tokenizer, history + prompt_ids, max_tokens=max_tokens, stop=stop, eos_ids=eos_ids,
-        calibration_temperature=calibration_temperature, logprobs=logprobs, on_token=on_token, on_text=on_text,
+        tokenizer,
+        history + prompt_ids,
+        max_tokens=max_tokens,
+        stop=stop,
+        eos_ids=eos_ids,
+        calibration_temperature=calibration_temperature,
+        logprobs=logprobs,
+        on_token=on_token,
+        on_text=on_text,
     )
     note = None if drafter is None else (lambda offset, rows: drafter.note(len(history) + offset, rows))
 
@@ -398,7 +408,11 @@ def generate(
             state.evict(max(state.capacity // 2, 1))
             evictions += 1
         t = state.position - 1  # the last forwarded position; out.ids[-1] is pending
-        k = 0 if drafter is None else min(drafter.depth, max_tokens - len(out.ids) - 1, state.free() - 1, max_verify - 1)
+        k = (
+            0
+            if drafter is None
+            else min(drafter.depth, max_tokens - len(out.ids) - 1, state.free() - 1, max_verify - 1)
+        )
         with threads.step(k + 1):
             ta = time.perf_counter()
             ca = clock() if k > 0 else 0.0

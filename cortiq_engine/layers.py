@@ -85,7 +85,9 @@ class RoPE:
     of the score scale (MLA families multiply their scale by it).
     """
 
-    def __init__(self, rotary_dim: int, theta: float, scaling: dict[str, Any] | None = None, max_position_embeddings: int = 0):
+    def __init__(
+        self, rotary_dim: int, theta: float, scaling: dict[str, Any] | None = None, max_position_embeddings: int = 0
+    ):
         self.rotary_dim = int(rotary_dim)
         self.theta = float(theta)
         self.scaling = dict(scaling) if scaling else None
@@ -188,7 +190,9 @@ def _yarn(rope: "RoPE", sc: dict[str, Any]) -> tuple[np.ndarray, float, float]:
     low, high = max(low, 0), min(high, d - 1)
     if low == high:
         high += 0.001
-    ramp = np.clip((np.arange(d // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1).astype(np.float32)
+    ramp = np.clip((np.arange(d // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1).astype(
+        np.float32
+    )
     pos = (np.float32(base) ** (np.arange(0, d, 2).astype(np.float32) / np.float32(d))).astype(np.float32)
     extra = np.float32(1.0) / pos
     inter = np.float32(1.0) / (np.float32(factor) * pos)
@@ -301,13 +305,17 @@ class Attention:
         w, nh, nkv, hd, vd = self.w, self.nh, self.nkv, self.hd, self.vd
         q_rows = nh * hd * (2 if self.output_gate else 1)  # the gate rides in q_proj
         want = {
-            "q": (q_rows, w.q.cols), "k": (nkv * hd, w.q.cols),
-            "v": (nkv * vd, w.q.cols), "o": (w.o.rows, nh * vd),
+            "q": (q_rows, w.q.cols),
+            "k": (nkv * hd, w.q.cols),
+            "v": (nkv * vd, w.q.cols),
+            "o": (w.o.rows, nh * vd),
         }
         for name, shape in want.items():
             have = getattr(w, name).shape
             if have != shape:
-                raise CortiqError(f"tensor {getattr(w, name).name} is {list(have)}, the attention geometry needs {list(shape)}")
+                raise CortiqError(
+                    f"tensor {getattr(w, name).name} is {list(have)}, the attention geometry needs {list(shape)}"
+                )
         if min(nh, nkv, hd, vd) < 1 or nh % nkv:
             raise CortiqError(f"attention with {nh} heads, {nkv} KV heads, head_dim {hd}: not a valid geometry")
         if self.output_gate and vd != hd:

@@ -187,6 +187,14 @@ class LookupDrafter:
 
     def describe(self) -> dict:
         """The settings a result reports (``extra["mtp"]``)."""
-        base = self.mtp.describe() if self.mtp is not None else {
-            "source": "lookup", "chain": None, "hidden": None, "draft_vocab": None, "threshold": None}
-        return {**base, "lookup": self.lookup, "lookup_ngram": list(self.ngram), "mtp_gate": self.gate and self.mtp is not None}
+        base = (
+            self.mtp.describe()
+            if self.mtp is not None
+            else {"source": "lookup", "chain": None, "hidden": None, "draft_vocab": None, "threshold": None}
+        )
+        return {
+            **base,
+            "lookup": self.lookup,
+            "lookup_ngram": list(self.ngram),
+            "mtp_gate": self.gate and self.mtp is not None,
+        }

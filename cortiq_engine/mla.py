@@ -164,8 +164,17 @@ class MlaAttention:
     one; None (default): calls of up to ``ABSORB_ROWS`` rows absorbed, longer ones expanded.
     """
 
-    def __init__(self, kernels, w: MlaWeights, m: MlaConfig, *, num_heads: int, rope: RoPE,
-                 absorb: bool | None = None, latent_eps: float = LATENT_NORM_EPS):
+    def __init__(
+        self,
+        kernels,
+        w: MlaWeights,
+        m: MlaConfig,
+        *,
+        num_heads: int,
+        rope: RoPE,
+        absorb: bool | None = None,
+        latent_eps: float = LATENT_NORM_EPS,
+    ):
         self.ks = kernels
         self.w = w
         self.m = m
@@ -208,7 +217,9 @@ class MlaAttention:
             want["kv_b"] = (w.kv_b, (nh * (nope + vd), rank))
         else:
             if len(w.k_b) != nh or len(w.v_b) != nh:
-                raise CortiqError(f"latent attention with {nh} heads has {len(w.k_b)} k_b_proj and {len(w.v_b)} v_b_proj")
+                raise CortiqError(
+                    f"latent attention with {nh} heads has {len(w.k_b)} k_b_proj and {len(w.v_b)} v_b_proj"
+                )
             for h in range(nh):
                 want[f"k_b{h}"] = (w.k_b[h], (rank, nope))
                 want[f"v_b{h}"] = (w.v_b[h], (vd, rank))
@@ -219,12 +230,20 @@ class MlaAttention:
             want["q_b"] = (w.q_b, (nh * (nope + r), hidden))
         for t, shape in want.values():
             if t.shape != shape:
-                raise CortiqError(f"tensor {t.name} is {list(t.shape)}, the latent attention geometry needs {list(shape)}")
+                raise CortiqError(
+                    f"tensor {t.name} is {list(t.shape)}, the latent attention geometry needs {list(shape)}"
+                )
         if (w.q_a is None) != (self.qa_rows == 0) or (w.q_a is None) != (w.q_a_norm is None):
-            raise CortiqError(f"latent attention with q_lora_rank {self.qa_rows} needs q_a_proj and its norm exactly then")
-        vecs = {"kv_a_layernorm": (w.kv_a_norm, rank), "q_a_layernorm": (w.q_a_norm, self.qa_rows),
-                "q_a_proj bias": (w.q_a_bias, self.qa_rows), "kv_a_proj_with_mqa bias": (w.kv_a_bias, rank + r),
-                "o_proj bias": (w.o_bias, w.o.rows)}
+            raise CortiqError(
+                f"latent attention with q_lora_rank {self.qa_rows} needs q_a_proj and its norm exactly then"
+            )
+        vecs = {
+            "kv_a_layernorm": (w.kv_a_norm, rank),
+            "q_a_layernorm": (w.q_a_norm, self.qa_rows),
+            "q_a_proj bias": (w.q_a_bias, self.qa_rows),
+            "kv_a_proj_with_mqa bias": (w.kv_a_bias, rank + r),
+            "o_proj bias": (w.o_bias, w.o.rows),
+        }
         for name, (v, size) in vecs.items():
             if v is not None and v.shape != (size,):
                 raise CortiqError(f"{name} has {v.size} values, the latent attention needs {size}")

@@ -124,8 +124,11 @@ def forward(state: State, ids: Sequence[int] | np.ndarray) -> np.ndarray:
         raise CortiqError(f"context full: {state.length} + {n} tokens exceed the context of {state.capacity}")
     model = state.model
     x = model.embed_ids(ids)
-    step = Step(np.arange(state.position, state.position + n, dtype=np.int64), expert_usage=state.expert_usage,
-                context=state.capacity)
+    step = Step(
+        np.arange(state.position, state.position + n, dtype=np.int64),
+        expert_usage=state.expert_usage,
+        context=state.capacity,
+    )
     for block, cache in zip(model.blocks, state.caches):
         block(x, cache, step)
     state.position += n

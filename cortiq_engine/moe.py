@@ -186,9 +186,16 @@ class BiasedExpert:
     Gate and up run as one fused matmul, as ``GatedMLP``'s do."""
 
     def __init__(
-        self, kernels, gate: Weight, up: Weight, down: Weight,
-        gate_bias: np.ndarray | None, up_bias: np.ndarray | None, down_bias: np.ndarray | None,
-        limit: float = 0.0, alpha: float = 0.0,
+        self,
+        kernels,
+        gate: Weight,
+        up: Weight,
+        down: Weight,
+        gate_bias: np.ndarray | None,
+        up_bias: np.ndarray | None,
+        down_bias: np.ndarray | None,
+        limit: float = 0.0,
+        alpha: float = 0.0,
     ):
         GatedMLP(kernels, gate, up, down)  # refuses shapes that disagree
         width = gate.rows
@@ -198,8 +205,12 @@ class BiasedExpert:
         self.ks = kernels
         self._gu = (gate, up)
         self._down = (down,)
-        self.gu_bias = None if gate_bias is None and up_bias is None else np.concatenate(
-            [np.zeros(width, np.float32) if b is None else b.astype(np.float32) for b in (gate_bias, up_bias)]
+        self.gu_bias = (
+            None
+            if gate_bias is None and up_bias is None
+            else np.concatenate(
+                [np.zeros(width, np.float32) if b is None else b.astype(np.float32) for b in (gate_bias, up_bias)]
+            )
         )
         self.down_bias = None if down_bias is None else down_bias.astype(np.float32)
         self.limit = np.float32(limit)

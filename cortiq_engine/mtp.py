@@ -49,7 +49,14 @@ import numpy as np
 from formats.arch import ArchConfig
 from formats.cmf import CmfFile
 from formats.errors import CortiqError
-from formats.sidecar import LookupDefaults, count_mtp_layers, open_sidecar, read_defaults, read_draft_vocab, read_lookup_defaults
+from formats.sidecar import (
+    LookupDefaults,
+    count_mtp_layers,
+    open_sidecar,
+    read_defaults,
+    read_draft_vocab,
+    read_lookup_defaults,
+)
 from cortiq_engine.cache import KVCache
 from cortiq_engine.draft_vocab import DraftHead, full_head
 from cortiq_engine.layers import Step
@@ -96,8 +103,6 @@ class DraftStack:
         return "independent" if depth <= self.num_layers else "recursive"
 
 
-
-
 def load_draft_stack(main: CmfFile, arch: ArchConfig, kernels, path: str | Path | None = None) -> DraftStack | None:
     """The draft layers for the backbone in ``main``: from ``path`` when given, else inline
     in ``main``, else the sidecar ``<stem>.mtp.cmf`` beside it; None when there are none.
@@ -128,7 +133,6 @@ def load_draft_stack(main: CmfFile, arch: ArchConfig, kernels, path: str | Path 
     except CortiqError as e:
         raise CortiqError(f"{e} ({NO_MTP_HINT})") from None
     return DraftStack(layers, arch.mtp.style if arch.mtp else "deepseek", source, vocab, depth, threshold, with_lookup)
-
 
 
 # ------------------------------------------------------------------ per-sequence state
@@ -211,8 +215,14 @@ class Drafter:
 
     def describe(self) -> dict:
         """The settings a result reports (``extra["mtp"]``)."""
-        return {"source": self.stack.source, "mtp_depth": self.depth, "chain": self.chain, "hidden": self.hidden,
-                "draft_vocab": self.head.label, "threshold": self.threshold}
+        return {
+            "source": self.stack.source,
+            "mtp_depth": self.depth,
+            "chain": self.chain,
+            "hidden": self.hidden,
+            "draft_vocab": self.head.label,
+            "threshold": self.threshold,
+        }
 
     # -------------------------------------------------------------- backbone rows
     def note(self, first_pos: int, rows: np.ndarray) -> None:
@@ -267,7 +277,9 @@ class Drafter:
         c = self.committed[k]
         cache.truncate(c)  # drop last round's provisional rows
         toks = [ids[j + shift] if j + shift < len(ids) else drafts[j + shift - len(ids)] for j in range(c, t + 1)]
-        out = layer(self.model.kernels, self.model.embed_ids(toks), self.hist[c : t + 1], cache, Step(np.arange(c, t + 1)))
+        out = layer(
+            self.model.kernels, self.model.embed_ids(toks), self.hist[c : t + 1], cache, Step(np.arange(c, t + 1))
+        )
         self.committed[k] = max(c, min(t + 1, len(ids) - shift))
         return out[-1:]
 
@@ -319,4 +331,6 @@ def make_drafter(
     ``threshold`` to 0 (adaptive depth off); ``decision`` to None (every round drafts)."""
     depth = stack.num_layers if depth is None else int(depth)
     chain = chain or stack.default_chain(depth)
-    return Drafter(model, stack, depth, chain, hidden, capacity, override, head, float(threshold), record_probs, decision)
+    return Drafter(
+        model, stack, depth, chain, hidden, capacity, override, head, float(threshold), record_probs, decision
+    )

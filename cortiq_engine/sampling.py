@@ -84,7 +84,9 @@ class Sampler:
     def __call__(self, logits: np.ndarray, seen: Iterable[int]) -> int:
         c = self.config
         if not np.isfinite(logits.max()):  # NaN anywhere, or +inf: one pass, no copy
-            raise CortiqError("the model's logits became non-finite (NaN or infinity); the weights or the input overflow")
+            raise CortiqError(
+                "the model's logits became non-finite (NaN or infinity); the weights or the input overflow"
+            )
         z = apply_repetition_penalty(logits, seen, c.repetition_penalty)
         if c.greedy:
             return int(np.argmax(z))

@@ -101,8 +101,17 @@ class ChatSession:
         history, new = ids[:keep], ids[keep:]
         try:
             res = eng.generate(
-                new, config, max_tokens=max_tokens, stop=stop, evict=evict, ignore_eos=ignore_eos, logprobs=logprobs,
-                on_token=on_token, on_text=on_text, state=self.state, history=history,
+                new,
+                config,
+                max_tokens=max_tokens,
+                stop=stop,
+                evict=evict,
+                ignore_eos=ignore_eos,
+                logprobs=logprobs,
+                on_token=on_token,
+                on_text=on_text,
+                state=self.state,
+                history=history,
                 speculative=self.drafter if self.drafter is not None else False,
             )
         except BaseException:

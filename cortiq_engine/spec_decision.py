@@ -172,11 +172,19 @@ class SpecDecision:
     def to_json(self) -> dict:
         sources = {}
         for name, s in sorted(self.rates.items()):
-            d = {"rounds": s.rounds, "tokens": s.tokens, "seconds": s.seconds,
-                 "ms_per_token": 1e3 * s.per_token if s.per_token else None}
+            d = {
+                "rounds": s.rounds,
+                "tokens": s.tokens,
+                "seconds": s.seconds,
+                "ms_per_token": 1e3 * s.per_token if s.per_token else None,
+            }
             if name != PLAIN:
-                d.update(on=s.on, switches=s.switches, speedup=self.ratio(name, recent=False),
-                         recent_speedup=self.ratio(name))
+                d.update(
+                    on=s.on,
+                    switches=s.switches,
+                    speedup=self.ratio(name, recent=False),
+                    recent_speedup=self.ratio(name),
+                )
             sources[name] = d
         return {"sources": sources, "overall_speedup": self.overall(), "decision": self.decision()}
 

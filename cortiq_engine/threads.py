@@ -103,7 +103,9 @@ def set_threads(n: int | None) -> int:
     if n is None:
         n = default_threads()
     if not 1 <= n <= top:
-        raise CortiqError(f"--threads {n}: choose 1..{top} (numba was started with {top}; set NUMBA_NUM_THREADS for more)")
+        raise CortiqError(
+            f"--threads {n}: choose 1..{top} (numba was started with {top}; set NUMBA_NUM_THREADS for more)"
+        )
     _start_layer(n)
     # BLAS runs single-threaded inside the engine's own prefill pool (kernels/fast.py),
     # whose threads pull row slices: OpenBLAS's static split collapsed 4-5x beside a
@@ -146,8 +148,15 @@ class DecodeThreads:
     HISTORY = 8
 
     def __init__(
-        self, top: int, adaptive: bool = True, *, interval: int = 16, max_interval: int = 256, margin: float = 0.9,
-        set_count: Callable[[int], None] | None = None, clock: Callable[[], float] = time.perf_counter,
+        self,
+        top: int,
+        adaptive: bool = True,
+        *,
+        interval: int = 16,
+        max_interval: int = 256,
+        margin: float = 0.9,
+        set_count: Callable[[int], None] | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ):
         self.top = top
         self.interval, self.max_interval, self.margin = interval, max_interval, margin

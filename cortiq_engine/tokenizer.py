@@ -172,16 +172,23 @@ def _bounded_filters(env: Any, budget: _Budget) -> None:
         "indent": lambda a: budget.width(a.get("width") if isinstance(a.get("width"), int) else 0, "indent width"),
         "batch": lambda a: budget.width(a.get("linecount"), "batch size"),
         "slice": lambda a: budget.width(a.get("slices"), "slice count"),
-        "format": lambda a: (budget.measure(a.get("value"), "format input"),
-                             budget.printf(str(a.get("value")), (a.get("args"), a.get("kwargs")))),
+        "format": lambda a: (
+            budget.measure(a.get("value"), "format input"),
+            budget.printf(str(a.get("value")), (a.get("args"), a.get("kwargs"))),
+        ),
         "join": lambda a: budget.measure(a.get("value"), "join input"),
         "string": lambda a: budget.measure(a.get("value"), "string input"),
         "pprint": lambda a: budget.measure(a.get("value"), "pprint input"),
-        "tojson": lambda a: (budget.measure(a.get("x"), "tojson input"),
-                             budget.width(a.get("indent") if isinstance(a.get("indent"), int) else 0, "tojson indent")),
-        "replace": lambda a: (budget.measure(a.get("s"), "replace input"),
-                              _bounded_str_method(budget, str(a.get("s")).replace,
-                                                  (a.get("old"), a.get("new"), a.get("count") or -1), {})),
+        "tojson": lambda a: (
+            budget.measure(a.get("x"), "tojson input"),
+            budget.width(a.get("indent") if isinstance(a.get("indent"), int) else 0, "tojson indent"),
+        ),
+        "replace": lambda a: (
+            budget.measure(a.get("s"), "replace input"),
+            _bounded_str_method(
+                budget, str(a.get("s")).replace, (a.get("old"), a.get("new"), a.get("count") or -1), {}
+            ),
+        ),
         "sum": lambda a: _numeric_start(a.get("start", 0)),
     }
     for name in _TEXT_FILTERS:
@@ -332,7 +339,9 @@ def _render_bounded(source: str, limits: TemplateLimits, context: dict[str, Any]
     def raise_exception(message: str) -> None:
         raise CortiqError(f"raised: {str(message)[:200]}")
 
-    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False) -> str:
+    def tojson(
+        x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False
+    ) -> str:
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
     def strftime_now(fmt: str) -> str:
@@ -419,7 +428,7 @@ def render_template(source: str, limits: TemplateLimits, **context: Any) -> str:
                 answer = b"E" + _template_error(e).encode("utf-8", "replace")
             view = memoryview(answer)
             while view:
-                view = view[os.write(w, view):]
+                view = view[os.write(w, view) :]
         except BaseException:  # noqa: BLE001
             code = 1
         finally:

@@ -15,6 +15,7 @@ from formats.errors import CortiqError
 from formats.untrusted_json import section
 from cortiq_engine.models import FAMILIES
 
+
 @dataclass(eq=False)
 class Backbone:
     path: Path

@@ -12,8 +12,27 @@ VOCAB_CHOICES = ("active", "full")
 CHAIN_CHOICES = ("independent", "recursive")
 FEATURE_DTYPES = ("f16", "f32")
 # Settings a resumed run must share with the checkpoint (the rest may change, e.g. steps).
-RESUME_KEYS = ("layers", "seq", "batch", "lr", "warmup", "topk", "intermediate", "init_layer", "hidden", "vocab", "negatives", "seed", "holdout",
-               "ttt", "chain", "depth", "self_distill", "self_temperature", "chat")
+RESUME_KEYS = (
+    "layers",
+    "seq",
+    "batch",
+    "lr",
+    "warmup",
+    "topk",
+    "intermediate",
+    "init_layer",
+    "hidden",
+    "vocab",
+    "negatives",
+    "seed",
+    "holdout",
+    "ttt",
+    "chain",
+    "depth",
+    "self_distill",
+    "self_temperature",
+    "chat",
+)
 
 
 @dataclass
@@ -67,7 +86,9 @@ class TrainConfig:
         if self.steps < 0:
             raise CortiqError(f"--steps must be >= 0 (got {self.steps})")
         if self.seq < self.layers + 2:
-            raise CortiqError(f"--seq {self.seq} is too short for {self.layers} draft layers (needs >= {self.layers + 2})")
+            raise CortiqError(
+                f"--seq {self.seq} is too short for {self.layers} draft layers (needs >= {self.layers + 2})"
+            )
         if self.batch < 1:
             raise CortiqError(f"--batch must be at least 1 (got {self.batch})")
         if not 0.0 <= self.holdout < 1.0:
@@ -99,7 +120,9 @@ class TrainConfig:
         if self.seq < self.depths + 2:
             raise CortiqError(f"--seq {self.seq} is too short for depth {self.depths} (needs >= {self.depths + 2})")
         if self.self_distill and not 1 <= self.self_distill < self.seq:
-            raise CortiqError(f"--self-distill {self.self_distill}: the real prompt must be 1..{self.seq - 1} tokens of each window")
+            raise CortiqError(
+                f"--self-distill {self.self_distill}: the real prompt must be 1..{self.seq - 1} tokens of each window"
+            )
         if self.self_temperature < 0:
             raise CortiqError(f"--self-temperature must be >= 0 (got {self.self_temperature})")
         if self.max_tokens is not None and self.max_tokens < 2:
@@ -113,5 +136,8 @@ class TrainConfig:
         mine = self.to_json()
         default = asdict(TrainConfig())
         # A setting newer than the checkpoint is read as its default (what that run used).
-        return [f"{k} {saved.get(k, default[k])!r} in the checkpoint, {mine[k]!r} now" for k in RESUME_KEYS
-                if saved.get(k, default[k]) != mine[k]]
+        return [
+            f"{k} {saved.get(k, default[k])!r} in the checkpoint, {mine[k]!r} now"
+            for k in RESUME_KEYS
+            if saved.get(k, default[k]) != mine[k]
+        ]

@@ -95,8 +95,9 @@ class TorchBlock(nn.Module):
         x = self.post_attention_layernorm(u)
         return u + self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
-    def attend(self, u: torch.Tensor, pos: torch.Tensor, q0: int, mask: torch.Tensor,
-               cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def attend(
+        self, u: torch.Tensor, pos: torch.Tensor, q0: int, mask: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
         """The block over rows ``u`` [B, R, H] at RoPE positions ``pos`` [R] where only rows
         ``q0:`` are queries and ``mask`` [R - q0, R] (True = attend) says which rows each
         sees: the training-time test's view of a round's provisional rows. Returns the
@@ -144,8 +145,15 @@ class TorchBlock(nn.Module):
 
 
 class DraftLayer(nn.Module):
-    def __init__(self, arch: ArchConfig, block: dict[str, np.ndarray], inter: int, hnorm_scale: float,
-                 final_scale: np.ndarray, seed: int):
+    def __init__(
+        self,
+        arch: ArchConfig,
+        block: dict[str, np.ndarray],
+        inter: int,
+        hnorm_scale: float,
+        final_scale: np.ndarray,
+        seed: int,
+    ):
         super().__init__()
         h = arch.hidden_size
         eps = arch.norm_eps
@@ -167,8 +175,16 @@ class DraftLayer(nn.Module):
         """Teacher-forced rows before ``final_layernorm`` (what the recursive chain feeds back)."""
         return self.block(self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(hid)], -1)), cos, sin)
 
-    def attend(self, emb: torch.Tensor, hid: torch.Tensor, pos: torch.Tensor, q0: int, mask: torch.Tensor,
-               cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def attend(
+        self,
+        emb: torch.Tensor,
+        hid: torch.Tensor,
+        pos: torch.Tensor,
+        q0: int,
+        mask: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor:
         """Rows (emb, hid) [B, R, H] at positions ``pos``; queries ``q0:`` under ``mask``
         (``TorchBlock.attend``). Returns the query rows before ``final_layernorm``."""
         u = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(hid)], -1))
@@ -230,8 +246,15 @@ class DraftStack(nn.Module):
 
 
 # The tensors of a llama-style block, the one these draft layers copy and re-implement.
-LLAMA_BLOCK = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
-               "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+LLAMA_BLOCK = (
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+)
 
 
 def require_llama_blocks(backbone, layers: list[int], hint: str) -> None:
@@ -256,7 +279,9 @@ def require_llama_blocks(backbone, layers: list[int], hint: str) -> None:
             )
 
 
-def build_stack(backbone, k: int, inter: int | None, init_layer: int, hnorm_scale: float, seq: int, seed: int) -> DraftStack:
+def build_stack(
+    backbone, k: int, inter: int | None, init_layer: int, hnorm_scale: float, seq: int, seed: int
+) -> DraftStack:
     arch = backbone.arch
     require_llama_blocks(backbone, [init_layer % arch.num_layers], "choose another --init-layer")
     block = backbone.block_f32(init_layer % arch.num_layers)
@@ -308,8 +333,9 @@ class TorchBackbone:
         return (torch.from_numpy(np.ascontiguousarray(normed, np.float32)) @ self.head.T).numpy()
 
 
-def depth_outputs(stack: DraftStack, embed, tokens: np.ndarray, hid: torch.Tensor, depth: int, chain: str,
-                  ttt: bool, pick) -> list[torch.Tensor]:
+def depth_outputs(
+    stack: DraftStack, embed, tokens: np.ndarray, hid: torch.Tensor, depth: int, chain: str, ttt: bool, pick
+) -> list[torch.Tensor]:
     """Final-normed draft rows of every depth over windows ``tokens`` [B, T] with backbone
     hidden ``hid`` [B, T, H]; depth d's row j is the round after position j (it drafts the
     token j+d+1, 0-based d). ``embed(ids [B, n]) -> [B, n, H]``; ``pick(d, rows) -> ids
@@ -358,7 +384,9 @@ def depth_outputs(stack: DraftStack, embed, tokens: np.ndarray, hid: torch.Tenso
             j = torch.arange(n)[:, None]
             r = torch.arange(n)[None, :]
             mask = torch.cat([r <= j] + [r == j] * d, dim=1)
-            u = layer.attend(embed(np.concatenate(toks, axis=1)), torch.cat(hs, 1), torch.cat(ps), d * n, mask, cos, sin)
+            u = layer.attend(
+                embed(np.concatenate(toks, axis=1)), torch.cat(hs, 1), torch.cat(ps), d * n, mask, cos, sin
+            )
         pre.append(u)
         y = layer.final_layernorm(u)
         outs.append(y)

@@ -35,8 +35,9 @@ def layer_hidden(backbone, layer: DraftLayer, emb: np.ndarray, hid: np.ndarray) 
     return layer.final_norm(x)
 
 
-def engine_drafts(backbone, layers: list[DraftLayer], tokens: np.ndarray, hidden: np.ndarray,
-                  head_rows: int = 64) -> list[np.ndarray]:
+def engine_drafts(
+    backbone, layers: list[DraftLayer], tokens: np.ndarray, hidden: np.ndarray, head_rows: int = 64
+) -> list[np.ndarray]:
     """Argmax drafts [W, T] per depth over the windows (tokens [W, T], hidden [W, T, H])."""
     w, t = tokens.shape
     out = [np.full((w, t), -1, np.int64) for _ in layers]

@@ -23,8 +23,15 @@ MTP_STYLE = "mimo"  # independent layers: layer k drafts depth k+1 from the back
 TRAINER_NAME = "cortiq mtp-train"
 
 
-def sidecar_header(main_header: dict[str, Any], main_name: str, n_layers: int, quant: str,
-                   intermediate: int, hidden: str, trained: dict[str, Any]) -> dict[str, Any]:
+def sidecar_header(
+    main_header: dict[str, Any],
+    main_name: str,
+    n_layers: int,
+    quant: str,
+    intermediate: int,
+    hidden: str,
+    trained: dict[str, Any],
+) -> dict[str, Any]:
     arch = copy.deepcopy(main_header["arch"])
     arch["mtp"] = {"num_layers": n_layers, "style": MTP_STYLE}
     mtp = {
@@ -50,9 +57,18 @@ def sidecar_header(main_header: dict[str, Any], main_name: str, n_layers: int, q
     }
 
 
-def write_sidecar(out: Path, main_header: dict[str, Any], main_name: str, tensors: dict[str, np.ndarray],
-                  *, quant: str, hidden: str, trained: dict[str, Any], force: bool = False,
-                  draft_vocab: tuple[np.ndarray, dict[str, Any]] | None = None) -> Path:
+def write_sidecar(
+    out: Path,
+    main_header: dict[str, Any],
+    main_name: str,
+    tensors: dict[str, np.ndarray],
+    *,
+    quant: str,
+    hidden: str,
+    trained: dict[str, Any],
+    force: bool = False,
+    draft_vocab: tuple[np.ndarray, dict[str, Any]] | None = None,
+) -> Path:
     """Encode ``tensors`` (sidecar names -> f32) into ``out``; returns the path.
     ``draft_vocab``: (ids most useful first, its header record), see formats/sidecar.py."""
     layers = sorted({int(n.split(".")[3]) for n in tensors})

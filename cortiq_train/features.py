@@ -81,7 +81,9 @@ CACHE_META = "meta.json"
 FEATURE_DTYPES = {"f16": np.float16, "f32": np.float32}
 
 
-def cache_key(ids: np.ndarray, *, seq: int, topk: int, hidden: str, dtype: str, backbone: str | None, runner: str) -> str:
+def cache_key(
+    ids: np.ndarray, *, seq: int, topk: int, hidden: str, dtype: str, backbone: str | None, runner: str
+) -> str:
     """What the cached rows are a function of: the backbone, the token ids and the settings."""
     h = hashlib.sha256(json.dumps([CACHE_VERSION, backbone, runner, seq, topk, hidden, dtype]).encode())
     h.update(np.ascontiguousarray(ids, np.int64).tobytes())
@@ -115,8 +117,10 @@ class FeatureCache:
             self.arrays[name] = arr
         if fresh:
             # Files opened before a mismatch are rewritten too.
-            self.arrays = {n: np.lib.format.open_memmap(self.folder / f"{n}.npy", mode="w+", dtype=dt, shape=sh)
-                           for n, (sh, dt) in shapes.items()}
+            self.arrays = {
+                n: np.lib.format.open_memmap(self.folder / f"{n}.npy", mode="w+", dtype=dt, shape=sh)
+                for n, (sh, dt) in shapes.items()
+            }
             self.done = 0
             self._write_meta()
         else:
@@ -168,11 +172,16 @@ def collect(
     vocab = runner.vocab_size
     k = min(topk, vocab)
     hdt = FEATURE_DTYPES[dtype]
-    shapes = {"tokens": ((n, seq), np.int32), "hidden": ((n, seq, h), hdt),
-              "top_idx": ((n, seq, k), np.int32), "top_logp": ((n, seq, k), np.float32)}
+    shapes = {
+        "tokens": ((n, seq), np.int32),
+        "hidden": ((n, seq, h), hdt),
+        "top_idx": ((n, seq, k), np.int32),
+        "top_logp": ((n, seq, k), np.float32),
+    }
     if cache is not None:
-        key = cache_key(ids[: n * seq], seq=seq, topk=k, hidden=hidden, dtype=dtype, backbone=backbone,
-                        runner=type(runner).__name__)
+        key = cache_key(
+            ids[: n * seq], seq=seq, topk=k, hidden=hidden, dtype=dtype, backbone=backbone, runner=type(runner).__name__
+        )
         store = FeatureCache(Path(cache), key, shapes)
         arrays, start = store.arrays, store.done
     else:
@@ -190,8 +199,10 @@ def collect(
         if peak > np.finfo(np.float16).max:
             # Gemma's residual stream passes f16's 65,504 (measured: training on such
             # rows diverges at the first step), so say so instead of storing Inf.
-            raise CortiqError(f"the backbone's hidden rows reach {peak:.4g}, beyond f16's range (65,504): "
-                              f"use --feature-dtype f32 (or --mtp-hidden post)")
+            raise CortiqError(
+                f"the backbone's hidden rows reach {peak:.4g}, beyond f16's range (65,504): "
+                f"use --feature-dtype f32 (or --mtp-hidden post)"
+            )
         arrays["hidden"][w] = rows
         arrays["tokens"][w] = tokens[w]
         for r0 in range(0, seq, HEAD_ROWS):
@@ -224,9 +235,18 @@ def _top_logp(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     return idx.astype(np.int32), lp.astype(np.float32)
 
 
-def continuations(model, ids: np.ndarray, *, seq: int, prompt: int, temperature: float = 0.0, seed: int = 0,
-                  progress: Callable[[int, int], None] | None = None, cache: str | Path | None = None,
-                  backbone: str | None = None) -> np.ndarray:
+def continuations(
+    model,
+    ids: np.ndarray,
+    *,
+    seq: int,
+    prompt: int,
+    temperature: float = 0.0,
+    seed: int = 0,
+    progress: Callable[[int, int], None] | None = None,
+    cache: str | Path | None = None,
+    backbone: str | None = None,
+) -> np.ndarray:
     """The text speculative decoding must predict: every window of ``seq`` tokens keeps its
     first ``prompt`` real tokens and the rest is the backbone's own continuation (greedy,
     or sampled at ``temperature``), decoded by the engine with its KV cache. Returns the
@@ -236,13 +256,22 @@ def continuations(model, ids: np.ndarray, *, seq: int, prompt: int, temperature:
     ids = np.asarray(ids, np.int64)
     n = len(ids) // seq
     prompts = [ids[w * seq : w * seq + prompt] for w in range(n)]
-    return continue_windows(model, prompts, seq=seq, temperature=temperature, seed=seed, progress=progress,
-                            cache=cache, backbone=backbone)
+    return continue_windows(
+        model, prompts, seq=seq, temperature=temperature, seed=seed, progress=progress, cache=cache, backbone=backbone
+    )
 
 
-def continue_windows(model, prompts: list[np.ndarray], *, seq: int, temperature: float = 0.0, seed: int = 0,
-                     progress: Callable[[int, int], None] | None = None, cache: str | Path | None = None,
-                     backbone: str | None = None) -> np.ndarray:
+def continue_windows(
+    model,
+    prompts: list[np.ndarray],
+    *,
+    seq: int,
+    temperature: float = 0.0,
+    seed: int = 0,
+    progress: Callable[[int, int], None] | None = None,
+    cache: str | Path | None = None,
+    backbone: str | None = None,
+) -> np.ndarray:
     """Each prompt (1..seq-1 ids) continued by the backbone to ``seq`` tokens: [n * seq] ids.
 
     Window w samples with its own generator (``seed``, w), so a window's text does not
@@ -257,7 +286,9 @@ def continue_windows(model, prompts: list[np.ndarray], *, seq: int, temperature:
         if not 1 <= len(p) < seq:
             raise CortiqError(f"a window's prompt of {len(p)} tokens does not leave room in --seq {seq}")
     if cache is not None:
-        h = hashlib.sha256(json.dumps([CACHE_VERSION, "continue", backbone, seq, float(temperature), int(seed)]).encode())
+        h = hashlib.sha256(
+            json.dumps([CACHE_VERSION, "continue", backbone, seq, float(temperature), int(seed)]).encode()
+        )
         for p in prompts:
             h.update(np.asarray(p, np.int64).tobytes() + b"|")
         store = FeatureCache(Path(cache), h.hexdigest()[:32], {"windows": ((n, seq), np.int32)})
@@ -321,8 +352,15 @@ def passages(text: str, chars: int = CHAT_PASSAGE_CHARS) -> list[str]:
     return out
 
 
-def chat_prompts(tokenizer, text: str, *, seq: int, limit: int | None = None,
-                 asks: tuple[str, ...] = CHAT_TRAIN_ASKS, chars: int = CHAT_PASSAGE_CHARS) -> list[np.ndarray]:
+def chat_prompts(
+    tokenizer,
+    text: str,
+    *,
+    seq: int,
+    limit: int | None = None,
+    asks: tuple[str, ...] = CHAT_TRAIN_ASKS,
+    chars: int = CHAT_PASSAGE_CHARS,
+) -> list[np.ndarray]:
     """Chat windows' prompts: passage i of the text inside ask i % len(asks), as one user
     turn through the model's chat template with the assistant's turn opened. A prompt
     leaves at least a quarter of the window for the answer: a passage too long for that
@@ -332,8 +370,9 @@ def chat_prompts(tokenizer, text: str, *, seq: int, limit: int | None = None,
     room = seq - max(2, seq // 4)
 
     def render(ask: str, passage: str) -> list[int]:
-        return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": ask.format(p=passage)}]),
-                                add_bos=False)
+        return tokenizer.encode(
+            tokenizer.apply_chat_template([{"role": "user", "content": ask.format(p=passage)}]), add_bos=False
+        )
 
     out: list[np.ndarray] = []
     for i, p in enumerate(passages(text, chars)):

@@ -38,8 +38,10 @@ def check_torch_backbone(runner, backbone, ids: np.ndarray) -> None:
     t = runner.hidden(ids)
     rel = float(np.linalg.norm(e - t) / max(float(np.linalg.norm(e)), 1e-30))
     if not rel <= TORCH_CHECK_TOLERANCE:
-        raise CortiqError(f"--backbone torch does not reproduce the engine on this {backbone.arch.arch} model "
-                          f"(relative difference {rel:.3g} over {len(ids)} tokens): use --backbone engine")
+        raise CortiqError(
+            f"--backbone torch does not reproduce the engine on this {backbone.arch.arch} model "
+            f"(relative difference {rel:.3g} over {len(ids)} tokens): use --backbone engine"
+        )
 
 
 FEATURES_NAME = "features"
@@ -189,8 +191,14 @@ def train_mtp(
             cb.phase("continue")
         # The backbone's own text is decoded token by token (the slow part): resumable
         # from its own folder beside the collected rows.
-        common = dict(seq=cfg.seq, temperature=cfg.self_temperature, seed=cfg.seed, progress=cb.generate,
-                      cache=feature_dir / "continuations", backbone=fingerprint)
+        common = dict(
+            seq=cfg.seq,
+            temperature=cfg.self_temperature,
+            seed=cfg.seed,
+            progress=cb.generate,
+            cache=feature_dir / "continuations",
+            backbone=fingerprint,
+        )
         if cfg.chat:
             limit = cfg.max_tokens // cfg.seq if cfg.max_tokens else None
             if cfg.self_distill:
@@ -214,9 +222,19 @@ def train_mtp(
         check_torch_backbone(runner, backbone, np.asarray(ids[: min(len(ids), cfg.seq, TORCH_CHECK_TOKENS)]))
     else:
         runner = EngineRunner(backbone)
-    feats = collect(runner, ids, seq=cfg.seq, topk=cfg.topk, hidden=cfg.hidden, holdout=cfg.holdout,
-                    min_len=cfg.depths + 2, progress=cb.collect, cache=feature_dir,
-                    dtype=cfg.feature_dtype, backbone=fingerprint)
+    feats = collect(
+        runner,
+        ids,
+        seq=cfg.seq,
+        topk=cfg.topk,
+        hidden=cfg.hidden,
+        holdout=cfg.holdout,
+        min_len=cfg.depths + 2,
+        progress=cb.collect,
+        cache=feature_dir,
+        dtype=cfg.feature_dtype,
+        backbone=fingerprint,
+    )
     collect_s = time.perf_counter() - t0
     del runner  # the f32 backbone copy is not needed for training
 
@@ -233,19 +251,34 @@ def train_mtp(
     res = trainer.run(ckpt if cfg.checkpoint_every else None, cb.step)
 
     result = RunResult(
-        sidecar=out, checkpoint=None, config=cfg, source=source,
-        tokens=len(ids), train_windows=len(feats.train), held_windows=len(held),
-        active_vocab=len(trainer.active), start_step=res.start_step, steps=res.steps_done,
-        losses=res.losses, train_seconds=res.seconds, collect_seconds=collect_s,
-        backbone=backend, threads=backbone.threads,
+        sidecar=out,
+        checkpoint=None,
+        config=cfg,
+        source=source,
+        tokens=len(ids),
+        train_windows=len(feats.train),
+        held_windows=len(held),
+        active_vocab=len(trainer.active),
+        start_step=res.start_step,
+        steps=res.steps_done,
+        losses=res.losses,
+        train_seconds=res.seconds,
+        collect_seconds=collect_s,
+        backbone=backend,
+        threads=backbone.threads,
     )
     if cb.phase:
         cb.phase("evaluate")
     if len(held):
         result.held_torch = trainer.evaluate(held)
     trained = {
-        "text": source, "tokens": len(ids), "train_windows": len(feats.train), "held_windows": len(held),
-        "steps": res.steps_done, "loss": res.last_loss, "config": cfg.to_json(),
+        "text": source,
+        "tokens": len(ids),
+        "train_windows": len(feats.train),
+        "held_windows": len(held),
+        "steps": res.steps_done,
+        "loss": res.last_loss,
+        "config": cfg.to_json(),
         "held_out": result.held_torch.to_json() if result.held_torch else None,
     }
     vocab = None
@@ -261,17 +294,33 @@ def train_mtp(
             v_ids = choose_draft_vocab(ids, draft_vocab, backbone.arch.vocab_size, [*tok.eos_ids, *tok.special_ids()])
             n_tok = len(ids)
         else:
-            v_ids, n_tok = vocab_from_text(backbone.tokenizer, backbone.arch.vocab_size, backbone.tokenizer.eos_ids, text,
-                                           draft_vocab, cfg.max_tokens)
+            v_ids, n_tok = vocab_from_text(
+                backbone.tokenizer,
+                backbone.arch.vocab_size,
+                backbone.tokenizer.eos_ids,
+                text,
+                draft_vocab,
+                cfg.max_tokens,
+            )
         vocab = (v_ids, draft_vocab_record(v_ids, source, n_tok))
-    write_sidecar(out, backbone.header, model_path.name, res.stack.tensors(), quant=quant, hidden=cfg.hidden,
-                  trained=trained, force=force or resume, draft_vocab=vocab)
+    write_sidecar(
+        out,
+        backbone.header,
+        model_path.name,
+        res.stack.tensors(),
+        quant=quant,
+        hidden=cfg.hidden,
+        trained=trained,
+        force=force or resume,
+        draft_vocab=vocab,
+    )
     if len(held):
         from cortiq_train.engine_drafts import engine_drafts, load_draft_layers
 
         layers = load_draft_layers(out, backbone)
-        drafts = engine_drafts(backbone, layers, np.asarray(feats.tokens[held], np.int64),
-                               np.asarray(feats.hidden[held], np.float32))
+        drafts = engine_drafts(
+            backbone, layers, np.asarray(feats.tokens[held], np.int64), np.asarray(feats.hidden[held], np.float32)
+        )
         result.held_tokens = np.asarray(feats.tokens[held], np.int64)
         result.held_greedy = np.asarray(feats.greedy[held], np.int64)
         result.held_engine = Acceptance.from_arrays(drafts, result.held_greedy)

@@ -72,7 +72,9 @@ def missing_checkpoint(path: Path, out: Path) -> CortiqError:
     stem = out.name[: -len(".cmf")] if out.name.endswith(".cmf") else out.name
     legacy = out.with_name(f"{stem}.train.pt")
     hint = f" ({legacy.name} is an old pickle checkpoint, which cortiq never opens)" if legacy.is_file() else ""
-    return CortiqError(f"--resume: no checkpoint at {path}{hint}; a run keeps it when stopped, or with --keep-checkpoint")
+    return CortiqError(
+        f"--resume: no checkpoint at {path}{hint}; a run keeps it when stopped, or with --keep-checkpoint"
+    )
 
 
 @dataclass(frozen=True)
@@ -85,8 +87,10 @@ class CheckpointLayout:
 
     @classmethod
     def of(cls, stack) -> "CheckpointLayout":
-        return cls({k: tuple(v.shape) for k, v in stack.state_dict().items()},
-                   [tuple(p.shape) for p in stack.parameters() if p.requires_grad])
+        return cls(
+            {k: tuple(v.shape) for k, v in stack.state_dict().items()},
+            [tuple(p.shape) for p in stack.parameters() if p.requires_grad],
+        )
 
     def tensors(self, step: int) -> dict[str, tuple[int, ...]]:
         """Every tensor name with its shape; the optimizer holds state once a step ran."""
@@ -120,7 +124,9 @@ def read_checkpoint(path: Path, layout: CheckpointLayout, cfg: TrainConfig, fing
         if meta.get("version") != CHECKPOINT_VERSION:
             raise CortiqError(f"{path}: not an mtp-train checkpoint of version {CHECKPOINT_VERSION}")
         if meta.get("fingerprint") != fingerprint:
-            raise CortiqError(f"{path}: the checkpoint was trained on another backbone (fingerprint {str(meta.get('fingerprint'))[:40]})")
+            raise CortiqError(
+                f"{path}: the checkpoint was trained on another backbone (fingerprint {str(meta.get('fingerprint'))[:40]})"
+            )
         saved_cfg = meta.get("config")
         diffs = cfg.resume_mismatch(saved_cfg if isinstance(saved_cfg, dict) else {})
         if diffs:
@@ -129,22 +135,35 @@ def read_checkpoint(path: Path, layout: CheckpointLayout, cfg: TrainConfig, fing
         if not (isinstance(step, int) and not isinstance(step, bool) and step >= 0):
             raise CortiqError(f"{path}: bad step {str(step)[:20]} in the checkpoint")
         if step > cfg.steps:
-            raise CortiqError(f"{path}: the checkpoint is at step {step}, past --steps {cfg.steps} (the total, a resumed run included)")
-        if not (isinstance(losses, list) and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in losses)):
+            raise CortiqError(
+                f"{path}: the checkpoint is at step {step}, past --steps {cfg.steps} (the total, a resumed run included)"
+            )
+        if not (
+            isinstance(losses, list) and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in losses)
+        ):
             raise CortiqError(f"{path}: bad losses in the checkpoint")
         if len(losses) != step:
             raise CortiqError(f"{path}: the checkpoint is at step {step} but holds {len(losses)} losses")
-        if not (isinstance(groups, list) and len(groups) == 1 and isinstance(groups[0], dict)
-                and groups[0].get("params") == list(range(len(layout.params)))):
-            raise CortiqError(f"{path}: the checkpoint's optimizer settings do not fit the {len(layout.params)} draft parameters")
+        if not (
+            isinstance(groups, list)
+            and len(groups) == 1
+            and isinstance(groups[0], dict)
+            and groups[0].get("params") == list(range(len(layout.params)))
+        ):
+            raise CortiqError(
+                f"{path}: the checkpoint's optimizer settings do not fit the {len(layout.params)} draft parameters"
+            )
         want = layout.tensors(step)
         missing = sorted(set(want) - set(st.entries))
         extra = sorted(set(st.entries) - set(want))
         if missing or extra:
-            first = (f"{missing[0]} is missing" if missing else f"{extra[0][:80]} is not a tensor of these draft layers")
+            first = f"{missing[0]} is missing" if missing else f"{extra[0][:80]} is not a tensor of these draft layers"
             more = len(missing) + len(extra) - 1
-            raise CortiqError(f"{path}: the checkpoint's tensors do not match the draft layers ({first}"
-                              + (f", and {more} more" if more else "") + ")")
+            raise CortiqError(
+                f"{path}: the checkpoint's tensors do not match the draft layers ({first}"
+                + (f", and {more} more" if more else "")
+                + ")"
+            )
         for name, shape in want.items():
             e = st.entries[name]
             if e.shape != shape:
@@ -154,7 +173,9 @@ def read_checkpoint(path: Path, layout: CheckpointLayout, cfg: TrainConfig, fing
         for i in range(len(layout.params) if step else 0):
             n = float(st.raw(f"optim.{i}.step"))
             if n != step:
-                raise CortiqError(f"{path}: the optimizer's counter optim.{i}.step is {n:g}, the checkpoint's step {step}")
+                raise CortiqError(
+                    f"{path}: the optimizer's counter optim.{i}.step is {n:g}, the checkpoint's step {step}"
+                )
         return CheckpointMeta(step, [float(x) for x in losses], groups)
     finally:
         st.close()
@@ -202,11 +223,12 @@ class Trainer:
         # far larger than RAM, read a batch at a time.
         sample = feats.train[:64]
         tr = np.asarray(feats.hidden[np.sort(sample)], np.float64)
-        self.hnorm_scale = float(np.sqrt((tr ** 2).mean(-1)).mean())
+        self.hnorm_scale = float(np.sqrt((tr**2).mean(-1)).mean())
         del tr
         torch.manual_seed(cfg.seed)
-        self.stack = build_stack(backbone, cfg.layers, cfg.intermediate, cfg.init_layer, self.hnorm_scale,
-                                 feats.seq + cfg.depths, cfg.seed)
+        self.stack = build_stack(
+            backbone, cfg.layers, cfg.intermediate, cfg.init_layer, self.hnorm_scale, feats.seq + cfg.depths, cfg.seed
+        )
         self.head = torch.tensor(backbone.head_f32())  # frozen, shared
         self.vocab = self.head.shape[0]
         if cfg.vocab == "active":
@@ -318,7 +340,9 @@ class Trainer:
             logits.append(lg)
             return cand[lg.detach().argmax(-1).numpy()]
 
-        outs = depth_outputs(self.stack, self.embed, tokens, self.hidden_rows(wins), cfg.depths, cfg.chain, cfg.use_ttt, pick)
+        outs = depth_outputs(
+            self.stack, self.embed, tokens, self.hidden_rows(wins), cfg.depths, cfg.chain, cfg.use_ttt, pick
+        )
         total = torch.zeros(())
         agree = []
         for k, y in enumerate(outs):
@@ -366,8 +390,16 @@ class Trainer:
 
         with torch.no_grad():
             for i, w in enumerate(windows):
-                ys = depth_outputs(self.stack, self.embed, np.asarray(f.tokens[w : w + 1], np.int64),
-                                   self.hidden_rows(np.array([w])), cfg.depths, cfg.chain, ttt, pick)
+                ys = depth_outputs(
+                    self.stack,
+                    self.embed,
+                    np.asarray(f.tokens[w : w + 1], np.int64),
+                    self.hidden_rows(np.array([w])),
+                    cfg.depths,
+                    cfg.chain,
+                    ttt,
+                    pick,
+                )
                 for k, y in enumerate(ys):
                     out[k][i, : t - k - 1] = pick(k, y[0])
         return out

@@ -111,7 +111,9 @@ class CalibrationMetrics:
     nll: float
 
     @classmethod
-    def of(cls, conf: np.ndarray, correct: np.ndarray, nll: np.ndarray, n_bins: int = DEFAULT_BINS) -> "CalibrationMetrics":
+    def of(
+        cls, conf: np.ndarray, correct: np.ndarray, nll: np.ndarray, n_bins: int = DEFAULT_BINS
+    ) -> "CalibrationMetrics":
         width = equal_width_bins(conf, correct, n_bins)
         return cls(
             n=int(len(conf)),

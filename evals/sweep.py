@@ -23,7 +23,14 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from evals.perplexity import Comparison, PerplexityAccumulator, PerplexityReport, build_reports
-from evals.reference import ReferenceIdentity, ReferenceRecorder, SavedReference, form_name, text_sha256, tokenizer_fingerprint
+from evals.reference import (
+    ReferenceIdentity,
+    ReferenceRecorder,
+    SavedReference,
+    form_name,
+    text_sha256,
+    tokenizer_fingerprint,
+)
 from evals.scoring import iter_scored, scored_text_bytes
 from evals.tokens import chunk_bos, tokenize_for
 from evals.windows import Window
@@ -162,12 +169,25 @@ def run_sweep(
         if not windows:
             raise CortiqError("nothing to score: the window plan is empty")
         total = sum(w.n_scored for w in windows)
-        ident = ReferenceIdentity(tokenizer_fingerprint(eng.tokenizer, eng.vocab_size), text_sha256(text), int(eng.vocab_size))
-        meta = {"model": {"path": str(src), "label": f"{Path(src).name} (f32)"},
-                "tokenizer": {"fingerprint": ident.tokenizer, "vocab_size": ident.vocab_size},
-                "text": {"sha256": ident.text_sha256, "source": "quant-sweep"},
-                "settings": dict(settings or {}), "tool": "cortiq quant-sweep"}
-        rec = ReferenceRecorder(ref_file, tokens=tokens, windows=windows, vocab_size=int(eng.vocab_size), top_k=top_k, samples=samples, meta=meta)
+        ident = ReferenceIdentity(
+            tokenizer_fingerprint(eng.tokenizer, eng.vocab_size), text_sha256(text), int(eng.vocab_size)
+        )
+        meta = {
+            "model": {"path": str(src), "label": f"{Path(src).name} (f32)"},
+            "tokenizer": {"fingerprint": ident.tokenizer, "vocab_size": ident.vocab_size},
+            "text": {"sha256": ident.text_sha256, "source": "quant-sweep"},
+            "settings": dict(settings or {}),
+            "tool": "cortiq quant-sweep",
+        }
+        rec = ReferenceRecorder(
+            ref_file,
+            tokens=tokens,
+            windows=windows,
+            vocab_size=int(eng.vocab_size),
+            top_k=top_k,
+            samples=samples,
+            meta=meta,
+        )
         say("score", {"type": REFERENCE_TYPE, "tokens": total})
         acc = PerplexityAccumulator(1)
         try:
@@ -194,8 +214,19 @@ def run_sweep(
         if quant == REFERENCE_TYPE:
             params, nbytes = _tensor_totals(ref_rep)
             zero = _self_comparison(ref_report, acc)
-            rows.append(SweepRow(quant, params, nbytes, ref_rep.output_bytes, ref_seconds, ref_report, zero,
-                                 ref_speed.median if ref_speed else None, ref_speed.tok_s if ref_speed else []))
+            rows.append(
+                SweepRow(
+                    quant,
+                    params,
+                    nbytes,
+                    ref_rep.output_bytes,
+                    ref_seconds,
+                    ref_report,
+                    zero,
+                    ref_speed.median if ref_speed else None,
+                    ref_speed.tok_s if ref_speed else [],
+                )
+            )
             say("done", {"type": quant})
             continue
         out = workdir / f"{quant}.cmf"

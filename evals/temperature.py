@@ -44,7 +44,9 @@ class TemperatureGrid:
     divisions: int = DEFAULT_DIVISIONS
 
     @classmethod
-    def make(cls, t_min: float = DEFAULT_T_MIN, t_max: float = DEFAULT_T_MAX, divisions: int = DEFAULT_DIVISIONS) -> "TemperatureGrid":
+    def make(
+        cls, t_min: float = DEFAULT_T_MIN, t_max: float = DEFAULT_T_MAX, divisions: int = DEFAULT_DIVISIONS
+    ) -> "TemperatureGrid":
         if not 0 < t_min < 1 < t_max:
             raise CortiqError(f"the temperature range must satisfy 0 < min < 1 < max (got {t_min}, {t_max})")
         k_lo = max(1, int(math.floor(divisions / t_max + 1e-9)))
@@ -107,6 +109,7 @@ class RowFeatures:
 
 
 # ------------------------------------------------------------------ features
+
 
 def row_features_reference(z: np.ndarray, y: np.ndarray, grid: TemperatureGrid) -> RowFeatures:
     """Plain numpy, one temperature at a time: the oracle for ``row_features``."""
@@ -174,7 +177,9 @@ def row_features(z: np.ndarray, y: np.ndarray, grid: TemperatureGrid) -> RowFeat
     y = np.ascontiguousarray(y, dtype=np.int64)
     if len(y) and (y.min() < 0 or y.max() >= z.shape[1]):
         raise CortiqError(f"target id out of range for a vocabulary of {z.shape[1]}")
-    out = RowFeatures(np.empty(len(y)), np.empty(len(y), np.bool_), np.empty((len(y), grid.n)), np.empty((len(y), grid.n)))
+    out = RowFeatures(
+        np.empty(len(y)), np.empty(len(y), np.bool_), np.empty((len(y), grid.n)), np.empty((len(y), grid.n))
+    )
     if len(y):
         _features_kernel(z, y, grid.k0, grid.step, grid.n, grid.clamp_floor(), out.gap, out.correct, out.L, out.D)
     return out
@@ -182,10 +187,13 @@ def row_features(z: np.ndarray, y: np.ndarray, grid: TemperatureGrid) -> RowFeat
 
 # ------------------------------------------------------------------ interpolation
 
+
 def _hermite(grid: TemperatureGrid, L: np.ndarray, D: np.ndarray, b: float) -> tuple[np.ndarray, np.ndarray]:
     """L(b) and dL/db by cubic Hermite interpolation along the last axis of L, D."""
     if not grid.b0 - 1e-12 <= b <= grid.b_max + 1e-12:
-        raise CortiqError(f"temperature {1 / b:.4g} is outside the fitted grid [{1 / grid.b_max:.4g}, {1 / grid.b0:.4g}]")
+        raise CortiqError(
+            f"temperature {1 / b:.4g} is outside the fitted grid [{1 / grid.b_max:.4g}, {1 / grid.b0:.4g}]"
+        )
     h = grid.step
     k = min(max(int(math.floor((b - grid.b0) / h)), 0), grid.n - 2)
     t = (b - grid.betas[k]) / h

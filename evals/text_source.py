@@ -32,14 +32,27 @@ BUNDLED_NAME = "alice (bundled: Alice's Adventures in Wonderland, public domain)
 # name -> (file, description): real English text of different registers (prose, drama, verse).
 BUNDLED_CORPORA: dict[str, tuple[Path, str]] = {
     "alice": (BUNDLED_TEXT, BUNDLED_NAME),
-    "hamlet": (DATA_DIR / "hamlet.txt", "hamlet (bundled: Shakespeare's Hamlet, Globe text via Project Gutenberg, public domain)"),
-    "sonnets": (DATA_DIR / "sonnets.txt", "sonnets (bundled: Shakespeare's Sonnets via Project Gutenberg, public domain)"),
+    "hamlet": (
+        DATA_DIR / "hamlet.txt",
+        "hamlet (bundled: Shakespeare's Hamlet, Globe text via Project Gutenberg, public domain)",
+    ),
+    "sonnets": (
+        DATA_DIR / "sonnets.txt",
+        "sonnets (bundled: Shakespeare's Sonnets via Project Gutenberg, public domain)",
+    ),
 }
 DOC_SEPARATOR = "\n\n"
 DEFAULT_COLUMN = "text"
 
 _JSONL = (".jsonl", ".ndjson")
-_TABLE_SUFFIXES = {".jsonl": "json", ".ndjson": "json", ".json": "json", ".csv": "csv", ".tsv": "csv", ".parquet": "parquet"}
+_TABLE_SUFFIXES = {
+    ".jsonl": "json",
+    ".ndjson": "json",
+    ".json": "json",
+    ".csv": "csv",
+    ".tsv": "csv",
+    ".parquet": "parquet",
+}
 _BUILDERS = ("json", "csv", "parquet", "text")
 
 
@@ -105,6 +118,7 @@ def downloaded(name: str) -> LoadedText:
 
 
 # ------------------------------------------------------------------ files
+
 
 def _from_file(path: Path, column: str | None) -> LoadedText:
     if not path.exists():
@@ -196,6 +210,7 @@ def _join(values: list[object], source: str) -> LoadedText:
 
 
 # ------------------------------------------------------------------ datasets
+
 
 def _from_dataset(spec: TextSpec) -> LoadedText:
     try:

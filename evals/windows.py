@@ -68,11 +68,23 @@ class WindowSettings:
     chunks: int | None
 
     def to_json(self) -> dict[str, Any]:
-        return {"mode": self.mode, "ctx": self.ctx, "stride": self.stride, "max_tokens": self.max_tokens, "chunks": self.chunks}
+        return {
+            "mode": self.mode,
+            "ctx": self.ctx,
+            "stride": self.stride,
+            "max_tokens": self.max_tokens,
+            "chunks": self.chunks,
+        }
 
 
-def resolve_settings(mode: str | None, ctx: int | None, stride: int | None, max_tokens: int | None, chunks: int | None,
-                     saved: dict[str, Any] | None = None) -> WindowSettings:
+def resolve_settings(
+    mode: str | None,
+    ctx: int | None,
+    stride: int | None,
+    max_tokens: int | None,
+    chunks: int | None,
+    saved: dict[str, Any] | None = None,
+) -> WindowSettings:
     """The window options (``DEFAULT_MODE``, ``DEFAULT_CTX`` when not given); with a saved
     reference's settings, those not given are the reference's."""
     saved = saved or {}
@@ -136,8 +148,9 @@ def sliding_windows(n_tokens: int, ctx: int, stride: int | None = None, max_scor
     return out
 
 
-def chunk_windows(n_tokens: int, ctx: int, bos: int | None = None, max_scored: int | None = None,
-                  max_chunks: int | None = None) -> list[Window]:
+def chunk_windows(
+    n_tokens: int, ctx: int, bos: int | None = None, max_scored: int | None = None, max_chunks: int | None = None
+) -> list[Window]:
     """llama.cpp's chunks: ``n_tokens // ctx`` windows, second half of each scored."""
     if ctx < 4:
         raise CortiqError(f"--ctx must be at least 4 in chunk mode (got {ctx})")

@@ -159,7 +159,13 @@ class ArchConfig:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "ArchConfig":
         d = dict(d)
-        nested = {"moe": MoeConfig, "linear_attn": LinearAttnConfig, "sliding": SlidingConfig, "mtp": MtpConfig, "mla": MlaConfig}
+        nested = {
+            "moe": MoeConfig,
+            "linear_attn": LinearAttnConfig,
+            "sliding": SlidingConfig,
+            "mtp": MtpConfig,
+            "mla": MlaConfig,
+        }
         for key, typ in nested.items():
             if d.get(key) is not None:
                 d[key] = typ(**d[key])

@@ -16,7 +16,17 @@ import math
 from dataclasses import fields, is_dataclass
 from typing import Any
 
-from formats.arch import LAYER_FULL, LAYER_LINEAR, LAYER_SLIDING, ArchConfig, LinearAttnConfig, MlaConfig, MoeConfig, MtpConfig, SlidingConfig
+from formats.arch import (
+    LAYER_FULL,
+    LAYER_LINEAR,
+    LAYER_SLIDING,
+    ArchConfig,
+    LinearAttnConfig,
+    MlaConfig,
+    MoeConfig,
+    MtpConfig,
+    SlidingConfig,
+)
 from formats.errors import CortiqError
 from formats.manifest import ArchFamily, Families, check_manifest, mtp_layer_indices
 
@@ -27,7 +37,13 @@ MAX_LAYERS = 4096
 MAX_POSITIONS = 1 << 26
 MAX_EXPERTS = 4096
 _LAYER_KINDS = (LAYER_FULL, LAYER_SLIDING, LAYER_LINEAR)
-_NESTED = {"MoeConfig": MoeConfig, "LinearAttnConfig": LinearAttnConfig, "SlidingConfig": SlidingConfig, "MtpConfig": MtpConfig, "MlaConfig": MlaConfig}
+_NESTED = {
+    "MoeConfig": MoeConfig,
+    "LinearAttnConfig": LinearAttnConfig,
+    "SlidingConfig": SlidingConfig,
+    "MtpConfig": MtpConfig,
+    "MlaConfig": MlaConfig,
+}
 
 
 def _type_ok(value: Any, ann: str) -> bool:
@@ -98,7 +114,15 @@ def validate_arch(arch: ArchConfig, where: str = "arch", activations: tuple[str,
     ``activations``: the ones its family computes (None: not checked here)."""
     _check_types(arch, where)
     w = where
-    for name in ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "v_head_dim", "intermediate_size", "vocab_size"):
+    for name in (
+        "hidden_size",
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+        "v_head_dim",
+        "intermediate_size",
+        "vocab_size",
+    ):
         _int_range(w, name, getattr(arch, name), 1, MAX_DIM)
     _int_range(w, "num_layers", arch.num_layers, 1, MAX_LAYERS)
     _int_range(w, "max_position_embeddings", arch.max_position_embeddings, 1, MAX_POSITIONS)
@@ -132,7 +156,9 @@ def validate_arch(arch: ArchConfig, where: str = "arch", activations: tuple[str,
         for name in ("num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim", "conv_kernel"):
             _int_range(f"{w}.linear_attn", name, getattr(la, name), 1, MAX_DIM)
         if la.num_value_heads % la.num_key_heads:
-            raise CortiqError(f"{w}.linear_attn: num_key_heads={la.num_key_heads} does not divide num_value_heads={la.num_value_heads}")
+            raise CortiqError(
+                f"{w}.linear_attn: num_key_heads={la.num_key_heads} does not divide num_value_heads={la.num_value_heads}"
+            )
     if arch.sliding is not None:
         s, ws = arch.sliding, f"{w}.sliding"
         for name in ("num_heads", "num_kv_heads", "head_dim", "v_head_dim"):
@@ -143,17 +169,27 @@ def validate_arch(arch: ArchConfig, where: str = "arch", activations: tuple[str,
         _theta(ws, "rope_theta", s.rope_theta)
     if arch.mtp is not None:
         _int_range(f"{w}.mtp", "num_layers", arch.mtp.num_layers, 0, 64)
-        if not (0 < len(arch.mtp.style) <= 32 and arch.mtp.style.replace("_", "").isalnum() and arch.mtp.style.isascii()):
+        if not (
+            0 < len(arch.mtp.style) <= 32 and arch.mtp.style.replace("_", "").isalnum() and arch.mtp.style.isascii()
+        ):
             raise CortiqError(f"{w}.mtp.style is {_show(arch.mtp.style)}, expected a short identifier")
     for name in ("embedding_scale", "residual_scale", "logits_scaling"):
         _positive(w, name, getattr(arch, name))
-    for name in ("attention_scale", "query_pre_attn_scalar", "final_logit_softcapping", "attn_logit_softcapping", "rope_local_theta"):
+    for name in (
+        "attention_scale",
+        "query_pre_attn_scalar",
+        "final_logit_softcapping",
+        "attn_logit_softcapping",
+        "rope_local_theta",
+    ):
         v = getattr(arch, name)
         if not (math.isfinite(v) and v >= 0):
             raise CortiqError(f"{w}.{name} is {v}, expected a finite number >= 0")
     bad = [i for i in arch.no_rope_layers if not 0 <= i < arch.num_layers]
     if bad or len(set(arch.no_rope_layers)) != len(arch.no_rope_layers):
-        raise CortiqError(f"{w}.no_rope_layers {_show(arch.no_rope_layers)} is not a set of layer indices 0..{arch.num_layers - 1}")
+        raise CortiqError(
+            f"{w}.no_rope_layers {_show(arch.no_rope_layers)} is not a set of layer indices 0..{arch.num_layers - 1}"
+        )
     if arch.mla is not None:
         m, wm = arch.mla, f"{w}.mla"
         _int_range(wm, "q_lora_rank", m.q_lora_rank, 0, MAX_DIM)
@@ -165,8 +201,17 @@ def validate_arch(arch: ArchConfig, where: str = "arch", activations: tuple[str,
 
 
 _ROPE_TYPES = ("linear", "llama3", "yarn", "longrope", "dynamic")
-_ROPE_NUMBERS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings", "beta_fast",
-                 "beta_slow", "mscale", "mscale_all_dim", "attention_factor")
+_ROPE_NUMBERS = (
+    "factor",
+    "low_freq_factor",
+    "high_freq_factor",
+    "original_max_position_embeddings",
+    "beta_fast",
+    "beta_slow",
+    "mscale",
+    "mscale_all_dim",
+    "attention_factor",
+)
 _ROPE_NEEDS_ORIGINAL = ("yarn", "longrope")
 
 

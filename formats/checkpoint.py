@@ -23,7 +23,13 @@ from formats.untrusted_json import read_object, read_text
 from formats.quants import bf16_to_f32
 from formats.safetensors_reader import SafetensorsFile
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json", "chat_template.jinja")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "generation_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
 
 
 class Checkpoint(Protocol):
@@ -128,9 +134,7 @@ def _resolve_hub(repo_id: str) -> Path:
     except ImportError:  # pragma: no cover - a declared dependency
         raise CortiqError("huggingface_hub is not installed; pass a local checkpoint folder") from None
     try:
-        return Path(
-            snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.jinja", "tokenizer*"])
-        )
+        return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.jinja", "tokenizer*"]))
     except Exception as e:  # network errors, missing repos, offline mode: one line for the user
         kind = type(e).__name__
         if kind in ("LocalEntryNotFoundError", "OfflineModeIsEnabled") or "connect" in str(e).lower():
@@ -140,7 +144,9 @@ def _resolve_hub(repo_id: str) -> Path:
         else:
             lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
             reason = f"{kind}: {lines[0] if lines else 'no details'}"
-        raise CortiqError(f"{repo_id!r} is not a local folder and could not be fetched from the hub: {reason}") from None
+        raise CortiqError(
+            f"{repo_id!r} is not a local folder and could not be fetched from the hub: {reason}"
+        ) from None
 
 
 def looks_like_repo_id(src: str) -> bool:
@@ -157,7 +163,9 @@ def open_checkpoint(src: str | os.PathLike) -> HFCheckpoint:
         else:
             raise CortiqError(f"{src}: no such checkpoint folder")
     if not root.is_dir():
-        raise CortiqError(f"{src}: not a checkpoint folder (expected a folder with config.json, a hub repo id, or a .gguf file)")
+        raise CortiqError(
+            f"{src}: not a checkpoint folder (expected a folder with config.json, a hub repo id, or a .gguf file)"
+        )
     cfg_path = root / "config.json"
     if not cfg_path.is_file():
         raise CortiqError(f"{root}: missing config.json")

@@ -97,8 +97,17 @@ class Preamble:
 
     def pack(self) -> bytes:
         return struct.pack(
-            _PREAMBLE_FMT, MAGIC, self.major, self.minor, 0, self.header_offset, self.header_length,
-            self.data_offset, self.dir_offset, self.dir_length, 0,
+            _PREAMBLE_FMT,
+            MAGIC,
+            self.major,
+            self.minor,
+            0,
+            self.header_offset,
+            self.header_length,
+            self.data_offset,
+            self.dir_offset,
+            self.dir_length,
+            0,
         )
 
 
@@ -188,7 +197,9 @@ class CmfWriter(Staged):
                 crc = zlib.crc32(raw, crc)
                 n += raw.nbytes
             if n != spec.nbytes:
-                raise AssertionError(f"{name}: part {spec.name} has {n} bytes, {dtype}{list(shape)} needs {spec.nbytes}")
+                raise AssertionError(
+                    f"{name}: part {spec.name} has {n} bytes, {dtype}{list(shape)} needs {spec.nbytes}"
+                )
             if i < len(layout) - 1:  # parts after the first start aligned too
                 pad = _ZEROS[: align_up(n) - n]
                 self._f.write(pad)
@@ -243,12 +254,13 @@ class CmfWriter(Staged):
         self._tmp.unlink(missing_ok=True)
 
 
-
 def read_preamble(path: Path, f, size: int) -> Preamble:
     """Parse and sanity-check the fixed 64 bytes; every failure is a one-line CortiqError."""
     if size < PREAMBLE:
         raise CortiqError(f"{path}: not a CMF file (only {size} bytes)")
-    magic, major, minor, flags, hoff, hlen, data_off, dir_off, dir_len, _ = struct.unpack(_PREAMBLE_FMT, f.read(PREAMBLE))
+    magic, major, minor, flags, hoff, hlen, data_off, dir_off, dir_len, _ = struct.unpack(
+        _PREAMBLE_FMT, f.read(PREAMBLE)
+    )
     if magic != MAGIC:
         raise CortiqError(f"{path}: not a CMF file (magic {magic!r}, expected {MAGIC!r})")
     if major > FORMAT_VERSION:
@@ -264,7 +276,9 @@ def read_preamble(path: Path, f, size: int) -> Preamble:
     if flags:
         raise CortiqError(f"{path}: unknown CMF flags {flags:#x} (corrupt file)")
     if hlen > MAX_HEADER or dir_len > MAX_DIRECTORY:
-        raise CortiqError(f"{path}: CMF header ({hlen} bytes) or directory ({dir_len} bytes) exceeds its limit (corrupt file)")
+        raise CortiqError(
+            f"{path}: CMF header ({hlen} bytes) or directory ({dir_len} bytes) exceeds its limit (corrupt file)"
+        )
     if hoff != PREAMBLE or hoff + hlen > data_off or data_off % ALIGN or dir_off < data_off:
         raise CortiqError(f"{path}: corrupt CMF preamble")
     if data_off > size or dir_off + dir_len > size:
@@ -316,7 +330,9 @@ class CmfFile:
             dir_json = f.read(pre.dir_length)
         (stored,) = struct.unpack("<Q", raw_pre[56:64])
         if stored != _checksum(raw_pre[:56], hjson, dir_json):
-            raise CortiqError(f"{self.path}: CMF header checksum mismatch (the header or directory was changed or is corrupt)")
+            raise CortiqError(
+                f"{self.path}: CMF header checksum mismatch (the header or directory was changed or is corrupt)"
+            )
         header = untrusted_loads(hjson, f"{self.path} (header)", max_bytes=MAX_HEADER)
         entries = untrusted_loads(dir_json, f"{self.path} (directory)", max_bytes=MAX_DIRECTORY)
         if not isinstance(header, dict) or not isinstance(entries, list):
@@ -335,11 +351,15 @@ class CmfFile:
             if info.name in self.tensors:
                 raise CortiqError(f"{self.path}: tensor {info.name} appears twice in the directory")
             if info.offset < pre.data_offset or info.offset + info.nbytes > pre.dir_offset:
-                raise CortiqError(f"{self.path}: tensor {info.name} lies past the end of the data (truncated or corrupt file)")
+                raise CortiqError(
+                    f"{self.path}: tensor {info.name} lies past the end of the data (truncated or corrupt file)"
+                )
             if info.offset % ALIGN:
                 raise CortiqError(f"{self.path}: tensor {info.name} is not {ALIGN}-byte aligned (corrupt file)")
             if info.nbytes != dt.nbytes(info.shape):
-                raise CortiqError(f"{self.path}: tensor {info.name} has {info.nbytes} bytes, its shape needs {dt.nbytes(info.shape)}")
+                raise CortiqError(
+                    f"{self.path}: tensor {info.name} has {info.nbytes} bytes, its shape needs {dt.nbytes(info.shape)}"
+                )
             self.tensors[info.name] = info
         spans = sorted((t.offset, t.offset + t.nbytes, t.name) for t in self.tensors.values())
         for (_, end, a), (start, _, b) in zip(spans, spans[1:]):

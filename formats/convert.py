@@ -49,8 +49,16 @@ from formats.sidecar import ROLE_MODEL, ROLE_SIDECAR, backbone_identity, check_s
 from formats.tokenizer_header import TOKENIZER_TENSOR, tokenizer_header
 
 __all__ = [
-    "CONVERTER_VERSION", "TOKENIZER_TENSOR", "MTP_MODES", "QuantPolicy", "ConvertReport", "DtypeStats",
-    "convert_checkpoint", "sidecar_path", "check_sidecar", "fingerprint",
+    "CONVERTER_VERSION",
+    "TOKENIZER_TENSOR",
+    "MTP_MODES",
+    "QuantPolicy",
+    "ConvertReport",
+    "DtypeStats",
+    "convert_checkpoint",
+    "sidecar_path",
+    "check_sidecar",
+    "fingerprint",
 ]
 
 CONVERTER_VERSION = "0.1.0"
@@ -133,14 +141,21 @@ class ConvertReport:
                 for k, v in self.by_dtype.items()
             },
             "tensors": [
-                {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "bytes": t.nbytes,
-                 "rms_rel_error": t.rms_rel_error, "file": t.file}
+                {
+                    "name": t.name,
+                    "dtype": t.dtype,
+                    "shape": list(t.shape),
+                    "bytes": t.nbytes,
+                    "rms_rel_error": t.rms_rel_error,
+                    "file": t.file,
+                }
                 for t in self.tensors
             ],
         }
 
 
 # ------------------------------------------------------------------ plan
+
 
 @dataclass(frozen=True)
 class PlannedTensor:
@@ -200,6 +215,7 @@ def fingerprint(ck, plan: list[PlannedTensor]) -> str:
 
 # ------------------------------------------------------------------ convert
 
+
 def convert_checkpoint(
     src: str | Path,
     out: str | Path,
@@ -225,8 +241,11 @@ def convert_checkpoint(
 
     if mtp not in MTP_MODES:
         raise CortiqError(f"unknown --mtp {mtp!r}; choose one of {', '.join(MTP_MODES)}")
-    policy = QuantPolicy(KEEP_FALLBACK if quant == KEEP else quant, keep or [],
-                         imatrix=read_imatrix(imatrix) if imatrix is not None else None)
+    policy = QuantPolicy(
+        KEEP_FALLBACK if quant == KEEP else quant,
+        keep or [],
+        imatrix=read_imatrix(imatrix) if imatrix is not None else None,
+    )
     policy_keep_source = quant == KEEP
     out = Path(out)
     _check_output(out, force, Path(src))
@@ -237,15 +256,29 @@ def convert_checkpoint(
         return _convert_gguf(src_path, out, families, policy, mtp, force, progress, policy_keep_source, allow_nonfinite)
     ck = open_checkpoint(src)
     try:
-        return _convert(ck, out, families, policy, mtp, force, progress, source_format="safetensors", keep_source=policy_keep_source,
-                        allow_nonfinite=allow_nonfinite)
+        return _convert(
+            ck,
+            out,
+            families,
+            policy,
+            mtp,
+            force,
+            progress,
+            source_format="safetensors",
+            keep_source=policy_keep_source,
+            allow_nonfinite=allow_nonfinite,
+        )
     finally:
         ck.close()
 
 
 def _check_output(out: Path, force: bool, src: Path) -> None:
-    if _same_file(out, src) or (src.is_dir() and _same_file(out.parent, src) and (src / out.name).is_file()
-                                and out.name.endswith((".json", ".safetensors"))):
+    if _same_file(out, src) or (
+        src.is_dir()
+        and _same_file(out.parent, src)
+        and (src / out.name).is_file()
+        and out.name.endswith((".json", ".safetensors"))
+    ):
         raise CortiqError(f"{out} is the source itself; choose another output file")
     if out.is_dir():
         raise CortiqError(f"{out} is a folder; give a file name such as model.cmf")
@@ -280,7 +313,14 @@ def _is_cmf(path: Path) -> bool:
 
 
 def _convert_gguf(
-    path: Path, out: Path, families: Families, policy: QuantPolicy, mtp: str, force: bool, progress: ProgressFn | None, keep_source: bool = False,
+    path: Path,
+    out: Path,
+    families: Families,
+    policy: QuantPolicy,
+    mtp: str,
+    force: bool,
+    progress: ProgressFn | None,
+    keep_source: bool = False,
     allow_nonfinite: bool = False,
 ) -> ConvertReport:
     """GGUF -> CMF, tensor by tensor: each is dequantized from the map in row slices as
@@ -293,14 +333,30 @@ def _convert_gguf(
     ck, blocks = open_gguf_checkpoint(path, families)
     _trim_heap()  # what building the tokenizer freed, before the converter parses it again
     try:
-        return _convert(ck, out, families, policy, mtp, force, progress, source_format="gguf", blocks=blocks, keep_source=keep_source,
-                        allow_nonfinite=allow_nonfinite)
+        return _convert(
+            ck,
+            out,
+            families,
+            policy,
+            mtp,
+            force,
+            progress,
+            source_format="gguf",
+            blocks=blocks,
+            keep_source=keep_source,
+            allow_nonfinite=allow_nonfinite,
+        )
     finally:
         ck.close()
 
 
 def _convert_cmf(
-    path: Path, out: Path, policy: QuantPolicy, keep_source: bool, force: bool, progress: ProgressFn | None,
+    path: Path,
+    out: Path,
+    policy: QuantPolicy,
+    keep_source: bool,
+    force: bool,
+    progress: ProgressFn | None,
     allow_nonfinite: bool = False,
 ) -> ConvertReport:
     """CMF -> CMF with new dtypes (the ``llama-quantize`` workflow): tensors whose dtype
@@ -314,7 +370,9 @@ def _convert_cmf(
             raise CortiqError(f"{path}: not a model file (role {header.get('role')!r}); convert its model instead")
         mtp = header.get("mtp") or {}
         if mtp.get("location") == "sidecar":
-            raise CortiqError(f"{path}: re-quantizing a model with an MTP sidecar is not supported yet; convert the original checkpoint")
+            raise CortiqError(
+                f"{path}: re-quantizing a model with an MTP sidecar is not supported yet; convert the original checkpoint"
+            )
         arch = ArchConfig.from_json(header["arch"])
         policy = replace(policy, layers=arch.num_layers)  # the mixed presets pick layers
         total = sum(src.info(n).nbytes for n in src.names())
@@ -324,9 +382,16 @@ def _convert_cmf(
         fallbacks: list[str] = []
         used_keep: set[str] = set()
         copied: list[str] = []
-        header["quant"] = {"default": KEEP if keep_source else policy.quant, "keep": [f"{p}={d}" for p, d in policy.keep]}
-        header["source"] = {**(header.get("source") or {}), "path": str(path.resolve()), "format": "cmf",
-                            "from": header.get("source")}
+        header["quant"] = {
+            "default": KEEP if keep_source else policy.quant,
+            "keep": [f"{p}={d}" for p, d in policy.keep],
+        }
+        header["source"] = {
+            **(header.get("source") or {}),
+            "path": str(path.resolve()),
+            "format": "cmf",
+            "from": header.get("source"),
+        }
         header["converter"] = {"name": "cortiq", "version": CONVERTER_VERSION}
         w = CmfWriter(out, header, force=force)
         try:
@@ -349,10 +414,21 @@ def _convert_cmf(
                     parts = src.tensor_parts(name)
                     if not allow_nonfinite:
                         check_finite_parts(name, parts)
-                    new = w.add_encoded(name, dtype, info.shape, [parts[sp.name] for sp in get_dtype(dtype).parts(info.shape)])
+                    new = w.add_encoded(
+                        name, dtype, info.shape, [parts[sp.name] for sp in get_dtype(dtype).parts(info.shape)]
+                    )
                     copied.append(name)
                 else:
-                    new = _reencode(src, name, info, dtype, w, err, policy.importance(name, rows_cols(info.shape)[1]), allow_nonfinite)
+                    new = _reencode(
+                        src,
+                        name,
+                        info,
+                        dtype,
+                        w,
+                        err,
+                        policy.importance(name, rows_cols(info.shape)[1]),
+                        allow_nonfinite,
+                    )
                 done += info.nbytes
                 if progress:
                     progress(name, done, total)
@@ -373,14 +449,32 @@ def _convert_cmf(
     finally:
         src.close()
     return ConvertReport(
-        output=out, sidecar=None, arch=arch, by_dtype=stats, source_bytes=done, output_bytes=out.stat().st_size,
-        seconds=time.perf_counter() - t0, mtp_tensors=0, fallbacks=fallbacks, source=str(path.resolve()),
-        tensors=reports, unused_keep=[f"{p}={d}" for p, d in policy.keep if p not in used_keep], block_copied=copied,
+        output=out,
+        sidecar=None,
+        arch=arch,
+        by_dtype=stats,
+        source_bytes=done,
+        output_bytes=out.stat().st_size,
+        seconds=time.perf_counter() - t0,
+        mtp_tensors=0,
+        fallbacks=fallbacks,
+        source=str(path.resolve()),
+        tensors=reports,
+        unused_keep=[f"{p}={d}" for p, d in policy.keep if p not in used_keep],
+        block_copied=copied,
     )
 
 
-def _reencode(src: CmfFile, name: str, info, dtype: str, w: CmfWriter, err: list[float], importance=None,
-              allow_nonfinite: bool = False):
+def _reencode(
+    src: CmfFile,
+    name: str,
+    info,
+    dtype: str,
+    w: CmfWriter,
+    err: list[float],
+    importance=None,
+    allow_nonfinite: bool = False,
+):
     """Decode ``name`` to f32 in row slices and encode it as ``dtype`` into ``w``;
     ``err`` gets (sum of squared errors, sum of squared values) against the decoded source."""
     sdt, dt = get_dtype(info.dtype), get_dtype(dtype)
@@ -442,8 +536,14 @@ class _Streamer:
     """Encodes one planned tensor slice by slice into a writer, keeping the stats."""
 
     def __init__(
-        self, ck, policy: QuantPolicy, total: int, progress: ProgressFn | None,
-        blocks: dict[str, Any] | None = None, keep_source: bool = False, allow_nonfinite: bool = False,
+        self,
+        ck,
+        policy: QuantPolicy,
+        total: int,
+        progress: ProgressFn | None,
+        blocks: dict[str, Any] | None = None,
+        keep_source: bool = False,
+        allow_nonfinite: bool = False,
     ):
         self.ck, self.policy, self.total, self.progress = ck, policy, total, progress
         self.allow_nonfinite = allow_nonfinite
@@ -560,8 +660,17 @@ def ggml_block_parts(b, shape: tuple[int, ...]) -> list[np.ndarray]:
 
 
 def _convert(
-    ck, out: Path, families: Families, policy: QuantPolicy, mtp_mode: str, force: bool, progress: ProgressFn | None, source_format: str,
-    blocks: dict[str, Any] | None = None, keep_source: bool = False, allow_nonfinite: bool = False,
+    ck,
+    out: Path,
+    families: Families,
+    policy: QuantPolicy,
+    mtp_mode: str,
+    force: bool,
+    progress: ProgressFn | None,
+    source_format: str,
+    blocks: dict[str, Any] | None = None,
+    keep_source: bool = False,
+    allow_nonfinite: bool = False,
 ) -> ConvertReport:
     t0 = time.perf_counter()
     family, arch = arch_from_config(families, ck.config)
@@ -603,7 +712,9 @@ def _convert(
     main_plan = [p for p in plan if not p.mtp or mtp_mode == "inline"]
     side_plan = mtp_plan if side else []
     total = sum(int(np.prod(p.shape)) * _ST_ITEMSIZE[ck.source_dtype(p.source)] for p in main_plan + side_plan)
-    streamer = _Streamer(ck, policy, total, progress, blocks=blocks, keep_source=keep_source, allow_nonfinite=allow_nonfinite)
+    streamer = _Streamer(
+        ck, policy, total, progress, blocks=blocks, keep_source=keep_source, allow_nonfinite=allow_nonfinite
+    )
 
     main_w = CmfWriter(out, header, force=force)
     side_w: CmfWriter | None = None

@@ -68,19 +68,33 @@ _CRC_STEP = 64 << 20  # bytes per CRC read: bounded memory for multi-GB full ref
 _LOGP_SLACK = 1e-4
 
 ARRAYS = ("tokens", "windows", "nll", "top1", "top_ids", "top_logp", "tail_logp", "sample_ids", "sample_logp", "logp")
-DTYPES = {"tokens": "int32", "windows": "int64", "nll": "float64", "top1": "int32",
-          "top_ids": "int32", "top_logp": "float32", "tail_logp": "float32",
-          "sample_ids": "int32", "sample_logp": "float32", "logp": "float32"}
+DTYPES = {
+    "tokens": "int32",
+    "windows": "int64",
+    "nll": "float64",
+    "top1": "int32",
+    "top_ids": "int32",
+    "top_logp": "float32",
+    "tail_logp": "float32",
+    "sample_ids": "int32",
+    "sample_logp": "float32",
+    "logp": "float32",
+}
 
 
 def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def shapes(rows: int, vocab: int, top_k: int, text_tokens: int, windows: int, samples: int = 0) -> dict[str, tuple[int, ...]]:
+def shapes(
+    rows: int, vocab: int, top_k: int, text_tokens: int, windows: int, samples: int = 0
+) -> dict[str, tuple[int, ...]]:
     """Every array's shape; ``top_k`` 0 means the full form; ``samples`` tail samples per row (compact form)."""
     out: dict[str, tuple[int, ...]] = {
-        "tokens": (text_tokens,), "windows": (windows, 5), "nll": (rows,), "top1": (rows,),
+        "tokens": (text_tokens,),
+        "windows": (windows, 5),
+        "nll": (rows,),
+        "top1": (rows,),
     }
     if top_k:
         out.update(top_ids=(rows, top_k), top_logp=(rows, top_k), tail_logp=(rows,))
@@ -108,8 +122,19 @@ class CrefWriter(Staged):
     with ``write_rows``, then ``commit`` (or ``abort``). A context manager commits on a
     clean exit and aborts on an exception (Ctrl-C included)."""
 
-    def __init__(self, path: str | os.PathLike, *, rows: int, vocab: int, top_k: int,
-                 tokens: np.ndarray, windows: np.ndarray, meta: dict[str, Any], samples: int = 0, force: bool = True):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        rows: int,
+        vocab: int,
+        top_k: int,
+        tokens: np.ndarray,
+        windows: np.ndarray,
+        meta: dict[str, Any],
+        samples: int = 0,
+        force: bool = True,
+    ):
         self.path = Path(path)
         refuse_special(self.path)
         if self.path.is_dir():
@@ -169,14 +194,24 @@ class CrefWriter(Staged):
         self._map.flush()
         entries = {}
         for name, shape in self.shapes.items():
-            entries[name] = {"dtype": DTYPES[name], "shape": list(shape), "offset": self.offsets[name],
-                             "nbytes": _nbytes(name, shape), "crc32": _crc_of(self.view(name))}
+            entries[name] = {
+                "dtype": DTYPES[name],
+                "shape": list(shape),
+                "offset": self.offsets[name],
+                "nbytes": _nbytes(name, shape),
+                "crc32": _crc_of(self.view(name)),
+            }
         del self._map
         header = {
-            "format": "cortiq-ref", "rows": self.rows, "vocab_size": self.vocab, "top_k": self.top_k,
+            "format": "cortiq-ref",
+            "rows": self.rows,
+            "vocab_size": self.vocab,
+            "top_k": self.top_k,
             "tail_samples": self.samples,
-            "text_tokens": self.shapes["tokens"][0], "windows": self.shapes["windows"][0],
-            "arrays": entries, "meta": self.meta,
+            "text_tokens": self.shapes["tokens"][0],
+            "windows": self.shapes["windows"][0],
+            "arrays": entries,
+            "meta": self.meta,
         }
         hjson = json.dumps(header, sort_keys=True).encode("utf-8")
         head = struct.pack("<8sHHIQQ", MAGIC, VERSION, MINOR, 0, self._end, len(hjson))
@@ -199,10 +234,11 @@ class CrefWriter(Staged):
         self._held.release()
 
 
-
 def _int(v: Any, what: str, path: Path, lo: int = 0, hi: int = MAX_DIM) -> int:
     if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
-        raise CortiqError(f"{path}: header {what} is {str(v)[:40]!r}, expected an integer in [{lo}, {hi}] (corrupt reference file)")
+        raise CortiqError(
+            f"{path}: header {what} is {str(v)[:40]!r}, expected an integer in [{lo}, {hi}] (corrupt reference file)"
+        )
     return v
 
 
@@ -234,7 +270,9 @@ class CrefFile:
                 if flags:
                     raise CortiqError(f"{p}: unknown reference flags {flags:#x} (corrupt file)")
                 if hlen > MAX_HEADER or hoff < PREAMBLE or hoff + hlen != size:
-                    raise CortiqError(f"{p}: corrupt or truncated reference file (header at {hoff}+{hlen}, file {size} bytes)")
+                    raise CortiqError(
+                        f"{p}: corrupt or truncated reference file (header at {hoff}+{hlen}, file {size} bytes)"
+                    )
                 f.seek(hoff)
                 hjson = f.read(hlen)
         except IsADirectoryError:
@@ -261,14 +299,18 @@ class CrefFile:
         want = shapes(self.rows, self.vocab_size, self.top_k, n_tok, n_win, self.samples)
         arrays = h.get("arrays")
         if not isinstance(arrays, dict) or set(arrays) != set(want):
-            raise CortiqError(f"{p}: header arrays are {sorted(arrays) if isinstance(arrays, dict) else arrays!r:.80}, expected {sorted(want)}")
+            raise CortiqError(
+                f"{p}: header arrays are {sorted(arrays) if isinstance(arrays, dict) else arrays!r:.80}, expected {sorted(want)}"
+            )
         self._map = np.memmap(p, dtype=np.uint8, mode="r", shape=(hoff,)) if hoff else None
         self._views: dict[str, np.ndarray] = {}
         spans = []
         for name, shape in want.items():
             e = arrays[name]
             if not isinstance(e, dict) or e.get("dtype") != DTYPES[name] or e.get("shape") != list(shape):
-                raise CortiqError(f"{p}: array {name} is {str(e)[:80]}, expected {DTYPES[name]} {list(shape)} (corrupt reference file)")
+                raise CortiqError(
+                    f"{p}: array {name} is {str(e)[:80]}, expected {DTYPES[name]} {list(shape)} (corrupt reference file)"
+                )
             off = _int(e.get("offset"), f"{name}.offset", p, PREAMBLE, hoff)
             nb = _int(e.get("nbytes"), f"{name}.nbytes", p, 0, hoff)
             if nb != _nbytes(name, shape) or off % ALIGN or off + nb > hoff:
@@ -284,18 +326,24 @@ class CrefFile:
                 raise CortiqError(f"{p}: arrays {n0} and {n1} overlap (corrupt reference file)")
         self.tokens = np.asarray(self._views["tokens"], dtype=np.int64)
         if self.tokens.min() < 0 or self.tokens.max() >= self.vocab_size:
-            raise CortiqError(f"{p}: a token id is outside the vocabulary of {self.vocab_size} (corrupt reference file)")
+            raise CortiqError(
+                f"{p}: a token id is outside the vocabulary of {self.vocab_size} (corrupt reference file)"
+            )
         self.windows = self._check_windows(np.asarray(self._views["windows"]), n_tok)
 
     def _check_windows(self, w: np.ndarray, n_tok: int) -> list[CrefWindow]:
         out, rows = [], 0
         for i, (b, e, rf, rt, bos) in enumerate(w.tolist()):
             if not (0 <= b < e <= n_tok and 0 <= rf < rt <= e - b - 1 and -1 <= bos < self.vocab_size):
-                raise CortiqError(f"{self.path}: window {i} ({b}, {e}, {rf}, {rt}) does not fit {n_tok} tokens (corrupt reference file)")
+                raise CortiqError(
+                    f"{self.path}: window {i} ({b}, {e}, {rf}, {rt}) does not fit {n_tok} tokens (corrupt reference file)"
+                )
             out.append(CrefWindow(b, e, rf, rt, None if bos < 0 else bos))
             rows += rt - rf
         if rows != self.rows:
-            raise CortiqError(f"{self.path}: the windows score {rows} tokens, the file holds {self.rows} rows (corrupt reference file)")
+            raise CortiqError(
+                f"{self.path}: the windows score {rows} tokens, the file holds {self.rows} rows (corrupt reference file)"
+            )
         return out
 
     def block(self, a: int, b: int) -> dict[str, np.ndarray]:
@@ -315,10 +363,15 @@ class CrefFile:
                 bad = "top_logp"
             elif np.any(np.isnan(tail)) or np.any(tail == np.inf) or tail.max(initial=-1) > _LOGP_SLACK:
                 bad = "tail_logp"
-            elif self.samples and (out["sample_ids"].min(initial=0) < 0 or out["sample_ids"].max(initial=0) >= self.vocab_size):
+            elif self.samples and (
+                out["sample_ids"].min(initial=0) < 0 or out["sample_ids"].max(initial=0) >= self.vocab_size
+            ):
                 bad = "sample_ids"
-            elif self.samples and (np.any(np.isnan(out["sample_logp"])) or np.any(out["sample_logp"] == np.inf)
-                                   or out["sample_logp"].max(initial=-1) > _LOGP_SLACK):
+            elif self.samples and (
+                np.any(np.isnan(out["sample_logp"]))
+                or np.any(out["sample_logp"] == np.inf)
+                or out["sample_logp"].max(initial=-1) > _LOGP_SLACK
+            ):
                 bad = "sample_logp"
         else:
             lp = out["logp"]

@@ -113,6 +113,7 @@ class ImportReport:
 
 # ------------------------------------------------------------------ reading
 
+
 def _open_reader(path: Path):
     from formats.gguf_reader import GgufFile
 
@@ -233,7 +234,9 @@ def _hf_config(
         "head_dim": head_dim,
         "hidden_act": "silu",
         "max_position_embeddings": _int(key("context_length", 4096), f"{arch}.context_length"),
-        "rms_norm_eps": _f32(_num(key("attention.layer_norm_rms_epsilon", required=True), f"{arch}.attention.layer_norm_rms_epsilon")),
+        "rms_norm_eps": _f32(
+            _num(key("attention.layer_norm_rms_epsilon", required=True), f"{arch}.attention.layer_norm_rms_epsilon")
+        ),
         "rope_theta": _f32(_num(key("rope.freq_base", 10000.0), f"{arch}.rope.freq_base")),
         "tie_word_embeddings": "output.weight" not in by_name,
         "bos_token_id": tok.bos_token_id,
@@ -250,8 +253,14 @@ def _hf_config(
     if scaling is not None:
         config["rope_scaling"] = scaling
     if spec.config is not None:
-        ctx = GgufContext(arch=arch, meta=meta, tensors=frozenset(by_name), key=key, array=array,
-                          values=lambda name: _small_values(by_name, name))
+        ctx = GgufContext(
+            arch=arch,
+            meta=meta,
+            tensors=frozenset(by_name),
+            key=key,
+            array=array,
+            values=lambda name: _small_values(by_name, name),
+        )
         try:
             spec.config(ctx, config)
         except (TypeError, ValueError, KeyError, AttributeError, ArithmeticError, OverflowError) as e:
@@ -312,7 +321,9 @@ def _plan_tensors(reader, spec: GgufSpec, config: dict[str, Any]) -> list[Planne
                 raise CortiqError(f"GGUF tensor {t.name} has shape {list(shape)}, expected [experts, rows(, cols)]")
             rows = shape[1] if len(shape) == 3 else 1
             for e in range(shape[0]):
-                plan.append(PlannedTensor(i, t.name, name.format(e=e), shape[1:], t.tensor_type.name, None, offset, e * rows))
+                plan.append(
+                    PlannedTensor(i, t.name, name.format(e=e), shape[1:], t.tensor_type.name, None, offset, e * rows)
+                )
             continue
         plan.append(PlannedTensor(i, t.name, name, shape, t.tensor_type.name, unpermute, offset))
     return plan
@@ -410,6 +421,7 @@ def _llama3_from_rope_freqs(freqs: np.ndarray, theta: float, head_dim: int, orig
 
 # ------------------------------------------------------------------ tensors
 
+
 def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Undo llama.cpp's q/k permutation: within each head, GGUF row 2i+j is HF row j*half+i."""
     half = w.shape[0] // n_heads // 2
@@ -449,6 +461,7 @@ def _encode(x: np.ndarray, dtype: str) -> np.ndarray:
 
 
 # ------------------------------------------------------------------ writing
+
 
 def _dumps(obj: Any) -> str:
     return json.dumps(obj, ensure_ascii=False, indent=2) + "\n"
@@ -549,6 +562,7 @@ def _replace_dir(tmp: Path, out: Path) -> None:
 
 
 # ------------------------------------------------------------------ raw blocks
+
 
 @dataclass(frozen=True)
 class SourceBlocks:

@@ -110,6 +110,7 @@ def build_tokenizer(meta: dict[str, Any], n_embd_rows: int, spm: SentencePieceSt
 
 def _build_byte_level(meta: dict[str, Any], n_embd_rows: int) -> TokenizerFiles:
     from tokenizers import AddedToken, Tokenizer, decoders, models
+
     tokens: list[str] = meta.get("tokenizer.ggml.tokens") or []
     types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
     if not tokens:
@@ -244,6 +245,7 @@ def _post_processor(tokens: list[str], bos: int | None, eos: int | None):
 
 # ------------------------------------------------------------------ SentencePiece
 
+
 def _spm_merges(tokens: list[str]) -> list[tuple[str, str]]:
     """BPE merges implied by a SentencePiece BPE vocabulary: every split of a token
     into two tokens, best-first by the token's position in the file (the scores
@@ -303,8 +305,11 @@ def _build_sentencepiece(meta: dict[str, Any], n_embd_rows: int, spm: SentencePi
     # User-defined tokens match whole, longest first, before BPE (SentencePiece's and
     # llama.cpp's rule). The whitespace runs among them are spelled with "\u2581"s,
     # so they match the normalized text (a run of 54 spaces is 31 + 23, not 16 + 16 + 22).
-    user = [AddedToken(t, special=False, normalized=bool(t) and set(t) == {"\u2581"})
-            for t, ty in zip(tokens, types) if ty == USER_DEFINED]
+    user = [
+        AddedToken(t, special=False, normalized=bool(t) and set(t) == {"\u2581"})
+        for t, ty in zip(tokens, types)
+        if ty == USER_DEFINED
+    ]
     tok.add_special_tokens(special)
     tok.add_tokens(user)
     if tok.get_vocab_size(with_added_tokens=True) != len(tokens):

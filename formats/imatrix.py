@@ -34,7 +34,9 @@ class Imatrix:
         if v is None:
             return None
         if v.size != cols:
-            raise CortiqError(f"imatrix entry {name} has {v.size} columns, the tensor has {cols} (another model's imatrix?)")
+            raise CortiqError(
+                f"imatrix entry {name} has {v.size} columns, the tensor has {cols} (another model's imatrix?)"
+            )
         return v
 
 

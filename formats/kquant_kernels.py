@@ -226,8 +226,20 @@ def q4k_rows(x, imp, use_imp, d, dmin, scales, qs):  # pragma: no cover - compil
         xr = x[r]
         for b in range(cols // QK):
             o = b * QK
-            _qkx_block(xr, o, imp, use_imp, 15, np.float32(-1.0), np.float32(0.1), 20,
-                       d[r, b : b + 1], dmin[r, b : b + 1], scales[r, 12 * b : 12 * b + 12], L)
+            _qkx_block(
+                xr,
+                o,
+                imp,
+                use_imp,
+                15,
+                np.float32(-1.0),
+                np.float32(0.1),
+                20,
+                d[r, b : b + 1],
+                dmin[r, b : b + 1],
+                scales[r, 12 * b : 12 * b + 12],
+                L,
+            )
             q = qs[r, 128 * b : 128 * b + 128]
             for k in range(4):
                 for l in range(32):
@@ -242,8 +254,20 @@ def q5k_rows(x, imp, use_imp, d, dmin, scales, qh, qs):  # pragma: no cover - co
         xr = x[r]
         for b in range(cols // QK):
             o = b * QK
-            _qkx_block(xr, o, imp, use_imp, 31, np.float32(-0.5), np.float32(0.1), 15,
-                       d[r, b : b + 1], dmin[r, b : b + 1], scales[r, 12 * b : 12 * b + 12], L)
+            _qkx_block(
+                xr,
+                o,
+                imp,
+                use_imp,
+                31,
+                np.float32(-0.5),
+                np.float32(0.1),
+                15,
+                d[r, b : b + 1],
+                dmin[r, b : b + 1],
+                scales[r, 12 * b : 12 * b + 12],
+                L,
+            )
             h = qh[r, 32 * b : 32 * b + 32]
             q = qs[r, 128 * b : 128 * b + 128]
             for j in range(32):
@@ -315,8 +339,12 @@ def q6k_rows(x, imp, use_imp, ql, qh, scales, d):  # pragma: no cover - compiled
                     q4 = L[j + l + 96] & 0xF
                     qlb[64 * h + l] = q1 | (q3 << 4)
                     qlb[64 * h + l + 32] = q2 | (q4 << 4)
-                    qhb[32 * h + l] = ((L[j + l] >> 4) | ((L[j + l + 32] >> 4) << 2)
-                                       | ((L[j + l + 64] >> 4) << 4) | ((L[j + l + 96] >> 4) << 6))
+                    qhb[32 * h + l] = (
+                        (L[j + l] >> 4)
+                        | ((L[j + l + 32] >> 4) << 2)
+                        | ((L[j + l + 64] >> 4) << 4)
+                        | ((L[j + l + 96] >> 4) << 6)
+                    )
 
 
 def _prep(x: np.ndarray, importance: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, bool]:

@@ -86,8 +86,12 @@ class Families(Protocol):
 
 
 def check_manifest(
-    manifest: Manifest, have: Mapping[str, Sequence[int]], *,
-    holder: str = "checkpoint", implied_by: str = "config.json", trunk: bool = True,
+    manifest: Manifest,
+    have: Mapping[str, Sequence[int]],
+    *,
+    holder: str = "checkpoint",
+    implied_by: str = "config.json",
+    trunk: bool = True,
 ) -> None:
     """Every required tensor is in ``have`` with its shape, and every optional one that is
     there has its shape. The one shape check: on a checkpoint at convert time, on a CMF

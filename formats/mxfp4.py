@@ -24,14 +24,22 @@ SCALE_BIAS = 127
 SCALE_NAN = 255  # E8M0's one non-number code
 
 
-def check_pair(blocks_name: str, blocks_shape: tuple[int, ...], blocks_dtype: str,
-               scales_name: str, scales_shape: tuple[int, ...], scales_dtype: str) -> tuple[int, ...]:
+def check_pair(
+    blocks_name: str,
+    blocks_shape: tuple[int, ...],
+    blocks_dtype: str,
+    scales_name: str,
+    scales_shape: tuple[int, ...],
+    scales_dtype: str,
+) -> tuple[int, ...]:
     """The decoded shape of a (blocks, scales) pair: ``blocks_shape[:-2] + (G * 32,)``;
     a CortiqError naming the tensor when the pair is not MXFP4."""
     if blocks_dtype != "U8" or scales_dtype != "U8":
         raise CortiqError(f"MXFP4 tensors {blocks_name} ({blocks_dtype}) and {scales_name} ({scales_dtype}) must be U8")
     if len(blocks_shape) < 3 or blocks_shape[-1] != BLOCK_BYTES:
-        raise CortiqError(f"MXFP4 tensor {blocks_name} has shape {list(blocks_shape)}: expected [..., groups, {BLOCK_BYTES}]")
+        raise CortiqError(
+            f"MXFP4 tensor {blocks_name} has shape {list(blocks_shape)}: expected [..., groups, {BLOCK_BYTES}]"
+        )
     if tuple(scales_shape) != tuple(blocks_shape[:-1]):
         raise CortiqError(
             f"MXFP4 scales {scales_name} have shape {list(scales_shape)}, their blocks {blocks_name} need {list(blocks_shape[:-1])}"

@@ -66,8 +66,9 @@ RECIPES: dict[str, Recipe] = {
 }
 QUANT_CHOICES = tuple(RECIPES)
 # A single-dtype preset also answers to its dtype's aliases (q3_k -> q3k).
-QUANT_ALIASES = {a: r.name for r in RECIPES.values() if r.name == r.base for a in get_dtype(r.base).aliases
-                 if a not in RECIPES}
+QUANT_ALIASES = {
+    a: r.name for r in RECIPES.values() if r.name == r.base for a in get_dtype(r.base).aliases if a not in RECIPES
+}
 
 
 def quant_help() -> str:

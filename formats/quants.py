@@ -68,8 +68,8 @@ def rows_cols(shape: tuple[int, ...]) -> tuple[int, int]:
     return rows, cols
 
 
-
 # ---------------------------------------------------------------- bf16 helpers
+
 
 def bf16_to_f32(u16: np.ndarray) -> np.ndarray:
     return (u16.astype(np.uint32) << 16).view(np.float32)
@@ -87,6 +87,7 @@ def f32_to_bf16(x: np.ndarray) -> np.ndarray:
 
 
 # ---------------------------------------------------------------- quantizers
+
 
 def _round_half_away(v: np.ndarray) -> np.ndarray:
     """C ``roundf`` in f32: exact (no ``trunc(v + 0.5)`` double rounding)."""
@@ -175,6 +176,7 @@ def dequantize_q4(d: np.ndarray, m: np.ndarray, qs: np.ndarray) -> np.ndarray:
 
 # ---------------------------------------------------------------- dtype registry
 
+
 @dataclass(frozen=True)
 class Part:
     """One planar array inside a tensor blob."""
@@ -257,8 +259,13 @@ class DType:
 
     def table_row(self) -> tuple[str, str, str, str, str]:
         """(name, GGML type, bits per weight, imatrix, summary): the dtype tables' row."""
-        return (self.name, self.ggml_type or "", f"{self.bits:g}", "yes" if self.takes_imatrix else "",
-                self.summary or (self.__doc__ or "").strip().splitlines()[0])
+        return (
+            self.name,
+            self.ggml_type or "",
+            f"{self.bits:g}",
+            "yes" if self.takes_imatrix else "",
+            self.summary or (self.__doc__ or "").strip().splitlines()[0],
+        )
 
     # ------------------------------------------------------------ layout
     def parts(self, shape: tuple[int, ...]) -> list[Part]:
@@ -614,7 +621,12 @@ def quantize_q5_1_ggml(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarra
     q = np.trunc(v).astype(np.uint8)  # C's (uint8_t) cast; at most 31.5 -> 31
     packed = (q[:, :, :16] & 0x0F) | ((q[:, :, 16:] & 0x0F) << np.uint8(4))
     bits = ((q >> np.uint8(4)) & 1).astype(np.uint32) << np.arange(32, dtype=np.uint32)
-    return d.astype(np.float16), lo.astype(np.float16), bits.sum(axis=2, dtype=np.uint32), packed.reshape(rows, cols // 2)
+    return (
+        d.astype(np.float16),
+        lo.astype(np.float16),
+        bits.sum(axis=2, dtype=np.uint32),
+        packed.reshape(rows, cols // 2),
+    )
 
 
 def dequantize_q5_1(d: np.ndarray, m: np.ndarray, qh: np.ndarray, qs: np.ndarray) -> np.ndarray:

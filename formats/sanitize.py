@@ -345,11 +345,15 @@ class InterleavedExperts(SanitizedCheckpoint):
             if plain is not None:
                 shape = tuple(int(d) for d in ck.shape(plain))
                 if len(shape) != 3:
-                    raise CortiqError(f"tensor {plain} has shape {list(shape)}: expected 3 dimensions [experts, in, out]")
+                    raise CortiqError(
+                        f"tensor {plain} has shape {list(shape)}: expected 3 dimensions [experts, in, out]"
+                    )
                 e, inner, outer = shape  # [E, in, out]: row r of the engine's weight is column r
                 if proj == "gate_up_proj":
                     if outer % 2:
-                        raise CortiqError(f"tensor {plain} has shape {list(shape)}: expected [experts, hidden, 2 * intermediate]")
+                        raise CortiqError(
+                            f"tensor {plain} has shape {list(shape)}: expected [experts, hidden, 2 * intermediate]"
+                        )
                     for k in range(e):
                         for half, name in ((0, "gate_proj"), (1, "up_proj")):
                             out[f"{base}.{k}.{name}.weight"] = _View(
@@ -363,13 +367,19 @@ class InterleavedExperts(SanitizedCheckpoint):
             elif blocks is not None:
                 bshape = tuple(int(d) for d in ck.shape(blocks))
                 sshape = tuple(int(d) for d in ck.shape(scales))
-                shape = mxfp4.check_pair(blocks, bshape, ck.source_dtype(blocks), scales, sshape, ck.source_dtype(scales))
+                shape = mxfp4.check_pair(
+                    blocks, bshape, ck.source_dtype(blocks), scales, sshape, ck.source_dtype(scales)
+                )
                 if len(shape) != 3:
-                    raise CortiqError(f"MXFP4 tensor {blocks} has shape {list(bshape)}: expected [experts, out, groups, 16]")
+                    raise CortiqError(
+                        f"MXFP4 tensor {blocks} has shape {list(bshape)}: expected [experts, out, groups, 16]"
+                    )
                 e, rows, cols = shape
                 if proj == "gate_up_proj":
                     if rows % 2:
-                        raise CortiqError(f"MXFP4 tensor {blocks} has {rows} rows per expert: expected 2 * intermediate")
+                        raise CortiqError(
+                            f"MXFP4 tensor {blocks} has {rows} rows per expert: expected 2 * intermediate"
+                        )
                     for k in range(e):
                         for half, name in ((0, "gate_proj"), (1, "up_proj")):
                             out[f"{base}.{k}.{name}.weight"] = _View(
@@ -408,6 +418,7 @@ class InterleavedExperts(SanitizedCheckpoint):
 
     def _mxfp4_rows(self, blocks: str, scales: str, k: int, first: int, step: int):
         """Rows r0..r1 of expert ``k``'s weight: decoded block rows first + step * r."""
+
         def read(r0: int, r1: int) -> np.ndarray:
             sl = slice(first + step * r0, first + step * r1, step)
             return mxfp4.decode(self._ck.raw(blocks)[k, sl], self._ck.raw(scales)[k, sl], blocks)

@@ -177,9 +177,15 @@ def read_lookup_defaults(header: dict[str, Any], num_layers: int) -> LookupDefau
     lookup, ngram = sub.get("lookup"), sub.get("ngram")
     if not is_int(lookup) or not 1 <= lookup <= MAX_LOOKUP_DRAFTS:
         raise CortiqError(f"MTP defaults: with_lookup.lookup {lookup!r} is not an integer in 1..{MAX_LOOKUP_DRAFTS}")
-    if (not isinstance(ngram, list) or len(ngram) != 2 or not all(is_int(x) for x in ngram)
-            or not 1 <= ngram[0] <= ngram[1] <= MAX_LOOKUP_NGRAM):
-        raise CortiqError(f"MTP defaults: with_lookup.ngram {ngram!r} is not [min, max] with 1 <= min <= max <= {MAX_LOOKUP_NGRAM}")
+    if (
+        not isinstance(ngram, list)
+        or len(ngram) != 2
+        or not all(is_int(x) for x in ngram)
+        or not 1 <= ngram[0] <= ngram[1] <= MAX_LOOKUP_NGRAM
+    ):
+        raise CortiqError(
+            f"MTP defaults: with_lookup.ngram {ngram!r} is not [min, max] with 1 <= min <= max <= {MAX_LOOKUP_NGRAM}"
+        )
     try:
         depth, threshold = read_defaults({"mtp": {"defaults": sub}}, num_layers)
     except CortiqError as e:
@@ -212,7 +218,9 @@ def read_draft_vocab(cmf, vocab_size: Any) -> np.ndarray | None:
         missing = "header record mtp.draft_vocab" if rec is None else f"tensor {DRAFT_VOCAB_TENSOR}"
         raise CortiqError(f"draft vocabulary: the {missing} is missing")
     if not isinstance(rec, dict):
-        raise CortiqError(f"draft vocabulary: header record mtp.draft_vocab is {type(rec).__name__}, expected an object")
+        raise CortiqError(
+            f"draft vocabulary: header record mtp.draft_vocab is {type(rec).__name__}, expected an object"
+        )
     size = rec.get("size")
     if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < 1:
         raise CortiqError(f"draft vocabulary: the backbone's vocab size {vocab_size!r} is not a positive integer")
@@ -233,12 +241,24 @@ def read_draft_vocab(cmf, vocab_size: Any) -> np.ndarray | None:
 
 def draft_vocab_record(ids: np.ndarray, source: str, tokens: int) -> dict[str, Any]:
     """The header record ``mtp.draft_vocab`` of a vocabulary chosen from ``tokens`` tokens of ``source``."""
-    return {"size": int(len(ids)), "tensor": DRAFT_VOCAB_TENSOR, "order": "most useful first",
-            "text": source, "tokens": int(tokens)}
+    return {
+        "size": int(len(ids)),
+        "tensor": DRAFT_VOCAB_TENSOR,
+        "order": "most useful first",
+        "text": source,
+        "tokens": int(tokens),
+    }
 
 
-def copy_with_draft_vocab(src: str | Path, out: str | Path, ids: np.ndarray | None, record: dict[str, Any] | None,
-                          *, force: bool = False, defaults: dict[str, Any] | None = None) -> Path:
+def copy_with_draft_vocab(
+    src: str | Path,
+    out: str | Path,
+    ids: np.ndarray | None,
+    record: dict[str, Any] | None,
+    *,
+    force: bool = False,
+    defaults: dict[str, Any] | None = None,
+) -> Path:
     """Write sidecar ``src`` to ``out`` with the draft vocabulary ``ids`` (None: without
     one); every other tensor is copied byte for byte, the header keeps all else. ``out``
     may be ``src`` (with ``force``): the writer stages a new file and renames it over.

@@ -34,8 +34,15 @@ def refuse_special(out: Path) -> None:
     except OSError:
         return  # absent, or a dangling symlink: a new file takes the name
     if not stat.S_ISREG(st.st_mode) and not stat.S_ISDIR(st.st_mode):
-        kind = "a FIFO" if stat.S_ISFIFO(st.st_mode) else "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(
-            st.st_mode) else "a socket" if stat.S_ISSOCK(st.st_mode) else "not a regular file"
+        kind = (
+            "a FIFO"
+            if stat.S_ISFIFO(st.st_mode)
+            else "a device"
+            if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode)
+            else "a socket"
+            if stat.S_ISSOCK(st.st_mode)
+            else "not a regular file"
+        )
         raise CortiqError(f"{out} is {kind}; cortiq replaces only regular files (--force included)")
 
 

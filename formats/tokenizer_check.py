@@ -91,6 +91,7 @@ def _sequence(kind: str, key: str) -> _Check:
             raise w.fail(f"{path}.{key}", f"is not a list of at most {MAX_SEQUENCE} {kind}s")
         for i, item in enumerate(items):
             _component(w, f"{path}.{key}[{i}]", item, kind)
+
     return check
 
 
@@ -136,7 +137,13 @@ def _metaspace(w: _Where, path: str, o: dict[str, Any]) -> None:
 
 
 def _punctuation(w: _Where, path: str, o: dict[str, Any]) -> None:
-    if o.get("behavior", "Isolated") not in ("Removed", "Isolated", "MergedWithPrevious", "MergedWithNext", "Contiguous"):
+    if o.get("behavior", "Isolated") not in (
+        "Removed",
+        "Isolated",
+        "MergedWithPrevious",
+        "MergedWithNext",
+        "Contiguous",
+    ):
         raise w.fail(f"{path}.behavior", f"is {str(o.get('behavior'))[:30]!r}, not a split behavior")
 
 
@@ -178,7 +185,13 @@ def _ctc(w: _Where, path: str, o: dict[str, Any]) -> None:
 
 
 def _special_pair(w: _Where, path: str, v: Any) -> None:
-    if not isinstance(v, list) or len(v) != 2 or not isinstance(v[0], str) or not is_int(v[1]) or not 0 <= v[1] <= MAX_ID:
+    if (
+        not isinstance(v, list)
+        or len(v) != 2
+        or not isinstance(v[0], str)
+        or not is_int(v[1])
+        or not 0 <= v[1] <= MAX_ID
+    ):
         raise w.fail(path, "is not [token, id]")
     _str(w, path, v[0], MAX_TOKEN_CHARS)
 
@@ -199,9 +212,14 @@ def _template_processing(w: _Where, path: str, o: dict[str, Any]) -> None:
         if not isinstance(sp, dict) or sp.get("id") != name:
             raise w.fail(where, "is not {id, ids, tokens} with its own name as id")
         ids, toks = sp.get("ids"), sp.get("tokens")
-        if (not isinstance(ids, list) or not isinstance(toks, list) or len(ids) != len(toks) or len(ids) > MAX_SEQUENCE
-                or not all(is_int(i) and 0 <= i <= MAX_ID for i in ids)
-                or not all(isinstance(t, str) and len(t) <= MAX_TOKEN_CHARS for t in toks)):
+        if (
+            not isinstance(ids, list)
+            or not isinstance(toks, list)
+            or len(ids) != len(toks)
+            or len(ids) > MAX_SEQUENCE
+            or not all(is_int(i) and 0 <= i <= MAX_ID for i in ids)
+            or not all(isinstance(t, str) and len(t) <= MAX_TOKEN_CHARS for t in toks)
+        ):
             raise w.fail(where, "needs lists ids (token ids) and tokens (strings) of one length")
     for key in ("single", "pair"):
         seq = o.get(key)
@@ -218,13 +236,20 @@ def _template_processing(w: _Where, path: str, o: dict[str, Any]) -> None:
             if kind == "Sequence":
                 if body.get("id") not in ("A", "B"):
                     raise w.fail(f"{where}.id", "is not A or B")
-            elif not isinstance(body.get("id"), str) or body["id"] not in specials:  # the library panics on a name it cannot find
+            elif (
+                not isinstance(body.get("id"), str) or body["id"] not in specials
+            ):  # the library panics on a name it cannot find
                 raise w.fail(f"{where}.id", f"names {str(body.get('id'))[:40]!r}, which special_tokens lacks")
 
 
 _NORMALIZERS: dict[str, tuple[tuple[str, ...], _Check]] = {
-    "NFC": ((), _none), "NFD": ((), _none), "NFKC": ((), _none), "NFKD": ((), _none),
-    "Lowercase": ((), _none), "StripAccents": ((), _none), "Nmt": ((), _none),
+    "NFC": ((), _none),
+    "NFD": ((), _none),
+    "NFKC": ((), _none),
+    "NFKD": ((), _none),
+    "Lowercase": ((), _none),
+    "StripAccents": ((), _none),
+    "Nmt": ((), _none),
     "Strip": (("strip_left", "strip_right"), _strip_normalizer),
     "Replace": (("pattern", "content"), _replace),
     "Prepend": (("prepend",), _prepend),
@@ -234,7 +259,9 @@ _NORMALIZERS: dict[str, tuple[tuple[str, ...], _Check]] = {
 }
 _PRE_TOKENIZERS: dict[str, tuple[tuple[str, ...], _Check]] = {
     "ByteLevel": (("add_prefix_space", "trim_offsets", "use_regex"), _byte_level),
-    "Whitespace": ((), _none), "WhitespaceSplit": ((), _none), "BertPreTokenizer": ((), _none),
+    "Whitespace": ((), _none),
+    "WhitespaceSplit": ((), _none),
+    "BertPreTokenizer": ((), _none),
     "UnicodeScripts": ((), _none),
     "Split": (("pattern", "behavior", "invert"), _split),
     "Metaspace": (("replacement", "add_prefix_space", "prepend_scheme", "split", "str_rep"), _metaspace),
@@ -246,7 +273,8 @@ _PRE_TOKENIZERS: dict[str, tuple[tuple[str, ...], _Check]] = {
 }
 _DECODERS: dict[str, tuple[tuple[str, ...], _Check]] = {
     "ByteLevel": (("add_prefix_space", "trim_offsets", "use_regex"), _byte_level),
-    "ByteFallback": ((), _none), "Fuse": ((), _none),
+    "ByteFallback": ((), _none),
+    "Fuse": ((), _none),
     "Metaspace": (("replacement", "add_prefix_space", "prepend_scheme", "split", "str_rep"), _metaspace),
     "WordPiece": (("prefix", "cleanup"), _wordpiece_decoder),
     "BPEDecoder": (("suffix",), _bpe_decoder),
@@ -258,13 +286,19 @@ _DECODERS: dict[str, tuple[tuple[str, ...], _Check]] = {
 _POST_PROCESSORS: dict[str, tuple[tuple[str, ...], _Check]] = {
     "ByteLevel": (("add_prefix_space", "trim_offsets", "use_regex"), _byte_level),
     "TemplateProcessing": (("single", "pair", "special_tokens"), _template_processing),
-    "BertProcessing": (("sep", "cls"), lambda w, p, o: (_special_pair(w, f"{p}.sep", o.get("sep")),
-                                                       _special_pair(w, f"{p}.cls", o.get("cls")))),
+    "BertProcessing": (
+        ("sep", "cls"),
+        lambda w, p, o: (_special_pair(w, f"{p}.sep", o.get("sep")), _special_pair(w, f"{p}.cls", o.get("cls"))),
+    ),
     "RobertaProcessing": (("sep", "cls", "trim_offsets", "add_prefix_space"), _bert_processing),
     "Sequence": (("processors",), _sequence("post_processor", "processors")),
 }
-_KINDS = {"normalizer": _NORMALIZERS, "pre_tokenizer": _PRE_TOKENIZERS, "decoder": _DECODERS,
-          "post_processor": _POST_PROCESSORS}
+_KINDS = {
+    "normalizer": _NORMALIZERS,
+    "pre_tokenizer": _PRE_TOKENIZERS,
+    "decoder": _DECODERS,
+    "post_processor": _POST_PROCESSORS,
+}
 
 
 def _component(w: _Where, path: str, o: Any, kind: str) -> None:
@@ -290,8 +324,14 @@ def _check_vocab(w: _Where, model: dict[str, Any]) -> dict[str, int]:
             raise w.fail("model.vocab", f"is not a list of 1..{MAX_VOCAB} [piece, score] pairs")
         out: dict[str, int] = {}
         for i, e in enumerate(vocab):
-            if (not isinstance(e, list) or len(e) != 2 or not isinstance(e[0], str) or len(e[0]) > MAX_TOKEN_CHARS
-                    or not isinstance(e[1], (int, float)) or isinstance(e[1], bool)):
+            if (
+                not isinstance(e, list)
+                or len(e) != 2
+                or not isinstance(e[0], str)
+                or len(e[0]) > MAX_TOKEN_CHARS
+                or not isinstance(e[1], (int, float))
+                or isinstance(e[1], bool)
+            ):
                 raise w.fail(f"model.vocab[{i}]", "is not [piece, score]")
             out.setdefault(e[0], i)
         _int(w, "model.unk_id", model.get("unk_id"), 0, len(vocab) - 1, optional=True)
@@ -316,13 +356,20 @@ def _check_merges(w: _Where, model: dict[str, Any], vocab: dict[str, int]) -> No
     prefix = model.get("continuing_subword_prefix") or ""
     pairs = [m.split(" ") if isinstance(m, str) else m for m in merges]
     for i, m in enumerate(pairs):  # the common case passes this line alone
-        if (type(m) is list and len(m) == 2 and type(m[0]) is str and type(m[1]) is str  # noqa: E721
-                and m[0] in vocab and m[1] in vocab and (m[0] + m[1] in vocab or prefix)):
+        if (
+            type(m) is list
+            and len(m) == 2
+            and type(m[0]) is str
+            and type(m[1]) is str  # noqa: E721
+            and m[0] in vocab
+            and m[1] in vocab
+            and (m[0] + m[1] in vocab or prefix)
+        ):
             continue
         if not isinstance(m, list) or len(m) != 2 or not all(isinstance(x, str) for x in m):
             raise w.fail(f"model.merges[{i}]", "is not a pair of tokens")
         a, b = m
-        merged = a + (b[len(prefix):] if prefix and b.startswith(prefix) else b)
+        merged = a + (b[len(prefix) :] if prefix and b.startswith(prefix) else b)
         missing = next((x for x in (a, b, merged) if x not in vocab), None)
         if missing is not None:
             raise w.fail(f"model.merges[{i}]", f"names {missing[:40]!r}, which is not in the vocabulary")
@@ -431,4 +478,3 @@ def library_error(e: BaseException) -> bool:
     Exception, or pyo3's ``PanicException`` (a BaseException) from a Rust panic.
     KeyboardInterrupt and SystemExit are not."""
     return isinstance(e, Exception) or type(e).__name__ == "PanicException"
-

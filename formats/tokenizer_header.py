@@ -43,7 +43,9 @@ def _check_loads(tok_json: str, where: Any) -> None:
         if not library_error(e):
             raise
         lines = str(e).splitlines()
-        raise CortiqError(f"{where}: the tokenizers library cannot load it ({lines[0][:160] if lines else type(e).__name__})") from None
+        raise CortiqError(
+            f"{where}: the tokenizers library cannot load it ({lines[0][:160] if lines else type(e).__name__})"
+        ) from None
 
 
 def tokenizer_header(ck) -> tuple[dict[str, Any], bytes]:
@@ -58,7 +60,8 @@ def tokenizer_header(ck) -> tuple[dict[str, Any], bytes]:
     _check_loads(tok_json, ck.root / "tokenizer.json")
     added_list = tok.get("added_tokens")
     added = {
-        t["content"]: t["id"] for t in (added_list if isinstance(added_list, list) else [])
+        t["content"]: t["id"]
+        for t in (added_list if isinstance(added_list, list) else [])
         if isinstance(t, dict) and isinstance(t.get("content"), str) and _is_id(t.get("id"))
     }
     model = tok.get("model") if isinstance(tok.get("model"), dict) else {}
@@ -91,7 +94,9 @@ def tokenizer_header(ck) -> tuple[dict[str, Any], bytes]:
         chat = cj.get("chat_template")
     if isinstance(chat, list):  # named templates: keep the default
         named = [c for c in chat if isinstance(c, dict) and isinstance(c.get("template"), str)]
-        chat = next((c["template"] for c in named if c.get("name") == "default"), named[0]["template"] if named else None)
+        chat = next(
+            (c["template"] for c in named if c.get("name") == "default"), named[0]["template"] if named else None
+        )
     if chat is not None and not isinstance(chat, str):
         raise CortiqError(f"{ck.root}: chat_template is {type(chat).__name__}, expected a string")
     n_vocab = len(vocab) if isinstance(vocab, (dict, list)) else 0

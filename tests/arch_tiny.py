@@ -28,8 +28,12 @@ _LINEAR = dict(
 CONFIGS: dict[str, dict[str, Any]] = {
     # Layer 1 stays dense (mlp_only_layers) to check the per-layer FFN choice.
     "qwen2_moe": dict(
-        num_hidden_layers=3, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-        shared_expert_intermediate_size=64, mlp_only_layers=[1],
+        num_hidden_layers=3,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=64,
+        mlp_only_layers=[1],
     ),
     "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
@@ -43,14 +47,25 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "mimo_v2_flash": dict(
         num_hidden_layers=4,
         layer_types=["full_attention", "sliding_attention", "sliding_attention", "full_attention"],
-        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_group=2, topk_group=1,
-        head_dim=24, v_head_dim=16, sliding_window=5,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        n_group=2,
+        topk_group=1,
+        head_dim=24,
+        v_head_dim=16,
+        sliding_window=5,
     ),
     # Layers alternate sliding (window 6) and full; 2 * intermediate != hidden, both multiples
     # of 32 (MXFP4 blocks); a low swiglu_limit so the clamp bites.
     "gpt_oss": dict(
-        num_hidden_layers=4, head_dim=16, intermediate_size=96, num_local_experts=4, num_experts_per_tok=2,
-        sliding_window=6, swiglu_limit=1.0,
+        num_hidden_layers=4,
+        head_dim=16,
+        intermediate_size=96,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=6,
+        swiglu_limit=1.0,
     ),
 }
 
@@ -100,8 +115,17 @@ def sample_ids(n: int = 40, seed: int = 0, vocab: int = 256) -> list[int]:
 # GLM-4.5: a dense first layer, sigmoid routing over 2 groups, a shared expert, q/k norm,
 # q/k/v biases, half of each head rotated.
 CONFIGS["glm4_moe"] = dict(
-    num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-    n_group=2, topk_group=1, n_shared_experts=1, routed_scaling_factor=2.5, attention_bias=True, use_qk_norm=True,
+    num_hidden_layers=3,
+    first_k_dense_replace=1,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    n_group=2,
+    topk_group=1,
+    n_shared_experts=1,
+    routed_scaling_factor=2.5,
+    attention_bias=True,
+    use_qk_norm=True,
 )
 
 
@@ -129,7 +153,7 @@ def add_deepseek_mtp_layer(src: str | Path, folder: str | Path, seed: int = 5) -
     for name, t in trunk.items():
         if name.startswith(last):
             noise = 0.3 * float(np.std(t)) if t.ndim > 1 else 0.1
-            out[p + name[len(last):]] = (t + noise * rng.standard_normal(t.shape)).astype(np.float32)
+            out[p + name[len(last) :]] = (t + noise * rng.standard_normal(t.shape)).astype(np.float32)
     for name in ("enorm", "hnorm", "shared_head.norm"):
         out[f"{p}{name}.weight"] = (1 + 0.1 * rng.standard_normal(h)).astype(np.float32)
     out[p + "eh_proj.weight"] = (rng.standard_normal((h, 2 * h)) * 0.1).astype(np.float32)
@@ -143,12 +167,22 @@ def add_deepseek_mtp_layer(src: str | Path, folder: str | Path, seed: int = 5) -
 # attention biases. SmolLM3: every second layer NoPE and sliding over 5 keys (its default
 # pad id lies past the tiny vocabulary).
 CONFIGS["granite"] = dict(
-    num_hidden_layers=3, attention_bias=True, embedding_multiplier=6.0, residual_multiplier=0.3,
-    attention_multiplier=30.0, logits_scaling=0.25, tie_word_embeddings=True,
+    num_hidden_layers=3,
+    attention_bias=True,
+    embedding_multiplier=6.0,
+    residual_multiplier=0.3,
+    attention_multiplier=30.0,
+    logits_scaling=0.25,
+    tie_word_embeddings=True,
 )
 CONFIGS["smollm3"] = dict(
-    num_hidden_layers=4, no_rope_layer_interval=2, use_sliding_window=True, sliding_window=5, attention_bias=True,
-    tie_word_embeddings=True, pad_token_id=None,
+    num_hidden_layers=4,
+    no_rope_layer_interval=2,
+    use_sliding_window=True,
+    sliding_window=5,
+    attention_bias=True,
+    tie_word_embeddings=True,
+    pad_token_id=None,
 )
 
 
@@ -165,8 +199,9 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_llama_style_gguf(model, path: str | Path, arch: str, floats: dict[str, float] | None = None,
-                           weight_type: str = "F32") -> Path:
+def write_llama_style_gguf(
+    model, path: str | Path, arch: str, floats: dict[str, float] | None = None, weight_type: str = "F32"
+) -> Path:
     """The GGUF llama.cpp's converter writes for a Llama-lineage model (``LlamaModel``
     and its subclasses: q/k rows permuted, no output.weight when tied) of ``arch``, with
     the byte-level vocabulary of ``tests.tiny``; ``floats``: extra ``{arch}.*`` keys;

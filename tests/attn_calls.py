@@ -25,5 +25,6 @@ def softmax(addr, s, m, res):
 
 @njit
 def gemm(addr, a, b, c, rows, cols, depth, acc):
-    attn_ir.call_gemm(addr, a.ctypes.data, a.shape[1], b.ctypes.data, b.shape[1], c.ctypes.data, c.shape[1],
-                      rows, cols, depth, acc)
+    attn_ir.call_gemm(
+        addr, a.ctypes.data, a.shape[1], b.ctypes.data, b.shape[1], c.ctypes.data, c.shape[1], rows, cols, depth, acc
+    )

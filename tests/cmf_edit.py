@@ -15,7 +15,9 @@ _FMT = "<8sHHIQQQQQQ"
 def reseal(data: bytearray) -> bytearray:
     """Recompute the preamble checksum of CMF bytes in place (whatever they now hold)."""
     _, _, _, _, hoff, hlen, _, diroff, dirlen, _ = struct.unpack(_FMT, bytes(data[:64]))
-    crc = zlib.crc32(bytes(data[diroff : diroff + dirlen]), zlib.crc32(bytes(data[hoff : hoff + hlen]), zlib.crc32(bytes(data[:56]))))
+    crc = zlib.crc32(
+        bytes(data[diroff : diroff + dirlen]), zlib.crc32(bytes(data[hoff : hoff + hlen]), zlib.crc32(bytes(data[:56])))
+    )
     data[56:64] = struct.pack("<Q", crc)
     return data
 

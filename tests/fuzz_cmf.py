@@ -43,6 +43,7 @@ PPL_TEXT = "The quick brown fox jumps over the lazy dog. " * 3
 
 # ------------------------------------------------------------------ base files
 
+
 @dataclass(frozen=True)
 class Base:
     name: str  # q8 | q4 | f32
@@ -73,6 +74,7 @@ def build_base(folder: Path) -> list[Base]:
 
 
 # ------------------------------------------------------------------ layout
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -112,6 +114,7 @@ def _rebuild(data: bytes, header: bytes, entries_json: bytes | None = None, seal
 
 # ------------------------------------------------------------------ mutations
 
+
 @dataclass
 class Case:
     id: str
@@ -131,12 +134,38 @@ class Case:
 def hostile_values(rng: random.Random) -> Any:
     """A JSON value of a wrong type or out of range for about any field."""
     pool: list[Callable[[], Any]] = [
-        lambda: None, lambda: True, lambda: False, lambda: 0, lambda: -1, lambda: 1, lambda: 3, lambda: 7,
-        lambda: 2**31, lambda: 2**63, lambda: 10**30, lambda: -(10**30), lambda: 1.5, lambda: -0.0, lambda: 1e308,
-        lambda: 1e-300, lambda: "", lambda: "x", lambda: "0", lambda: "silu", lambda: "/etc/passwd", lambda: "../x",
-        lambda: [], lambda: [1], lambda: [-1, 2**40], lambda: ["full"] * 3, lambda: {}, lambda: {"a": 1},
-        lambda: {"rope_type": "llama3", "factor": 0}, lambda: _nested(rng.choice([10, 70, 200])),
-        lambda: rng.randint(-(2**20), 2**20), lambda: rng.random() * 10 ** rng.randint(-5, 30),
+        lambda: None,
+        lambda: True,
+        lambda: False,
+        lambda: 0,
+        lambda: -1,
+        lambda: 1,
+        lambda: 3,
+        lambda: 7,
+        lambda: 2**31,
+        lambda: 2**63,
+        lambda: 10**30,
+        lambda: -(10**30),
+        lambda: 1.5,
+        lambda: -0.0,
+        lambda: 1e308,
+        lambda: 1e-300,
+        lambda: "",
+        lambda: "x",
+        lambda: "0",
+        lambda: "silu",
+        lambda: "/etc/passwd",
+        lambda: "../x",
+        lambda: [],
+        lambda: [1],
+        lambda: [-1, 2**40],
+        lambda: ["full"] * 3,
+        lambda: {},
+        lambda: {"a": 1},
+        lambda: {"rope_type": "llama3", "factor": 0},
+        lambda: _nested(rng.choice([10, 70, 200])),
+        lambda: rng.randint(-(2**20), 2**20),
+        lambda: rng.random() * 10 ** rng.randint(-5, 30),
     ]
     return rng.choice(pool)()
 
@@ -179,7 +208,11 @@ def _flip(rng: random.Random, data: bytes) -> tuple[bytes, bool]:
     n = rng.choice([1, 1, 2, 4, 16])
     region = rng.choice(["any", "any", "header", "data"])
     if region == "header":
-        pool = list(range(64)) + list(range(lay.hoff, lay.hoff + lay.hlen)) + list(range(lay.diroff, lay.diroff + lay.dirlen))
+        pool = (
+            list(range(64))
+            + list(range(lay.hoff, lay.hoff + lay.hlen))
+            + list(range(lay.diroff, lay.diroff + lay.dirlen))
+        )
     elif region == "data":
         pool = range(lay.doff, lay.diroff)
     else:
@@ -213,7 +246,13 @@ def _edit_directory(rng: random.Random, data: bytes, seal: bool) -> tuple[bytes,
     how = rng.choice(["field", "field", "swap", "drop", "dup", "shape"])
     if how == "field":
         key = rng.choice(["name", "dtype", "shape", "offset", "nbytes", "crc32"])
-        e[key] = hostile_values(rng) if rng.random() < 0.7 else rng.choice(["f16", "bf16", "q8", "q4", "u8", "f32"]) if key == "dtype" else hostile_values(rng)
+        e[key] = (
+            hostile_values(rng)
+            if rng.random() < 0.7
+            else rng.choice(["f16", "bf16", "q8", "q4", "u8", "f32"])
+            if key == "dtype"
+            else hostile_values(rng)
+        )
         note = f"dir {e.get('name')!s:.30}.{key}"
     elif how == "swap":  # swap two tensors' names (same data, wrong places)
         a, b = rng.sample(entries, 2)
@@ -252,7 +291,9 @@ def _shape_edit(rng: random.Random, e: dict[str, Any]) -> str:
 
 
 def _bomb(rng: random.Random, data: bytes) -> tuple[bytes, str]:
-    kind = rng.choice(["deep-list", "deep-dict", "bigint", "infinity", "nan", "bigstring", "manykeys", "notjson", "notutf8"])
+    kind = rng.choice(
+        ["deep-list", "deep-dict", "bigint", "infinity", "nan", "bigstring", "manykeys", "notjson", "notutf8"]
+    )
     if kind == "deep-list":
         d = rng.choice([100, 1000, 100000])
         hj = b'{"arch": ' + b"[" * d + b"]" * d + b"}"
@@ -312,7 +353,16 @@ def _arch_geometry(rng: random.Random, data: bytes) -> tuple[bytes, str]:
         ("sliding_window", rng.choice([-1, 0, 1, 2**40])),
         ("layer_types", rng.choice([["sliding"] * a["num_layers"], ["linear"] * a["num_layers"], ["full"], []])),
         ("max_position_embeddings", rng.choice([0, 1, 2, 2**40])),
-        ("rope_scaling", rng.choice([{"rope_type": "linear", "factor": 0}, {"rope_type": "llama3", "factor": 8, "low_freq_factor": 1, "high_freq_factor": 1}, {"rope_type": "yarn"}])),
+        (
+            "rope_scaling",
+            rng.choice(
+                [
+                    {"rope_type": "linear", "factor": 0},
+                    {"rope_type": "llama3", "factor": 8, "low_freq_factor": 1, "high_freq_factor": 1},
+                    {"rope_type": "yarn"},
+                ]
+            ),
+        ),
         ("tie_word_embeddings", rng.choice([True, "yes", 1])),
         ("v_head_dim", rng.choice([hd // 2, hd * 2, 0])),
         ("moe", {"num_experts": 4, "top_k": 9, "expert_intermediate_size": 8, "moe_layers": [0, 5]}),
@@ -326,8 +376,18 @@ def _arch_geometry(rng: random.Random, data: bytes) -> tuple[bytes, str]:
     return _rebuild(data, json.dumps(header).encode(), seal=True), note
 
 
-MUTATORS = ("flip", "truncate", "header", "header-sealed", "arch-sealed", "geometry", "directory", "directory-sealed",
-            "bomb", "foreign")
+MUTATORS = (
+    "flip",
+    "truncate",
+    "header",
+    "header-sealed",
+    "arch-sealed",
+    "geometry",
+    "directory",
+    "directory-sealed",
+    "bomb",
+    "foreign",
+)
 
 
 def make_case(rng: random.Random, bases: list[Base], index: int) -> Case:
@@ -363,7 +423,18 @@ def make_case(rng: random.Random, bases: list[Base], index: int) -> Case:
     if not changed:
         unsealed_header = False
     main, side = (base.main, data) if target == "sidecar" else (data, base.sidecar)
-    return Case(f"{index:05d}-{kind}-{base.name}-{target}", kind, base.name, target, main, side, changed, unsealed_header, sealed, note)
+    return Case(
+        f"{index:05d}-{kind}-{base.name}-{target}",
+        kind,
+        base.name,
+        target,
+        main,
+        side,
+        changed,
+        unsealed_header,
+        sealed,
+        note,
+    )
 
 
 def corpus(seed: int, n: int, bases: list[Base]) -> list[Case]:
@@ -372,6 +443,7 @@ def corpus(seed: int, n: int, bases: list[Base]) -> list[Case]:
 
 
 # ------------------------------------------------------------------ judging
+
 
 @dataclass
 class Outcome:
@@ -447,13 +519,17 @@ class Table:
         return sum(r.get(status, 0) for r in self.rows.values())
 
     def markdown(self) -> str:
-        lines = ["| command | runs | exit 0 | clean error | traceback | crash (signal) | hang | memory |",
-                 "|---|---|---|---|---|---|---|---|"]
+        lines = [
+            "| command | runs | exit 0 | clean error | traceback | crash (signal) | hang | memory |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
         for c in ALL_COMMANDS:
             r = self.rows.get(c)
             if r:
-                lines.append(f"| {c} | {r['runs']} | {r['ok']} | {r['clean']} | {r['traceback']} | {r['crash']} | "
-                             f"{r['hang']} | {r.get('memory', 0)} |")
+                lines.append(
+                    f"| {c} | {r['runs']} | {r['ok']} | {r['clean']} | {r['traceback']} | {r['crash']} | "
+                    f"{r['hang']} | {r.get('memory', 0)} |"
+                )
         return "\n".join(lines)
 
 
@@ -588,7 +664,11 @@ _COMPONENTS: dict[str, list[Any]] = {
         {"type": "Prepend", "prepend": "\u2581" * 10},
         {"type": "Sequence", "normalizers": [{"type": "NFKC"}] * 100},
         {"type": "Strip", "strip_left": "yes"},
-        {"type": "Lowercase"}, {"type": "NFC"}, {"type": "Hypothetical"}, [], "NFC",
+        {"type": "Lowercase"},
+        {"type": "NFC"},
+        {"type": "Hypothetical"},
+        [],
+        "NFC",
     ],
     "pre_tokenizer": [
         {"type": "Split", "pattern": {"Regex": _HUGE_REGEX}, "behavior": "Isolated", "invert": False},
@@ -611,21 +691,47 @@ _COMPONENTS: dict[str, list[Any]] = {
         {"type": "Fuse"},
     ],
     "post_processor": [
-        {"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "[X]", "type_id": 0}}], "pair": [],
-         "special_tokens": {}},
-        {"type": "TemplateProcessing", "single": [{"Sequence": {"id": "A", "type_id": 0}}], "pair": [],
-         "special_tokens": {"[X]": {"id": "[X]", "ids": [2**40], "tokens": ["x"]}}},
+        {
+            "type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": "[X]", "type_id": 0}}],
+            "pair": [],
+            "special_tokens": {},
+        },
+        {
+            "type": "TemplateProcessing",
+            "single": [{"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [],
+            "special_tokens": {"[X]": {"id": "[X]", "ids": [2**40], "tokens": ["x"]}},
+        },
         {"type": "BertProcessing", "sep": ["[SEP]", 10**12], "cls": ["[CLS]", 0]},
         {"type": "RobertaProcessing", "sep": ["a", 0], "cls": ["b", 1], "trim_offsets": True, "add_prefix_space": True},
         {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": False, "use_regex": True},
     ],
     "padding": [
-        {"strategy": {"Fixed": 10**12}, "direction": "Right", "pad_to_multiple_of": None, "pad_id": 0, "pad_type_id": 0,
-         "pad_token": "x"},
-        {"strategy": "BatchLongest", "direction": "Left", "pad_to_multiple_of": 2**40, "pad_id": 0, "pad_type_id": 0,
-         "pad_token": "x"},
-        {"strategy": {"Fixed": 8}, "direction": "Right", "pad_to_multiple_of": None, "pad_id": 0, "pad_type_id": 0,
-         "pad_token": "x"},
+        {
+            "strategy": {"Fixed": 10**12},
+            "direction": "Right",
+            "pad_to_multiple_of": None,
+            "pad_id": 0,
+            "pad_type_id": 0,
+            "pad_token": "x",
+        },
+        {
+            "strategy": "BatchLongest",
+            "direction": "Left",
+            "pad_to_multiple_of": 2**40,
+            "pad_id": 0,
+            "pad_type_id": 0,
+            "pad_token": "x",
+        },
+        {
+            "strategy": {"Fixed": 8},
+            "direction": "Right",
+            "pad_to_multiple_of": None,
+            "pad_id": 0,
+            "pad_type_id": 0,
+            "pad_token": "x",
+        },
     ],
     "truncation": [
         {"direction": "Right", "max_length": 0, "strategy": "LongestFirst", "stride": 5},
@@ -643,7 +749,9 @@ def _mutate_tokenizer(rng: random.Random, tok: dict[str, Any]) -> str:
         return f"{key}={json.dumps(tok[key])[:60]}"
     model = tok["model"]
     if how == "model":
-        edit = rng.choice(["type", "vocab-id", "vocab-list", "merges", "merges-missing", "unk", "dropout", "vocab-empty"])
+        edit = rng.choice(
+            ["type", "vocab-id", "vocab-list", "merges", "merges-missing", "unk", "dropout", "vocab-empty"]
+        )
         if edit == "type":
             model["type"] = rng.choice(["Unigram", "WordPiece", "WordLevel", "Hypothetical", 5, None])
         elif edit == "vocab-id":
@@ -663,15 +771,36 @@ def _mutate_tokenizer(rng: random.Random, tok: dict[str, Any]) -> str:
             model["vocab"] = {}
         return f"model {edit}"
     if how == "added":
-        tok["added_tokens"] = rng.choice([
-            [{"id": 2**40, "content": "x", "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
-              "special": True}],
-            [{"id": 3, "content": "", "special": True}],
-            [{"id": i, "content": "<s>", "special": True} for i in range(3)],
-            "tokens", [None],
-            [{"id": 300, "content": "<|im_start|>", "single_word": False, "lstrip": True, "rstrip": True,
-              "normalized": True, "special": False}],
-        ])
+        tok["added_tokens"] = rng.choice(
+            [
+                [
+                    {
+                        "id": 2**40,
+                        "content": "x",
+                        "single_word": False,
+                        "lstrip": False,
+                        "rstrip": False,
+                        "normalized": False,
+                        "special": True,
+                    }
+                ],
+                [{"id": 3, "content": "", "special": True}],
+                [{"id": i, "content": "<s>", "special": True} for i in range(3)],
+                "tokens",
+                [None],
+                [
+                    {
+                        "id": 300,
+                        "content": "<|im_start|>",
+                        "single_word": False,
+                        "lstrip": True,
+                        "rstrip": True,
+                        "normalized": True,
+                        "special": False,
+                    }
+                ],
+            ]
+        )
         return f"added_tokens={json.dumps(tok['added_tokens'])[:60]}"
     paths = [p for p in key_paths({k: v for k, v in tok.items() if k != "model"}) if p]
     paths += [("model",) + p for p in key_paths({k: v for k, v in model.items() if k not in ("vocab", "merges")})]
@@ -694,8 +823,16 @@ def _tokenizer_case(rng: random.Random, data: bytes) -> tuple[bytes, str]:
     kind = rng.choice(["json"] * 8 + ["bytes"])
     header = _header_of(data)
     if kind == "bytes":
-        new = rng.choice([raw[: rng.randrange(len(raw))], raw + b"\xff", b"[" * 100000, b"", b'{"model": null}',
-                          raw.replace(b'"vocab"', b'"vocab" ', 1)])
+        new = rng.choice(
+            [
+                raw[: rng.randrange(len(raw))],
+                raw + b"\xff",
+                b"[" * 100000,
+                b"",
+                b'{"model": null}',
+                raw.replace(b'"vocab"', b'"vocab" ', 1),
+            ]
+        )
         note = f"tokenizer bytes ({len(new)})"
     else:
         tok = json.loads(raw)
@@ -715,18 +852,43 @@ def _tokenizer_case(rng: random.Random, data: bytes) -> tuple[bytes, str]:
 
 
 TEMPLATES = [
-    "{{ lipsum(10**6) }}", '{{ "x"|center(10**9) }}', '{{ "%*s"|format(10**9, "") }}', '{{ "ab" * 10**9 }}',
-    "{% for i in range(10**9) %}{% endfor %}", '{{ "x".rjust(10**9) }}', '{{ "{:>999999999}".format(1) }}',
-    '{{ "%.999999999f" % 1.0 }}', '{{ ("x" * 2**20).replace("x", "yy") }}', "{{ [1]|batch(10**9, 0)|list }}",
-    '{% set a = "x" * 2**20 %}{{ a ~ a ~ a }}', '{% set a = "x" * 2**20 %}{% for c in a %}{% for d in a %}{% endfor %}{% endfor %}',
+    "{{ lipsum(10**6) }}",
+    '{{ "x"|center(10**9) }}',
+    '{{ "%*s"|format(10**9, "") }}',
+    '{{ "ab" * 10**9 }}',
+    "{% for i in range(10**9) %}{% endfor %}",
+    '{{ "x".rjust(10**9) }}',
+    '{{ "{:>999999999}".format(1) }}',
+    '{{ "%.999999999f" % 1.0 }}',
+    '{{ ("x" * 2**20).replace("x", "yy") }}',
+    "{{ [1]|batch(10**9, 0)|list }}",
+    '{% set a = "x" * 2**20 %}{{ a ~ a ~ a }}',
+    '{% set a = "x" * 2**20 %}{% for c in a %}{% for d in a %}{% endfor %}{% endfor %}',
     '{% set a = ["x" * 2**19] %}{% set b = [a, a, a, a] %}{% set c = [b, b, b, b] %}{{ [c, c, c, c] }}',
     "{% set ns = namespace(t=('a',)) %}{% for i in range(40) %}{% set ns.t = (ns.t, ns.t) %}{% endfor %}{{ {ns.t: 1} }}",
-    "{{ (2**64)**64 }}", '{{ ("<!--" * 200000)|striptags }}', "{{ 1 // 0 }}", "{% for %}", "{{ raise_exception('x') }}",
-    "{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(0) }}", "{{ ''.__class__.__mro__ }}", "{{ cycler.__init__.__globals__ }}",
-    "{{ messages[0]['content'] * 10**6 }}", "{{ messages|tojson(indent=10**9) }}", "{% include 'x' %}", "{% extends 'y' %}",
-    "{{ strftime_now('%Y' * 10**5) }}", "{{ range(10**6)|list|join('x' * 10**6) }}", "{{ '\ud800' }}", "{{ x.y.z }}",
-    "{% for m in messages recursive %}{{ loop(messages) }}{% endfor %}", "{{ '%s' % messages }}", BENIGN_TEMPLATE,
-    "(" * 1000 + ")" * 1000, "{{ " + "(" * 100 + "1" + ")" * 100 + " }}", "{% raw %}", "x" * 2_000_000,
+    "{{ (2**64)**64 }}",
+    '{{ ("<!--" * 200000)|striptags }}',
+    "{{ 1 // 0 }}",
+    "{% for %}",
+    "{{ raise_exception('x') }}",
+    "{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(0) }}",
+    "{{ ''.__class__.__mro__ }}",
+    "{{ cycler.__init__.__globals__ }}",
+    "{{ messages[0]['content'] * 10**6 }}",
+    "{{ messages|tojson(indent=10**9) }}",
+    "{% include 'x' %}",
+    "{% extends 'y' %}",
+    "{{ strftime_now('%Y' * 10**5) }}",
+    "{{ range(10**6)|list|join('x' * 10**6) }}",
+    "{{ '\ud800' }}",
+    "{{ x.y.z }}",
+    "{% for m in messages recursive %}{{ loop(messages) }}{% endfor %}",
+    "{{ '%s' % messages }}",
+    BENIGN_TEMPLATE,
+    "(" * 1000 + ")" * 1000,
+    "{{ " + "(" * 100 + "1" + ")" * 100 + " }}",
+    "{% raw %}",
+    "x" * 2_000_000,
 ]
 
 
@@ -761,13 +923,17 @@ def _blob_case(rng: random.Random, data: bytes) -> tuple[bytes, str]:
                 out[q : q + 4] = struct.pack("<f", float("nan") if how == "nan" else float("inf"))
     e["crc32"] = zlib.crc32(bytes(out[e["offset"] : e["offset"] + e["nbytes"]]))
     lay = Layout.of(data)
-    return _rebuild(bytes(out), data[lay.hoff : lay.hoff + lay.hlen], json.dumps(entries).encode()), \
-        f"blob {e['name'][:40]} {how} x{n}"
+    return _rebuild(
+        bytes(out), data[lay.hoff : lay.hoff + lay.hlen], json.dumps(entries).encode()
+    ), f"blob {e['name'][:40]} {how} x{n}"
 
 
 def _session(rng: random.Random) -> tuple[bytes, str]:
-    good = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
-            {"role": "assistant", "content": "hello"}]
+    good = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+    ]
     how = rng.choice(["retype", "deep", "huge", "many", "surrogate", "bytes", "roles", "good"])
     if how == "retype":
         doc: Any = json.loads(json.dumps(good))
@@ -786,10 +952,13 @@ def _session(rng: random.Random) -> tuple[bytes, str]:
     if how == "surrogate":
         return b'[{"role": "user", "content": "caf\\udce9 \\ud800"}]', "session surrogate"
     if how == "bytes":
-        return rng.choice([b"\xff\xfe", b"", b"null", b'[{"role": "user", "content": "\xe9"}]', rng.randbytes(200)]), \
-            "session bytes"
+        return rng.choice(
+            [b"\xff\xfe", b"", b"null", b'[{"role": "user", "content": "\xe9"}]', rng.randbytes(200)]
+        ), "session bytes"
     if how == "roles":
-        return json.dumps([{"role": r, "content": "x"} for r in ("tool", "", "\u0000", "x" * 1000)]).encode(), "session roles"
+        return json.dumps(
+            [{"role": r, "content": "x"} for r in ("tool", "", "\u0000", "x" * 1000)]
+        ).encode(), "session roles"
     return json.dumps(good).encode(), "session good"
 
 
@@ -820,8 +989,20 @@ def make_resealed_case(rng: random.Random, bases: list[Base], index: int) -> Cas
     else:
         data, note = _arch_geometry(rng, orig)
     main, side = (base.main, data) if target == "sidecar" else (data, base.sidecar)
-    return Case(f"{index:05d}-{kind}-{base.name}-{target}", kind, base.name, target, main, side, data != orig,
-                False, True, note, session, commands)
+    return Case(
+        f"{index:05d}-{kind}-{base.name}-{target}",
+        kind,
+        base.name,
+        target,
+        main,
+        side,
+        data != orig,
+        False,
+        True,
+        note,
+        session,
+        commands,
+    )
 
 
 def resealed_corpus(seed: int, n: int, bases: list[Base]):

@@ -40,8 +40,15 @@ def ggml_library_quantize(x: np.ndarray, gtype: GT, imatrix: np.ndarray | None =
     lib = ctypes.CDLL(os.path.join(os.path.dirname(llama_cpp.__file__), "lib", "libggml-base.so"))
     fn = lib.ggml_quantize_chunk
     fn.restype = ctypes.c_size_t
-    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                   ctypes.c_void_p]
+    fn.argtypes = [
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.c_void_p,
+    ]
     x = np.ascontiguousarray(x, np.float32)
     rows, cols = x.shape
     block, size = GGML_QUANT_SIZES[gtype]

@@ -28,7 +28,9 @@ import numpy as np
 from tests.tiny import save_tiny
 
 
-def _block(rng, cfg: dict[str, Any], p: str, scale: float, sinks: bool, qk_norm: bool, mimo: bool) -> dict[str, np.ndarray]:
+def _block(
+    rng, cfg: dict[str, Any], p: str, scale: float, sinks: bool, qk_norm: bool, mimo: bool
+) -> dict[str, np.ndarray]:
     h = cfg["hidden_size"]
     nh = cfg["num_attention_heads"]
     nkv = cfg.get("num_key_value_heads") or nh
@@ -67,7 +69,9 @@ def _block(rng, cfg: dict[str, Any], p: str, scale: float, sinks: bool, qk_norm:
     return t
 
 
-def mtp_tensors(family: str, cfg: dict[str, Any], n_layers: int, seed: int = 1, scale: float = 0.15) -> dict[str, np.ndarray]:
+def mtp_tensors(
+    family: str, cfg: dict[str, Any], n_layers: int, seed: int = 1, scale: float = 0.15
+) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     h = cfg["hidden_size"]
     vocab = cfg["vocab_size"]
@@ -107,7 +111,9 @@ def mtp_tensors(family: str, cfg: dict[str, Any], n_layers: int, seed: int = 1, 
 TRUNKS = {"deepseek": "llama", "qwen3_next": "qwen3", "mimo": "llama"}
 
 
-def save_tiny_mtp(family: str, folder: str | Path, n_layers: int = 1, seed: int = 0, trunk: str | None = None, **overrides: Any) -> Path:
+def save_tiny_mtp(
+    family: str, folder: str | Path, n_layers: int = 1, seed: int = 0, trunk: str | None = None, **overrides: Any
+) -> Path:
     """A trunk from ``tests.tiny`` plus ``n_layers`` MTP layers named as ``family`` names them."""
     from safetensors.numpy import save_file
 
@@ -129,7 +135,9 @@ def save_tiny_mtp(family: str, folder: str | Path, n_layers: int = 1, seed: int 
     return folder
 
 
-def write_random_sidecar(main: str | Path, out: str | Path, n_layers: int = 3, quant: str = "q8", seed: int = 0) -> Path:
+def write_random_sidecar(
+    main: str | Path, out: str | Path, n_layers: int = 3, quant: str = "q8", seed: int = 0
+) -> Path:
     """A sidecar of random MiMo-named draft layers for an existing backbone CMF (e.g. SmolLM2),
     with the backbone record ``formats.sidecar.check_sidecar`` expects."""
     from formats.cmf import CmfFile, CmfWriter
@@ -140,12 +148,21 @@ def write_random_sidecar(main: str | Path, out: str | Path, n_layers: int = 3, q
     with CmfFile(main) as m:
         header = m.header
     a = header["arch"]
-    cfg = dict(hidden_size=a["hidden_size"], num_attention_heads=a["num_heads"], num_key_value_heads=a["num_kv_heads"],
-               head_dim=a["head_dim"], intermediate_size=a["intermediate_size"], vocab_size=a["vocab_size"])
+    cfg = dict(
+        hidden_size=a["hidden_size"],
+        num_attention_heads=a["num_heads"],
+        num_key_value_heads=a["num_kv_heads"],
+        head_dim=a["head_dim"],
+        intermediate_size=a["intermediate_size"],
+        vocab_size=a["vocab_size"],
+    )
     mtp = {"num_layers": n_layers, "style": "mimo"}
     side_header = {
-        "format": "cmf", "format_version": header.get("format_version"), "role": ROLE_SIDECAR,
-        "arch": {**a, "mtp": mtp}, "mtp": {**mtp, "location": "sidecar", "sidecar": out.name},
+        "format": "cmf",
+        "format_version": header.get("format_version"),
+        "role": ROLE_SIDECAR,
+        "arch": {**a, "mtp": mtp},
+        "mtp": {**mtp, "location": "sidecar", "sidecar": out.name},
         "backbone": backbone_identity(header, main.name),
     }
     with CmfWriter(out, side_header, force=True) as w:
@@ -174,7 +191,7 @@ def _save_qwen3_next(folder: Path, seed: int, **overrides: Any) -> Path:
     for name, t in trunk.items():
         if name.startswith(src):
             noise = 0.1 * float(np.std(t)) if t.ndim > 1 else 0.05
-            out["mtp.layers.0." + name[len(src):]] = (t + noise * rng.standard_normal(t.shape)).astype(t.dtype)
+            out["mtp.layers.0." + name[len(src) :]] = (t + noise * rng.standard_normal(t.shape)).astype(t.dtype)
     h = cfg["hidden_size"]
     out["mtp.fc.weight"] = (rng.standard_normal((h, 2 * h)) * 0.1).astype(np.float32)
     for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):

@@ -101,8 +101,15 @@ def check_int_kernels(dt: DType) -> None:
     for i, rows in enumerate((50, 17, 33)):
         W = rng.standard_normal((rows, cols)).astype(np.float32)
         named = dt.named(dt.encode(W), W.shape)
-        ws.append(Weight(f"w{i}", dt.name, rows, cols,
-                         {n: a.view(np.uint16) if a.dtype == np.float16 else a for n, a in named.items()}))
+        ws.append(
+            Weight(
+                f"w{i}",
+                dt.name,
+                rows,
+                cols,
+                {n: a.view(np.uint16) if a.dtype == np.float16 else a for n, a in named.items()},
+            )
+        )
     forms = (False, True) if qdot.host_vnni() else (False,)
     for bits in (8, 16):
         results = []
@@ -130,8 +137,11 @@ def check_llama_cpp_bytes(dt: DType, ggml_type) -> None:
 
     rng = np.random.default_rng(0)
     shape = (16, 1024)
-    cases = [rng.standard_normal(shape), rng.standard_t(3, shape) * 0.02,
-             rng.standard_normal(shape) * (rng.random(shape) < 0.1)]
+    cases = [
+        rng.standard_normal(shape),
+        rng.standard_t(3, shape) * 0.02,
+        rng.standard_normal(shape) * (rng.random(shape) < 0.1),
+    ]
     imp = (rng.random(shape[1]) ** 3 * 10 + 0.01).astype(np.float32)
     for x in cases:
         x = x.astype(np.float32)
@@ -157,6 +167,7 @@ def weighted_rms_of_plain(dt: DType, x: np.ndarray, importance: np.ndarray) -> f
 
 
 # ---------------------------------------------------------------- a GGUF with these blocks
+
 
 def write_gguf_with(path: Path, ggml_type_name: str, dt: DType, tmp: Path) -> tuple[Path, dict[str, str]]:
     """A tiny llama GGUF as llama.cpp writes it, every matrix whose rows fit ``dt`` stored

@@ -95,8 +95,10 @@ def test_unpackers_against_numpy(dtype):
 SHAPES = [(16, 32, 1), (48, 64, 17), (64, 576, 40), (32, 1536, 33), (32, 512, 20)]
 
 
-@pytest.mark.parametrize("unit,dtype,bits,rows,cols,n", [(u, d, b, *s) for u, d, b in UNIT_FORMS for s in SHAPES
-                                                           if get_dtype(d).supports(s[:2])])  # K-quants: cols % 256
+@pytest.mark.parametrize(
+    "unit,dtype,bits,rows,cols,n",
+    [(u, d, b, *s) for u, d, b in UNIT_FORMS for s in SHAPES if get_dtype(d).supports(s[:2])],
+)  # K-quants: cols % 256
 def test_tile_kernel_against_float64(unit, dtype, bits, rows, cols, n):
     KERNEL = KERNELS[unit]
     w = _weight(dtype, rows, cols, rows + cols)
@@ -110,7 +112,9 @@ def test_tile_kernel_against_float64(unit, dtype, bits, rows, cols, n):
     assert np.abs(out[:, 8:] - ref).max() / np.abs(ref).max() < 2e-6
     # a slice of rows writes only its own columns, and no padding input of the last tile
     part = np.full((n, 40), np.nan, np.float32)
-    KERNEL.rows(dtype, w.parts, cols, rows - 16, rows, x, part, np.empty(KERNEL.scratch_bytes(dtype, 16, cols), np.uint8), 24)
+    KERNEL.rows(
+        dtype, w.parts, cols, rows - 16, rows, x, part, np.empty(KERNEL.scratch_bytes(dtype, 16, cols), np.uint8), 24
+    )
     assert np.abs(part[:, 24:] - ref[:, rows - 16 :]).max() / np.abs(ref).max() < 2e-6
     assert np.isnan(part[:, :24]).all()
     # int8 activations: the same block sums the decode kernels take (qdot_ref at 8 bits),
@@ -142,7 +146,10 @@ def test_the_units_agree_bit_for_bit(dtype, bits):
 @pytest.mark.parametrize("rows,cols", [(16, 32), (48, 96), (32, 576)])
 def test_avx2_interleave_and_rows_against_numpy(rows, cols):
     rng = np.random.default_rng(rows + cols)
-    for src in (rng.integers(-128, 128, (rows, cols), dtype=np.int8), rng.integers(0, 32, (rows, cols), dtype=np.uint8)):
+    for src in (
+        rng.integers(-128, 128, (rows, cols), dtype=np.int8),
+        rng.integers(0, 32, (rows, cols), dtype=np.uint8),
+    ):
         assert np.array_equal(amx.interleave16(src), amx.interleave16_ref(src))
     X = _x(7, cols, 3)
     X[1, :32] = 0.0
@@ -178,8 +185,14 @@ def test_bad_arguments_are_errors_not_reads(unit, dtype):
             KERNEL.rows(dtype, w.parts, 64, r0, r1, x, out)
     with pytest.raises(ValueError):  # inputs packed for another width
         KERNEL.rows(dtype, w.parts, 64, 0, 32, KERNEL.prepare(_x(5, 96, 2)), out)
-    for bad, col in ((np.zeros((16, 32), np.float32), 0), (np.zeros((5, 31), np.float32), 0), (out, 1), (out, -1),
-                     (np.zeros((5, 64), np.float64), 0), (np.zeros((32, 5), np.float32).T, 0)):
+    for bad, col in (
+        (np.zeros((16, 32), np.float32), 0),
+        (np.zeros((5, 31), np.float32), 0),
+        (out, 1),
+        (out, -1),
+        (np.zeros((5, 64), np.float64), 0),
+        (np.zeros((32, 5), np.float32).T, 0),
+    ):
         with pytest.raises(ValueError):  # an output that cannot hold the columns, or not f32 rows
             KERNEL.rows(dtype, w.parts, 64, 0, 32, x, bad, None, col)
     if dtype == "q8" or unit == "avx2":
@@ -202,8 +215,15 @@ def test_bad_arguments_are_errors_not_reads(unit, dtype):
         KERNEL.rows("q6k", _weight("q6k", 16, 256, 1).parts, 256, 0, 16, KERNEL.prepare(_x(5, 256, 2)), out)
 
 
-@pytest.mark.parametrize("unit,dtype,width", [(u, d, w) for u in UNITS for d, w in (("q8", None), ("q4", None), ("q5", None),
-                                               ("q4k", None), ("q4", 8), ("q4k", 8)) if (w or 16) in amx.widths(u)[d]])
+@pytest.mark.parametrize(
+    "unit,dtype,width",
+    [
+        (u, d, w)
+        for u in UNITS
+        for d, w in (("q8", None), ("q4", None), ("q5", None), ("q4k", None), ("q4", 8), ("q4k", 8))
+        if (w or 16) in amx.widths(u)[d]
+    ],
+)
 @pytest.mark.parametrize("rows", [40, 1536 + 8])
 def test_prefill_matmul_tiles_and_tail_against_float64(unit, dtype, width, rows):
     """A prefill matmul (n > small_n) of a weight whose rows are not whole tiles, fused

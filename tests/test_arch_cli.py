@@ -15,8 +15,21 @@ from tests import arch_tiny
 
 runner = CliRunner()
 FAMILIES = [
-    "qwen2_moe", "qwen3_moe", "mixtral", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "mimo_v2_flash", "granite",
-    "smollm3", "phi3", "gpt_oss", "glm4_moe", "gemma2", "olmo2", "deepseek_v3",
+    "qwen2_moe",
+    "qwen3_moe",
+    "mixtral",
+    "qwen3_next",
+    "qwen3_5_text",
+    "qwen3_5_moe_text",
+    "mimo_v2_flash",
+    "granite",
+    "smollm3",
+    "phi3",
+    "gpt_oss",
+    "glm4_moe",
+    "gemma2",
+    "olmo2",
+    "deepseek_v3",
 ]
 DENSE = ("qwen3_5_text", "granite", "smollm3", "phi3", "gemma2", "olmo2")
 
@@ -105,7 +118,9 @@ def test_moe_stats_table_and_dense_model(tmp_path):
     from cortiq_cli.moe_stats import moe_stats_json, print_moe_stats
     from formats.arch import ArchConfig, MoeConfig
 
-    arch = ArchConfig("x", 8, 2, 2, 2, 4, 16, 32, 64, moe=MoeConfig(num_experts=40, top_k=2, expert_intermediate_size=8))
+    arch = ArchConfig(
+        "x", 8, 2, 2, 2, 4, 16, 32, 64, moe=MoeConfig(num_experts=40, top_k=2, expert_intermediate_size=8)
+    )
     stats = moe_stats_json({1: [0] * 38 + [3, 5]}, arch)
     con = Console(record=True, width=120)
     print_moe_stats(con, stats)

@@ -26,12 +26,32 @@ from tests import arch_tiny
 from tests.tiny import build_tiny
 
 MT = "deepseek_v3"
-YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64, mscale=0.707,
-            mscale_all_dim=1.0, beta_fast=32, beta_slow=1)
+YARN = dict(
+    rope_type="yarn",
+    rope_theta=10000.0,
+    factor=4.0,
+    original_max_position_embeddings=64,
+    mscale=0.707,
+    mscale_all_dim=1.0,
+    beta_fast=32,
+    beta_slow=1,
+)
 BASE = dict(
-    num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
-    n_shared_experts=1, moe_intermediate_size=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
-    v_head_dim=16, num_key_value_heads=4, routed_scaling_factor=2.5, rope_parameters=YARN,
+    num_hidden_layers=3,
+    first_k_dense_replace=1,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_group=2,
+    topk_group=1,
+    n_shared_experts=1,
+    moe_intermediate_size=32,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    num_key_value_heads=4,
+    routed_scaling_factor=2.5,
+    rope_parameters=YARN,
 )
 # The release's shape (q LoRA, interleaved rotary pairs), and q_proj straight from the
 # hidden state with the rotary parts in halves.
@@ -85,7 +105,10 @@ def test_arch_parsed_from_config(ds):
     arch = parse_config(json.loads((ds["q_lora"][1] / "config.json").read_text()))
     m = arch.mla
     assert (m.q_lora_rank, m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim) == (32, 32, 16, 8, 16)
-    assert m.rope_interleave and not parse_config(json.loads((ds["q_proj"][1] / "config.json").read_text())).mla.q_lora_rank
+    assert (
+        m.rope_interleave
+        and not parse_config(json.loads((ds["q_proj"][1] / "config.json").read_text())).mla.q_lora_rank
+    )
     assert (arch.head_dim, arch.v_head_dim, arch.rotary_dim, arch.num_kv_heads) == (24, 16, 8, 4)
     assert arch.rope_scaling["rope_type"] == "yarn" and arch.rope_scaling["mscale_all_dim"] == 1.0
     mc = arch.moe
@@ -96,9 +119,13 @@ def test_arch_parsed_from_config(ds):
 
 @pytest.mark.parametrize(
     "edit,message",
-    [({"scoring_func": "softmax"}, "scoring_func"), ({"topk_method": "greedy"}, "topk_method"),
-     ({"moe_layer_freq": 2}, "moe_layer_freq"), ({"num_key_value_heads": 2}, "num_key_value_heads"),
-     ({"rope_parameters": {"rope_type": "su", "rope_theta": 1e4}}, "rope scaling type")],
+    [
+        ({"scoring_func": "softmax"}, "scoring_func"),
+        ({"topk_method": "greedy"}, "topk_method"),
+        ({"moe_layer_freq": 2}, "moe_layer_freq"),
+        ({"num_key_value_heads": 2}, "num_key_value_heads"),
+        ({"rope_parameters": {"rope_type": "su", "rope_theta": 1e4}}, "rope scaling type"),
+    ],
 )
 def test_unsupported_settings_are_refused(ds, edit, message):
     cfg = json.loads((ds["q_lora"][1] / "config.json").read_text())
@@ -261,7 +288,7 @@ def _with_mtp(src, folder, seed: int = 5):
     for name, t in trunk.items():
         if name.startswith(lay):
             noise = 0.3 * float(np.std(t)) if t.ndim > 1 else 0.1
-            out[p + name[len(lay):]] = (t + noise * rng.standard_normal(t.shape)).astype(np.float32)
+            out[p + name[len(lay) :]] = (t + noise * rng.standard_normal(t.shape)).astype(np.float32)
     for name in ("enorm", "hnorm", "shared_head.norm"):
         out[f"{p}{name}.weight"] = (1 + 0.1 * rng.standard_normal(h)).astype(np.float32)
     out[p + "eh_proj.weight"] = (rng.standard_normal((h, 2 * h)) * 0.1).astype(np.float32)
@@ -287,9 +314,17 @@ def test_mtp_layer_goes_to_the_sidecar(ds_mtp):
         assert not any(".mtp." in n for n in main.names())
         names = set(side.names())
         p = "model.mtp.layers.0."
-        for n in ("final_layernorm.weight", "eh_proj.weight", "enorm.weight", "mlp.shared_expert.gate_proj.weight",
-                  "mlp.gate.e_score_correction_bias", "mlp.experts.7.down_proj.weight", "self_attn.q_a_proj.weight",
-                  "self_attn.kv_b_proj.weight", "self_attn.kv_a_layernorm.weight"):
+        for n in (
+            "final_layernorm.weight",
+            "eh_proj.weight",
+            "enorm.weight",
+            "mlp.shared_expert.gate_proj.weight",
+            "mlp.gate.e_score_correction_bias",
+            "mlp.experts.7.down_proj.weight",
+            "self_attn.q_a_proj.weight",
+            "self_attn.kv_b_proj.weight",
+            "self_attn.kv_a_layernorm.weight",
+        ):
             assert p + n in names, n
         assert not any("embed_tokens" in n or "shared_head" in n for n in names)
         assert side.header["arch"]["mtp"] == {"num_layers": 1, "style": "deepseek"}
@@ -318,7 +353,7 @@ def test_mtp_block_against_transformers_decoder_layer(ds_mtp):
     n = cfg.num_hidden_layers
     w = {name: torch.from_numpy(v) for name, v in load_file(str(src / "mtp.safetensors")).items()}
     p = f"model.layers.{n}."
-    sd = {name[len(p):]: v for name, v in w.items() if name.startswith(p)}
+    sd = {name[len(p) :]: v for name, v in w.items() if name.startswith(p)}
     ex = lambda e, x: sd.pop(f"mlp.experts.{e}.{x}_proj.weight")  # noqa: E731
     E = cfg.n_routed_experts
     sd["mlp.experts.gate_up_proj"] = torch.stack([torch.cat([ex(e, "gate"), ex(e, "up")]) for e in range(E)])
@@ -353,7 +388,10 @@ def test_speculative_with_the_deepseek_sidecar_equals_greedy(ds_mtp):
         # threshold 0: the random draft layer would otherwise propose nothing.
         for depth in (1, 3):
             res = eng.generate(
-                prompt, max_tokens=20, ignore_eos=True, speculative=SpeculativeConfig(depth=depth, threshold=0, lookup=0)
+                prompt,
+                max_tokens=20,
+                ignore_eos=True,
+                speculative=SpeculativeConfig(depth=depth, threshold=0, lookup=0),
             )
             assert res.token_ids == plain
             assert res.extra["mtp"]["rounds"] > 0 and res.expert_usage
@@ -376,7 +414,9 @@ def test_mtp_layer_with_wrong_latent_geometry_is_refused(ds, tmp_path):
 # unscaled (mscale == mscale_all_dim, as in the releases).
 GGUF_VARIANTS = {
     "q_lora": dict(VARIANTS["q_lora"], rope_parameters=dict(YARN, mscale=1.0, mscale_all_dim=1.0)),
-    "q_proj": dict(VARIANTS["q_proj"], rope_interleave=True, rope_parameters=dict(YARN, mscale=1.0, mscale_all_dim=1.0)),
+    "q_proj": dict(
+        VARIANTS["q_proj"], rope_interleave=True, rope_parameters=dict(YARN, mscale=1.0, mscale_all_dim=1.0)
+    ),
 }
 
 
@@ -392,7 +432,9 @@ def build_gguf_source(variant: str, seed: int = 2):
     return model
 
 
-def write_deepseek2_gguf(model, path, weight_type: str = "F32", split_kv_b: bool | str = True, meta: dict | None = None):
+def write_deepseek2_gguf(
+    model, path, weight_type: str = "F32", split_kv_b: bool | str = True, meta: dict | None = None
+):
     """The GGUF llama.cpp's DeepseekV2Model writes: MLA as one KV head (key_length
     kv_lora_rank + rope, the real sizes in *_mla), experts stacked [experts, rows, cols],
     the routing bias as exp_probs_b.bias, YaRN's mscale_all_dim as 0.1 * it in
@@ -406,21 +448,36 @@ def write_deepseek2_gguf(model, path, weight_type: str = "F32", split_kv_b: bool
     rp = cfg.rope_parameters
     rope_dim, nope, vd, rank = cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
     keys = {
-        "block_count": cfg.num_hidden_layers, "context_length": cfg.max_position_embeddings,
-        "embedding_length": cfg.hidden_size, "feed_forward_length": cfg.intermediate_size,
-        "attention.head_count": cfg.num_attention_heads, "attention.head_count_kv": 1,
-        "rope.freq_base": float(rp["rope_theta"]), "attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps),
-        "expert_used_count": cfg.num_experts_per_tok, "expert_group_count": cfg.n_group,
-        "expert_group_used_count": cfg.topk_group, "expert_gating_func": int(gguf.ExpertGatingFuncType.SIGMOID),
-        "leading_dense_block_count": cfg.first_k_dense_replace, "vocab_size": cfg.vocab_size,
-        "attention.kv_lora_rank": rank, "attention.key_length": rank + rope_dim, "attention.value_length": rank,
-        "attention.key_length_mla": nope + rope_dim, "attention.value_length_mla": vd,
-        "expert_feed_forward_length": cfg.moe_intermediate_size, "expert_count": cfg.n_routed_experts,
-        "expert_shared_count": cfg.n_shared_experts, "expert_weights_scale": float(cfg.routed_scaling_factor),
-        "expert_weights_norm": bool(cfg.norm_topk_prob), "rope.dimension_count": rope_dim,
-        "rope.scaling.type": "yarn", "rope.scaling.factor": float(rp["factor"]),
+        "block_count": cfg.num_hidden_layers,
+        "context_length": cfg.max_position_embeddings,
+        "embedding_length": cfg.hidden_size,
+        "feed_forward_length": cfg.intermediate_size,
+        "attention.head_count": cfg.num_attention_heads,
+        "attention.head_count_kv": 1,
+        "rope.freq_base": float(rp["rope_theta"]),
+        "attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps),
+        "expert_used_count": cfg.num_experts_per_tok,
+        "expert_group_count": cfg.n_group,
+        "expert_group_used_count": cfg.topk_group,
+        "expert_gating_func": int(gguf.ExpertGatingFuncType.SIGMOID),
+        "leading_dense_block_count": cfg.first_k_dense_replace,
+        "vocab_size": cfg.vocab_size,
+        "attention.kv_lora_rank": rank,
+        "attention.key_length": rank + rope_dim,
+        "attention.value_length": rank,
+        "attention.key_length_mla": nope + rope_dim,
+        "attention.value_length_mla": vd,
+        "expert_feed_forward_length": cfg.moe_intermediate_size,
+        "expert_count": cfg.n_routed_experts,
+        "expert_shared_count": cfg.n_shared_experts,
+        "expert_weights_scale": float(cfg.routed_scaling_factor),
+        "expert_weights_norm": bool(cfg.norm_topk_prob),
+        "rope.dimension_count": rope_dim,
+        "rope.scaling.type": "yarn",
+        "rope.scaling.factor": float(rp["factor"]),
         "rope.scaling.original_context_length": rp["original_max_position_embeddings"],
-        "rope.scaling.yarn_beta_fast": float(rp["beta_fast"]), "rope.scaling.yarn_beta_slow": float(rp["beta_slow"]),
+        "rope.scaling.yarn_beta_fast": float(rp["beta_fast"]),
+        "rope.scaling.yarn_beta_slow": float(rp["beta_slow"]),
         "rope.scaling.yarn_log_multiplier": 0.1 * rp["mscale_all_dim"],
     }
     if cfg.q_lora_rank:
@@ -452,19 +509,35 @@ def write_deepseek2_gguf(model, path, weight_type: str = "F32", split_kv_b: bool
             w.add_tensor(name, x)
 
     parts = {
-        "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
-        "self_attn.q_a_proj": "attn_q_a", "self_attn.q_a_layernorm": "attn_q_a_norm", "self_attn.q_b_proj": "attn_q_b",
-        "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa", "self_attn.kv_a_layernorm": "attn_kv_a_norm",
-        "self_attn.kv_b_proj": "attn_kv_b", "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate",
-        "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp",
-        "mlp.shared_experts.gate_proj": "ffn_gate_shexp", "mlp.shared_experts.up_proj": "ffn_up_shexp",
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+        "self_attn.q_proj": "attn_q",
+        "self_attn.q_a_proj": "attn_q_a",
+        "self_attn.q_a_layernorm": "attn_q_a_norm",
+        "self_attn.q_b_proj": "attn_q_b",
+        "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa",
+        "self_attn.kv_a_layernorm": "attn_kv_a_norm",
+        "self_attn.kv_b_proj": "attn_kv_b",
+        "self_attn.o_proj": "attn_output",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+        "mlp.gate": "ffn_gate_inp",
+        "mlp.shared_experts.gate_proj": "ffn_gate_shexp",
+        "mlp.shared_experts.up_proj": "ffn_up_shexp",
         "mlp.shared_experts.down_proj": "ffn_down_shexp",
     }
     for name, t in model.state_dict().items():
         x = t.detach().numpy().astype(np.float32)
         if name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
-            add({"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                 "lm_head.weight": "output.weight"}[name], x)
+            add(
+                {
+                    "model.embed_tokens.weight": "token_embd.weight",
+                    "model.norm.weight": "output_norm.weight",
+                    "lm_head.weight": "output.weight",
+                }[name],
+                x,
+            )
             continue
         _, _, layer, rest = name.split(".", 3)
         b = f"blk.{layer}."
@@ -530,8 +603,13 @@ def test_gguf_without_the_mla_keys_and_refusals(tmp_path):
 
     src = build_gguf_source("q_lora")
     cfg = src.config
-    old = {"attention.key_length_mla": None, "attention.value_length_mla": None, "attention.head_count_kv": 4,
-           "attention.key_length": cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, "attention.value_length": cfg.v_head_dim}
+    old = {
+        "attention.key_length_mla": None,
+        "attention.value_length_mla": None,
+        "attention.head_count_kv": 4,
+        "attention.key_length": cfg.qk_nope_head_dim + cfg.qk_rope_head_dim,
+        "attention.value_length": cfg.v_head_dim,
+    }
     path = write_deepseek2_gguf(src, tmp_path / "old.gguf", split_kv_b=False, meta=old)
     convert_checkpoint(path, tmp_path / "old.cmf", quant="f32")
     ids = arch_tiny.sample_ids(24)
@@ -546,7 +624,10 @@ def test_gguf_without_the_mla_keys_and_refusals(tmp_path):
     save_file(no_bias, str(tmp_path / "hf" / "model.safetensors"))
     with pytest.raises(CortiqError, match="missing tensor model.layers.1.mlp.gate.e_score_correction_bias"):
         convert_checkpoint(tmp_path / "hf", tmp_path / "nb.cmf", quant="f32")
-    save_file({k: v for k, v in t.items() if "layers.0.self_attn.kv_b_proj" not in k}, str(tmp_path / "hf" / "model.safetensors"))
+    save_file(
+        {k: v for k, v in t.items() if "layers.0.self_attn.kv_b_proj" not in k},
+        str(tmp_path / "hf" / "model.safetensors"),
+    )
     convert_checkpoint(tmp_path / "hf", tmp_path / "nokv.cmf", quant="f32")
     with pytest.raises(CortiqError, match="needs kv_b_proj or, per head, k_b_proj and v_b_proj"):
         Engine.load(tmp_path / "nokv.cmf", kernels="numpy")
@@ -582,8 +663,26 @@ def test_mtp_train_refuses_a_latent_attention_trunk(ds, tmp_path, backend):
     from cortiq_train.run import train_mtp
 
     text = (Path(__file__).resolve().parents[1] / "evals" / "data" / "alice.txt").read_text(encoding="utf-8")[:1000]
-    cfg = TrainConfig(layers=1, steps=2, seq=32, batch=2, warmup=1, topk=8, holdout=0.2, max_tokens=400,
-                      checkpoint_every=0, negatives=16)
+    cfg = TrainConfig(
+        layers=1,
+        steps=2,
+        seq=32,
+        batch=2,
+        warmup=1,
+        topk=8,
+        holdout=0.2,
+        max_tokens=400,
+        checkpoint_every=0,
+        negatives=16,
+    )
     with pytest.raises(CortiqError, match="llama-style draft layers .* multi-head latent attention"):
-        train_mtp(ds["q_lora"][2], text, "alice", cfg, out=tmp_path / "d.mtp.cmf", kernels="numpy", backend=backend,
-                  work=tmp_path / "work")
+        train_mtp(
+            ds["q_lora"][2],
+            text,
+            "alice",
+            cfg,
+            out=tmp_path / "d.mtp.cmf",
+            kernels="numpy",
+            backend=backend,
+            work=tmp_path / "work",
+        )

@@ -207,7 +207,9 @@ def spm_vocab(n: int) -> tuple[list[str], list[int]]:
     types = [3] * len(toks)
     toks += [f"<0x{b:02X}>" for b in range(256)]
     types += [6] * 256
-    pieces = list(dict.fromkeys(["\u2581", "\u2581t", "he", "\u2581the", "an", "\u2581an", "nd", "\u2581and", *"thenadob"]))
+    pieces = list(
+        dict.fromkeys(["\u2581", "\u2581t", "he", "\u2581the", "an", "\u2581an", "nd", "\u2581and", *"thenadob"])
+    )
     pieces = pieces[: n - len(toks)]
     pieces += [f"p{i}" for i in range(n - len(toks) - len(pieces))]
     return toks + pieces, types + [1] * (n - len(toks))
@@ -295,8 +297,12 @@ def test_tiny_gemma2_gguf_matches_transformers(tmp_path: Path, weight_type: str)
         for name, t in src.state_dict().items():
             assert torch.allclose(ours_sd[name], t, rtol=0, atol=1e-6), name
     ref = AutoModelForCausalLM.from_pretrained(
-        tmp_path, gguf_file="g.gguf", dtype=torch.float32, query_pre_attn_scalar=16,
-        attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
+        tmp_path,
+        gguf_file="g.gguf",
+        dtype=torch.float32,
+        query_pre_attn_scalar=16,
+        attn_logit_softcapping=5.0,
+        final_logit_softcapping=3.0,
     ).eval()
     convert_checkpoint(tmp_path / "hf", tmp_path / "g.cmf", quant="f32")
     hf_tok = AutoTokenizer.from_pretrained(tmp_path, gguf_file="g.gguf")

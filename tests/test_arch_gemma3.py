@@ -102,8 +102,19 @@ def test_gelu_tanh_mul_matches_torch():
 
 
 def test_unsupported_activation_is_refused():
-    cfg = json.loads(json.dumps({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 1,
-                                 "intermediate_size": 8, "vocab_size": 10, "hidden_act": "gelu_pytorch_tanh"}))
+    cfg = json.loads(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "hidden_size": 64,
+                "num_attention_heads": 4,
+                "num_hidden_layers": 1,
+                "intermediate_size": 8,
+                "vocab_size": 10,
+                "hidden_act": "gelu_pytorch_tanh",
+            }
+        )
+    )
     with pytest.raises(CortiqError, match="activation 'gelu_pytorch_tanh' is not supported"):
         parse_config(cfg)
 
@@ -125,8 +136,27 @@ def spm_tokens(n: int) -> tuple[list[str], list[int]]:
     types = [3] * len(toks)
     toks += [f"<0x{b:02X}>" for b in range(256)]
     types += [6] * 256
-    pieces = ["\u2581", "t", "h", "e", "a", "n", "d", "o", "\u2581t", "he", "\u2581the", "an", "\u2581an", "nd", "\u2581and",
-              "  ", "\u2581a", "o\u2581", "\n"] + [chr(c) for c in range(ord("b"), ord("z") + 1) if chr(c) not in "tehando"]
+    pieces = [
+        "\u2581",
+        "t",
+        "h",
+        "e",
+        "a",
+        "n",
+        "d",
+        "o",
+        "\u2581t",
+        "he",
+        "\u2581the",
+        "an",
+        "\u2581an",
+        "nd",
+        "\u2581and",
+        "  ",
+        "\u2581a",
+        "o\u2581",
+        "\n",
+    ] + [chr(c) for c in range(ord("b"), ord("z") + 1) if chr(c) not in "tehando"]
     pieces = [p for p in dict.fromkeys(pieces)][: n - len(toks)]
     toks += pieces
     types += [1] * len(pieces)
@@ -186,7 +216,9 @@ def write_gemma_gguf(
             qt = getattr(gguf.GGMLQuantizationType, raw_type)
             bs, ts = gguf.GGML_QUANT_SIZES[qt]
             raw = np.random.default_rng(5).integers(0, 256, (x.shape[0], x.shape[1] // bs * ts), dtype=np.uint8)
-            raw.reshape(x.shape[0], -1, ts)[:, :, :2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)  # a sane f16 scale
+            raw.reshape(x.shape[0], -1, ts)[:, :, :2] = np.frombuffer(
+                np.float16(0.01).tobytes(), np.uint8
+            )  # a sane f16 scale
             w.add_tensor(gname, raw, raw_shape=raw.shape, raw_dtype=qt)
         elif weight_type != "F32" and x.ndim == 2:
             qt = getattr(gguf.GGMLQuantizationType, weight_type)
@@ -205,10 +237,21 @@ def test_tiny_gemma3_gguf_matches_transformers_gguf_loader(tmp_path: Path, weigh
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    src = build_tiny("gemma3_text", **{**TINY, "layer_types": None, "num_hidden_layers": 6, "sliding_window": 6,
-                                       "final_logit_softcapping": None, "query_pre_attn_scalar": 16,
-                                       "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
-                                                           "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}})
+    src = build_tiny(
+        "gemma3_text",
+        **{
+            **TINY,
+            "layer_types": None,
+            "num_hidden_layers": 6,
+            "sliding_window": 6,
+            "final_logit_softcapping": None,
+            "query_pre_attn_scalar": 16,
+            "rope_parameters": {
+                "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            },
+        },
+    )
     write_gemma_gguf(src, tmp_path / "g.gguf", weight_type)
     report = import_gguf(tmp_path / "g.gguf", tmp_path / "hf")
     assert report.tied_embeddings and report.model_type == "gemma3_text"
@@ -245,7 +288,9 @@ def test_undequantizable_tensor_type_is_one_line_error(tmp_path: Path, bad: str)
     assert not (tmp_path / "hf").exists()
 
 
-@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q5_1", "IQ4_NL", "IQ4_XS", "IQ2_XXS", "IQ3_S"])
+@pytest.mark.parametrize(
+    "qtype", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q5_1", "IQ4_NL", "IQ4_XS", "IQ2_XXS", "IQ3_S"]
+)
 def test_k_and_iq_quant_sources_import_as_gguf_py_dequantizes(tmp_path: Path, qtype: str):
     """Any type gguf-py dequantizes imports: the HF tensor is exactly gguf-py's f32."""
     import gguf
@@ -271,9 +316,22 @@ def test_mtp_train_torch_backbone_is_checked_against_the_engine(tiny, tmp_path):
     from formats.errors import CortiqError
 
     text = (Path(__file__).resolve().parents[1] / "evals" / "data" / "alice.txt").read_text()[:1500]
-    cfg = TrainConfig(layers=1, steps=2, seq=32, batch=1, warmup=1, topk=4, holdout=0.0, max_tokens=96,
-                      checkpoint_every=0, negatives=8)
-    with pytest.raises(CortiqError, match=r"--backbone torch does not reproduce the engine on this gemma3 model .*use --backbone engine"):
+    cfg = TrainConfig(
+        layers=1,
+        steps=2,
+        seq=32,
+        batch=1,
+        warmup=1,
+        topk=4,
+        holdout=0.0,
+        max_tokens=96,
+        checkpoint_every=0,
+        negatives=8,
+    )
+    with pytest.raises(
+        CortiqError,
+        match=r"--backbone torch does not reproduce the engine on this gemma3 model .*use --backbone engine",
+    ):
         train_mtp(tiny[2], text, "alice", cfg, out=tmp_path / "t.mtp.cmf", kernels="numpy", backend="torch")
     assert not (tmp_path / "t.mtp.features").exists()
     r = train_mtp(tiny[2], text, "alice", cfg, out=tmp_path / "e.mtp.cmf", kernels="numpy", backend="engine")

@@ -29,7 +29,12 @@ MT = "glm4_moe"
 VARIANTS = {
     "qk_norm": arch_tiny.CONFIGS[MT],
     "air": dict(
-        arch_tiny.CONFIGS[MT], use_qk_norm=False, n_shared_experts=2, norm_topk_prob=False, n_group=4, topk_group=2,
+        arch_tiny.CONFIGS[MT],
+        use_qk_norm=False,
+        n_shared_experts=2,
+        norm_topk_prob=False,
+        n_group=4,
+        topk_group=2,
         num_experts_per_tok=3,
     ),
 }
@@ -79,11 +84,30 @@ def test_release_config_keys():
     """The release's config.json: top-level partial_rotary_factor and rope_theta, head_dim;
     without a partial_rotary_factor transformers rotates half of each head."""
     cfg = dict(
-        model_type=MT, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-        intermediate_size=128, vocab_size=256, partial_rotary_factor=0.5, rope_theta=1000000, rope_scaling=None,
-        first_k_dense_replace=3, n_routed_experts=16, num_experts_per_tok=8, moe_intermediate_size=16, n_group=1,
-        topk_group=1, n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True, use_qk_norm=True,
-        attention_bias=True, num_nextn_predict_layers=1, rms_norm_eps=1e-5,
+        model_type=MT,
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        intermediate_size=128,
+        vocab_size=256,
+        partial_rotary_factor=0.5,
+        rope_theta=1000000,
+        rope_scaling=None,
+        first_k_dense_replace=3,
+        n_routed_experts=16,
+        num_experts_per_tok=8,
+        moe_intermediate_size=16,
+        n_group=1,
+        topk_group=1,
+        n_shared_experts=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        use_qk_norm=True,
+        attention_bias=True,
+        num_nextn_predict_layers=1,
+        rms_norm_eps=1e-5,
     )
     arch = parse_config(cfg)
     assert (arch.rotary_dim, arch.rope_theta, arch.moe.moe_layers) == (16, 1e6, [3])
@@ -105,8 +129,16 @@ def test_release_config_keys():
 )
 def test_unsupported_config_is_refused(change, field):
     cfg = dict(
-        model_type=MT, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=128, vocab_size=256, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+        model_type=MT,
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=256,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
     )
     with pytest.raises(CortiqError, match=field):
         parse_config({**cfg, **change})
@@ -114,7 +146,10 @@ def test_unsupported_config_is_refused(change, field):
 
 def test_shared_experts_are_renamed():
     rules = FAMILIES.for_model_type(MT).sanitize
-    assert rename("model.layers.5.mlp.shared_experts.up_proj.weight", rules) == "model.layers.5.mlp.shared_expert.up_proj.weight"
+    assert (
+        rename("model.layers.5.mlp.shared_experts.up_proj.weight", rules)
+        == "model.layers.5.mlp.shared_expert.up_proj.weight"
+    )
 
 
 # ------------------------------------------------------------------ against transformers
@@ -211,9 +246,15 @@ def test_mtp_layer_goes_to_the_sidecar(glm_mtp):
         assert not any(".mtp." in n for n in main.names())
         names = set(side.names())
         p = "model.mtp.layers.0."
-        for n in ("final_layernorm.weight", "eh_proj.weight", "mlp.shared_expert.gate_proj.weight",
-                  "mlp.gate.e_score_correction_bias", "mlp.experts.7.down_proj.weight", "self_attn.q_proj.bias",
-                  "self_attn.k_norm.weight"):
+        for n in (
+            "final_layernorm.weight",
+            "eh_proj.weight",
+            "mlp.shared_expert.gate_proj.weight",
+            "mlp.gate.e_score_correction_bias",
+            "mlp.experts.7.down_proj.weight",
+            "self_attn.q_proj.bias",
+            "self_attn.k_norm.weight",
+        ):
             assert p + n in names, n
         assert not any("embed_tokens" in n or "shared_head" in n for n in names)
         assert side.header["arch"]["mtp"] == {"num_layers": 1, "style": "deepseek"}
@@ -242,7 +283,7 @@ def test_mtp_block_against_transformers_decoder_layer(glm_mtp):
     n = cfg.num_hidden_layers
     w = {name: torch.from_numpy(v) for name, v in load_file(str(src / "mtp.safetensors")).items()}
     p = f"model.layers.{n}."
-    sd = {name[len(p):]: v for name, v in w.items() if name.startswith(p)}
+    sd = {name[len(p) :]: v for name, v in w.items() if name.startswith(p)}
     ex = lambda e, x: sd.pop(f"mlp.experts.{e}.{x}_proj.weight")  # noqa: E731
     E = cfg.n_routed_experts
     sd["mlp.experts.gate_up_proj"] = torch.stack([torch.cat([ex(e, "gate"), ex(e, "up")]) for e in range(E)])
@@ -277,7 +318,10 @@ def test_speculative_with_the_glm_sidecar_equals_greedy(glm_mtp):
         # threshold 0: the random draft layer would otherwise propose nothing.
         for depth in (1, 3):
             res = eng.generate(
-                prompt, max_tokens=20, ignore_eos=True, speculative=SpeculativeConfig(depth=depth, threshold=0, lookup=0)
+                prompt,
+                max_tokens=20,
+                ignore_eos=True,
+                speculative=SpeculativeConfig(depth=depth, threshold=0, lookup=0),
             )
             assert res.token_ids == plain
             assert res.extra["mtp"]["rounds"] > 0 and res.expert_usage
@@ -313,7 +357,9 @@ def test_mtp_probe_runs_on_the_sidecar(glm_mtp, tmp_path):
     _, out, _ = glm_mtp
     text = tmp_path / "t.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 3)
-    r = CliRunner().invoke(app, ["mtp-probe", str(out), "--text", str(text), "--max-tokens", "40", "--json", "--threads", "1"])
+    r = CliRunner().invoke(
+        app, ["mtp-probe", str(out), "--text", str(text), "--max-tokens", "40", "--json", "--threads", "1"]
+    )
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
     assert doc["draft_layers"] == 1 and doc["tokens"] == 40
@@ -387,7 +433,11 @@ def write_glm4moe_gguf(folder, path, weight_type: str = "F32"):
     for name, x in t.items():
         x = x.astype(np.float32)
         name = name.replace("e_score_correction_bias", "e_score_correction.bias")
-        gname = "token_embd.weight" if name == "model.embed_tokens.weight" else tmap.get_name(name, try_suffixes=(".weight", ".bias"))
+        gname = (
+            "token_embd.weight"
+            if name == "model.embed_tokens.weight"
+            else tmap.get_name(name, try_suffixes=(".weight", ".bias"))
+        )
         assert gname is not None, name
         if weight_type != "F32" and x.ndim >= 2 and ".ffn_gate_inp." not in gname:
             qt = gguf.GGMLQuantizationType[weight_type]

@@ -77,7 +77,13 @@ def test_converted_names_are_per_expert(tiny):
         names = set(f.names())
         assert f.info("model.layers.0.mlp.experts.3.gate_proj.weight").shape == (96, 64)
         assert f.info("model.layers.0.mlp.experts.3.down_proj.weight").shape == (64, 96)
-    for n in ("mlp.gate.weight", "mlp.gate.bias", "mlp.experts.1.up_proj.bias", "mlp.experts.1.down_proj.bias", "self_attn.sinks"):
+    for n in (
+        "mlp.gate.weight",
+        "mlp.gate.bias",
+        "mlp.experts.1.up_proj.bias",
+        "mlp.experts.1.down_proj.bias",
+        "self_attn.sinks",
+    ):
         assert f"model.layers.2.{n}" in names
     assert not any("router" in n or "gate_up" in n for n in names)
 
@@ -169,7 +175,9 @@ def test_router_equals_softmax_topk_renormalized():
     x = torch.randn(64, 16, generator=g)
     _, ref_w, ref_idx = router(x)
     logits = x.numpy() @ router.weight.detach().numpy().T + router.bias.detach().numpy()
-    idx, w = route(logits.astype(np.float32), MoeConfig(num_experts=8, top_k=3, expert_intermediate_size=4, norm_topk_prob=True))
+    idx, w = route(
+        logits.astype(np.float32), MoeConfig(num_experts=8, top_k=3, expert_intermediate_size=4, norm_topk_prob=True)
+    )
     for r in range(64):
         ref = dict(zip(ref_idx[r].tolist(), ref_w[r].detach().tolist()))
         got = dict(zip(idx[r].tolist(), w[r].tolist()))
@@ -205,8 +213,15 @@ def test_biased_expert_matches_transformers_clamped_swiglu():
         return Weight(name, "f32", a.shape[0], a.shape[1], {"data": a})
 
     expert = BiasedExpert(
-        NumpyKernels(), w("g", gup[:, ::2].T), w("u", gup[:, 1::2].T), w("d", ex.down_proj[0].detach().numpy().T),
-        gub[::2].copy(), gub[1::2].copy(), ex.down_proj_bias[0].detach().numpy().copy(), limit=2.0, alpha=1.702,
+        NumpyKernels(),
+        w("g", gup[:, ::2].T),
+        w("u", gup[:, 1::2].T),
+        w("d", ex.down_proj[0].detach().numpy().T),
+        gub[::2].copy(),
+        gub[1::2].copy(),
+        ex.down_proj_bias[0].detach().numpy().copy(),
+        limit=2.0,
+        alpha=1.702,
     )
     np.testing.assert_allclose(expert(x.numpy()), ref, rtol=1e-5, atol=1e-5)
 
@@ -248,7 +263,8 @@ def _write_mxfp4(model, folder):
     save_file(out, str(folder / "model.safetensors"))
     cfg = json.loads(json.dumps(model.config.to_dict()))
     cfg["quantization_config"] = {
-        "quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.embed_tokens", "lm_head"],
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": ["model.layers.*.self_attn", "model.embed_tokens", "lm_head"],
     }
     (folder / "config.json").write_text(json.dumps(cfg))
     write_byte_tokenizer(folder)
@@ -283,9 +299,15 @@ def test_mxfp4_views_stream_by_rows(mxfp4_tiny):
     ck = InterleavedExperts(open_checkpoint(src), RULES)
     try:
         for name, ref in (
-            ("model.layers.0.mlp.experts.1.up_proj.weight", model.model.layers[0].mlp.experts.gate_up_proj[1][:, 1::2].T),
+            (
+                "model.layers.0.mlp.experts.1.up_proj.weight",
+                model.model.layers[0].mlp.experts.gate_up_proj[1][:, 1::2].T,
+            ),
             ("model.layers.3.mlp.experts.0.down_proj.weight", model.model.layers[3].mlp.experts.down_proj[0].T),
-            ("model.layers.2.mlp.experts.3.gate_proj.bias", model.model.layers[2].mlp.experts.gate_up_proj_bias[3][::2]),
+            (
+                "model.layers.2.mlp.experts.3.gate_proj.bias",
+                model.model.layers[2].mlp.experts.gate_up_proj_bias[3][::2],
+            ),
         ):
             ref = ref.detach().numpy()
             parts = list(ck.iter_f32_rows(name, max_elems=64 * 5))
@@ -352,24 +374,53 @@ def test_release_style_config_is_parsed():
     """The release's config.json keys (transformers 4.55: rope_scaling beside rope_theta,
     experts_per_token, no swiglu_alpha, an mxfp4 quantization_config)."""
     cfg = {
-        "model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"], "hidden_size": 2880, "intermediate_size": 2880,
-        "num_hidden_layers": 4, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
-        "vocab_size": 201088, "max_position_embeddings": 131072, "rms_norm_eps": 1e-05, "rope_theta": 150000,
-        "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
-                         "rope_type": "yarn", "truncate": False},
-        "sliding_window": 128, "num_local_experts": 32, "experts_per_token": 4, "swiglu_limit": 7.0,
-        "layer_types": ["sliding_attention", "full_attention"] * 2, "attention_bias": True, "hidden_act": "silu",
-        "tie_word_embeddings": False, "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": []},
+        "model_type": "gpt_oss",
+        "architectures": ["GptOssForCausalLM"],
+        "hidden_size": 2880,
+        "intermediate_size": 2880,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "vocab_size": 201088,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 150000,
+        "rope_scaling": {
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "factor": 32.0,
+            "original_max_position_embeddings": 4096,
+            "rope_type": "yarn",
+            "truncate": False,
+        },
+        "sliding_window": 128,
+        "num_local_experts": 32,
+        "experts_per_token": 4,
+        "swiglu_limit": 7.0,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+        "attention_bias": True,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": []},
     }
     arch = parse_config(cfg)
-    assert (arch.rope_theta, arch.rope_scaling["factor"], arch.sliding_window, arch.norm_eps) == (150000.0, 32.0, 128, 1e-5)
+    assert (arch.rope_theta, arch.rope_scaling["factor"], arch.sliding_window, arch.norm_eps) == (
+        150000.0,
+        32.0,
+        128,
+        1e-5,
+    )
     assert (arch.moe.top_k, arch.moe.num_experts, arch.moe.swiglu_limit, arch.moe.swiglu_alpha) == (4, 32, 7.0, 1.702)
 
 
 @pytest.mark.parametrize(
     "change,match",
     [
-        ({"layer_types": ["sliding_attention", "chunked_attention", "full_attention", "full_attention"]}, "layer_types"),
+        (
+            {"layer_types": ["sliding_attention", "chunked_attention", "full_attention", "full_attention"]},
+            "layer_types",
+        ),
         ({"swiglu_limit": 0}, "swiglu_limit is 0.0"),
         ({"quantization_config": {"quant_method": "fp8"}}, "quant_method 'fp8' is not supported"),
         ({"rope_parameters": {"rope_type": "su", "rope_theta": 10000.0}}, "rope scaling type 'su'"),
@@ -518,7 +569,11 @@ def test_gguf_matches_transformers(tmp_path, expert_type):
         arch = eng.model.arch
         err = arch_tiny.rel_err(eng.logits(ids), arch_tiny.torch_logits(src, ids))
     want = parse_config(json.loads(src.config.to_json_string()))
-    assert (arch.layer_types, arch.sliding_window, arch.rope_scaling) == (want.layer_types, want.sliding_window, want.rope_scaling)
+    assert (arch.layer_types, arch.sliding_window, arch.rope_scaling) == (
+        want.layer_types,
+        want.sliding_window,
+        want.rope_scaling,
+    )
     assert (arch.moe.num_experts, arch.moe.top_k, arch.moe.expert_intermediate_size) == (4, 2, 96)
     assert err < 1e-4, err
 

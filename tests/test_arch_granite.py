@@ -38,11 +38,21 @@ def _config(tiny) -> dict:
 def test_arch_parsed_from_config(tiny):
     arch = parse_config(_config(tiny))
     assert arch.arch == "granite" and arch.attention_bias and arch.tie_word_embeddings
-    assert (arch.embedding_scale, arch.residual_scale, arch.attention_scale, arch.logits_scaling) == (6.0, 0.3, 30.0, 0.25)
+    assert (arch.embedding_scale, arch.residual_scale, arch.attention_scale, arch.logits_scaling) == (
+        6.0,
+        0.3,
+        30.0,
+        0.25,
+    )
     # An absent multiplier is 1, and the score scale stays 1 (Granite's default), not head_dim**-0.5.
     cfg = {k: v for k, v in _config(tiny).items() if not k.endswith(("multiplier", "logits_scaling"))}
     arch = parse_config(cfg)
-    assert (arch.embedding_scale, arch.residual_scale, arch.attention_scale, arch.logits_scaling) == (1.0, 1.0, 1.0, 1.0)
+    assert (arch.embedding_scale, arch.residual_scale, arch.attention_scale, arch.logits_scaling) == (
+        1.0,
+        1.0,
+        1.0,
+        1.0,
+    )
 
 
 @pytest.mark.parametrize("kernels", ["numba", "numpy"])
@@ -138,7 +148,9 @@ def test_gguf_import_restores_the_checkpoint(tiny, tmp_path):
     report = import_gguf(path, tmp_path / "hf")
     assert report.model_type == "granite" and report.tied_embeddings
     cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
-    assert [cfg[k] for k in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")] == [6.0, 0.3, 30.0, 0.25]
+    assert [
+        cfg[k] for k in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
+    ] == [6.0, 0.3, 30.0, 0.25]
     ours = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
     want = model.state_dict()
     for name, t in ours.state_dict().items():
@@ -147,4 +159,6 @@ def test_gguf_import_restores_the_checkpoint(tiny, tmp_path):
     bare = arch_tiny.write_llama_style_gguf(model, tmp_path / "b.gguf", "granite")
     import_gguf(bare, tmp_path / "hf_bare")
     cfg = json.loads((tmp_path / "hf_bare" / "config.json").read_text())
-    assert [cfg[k] for k in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")] == [1.0, 1.0, 0.25, 1.0]
+    assert [
+        cfg[k] for k in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
+    ] == [1.0, 1.0, 0.25, 1.0]

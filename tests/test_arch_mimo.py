@@ -46,12 +46,31 @@ def test_arch_parsed_from_config(mimo):
 def test_release_style_config_keys():
     """The release's own config keys (swa_*, hybrid_layer_pattern, sliding_window_size)."""
     cfg = dict(
-        model_type=MT, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=128, vocab_size=256, head_dim=24, v_head_dim=16, hybrid_layer_pattern=[0, 1, 1],
-        sliding_window_size=128, swa_num_attention_heads=8, swa_num_key_value_heads=8, swa_head_dim=24,
-        swa_v_head_dim=16, swa_rope_theta=10000, rope_theta=5000000, partial_rotary_factor=0.334,
-        moe_layer_freq=[0, 1, 1], n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-        layernorm_epsilon=1e-5, scoring_func="sigmoid", add_swa_attention_sink_bias=True,
+        model_type=MT,
+        hidden_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=256,
+        head_dim=24,
+        v_head_dim=16,
+        hybrid_layer_pattern=[0, 1, 1],
+        sliding_window_size=128,
+        swa_num_attention_heads=8,
+        swa_num_key_value_heads=8,
+        swa_head_dim=24,
+        swa_v_head_dim=16,
+        swa_rope_theta=10000,
+        rope_theta=5000000,
+        partial_rotary_factor=0.334,
+        moe_layer_freq=[0, 1, 1],
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        layernorm_epsilon=1e-5,
+        scoring_func="sigmoid",
+        add_swa_attention_sink_bias=True,
     )
     arch = parse_config(cfg)
     assert arch.norm_eps == 1e-5 and arch.moe.scoring == "sigmoid" and arch.sliding.sinks
@@ -123,16 +142,24 @@ def _mtp_tensors(cfg: dict, n_layers: int) -> dict[str, np.ndarray]:
     out = {}
     for k in range(n_layers):
         p = f"model.mtp.layers.{k}."
-        out.update({
-            p + "enorm.weight": vec(h), p + "hnorm.weight": vec(h), p + "eh_proj.weight": mat(h, 2 * h),
-            p + "final_layernorm.weight": vec(h), p + "input_layernorm.weight": vec(h),
-            p + "pre_mlp_layernorm.weight": vec(h),
-            p + "self_attn.q_proj.weight": mat(nh * hd, h), p + "self_attn.k_proj.weight": mat(nkv * hd, h),
-            p + "self_attn.v_proj.weight": mat(nkv * vd, h), p + "self_attn.o_proj.weight": mat(h, nh * vd),
-            p + "self_attn.attention_sink_bias": rng.standard_normal(nh).astype(np.float32),
-            p + "mlp.gate_proj.weight": mat(inter, h), p + "mlp.up_proj.weight": mat(inter, h),
-            p + "mlp.down_proj.weight": mat(h, inter),
-        })
+        out.update(
+            {
+                p + "enorm.weight": vec(h),
+                p + "hnorm.weight": vec(h),
+                p + "eh_proj.weight": mat(h, 2 * h),
+                p + "final_layernorm.weight": vec(h),
+                p + "input_layernorm.weight": vec(h),
+                p + "pre_mlp_layernorm.weight": vec(h),
+                p + "self_attn.q_proj.weight": mat(nh * hd, h),
+                p + "self_attn.k_proj.weight": mat(nkv * hd, h),
+                p + "self_attn.v_proj.weight": mat(nkv * vd, h),
+                p + "self_attn.o_proj.weight": mat(h, nh * vd),
+                p + "self_attn.attention_sink_bias": rng.standard_normal(nh).astype(np.float32),
+                p + "mlp.gate_proj.weight": mat(inter, h),
+                p + "mlp.up_proj.weight": mat(inter, h),
+                p + "mlp.down_proj.weight": mat(h, inter),
+            }
+        )
     return out
 
 
@@ -159,7 +186,9 @@ def test_mtp_layers_go_to_the_sidecar(mimo, tmp_path):
             arch = ArchConfig.from_json(hdr["arch"])
             assert arch.arch == "mimo_v2" and arch.mtp.num_layers == 3
             assert (arch.sliding.num_kv_heads, arch.sliding.head_dim, arch.sliding.v_head_dim) == (4, 24, 16)
-            assert arch.sliding.window == 5 and arch.sliding.sinks and arch.attention_value_scale == pytest.approx(0.707)
+            assert (
+                arch.sliding.window == 5 and arch.sliding.sinks and arch.attention_value_scale == pytest.approx(0.707)
+            )
         assert main.header["mtp"]["location"] == "sidecar"
     with Engine.load(out, kernels="numpy") as eng:  # the backbone runs without its drafts
         assert np.isfinite(eng.logits(arch_tiny.sample_ids(8))).all()

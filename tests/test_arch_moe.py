@@ -91,8 +91,14 @@ def test_route_sigmoid_groups_against_transformers_router():
     from transformers.models.mimo_v2_flash.modeling_mimo_v2_flash import MiMoV2FlashTopkRouter
 
     cfg = AutoConfig.for_model(
-        "mimo_v2_flash", hidden_size=16, n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2,
-        norm_topk_prob=True, routed_scaling_factor=2.5,
+        "mimo_v2_flash",
+        hidden_size=16,
+        n_routed_experts=8,
+        num_experts_per_tok=3,
+        n_group=4,
+        topk_group=2,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
     )
     router = MiMoV2FlashTopkRouter(cfg)
     g = torch.Generator().manual_seed(0)
@@ -102,7 +108,13 @@ def test_route_sigmoid_groups_against_transformers_router():
     x = torch.randn(32, 16, generator=g)
     logits, ref_w, ref_idx = router(x)
     mcfg = _cfg(
-        num_experts=8, top_k=3, norm_topk_prob=True, scoring="sigmoid", score_bias=True, n_group=4, topk_group=2,
+        num_experts=8,
+        top_k=3,
+        norm_topk_prob=True,
+        scoring="sigmoid",
+        score_bias=True,
+        n_group=4,
+        topk_group=2,
         routed_scaling_factor=2.5,
     )
     idx, w = route(logits.detach().numpy(), mcfg, router.e_score_correction_bias.numpy())
@@ -196,7 +208,9 @@ def test_fused_3d_experts_are_split(checkpoints, tmp_path):
     fused = {}
     for layer in range(2):
         p = f"model.layers.{layer}.mlp.experts."
-        gate_up = np.stack([np.concatenate([t.pop(f"{p}{e}.gate_proj.weight"), t.pop(f"{p}{e}.up_proj.weight")]) for e in range(4)])
+        gate_up = np.stack(
+            [np.concatenate([t.pop(f"{p}{e}.gate_proj.weight"), t.pop(f"{p}{e}.up_proj.weight")]) for e in range(4)]
+        )
         down = np.stack([t.pop(f"{p}{e}.down_proj.weight") for e in range(4)])
         fused[p + "gate_up_proj"] = gate_up
         fused[p + "down_proj"] = down
@@ -235,9 +249,18 @@ def test_sanitize_names():
     from formats.sanitize import rename, split_fused_experts
 
     moe = FAMILIES.for_model_type("mixtral").sanitize
-    assert rename("model.layers.3.block_sparse_moe.experts.7.w1.weight", moe) == "model.layers.3.mlp.experts.7.gate_proj.weight"
-    assert rename("model.layers.3.block_sparse_moe.experts.7.w3.weight", moe) == "model.layers.3.mlp.experts.7.up_proj.weight"
-    assert rename("model.layers.3.block_sparse_moe.experts.7.w2.weight", moe) == "model.layers.3.mlp.experts.7.down_proj.weight"
+    assert (
+        rename("model.layers.3.block_sparse_moe.experts.7.w1.weight", moe)
+        == "model.layers.3.mlp.experts.7.gate_proj.weight"
+    )
+    assert (
+        rename("model.layers.3.block_sparse_moe.experts.7.w3.weight", moe)
+        == "model.layers.3.mlp.experts.7.up_proj.weight"
+    )
+    assert (
+        rename("model.layers.3.block_sparse_moe.experts.7.w2.weight", moe)
+        == "model.layers.3.mlp.experts.7.down_proj.weight"
+    )
     assert rename("model.layers.3.block_sparse_moe.gate.weight", moe) == "model.layers.3.mlp.gate.weight"
     qwen35 = FAMILIES.for_model_type("qwen3_5_text").sanitize
     assert rename("model.language_model.layers.0.linear_attn.A_log", qwen35) == "model.layers.0.linear_attn.A_log"

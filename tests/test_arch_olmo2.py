@@ -107,7 +107,12 @@ def test_full_width_qk_norm_is_not_per_head():
         a[: rows // 2] *= 4  # heads of different sizes: the two kinds of norm disagree
         return a, Weight(name, "f32", rows, cols, {"data": a})
 
-    (qa, q), (ka, k), (va, v), (oa, o) = w(nh * hd, h, "q"), w(nkv * hd, h, "k"), w(nkv * hd, h, "v"), w(h, nh * hd, "o")
+    (qa, q), (ka, k), (va, v), (oa, o) = (
+        w(nh * hd, h, "q"),
+        w(nkv * hd, h, "k"),
+        w(nkv * hd, h, "v"),
+        w(h, nh * hd, "o"),
+    )
     qn = (1.0 + rng.normal(0, 0.1, nh * hd)).astype(np.float32)
     kn = (1.0 + rng.normal(0, 0.1, nkv * hd)).astype(np.float32)
     x = rng.normal(0, 1, (n, h)).astype(np.float32)
@@ -124,8 +129,17 @@ def test_full_width_qk_norm_is_not_per_head():
         return att.reshape(n, nh * hd) @ oa.T
 
     def attention(qnorm=qn):
-        return Attention(ks, AttentionWeights(q, k, v, o, q_norm=qnorm, k_norm=kn), num_heads=nh, num_kv_heads=nkv,
-                         head_dim=hd, v_head_dim=hd, rope=None, norm_eps=eps, qk_norm_full=True)
+        return Attention(
+            ks,
+            AttentionWeights(q, k, v, o, q_norm=qnorm, k_norm=kn),
+            num_heads=nh,
+            num_kv_heads=nkv,
+            head_dim=hd,
+            v_head_dim=hd,
+            rope=None,
+            norm_eps=eps,
+            qk_norm_full=True,
+        )
 
     full = attention()
     got = full(x, full.make_cache(8), Step(np.arange(n)))
@@ -143,7 +157,11 @@ _GGUF_NAMES = {
     "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
 }  # fmt: skip
-_TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+_TOP = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
 
 
 def write_olmo2_gguf(model, path, weight_type: str = "F32", sliding_window: int | None = None):
@@ -164,7 +182,11 @@ def write_olmo2_gguf(model, path, weight_type: str = "F32", sliding_window: int 
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     if sliding_window:
         w.add_sliding_window(sliding_window)
-    toks = sorted(pre_tokenizers.ByteLevel.alphabet()) + ["<|s|>", "<|e|>"] + [f"<|x{i}|>" for i in range(cfg.vocab_size - 258)]
+    toks = (
+        sorted(pre_tokenizers.ByteLevel.alphabet())
+        + ["<|s|>", "<|e|>"]
+        + [f"<|x{i}|>" for i in range(cfg.vocab_size - 258)]
+    )
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
     w.add_token_list(toks)
@@ -211,7 +233,11 @@ def test_tiny_olmo2_gguf_matches_transformers(tiny, tmp_path, weight_type):
     ours_sd = ours.state_dict()
     qt = getattr(gguf.GGMLQuantizationType, weight_type)
     for name, t in src.state_dict().items():
-        want = t.numpy() if t.ndim == 1 or weight_type == "F32" else gguf.quants.dequantize(gguf.quants.quantize(t.numpy(), qt), qt)
+        want = (
+            t.numpy()
+            if t.ndim == 1 or weight_type == "F32"
+            else gguf.quants.dequantize(gguf.quants.quantize(t.numpy(), qt), qt)
+        )
         assert np.array_equal(ours_sd[name].numpy(), want), name
     convert_checkpoint(tmp_path / "hf", tmp_path / "o.cmf", quant="f32")
     ids = arch_tiny.sample_ids(N_IDS, seed=4, vocab=300)

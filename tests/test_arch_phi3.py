@@ -34,8 +34,10 @@ def _factors(n: int, seed: int, lo: float, hi: float) -> list[float]:
 
 def _longrope(rotary_dim: int) -> dict:
     return {
-        "rope_type": "longrope", "rope_theta": 10000.0,
-        "short_factor": _factors(rotary_dim // 2, 1, 1.0, 2.0), "long_factor": _factors(rotary_dim // 2, 2, 2.0, 6.0),
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "short_factor": _factors(rotary_dim // 2, 1, 1.0, 2.0),
+        "long_factor": _factors(rotary_dim // 2, 2, 2.0, 6.0),
     }
 
 
@@ -46,7 +48,9 @@ CONFIGS = {
     "longrope": dict(COMMON, original_max_position_embeddings=ORIG, rope_parameters=_longrope(16)),
     # Phi-4-mini's shape: 3/4 of each head rotated, tied embeddings, LongRoPE.
     "partial_tied": dict(
-        COMMON, tie_word_embeddings=True, original_max_position_embeddings=ORIG,
+        COMMON,
+        tie_word_embeddings=True,
+        original_max_position_embeddings=ORIG,
         rope_parameters={**_longrope(12), "partial_rotary_factor": 0.75},
     ),
 }
@@ -72,7 +76,9 @@ def test_arch_parsed_from_config(tiny):
     assert arch["plain"].layer_types == [LAYER_FULL] * 2 and arch["plain"].rope_scaling is None
     assert arch["sliding"].layer_types == [LAYER_SLIDING] * 2 and arch["sliding"].sliding_window == 7
     rs = arch["longrope"].rope_scaling
-    assert rs["rope_type"] == "longrope" and rs["original_max_position_embeddings"] == ORIG and len(rs["long_factor"]) == 8
+    assert (
+        rs["rope_type"] == "longrope" and rs["original_max_position_embeddings"] == ORIG and len(rs["long_factor"]) == 8
+    )
     p = arch["partial_tied"]
     assert p.rotary_dim == 12 and p.head_dim == 16 and p.tie_word_embeddings
 
@@ -84,8 +90,11 @@ def test_release_style_config_parses_like_transformers_saves_it(tiny):
     saved = json.loads((tiny["partial_tied"][1] / "config.json").read_text())
     rp = saved["rope_parameters"]
     hub = {k: v for k, v in saved.items() if k != "rope_parameters"}
-    hub.update(rope_theta=rp["rope_theta"], partial_rotary_factor=0.75,
-               rope_scaling={"type": "su", "short_factor": rp["short_factor"], "long_factor": rp["long_factor"]})
+    hub.update(
+        rope_theta=rp["rope_theta"],
+        partial_rotary_factor=0.75,
+        rope_scaling={"type": "su", "short_factor": rp["short_factor"], "long_factor": rp["long_factor"]},
+    )
     assert parse_config(hub) == parse_config(saved)
 
 
@@ -142,7 +151,10 @@ def test_greedy_matches_transformers_generate(tiny, case):
     model, _, cmf = tiny[case]
     ids = arch_tiny.sample_ids(PROMPT, seed=7)
     longrope = "rope_parameters" in CONFIGS[case]
-    for ctx, new, oracle in ((PROMPT + NEW, NEW, _long_everywhere(model) if longrope else model), (ORIG, ORIG - PROMPT, model)):
+    for ctx, new, oracle in (
+        (PROMPT + NEW, NEW, _long_everywhere(model) if longrope else model),
+        (ORIG, ORIG - PROMPT, model),
+    ):
         with torch.no_grad():
             ref = oracle.generate(
                 torch.tensor([ids]), max_new_tokens=new, min_new_tokens=new, do_sample=False, use_cache=True
@@ -207,7 +219,9 @@ def test_rope_tables_match_phi3_rotary_embedding(tiny, case):
         np.testing.assert_allclose(got_sin, sin[0, :, :half].numpy(), rtol=0, atol=2e-6)
         seen.add(hi > ORIG)
     assert seen == {False, True}
-    assert not np.allclose(rope.tables(np.arange(ORIG - 1, ORIG))[0], rope.tables(np.arange(ORIG - 2, ORIG + 1))[0][1:2])
+    assert not np.allclose(
+        rope.tables(np.arange(ORIG - 1, ORIG))[0], rope.tables(np.arange(ORIG - 2, ORIG + 1))[0][1:2]
+    )
 
 
 def _cfg(**over):
@@ -327,7 +341,10 @@ def test_gguf_matches_transformers(tmp_path, case, weight_type, quant):
         err = arch_tiny.rel_err(eng.logits(ids), arch_tiny.torch_logits(src, ids))
     want = parse_config(json.loads(src.config.to_json_string()))
     assert (got_arch.rotary_dim, got_arch.sliding_window, got_arch.tie_word_embeddings) == (
-        want.rotary_dim, want.sliding_window, want.tie_word_embeddings)
+        want.rotary_dim,
+        want.sliding_window,
+        want.tie_word_embeddings,
+    )
     assert err < (1e-4 if weight_type == "F32" else 0.05), err
 
 
@@ -342,5 +359,3 @@ def test_longrope_gguf_matches_transformers(tmp_path):
         for n in (PROMPT, PROMPT + NEW):
             ids = arch_tiny.sample_ids(n, seed=5)
             assert arch_tiny.rel_err(eng.logits(ids), arch_tiny.torch_logits(src, ids)) < 1e-4, n
-
-

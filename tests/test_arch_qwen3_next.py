@@ -55,7 +55,14 @@ def test_gated_delta_rule_matches_transformers(fn):
     s0 = _rand(rng, hv, dk, dv, scale=0.3)
     t = lambda a: torch.from_numpy(np.ascontiguousarray(a))[None]  # noqa: E731
     ref_o, ref_s = getattr(m, fn)(
-        t(q), t(k), t(v), g=t(g), beta=t(beta), initial_state=t(s0), output_final_state=True, use_qk_l2norm_in_kernel=True
+        t(q),
+        t(k),
+        t(v),
+        g=t(g),
+        beta=t(beta),
+        initial_state=t(s0),
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
     )
     o, s = gated_delta_rule(l2norm(q) * np.float32(dk**-0.5), l2norm(k), v, g, beta, s0)
     np.testing.assert_allclose(o, ref_o[0].numpy(), rtol=1e-4, atol=1e-5)
@@ -140,7 +147,11 @@ def _hidden_after(eng, chunks):
 @pytest.mark.parametrize("keep", [0, 1, 3, 4])
 def test_truncate_then_continue_equals_never_run(checkpoints, keep):
     _, _, cmf = checkpoints["qwen3_next"]
-    prompt, draft, cont = arch_tiny.sample_ids(12, seed=4), arch_tiny.sample_ids(4, seed=5), arch_tiny.sample_ids(3, seed=6)
+    prompt, draft, cont = (
+        arch_tiny.sample_ids(12, seed=4),
+        arch_tiny.sample_ids(4, seed=5),
+        arch_tiny.sample_ids(3, seed=6),
+    )
     with Engine.load(cmf, kernels="numpy") as eng:
         st, _ = _hidden_after(eng, [prompt, draft])
         st.truncate(len(prompt) + keep)
@@ -175,7 +186,9 @@ def test_qwen3_5_wrapper_checkpoint(checkpoints, tmp_path):
     text_cfg = json.loads((src / "config.json").read_text())
     folder = tmp_path / "wrapped"
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "text_config": text_cfg, "vision_config": {}}))
+    (folder / "config.json").write_text(
+        json.dumps({"model_type": "qwen3_5", "text_config": text_cfg, "vision_config": {}})
+    )
     (folder / "tokenizer.json").write_bytes((src / "tokenizer.json").read_bytes())
     t = load_file(str(src / "model.safetensors"))
     t = {(k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k): v for k, v in t.items()}
@@ -209,7 +222,11 @@ def test_compiled_delta_rule_matches_reference():
 
 def test_truncate_with_compiled_kernels(checkpoints):
     _, _, cmf = checkpoints["qwen3_next"]
-    prompt, draft, cont = arch_tiny.sample_ids(10, seed=14), arch_tiny.sample_ids(4, seed=15), arch_tiny.sample_ids(2, seed=16)
+    prompt, draft, cont = (
+        arch_tiny.sample_ids(10, seed=14),
+        arch_tiny.sample_ids(4, seed=15),
+        arch_tiny.sample_ids(2, seed=16),
+    )
     with Engine.load(cmf, kernels="numba") as eng:
         st, _ = _hidden_after(eng, [prompt, draft])
         st.truncate(len(prompt) + 2)

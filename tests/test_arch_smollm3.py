@@ -59,8 +59,14 @@ def test_arch_parsed_from_config(tiny):
     # Without the per-layer lists, the config class's rules derive the same ones.
     derived = parse_config({k: v for k, v in cfg.items() if k not in ("no_rope_layers", "layer_types")})
     assert (derived.no_rope_layers, derived.layer_types) == (arch.no_rope_layers, arch.layer_types)
-    plain = parse_config({**{k: v for k, v in cfg.items() if k not in ("no_rope_layers", "layer_types")},
-                          "num_hidden_layers": 8, "no_rope_layer_interval": 4, "use_sliding_window": False})
+    plain = parse_config(
+        {
+            **{k: v for k, v in cfg.items() if k not in ("no_rope_layers", "layer_types")},
+            "num_hidden_layers": 8,
+            "no_rope_layer_interval": 4,
+            "use_sliding_window": False,
+        }
+    )
     assert plain.no_rope_layers == [3, 7] and plain.layer_types == [LAYER_FULL] * 8 and plain.sliding_window == 0
     # No RoPE base in config.json: SmolLM3's default, not Llama's.
     bare = {k: v for k, v in cfg.items() if k not in ("rope_parameters", "rope_theta")}
@@ -127,7 +133,10 @@ def test_q8_conversion_stays_close(tiny, tmp_path):
         ({"no_rope_layers": [1, 0, 1]}, "no_rope_layers is .*a 1 \\(RoPE\\) or 0 \\(NoPE\\) per layer"),
         ({"no_rope_layers": [1, 2, 1, 0]}, "no_rope_layers is"),
         ({"no_rope_layers": None, "no_rope_layer_interval": 0}, "no_rope_layer_interval is 0"),
-        ({"layer_types": ["full_attention", "chunked_attention", "full_attention", "full_attention"]}, "layer_types is"),
+        (
+            {"layer_types": ["full_attention", "chunked_attention", "full_attention", "full_attention"]},
+            "layer_types is",
+        ),
         ({"sliding_window": None}, "sliding_window is None, the sliding layers need"),
     ],
 )
@@ -144,7 +153,13 @@ def test_gguf_matches_transformers(tmp_path, weight_type):
     the source model: layer 3 of 4 without RoPE, full attention everywhere."""
     from cortiq_engine.convert import import_gguf
 
-    cfg = {**TINY, "no_rope_layer_interval": 4, "use_sliding_window": False, "sliding_window": None, "attention_bias": False}
+    cfg = {
+        **TINY,
+        "no_rope_layer_interval": 4,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "attention_bias": False,
+    }
     src = sharpen(build_tiny("smollm3", **cfg))
     assert src.config.no_rope_layers == [1, 1, 1, 0]
     path = arch_tiny.write_llama_style_gguf(src, tmp_path / "s.gguf", "smollm3", weight_type=weight_type)

@@ -32,8 +32,15 @@ def _torch_attention(model_type: str, module: str, prefix: str, **config):
 
     mm = importlib.import_module(f"transformers.models.{model_type}.{module}")
     cfg = AutoConfig.for_model(
-        model_type, vocab_size=64, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, moe_intermediate_size=32, max_position_embeddings=128, **config,
+        model_type,
+        vocab_size=64,
+        hidden_size=48,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        moe_intermediate_size=32,
+        max_position_embeddings=128,
+        **config,
     )
     cfg._attn_implementation = "eager"
     torch.manual_seed(0)
@@ -46,9 +53,16 @@ def _torch_attention(model_type: str, module: str, prefix: str, **config):
 
 def _mimo_attention(window: int):
     return _torch_attention(
-        "mimo_v2_flash", "modeling_mimo_v2_flash", "MiMoV2Flash", num_key_value_heads=1, head_dim=24,
-        v_head_dim=16, sliding_window=window, layer_types=["full_attention", "sliding_attention"],
-        n_routed_experts=4, num_experts_per_tok=2,
+        "mimo_v2_flash",
+        "modeling_mimo_v2_flash",
+        "MiMoV2Flash",
+        num_key_value_heads=1,
+        head_dim=24,
+        v_head_dim=16,
+        sliding_window=window,
+        layer_types=["full_attention", "sliding_attention"],
+        n_routed_experts=4,
+        num_experts_per_tok=2,
     )
 
 
@@ -77,11 +91,21 @@ def test_matches_transformers_mimo_v2_flash_attention(window):
         ks = get_kernels(ks_name)
         mine = Attention(
             ks,
-            AttentionWeights(_w("q", sd["q_proj.weight"]), _w("k", sd["k_proj.weight"]),
-                             _w("v", sd["v_proj.weight"]), _w("o", sd["o_proj.weight"])),
-            num_heads=cfg.num_attention_heads, num_kv_heads=nkv, head_dim=cfg.head_dim,
-            v_head_dim=cfg.v_head_dim, rope=RoPE(rd, theta), norm_eps=1e-6, window=window,
-            sinks=sd["sinks"], v_scale=cfg.attention_value_scale,
+            AttentionWeights(
+                _w("q", sd["q_proj.weight"]),
+                _w("k", sd["k_proj.weight"]),
+                _w("v", sd["v_proj.weight"]),
+                _w("o", sd["o_proj.weight"]),
+            ),
+            num_heads=cfg.num_attention_heads,
+            num_kv_heads=nkv,
+            head_dim=cfg.head_dim,
+            v_head_dim=cfg.v_head_dim,
+            rope=RoPE(rd, theta),
+            norm_eps=1e-6,
+            window=window,
+            sinks=sd["sinks"],
+            v_scale=cfg.attention_value_scale,
         )
         # Prefill of 6 rows, then one row at a time: the cache carries the window.
         cache = KVCache(nkv, cfg.head_dim, cfg.v_head_dim, 32)
@@ -99,9 +123,16 @@ def test_matches_transformers_mimo_v2_flash_attention(window):
 
 def _qwen3_next_attention():
     return _torch_attention(
-        "qwen3_next", "modeling_qwen3_next", "Qwen3Next", num_key_value_heads=2, head_dim=16,
-        partial_rotary_factor=0.25, layer_types=["linear_attention", "full_attention"], num_experts=4,
-        num_experts_per_tok=2, shared_expert_intermediate_size=32,
+        "qwen3_next",
+        "modeling_qwen3_next",
+        "Qwen3Next",
+        num_key_value_heads=2,
+        head_dim=16,
+        partial_rotary_factor=0.25,
+        layer_types=["linear_attention", "full_attention"],
+        num_experts=4,
+        num_experts_per_tok=2,
+        shared_expert_intermediate_size=32,
     )
 
 
@@ -120,12 +151,27 @@ def test_matches_transformers_qwen3_next_gated_attention():
     sd = {k: v.detach().numpy() for k, v in attn.state_dict().items()}
     hd, nkv = cfg.head_dim, cfg.num_key_value_heads
     theta = cfg.rope_parameters["rope_theta"]
-    w = AttentionWeights(_w("q", sd["q_proj.weight"]), _w("k", sd["k_proj.weight"]), _w("v", sd["v_proj.weight"]),
-                         _w("o", sd["o_proj.weight"]), q_norm=sd["q_norm.weight"] + 1.0, k_norm=sd["k_norm.weight"] + 1.0)
+    w = AttentionWeights(
+        _w("q", sd["q_proj.weight"]),
+        _w("k", sd["k_proj.weight"]),
+        _w("v", sd["v_proj.weight"]),
+        _w("o", sd["o_proj.weight"]),
+        q_norm=sd["q_norm.weight"] + 1.0,
+        k_norm=sd["k_norm.weight"] + 1.0,
+    )
     xs = x[0].numpy()
     for ks_name in ("numpy", "numba"):
-        mine = Attention(get_kernels(ks_name), w, num_heads=cfg.num_attention_heads, num_kv_heads=nkv, head_dim=hd,
-                         v_head_dim=hd, rope=RoPE(cos.shape[-1], theta), norm_eps=cfg.rms_norm_eps, output_gate=True)
+        mine = Attention(
+            get_kernels(ks_name),
+            w,
+            num_heads=cfg.num_attention_heads,
+            num_kv_heads=nkv,
+            head_dim=hd,
+            v_head_dim=hd,
+            rope=RoPE(cos.shape[-1], theta),
+            norm_eps=cfg.rms_norm_eps,
+            output_gate=True,
+        )
         cache = mine.make_cache(32)
         outs = [mine(xs[:5].copy(), cache, Step(np.arange(0, 5)))]
         outs += [mine(xs[p : p + 1].copy(), cache, Step(np.arange(p, p + 1))) for p in range(5, n)]
@@ -133,8 +179,16 @@ def test_matches_transformers_qwen3_next_gated_attention():
         assert err < 1e-5, (ks_name, err)
     # Without the gate q_proj's rows do not fit the geometry: refused, not misread.
     with pytest.raises(CortiqError, match="geometry"):
-        Attention(get_kernels("numpy"), w, num_heads=cfg.num_attention_heads, num_kv_heads=nkv, head_dim=hd,
-                  v_head_dim=hd, rope=RoPE(cos.shape[-1], theta), norm_eps=cfg.rms_norm_eps)
+        Attention(
+            get_kernels("numpy"),
+            w,
+            num_heads=cfg.num_attention_heads,
+            num_kv_heads=nkv,
+            head_dim=hd,
+            v_head_dim=hd,
+            rope=RoPE(cos.shape[-1], theta),
+            norm_eps=cfg.rms_norm_eps,
+        )
 
 
 def test_refuses_bad_sinks():

@@ -179,7 +179,9 @@ def _attention64(q, kc, vc, start, window, scale, sinks):
 
 
 # group sizes 1, 3, 8 and 10 (two calls: 8 + 2); caches long enough for several chunks
-@pytest.mark.parametrize("heads,kvh,d,dv", [(4, 4, 64, 64), (9, 3, 64, 64), (32, 4, 64, 64), (20, 2, 32, 16), (4, 1, 256, 256)])
+@pytest.mark.parametrize(
+    "heads,kvh,d,dv", [(4, 4, 64, 64), (9, 3, 64, 64), (32, 4, 64, 64), (20, 2, 32, 16), (4, 1, 256, 256)]
+)
 @pytest.mark.parametrize("window,sinks", [(0, False), (300, True)])
 @pytest.mark.parametrize("n", [5, 100])  # a verify (row-exact); a prefill chunk (attend_flash; BLAS without the IR)
 def test_attend_through_the_ir_loops(heads, kvh, d, dv, window, sinks, n):
@@ -250,5 +252,3 @@ def test_a_non_contiguous_cache_takes_the_numba_loops():
         q = RNG.standard_normal((n, 4, 64)).astype(np.float32)
         exact = _attention64(q, kc, vc, 300 - n, 0, 0.125, None)
         np.testing.assert_allclose(ks.attend(q, kc, vc, 300 - n, 0, 0.125), exact, atol=2e-6)
-
-

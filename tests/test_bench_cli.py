@@ -61,7 +61,15 @@ def test_markdown_table(mtp_model):
     r = _bench(mtp_model, "-p", 8, "-n", 4, "-r", 2, "-t", 1, "--no-mtp")
     assert r.exit_code == 0, r.output
     lines = r.stdout.splitlines()
-    assert [c.strip() for c in lines[0].strip("|").split("|")] == ["model", "size", "params", "quant", "threads", "test", "t/s"]
+    assert [c.strip() for c in lines[0].strip("|").split("|")] == [
+        "model",
+        "size",
+        "params",
+        "quant",
+        "threads",
+        "test",
+        "t/s",
+    ]
     assert set(lines[1]) <= set("|-:")
     rows = [[c.strip() for c in ln.strip("|").split("|")] for ln in lines[2:]]
     assert [(c[0], c[3], c[4], c[5]) for c in rows] == [("m.cmf", "q8", "1", "pp8"), ("m.cmf", "q8", "1", "tg4")]

@@ -23,9 +23,17 @@ MIB = 2**20
 
 def _res(prefill_s, decode_s, tokens, rss_loaded=150 * MIB):
     return dict(
-        prefill_tokens=512, prefill_seconds=prefill_s, decode_steps=127, decode_seconds=decode_s,
-        load_seconds=1.0, rss_base=100 * MIB, rss_loaded=rss_loaded, rss_peak=rss_loaded + MIB,
-        decode_token_ids=tokens, notes=[], versions={},
+        prefill_tokens=512,
+        prefill_seconds=prefill_s,
+        decode_steps=127,
+        decode_seconds=decode_s,
+        load_seconds=1.0,
+        rss_base=100 * MIB,
+        rss_loaded=rss_loaded,
+        rss_peak=rss_loaded + MIB,
+        decode_token_ids=tokens,
+        notes=[],
+        versions={},
     )
 
 
@@ -38,7 +46,9 @@ def test_medians_ratios_agreement_and_targets(tmp_path):
     model.write_bytes(b"\0" * 1000)
     rows = [
         # tok/s 256, 128, 512 -> median 256; decode 10, 5, 7.9375 -> median 7.9375
-        bench_engine.row_from(_system("transformers-f32"), model, _res([2.0, 4.0, 1.0], [12.7, 25.4, 16.0], [5, 6, 7, 8])),
+        bench_engine.row_from(
+            _system("transformers-f32"), model, _res([2.0, 4.0, 1.0], [12.7, 25.4, 16.0], [5, 6, 7, 8])
+        ),
         bench_engine.row_from(_system("llama.cpp-q8_0"), model, _res([1.0], [2.54], [5, 6, 9, 8])),
         bench_engine.row_from(_system("cortiq-q8"), model, _res([0.5, 0.5, 4.0], [1.27, 1.27, 9.0], [5, 6, 7, 8])),
         bench_engine.row_from(_system("cortiq-q4"), model, "worker killed by SIGSEGV: (no output)"),
@@ -90,8 +100,16 @@ def test_peak_rss_is_the_workers_own_not_its_parents():
 
 
 def _tiny_job(folder, **kw):
-    base = dict(backend="transformers", model=str(folder), threads=2, prefill_ids=list(range(3, 40)),
-                decode_prompt_ids=[7, 8, 9, 10], decode_tokens=12, warmup=1, reps=2)
+    base = dict(
+        backend="transformers",
+        model=str(folder),
+        threads=2,
+        prefill_ids=list(range(3, 40)),
+        decode_prompt_ids=[7, 8, 9, 10],
+        decode_tokens=12,
+        warmup=1,
+        reps=2,
+    )
     return {**base, **kw}
 
 
@@ -106,8 +124,9 @@ def test_worker_greedy_loop_equals_transformers_generate(tmp_path):
 
     model = build_tiny("llama")
     with torch.no_grad():
-        want = model.generate(torch.tensor([job.decode_prompt_ids]), do_sample=False, max_new_tokens=12,
-                              min_new_tokens=12, pad_token_id=0)[0, 4:].tolist()
+        want = model.generate(
+            torch.tensor([job.decode_prompt_ids]), do_sample=False, max_new_tokens=12, min_new_tokens=12, pad_token_id=0
+        )[0, 4:].tolist()
         first = int(model(torch.tensor([job.prefill_ids])).logits[0, -1].argmax())
     assert res.decode_token_ids == want
     assert res.first_prefill_token == first
@@ -162,7 +181,9 @@ def test_made_ggufs_hold_the_source_weights_and_decode_like_transformers():
     assert vocab.tokenize(text.encode(), add_bos=False, special=False)[:512] == prefill
     vocab.close()
 
-    common = dict(threads=2, prefill_ids=prefill[:64], decode_prompt_ids=decode_prompt, decode_tokens=24, warmup=0, reps=1)
+    common = dict(
+        threads=2, prefill_ids=prefill[:64], decode_prompt_ids=decode_prompt, decode_tokens=24, warmup=0, reps=1
+    )
     tf = bench_worker.run(bench_worker.Job(backend="transformers", model=str(paths.hf_dir), **common))
     ll = bench_worker.run(bench_worker.Job(backend="llama.cpp", model=str(paths.f32_gguf), **common))
     q8 = bench_worker.run(bench_worker.Job(backend="llama.cpp", model=str(paths.q8_0_gguf), **common))

@@ -72,7 +72,9 @@ def test_metrics_equal_transformers_softmax(tiny, tmp_path):
     with Engine.load(path, ctx=8, warmup=False) as e:
         ids = e.tokenizer.encode(text)
     ctx, stride = 128, 64
-    out = run(str(path), "--text", str(f), "--mode", "sliding", "--ctx", str(ctx), "--stride", str(stride), "--bins", "5")
+    out = run(
+        str(path), "--text", str(f), "--mode", "sliding", "--ctx", str(ctx), "--stride", str(stride), "--bins", "5"
+    )
     # the same windows by hand: each target once, context >= ctx - stride
     conf, correct, nll = [], [], []
     prev_end = 1
@@ -121,7 +123,9 @@ def test_fit_recovers_sharpness_and_write_stores_it(tiny, tmp_path):
         assert cal["temperature"] == pytest.approx(out["temperature"], rel=1e-6)
         assert cal == out["written"]
         assert cal["fit_tokens"] == out["fit_tokens"] and cal["text"].startswith("alice")
-        assert {k: v for k, v in f.header.items() if k != "calibration"} == {k: v for k, v in old_header.items() if k != "calibration"}
+        assert {k: v for k, v in f.header.items() if k != "calibration"} == {
+            k: v for k, v in old_header.items() if k != "calibration"
+        }
         assert len(f.tensors) == n_tensors and all(ok for _, ok in f.verify())
     with Engine.load(copy, ctx=8, warmup=False) as e:
         assert e.calibration_temperature == pytest.approx(out["temperature"], rel=1e-6)
@@ -163,8 +167,12 @@ def test_one_line_errors(tiny, tmp_path, args, msg):
     (tmp_path / "bad.cmf").write_bytes(b"\0" * 100)
     (tmp_path / "one.txt").write_text("a")
     (tmp_path / "d.csv").write_text("text,n\nhello,1\n")
-    subs = {"{model}": str(path), "{bad}": str(tmp_path / "bad.cmf"), "{one}": str(tmp_path / "one.txt"),
-            "{csv}": str(tmp_path / "d.csv")}
+    subs = {
+        "{model}": str(path),
+        "{bad}": str(tmp_path / "bad.cmf"),
+        "{one}": str(tmp_path / "one.txt"),
+        "{csv}": str(tmp_path / "d.csv"),
+    }
     r = runner.invoke(app, ["calibrate", *[subs.get(a, a) for a in args]])
     assert r.exit_code == 2, r.stdout
     assert r.stderr.startswith("error: ") and msg in r.stderr

@@ -115,8 +115,9 @@ def test_repetition_penalty_sees_the_cached_history(tiny):
 
 
 def test_context_full_is_a_turn_error_and_the_chat_goes_on(tiny):
-    r = runner.invoke(app, ["chat", str(tiny["chat"]), "--ctx", "64", "-n", "4", "--json"],
-                      input="hi\n" + "x" * 80 + "\nok\n")
+    r = runner.invoke(
+        app, ["chat", str(tiny["chat"]), "--ctx", "64", "-n", "4", "--json"], input="hi\n" + "x" * 80 + "\nok\n"
+    )
     docs = [json.loads(ln) for ln in r.stdout.splitlines()]
     assert [d["turn"] for d in docs] == [1, 2]  # the long turn failed, the next one ran
     assert "longer than the context" in r.stderr and "/reset" in r.stderr
@@ -138,8 +139,24 @@ def test_evict_drops_the_oldest_turns(tiny):
 
 def test_cli_commands_and_json_turns(tiny, tmp_path):
     saved = tmp_path / "conv.json"
-    script = "\n".join(["Hello there", f"/save {saved}", "/reset", "Hello there", "/system Be kind.", "Again", "/help", "/exit", "never"])
-    r = runner.invoke(app, ["chat", str(tiny["chat"]), "-n", "6", "--json", "--system", "Be brief.", "--logprobs", "2"], input=script + "\n")
+    script = "\n".join(
+        [
+            "Hello there",
+            f"/save {saved}",
+            "/reset",
+            "Hello there",
+            "/system Be kind.",
+            "Again",
+            "/help",
+            "/exit",
+            "never",
+        ]
+    )
+    r = runner.invoke(
+        app,
+        ["chat", str(tiny["chat"]), "-n", "6", "--json", "--system", "Be brief.", "--logprobs", "2"],
+        input=script + "\n",
+    )
     assert r.exit_code == 0, r.output
     docs = [json.loads(ln) for ln in r.stdout.splitlines()]
     assert [d["user"] for d in docs] == ["Hello there", "Hello there", "Again"]
@@ -177,7 +194,9 @@ def test_cli_streams_text_and_reports_the_cache(tiny):
 )
 def test_errors_are_one_line(tiny, args, stdin, needle):
     r = runner.invoke(app, ["chat", str(tiny[args[0]])], input=stdin)
-    assert r.exit_code == (2 if args == ["plain"] else 1) and "Traceback" not in r.output  # refused: bad input; a failed turn: 1
+    assert (
+        r.exit_code == (2 if args == ["plain"] else 1) and "Traceback" not in r.output
+    )  # refused: bad input; a failed turn: 1
     assert needle in r.stderr and r.stderr.strip().startswith("error:") and len(r.stderr.strip().splitlines()) == 1
 
 
@@ -205,8 +224,14 @@ def mtp_chat(tmp_path_factory):
 def test_speculative_chat_equals_plain_chat(mtp_chat):
     turns = "Hello there\nAnd then?\nThanks\n"
     # Threshold 0: the random draft layers are unsure of everything; every round drafts.
-    spec = runner.invoke(app, ["chat", str(mtp_chat), "-n", "10", "--json", "-t", "1", "--logprobs", "3", "--mtp-threshold", "0"], input=turns)
-    plain = runner.invoke(app, ["chat", str(mtp_chat), "-n", "10", "--json", "-t", "1", "--logprobs", "3", "--no-mtp"], input=turns)
+    spec = runner.invoke(
+        app,
+        ["chat", str(mtp_chat), "-n", "10", "--json", "-t", "1", "--logprobs", "3", "--mtp-threshold", "0"],
+        input=turns,
+    )
+    plain = runner.invoke(
+        app, ["chat", str(mtp_chat), "-n", "10", "--json", "-t", "1", "--logprobs", "3", "--no-mtp"], input=turns
+    )
     assert spec.exit_code == 0 and plain.exit_code == 0, spec.output + plain.output
     s = [json.loads(ln) for ln in spec.stdout.splitlines()]
     p = [json.loads(ln) for ln in plain.stdout.splitlines()]
@@ -225,8 +250,11 @@ def test_lookup_chat_equals_plain_chat(mtp_chat):
     """n-gram lookup drafts alone (--no-mtp --lookup): a conversation's later turns look up
     in the cached earlier ones too; every turn equals plain decoding."""
     turns = "la la la la\nla la la la la\nla la\n"
-    spec = runner.invoke(app, ["chat", str(mtp_chat), "-n", "16", "--json", "-t", "1", "--no-mtp", "--lookup", "3",
-                               "--lookup-ngram", "1:3"], input=turns)
+    spec = runner.invoke(
+        app,
+        ["chat", str(mtp_chat), "-n", "16", "--json", "-t", "1", "--no-mtp", "--lookup", "3", "--lookup-ngram", "1:3"],
+        input=turns,
+    )
     plain = runner.invoke(app, ["chat", str(mtp_chat), "-n", "16", "--json", "-t", "1", "--no-mtp"], input=turns)
     assert spec.exit_code == 0 and plain.exit_code == 0, spec.output + plain.output
     s = [json.loads(ln) for ln in spec.stdout.splitlines()]

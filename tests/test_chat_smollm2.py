@@ -28,7 +28,9 @@ N = 24
 
 def test_three_turns_reuse_the_cache_and_equal_generate(smollm2_cmf, tmp_path):
     path = smollm2_cmf("q8")
-    r = runner.invoke(app, ["chat", str(path), "--json", "-n", str(N), "--system", SYSTEM], input="\n".join(TURNS) + "\n")
+    r = runner.invoke(
+        app, ["chat", str(path), "--json", "-n", str(N), "--system", SYSTEM], input="\n".join(TURNS) + "\n"
+    )
     assert r.exit_code == 0, r.output
     docs = [json.loads(ln) for ln in r.stdout.splitlines()]
     assert [d["user"] for d in docs] == TURNS
@@ -68,7 +70,10 @@ def test_ctrl_c_stops_the_answer_not_the_chat(smollm2_cmf):
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     proc = subprocess.Popen(
         [sys.executable, "-m", "cortiq_cli.main", "chat", str(path), "-n", "400", "-t", "1"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
     )
     proc.stdin.write(b"Write a very long story about a dragon.\nSay hi.\n")
     proc.stdin.close()

@@ -69,7 +69,12 @@ def _default_sigint() -> None:
 def test_model_and_prompt_as_options_or_positionals(tiny):
     _, cmf = tiny
     want = _json(_run("generate", cmf, PROMPT, "-n", 6, "--json"))["token_ids"]
-    for args in (["-m", cmf, "-p", PROMPT], ["--model", cmf, PROMPT], [cmf, "--prompt", PROMPT], ["-p", PROMPT, "-m", cmf]):
+    for args in (
+        ["-m", cmf, "-p", PROMPT],
+        ["--model", cmf, PROMPT],
+        [cmf, "--prompt", PROMPT],
+        ["-p", PROMPT, "-m", cmf],
+    ):
         d = _json(_run("generate", *args, "-n", 6, "-c", 64, "-t", 1, "--json"))
         assert d["token_ids"] == want and d["ctx"] == 64 and d["threads"] == 1, args
     r = _run("generate", cmf, PROMPT, "-p", "another", "-n", 2)
@@ -78,14 +83,44 @@ def test_model_and_prompt_as_options_or_positionals(tiny):
 
 def test_sampling_flags_mean_the_same_in_generate_and_chat(tiny):
     _, cmf = tiny
-    flags = ["--temp", "0.8", "--top-k", "20", "--top-p", "0.9", "--min-p", "0.05", "--repeat-penalty", "1.1", "--seed", "3"]
+    flags = [
+        "--temp",
+        "0.8",
+        "--top-k",
+        "20",
+        "--top-p",
+        "0.9",
+        "--min-p",
+        "0.05",
+        "--repeat-penalty",
+        "1.1",
+        "--seed",
+        "3",
+    ]
     d = _json(_run("generate", "-m", cmf, "-p", PROMPT, "-n", 5, *flags, "--json"))
-    assert d["sampling"] == {"temperature": 0.8, "top_k": 20, "top_p": 0.9, "min_p": 0.05, "repetition_penalty": 1.1, "seed": 3}
+    assert d["sampling"] == {
+        "temperature": 0.8,
+        "top_k": 20,
+        "top_p": 0.9,
+        "min_p": 0.05,
+        "repetition_penalty": 1.1,
+        "seed": 3,
+    }
     assert _json(_run("generate", cmf, PROMPT, "-n", 5, *flags, "--json"))["token_ids"] == d["token_ids"]  # seeded
     for name in ("generate", "chat"):
         out = _run(name, "-h").stdout
-        for row in (r"-m, --model PATH", r"-n, --max-tokens N", r"-c, --ctx N", r"-t, --threads N", r"--temp, --temperature X",
-                    r"--top-k N", r"--top-p X", r"--min-p X", r"--repeat-penalty, --repetition-penalty X", r"--seed N"):
+        for row in (
+            r"-m, --model PATH",
+            r"-n, --max-tokens N",
+            r"-c, --ctx N",
+            r"-t, --threads N",
+            r"--temp, --temperature X",
+            r"--top-k N",
+            r"--top-p X",
+            r"--min-p X",
+            r"--repeat-penalty, --repetition-penalty X",
+            r"--seed N",
+        ):
             assert re.search(rf"^  {re.escape(row)}\b", out, re.M), (name, row)
     bench = _run("bench", "-h").stdout  # llama-bench's: -p prompt tokens, -n tokens to generate
     assert re.search(r"^  -m, --model PATH", bench, re.M) and re.search(r"^  -n, --n-gen N +Decode test", bench, re.M)
@@ -108,8 +143,10 @@ def test_n_means_tokens_to_generate_everywhere(tiny):
     for cmd, instead in (("mtp-vocab", "--size N"), ("mtp-train", "--steps N")):
         r = _run(cmd, cmf, "-n", 8)
         assert r.exit_code == 2, (cmd, r.output)
-        assert r.stderr.strip() == (f"error: -n is the number of tokens to generate in cortiq; cortiq {cmd} takes "
-                                    + ("the draft vocabulary's size as --size N" if cmd == "mtp-vocab" else "its optimizer steps as --steps N"))
+        assert r.stderr.strip() == (
+            f"error: -n is the number of tokens to generate in cortiq; cortiq {cmd} takes "
+            + ("the draft vocabulary's size as --size N" if cmd == "mtp-vocab" else "its optimizer steps as --steps N")
+        )
         assert instead in r.stderr
     for cmd in ("ppl", "calibrate", "imatrix", "quant-sweep", "mtp-probe", "mtp-vocab", "mtp-train"):
         out = _run(cmd, "-h").stdout
@@ -122,9 +159,21 @@ def test_n_means_tokens_to_generate_everywhere(tiny):
 
 # ------------------------------------------------------------------ 2. quant names
 def test_llama_cpp_quant_names_resolve_to_the_same_layouts():
-    assert {k: resolve_quant(k) for k in ("q4_0", "q4_1", "q4_k_m", "q4_k_s", "q5_k_m", "q6_k", "q8_0", "f16", "bf16", "f32")} == {
-        "q4_0": "q4_0", "q4_1": "q4", "q4_k_m": "q4km", "q4_k_s": "q4k", "q5_k_m": "q5km", "q6_k": "q6k",
-        "q8_0": "q8", "f16": "f16", "bf16": "bf16", "f32": "f32"}
+    assert {
+        k: resolve_quant(k)
+        for k in ("q4_0", "q4_1", "q4_k_m", "q4_k_s", "q5_k_m", "q6_k", "q8_0", "f16", "bf16", "f32")
+    } == {
+        "q4_0": "q4_0",
+        "q4_1": "q4",
+        "q4_k_m": "q4km",
+        "q4_k_s": "q4k",
+        "q5_k_m": "q5km",
+        "q6_k": "q6k",
+        "q8_0": "q8",
+        "f16": "f16",
+        "bf16": "bf16",
+        "f32": "f32",
+    }
     assert resolve_quant("Q4_K_M") == "q4km" and resolve_quant("q4") == "q4" and resolve_quant("q4km") == "q4km"
     with pytest.raises(CortiqError, match="unknown --quant 'q2_k'; choose one of q8_0 \\(q8\\)"):
         resolve_quant("q2_k")
@@ -154,8 +203,23 @@ def test_quant_sweep_takes_llama_cpp_names(tiny, tmp_path):
     hf, _ = tiny
     text = tmp_path / "t.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 8)
-    d = _json(_run("quant-sweep", hf, "--types", "q8_0,Q4_1", "--text", text, "--ctx", 64, "--decode-tokens", 2,
-                   "--decode-reps", 1, "--json"))
+    d = _json(
+        _run(
+            "quant-sweep",
+            hf,
+            "--types",
+            "q8_0,Q4_1",
+            "--text",
+            text,
+            "--ctx",
+            64,
+            "--decode-tokens",
+            2,
+            "--decode-reps",
+            1,
+            "--json",
+        )
+    )
     assert [r["type"] for r in d["types"]] == ["q8", "q4"]
     r = _run("quant-sweep", hf, "--types", "q8_0,q2_k", "--text", text)
     assert r.exit_code == 2 and r.stderr.startswith("error: unknown --types 'q2_k'; choose one of q8_0 (q8)")
@@ -172,7 +236,9 @@ def test_version_prints_the_package_version():
 # ------------------------------------------------------------------ 4. help
 @pytest.mark.parametrize("name", NAMES)
 def test_help_into_a_pipe_is_80_columns_of_plain_text(name):
-    p = subprocess.run(_cortiq(name, "--help"), capture_output=True, text=True, env={**_env(), "COLUMNS": "200"}, timeout=60)
+    p = subprocess.run(
+        _cortiq(name, "--help"), capture_output=True, text=True, env={**_env(), "COLUMNS": "200"}, timeout=60
+    )
     assert p.returncode == 0, p.stderr
     lines = p.stdout.splitlines()
     assert lines[0].startswith("Usage: ") and f" {name} [OPTIONS]" in lines[0]
@@ -196,8 +262,16 @@ def test_help_into_a_pipe_is_80_columns_of_plain_text(name):
 # ------------------------------------------------------------------ 5. a folder for a file
 def test_a_folder_where_a_cmf_file_is_read(tiny, tmp_path):
     hf, cmf = tiny
-    for args in (["generate", hf, "hi"], ["generate", "-m", hf, "-p", "hi"], ["inspect", hf], ["verify", hf],
-                 ["ppl", cmf, hf], ["bench", "-m", hf], ["chat", hf], ["calibrate", hf]):
+    for args in (
+        ["generate", hf, "hi"],
+        ["generate", "-m", hf, "-p", "hi"],
+        ["inspect", hf],
+        ["verify", hf],
+        ["ppl", cmf, hf],
+        ["bench", "-m", hf],
+        ["chat", hf],
+        ["calibrate", hf],
+    ):
         r = _run(*args)
         assert r.exit_code == 2, (args, r.output)
         assert r.stderr == f'error: {hf} is a folder: did you mean "cortiq convert {hf} OUT.cmf"?\n', args
@@ -206,8 +280,12 @@ def test_a_folder_where_a_cmf_file_is_read(tiny, tmp_path):
 # ------------------------------------------------------------------ 6. a closed pipe
 def test_a_closed_pipe_ends_generate_quietly(tiny):
     _, cmf = tiny
-    p = subprocess.Popen(_cortiq("generate", cmf, "-p", "hi", "-n", 100_000_000, "--ignore-eos", "--evict", "--ctx", 64, "-t", 1),
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env())
+    p = subprocess.Popen(
+        _cortiq("generate", cmf, "-p", "hi", "-n", 100_000_000, "--ignore-eos", "--evict", "--ctx", 64, "-t", 1),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=_env(),
+    )
     try:
         first = p.stdout.read(10)  # as `| head -c 10`: read ten bytes, then go away
         p.stdout.close()
@@ -222,8 +300,13 @@ def test_a_closed_pipe_ends_generate_quietly(tiny):
 # ------------------------------------------------------------------ 7. Ctrl-C
 def test_ctrl_c_in_generate_ends_the_line_and_prints_the_stats(tiny):
     _, cmf = tiny
-    p = subprocess.Popen(_cortiq("generate", cmf, "hello", "-n", 100_000_000, "--ignore-eos", "--evict", "--ctx", 64, "-t", 1),
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(), preexec_fn=_default_sigint)
+    p = subprocess.Popen(
+        _cortiq("generate", cmf, "hello", "-n", 100_000_000, "--ignore-eos", "--evict", "--ctx", 64, "-t", 1),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=_env(),
+        preexec_fn=_default_sigint,
+    )
     try:
         got = p.stdout.read(20)  # generation is under way
         time.sleep(0.2)
@@ -261,7 +344,9 @@ def test_exit_codes_follow_the_readme_table(tiny, tmp_path):
     r = _run("verify", bad)
     assert r.exit_code == 2 and "checksum mismatch" in r.stderr
     # a runtime failure: a chat turn from a script that could not run (its context is full)
-    r = runner.invoke(app, ["chat", str(cmf), "--chat-template", "raw", "--ctx", "32", "-n", "2", "--json"], input="x" * 60 + "\n")
+    r = runner.invoke(
+        app, ["chat", str(cmf), "--chat-template", "raw", "--ctx", "32", "-n", "2", "--json"], input="x" * 60 + "\n"
+    )
     assert r.exit_code == 1 and "longer than the context" in r.stderr
 
 
@@ -276,8 +361,13 @@ def test_sizes_in_binary_units(tiny, tmp_path):
     bar = Progress(BytesColumn(), disable=True)  # the progress bars of convert and verify
     bar.add_task("x", total=5 * 2**20, completed=2**20)
     assert BytesColumn().render(bar.tasks[0]).plain == "1.0 MiB/5.0 MiB"
-    outputs = [_run("inspect", cmf), _run("verify", cmf), _run("convert", hf, tmp_path / "m.cmf", "--quant", "q8_0"),
-               _run("generate", cmf, PROMPT, "-n", 2), _run("bench", cmf, "-p", 8, "-n", 2, "-r", 1, "-t", 1)]
+    outputs = [
+        _run("inspect", cmf),
+        _run("verify", cmf),
+        _run("convert", hf, tmp_path / "m.cmf", "--quant", "q8_0"),
+        _run("generate", cmf, PROMPT, "-n", 2),
+        _run("bench", cmf, "-p", 8, "-n", 2, "-r", 1, "-t", 1),
+    ]
     for r in outputs:
         assert r.exit_code == 0, r.output
         text = r.stdout + r.stderr
@@ -290,8 +380,10 @@ def test_chat_without_a_template(tiny):
     _, cmf = tiny  # converted without a chat template
     r = runner.invoke(app, ["chat", str(cmf), "-n", "4"], input="hi\n")
     assert r.exit_code == 2 and r.stdout == ""
-    assert r.stderr.strip() == (f"error: {cmf}: no chat template in the header; use cortiq generate for plain text, "
-                                "or --chat-template raw for plain 'User: ... Assistant:' turns")
+    assert r.stderr.strip() == (
+        f"error: {cmf}: no chat template in the header; use cortiq generate for plain text, "
+        "or --chat-template raw for plain 'User: ... Assistant:' turns"
+    )
     r = runner.invoke(app, ["chat", str(cmf), "-n", "4", "--chat-template", "raw", "--json"], input="hi\nagain\n")
     assert r.exit_code == 0, r.stderr
     turns = [json.loads(ln) for ln in r.stdout.splitlines()]

@@ -32,8 +32,14 @@ def cmf(tmp_path_factory):
 
 def _cortiq(*args, stdin: str = "") -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", NO_COLOR="1")
-    return subprocess.run([sys.executable, "-m", "cortiq_cli.main", *map(str, args)], input=stdin,
-                          capture_output=True, text=True, env=env, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "cortiq_cli.main", *map(str, args)],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
 
 
 @pytest.fixture

@@ -62,8 +62,15 @@ ray.shutdown()
 @pytest.fixture(scope="module")
 def head():
     """The address of a Ray cluster of 2 CPUs on this machine, shared by the module's runs."""
-    p = subprocess.Popen([sys.executable, "-c", _HEAD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=_env(None),
-                         stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    p = subprocess.Popen(
+        [sys.executable, "-c", _HEAD],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env=_env(None),
+        stderr=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
     try:
         line = ""
         while not line.startswith("GCS "):
@@ -94,8 +101,14 @@ def _default_sigint() -> None:
 
 def _start(args: list[str], cache: Path) -> subprocess.Popen:
     env = _env(cache)
-    return subprocess.Popen([sys.executable, "-m", "cortiq_cli.main", "ppl", *args, "--json"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_default_sigint)
+    return subprocess.Popen(
+        [sys.executable, "-m", "cortiq_cli.main", "ppl", *args, "--json"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=_default_sigint,
+    )
 
 
 def _finish(p: subprocess.Popen) -> tuple[int, str, str]:
@@ -123,7 +136,21 @@ def _in_process(args: list[str]) -> dict:
 
 def _args(tiny, *extra: str) -> list[str]:
     f32, q8, text = tiny
-    return [str(f32), str(q8), "--text", str(text), "--mode", "sliding", "-c", "32", "--stride", "16", "-t", "1", *extra]
+    return [
+        str(f32),
+        str(q8),
+        "--text",
+        str(text),
+        "--mode",
+        "sliding",
+        "-c",
+        "32",
+        "--stride",
+        "16",
+        "-t",
+        "1",
+        *extra,
+    ]
 
 
 def _records(cache: Path) -> int:
@@ -131,7 +158,7 @@ def _records(cache: Path) -> int:
     files = list(cache.glob("ppl-*.journal"))
     if not files:
         return 0
-    key = files[0].name[len("ppl-"):-len(".journal")]
+    key = files[0].name[len("ppl-") : -len(".journal")]
     return len(WindowJournal(files[0], key).load())
 
 
@@ -169,7 +196,23 @@ def test_a_killed_worker_costs_only_its_windows(tiny, tmp_path):
     """Against a saved reference (its rows go out with each window), a worker process killed mid-run."""
     f32, q8, text = tiny
     ref = tmp_path / "f32.cref"
-    _in_process([str(f32), "--text", str(text), "--mode", "sliding", "-c", "32", "--stride", "16", "-t", "1", "--save-ref", str(ref)])
+    _in_process(
+        [
+            str(f32),
+            "--text",
+            str(text),
+            "--mode",
+            "sliding",
+            "-c",
+            "32",
+            "--stride",
+            "16",
+            "-t",
+            "1",
+            "--save-ref",
+            str(ref),
+        ]
+    )
     args = [str(q8), "--ref", str(ref), "--text", str(text), "-t", "1"]
     alone = _in_process(args)
     assert alone["comparisons"][0]["reference_form"] != "full" and alone["comparisons"][0]["kl_mean"] > 0
@@ -193,7 +236,11 @@ def test_an_interrupted_driver_resumes_to_the_same_figures(tiny, one_process, he
     kept = _records(tmp_path)
     assert kept >= 5 and "--resume" in err, (kept, err)
     partial = json.loads(out)
-    assert partial["settings"].get("partial") and partial["settings"]["windows_done"] <= kept, (partial["settings"], kept, err)
+    assert partial["settings"].get("partial") and partial["settings"]["windows_done"] <= kept, (
+        partial["settings"],
+        kept,
+        err,
+    )
     got = _ppl(_args(tiny, "--cluster", head, "--resume"), tmp_path)
     cluster = _same_figures(got, one_process)
     assert cluster["resumed"] == kept and cluster["tasks"] == one_process["settings"]["windows"] - kept
@@ -201,13 +248,33 @@ def test_an_interrupted_driver_resumes_to_the_same_figures(tiny, one_process, he
 
 def test_calibrate_on_two_workers_gives_the_same_report(tiny, head, tmp_path):
     f32, _, text = tiny
-    args = ["calibrate", str(f32), "--text", str(text), "--mode", "sliding", "-c", "32", "--stride", "16", "-t", "1", "--json"]
+    args = [
+        "calibrate",
+        str(f32),
+        "--text",
+        str(text),
+        "--mode",
+        "sliding",
+        "-c",
+        "32",
+        "--stride",
+        "16",
+        "-t",
+        "1",
+        "--json",
+    ]
     r = runner.invoke(app, args)
     assert r.exit_code == 0, r.output
     alone = json.loads(r.stdout)
     env = _env(tmp_path)
-    p = subprocess.Popen([sys.executable, "-m", "cortiq_cli.main", *args, "--cluster", head], env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_default_sigint)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "cortiq_cli.main", *args, "--cluster", head],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=_default_sigint,
+    )
     code, out, err = _finish(p)
     assert code == 0, err
     cluster = _same_figures(json.loads(out), alone)
@@ -232,7 +299,10 @@ def test_fingerprint_and_journal(tiny, tmp_path):
     assert ModelFingerprint.of(f32) == ModelFingerprint.of(f32) != ModelFingerprint.of(q8)
     with pytest.raises(CortiqError, match="not the driver's file"):
         ModelFingerprint.of(f32).check(q8, "here")
-    assert ClusterAddress.parse("ray://head:10001").address == "ray://head:10001" and ClusterAddress.parse("local:3").local_workers == 3
+    assert (
+        ClusterAddress.parse("ray://head:10001").address == "ray://head:10001"
+        and ClusterAddress.parse("local:3").local_workers == 3
+    )
     import numpy as np
 
     j = WindowJournal(tmp_path / "x.journal", "k1")
@@ -252,8 +322,14 @@ def test_fingerprint_and_journal(tiny, tmp_path):
 def _cli(args: list[str], cache: Path) -> dict:
     """``cortiq ARGS --json`` in a fresh interpreter (a cluster run starts Ray there)."""
     env = _env(cache)
-    p = subprocess.Popen([sys.executable, "-m", "cortiq_cli.main", *args, "--json"], env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_default_sigint)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "cortiq_cli.main", *args, "--json"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=_default_sigint,
+    )
     code, out, err = _finish(p)
     assert code == 0, err
     return json.loads(out)
@@ -342,8 +418,10 @@ def test_probe_windows_replay_the_one_pass(mtp_model):
     variants, head, traces = default_variants(2, 2), eng.draft_head(None), []
     one = probe(eng.model, eng.drafts, ids, 2, variants, head=head, traces=traces)
     hidden = backbone_hiddens(eng.model, np.asarray(ids))
-    parts = [probe_window(eng.model, eng.drafts, ids, hidden, 2, variants, a, b, head=head, trace=True)
-             for a, b in round_windows(len(ids), 2, 16)]
+    parts = [
+        probe_window(eng.model, eng.drafts, ids, hidden, 2, variants, a, b, head=head, trace=True)
+        for a, b in round_windows(len(ids), 2, 16)
+    ]
     for i, (_, counts) in enumerate(one):
         merged = Acceptance(2)
         for p in parts:
@@ -357,8 +435,24 @@ def test_quant_sweep_on_two_workers_gives_the_same_rows(tiny, head, tmp_path):
     but the timings (conversion, decode) equals the one-process sweep's."""
     f32, _, text = tiny
     hf = f32.parent / "hf"
-    args = ["quant-sweep", str(hf), "--types", "q4_0", "--text", str(text), "-c", "32", "--max-tokens", "640",
-            "-t", "1", "--decode-tokens", "2", "--decode-reps", "1"]
+    args = [
+        "quant-sweep",
+        str(hf),
+        "--types",
+        "q4_0",
+        "--text",
+        str(text),
+        "-c",
+        "32",
+        "--max-tokens",
+        "640",
+        "-t",
+        "1",
+        "--decode-tokens",
+        "2",
+        "--decode-reps",
+        "1",
+    ]
     # Both in fresh interpreters: the f32 reference pass's BLAS and numba pools start alike
     # (in this process earlier tests leave them set otherwise, which moves f32 sums).
     alone = _cli(args, tmp_path)
@@ -374,11 +468,22 @@ def test_quant_sweep_on_two_workers_gives_the_same_rows(tiny, head, tmp_path):
 
 def test_the_other_commands_check_their_cluster_options(tiny, mtp_model, tmp_path):
     f32, _, text = tiny
-    for cmd in (["imatrix", str(f32), "-o", str(tmp_path / "m.safetensors")], ["mtp-probe", str(mtp_model)],
-                ["quant-sweep", str(f32.parent / "hf"), "--types", "q4_0"]):
+    for cmd in (
+        ["imatrix", str(f32), "-o", str(tmp_path / "m.safetensors")],
+        ["mtp-probe", str(mtp_model)],
+        ["quant-sweep", str(f32.parent / "hf"), "--types", "q4_0"],
+    ):
         for args, msg in ((["--resume"], "give --cluster too"), (["--cluster", "local:0"], "worker count")):
             r = runner.invoke(app, [*cmd, "--text", str(text), *args, "--json"])
-            assert r.exit_code == 2 and r.stdout == "" and msg in r.stderr and "Traceback" not in r.stderr, (cmd, args, r.output)
+            assert r.exit_code == 2 and r.stdout == "" and msg in r.stderr and "Traceback" not in r.stderr, (
+                cmd,
+                args,
+                r.output,
+            )
             assert len(r.stderr.strip().splitlines()) == 1, r.stderr
-    r = runner.invoke(app, ["quant-sweep", str(f32.parent / "hf"), "--text", str(text), "--cluster", "local:2", "--resume", "--json"])
-    assert r.exit_code == 2 and "needs the --workdir" in r.stderr, r.output  # a run is journaled by its saved reference's path
+    r = runner.invoke(
+        app, ["quant-sweep", str(f32.parent / "hf"), "--text", str(text), "--cluster", "local:2", "--resume", "--json"]
+    )
+    assert r.exit_code == 2 and "needs the --workdir" in r.stderr, (
+        r.output
+    )  # a run is journaled by its saved reference's path

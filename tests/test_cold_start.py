@@ -15,14 +15,21 @@ import sys
 
 # Far more than the small-batch kernels' 16 rows: the prompt takes the prefill kernels,
 # and its prefill lasts long enough that a busy machine's noise averages out.
-PROMPT = ("Once upon a time in a land far away there lived a king who had three daughters. The eldest loved "
-          "gold, the second loved songs, and the youngest loved the forest behind the castle walls. ") * 3
+PROMPT = (
+    "Once upon a time in a land far away there lived a king who had three daughters. The eldest loved "
+    "gold, the second loved songs, and the youngest loved the forest behind the castle walls. "
+) * 3
 ANNOUNCE = "compiling kernels for this CPU (once, ~"
 
 
 def _generate(model, env: dict[str, str]) -> tuple[dict, str]:
-    r = subprocess.run([sys.executable, "-m", "cortiq_cli.main", "generate", str(model), PROMPT, "-n", "8", "-t", "2",
-                        "--json"], capture_output=True, text=True, env=env, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-m", "cortiq_cli.main", "generate", str(model), PROMPT, "-n", "8", "-t", "2", "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout), r.stderr
 

@@ -56,7 +56,12 @@ def test_f32_conversion_is_exact_and_header_complete(llama, tmp_path):
     assert h["role"] == "model" and h["format"] == "cmf"
     a = h["arch"]
     assert (a["arch"], a["hidden_size"], a["num_layers"], a["num_heads"], a["num_kv_heads"], a["head_dim"]) == (
-        "llama", cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"], 16
+        "llama",
+        cfg["hidden_size"],
+        cfg["num_hidden_layers"],
+        cfg["num_attention_heads"],
+        cfg["num_key_value_heads"],
+        16,
     )
     assert a["rope_theta"] == 10000.0 and a["norm_eps"] == cfg["rms_norm_eps"] and a["layer_types"] == ["full", "full"]
     assert h["generation_config"] == json.loads((llama / "generation_config.json").read_text())
@@ -84,7 +89,11 @@ def test_quantized_matrices_equal_ggml(llama, tmp_path, quant, gtype):
             want = "q8" if quant == "q4" and name in ("model.embed_tokens.weight", "lm_head.weight") else quant
             assert info.dtype == want, name
             # q8: the encoder's bytes read back by ggml's own Q8_0 decoder
-            oracle = ggml_decode_q8(*quantize_q8(x)) if want == "q8" else gq.dequantize(gq.quantize(x, gtype), gtype).reshape(x.shape)
+            oracle = (
+                ggml_decode_q8(*quantize_q8(x))
+                if want == "q8"
+                else gq.dequantize(gq.quantize(x, gtype), gtype).reshape(x.shape)
+            )
             got = f.tensor_f32(name)
             assert np.array_equal(got, oracle), name
             e = errs.setdefault(want, [0.0, 0.0])
@@ -123,7 +132,10 @@ def test_half_precision_sources(tmp_path, dtype):
     assert rep.by_dtype[same].rms_rel_error == 0.0  # a lossless copy, bit for bit
     with CmfFile(rep.output) as f:
         w = "model.layers.0.self_attn.q_proj.weight"
-        assert f.tensor_parts(w)["data"].view(np.uint16).tobytes() == st[w].contiguous().view(torch.int16).numpy().tobytes()
+        assert (
+            f.tensor_parts(w)["data"].view(np.uint16).tobytes()
+            == st[w].contiguous().view(torch.int16).numpy().tobytes()
+        )
     q8 = _cmf_tensors(convert_checkpoint(src, tmp_path / "q8.cmf", quant="q8").output)
     x = st["model.layers.1.mlp.down_proj.weight"].float().numpy()
     assert np.array_equal(q8["model.layers.1.mlp.down_proj.weight"], ggml_decode_q8(*quantize_q8(x)))
@@ -135,8 +147,13 @@ def test_f32_source_to_half_dtypes_match_torch_casts(llama, tmp_path):
     src = _state(llama)
     w = "model.layers.1.self_attn.o_proj.weight"
     t = torch.from_numpy(src[w])
-    assert np.array_equal(_cmf_tensors(convert_checkpoint(llama, tmp_path / "a.cmf", quant="f16").output)[w], t.half().float().numpy())
-    assert np.array_equal(_cmf_tensors(convert_checkpoint(llama, tmp_path / "b.cmf", quant="bf16").output)[w], t.bfloat16().float().numpy())
+    assert np.array_equal(
+        _cmf_tensors(convert_checkpoint(llama, tmp_path / "a.cmf", quant="f16").output)[w], t.half().float().numpy()
+    )
+    assert np.array_equal(
+        _cmf_tensors(convert_checkpoint(llama, tmp_path / "b.cmf", quant="bf16").output)[w],
+        t.bfloat16().float().numpy(),
+    )
 
 
 def test_sharded_checkpoint_converts_like_a_single_file(tmp_path):
@@ -182,7 +199,9 @@ def test_missing_lm_head_means_tied(tmp_path):
 
 def test_keep_policy_and_fallback(tmp_path, llama):
     rep = convert_checkpoint(
-        llama, tmp_path / "k.cmf", quant="q4",
+        llama,
+        tmp_path / "k.cmf",
+        quant="q4",
         keep=[("lm_head.weight", "f16"), ("model.layers.0.*", "bf16"), ("*norm*", "q8"), ("nothing.*", "f32")],
     )
     with CmfFile(rep.output) as f:
@@ -193,7 +212,9 @@ def test_keep_policy_and_fallback(tmp_path, llama):
     assert d["model.layers.0.input_layernorm.weight"] == "f32"  # 1-D always stays f32
     assert rep.unused_keep == ["*norm*=q8", "nothing.*=f32"]
     # a width the quantized layouts cannot block falls back to f16, and is reported
-    odd = save_tiny("llama", tmp_path / "odd", hidden_size=48, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2)
+    odd = save_tiny(
+        "llama", tmp_path / "odd", hidden_size=48, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2
+    )
     rep = convert_checkpoint(odd, tmp_path / "odd.cmf", quant="q8")
     with CmfFile(rep.output) as f:
         assert f.tensors["model.layers.0.self_attn.q_proj.weight"].dtype == "f16"
@@ -207,7 +228,9 @@ def test_tokenizer_metadata(tmp_path):
     vocab = json.loads((src / "tokenizer.json").read_text())["model"]["vocab"]
     eos_text = next(t for t, i in vocab.items() if i == 7)
     template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
-    (src / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, "eos_token": eos_text, "add_bos_token": True}))
+    (src / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": template, "eos_token": eos_text, "add_bos_token": True})
+    )
     with CmfFile(convert_checkpoint(src, tmp_path / "t.cmf").output) as f:
         tok = f.header["tokenizer"]
     assert tok["chat_template"] == template
@@ -240,7 +263,9 @@ def test_interrupted_conversion_leaves_nothing(llama, tmp_path):
     # and an existing output survives a failed --force conversion untouched
     out.write_bytes(b"old")
     with pytest.raises(KeyboardInterrupt):
-        convert_checkpoint(llama, out, quant="q8", force=True, progress=lambda *a: (_ for _ in ()).throw(KeyboardInterrupt))
+        convert_checkpoint(
+            llama, out, quant="q8", force=True, progress=lambda *a: (_ for _ in ()).throw(KeyboardInterrupt)
+        )
     assert out.read_bytes() == b"old" and os.listdir(tmp_path) == ["m.cmf"]
 
 
@@ -285,17 +310,35 @@ def _write_llama(folder, vocab: int, hidden: int, layers: int) -> int:
     folder.mkdir()
     rng = np.random.default_rng(0)
     inter = 2 * hidden
-    cfg = dict(model_type="llama", vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-               num_attention_heads=hidden // 32, num_key_value_heads=hidden // 32, rms_norm_eps=1e-6, tie_word_embeddings=False)
+    cfg = dict(
+        model_type="llama",
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 32,
+        num_key_value_heads=hidden // 32,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    )
     (folder / "config.json").write_text(json.dumps(cfg))
     write_byte_tokenizer(folder)
-    t = {"model.embed_tokens.weight": (vocab, hidden), "lm_head.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
+    t = {
+        "model.embed_tokens.weight": (vocab, hidden),
+        "lm_head.weight": (vocab, hidden),
+        "model.norm.weight": (hidden,),
+    }
     for i in range(layers):
         p = f"model.layers.{i}."
         t.update({p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,)})
         t.update({p + f"self_attn.{k}_proj.weight": (hidden, hidden) for k in "qkvo"})
-        t.update({p + "mlp.gate_proj.weight": (inter, hidden), p + "mlp.up_proj.weight": (inter, hidden),
-                  p + "mlp.down_proj.weight": (hidden, inter)})
+        t.update(
+            {
+                p + "mlp.gate_proj.weight": (inter, hidden),
+                p + "mlp.up_proj.weight": (inter, hidden),
+                p + "mlp.down_proj.weight": (hidden, inter),
+            }
+        )
     arrays = {k: rng.standard_normal(s, dtype=np.float32) for k, s in t.items()}
     save_file(arrays, folder / "model.safetensors")
     return sum(a.nbytes for a in arrays.values())
@@ -313,8 +356,12 @@ def test_peak_memory_follows_the_largest_tensor_not_the_model(tmp_path):
     total = _write_llama(big, vocab=32768, hidden=512, layers=8)  # ~200 MB f32, largest tensor 64 MB
     peaks = {}
     for name, src in (("small", small), ("big", big)):
-        p = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT, str(src), str(tmp_path / f"{name}.cmf"), "q8"],
-                           capture_output=True, text=True, check=True)
+        p = subprocess.run(
+            [sys.executable, "-c", _PEAK_SCRIPT, str(src), str(tmp_path / f"{name}.cmf"), "q8"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         peaks[name] = int(p.stdout.split()[-1])
     grown = peaks["big"] - peaks["small"]
     assert total > 190e6

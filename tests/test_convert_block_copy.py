@@ -95,7 +95,9 @@ def test_cmf_source_requantizes(smollm2_q4_direct, tmp_path):
     with CmfFile(a) as fa, CmfFile(tmp_path / "b.q8.cmf") as fb:
         assert fb.info(name).dtype == "q8"
         want = get_dtype("q8").encode(fa.tensor_f32(name))
-        assert np.array_equal(fb.tensor_parts(name)["qs"], want[1]) and np.array_equal(fb.tensor_parts(name)["d"], want[0])
+        assert np.array_equal(fb.tensor_parts(name)["qs"], want[1]) and np.array_equal(
+            fb.tensor_parts(name)["d"], want[0]
+        )
         # the q8 embedding stays q8: the same bytes
         assert fb.raw_bytes("model.embed_tokens.weight") == fa.raw_bytes("model.embed_tokens.weight")
         assert fb.header["tokenizer"] == fa.header["tokenizer"] and fb.header["arch"] == fa.header["arch"]

@@ -109,14 +109,28 @@ def _corrupt_safetensors(folder: Path) -> None:
         (_remove("config.json"), "missing config.json"),
         (_remove("tokenizer.json"), "missing tokenizer.json"),
         (_remove("model.safetensors"), "no *.safetensors weights"),
-        (_without("model.layers.1.mlp.up_proj.weight"), "checkpoint is missing tensor model.layers.1.mlp.up_proj.weight"),
-        (_reshape("model.layers.0.self_attn.k_proj.weight", (16, 64)),
-         "tensor model.layers.0.self_attn.k_proj.weight has shape [16, 64], config.json implies [32, 64]"),
+        (
+            _without("model.layers.1.mlp.up_proj.weight"),
+            "checkpoint is missing tensor model.layers.1.mlp.up_proj.weight",
+        ),
+        (
+            _reshape("model.layers.0.self_attn.k_proj.weight", (16, 64)),
+            "tensor model.layers.0.self_attn.k_proj.weight has shape [16, 64], config.json implies [32, 64]",
+        ),
         (_config(model_type="gpt_neo"), "unsupported architecture 'gpt_neo'"),
         (_config(hidden_act="gelu"), "activation 'gelu' is not supported"),
         (_corrupt_safetensors, "truncated"),
     ],
-    ids=["no-config", "no-tokenizer", "no-weights", "missing-tensor", "misshapen", "unknown-arch", "activation", "truncated-weights"],
+    ids=[
+        "no-config",
+        "no-tokenizer",
+        "no-weights",
+        "missing-tensor",
+        "misshapen",
+        "unknown-arch",
+        "activation",
+        "truncated-weights",
+    ],
 )
 def test_bad_checkpoints(llama, tmp_path, edit, expect):
     src = _copy(llama, tmp_path / "src")
@@ -168,7 +182,10 @@ def test_hub_id_offline_is_one_line(tmp_path):
     out.mkdir()
     p = subprocess.run(
         [sys.executable, "-m", "cortiq_cli.main", "convert", "cortiq-test/no-such-model", str(out / "m.cmf")],
-        capture_output=True, text=True, env=env, timeout=120,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
     )
     assert p.returncode == 2, p.stderr
     lines = p.stderr.strip().splitlines()

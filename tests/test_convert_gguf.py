@@ -88,8 +88,18 @@ def convert_through_hf_folder(src: Path, out: Path, folder: Path, quant: str) ->
     ck.origin = str(src)
     policy = QuantPolicy(KEEP_FALLBACK if quant == KEEP else quant, [])
     try:
-        _convert(ck, out, FAMILIES, policy, "sidecar", False, None, source_format="gguf",
-                 blocks=source_blocks(read_gguf(src)), keep_source=quant == KEEP)
+        _convert(
+            ck,
+            out,
+            FAMILIES,
+            policy,
+            "sidecar",
+            False,
+            None,
+            source_format="gguf",
+            blocks=source_blocks(read_gguf(src)),
+            keep_source=quant == KEEP,
+        )
     finally:
         ck.close()
     return out
@@ -109,11 +119,13 @@ def test_streamed_gguf_equals_the_hf_folder_route_byte_for_byte(tiny_quantized_g
     direct = tmp_path / "out" / "direct.cmf"
     direct.parent.mkdir()
     seen: list[list[str]] = []
-    rep = convert_checkpoint(src, direct, quant=quant,
-                             progress=lambda *_: seen.append(sorted(os.listdir(direct.parent))))
+    rep = convert_checkpoint(
+        src, direct, quant=quant, progress=lambda *_: seen.append(sorted(os.listdir(direct.parent)))
+    )
     # While it ran, the only thing beside the output was the writer's own staging file.
-    assert seen and all(len(names) == 1 and names[0].startswith(".direct.cmf.") and names[0].endswith(".tmp")
-                        for names in seen), seen[:3]
+    assert seen and all(
+        len(names) == 1 and names[0].startswith(".direct.cmf.") and names[0].endswith(".tmp") for names in seen
+    ), seen[:3]
     assert not any((direct.parent / n).is_dir() for names in seen for n in names if (direct.parent / n).exists())
     assert os.listdir(direct.parent) == ["direct.cmf"]
     old = convert_through_hf_folder(src, tmp_path / "old.cmf", tmp_path / "hf", quant)
@@ -192,8 +204,12 @@ def test_smollm2_gguf_peak_memory_is_one_tensor(smollm2_gguf, tmp_path, quant):
 def test_kill_9_during_gguf_convert_leaves_nothing_under_the_final_name(smollm2_gguf, tmp_path):
     out = tmp_path / "o.cmf"
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    p = subprocess.Popen([sys.executable, "-m", "cortiq_cli.main", "convert", str(smollm2_gguf), str(out), "--quant", "f32"],
-                         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "cortiq_cli.main", "convert", str(smollm2_gguf), str(out), "--quant", "f32"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 300
     staging: list[Path] = []
     while time.monotonic() < deadline and p.poll() is None and not staging:

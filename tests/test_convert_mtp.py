@@ -74,8 +74,12 @@ def add_mtp(folder: Path, scheme: str, seed: int = 1) -> dict[str, np.ndarray]:
             for rest, x in own.items():
                 written[f"model.mtp.layers.{k}.{rest}"] = x
         else:
-            shared = {"enorm.weight": "mtp.pre_fc_norm_embedding.weight", "hnorm.weight": "mtp.pre_fc_norm_hidden.weight",
-                      "eh_proj.weight": "mtp.fc.weight", "final_layernorm.weight": "mtp.norm.weight"}
+            shared = {
+                "enorm.weight": "mtp.pre_fc_norm_embedding.weight",
+                "hnorm.weight": "mtp.pre_fc_norm_hidden.weight",
+                "eh_proj.weight": "mtp.fc.weight",
+                "final_layernorm.weight": "mtp.norm.weight",
+            }
             for rest, x in own.items():
                 written[shared.get(rest, f"mtp.layers.{k}.{rest}")] = x
     cfg["num_nextn_predict_layers"] = n
@@ -120,7 +124,12 @@ def test_sidecar_split_per_scheme(trunk, tmp_path, scheme):
             assert np.array_equal(sc.tensor_f32(name), x), name
         assert TOKENIZER_TENSOR in main.tensors and TOKENIZER_TENSOR not in sc.tensors
         n_layers = 3 if scheme == "mimo" else 1
-        assert main.header["mtp"] == {"num_layers": n_layers, "style": scheme, "location": "sidecar", "sidecar": "m.mtp.cmf"}
+        assert main.header["mtp"] == {
+            "num_layers": n_layers,
+            "style": scheme,
+            "location": "sidecar",
+            "sidecar": "m.mtp.cmf",
+        }
         assert main.header["arch"]["mtp"] == {"num_layers": n_layers, "style": scheme}
         assert sc.header["role"] == "mtp_sidecar"
         assert sc.header["backbone"] == backbone_identity(main.header, "m.cmf")
@@ -153,9 +162,16 @@ def test_check_sidecar_names_every_difference(trunk, tmp_path):
     out = convert_checkpoint(src, tmp_path / "m.cmf").output
     with CmfFile(out) as main, CmfFile(sidecar_path(out)) as sc:
         mh, sh = main.header, sc.header
-    for key, label in [("arch", "arch"), ("hidden_size", "hidden size"), ("vocab_size", "vocab size"),
-                       ("num_layers", "layer count"), ("num_heads", "heads"), ("num_kv_heads", "KV heads"),
-                       ("head_dim", "head dim"), ("fingerprint", "fingerprint")]:
+    for key, label in [
+        ("arch", "arch"),
+        ("hidden_size", "hidden size"),
+        ("vocab_size", "vocab size"),
+        ("num_layers", "layer count"),
+        ("num_heads", "heads"),
+        ("num_kv_heads", "KV heads"),
+        ("head_dim", "head dim"),
+        ("fingerprint", "fingerprint"),
+    ]:
         bad = json.loads(json.dumps(sh))
         bad["backbone"][key] = "qwen9" if key == "arch" else ("0123456789abcdef" if key == "fingerprint" else 999)
         with pytest.raises(CortiqError, match=f"does not match its backbone: {label} ") as e:
@@ -163,7 +179,9 @@ def test_check_sidecar_names_every_difference(trunk, tmp_path):
         assert "\n" not in str(e.value)
     bad = json.loads(json.dumps(sh))
     bad["backbone"].update(hidden_size=1, vocab_size=2)
-    with pytest.raises(CortiqError, match="hidden size 64 in the backbone, 1 in the sidecar; vocab size 256 in the backbone, 2"):
+    with pytest.raises(
+        CortiqError, match="hidden size 64 in the backbone, 1 in the sidecar; vocab size 256 in the backbone, 2"
+    ):
         check_sidecar(mh, bad)
     with pytest.raises(CortiqError, match="not an MTP sidecar"):
         check_sidecar(mh, mh)
@@ -201,9 +219,14 @@ def test_fingerprint_ignores_export_dtype_and_quant(tmp_path):
     "edit, message",
     [
         (lambda t: t.pop("model.mtp.layers.1.enorm.weight"), "missing tensor model.mtp.layers.1.enorm.weight"),
-        (lambda t: t.__setitem__("model.mtp.layers.0.eh_proj.weight", np.zeros((64, 64), np.float32)),
-         r"model.mtp.layers.0.eh_proj.weight has shape \[64, 64\], config.json implies \[64, 128\]"),
-        (lambda t: t.pop("model.mtp.layers.2.mlp.up_proj.weight"), "missing tensor model.mtp.layers.2.mlp.up_proj.weight"),
+        (
+            lambda t: t.__setitem__("model.mtp.layers.0.eh_proj.weight", np.zeros((64, 64), np.float32)),
+            r"model.mtp.layers.0.eh_proj.weight has shape \[64, 64\], config.json implies \[64, 128\]",
+        ),
+        (
+            lambda t: t.pop("model.mtp.layers.2.mlp.up_proj.weight"),
+            "missing tensor model.mtp.layers.2.mlp.up_proj.weight",
+        ),
         (lambda t: [t.pop(k) for k in list(t) if k.startswith("model.mtp.layers.1.")], r"MTP layers \[0, 2\]"),
     ],
     ids=["missing-enorm", "eh_proj-shape", "missing-mlp", "gap"],

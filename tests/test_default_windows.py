@@ -30,8 +30,20 @@ def test_four_commands_score_the_same_default_windows(tmp_path):
     work = tmp_path / "work"
     common = ("--text", str(text), "--ctx", str(CTX))
 
-    sweep = run("quant-sweep", str(hf), "--types", "f32", *common, "--decode-tokens", "4", "--decode-reps", "1",
-                "--workdir", str(work), "--keep-files")
+    sweep = run(
+        "quant-sweep",
+        str(hf),
+        "--types",
+        "f32",
+        *common,
+        "--decode-tokens",
+        "4",
+        "--decode-reps",
+        "1",
+        "--workdir",
+        str(work),
+        "--keep-files",
+    )
     f32 = work / "f32.cmf"
     ppl = run("ppl", str(f32), *common)
     cal = run("calibrate", str(f32), *common)

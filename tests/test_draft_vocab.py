@@ -204,7 +204,11 @@ def test_adaptive_depth_cuts_drafts_and_stays_exact(tiny, quant, family):
         for prompt in _prompts(6):
             plain = eng.generate(prompt, max_tokens=MAX_TOKENS, speculative=False)
             # MTP alone (lookup=0): the threshold decides every round.
-            spec = eng.generate(prompt, max_tokens=MAX_TOKENS, speculative=SpeculativeConfig(threshold=float(th), lookup=0, decide=False))
+            spec = eng.generate(
+                prompt,
+                max_tokens=MAX_TOKENS,
+                speculative=SpeculativeConfig(threshold=float(th), lookup=0, decide=False),
+            )
             _assert_same(plain, spec)
             st = spec.extra["mtp"]
             assert st["threshold"] == pytest.approx(th)
@@ -213,7 +217,7 @@ def test_adaptive_depth_cuts_drafts_and_stays_exact(tiny, quant, family):
             # Depth-0 rounds are plain steps; every step emits its accepted drafts + 1.
             assert st["accepted"] + st["rounds"] + st["plain_steps"] + 1 == len(spec.token_ids)
             assert sum(hist[1:]) == st["rounds"]
-            assert [sum(hist[k + 1:]) for k in range(3)] == st["depth_drafted"]
+            assert [sum(hist[k + 1 :]) for k in range(3)] == st["depth_drafted"]
             hist_seen += hist
             if th == 0.0:
                 assert hist[0] == 0
@@ -246,7 +250,9 @@ def test_rigged_drafts_with_vocabulary_and_threshold_accept_what_they_should(tin
     # 16 decode steps; the last has no room for a draft (a plain step, not a drafting round).
     assert low.extra["mtp"]["depth_histogram"] == [15, 0, 0, 0] and low.extra["mtp"]["rounds"] == 0
     assert low.extra["mtp"]["plain_steps"] == 16
-    full = eng.generate([5, 6, 7], max_tokens=17, speculative=SpeculativeConfig(vocab="full", threshold=0.2, lookup=0, decide=False))
+    full = eng.generate(
+        [5, 6, 7], max_tokens=17, speculative=SpeculativeConfig(vocab="full", threshold=0.2, lookup=0, decide=False)
+    )
     _assert_same(plain, full)
     assert full.extra["mtp"]["depth_histogram"][0] == 15  # p = 1/256 over the full vocabulary
 
@@ -310,7 +316,9 @@ def test_vocab_options_refuse_what_the_sidecar_cannot_give(tiny, tmp_path):
         eng.generate([1, 2], max_tokens=3, speculative=SpeculativeConfig(vocab=11))
     with pytest.raises(CortiqError, match=r"threshold must be in \[0, 1\)"):
         eng.generate([1, 2], max_tokens=3, speculative=SpeculativeConfig(threshold=1.5))
-    r = CliRunner().invoke(app, ["generate", str(path), "hi", "--mtp", str(tmp_path / "v.mtp.cmf"), "--mtp-vocab", "lots"])
+    r = CliRunner().invoke(
+        app, ["generate", str(path), "hi", "--mtp", str(tmp_path / "v.mtp.cmf"), "--mtp-vocab", "lots"]
+    )
     assert r.exit_code != 0 and "--mtp-vocab 'lots': give a number of ids or full" in r.output
 
 
@@ -320,7 +328,9 @@ def test_mtp_vocab_command_adds_replaces_and_removes(tiny, tmp_path):
     text = tmp_path / "t.txt"
     text.write_text("one two three two three three " * 30)
     out = tmp_path / "with.mtp.cmf"
-    r = CliRunner().invoke(app, ["mtp-vocab", str(path), "--text", str(text), "--size", "20", "--out", str(out), "--json"])
+    r = CliRunner().invoke(
+        app, ["mtp-vocab", str(path), "--text", str(text), "--size", "20", "--out", str(out), "--json"]
+    )
     assert r.exit_code == 0, r.output
     doc = json.loads(r.output)
     assert doc["draft_vocab"] == 20 and doc["sidecar"] == str(out)
@@ -343,7 +353,9 @@ def test_mtp_vocab_command_adds_replaces_and_removes(tiny, tmp_path):
     r = CliRunner().invoke(app, ["mtp-vocab", str(path), "--mtp", str(out), "--size", "0"])
     assert r.exit_code == 0, r.output
     assert Engine.load(path, threads=1, mtp=out, warmup=False).drafts.vocab is None
-    r = CliRunner().invoke(app, ["mtp-vocab", str(path), "--text", str(text), "--size", "999", "--out", str(tmp_path / "x.mtp.cmf")])
+    r = CliRunner().invoke(
+        app, ["mtp-vocab", str(path), "--text", str(text), "--size", "999", "--out", str(tmp_path / "x.mtp.cmf")]
+    )
     assert r.exit_code != 0 and "between 1 and the vocab size 256" in r.output
 
 
@@ -368,7 +380,10 @@ def test_acceptance_depth_histogram_and_merge():
 def test_threshold_table_replays_rounds_with_the_cost_model():
     # Two rounds of depth 2: (p .9 right, p .2 right), (p .1 wrong, p .8 wrong).
     tr = ProbeTrace(np.array([[0.9, 0.2], [0.1, 0.8]]), np.array([[True, True], [False, False]]))
-    rows = {r.threshold: r for r in threshold_table(tr, draft_ms=1.0, verify_ms=[10.0, 12.0, 14.0], candidates=(0.0, 0.15, 0.5, 0.95))}
+    rows = {
+        r.threshold: r
+        for r in threshold_table(tr, draft_ms=1.0, verify_ms=[10.0, 12.0, 14.0], candidates=(0.0, 0.15, 0.5, 0.95))
+    }
     # 0: both rounds draft 2 (cost 2 + 14 each), tokens 3 + 1.
     assert rows[0.0].ms_per_token == pytest.approx(32 / 4) and rows[0.0].mean_depth == 2
     # 0.15: round 1 keeps 2 (16, 3 tokens); round 2 stops at its first draft (1 + 10, 1 token).
@@ -384,8 +399,25 @@ def test_mtp_probe_reports_vocab_threshold_and_the_threshold_table(tiny, tmp_pat
     v = _with_vocab(side, tmp_path / "v.mtp.cmf", np.arange(64))
     text = tmp_path / "t.txt"
     text.write_text("a quick brown fox jumps over the lazy dog " * 5)
-    r = CliRunner().invoke(app, ["mtp-probe", str(path), "--mtp", str(v), "--text", str(text), "--max-tokens", "40",
-                                 "--mtp-chain", "independent", "--mtp-hidden", "pre", "--choose-threshold", "--json"])
+    r = CliRunner().invoke(
+        app,
+        [
+            "mtp-probe",
+            str(path),
+            "--mtp",
+            str(v),
+            "--text",
+            str(text),
+            "--max-tokens",
+            "40",
+            "--mtp-chain",
+            "independent",
+            "--mtp-hidden",
+            "pre",
+            "--choose-threshold",
+            "--json",
+        ],
+    )
     assert r.exit_code == 0, r.output
     doc = json.loads(r.output)
     assert doc["draft_vocab"] == 64 and len(doc["verify_ms_by_rows"]) == 4
@@ -393,8 +425,26 @@ def test_mtp_probe_reports_vocab_threshold_and_the_threshold_table(tiny, tmp_pat
     assert var["depth_histogram"] == [0, 0, 0, var["drafting_rounds"]] and var["drafting_rounds"] == 40 - 3 - 1
     assert [t["threshold"] for t in var["thresholds"]][0] == 0.0
     assert var["thresholds"][0]["tokens_per_step"] == pytest.approx(var["tokens_per_round"])
-    r = CliRunner().invoke(app, ["mtp-probe", str(path), "--mtp", str(v), "--text", str(text), "--max-tokens", "40",
-                                 "--mtp-chain", "independent", "--mtp-hidden", "pre", "--mtp-threshold", "0.999", "--json"])
+    r = CliRunner().invoke(
+        app,
+        [
+            "mtp-probe",
+            str(path),
+            "--mtp",
+            str(v),
+            "--text",
+            str(text),
+            "--max-tokens",
+            "40",
+            "--mtp-chain",
+            "independent",
+            "--mtp-hidden",
+            "pre",
+            "--mtp-threshold",
+            "0.999",
+            "--json",
+        ],
+    )
     assert r.exit_code == 0, r.output
     var = json.loads(r.output)["variants"][0]
     assert var["depth_histogram"][0] == var["drafting_rounds"] and var["rounds"] == 0
@@ -403,8 +453,24 @@ def test_mtp_probe_reports_vocab_threshold_and_the_threshold_table(tiny, tmp_pat
 def test_generate_json_reports_the_depth_histogram(tiny, tmp_path):
     path, side = tiny["mimo", "q8"]
     v = _with_vocab(side, tmp_path / "v.mtp.cmf", np.arange(64))
-    r = CliRunner().invoke(app, ["generate", str(path), "hello there", "--mtp", str(v), "--max-tokens", "12", "--ignore-eos",
-                                 "--mtp-vocab", "32", "--mtp-threshold", "0", "--json"])
+    r = CliRunner().invoke(
+        app,
+        [
+            "generate",
+            str(path),
+            "hello there",
+            "--mtp",
+            str(v),
+            "--max-tokens",
+            "12",
+            "--ignore-eos",
+            "--mtp-vocab",
+            "32",
+            "--mtp-threshold",
+            "0",
+            "--json",
+        ],
+    )
     assert r.exit_code == 0, r.output
     m = json.loads(r.output)["mtp"]
     assert m["draft_vocab"] == 32 and m["threshold"] == 0.0
@@ -464,13 +530,26 @@ def test_write_sidecar_stores_a_draft_vocabulary(tiny, tmp_path):
         tensors = {n: s.tensor_f32(n) for n in s.names() if n.startswith("model.mtp.layers.")}
         main_header = m.header
     ids = np.array([7, 3, 250, 0, 42])
-    out = write_sidecar(tmp_path / "t.mtp.cmf", main_header, path.name, tensors, quant="f32", hidden="pre",
-                        trained={"text": "test"}, draft_vocab=(ids, draft_vocab_record(ids, "test", 99)))
+    out = write_sidecar(
+        tmp_path / "t.mtp.cmf",
+        main_header,
+        path.name,
+        tensors,
+        quant="f32",
+        hidden="pre",
+        trained={"text": "test"},
+        draft_vocab=(ids, draft_vocab_record(ids, "test", 99)),
+    )
     eng = Engine.load(path, threads=1, mtp=out)
     assert eng.drafts.vocab.tolist() == ids.tolist() and eng.draft_head().size == 5
     with CmfFile(out) as f:
-        assert f.header["mtp"]["draft_vocab"] == {"size": 5, "tensor": DRAFT_VOCAB_TENSOR, "order": "most useful first",
-                                                  "text": "test", "tokens": 99}
+        assert f.header["mtp"]["draft_vocab"] == {
+            "size": 5,
+            "tensor": DRAFT_VOCAB_TENSOR,
+            "order": "most useful first",
+            "text": "test",
+            "tokens": 99,
+        }
     plain = eng.generate([1, 2, 3], max_tokens=8, speculative=False)
     _assert_same(plain, eng.generate([1, 2, 3], max_tokens=8, speculative=SpeculativeConfig(threshold=0)))
 
@@ -489,19 +568,45 @@ _BAD_DEFAULTS = [
     ("threshold one", {"depth": 1, "threshold": 1.0}, r"threshold 1.0 is not a number in \[0, 1\)"),
     ("threshold text", {"depth": 1, "threshold": "0.2"}, "threshold '0.2' is not a number"),
     ("threshold negative", {"depth": 1, "threshold": -0.1}, "threshold -0.1 is not a number"),
-    ("with_lookup not an object", {"depth": 1, "threshold": 0.2, "with_lookup": [3]}, "with_lookup is list, expected an object"),
-    ("with_lookup lookup zero", {"depth": 1, "threshold": 0.2, "with_lookup": {"lookup": 0, "ngram": [3, 5], "depth": 1, "threshold": 0}},
-     r"with_lookup.lookup 0 is not an integer in 1..64"),
-    ("with_lookup lookup huge", {"depth": 1, "threshold": 0.2, "with_lookup": {"lookup": 10**12, "ngram": [3, 5], "depth": 1, "threshold": 0}},
-     "with_lookup.lookup 1000000000000 is not"),
-    ("with_lookup ngram reversed", {"depth": 1, "threshold": 0.2, "with_lookup": {"lookup": 3, "ngram": [5, 3], "depth": 1, "threshold": 0}},
-     r"with_lookup.ngram \[5, 3\] is not \[min, max\]"),
-    ("with_lookup ngram text", {"depth": 1, "threshold": 0.2, "with_lookup": {"lookup": 3, "ngram": "3:5", "depth": 1, "threshold": 0}},
-     "with_lookup.ngram '3:5' is not"),
-    ("with_lookup depth past the layers", {"depth": 1, "threshold": 0.2, "with_lookup": {"lookup": 3, "ngram": [3, 5], "depth": 9, "threshold": 0}},
-     "with_lookup.depth 9 is not between 1 and the 3"),
-    ("with_lookup threshold nan", {"depth": 1, "threshold": 0.2, "with_lookup": {"lookup": 3, "ngram": [3, 5], "depth": 1, "threshold": float("nan")}},
-     "NaN is not a JSON number"),  # refused by the header parser already
+    (
+        "with_lookup not an object",
+        {"depth": 1, "threshold": 0.2, "with_lookup": [3]},
+        "with_lookup is list, expected an object",
+    ),
+    (
+        "with_lookup lookup zero",
+        {"depth": 1, "threshold": 0.2, "with_lookup": {"lookup": 0, "ngram": [3, 5], "depth": 1, "threshold": 0}},
+        r"with_lookup.lookup 0 is not an integer in 1..64",
+    ),
+    (
+        "with_lookup lookup huge",
+        {"depth": 1, "threshold": 0.2, "with_lookup": {"lookup": 10**12, "ngram": [3, 5], "depth": 1, "threshold": 0}},
+        "with_lookup.lookup 1000000000000 is not",
+    ),
+    (
+        "with_lookup ngram reversed",
+        {"depth": 1, "threshold": 0.2, "with_lookup": {"lookup": 3, "ngram": [5, 3], "depth": 1, "threshold": 0}},
+        r"with_lookup.ngram \[5, 3\] is not \[min, max\]",
+    ),
+    (
+        "with_lookup ngram text",
+        {"depth": 1, "threshold": 0.2, "with_lookup": {"lookup": 3, "ngram": "3:5", "depth": 1, "threshold": 0}},
+        "with_lookup.ngram '3:5' is not",
+    ),
+    (
+        "with_lookup depth past the layers",
+        {"depth": 1, "threshold": 0.2, "with_lookup": {"lookup": 3, "ngram": [3, 5], "depth": 9, "threshold": 0}},
+        "with_lookup.depth 9 is not between 1 and the 3",
+    ),
+    (
+        "with_lookup threshold nan",
+        {
+            "depth": 1,
+            "threshold": 0.2,
+            "with_lookup": {"lookup": 3, "ngram": [3, 5], "depth": 1, "threshold": float("nan")},
+        },
+        "NaN is not a JSON number",
+    ),  # refused by the header parser already
 ]
 
 
@@ -577,7 +682,12 @@ def test_lookup_rounds_and_the_setting_measured_with_lookup():
     assert rec["modelled_speedup"] == pytest.approx(10 / (27 / 6), abs=1e-4)
     # Drafts the layers get wrong: drafting nothing (threshold above 0.9) is fastest.
     wrong = ProbeTrace(np.full((6, 1), 0.5), np.zeros((6, 1), bool))
-    assert with_lookup_setting(wrong, none, np.zeros(6, np.int64), np.zeros(6, np.int64), keys, 1.0, verify, 3, (3, 5))["threshold"] > 0.5
+    assert (
+        with_lookup_setting(wrong, none, np.zeros(6, np.int64), np.zeros(6, np.int64), keys, 1.0, verify, 3, (3, 5))[
+            "threshold"
+        ]
+        > 0.5
+    )
 
 
 def test_best_setting_is_the_least_modelled_time_over_depths():
@@ -591,12 +701,23 @@ def test_best_setting_is_the_least_modelled_time_over_depths():
     trace = ProbeTrace(probs, right)
     verify = [10.0, 11.0, 14.0, 18.0]
     d, row = best_setting(trace, 0.8, verify)
-    brute = min(((k, r) for k in (1, 2, 3) for r in threshold_table(ProbeTrace(probs[:, :k], right[:, :k]), 0.8, verify[: k + 1])),
-                key=lambda kr: kr[1].ms_per_token)
+    brute = min(
+        (
+            (k, r)
+            for k in (1, 2, 3)
+            for r in threshold_table(ProbeTrace(probs[:, :k], right[:, :k]), 0.8, verify[: k + 1])
+        ),
+        key=lambda kr: kr[1].ms_per_token,
+    )
     assert (d, row) == brute
     # a cheap deep verify makes depth 3 worth it; an expensive one depth 1
     assert best_setting(ProbeTrace(np.ones((50, 3)), np.ones((50, 3), bool)), 0.1, [10, 10.5, 11, 11.5])[0] == 3
-    assert best_setting(ProbeTrace(np.ones((50, 3)), np.ones((50, 3), bool) & [True, False, False]), 0.1, [10, 11, 30, 40])[0] == 1
+    assert (
+        best_setting(
+            ProbeTrace(np.ones((50, 3)), np.ones((50, 3), bool) & [True, False, False]), 0.1, [10, 11, 30, 40]
+        )[0]
+        == 1
+    )
 
 
 def test_probe_save_needs_choose_threshold(tiny, tmp_path):
@@ -613,8 +734,22 @@ def test_probe_save_records_defaults_in_the_sidecar(tiny, tmp_path):
     _with_vocab(side, mine, np.arange(64))
     text = tmp_path / "t.txt"
     text.write_text("the cat sat on the mat and the dog sat on the log. " * 20)
-    r = CliRunner().invoke(app, ["mtp-probe", str(path), "-f", str(text), "--mtp", str(mine), "--max-tokens", "64",
-                                 "--choose-threshold", "--save", "--json"])
+    r = CliRunner().invoke(
+        app,
+        [
+            "mtp-probe",
+            str(path),
+            "-f",
+            str(text),
+            "--mtp",
+            str(mine),
+            "--max-tokens",
+            "64",
+            "--choose-threshold",
+            "--save",
+            "--json",
+        ],
+    )
     assert r.exit_code == 0, r.output
     saved = json.loads(r.output)["saved"]
     with CmfFile(mine) as f:
@@ -627,6 +762,19 @@ def test_probe_save_records_defaults_in_the_sidecar(tiny, tmp_path):
     assert len(rec["verify_ms_by_rows"]) == 4
     d = eng.drafter(SpeculativeConfig(lookup=0))[0]
     assert (d.depth, d.threshold) == (rec["depth"], rec["threshold"])
-    shown = CliRunner().invoke(app, ["mtp-probe", str(path), "-f", str(text), "--mtp", str(mine), "--max-tokens", "64",
-                                     "--choose-threshold", "--save"])
+    shown = CliRunner().invoke(
+        app,
+        [
+            "mtp-probe",
+            str(path),
+            "-f",
+            str(text),
+            "--mtp",
+            str(mine),
+            "--max-tokens",
+            "64",
+            "--choose-threshold",
+            "--save",
+        ],
+    )
     assert shown.exit_code == 0 and "with n-gram lookup drafting first (--lookup 3, the default)" in shown.output

@@ -97,7 +97,9 @@ def test_prefill_slices_cross_weights_and_chunk_rows(threads):
     assert np.abs(out - exact).max() / np.abs(exact).max() < 1e-5
 
 
-@pytest.mark.parametrize("rows,cols", [(960, 576), (576, 576), (3072, 576), (576, 1536), (2560, 2048), (49152, 576), (720, 64)])
+@pytest.mark.parametrize(
+    "rows,cols", [(960, 576), (576, 576), (3072, 576), (576, 1536), (2560, 2048), (49152, 576), (720, 64)]
+)
 @pytest.mark.parametrize("threads", [2, 3, 4])
 def test_prefill_jobs_end_together_on_quiet_threads(rows, cols, threads):
     """The jobs of a prefill matmul: whole 16-row multiples within [MIN_SLICE_ROWS, a tile],
@@ -186,7 +188,9 @@ def test_attention_over_a_long_cache(window, sinks):
 def test_vectorized_exp_against_float64():
     from cortiq_engine.kernels import jit
 
-    x = np.concatenate([-np.abs(RNG.standard_normal(20000) * 12), np.linspace(-87, 0, 20001), [0.0, -1e-30, -0.5, -86.9]])
+    x = np.concatenate(
+        [-np.abs(RNG.standard_normal(20000) * 12), np.linspace(-87, 0, 20001), [0.0, -1e-30, -0.5, -86.9]]
+    )
     x = x.astype(np.float32)
     got = np.empty_like(x)
     jit.exp_nonpositive_array(x, got)

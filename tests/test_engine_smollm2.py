@@ -112,8 +112,10 @@ def test_quantized_top1_agreement(smollm2_cmf, english_ids, f32_top, quant, over
     got = _logits(Engine.load(smollm2_cmf(quant)), english_ids).argmax(axis=1)
     agree = got == top
     confident = margin >= 0.5
-    print(f"{quant}: top-1 agreement with f32 over {len(top)} tokens {agree.mean():.4f}; "
-          f"on {confident.sum()} confident positions {agree[confident].mean():.4f}")
+    print(
+        f"{quant}: top-1 agreement with f32 over {len(top)} tokens {agree.mean():.4f}; "
+        f"on {confident.sum()} confident positions {agree[confident].mean():.4f}"
+    )
     assert agree.mean() >= overall
     assert agree[confident].mean() >= 0.995
 
@@ -129,9 +131,11 @@ def test_default_kernels_answer_the_readme_question_as_transformers(smollm2_cmf,
     from cortiq_engine import Engine
 
     eng = Engine.load(smollm2_cmf(quant))
-    ids = eng.tokenizer.encode(eng.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]))
+    ids = eng.tokenizer.encode(
+        eng.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    )
     got = eng.generate(ids, max_tokens=8, speculative=False)
     with torch.no_grad():
-        want = hf_model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=8)[0, len(ids):].tolist()
+        want = hf_model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=8)[0, len(ids) :].tolist()
     assert got.token_ids == want, (got.token_ids, want)
     assert "Paris" in got.text

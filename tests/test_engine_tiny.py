@@ -157,8 +157,10 @@ def test_quantized_fast_equals_reference(tmp_path, quant):
             tile_bits = eng.kernels.tile_bits.get(quant, 0)
         st = eng.new_state(64)
         # n = 30 (dequantized tiles + BLAS), n = 3 (small-batch kernel), n = 1 (decode)
-        h = np.concatenate([forward(st, ids[:30]), forward(st, ids[30:33]), forward(st, ids[33:36])]
-                           + [forward(st, ids[i : i + 1]) for i in range(36, 40)])
+        h = np.concatenate(
+            [forward(st, ids[:30]), forward(st, ids[30:33]), forward(st, ids[33:36])]
+            + [forward(st, ids[i : i + 1]) for i in range(36, 40)]
+        )
         out[k] = eng.model.lm_head(eng.model.final_norm(h))
     assert _rel(out["numba-float"], out["numpy"]) <= 1e-5
     # the default rounds decode/verify activations per block of 32 (kernels/qdot.py):

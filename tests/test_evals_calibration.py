@@ -63,7 +63,9 @@ def test_ece_mce_equal_hand_loop(n, n_bins, seed):
     bins = equal_width_bins(conf, correct, n_bins)
     assert ece(bins) == pytest.approx(want_ece, abs=1e-9)
     assert mce(bins) == pytest.approx(want_mce, abs=1e-9)
-    assert ece(equal_mass_bins(conf, correct, n_bins)) == pytest.approx(hand_ece_equal_mass(conf, correct, n_bins), abs=1e-9)
+    assert ece(equal_mass_bins(conf, correct, n_bins)) == pytest.approx(
+        hand_ece_equal_mass(conf, correct, n_bins), abs=1e-9
+    )
     assert sum(b.count for b in bins) == n
     assert want_ece > 0.01  # the data are miscalibrated: the check is not vacuous
 
@@ -103,6 +105,7 @@ def test_metric_errors():
 
 
 # ------------------------------------------------------------------ temperature
+
 
 def sample_labels(z: np.ndarray, T: float, rng) -> np.ndarray:
     p = np.exp((z - z.max(axis=1, keepdims=True)) / T)

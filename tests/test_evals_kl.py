@@ -23,7 +23,9 @@ from formats.errors import CortiqError
 V = 500
 
 
-def random_pair(rows: int, seed: int, noise: float = 0.3, scale: float = 3.0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def random_pair(
+    rows: int, seed: int, noise: float = 0.3, scale: float = 3.0
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Reference logits, a perturbed model's, and targets drawn from the reference."""
     rng = np.random.default_rng(seed)
     z0 = (rng.standard_normal((rows, V)) * scale).astype(np.float32)
@@ -42,9 +44,12 @@ def oracle(z0: np.ndarray, z1: np.ndarray, y: np.ndarray) -> dict[str, np.ndarra
     p, q = np.exp(lp), np.exp(lq)
     r = np.arange(len(y))
     return {
-        "nll0": -lp[r, y], "nll1": -lq[r, y],
-        "kld": (p * (lp - lq)).sum(1), "rkld": (q * (lq - lp)).sum(1),
-        "dp": q[r, y] - p[r, y], "same": a.argmax(1) == b.argmax(1),
+        "nll0": -lp[r, y],
+        "nll1": -lq[r, y],
+        "kld": (p * (lp - lq)).sum(1),
+        "rkld": (q * (lq - lp)).sum(1),
+        "dp": q[r, y] - p[r, y],
+        "same": a.argmax(1) == b.argmax(1),
     }
 
 
@@ -101,16 +106,26 @@ def test_comparison_statistics_match_llama_cpp_definitions():
     assert c.dp.mean == pytest.approx(dp.mean(), rel=1e-9, abs=1e-15)
     for key, frac in DP_QUANTILES:
         assert c.dp_quantiles[key] == pytest.approx(llama_percentile(dp, frac), rel=1e-9, abs=1e-15), key
-    ms = np.mean(dp ** 2)
+    ms = np.mean(dp**2)
     assert c.dp_rms.rms == pytest.approx(math.sqrt(ms), rel=1e-9)
     # llama.cpp: RMS Δp uncertainty from Σ Δp² and Σ Δp⁴ by the delta method
-    assert c.dp_rms.se == pytest.approx(math.sqrt((np.mean(dp ** 4) - ms * ms) / (n - 1)) / (2 * math.sqrt(ms)), rel=1e-6)
+    assert c.dp_rms.se == pytest.approx(math.sqrt((np.mean(dp**4) - ms * ms) / (n - 1)) / (2 * math.sqrt(ms)), rel=1e-6)
     s = want["same"].mean()
     assert c.top1.mean == pytest.approx(s, abs=1e-15)
     assert c.top1.se == pytest.approx(math.sqrt(s * (1 - s) / (n - 1)), rel=1e-9)
     assert reports[0].nll.mean == pytest.approx(want["nll0"].mean(), rel=1e-12)
-    assert set(c.to_json()) >= {"kl_mean", "kl_se", "kl_quantiles", "reverse_kl_mean", "delta_p_rms", "delta_p_quantiles",
-                                "top1_agreement", "top1_agreement_se", "ppl_ratio", "ppl_ratio_ci95"}
+    assert set(c.to_json()) >= {
+        "kl_mean",
+        "kl_se",
+        "kl_quantiles",
+        "reverse_kl_mean",
+        "delta_p_rms",
+        "delta_p_quantiles",
+        "top1_agreement",
+        "top1_agreement_se",
+        "ppl_ratio",
+        "ppl_ratio_ci95",
+    }
 
 
 def test_identical_models_have_zero_divergence():
@@ -175,7 +190,10 @@ def test_topk_ties_keep_argmax_first():
 
 # ----------------------------------------------------------------- the .cref file
 
-def write_ref(path: Path, top_k: int, rows_per_block: int = 25, samples: int = 0) -> tuple[np.ndarray, list[Window], np.ndarray, np.ndarray]:
+
+def write_ref(
+    path: Path, top_k: int, rows_per_block: int = 25, samples: int = 0
+) -> tuple[np.ndarray, list[Window], np.ndarray, np.ndarray]:
     """A 3-window plan over 130 tokens, saved from random reference logits."""
     rng = np.random.default_rng(5)
     tokens = rng.integers(0, V, 130)
@@ -183,9 +201,20 @@ def write_ref(path: Path, top_k: int, rows_per_block: int = 25, samples: int = 0
     n = sum(w.n_scored for w in windows)
     z0, _, _ = random_pair(n, 6)
     y = np.concatenate([tokens[w.targets] for w in windows])
-    rec = ReferenceRecorder(path, tokens=tokens, windows=windows, vocab_size=V, top_k=top_k, samples=samples,
-                            meta={"model": {"label": "m"}, "tokenizer": {"fingerprint": "abc"},
-                                  "text": {"sha256": "t", "source": "s"}, "settings": {"mode": "sliding", "ctx": 50}})
+    rec = ReferenceRecorder(
+        path,
+        tokens=tokens,
+        windows=windows,
+        vocab_size=V,
+        top_k=top_k,
+        samples=samples,
+        meta={
+            "model": {"label": "m"},
+            "tokenizer": {"fingerprint": "abc"},
+            "text": {"sha256": "t", "source": "s"},
+            "settings": {"mode": "sliding", "ctx": 50},
+        },
+    )
     for a in range(0, n, rows_per_block):
         rec.add(z0[a : a + rows_per_block], y[a : a + rows_per_block])
     rec.commit()
@@ -198,7 +227,9 @@ def test_cref_round_trip(tmp_path, top_k, samples):
     tokens, windows, z0, y = write_ref(p, top_k, samples=samples)
     ref = SavedReference(p)
     ref.check(ReferenceIdentity("abc", "t", V), tokens, windows)
-    assert ref.windows() == windows and ref.form == {0: "full", 16: "top-16"}[top_k] + (f"+{samples}" if samples else "")
+    assert ref.windows() == windows and ref.form == {0: "full", 16: "top-16"}[top_k] + (
+        f"+{samples}" if samples else ""
+    )
     got = [ref.next_rows(n) for n in (30, 60, len(y) - 90)]
     nll = np.concatenate([g.nll for g in got])
     np.testing.assert_array_equal(nll, ref_full(z0, y).nll)  # float64, bit for bit
@@ -224,7 +255,12 @@ def test_cref_mismatches_are_one_line_errors(tmp_path):
         (ReferenceIdentity("abc", "other", V), tokens, windows, "another text"),
         (ReferenceIdentity("xyz", "t", V), tokens, windows, "another tokenizer"),
         (ReferenceIdentity("abc", "t", V + 1), tokens, windows, "another tokenizer"),
-        (ReferenceIdentity("abc", "t", V), np.r_[tokens[:-1], (tokens[-1] + 1) % V], windows, "tokenizes the text differently"),
+        (
+            ReferenceIdentity("abc", "t", V),
+            np.r_[tokens[:-1], (tokens[-1] + 1) % V],
+            windows,
+            "tokenizes the text differently",
+        ),
         (ReferenceIdentity("abc", "t", V), tokens, windows[:2], "other windows"),
     ]
     for ident, toks, wins, msg in cases:
@@ -268,8 +304,15 @@ CORRUPTIONS = {
     "rows": (lambda p: rewrite_header(p, lambda h: h.update(rows=10**15)), "rows"),
     "shape": (lambda p: rewrite_header(p, lambda h: h["arrays"]["nll"].update(shape=[3])), "array nll"),
     "offset": (lambda p: rewrite_header(p, lambda h: h["arrays"]["nll"].update(offset=10**12)), "offset"),
-    "overlap": (lambda p: rewrite_header(p, lambda h: h["arrays"]["nll"].update(offset=h["arrays"]["tokens"]["offset"],
-                                                                                   crc32=h["arrays"]["tokens"]["crc32"])), "nll"),
+    "overlap": (
+        lambda p: rewrite_header(
+            p,
+            lambda h: h["arrays"]["nll"].update(
+                offset=h["arrays"]["tokens"]["offset"], crc32=h["arrays"]["tokens"]["crc32"]
+            ),
+        ),
+        "nll",
+    ),
     "meta": (lambda p: rewrite_header(p, lambda h: h.update(meta=[1])), "meta"),
     "json": (lambda p: rewrite_header(p, lambda h: h.update(top_k="8")), "top_k"),
     "samples": (lambda p: rewrite_header(p, lambda h: h.update(tail_samples=3)), "arrays"),
@@ -289,10 +332,19 @@ def test_corrupt_cref_is_one_line_error(tmp_path, name):
     assert "\n" not in str(e.value) and str(p) in str(e.value)
 
 
-@pytest.mark.parametrize("array,value,msg", [("top_ids", [V], "top_ids"), ("sample_ids", [-3], "sample_ids"),
-                                              ("sample_logp", [np.inf], "sample_logp"), ("top_logp", [np.nan], "top_logp"),
-                                              ("top_logp", [3.0], "top_logp"), ("nll", [np.inf], "nll"),
-                                              ("tail_logp", [np.nan], "tail_logp"), ("top1", [-1], "top1")])
+@pytest.mark.parametrize(
+    "array,value,msg",
+    [
+        ("top_ids", [V], "top_ids"),
+        ("sample_ids", [-3], "sample_ids"),
+        ("sample_logp", [np.inf], "sample_logp"),
+        ("top_logp", [np.nan], "top_logp"),
+        ("top_logp", [3.0], "top_logp"),
+        ("nll", [np.inf], "nll"),
+        ("tail_logp", [np.nan], "tail_logp"),
+        ("top1", [-1], "top1"),
+    ],
+)
 def test_bad_values_are_caught_when_read(tmp_path, array, value, msg):
     p = tmp_path / "r.cref"
     write_ref(p, 8, samples=4)

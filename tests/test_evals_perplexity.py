@@ -85,7 +85,9 @@ def hf_guide_nll(model, ids, max_length, stride):
 @pytest.mark.parametrize("ctx,stride", [(64, 32), (64, 64), (100, 17), (512, 512)])
 def test_sliding_equals_hf_guide(models, tokens, ctx, stride):
     want, n = hf_guide_nll(models[0], tokens.tolist(), ctx, stride)
-    res = run_perplexity([TorchEngine(models[0])], ["a"], tokens, sliding_windows(len(tokens), ctx, stride), ByteTokenizer(), chunk=24)
+    res = run_perplexity(
+        [TorchEngine(models[0])], ["a"], tokens, sliding_windows(len(tokens), ctx, stride), ByteTokenizer(), chunk=24
+    )
     r = res.reports[0]
     assert r.tokens_scored == n
     assert r.nll.mean == pytest.approx(want, rel=1e-5)
@@ -110,7 +112,9 @@ def llama_cpp_chunk_nlls(model, ids, n_ctx, bos):
 @pytest.mark.parametrize("bos", [None, 7])
 def test_chunks_equal_llama_cpp_loop(models, tokens, bos):
     want = llama_cpp_chunk_nlls(models[0], tokens.tolist(), 64, bos)
-    res = run_perplexity([TorchEngine(models[0])], ["a"], tokens, chunk_windows(len(tokens), 64, bos=bos), ByteTokenizer(), chunk=40)
+    res = run_perplexity(
+        [TorchEngine(models[0])], ["a"], tokens, chunk_windows(len(tokens), 64, bos=bos), ByteTokenizer(), chunk=40
+    )
     r = res.reports[0]
     assert r.tokens_scored == len(want) == (len(tokens) // 64) * 31
     assert r.nll.mean == pytest.approx(want.mean(), rel=1e-5)
@@ -182,8 +186,15 @@ def test_blocks_are_bounded_and_aligned(models, tokens):
 
 def test_running_progress(models, tokens):
     calls = []
-    run_perplexity([TorchEngine(models[0])], ["a"], tokens, sliding_windows(len(tokens), 64, 32), ByteTokenizer(),
-                   chunk=16, progress=lambda d, t, p: calls.append((d, t, p)))
+    run_perplexity(
+        [TorchEngine(models[0])],
+        ["a"],
+        tokens,
+        sliding_windows(len(tokens), 64, 32),
+        ByteTokenizer(),
+        chunk=16,
+        progress=lambda d, t, p: calls.append((d, t, p)),
+    )
     assert calls[-1][0] == calls[-1][1] == len(tokens) - 1
     assert all(a[0] < b[0] for a, b in zip(calls, calls[1:]))
     assert all(math.isfinite(p) and p > 1 for _, _, p in calls)

@@ -111,11 +111,14 @@ def test_file_errors(tmp_path):
         load_text(TextSpec(path=str(tmp_path / "x.parquet")))
 
 
-@pytest.mark.parametrize("name,first,size", [
-    ("hamlet", "HAMLET, PRINCE OF DENMARK", 173942),
-    ("sonnets", "THE SONNETS", 95728),
-    ("alice", "ALICE'S ADVENTURES IN WONDERLAND", 148481),
-])
+@pytest.mark.parametrize(
+    "name,first,size",
+    [
+        ("hamlet", "HAMLET, PRINCE OF DENMARK", 173942),
+        ("sonnets", "THE SONNETS", 95728),
+        ("alice", "ALICE'S ADVENTURES IN WONDERLAND", 148481),
+    ],
+)
 def test_bundled_corpora_by_name(name, first, size):
     import hashlib
 

@@ -23,7 +23,9 @@ def hf_guide_targets(n: int, ctx: int, stride: int) -> list[list[int]]:
     return [t for t in out if t]
 
 
-@pytest.mark.parametrize("n,ctx,stride", [(100, 16, 8), (100, 16, 16), (101, 16, 5), (17, 16, 8), (16, 16, 4), (5, 16, 8), (2, 4, 1)])
+@pytest.mark.parametrize(
+    "n,ctx,stride", [(100, 16, 8), (100, 16, 16), (101, 16, 5), (17, 16, 8), (16, 16, 4), (5, 16, 8), (2, 4, 1)]
+)
 def test_sliding_matches_hf_guide(n, ctx, stride):
     ws = sliding_windows(n, ctx, stride)
     got = [list(range(w.targets.start, w.targets.stop)) for w in ws]

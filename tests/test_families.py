@@ -20,9 +20,18 @@ from tests.mtp_tiny import save_tiny_mtp
 from tests.tiny import build_tiny, save_tiny
 
 GEMMA3 = dict(
-    vocab_size=256, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
-    num_key_value_heads=1, head_dim=24, query_pre_attn_scalar=24, sliding_window=6, layer_types=None,
-    tie_word_embeddings=True, max_position_embeddings=256,
+    vocab_size=256,
+    hidden_size=48,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=24,
+    query_pre_attn_scalar=24,
+    sliding_window=6,
+    layer_types=None,
+    tie_word_embeddings=True,
+    max_position_embeddings=256,
 )
 # (case, how to build its checkpoint): one per model_type, and the three MTP naming schemes.
 CASES = (
@@ -75,7 +84,21 @@ def test_manifest_is_what_the_converter_writes(case, kind, tmp_path):
 def test_every_family_is_covered_by_a_round_trip_case():
     cfg_types = {c for c, k in CASES if k != "mtp"}
     assert cfg_types == set(FAMILIES.supported_model_types())
-    assert {f.name for f in FAMILIES.families} == {"llama", "moe", "qwen3_next", "mimo_v2", "gemma3", "gemma2", "olmo2", "granite", "smollm3", "glm4_moe", "deepseek_v3", "gpt_oss", "phi3"}
+    assert {f.name for f in FAMILIES.families} == {
+        "llama",
+        "moe",
+        "qwen3_next",
+        "mimo_v2",
+        "gemma3",
+        "gemma2",
+        "olmo2",
+        "granite",
+        "smollm3",
+        "glm4_moe",
+        "deepseek_v3",
+        "gpt_oss",
+        "phi3",
+    }
 
 
 def test_unknown_model_type_is_one_line_naming_the_supported_ones(tmp_path):
@@ -88,7 +111,10 @@ def test_unknown_model_type_is_one_line_naming_the_supported_ones(tmp_path):
     src = save_tiny("llama", tmp_path / "hf")
     cfg = json.loads((src / "config.json").read_text())
     (src / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt_neox"}))
-    with pytest.raises(CortiqError, match=r"unsupported architecture 'gpt_neox' .*supported: .*gemma3_text, .*llama.*; see docs/architectures.md"):
+    with pytest.raises(
+        CortiqError,
+        match=r"unsupported architecture 'gpt_neox' .*supported: .*gemma3_text, .*llama.*; see docs/architectures.md",
+    ):
         convert_checkpoint(src, tmp_path / "m.cmf")
     assert not (tmp_path / "m.cmf").exists()
     with pytest.raises(CortiqError, match="cannot run architecture 'gpt2'"):

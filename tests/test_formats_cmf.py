@@ -157,6 +157,7 @@ def test_writer_refuses_existing_output_without_force(tmp_path):
 
 # ------------------------------------------------------------------ bad files
 
+
 def _mutate(path, fn):
     data = bytearray(path.read_bytes())
     fn(data)

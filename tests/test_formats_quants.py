@@ -129,8 +129,10 @@ def test_round_trip_every_dtype(name):
 def test_bf16_matches_torch_on_special_values():
     import torch
 
-    x = np.array([0.0, -0.0, 1.0, -1.5, 3.4e38, -3.4e38, 1e-40, np.inf, -np.inf, 65504.0, 1.00390625, 1.01171875],
-                 dtype=np.float32)
+    x = np.array(
+        [0.0, -0.0, 1.0, -1.5, 3.4e38, -3.4e38, 1e-40, np.inf, -np.inf, 65504.0, 1.00390625, 1.01171875],
+        dtype=np.float32,
+    )
     ours = f32_to_bf16(x)
     ref = torch.from_numpy(x).bfloat16().view(torch.int16).numpy().view(np.uint16)
     assert np.array_equal(ours, ref)
@@ -176,10 +178,16 @@ def test_unsupported_shapes_and_names():
         q8.encode(np.zeros((4, 48), np.float32))
     with pytest.raises(CortiqError, match="unknown dtype 'q3'"):
         get_dtype("q3")
-    assert set(DTYPES) == {"f32", "f16", "bf16", "q8", "q5", "q5_1", "q4", "q4_0", "q6k", "q5k", "q4k", "iq4_xs", "q3k", "u8", "i32"} and QBLOCK == 32
+    assert (
+        set(DTYPES)
+        == {"f32", "f16", "bf16", "q8", "q5", "q5_1", "q4", "q4_0", "q6k", "q5k", "q4k", "iq4_xs", "q3k", "u8", "i32"}
+        and QBLOCK == 32
+    )
 
 
-@pytest.mark.parametrize("x", [_gauss(64, 512), _hard_cases(), _gauss(5, 4096, seed=9) * 1e-3], ids=["gauss", "hard", "small"])
+@pytest.mark.parametrize(
+    "x", [_gauss(64, 512), _hard_cases(), _gauss(5, 4096, seed=9) * 1e-3], ids=["gauss", "hard", "small"]
+)
 def test_compiled_kernels_equal_the_reference_and_ggml(x):
     from formats import quant_kernels as fast
 

@@ -55,10 +55,18 @@ def test_import_config_and_norms(gemma3_hf, gemma3_gguf):
     from safetensors import safe_open
 
     reader = GgufFile(gemma3_gguf)
-    stored = {t.name: np.array(t.data) for t in reader.tensors if t.name.endswith("norm.weight") and t.name.startswith("blk.3.")}
+    stored = {
+        t.name: np.array(t.data)
+        for t in reader.tensors
+        if t.name.endswith("norm.weight") and t.name.startswith("blk.3.")
+    }
     with safe_open(gemma3_hf / "model.safetensors", "np") as f:
-        assert np.array_equal(f.get_tensor("model.layers.3.pre_feedforward_layernorm.weight"), stored["blk.3.ffn_norm.weight"] - 1)
-        assert np.array_equal(f.get_tensor("model.layers.3.self_attn.k_norm.weight"), stored["blk.3.attn_k_norm.weight"] - 1)
+        assert np.array_equal(
+            f.get_tensor("model.layers.3.pre_feedforward_layernorm.weight"), stored["blk.3.ffn_norm.weight"] - 1
+        )
+        assert np.array_equal(
+            f.get_tensor("model.layers.3.self_attn.k_norm.weight"), stored["blk.3.attn_k_norm.weight"] - 1
+        )
 
 
 def test_logits_match_transformers_on_the_imported_folder(engine, gemma3_hf, english_text):
@@ -82,6 +90,7 @@ def test_chat_template_renders_gemma_turns(engine):
 
 # ------------------------------------------------------------------ the GGUF through transformers' loader
 
+
 @pytest.fixture(scope="module")
 def hf_gguf(gemma3_gguf):
     import torch
@@ -98,7 +107,11 @@ def hf_gguf(gemma3_gguf):
 @pytest.mark.slow
 def test_tokenizer_matches_transformers_gguf_tokenizer(engine, hf_gguf, english_text):
     tok, _ = hf_gguf
-    texts = [english_text[:5000], "naïve café — 12,345 ünïcödé 😀 tokens\n\ttabs   and  spaces", "<start_of_turn>user\nhi<end_of_turn>\n"]
+    texts = [
+        english_text[:5000],
+        "naïve café — 12,345 ünïcödé 😀 tokens\n\ttabs   and  spaces",
+        "<start_of_turn>user\nhi<end_of_turn>\n",
+    ]
     for text in texts:
         ids = engine.tokenizer.encode(text)
         assert ids == tok(text)["input_ids"]

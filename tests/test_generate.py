@@ -96,7 +96,9 @@ def test_evict_keeps_going_with_increasing_positions(tiny):
     small = Engine.load(tiny[1], ctx=24)
     ids = small.tokenizer.encode(PROMPT)
     st = small.new_state(24)
-    res = generate(small.model, small.tokenizer, ids, SamplingConfig(), capacity=24, max_tokens=40, evict=True, state=st)
+    res = generate(
+        small.model, small.tokenizer, ids, SamplingConfig(), capacity=24, max_tokens=40, evict=True, state=st
+    )
     assert res.finish_reason == "max_tokens" and len(res.token_ids) == 40
     assert res.evictions >= 2
     assert st.length <= 24
@@ -226,7 +228,9 @@ def test_chat_template_renders_like_transformers(eng):
     try:
         msgs = [{"role": "system", "content": "Be brief. "}, {"role": "user", "content": "Hi"}]
         ours = tok.apply_chat_template(msgs)
-        ref = render_jinja_template(conversations=[msgs], chat_template=template, add_generation_prompt=True, bos_token="")[0][0]
+        ref = render_jinja_template(
+            conversations=[msgs], chat_template=template, add_generation_prompt=True, bos_token=""
+        )[0][0]
         assert ours == ref
         tok.chat_template = "{{ raise_exception('no system role') }}"
         from formats.errors import CortiqError

@@ -43,6 +43,7 @@ def _rel(a, b) -> float:
 
 # ------------------------------------------------------------------ the real model
 
+
 def test_files_and_config(smollm2_hf: Path, smollm2_gguf: Path):
     from safetensors import safe_open
 
@@ -117,7 +118,9 @@ def test_gemma3_tokenizer_matches_llama_cpp(gemma3_gguf: Path):
     texts = SENTENCES + ["to\n" + " " * 54 + "sea", "a" + " " * 40 + "b<table>", "x\n\n\n   y  \t z"]
     texts += [path.read_text(encoding="utf-8") for path, _ in BUNDLED_CORPORA.values()]
     for text in texts:
-        assert ours.encode(text, add_special_tokens=False).ids == lcpp.tokenize(text.encode(), add_bos=False, special=True), text[:80]
+        assert ours.encode(text, add_special_tokens=False).ids == lcpp.tokenize(
+            text.encode(), add_bos=False, special=True
+        ), text[:80]
 
 
 def test_greedy_chat_answer_is_sensible(smollm2_hf: Path):
@@ -346,11 +349,15 @@ def test_pre_tokenizers_match_llama_cpp(tmp_path: Path, trained_bpe, pre: str):
     import_gguf(gguf_path, tmp_path / "hf")
     ours = Tokenizer.from_file(str(tmp_path / "hf" / "tokenizer.json"))
     lcpp = llama_cpp.Llama(str(gguf_path), vocab_only=True, verbose=False)
-    texts = SENTENCES + DIGIT_EDGE_CASES + [
-        "Alice said 1234567 times: 12,345.678 on 2024-05-01!!",
-        "THEY'RE here, WE'LL see; it's   fine\n\n\tok $5+3<=8 ^~| `x`",
-        "<|s|>Down the Rabbit-Hole<|e|>",
-    ]
+    texts = (
+        SENTENCES
+        + DIGIT_EDGE_CASES
+        + [
+            "Alice said 1234567 times: 12,345.678 on 2024-05-01!!",
+            "THEY'RE here, WE'LL see; it's   fine\n\n\tok $5+3<=8 ^~| `x`",
+            "<|s|>Down the Rabbit-Hole<|e|>",
+        ]
+    )
     for text in texts:
         ids = lcpp.tokenize(text.encode(), add_bos=False, special=True)
         assert ours.encode(text, add_special_tokens=False).ids == ids, (pre, text)
@@ -418,6 +425,7 @@ def test_failure_mid_write_leaves_nothing_and_keeps_the_old_folder(tmp_path: Pat
 
 
 # ------------------------------------------------------------------ the CLI
+
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "COLUMNS": "200"}
@@ -498,17 +506,34 @@ def test_deepseek_v3_pre_tokenizer_splits_as_llama_cpp():
     pre = PRE_TOKENIZERS["deepseek-v3"]
     pieces = [w for w, _ in _pre_tokenizer(pre.regexes).pre_tokenize_str("Hello, world! 1234567 你好世界 ok.\n\n  x")]
     space, nl = "\u0120", "\u010a"
-    assert pieces == ["Hello", ",", space + "world", "!", space, "123", "456", "7", space,
-                      "ä½łå¥½ä¸ĸçķĮ", space + "ok", "." + nl + nl, space, space + "x"]
+    assert pieces == [
+        "Hello",
+        ",",
+        space + "world",
+        "!",
+        space,
+        "123",
+        "456",
+        "7",
+        space,
+        "ä½łå¥½ä¸ĸçķĮ",
+        space + "ok",
+        "." + nl + nl,
+        space,
+        space + "x",
+    ]
     assert not pre.clean_spaces
 
 
-@pytest.mark.parametrize("key,value", [
-    ("llama.attention.value_length", "sixteen"),
-    ("llama.rope.dimension_count", [4, 4]),
-    ("llama.feed_forward_length", "128"),
-    ("llama.block_count", 2.5),
-])
+@pytest.mark.parametrize(
+    "key,value",
+    [
+        ("llama.attention.value_length", "sixteen"),
+        ("llama.rope.dimension_count", [4, 4]),
+        ("llama.feed_forward_length", "128"),
+        ("llama.block_count", 2.5),
+    ],
+)
 def test_retyped_metadata_is_one_line(tmp_path, key, value):
     """A GGUF whose metadata value has the wrong type (an attacker recomputes nothing
     here: GGUF has no checksums) is one CortiqError naming it, never a traceback."""
@@ -544,4 +569,6 @@ def test_retyped_metadata_is_one_line(tmp_path, key, value):
     w.close()
     with pytest.raises(CortiqError) as e:
         read_gguf(tmp_path / "r.gguf")
-    assert "\n" not in str(e.value) and (key.split(".", 1)[1] in str(e.value) or "bad value" in str(e.value)), str(e.value)
+    assert "\n" not in str(e.value) and (key.split(".", 1)[1] in str(e.value) or "bad value" in str(e.value)), str(
+        e.value
+    )

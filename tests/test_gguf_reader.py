@@ -23,7 +23,12 @@ def _same(a: GgufFile, path: Path) -> int:
     assert len(a.tensors) == len(b.tensors)
     for x, y in zip(a.tensors, b.tensors):
         assert (x.name, x.tensor_type, x.shape.tolist(), x.n_elements, x.n_bytes, x.data_offset) == (
-            y.name, y.tensor_type, y.shape.tolist(), int(y.n_elements), int(y.n_bytes), int(y.data_offset)
+            y.name,
+            y.tensor_type,
+            y.shape.tolist(),
+            int(y.n_elements),
+            int(y.n_bytes),
+            int(y.data_offset),
         )
         assert x.data.dtype == y.data.dtype and x.data.shape == y.data.shape and np.array_equal(x.data, y.data)
     return len(keys)
@@ -47,8 +52,11 @@ def test_matches_gguf_py_on_every_value_type(tmp_path: Path):
     w.add_array("t.strs", ["a", "", "ü"])
     w.add_array("t.ints", [1, -2, 3])
     w.add_tensor("a", np.arange(12, dtype=np.float32).reshape(3, 4))
-    w.add_tensor("b", gguf.quants.quantize(np.ones((2, 64), np.float32), gguf.GGMLQuantizationType.Q8_0),
-                 raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    w.add_tensor(
+        "b",
+        gguf.quants.quantize(np.ones((2, 64), np.float32), gguf.GGMLQuantizationType.Q8_0),
+        raw_dtype=gguf.GGMLQuantizationType.Q8_0,
+    )
     w.add_tensor("c", np.ones(5, np.float16))
     w.write_header_to_file()
     w.write_kv_data_to_file()

@@ -68,6 +68,7 @@ def _with_header(src: Path, dst: Path, header: dict) -> Path:
 
 # ------------------------------------------------------------------ memory safety
 
+
 def test_rotary_dim_past_head_dim_is_refused_at_load(tiny, tmp_path):
     """A SIGSEGV case: arch.rotary_dim > head_dim made the rope kernel write out of bounds."""
     _, cmf = tiny
@@ -143,6 +144,7 @@ def test_overflowing_shape_is_refused(tiny, tmp_path):
 
 # ------------------------------------------------------------------ CMF container
 
+
 def test_changed_header_fails_the_checksum_everywhere(tiny, tmp_path):
     _, cmf = tiny
     bad = tmp_path / "c.cmf"
@@ -186,7 +188,9 @@ def test_format_1_files_get_one_clear_line(tiny, tmp_path):
     _, cmf = tiny
     old = tmp_path / "v1.cmf"
     shutil.copy(cmf, old)
-    edit_file(old, lambda d: d.__setitem__(slice(8, 10), struct.pack("<H", 1)) or d.__setitem__(slice(56, 64), bytes(8)))
+    edit_file(
+        old, lambda d: d.__setitem__(slice(8, 10), struct.pack("<H", 1)) or d.__setitem__(slice(56, 64), bytes(8))
+    )
     _one_line_error(runner.invoke(app, ["inspect", str(old)]), "CMF format 1.0 has no header checksum", "reconvert")
 
 
@@ -251,6 +255,7 @@ def test_sidecar_backbone_file_with_a_slash(tiny, tmp_path):
 
 # ------------------------------------------------------------------ checkpoints at convert time
 
+
 @pytest.mark.parametrize(
     "name, content, message",
     [
@@ -274,6 +279,7 @@ def test_bad_checkpoint_files_are_one_line_errors(tiny, tmp_path, name, content,
 
 
 # ------------------------------------------------------------------ chat templates
+
 
 @pytest.mark.parametrize(
     "template, message",
@@ -300,6 +306,7 @@ def test_chat_templates_are_bounded_and_named(tiny, tmp_path, template, message)
 
 
 # ------------------------------------------------------------------ option values, OS errors
+
 
 @pytest.mark.parametrize(
     "args, message",
@@ -342,8 +349,14 @@ def test_a_full_disk_during_convert_is_one_line_and_leaves_nothing(tiny, tmp_pat
     out = tmp_path / "out"
     out.mkdir()
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    p = subprocess.run([sys.executable, "-m", "cortiq_cli.main", "convert", str(src), str(out / "o.cmf"), "--quant", "f32"],
-                       env=env, capture_output=True, text=True, preexec_fn=_limit_file_size, timeout=300)
+    p = subprocess.run(
+        [sys.executable, "-m", "cortiq_cli.main", "convert", str(src), str(out / "o.cmf"), "--quant", "f32"],
+        env=env,
+        capture_output=True,
+        text=True,
+        preexec_fn=_limit_file_size,
+        timeout=300,
+    )
     assert p.returncode == 1, p.stderr
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("error:") and "File too large" in lines[0], p.stderr
@@ -375,6 +388,7 @@ def test_same_file_guard(tiny, tmp_path):
 
 # ------------------------------------------------------------------ leftovers of a killed conversion
 
+
 def test_stale_staging_files_are_removed_by_the_next_run(tiny, tmp_path):
     from formats.staging import hold
 
@@ -403,8 +417,12 @@ def test_kill_9_during_convert_leaves_nothing_after_the_next_run(tiny, tmp_path)
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     killed_with_leftover = False
     for delay in (0.5, 1.0, 2.0, 4.0, 8.0):
-        p = subprocess.Popen([sys.executable, "-m", "cortiq_cli.main", "convert", str(src), str(out), "--force", "--quant", "q4"],
-                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        p = subprocess.Popen(
+            [sys.executable, "-m", "cortiq_cli.main", "convert", str(src), str(out), "--force", "--quant", "q4"],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and p.poll() is None:
             if any(x.name.endswith(".tmp") for x in tmp_path.iterdir()):
@@ -424,6 +442,7 @@ def test_kill_9_during_convert_leaves_nothing_after_the_next_run(tiny, tmp_path)
 
 # ------------------------------------------------------------------ ppl on a tiny text
 
+
 def test_ppl_on_two_tokens_prints_no_nan(tiny, tmp_path):
     _, cmf = tiny  # sliding: a chunk needs --ctx tokens, a sliding window two
     text = tmp_path / "hi.txt"
@@ -437,6 +456,7 @@ def test_ppl_on_two_tokens_prints_no_nan(tiny, tmp_path):
 
 
 # ------------------------------------------------------------------ Ctrl-C keeps the partial result
+
 
 class _StopAfter:
     """A logit model that scores like ``engine`` for ``windows`` windows, then is interrupted."""
@@ -496,9 +516,28 @@ def test_generate_json_prints_the_tokens_so_far_on_ctrl_c(tiny):
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     for wait in (6, 12, 24):
         p = subprocess.Popen(
-            [sys.executable, "-m", "cortiq_cli.main", "generate", str(cmf), "hello", "--json", "-n", "100000000",
-             "--ignore-eos", "--evict", "--ctx", "64", "--threads", "1"],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_default_sigint,
+            [
+                sys.executable,
+                "-m",
+                "cortiq_cli.main",
+                "generate",
+                str(cmf),
+                "hello",
+                "--json",
+                "-n",
+                "100000000",
+                "--ignore-eos",
+                "--evict",
+                "--ctx",
+                "64",
+                "--threads",
+                "1",
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            preexec_fn=_default_sigint,
         )
         time.sleep(wait)
         p.send_signal(signal.SIGINT)
@@ -520,15 +559,36 @@ def test_ctrl_c_while_the_libraries_load_is_one_line(tiny, entry):
     ``cortiq`` console script (``cortiq_cli.launch:main``)."""
     _, cmf = tiny
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    start = (["-m", "cortiq_cli.main"] if entry == "module"
-             else ["-c", "import sys; sys.argv[0] = 'cortiq'; from cortiq_cli.launch import main; main()"])
+    start = (
+        ["-m", "cortiq_cli.main"]
+        if entry == "module"
+        else ["-c", "import sys; sys.argv[0] = 'cortiq'; from cortiq_cli.launch import main; main()"]
+    )
     reached = 0
     for wait in (0.2, 0.35, 0.5, 0.7, 1.0):
         # a generation that runs until interrupted: the signal never lands after the end
-        p = subprocess.Popen([sys.executable, *start, "generate", str(cmf), "hello", "-n", "100000000",
-                              "--ignore-eos", "--evict", "--ctx", "64", "--threads", "1"],
-                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             preexec_fn=_default_sigint)
+        p = subprocess.Popen(
+            [
+                sys.executable,
+                *start,
+                "generate",
+                str(cmf),
+                "hello",
+                "-n",
+                "100000000",
+                "--ignore-eos",
+                "--evict",
+                "--ctx",
+                "64",
+                "--threads",
+                "1",
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            preexec_fn=_default_sigint,
+        )
         time.sleep(wait)
         p.send_signal(signal.SIGINT)
         out, err = _communicate(p)
@@ -544,6 +604,7 @@ def test_ctrl_c_while_the_libraries_load_is_one_line(tiny, entry):
 
 
 # ------------------------------------------------------------------ no pickle
+
 
 def test_mtp_train_resume_never_unpickles(tiny, tmp_path):
     _, cmf = tiny

@@ -56,6 +56,7 @@ def _timed(fn) -> float:
 
 # ------------------------------------------------------------------ 1. JSON headers in linear time
 
+
 def _adversarial_headers(size: int) -> dict[str, bytes]:
     n = size // 2
     keys = b"{" + b",".join(b'"k%d":%d' % (i, i) for i in range(size // 16)) + b"}"
@@ -133,6 +134,7 @@ def test_adversarial_safetensors_header_is_refused_quickly(tmp_path):
 
 # ------------------------------------------------------------------ 2. tokenizer.json checked first
 
+
 def with_tokenizer(src: Path, dst: Path, tok: dict | bytes, header_edit=None) -> Path:
     """A copy of CMF ``src`` whose embedded tokenizer.json is ``tok``, written by the real
     writer (every checksum right): what an attacker can make."""
@@ -172,16 +174,30 @@ def _edit(tok: dict, path: str, value) -> dict:
 
 
 _SPLIT = {"type": "Split", "pattern": {"Regex": "a" * 5000}, "behavior": "Isolated", "invert": False}
-_TEMPLATE = {"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "[X]", "type_id": 0}}], "pair": [],
-             "special_tokens": {}}
+_TEMPLATE = {
+    "type": "TemplateProcessing",
+    "single": [{"SpecialToken": {"id": "[X]", "type_id": 0}}],
+    "pair": [],
+    "special_tokens": {},
+}
 
 
 @pytest.mark.parametrize(
     "path, value, message",
     [
         # the library aborts the process (SIGABRT) allocating this at the first encode
-        ("padding", {"strategy": {"Fixed": 10**12}, "direction": "Right", "pad_to_multiple_of": None, "pad_id": 0,
-                     "pad_type_id": 0, "pad_token": "x"}, "padding.strategy.Fixed"),
+        (
+            "padding",
+            {
+                "strategy": {"Fixed": 10**12},
+                "direction": "Right",
+                "pad_to_multiple_of": None,
+                "pad_id": 0,
+                "pad_type_id": 0,
+                "pad_token": "x",
+            },
+            "padding.strategy.Fixed",
+        ),
         # the library panics (PanicException, a BaseException) on a special token it cannot find
         ("post_processor", _TEMPLATE, "which special_tokens lacks"),
         # a Precompiled charsmap the library indexes out of bounds
@@ -193,14 +209,35 @@ _TEMPLATE = {"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "[
         ("pre_tokenizer", {"type": "Sequence", "pretokenizers": [_SPLIT]}, "pre_tokenizer.pretokenizers[0]"),
         ("decoder", {"type": "Strip", "content": " ", "start": 2**40, "stop": 0}, "decoder.start"),
         ("decoder", {"type": "Replace", "pattern": {"String": "x"}, "content": "y" * 10**5}, "decoder.content"),
-        ("truncation", {"max_length": 2**62, "stride": 0, "strategy": "LongestFirst", "direction": "Right"},
-         "truncation.max_length"),
+        (
+            "truncation",
+            {"max_length": 2**62, "stride": 0, "strategy": "LongestFirst", "direction": "Right"},
+            "truncation.max_length",
+        ),
         ("pre_tokenizer.type", ["ByteLevel"], "pre_tokenizer.type"),
         ("decoder", {"type": {"text": "ByteLevel"}}, "decoder.type"),
-        ("post_processor", dict(_TEMPLATE, single=[{"SpecialToken": {"id": ["[X]"], "type_id": 0}}]), "special_tokens lacks"),
+        (
+            "post_processor",
+            dict(_TEMPLATE, single=[{"SpecialToken": {"id": ["[X]"], "type_id": 0}}]),
+            "special_tokens lacks",
+        ),
     ],
-    ids=["padding-abort", "template-panic", "precompiled", "model-type", "merges", "vocab-id", "split-regex",
-         "sequence", "strip", "replace", "truncation", "type-list", "type-object", "special-id-list"],
+    ids=[
+        "padding-abort",
+        "template-panic",
+        "precompiled",
+        "model-type",
+        "merges",
+        "vocab-id",
+        "split-regex",
+        "sequence",
+        "strip",
+        "replace",
+        "truncation",
+        "type-list",
+        "type-object",
+        "special-id-list",
+    ],
 )
 def test_hostile_tokenizer_json_is_refused_before_the_library(tiny, tmp_path, path, value, message):
     _, cmf = tiny
@@ -231,8 +268,9 @@ def test_convert_refuses_a_hostile_tokenizer_json(tiny, tmp_path):
     shutil.copytree(src, ck)
     tok = json.loads((ck / "tokenizer.json").read_text())
     (ck / "tokenizer.json").write_text(json.dumps(_edit(tok, "post_processor", _TEMPLATE)))
-    _one_line_error(runner.invoke(app, ["convert", str(ck), str(tmp_path / "o.cmf"), "--quant", "q8"]),
-                    "which special_tokens lacks")
+    _one_line_error(
+        runner.invoke(app, ["convert", str(ck), str(tmp_path / "o.cmf"), "--quant", "q8"]), "which special_tokens lacks"
+    )
     assert not (tmp_path / "o.cmf").exists()
 
 
@@ -246,12 +284,17 @@ def test_lone_surrogates_in_a_prompt_are_replaced(tiny):
 
 def test_lone_surrogates_through_the_real_cli(tiny):
     _, cmf = tiny
-    p = subprocess.run([sys.executable, "-m", "cortiq_cli.main", "generate", str(cmf), b"caf\xe9", "-n", "2"],
-                       capture_output=True, cwd=REPO, timeout=300)
+    p = subprocess.run(
+        [sys.executable, "-m", "cortiq_cli.main", "generate", str(cmf), b"caf\xe9", "-n", "2"],
+        capture_output=True,
+        cwd=REPO,
+        timeout=300,
+    )
     assert p.returncode == 0 and b"Traceback" not in p.stderr, p.stderr[-2000:]
 
 
 # ------------------------------------------------------------------ 3. chat templates bounded inside one call
+
 
 def _with_template(cmf: Path, dst: Path, template: str) -> Path:
     from formats.cmf import CmfFile
@@ -280,8 +323,10 @@ _TUPLES = "{% set ns = namespace(t=('a',)) %}{% for i in range(40) %}{% set ns.t
         ("{{ [1]|batch(10**9, 0)|list }}", "batch size"),
         ('{% set a = "x" * 2**20 %}{{ a ~ a ~ a }}', "concatenation"),
         # a small list of shared references that prints as 4^4 MiB
-        ('{% set a = ["x" * 2**19] %}{% set b = [a, a, a, a] %}{% set c = [b, b, b, b] %}{{ [c, c, c, c] }}',
-         "printed value"),
+        (
+            '{% set a = ["x" * 2**19] %}{% set b = [a, a, a, a] %}{% set c = [b, b, b, b] %}{{ [c, c, c, c] }}',
+            "printed value",
+        ),
         # no call at all inside the loops: the loop guard counts iterations
         ('{% set a = "x" * 2**20 %}{% for c in a %}{% for d in a %}{% endfor %}{% endfor %}', "iterations"),
         ("{{ (2**64)**64 }}", "integer power"),
@@ -289,8 +334,24 @@ _TUPLES = "{% set ns = namespace(t=('a',)) %}{% for i in range(40) %}{% set ns.t
         # hashing a tuple of 2^40 shared leaves is one C call: the hard deadline stops it
         (_TUPLES + "{{ {ns.t: 1} }}", "longer than 2 s"),
     ],
-    ids=["lipsum", "center", "printf-star", "repeat", "range", "ljust", "format-width", "percent-width", "replace",
-         "batch", "concat", "shared-refs", "loops-without-calls", "power", "striptags", "hash-bomb"],
+    ids=[
+        "lipsum",
+        "center",
+        "printf-star",
+        "repeat",
+        "range",
+        "ljust",
+        "format-width",
+        "percent-width",
+        "replace",
+        "batch",
+        "concat",
+        "shared-refs",
+        "loops-without-calls",
+        "power",
+        "striptags",
+        "hash-bomb",
+    ],
 )
 def test_chat_templates_are_bounded_inside_one_call(tiny, tmp_path, template, message):
     """Each is a one-line error within a multiple of a trivial template's time (plus the
@@ -322,6 +383,7 @@ def test_a_template_render_cannot_grow_this_process(tiny, tmp_path):
 
 
 # ------------------------------------------------------------------ 4. only regular files, read or replaced
+
 
 def _specials(tmp_path: Path) -> dict[str, Path]:
     import socket
@@ -423,12 +485,20 @@ def test_a_full_disk_under_a_mapped_writer_is_one_line(tmp_path):
     folder, mounted = tmp_path / "disk", False
     folder.mkdir()
     if os.geteuid() == 0:
-        mounted = sp.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(folder)],
-                         capture_output=True).returncode == 0
+        mounted = (
+            sp.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(folder)], capture_output=True).returncode
+            == 0
+        )
     try:
         env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-        p = sp.run([sys.executable, "-c", _FULL_DISK, str(folder / "r.cref")], env=env, capture_output=True,
-                   text=True, timeout=120, preexec_fn=None if mounted else _limit_file_size)
+        p = sp.run(
+            [sys.executable, "-c", _FULL_DISK, str(folder / "r.cref")],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            preexec_fn=None if mounted else _limit_file_size,
+        )
         assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
         lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
         assert len(lines) == 1 and "cannot reserve" in lines[0], p.stderr
@@ -439,6 +509,7 @@ def test_a_full_disk_under_a_mapped_writer_is_one_line(tmp_path):
 
 
 # ------------------------------------------------------------------ 5. non-finite weights
+
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 def test_check_finite_names_the_first_bad_weight(bad):
@@ -467,6 +538,7 @@ def test_check_finite_names_the_first_bad_weight(bad):
 
 # ------------------------------------------------------------------ 7. data sets never run code
 
+
 def test_a_dataset_folder_with_a_loading_script_is_refused(tiny, tmp_path):
     """datasets >= 4 runs no loading scripts (pyproject requires it): a folder whose script
     would write a file is one line, and the file is never written."""
@@ -492,6 +564,7 @@ def test_a_dataset_folder_with_a_loading_script_is_refused(tiny, tmp_path):
 
 # ------------------------------------------------------------------ 8. resealing fuzz, CI-sized
 
+
 def test_resealed_fuzz_ci(tmp_path):
     """A fixed-seed corpus of resealed mutants (every checksum recomputed: header fields
     retyped, tokenizer.json mutated, hostile chat templates, tensor bytes, chat session
@@ -501,9 +574,29 @@ def test_resealed_fuzz_ci(tmp_path):
     out = tmp_path / "fuzz.json"
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     p = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "fuzz_cli.py"), "--resealed", "--seed", "31", "--cases", "400",
-         "--seconds", "20", "--exec-every", "0", "--timeout", "60", "--mem-gb", "4", "--json", str(out)],
-        env=env, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "fuzz_cli.py"),
+            "--resealed",
+            "--seed",
+            "31",
+            "--cases",
+            "400",
+            "--seconds",
+            "20",
+            "--exec-every",
+            "0",
+            "--timeout",
+            "60",
+            "--mem-gb",
+            "4",
+            "--json",
+            str(out),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert out.exists(), p.stderr[-3000:]
     r = json.loads(out.read_text())

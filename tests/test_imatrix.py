@@ -43,6 +43,7 @@ def _torch_energy(windows: list[list[int]]) -> dict[str, np.ndarray]:
             x = inp[0].reshape(-1, inp[0].shape[-1]).double()
             sums[name] = sums.get(name, 0) + (x * x).sum(0)
             counts[name] = counts.get(name, 0) + x.shape[0]
+
         return f
 
     for name, mod in model.named_modules():
@@ -60,8 +61,9 @@ def test_imatrix_collects_transformers_activation_energy(tiny, tmp_path):
     text.write_text(BUNDLED_TEXT.read_text(encoding="utf-8")[:4000], encoding="utf-8")
     out = tmp_path / "im.safetensors"
     # the default plan: llama.cpp's chunks (BOS over each chunk's first token when the model uses one, as llama-imatrix)
-    r = runner.invoke(app, ["imatrix", str(f32), "--text", str(text), "--chunks", "2", "--ctx", "128",
-                            "-o", str(out), "--json"])
+    r = runner.invoke(
+        app, ["imatrix", str(f32), "--text", str(text), "--chunks", "2", "--ctx", "128", "-o", str(out), "--json"]
+    )
     assert r.exit_code == 0, r.output
     rep = json.loads(r.stdout)
     assert rep["tokens"] == 256
@@ -80,8 +82,27 @@ def test_imatrix_collects_transformers_activation_energy(tiny, tmp_path):
     r = runner.invoke(app, ["imatrix", str(f32), "-f", str(text), "-o", str(out)])
     assert r.exit_code != 0 and "exists" in r.output
     # --mode sliding with --stride ctx: disjoint windows over the first 300 tokens (299 scored)
-    r = runner.invoke(app, ["imatrix", str(f32), "-f", str(text), "--mode", "sliding", "--stride", "128", "--max-tokens", "299",
-                            "--ctx", "128", "-o", str(out), "--force", "--json"])
+    r = runner.invoke(
+        app,
+        [
+            "imatrix",
+            str(f32),
+            "-f",
+            str(text),
+            "--mode",
+            "sliding",
+            "--stride",
+            "128",
+            "--max-tokens",
+            "299",
+            "--ctx",
+            "128",
+            "-o",
+            str(out),
+            "--force",
+            "--json",
+        ],
+    )
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["tokens"] == 300
     sliding = read_imatrix(out)

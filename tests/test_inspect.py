@@ -47,8 +47,20 @@ def test_inspect_tables(models):
     main, _ = models
     r = runner.invoke(app, ["inspect", str(main)])
     assert r.exit_code == 0, r.stderr
-    for text in ("architecture", "hidden_size", "tokenizer", "BPE", "calibration", "not calibrated",
-                 "fingerprint", "converter", "q4", "sidecar:", "a.mtp.cmf", "matches"):
+    for text in (
+        "architecture",
+        "hidden_size",
+        "tokenizer",
+        "BPE",
+        "calibration",
+        "not calibrated",
+        "fingerprint",
+        "converter",
+        "q4",
+        "sidecar:",
+        "a.mtp.cmf",
+        "matches",
+    ):
         assert text in r.stdout, text
     assert "model.layers.0.self_attn.q_proj.weight" not in r.stdout
     r = runner.invoke(app, ["inspect", str(main), "--tensors"])
@@ -71,7 +83,13 @@ def test_inspect_json_matches_the_file(models):
     with CmfFile(sidecar_path(main)) as sc:
         n, size = len(sc.tensors), sum(t.nbytes for t in sc.tensors.values())
     assert {k: d["partner"][k] for k in ("path", "kind", "valid", "error", "tensors", "bytes")} == {
-        "path": str(sidecar_path(main)), "kind": "sidecar", "valid": True, "error": None, "tensors": n, "bytes": size}
+        "path": str(sidecar_path(main)),
+        "kind": "sidecar",
+        "valid": True,
+        "error": None,
+        "tensors": n,
+        "bytes": size,
+    }
     assert n == 13 and d["partner"]["dtypes"]["q4"]["tensors"] == 8  # enorm, hnorm, final norm + 2 block norms are f32
 
 
@@ -130,7 +148,10 @@ def test_verify_ok_and_corrupt(models, tmp_path):
     r = runner.invoke(app, ["verify", str(bad), "--json"])
     assert r.exit_code == 2
     d = json.loads(r.stdout)
-    assert d["ok"] is False and sorted(d["files"][0]["bad"]) == ["model.layers.1.mlp.down_proj.weight", "model.norm.weight"]
+    assert d["ok"] is False and sorted(d["files"][0]["bad"]) == [
+        "model.layers.1.mlp.down_proj.weight",
+        "model.norm.weight",
+    ]
 
 
 def _corrupt(path: Path, how: str) -> None:
@@ -154,8 +175,12 @@ def _corrupt(path: Path, how: str) -> None:
 
 @pytest.mark.parametrize(
     "how, expect",
-    [("magic", "not a CMF file"), ("future", "newer than this cortiq reads"), ("truncated", "truncated CMF file"),
-     ("offset", "lies past the end of the data")],
+    [
+        ("magic", "not a CMF file"),
+        ("future", "newer than this cortiq reads"),
+        ("truncated", "truncated CMF file"),
+        ("offset", "lies past the end of the data"),
+    ],
 )
 @pytest.mark.parametrize("command", ["inspect", "verify"])
 def test_bad_files(models, tmp_path, command, how, expect):
@@ -169,4 +194,6 @@ def test_bad_files(models, tmp_path, command, how, expect):
 def test_missing_file(tmp_path):
     _one_error_line(runner.invoke(app, ["inspect", str(tmp_path / "nope.cmf")]), "no such file")
     os.mkdir(tmp_path / "d.cmf")
-    _one_error_line(runner.invoke(app, ["verify", str(tmp_path / "d.cmf")]), "is a folder: did you mean \"cortiq convert")
+    _one_error_line(
+        runner.invoke(app, ["verify", str(tmp_path / "d.cmf")]), 'is a folder: did you mean "cortiq convert'
+    )

@@ -45,8 +45,12 @@ def test_kill_9_while_staged_leaves_nothing_after_the_next_run(cmf, tmp_path, ki
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     caught = False
     for _ in range(4):
-        p = subprocess.Popen([sys.executable, "-m", "cortiq_cli.main", *_args(kind, cmf, out)], env=env,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        p = subprocess.Popen(
+            [sys.executable, "-m", "cortiq_cli.main", *_args(kind, cmf, out)],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and p.poll() is None:
             if any(x.name.startswith(f".{name}.") for x in out_dir.iterdir()):
@@ -62,7 +66,12 @@ def test_kill_9_while_staged_leaves_nothing_after_the_next_run(cmf, tmp_path, ki
     if not caught:
         pytest.skip("the writer always finished before the kill (machine too fast for this tiny model)")
     assert not out.exists()
-    r = subprocess.run([sys.executable, "-m", "cortiq_cli.main", *_args(kind, cmf, out)], env=env,
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "cortiq_cli.main", *_args(kind, cmf, out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     assert sorted(x.name for x in out_dir.iterdir()) == [name]

@@ -143,7 +143,10 @@ def test_kernels_match_the_numpy_twin_and_float64(name):
 def test_decode_matvec_is_row_exact(name):
     """A row's result in a k-row call is bit for bit its result alone."""
     rng = np.random.default_rng(6)
-    ws = [_weight(name, rng.standard_normal((48, 768)).astype(np.float32)), _weight(name, rng.standard_normal((16, 768)).astype(np.float32))]
+    ws = [
+        _weight(name, rng.standard_normal((48, 768)).astype(np.float32)),
+        _weight(name, rng.standard_normal((16, 768)).astype(np.float32)),
+    ]
     fast = get_kernels("numba")
     X = rng.standard_normal((8, 768)).astype(np.float32)
     together = fast.matmul(ws, X)

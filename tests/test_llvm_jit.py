@@ -88,8 +88,18 @@ def test_cached_kernels_give_the_same_bits(tmp_path):
     for cache in (None, tmp_path, tmp_path):  # fresh, fresh and stored, loaded
         c = llvm_jit.compile_ir(ir_text, [name], cache, reuse=False)
         out = np.empty((3, width), np.float32)
-        qdot.intdot(c.addrs[name], plan.addrs, plan.rows, plan.count, plan.offs, x, fast._ACT_PROTO[plan.bits],
-                    plan.qmax, False, out)
+        qdot.intdot(
+            c.addrs[name],
+            plan.addrs,
+            plan.rows,
+            plan.count,
+            plan.offs,
+            x,
+            fast._ACT_PROTO[plan.bits],
+            plan.qmax,
+            False,
+            out,
+        )
         outs.append((c.from_cache, out))
     assert [f for f, _ in outs] == [False, False, True]
     assert all(np.array_equal(outs[0][1], o) for _, o in outs)

@@ -153,7 +153,9 @@ def test_every_token_enters_the_cache_once_with_lookup_drafts(tiny):
     plain_state, spec_state = eng.new_state(), eng.new_state()
     from cortiq_engine.generate import generate
 
-    plain = generate(eng.model, eng.tokenizer, prompt, SamplingConfig(), capacity=eng.ctx, max_tokens=30, state=plain_state)
+    plain = generate(
+        eng.model, eng.tokenizer, prompt, SamplingConfig(), capacity=eng.ctx, max_tokens=30, state=plain_state
+    )
     drafter, _ = eng.drafter(SpeculativeConfig(lookup=4, ngram=(1, 4), threshold=0.0))
     spec = eng.generate(prompt, max_tokens=30, speculative=drafter, state=spec_state)
     _same(plain, spec)
@@ -191,7 +193,9 @@ def test_the_policy_of_lookup(tiny):
     # sampling: the default falls back to plain decoding silently; an explicit lookup gets a note
     quiet = plain_eng.generate([1, 2], SamplingConfig(temperature=0.7), max_tokens=4)
     assert "mtp" not in quiet.extra and not quiet.extra.get("mtp_note")
-    sampled = plain_eng.generate([1, 2], SamplingConfig(temperature=0.7), max_tokens=4, speculative=SpeculativeConfig(lookup=2))
+    sampled = plain_eng.generate(
+        [1, 2], SamplingConfig(temperature=0.7), max_tokens=4, speculative=SpeculativeConfig(lookup=2)
+    )
     assert "mtp" not in sampled.extra and "greedy" in sampled.extra["mtp_note"]  # as with MTP layers: a note
     eng = Engine.load(tiny["q8"], threads=1, mtp=True)
     both, _ = eng.drafter(None)
@@ -210,16 +214,21 @@ def test_cli_lookup_alone_and_its_errors(tiny):
     assert m["source"] == "lookup" and m["same_tokens_as_plain"] is True and "lookup" in m["by_source"]
     plain = json.loads(runner.invoke(app, args).stdout)
     assert "mtp" not in plain and plain["token_ids"] == json.loads(r.stdout)["token_ids"]
-    gated = runner.invoke(app, ["generate", path, "la la la la la la", "-n", "16", "--ignore-eos", "--json", "--mtp-gate"])
+    gated = runner.invoke(
+        app, ["generate", path, "la la la la la la", "-n", "16", "--ignore-eos", "--json", "--mtp-gate"]
+    )
     assert gated.exit_code == 0 and json.loads(gated.stdout)["mtp"]["mtp_gate"] is True
     assert json.loads(gated.stdout)["token_ids"] == json.loads(r.stdout)["token_ids"][:16]
     table = runner.invoke(app, ["generate", path, "la la la la la la", "-n", "12", "--ignore-eos", "--lookup", "2"])
     assert table.exit_code == 0 and "lookup 2 (3-5-grams)" in table.output and "lookup rounds" in table.output
-    for bad, needle in ((["--lookup-ngram", "5:2"], "--lookup-ngram '5:2'"), (["--lookup-ngram", "x"], "--lookup-ngram 'x'"),
-                        (["--lookup", "2", "--mtp-depth", "2", "--no-mtp"], "--no-mtp and --mtp-depth contradict"),
-                        (["--no-mtp", "--lookup-ngram", "2:4"], "no lookup drafts: add --lookup N"),
-                        (["--lookup", "0", "--lookup-ngram", "2:4"], "--lookup 0 and --lookup-ngram contradict"),
-                        (["--no-mtp", "--lookup", "2", "--lookup-ngram", "2:40"], "lookup n-gram sizes 2..40")):
+    for bad, needle in (
+        (["--lookup-ngram", "5:2"], "--lookup-ngram '5:2'"),
+        (["--lookup-ngram", "x"], "--lookup-ngram 'x'"),
+        (["--lookup", "2", "--mtp-depth", "2", "--no-mtp"], "--no-mtp and --mtp-depth contradict"),
+        (["--no-mtp", "--lookup-ngram", "2:4"], "no lookup drafts: add --lookup N"),
+        (["--lookup", "0", "--lookup-ngram", "2:4"], "--lookup 0 and --lookup-ngram contradict"),
+        (["--no-mtp", "--lookup", "2", "--lookup-ngram", "2:40"], "lookup n-gram sizes 2..40"),
+    ):
         r = runner.invoke(app, ["generate", path, "la la", "-n", "4", *bad])
         assert r.exit_code != 0 and needle in r.output and "Traceback" not in r.output
         assert len(r.output.strip().splitlines()) == 1, r.output
@@ -283,7 +292,9 @@ def test_gated_generation_is_exact_and_reports_plain_rounds(tiny):
     eng = Engine.load(tiny["q8"], threads=1, mtp=True)
     for prompt in _prompts(seed=9)[:4]:
         plain = eng.generate(prompt, max_tokens=48, ignore_eos=True, speculative=False)
-        spec = eng.generate(prompt, max_tokens=48, ignore_eos=True, speculative=SpeculativeConfig(threshold=0.0, mtp_gate=True))
+        spec = eng.generate(
+            prompt, max_tokens=48, ignore_eos=True, speculative=SpeculativeConfig(threshold=0.0, mtp_gate=True)
+        )
         _same(plain, spec)
         m = spec.extra["mtp"]
         assert m["mtp_gate"] is True

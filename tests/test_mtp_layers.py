@@ -21,8 +21,12 @@ from tests.mtp_tiny import save_tiny_mtp
 def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("mtp_layers")
     out = {}
-    for name, family, n, trunk in (("deepseek", "deepseek", 1, None), ("mimo", "mimo", 3, None),
-                                   ("qwen3_next", "qwen3_next", 1, None), ("deepseek_qwen2", "deepseek", 2, "qwen2")):
+    for name, family, n, trunk in (
+        ("deepseek", "deepseek", 1, None),
+        ("mimo", "mimo", 3, None),
+        ("qwen3_next", "qwen3_next", 1, None),
+        ("deepseek_qwen2", "deepseek", 2, "qwen2"),
+    ):
         src = save_tiny_mtp(family, root / name, n_layers=n, trunk=trunk)
         path = root / f"{name}.cmf"
         convert_checkpoint(src, path, quant="f32")
@@ -173,7 +177,12 @@ def test_sidecar_of_another_backbone_is_an_error(tiny, tmp_path):
 
 @pytest.mark.parametrize(
     "field,value,message",
-    [("vocab_size", 300, "vocab size"), ("hidden_size", 32, "hidden size"), ("arch", "qwen3", "arch"), ("num_heads", 8, "heads")],
+    [
+        ("vocab_size", 300, "vocab size"),
+        ("hidden_size", 32, "hidden size"),
+        ("arch", "qwen3", "arch"),
+        ("num_heads", 8, "heads"),
+    ],
 )
 def test_sidecar_geometry_mismatch_names_the_difference(tiny, tmp_path, field, value, message):
     _, models = tiny
@@ -226,7 +235,7 @@ def test_qwen3_next_draft_against_transformers_decoder_layer(tmp_path):
     full = cfg.layer_types.index("full_attention")
     w = {k: torch.from_numpy(v) for k, v in load_file(str(src / "mtp.safetensors")).items()}
     layer = qn.Qwen3NextDecoderLayer(cfg, full).eval()
-    sd = {k[len("mtp.layers.0."):]: v for k, v in w.items() if k.startswith("mtp.layers.0.")}
+    sd = {k[len("mtp.layers.0.") :]: v for k, v in w.items() if k.startswith("mtp.layers.0.")}
     # The module keeps its experts fused; the checkpoint names them one by one.
     E = cfg.num_experts
     ex = lambda e, x: sd.pop(f"mlp.experts.{e}.{x}_proj.weight")  # noqa: E731

@@ -32,7 +32,11 @@ def test_teacher_forced_counts_by_hand():
 def test_live_and_forced_counts_agree():
     """A live speculative round and a teacher-forced one with the same outcome count alike."""
     live, forced = Acceptance(3), Acceptance(3)
-    for drafted, accepted, drafts, truth in ((3, 1, [1, 9, 3], [1, 2, 3]), (2, 2, [4, 5], [4, 5]), (3, 0, [0, 0, 0], [1, 2, 3])):
+    for drafted, accepted, drafts, truth in (
+        (3, 1, [1, 9, 3], [1, 2, 3]),
+        (2, 2, [4, 5], [4, 5]),
+        (3, 0, [0, 0, 0], [1, 2, 3]),
+    ):
         live.record(drafted, accepted)
         forced.record_forced(drafts, truth)
     assert (live.drafted, live.accepted, live.accept_hist) == (forced.drafted, forced.accepted, forced.accept_hist)
@@ -41,7 +45,12 @@ def test_live_and_forced_counts_agree():
 
 
 def test_default_variants():
-    assert [v.label for v in default_variants(3, 3)] == ["independent/pre", "independent/post", "recursive/pre", "recursive/post"]
+    assert [v.label for v in default_variants(3, 3)] == [
+        "independent/pre",
+        "independent/post",
+        "recursive/pre",
+        "recursive/post",
+    ]
     assert [v.chain for v in default_variants(1, 1)] == ["independent", "independent"]
     assert [v.chain for v in default_variants(1, 3)] == ["recursive", "recursive"]
 
@@ -84,20 +93,42 @@ def test_cli_json_and_table(const_model, tmp_path):
     text = tmp_path / "t.txt"
     text.write_text("Hi!! yes!!! no! Wow!!!! " * 4)  # "!" is token 0, the constant draft
     runner = CliRunner()
-    r = runner.invoke(app, ["mtp-probe", str(const_model), "--text", str(text), "--max-tokens", "40", "--json", "--threads", "1"])
+    r = runner.invoke(
+        app, ["mtp-probe", str(const_model), "--text", str(text), "--max-tokens", "40", "--json", "--threads", "1"]
+    )
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
     assert doc["draft_layers"] == 3 and doc["depth"] == 3 and doc["tokens"] == 40
     assert [(v["chain"], v["hidden"]) for v in doc["variants"]] == [
-        ("independent", "pre"), ("independent", "post"), ("recursive", "pre"), ("recursive", "post")
+        ("independent", "pre"),
+        ("independent", "post"),
+        ("recursive", "pre"),
+        ("recursive", "post"),
     ]
     eng = Engine.load(const_model, threads=1)
     ids = eng.tokenizer.encode(text.read_text(), add_bos=True)[:40]
     zeros = [np.mean([ids[t + 2] == 0 for t in range(40 - 4)])]
     assert doc["variants"][0]["acceptance_alone"][0] == pytest.approx(zeros[0])
     assert 0 < zeros[0] < 1
-    r = runner.invoke(app, ["mtp-probe", str(const_model), "--text", str(text), "--max-tokens", "24",
-                            "--mtp-chain", "recursive", "--mtp-hidden", "post", "--mtp-depth", "2", "--threads", "1"])
+    r = runner.invoke(
+        app,
+        [
+            "mtp-probe",
+            str(const_model),
+            "--text",
+            str(text),
+            "--max-tokens",
+            "24",
+            "--mtp-chain",
+            "recursive",
+            "--mtp-hidden",
+            "post",
+            "--mtp-depth",
+            "2",
+            "--threads",
+            "1",
+        ],
+    )
     assert r.exit_code == 0, r.output
     assert "recursive" in r.stdout and "tokens/round" in r.stdout and "d1&d2" in r.stdout
 
@@ -108,5 +139,7 @@ def test_cli_errors(const_model, tmp_path):
     assert r.exit_code == 2 and "no such file" in r.output and "Traceback" not in r.output
     r = runner.invoke(app, ["mtp-probe", str(const_model), "--mtp-chain", "sideways", "--threads", "1"])
     assert r.exit_code == 2 and "sideways" in r.output
-    r = runner.invoke(app, ["mtp-probe", str(const_model), "--mtp-chain", "independent", "--mtp-depth", "4", "--threads", "1"])
+    r = runner.invoke(
+        app, ["mtp-probe", str(const_model), "--mtp-chain", "independent", "--mtp-depth", "4", "--threads", "1"]
+    )
     assert r.exit_code == 2 and "independent" in r.output

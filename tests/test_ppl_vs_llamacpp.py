@@ -26,8 +26,19 @@ def test_gemma3_ppl_matches_llama_cpp_on_the_same_weights(gemma3_gguf, tmp_path,
 
     f32 = tmp_path / "gemma3-f32.gguf"
     make_gguf.write_f32_gguf(gemma3_gguf, f32)
-    rc = ppl_vs_llamacpp.main(["--source", str(gemma3_gguf), "--llama-model", str(f32), "--chunks", "2",
-                               "--cache-dir", str(tmp_path), "--json"])
+    rc = ppl_vs_llamacpp.main(
+        [
+            "--source",
+            str(gemma3_gguf),
+            "--llama-model",
+            str(f32),
+            "--chunks",
+            "2",
+            "--cache-dir",
+            str(tmp_path),
+            "--json",
+        ]
+    )
     rep = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     # The same ids, over the whole text (its whitespace runs included), not only the scored chunks.
     assert rep["same_tokens"] and rep["tokenizers_first_difference"] is None and rep["tokens_scored"] == 2 * 255

@@ -39,8 +39,16 @@ def test_quantize_rows_equals_numpy_twin(bits):
 
 # (dtype, activation widths, columns): K-quant rows are super-blocks of 256.
 # 32-block rows of 608 = two groups of 8 blocks and 3 left over (qdot._gbody).
-INT_DTYPES = [("q8", (16, 8), 608), ("q4", (16, 8), 608), ("q4_0", (16, 8), 608), ("q5", (16, 8), 608),
-              ("q5_1", (16, 8), 608), ("q4k", (16, 8), 512), ("q5k", (16, 8), 512), ("q6k", (16, 8), 768)]
+INT_DTYPES = [
+    ("q8", (16, 8), 608),
+    ("q4", (16, 8), 608),
+    ("q4_0", (16, 8), 608),
+    ("q5", (16, 8), 608),
+    ("q5_1", (16, 8), 608),
+    ("q4k", (16, 8), 512),
+    ("q5k", (16, 8), 512),
+    ("q6k", (16, 8), 768),
+]
 
 
 @needs_simd

@@ -40,8 +40,17 @@ def test_cmf_and_gguf_bits_count_the_same_way(tmp_path):
     from cortiq_engine.convert import convert_checkpoint
     from tests.tiny import save_tiny
 
-    hf = save_tiny("llama", tmp_path / "hf", hidden_size=64, intermediate_size=256, num_hidden_layers=2,
-                   num_attention_heads=4, num_key_value_heads=2, vocab_size=256, tie_word_embeddings=True)
+    hf = save_tiny(
+        "llama",
+        tmp_path / "hf",
+        hidden_size=64,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        tie_word_embeddings=True,
+    )
     out = tmp_path / "m.cmf"
     convert_checkpoint(hf, out, quant="q4_0")
     r = quant_bits.bits(out)
@@ -70,10 +79,22 @@ def test_llama_cpp_imatrix_requantization_is_its_library_tensor_by_tensor(tmp_pa
     down = rng.standard_normal((8, 256)).astype(np.float32)
     norm = rng.standard_normal(128).astype(np.float32)
     imp = (rng.random(128) ** 4 * 50).astype(np.float32)
-    f32 = _gguf(tmp_path / "f32.gguf", {"blk.0.attn_q.weight": (q, GT.F32), "blk.0.ffn_down.weight": (down, GT.F32),
-                                        "blk.0.attn_norm.weight": (norm, GT.F32)})
-    like = _gguf(tmp_path / "q.gguf", {"blk.0.attn_q.weight": (q, GT.Q4_0), "blk.0.ffn_down.weight": (down, GT.Q4_K),
-                                       "blk.0.attn_norm.weight": (norm, GT.F32)})
+    f32 = _gguf(
+        tmp_path / "f32.gguf",
+        {
+            "blk.0.attn_q.weight": (q, GT.F32),
+            "blk.0.ffn_down.weight": (down, GT.F32),
+            "blk.0.attn_norm.weight": (norm, GT.F32),
+        },
+    )
+    like = _gguf(
+        tmp_path / "q.gguf",
+        {
+            "blk.0.attn_q.weight": (q, GT.Q4_0),
+            "blk.0.ffn_down.weight": (down, GT.Q4_K),
+            "blk.0.attn_norm.weight": (norm, GT.F32),
+        },
+    )
     im = tmp_path / "m.imatrix.safetensors"
     write_imatrix(im, {"model.layers.0.self_attn.q_proj.weight": imp}, 100)
     dst = tmp_path / "qi.gguf"

@@ -9,8 +9,12 @@ from formats.policy import QUANT_CHOICES, RECIPES, QuantPolicy, use_more_bits
 from formats.quants import get_dtype
 
 _GGUF_TO_HF = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
 
@@ -49,7 +53,11 @@ def test_q4_0_preset_is_llama_cpps_q4_0_choice():
     assert p.choose("model.embed_tokens.weight", (49152, 576)) == ("q8", False)
     assert p.choose("model.embed_tokens.weight", (262144, 640)) == ("q8", False)
     assert p.choose("lm_head.weight", (32000, 4096)) == ("q6k", False)
-    for name, shape in (("self_attn.q_proj", (576, 576)), ("self_attn.v_proj", (192, 576)), ("mlp.down_proj", (576, 1536))):
+    for name, shape in (
+        ("self_attn.q_proj", (576, 576)),
+        ("self_attn.v_proj", (192, 576)),
+        ("mlp.down_proj", (576, 1536)),
+    ):
         assert p.choose(f"model.layers.0.{name}.weight", shape) == ("q4_0", False)
     assert p.choose("model.layers.0.mlp.up_proj.weight", (64, 48)) == ("f16", True)
 
@@ -63,13 +71,19 @@ def test_mixed_presets_and_fallbacks():
     assert p.choose("model.layers.4.mlp.down_proj.weight", down) == ("q4k", False)
     assert p.choose("model.layers.4.self_attn.q_proj.weight", (576, 576)) == ("q5", False)
     # llama.cpp's fallbacks: Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0
-    assert QuantPolicy("q5km", layers=30).choose("model.layers.4.self_attn.q_proj.weight", (576, 576)) == ("q5_1", False)
+    assert QuantPolicy("q5km", layers=30).choose("model.layers.4.self_attn.q_proj.weight", (576, 576)) == (
+        "q5_1",
+        False,
+    )
     assert p.choose("model.layers.0.self_attn.v_proj.weight", (192, 576)) == ("q8", False)
     assert p.choose("model.embed_tokens.weight", (49152, 576)) == ("q8", False)
     assert p.choose("model.embed_tokens.weight", (49152, 1024)) == ("q6k", False)
     assert p.choose("model.layers.0.mlp.gate.weight", (8, 1024)) == ("f32", False)
     assert p.choose("model.layers.0.mlp.up_proj.weight", (64, 48)) == ("f16", True)  # not even 32
-    assert QuantPolicy("q4km", keep=[("*down_proj*", "q5k")]).choose("model.layers.4.mlp.down_proj.weight", down) == ("q5k", False)
+    assert QuantPolicy("q4km", keep=[("*down_proj*", "q5k")]).choose("model.layers.4.mlp.down_proj.weight", down) == (
+        "q5k",
+        False,
+    )
     assert QuantPolicy("q6k").choose("model.layers.4.mlp.down_proj.weight", down) == ("q6k", False)
     assert QuantPolicy("q4").choose("lm_head.weight", (100, 64)) == ("q8", False)  # unchanged: q4 keeps q8 embeddings
     assert set(QUANT_CHOICES) >= {"q8", "q6k", "q5km", "q5k", "q5", "q4", "q4km", "q4k", "f16", "bf16", "f32"}

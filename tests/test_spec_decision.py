@@ -20,7 +20,14 @@ from cortiq_engine import Engine, SpeculativeConfig
 from cortiq_engine.convert import convert_checkpoint
 from cortiq_engine.lookup import LookupDrafter
 from cortiq_engine.mtp import make_drafter
-from cortiq_engine.spec_decision import MAX_PROBE_EVERY, MIN_ROUNDS, PROBE_BUDGET, PROBE_EVERY, SHRINK_ROUNDS, SpecDecision
+from cortiq_engine.spec_decision import (
+    MAX_PROBE_EVERY,
+    MIN_ROUNDS,
+    PROBE_BUDGET,
+    PROBE_EVERY,
+    SHRINK_ROUNDS,
+    SpecDecision,
+)
 from tests.mtp_tiny import save_tiny_mtp
 
 runner = CliRunner()
@@ -188,7 +195,11 @@ def test_the_json_and_the_line_carry_the_decision(tiny):
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
     spec = doc["speculative"]
-    assert set(spec) == {"sources", "overall_speedup", "decision"} and isinstance(spec["decision"], str) and spec["decision"]
+    assert (
+        set(spec) == {"sources", "overall_speedup", "decision"}
+        and isinstance(spec["decision"], str)
+        and spec["decision"]
+    )
     for name, s in spec["sources"].items():
         assert s["rounds"] > 0 and s["tokens"] > 0
         if name != "plain":

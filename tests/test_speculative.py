@@ -194,7 +194,15 @@ def test_every_token_enters_the_backbone_cache_once(models, quant, family):
         plain = eng.generate(prompt, SamplingConfig(), max_tokens=MAX_TOKENS, speculative=False)
         from cortiq_engine.generate import generate
 
-        generate(eng.model, eng.tokenizer, prompt, SamplingConfig(), capacity=eng.ctx, max_tokens=MAX_TOKENS, state=plain_state)
+        generate(
+            eng.model,
+            eng.tokenizer,
+            prompt,
+            SamplingConfig(),
+            capacity=eng.ctx,
+            max_tokens=MAX_TOKENS,
+            state=plain_state,
+        )
         _, override = _rigged(eng, prompt, j)
         spec_state = eng.new_state()
         d = make_drafter(eng.model, stack, eng.ctx, override=override)
@@ -282,8 +290,19 @@ def test_smollm2_exact_with_a_trained_sidecar(smollm2_cmf, english_text, tmp_pat
     from cortiq_train.run import train_mtp
 
     path = smollm2_cmf("q8")
-    cfg = TrainConfig(layers=3, steps=30, seq=160, batch=2, lr=2e-3, warmup=3, holdout=0.0, max_tokens=8 * 160,
-                      checkpoint_every=0, chat=True, self_distill=32)
+    cfg = TrainConfig(
+        layers=3,
+        steps=30,
+        seq=160,
+        batch=2,
+        lr=2e-3,
+        warmup=3,
+        holdout=0.0,
+        max_tokens=8 * 160,
+        checkpoint_every=0,
+        chat=True,
+        self_distill=32,
+    )
     side = train_mtp(path, english_text, "english", cfg, out=tmp_path / "t.mtp.cmf", draft_vocab=4096).sidecar
     eng = Engine.load(path, threads=1, mtp=side)
     assert eng.drafts.vocab is not None and len(eng.drafts.vocab) == 4096
@@ -291,11 +310,15 @@ def test_smollm2_exact_with_a_trained_sidecar(smollm2_cmf, english_text, tmp_pat
     accepted = 0
     for i in range(3):
         text = " ".join(words[500 * i + 4000 : 500 * i + 4040])
-        for prompt in (eng.tokenizer.encode(text),
-                       eng.tokenizer.encode(eng.tokenizer.apply_chat_template([{"role": "user", "content": text}]), add_bos=False)):
+        for prompt in (
+            eng.tokenizer.encode(text),
+            eng.tokenizer.encode(eng.tokenizer.apply_chat_template([{"role": "user", "content": text}]), add_bos=False),
+        ):
             plain = eng.generate(prompt, SamplingConfig(), max_tokens=32, ignore_eos=True, speculative=False)
             for depth, th in ((1, 0.0), (3, 0.0), (3, 0.4)):
-                spec = eng.generate(prompt, max_tokens=32, ignore_eos=True, speculative=SpeculativeConfig(depth=depth, threshold=th))
+                spec = eng.generate(
+                    prompt, max_tokens=32, ignore_eos=True, speculative=SpeculativeConfig(depth=depth, threshold=th)
+                )
                 _assert_same(plain, spec)
                 accepted += sum(spec.extra["mtp"]["depth_accepted"])
     assert accepted > 0
@@ -389,13 +412,19 @@ def test_smollm2_multibyte_texts_are_the_same(smollm2_cmf, tmp_path):
     eng = Engine.load(path, threads=1, mtp=side)
     tok = eng.tokenizer
     multibyte = 0
-    for question in ("Écris une phrase sur l'été à Paris, en français.", "请用中文介绍一下北京。", "Give me five emoji about food: 🍕"):
+    for question in (
+        "Écris une phrase sur l'été à Paris, en français.",
+        "请用中文介绍一下北京。",
+        "Give me five emoji about food: 🍕",
+    ):
         prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": question}]), add_bos=False)
         plain = eng.generate(prompt, max_tokens=24, speculative=False)
         multibyte += len(plain.text.encode("utf-8")) > len(plain.text)
         _assert_same(plain, _spec(eng, prompt, make_drafter(eng.model, eng.drafts, eng.ctx), max_tokens=24))
         _, override = _rigged_from(plain, prompt, 2, eng.vocab_size)
-        _assert_same(plain, _spec(eng, prompt, make_drafter(eng.model, eng.drafts, eng.ctx, override=override), max_tokens=24))
+        _assert_same(
+            plain, _spec(eng, prompt, make_drafter(eng.model, eng.drafts, eng.ctx, override=override), max_tokens=24)
+        )
     assert multibyte >= 2
 
 
@@ -414,14 +443,24 @@ def test_the_engine_owns_the_policy(models):
     auto = eng.generate([1, 2, 3], max_tokens=12)  # draft layers loaded, greedy: speculative
     _assert_same(plain, auto)
     assert auto.extra["mtp"]["depth"] == 3 and auto.extra["mtp"]["chain"] == "independent"
-    deep = eng.generate([1, 2, 3], max_tokens=12, speculative=SpeculativeConfig(depth=2, chain="recursive", hidden="post"))
+    deep = eng.generate(
+        [1, 2, 3], max_tokens=12, speculative=SpeculativeConfig(depth=2, chain="recursive", hidden="post")
+    )
     _assert_same(plain, deep)
-    assert (deep.extra["mtp"]["mtp_depth"], deep.extra["mtp"]["chain"], deep.extra["mtp"]["hidden"]) == (2, "recursive", "post")
+    assert (deep.extra["mtp"]["mtp_depth"], deep.extra["mtp"]["chain"], deep.extra["mtp"]["hidden"]) == (
+        2,
+        "recursive",
+        "post",
+    )
     # n-gram lookup drafts first by default (3 a round), so a round drafts up to 3; lookup=0: MTP alone.
     assert (deep.extra["mtp"]["depth"], deep.extra["mtp"]["lookup"]) == (3, 3)
     alone = eng.generate([1, 2, 3], max_tokens=12, speculative=SpeculativeConfig(depth=2, chain="recursive", lookup=0))
     _assert_same(plain, alone)
-    assert alone.extra["mtp"]["depth"] == 2 and "lookup" not in alone.extra["mtp"] and "by_source" not in alone.extra["mtp"]
+    assert (
+        alone.extra["mtp"]["depth"] == 2
+        and "lookup" not in alone.extra["mtp"]
+        and "by_source" not in alone.extra["mtp"]
+    )
     sampled = eng.generate([1, 2, 3], SamplingConfig(temperature=0.8, seed=1), max_tokens=4)
     assert "mtp" not in sampled.extra and "greedy" in sampled.extra["mtp_note"]
     assert "evict" in eng.generate([1, 2, 3], max_tokens=4, evict=True).extra["mtp_note"]

@@ -44,8 +44,19 @@ def test_sidecar_is_picked_up_and_exact(pair):
     assert sum(m["accept_histogram"]) == m["rounds"] and len(m["acceptance_per_depth"]) == 3
     plain = json.loads(_gen(path, "Hello there", "-n", "20", "--json", "--no-mtp").stdout)
     assert "mtp" not in plain and plain["token_ids"] == doc["token_ids"]
-    r = _gen(path, "Hello there", "-n", "12", "--json", "--mtp-depth", "2", "--mtp-chain", "recursive",
-             "--mtp-hidden", "post")  # no --mtp-compare: no second, plain run
+    r = _gen(
+        path,
+        "Hello there",
+        "-n",
+        "12",
+        "--json",
+        "--mtp-depth",
+        "2",
+        "--mtp-chain",
+        "recursive",
+        "--mtp-hidden",
+        "post",
+    )  # no --mtp-compare: no second, plain run
     m = json.loads(r.stdout)["mtp"]
     assert (m["mtp_depth"], m["chain"], m["hidden"]) == (2, "recursive", "post") and "speedup" not in m
 

@@ -67,7 +67,9 @@ def test_default_threads_follow_cpu_affinity():
 
 def test_explicit_threads_out_of_range_is_one_line_error(smollm2_cmf):
     path = smollm2_cmf("q8")
-    r = _py(f"from cortiq_cli.main import main; import sys; sys.argv=['cortiq','generate',{str(path)!r},'hi','-n','2','--threads','999']; main()")
+    r = _py(
+        f"from cortiq_cli.main import main; import sys; sys.argv=['cortiq','generate',{str(path)!r},'hi','-n','2','--threads','999']; main()"
+    )
     assert r.returncode != 0
     lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
     assert len(lines) == 1 and "--threads 999" in lines[0] and "Traceback" not in r.stderr

@@ -25,8 +25,9 @@ NO_TORCH = "import sys; sys.modules['torch'] = None\n"
 
 def run_without_torch(code: str, *args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", CORTIQ_KERNELS="numpy")
-    return subprocess.run([sys.executable, "-c", NO_TORCH + code, *args], env=env, capture_output=True, text=True,
-                          timeout=600, cwd=REPO)
+    return subprocess.run(
+        [sys.executable, "-c", NO_TORCH + code, *args], env=env, capture_output=True, text=True, timeout=600, cwd=REPO
+    )
 
 
 def test_every_engine_module_imports_without_torch():
@@ -45,9 +46,12 @@ def test_every_engine_module_imports_without_torch():
 
 
 def test_engine_source_never_imports_torch():
-    hits = [f"{f.relative_to(REPO)}:{i + 1}" for f in sorted((REPO / "cortiq_engine").rglob("*.py"))
-            for i, line in enumerate(f.read_text(encoding="utf-8").splitlines())
-            if line.strip().startswith(("import torch", "from torch"))]
+    hits = [
+        f"{f.relative_to(REPO)}:{i + 1}"
+        for f in sorted((REPO / "cortiq_engine").rglob("*.py"))
+        for i, line in enumerate(f.read_text(encoding="utf-8").splitlines())
+        if line.strip().startswith(("import torch", "from torch"))
+    ]
     assert hits == []
 
 
@@ -72,8 +76,9 @@ def test_mtp_train_without_torch_is_one_line(tiny_cmf, tmp_path):
     text.write_text("Some training text. " * 200)
     out = tmp_path / "t.mtp.cmf"
     code = "import sys; from cortiq_cli.main import main; sys.argv[0] = 'cortiq'; main()"
-    p = run_without_torch(code, "mtp-train", str(tiny_cmf), "--text", str(text), "--steps", "1", "--seq", "32",
-                          "--out", str(out))
+    p = run_without_torch(
+        code, "mtp-train", str(tiny_cmf), "--text", str(text), "--steps", "1", "--seq", "32", "--out", str(out)
+    )
     assert p.returncode == 2, p.stderr
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("error:"), p.stderr

@@ -165,9 +165,18 @@ def _stamp(kernels, model_kind: Sequence[str]) -> Path | None:
         return None
     llvm.initialize_native_target()
     h = hashlib.sha256()
-    parts = [numba.__version__, llvmlite.__version__, llvm.get_host_cpu_name(), llvm.get_host_cpu_features().flatten(),
-             str(numba_config.CACHE_DIR), str(d), repr(getattr(kernels, "name", "")),
-             repr(getattr(kernels, "act_bits", "")), repr(getattr(kernels, "tile_unit", "")), *model_kind]
+    parts = [
+        numba.__version__,
+        llvmlite.__version__,
+        llvm.get_host_cpu_name(),
+        llvm.get_host_cpu_features().flatten(),
+        str(numba_config.CACHE_DIR),
+        str(d),
+        repr(getattr(kernels, "name", "")),
+        repr(getattr(kernels, "act_bits", "")),
+        repr(getattr(kernels, "tile_unit", "")),
+        *model_kind,
+    ]
     # numba keys its cache entries by each source file's modification time and size
     for src in sorted(Path(__file__).parent.glob("*.py")):
         st = src.stat()
@@ -214,5 +223,18 @@ def cold_estimate() -> float:
     return seen[len(seen) // 2] if seen else COLD_COMPILE_SECONDS
 
 
-__all__ = ["COLD_COMPILE_SECONDS", "CompileMeter", "CompileReport", "KERNEL_CHOICES", "KERNEL_ENV", "NumpyKernels",
-           "RowExact", "WarmupEvent", "cold_estimate", "compiles", "get_kernels", "is_warm", "mark_warm"]
+__all__ = [
+    "COLD_COMPILE_SECONDS",
+    "CompileMeter",
+    "CompileReport",
+    "KERNEL_CHOICES",
+    "KERNEL_ENV",
+    "NumpyKernels",
+    "RowExact",
+    "WarmupEvent",
+    "cold_estimate",
+    "compiles",
+    "get_kernels",
+    "is_warm",
+    "mark_warm",
+]

@@ -354,7 +354,8 @@ def unpack_quants(dtype: str, parts: dict[str, np.ndarray], r0: int, r1: int, ou
 # ------------------------------------------------------------ LLVM IR
 # ``_store_rows``' one intrinsic, declared by both units' modules.
 _SCATTER_DECL = "declare void @llvm.masked.scatter.v16f32.v16p0(<16 x float>, <16 x ptr>, i32 immarg, <16 x i1>)\n"
-_DECLS = """
+_DECLS = (
+    """
 declare void @llvm.x86.ldtilecfg(i8*)
 declare void @llvm.x86.tilerelease()
 declare void @llvm.x86.tilezero(i8 immarg)
@@ -365,7 +366,9 @@ declare void @llvm.x86.tdpbsud(i8 immarg, i8 immarg, i8 immarg)
 declare void @llvm.x86.tdpbusd(i8 immarg, i8 immarg, i8 immarg)
 declare void @llvm.x86.tdpbuud(i8 immarg, i8 immarg, i8 immarg)
 declare <16 x float> @llvm.fma.v16f32(<16 x float>, <16 x float>, <16 x float>)
-""" + _SCATTER_DECL
+"""
+    + _SCATTER_DECL
+)
 # The entries, one per (weights, activation width): signed weights (q8) on int16
 # activations, unsigned unpacked quants with a min term on int16 or int8 activations.
 FORMS = (("q8", 16), ("u8", 16), ("u8", 8))
@@ -410,8 +413,10 @@ def _entry_ir(form: tuple[str, int]) -> str:
     kind, bits = form
     two = bits == 16
     hi_op, lo_op = _PRODUCTS[kind]
-    a(f"define void @{ENTRIES[form]}(i8* %wq, float* %wdt, float* %wmt, i8* %xb, float* %xd, float* %xs, float* %out, "
-      "i64 %r0, i64 %r1, i64 %nb, i64 %tiles, i64 %cols, i8* %cfg, i64 %ostride, i64 %nin) nounwind {")
+    a(
+        f"define void @{ENTRIES[form]}(i8* %wq, float* %wdt, float* %wmt, i8* %xb, float* %xd, float* %xs, float* %out, "
+        "i64 %r0, i64 %r1, i64 %nb, i64 %tiles, i64 %cols, i8* %cfg, i64 %ostride, i64 %nin) nounwind {"
+    )
     a("entry:")
     for k in range(2):
         a(f"  %bufh{k} = alloca [256 x i32], align 64")
@@ -498,7 +503,9 @@ def _entry_ir(form: tuple[str, int]) -> str:
     a("  %bnext = add i64 %b, 1")
     a("  %bmore = icmp slt i64 %bnext, %nb")
     a("  br i1 %bmore, label %blk, label %bdone")
-    L[phi_at:phi_at] = [f"  {accs[r]} = phi <16 x float> [zeroinitializer, %tile], [{new[r]}, %blk]" for r in range(TILE)]
+    L[phi_at:phi_at] = [
+        f"  {accs[r]} = phi <16 x float> [zeroinitializer, %tile], [{new[r]}, %blk]" for r in range(TILE)
+    ]
     a("bdone:")
     for r in range(TILE):
         a(f"  %e{r} = phi <16 x float> [zeroinitializer, %tile], [{new[r]}, %blk]")
@@ -560,8 +567,10 @@ def block_sums(q: np.ndarray, bits: int = 16) -> np.ndarray:
 
 def vnni_module_ir() -> str:
     """Every VNNI entry (``_vnni_entry_ir``)."""
-    decls = ("declare <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32>, <16 x i32>, <16 x i32>)\n"
-             "declare <16 x float> @llvm.fma.v16f32(<16 x float>, <16 x float>, <16 x float>)\n" + _SCATTER_DECL)
+    decls = (
+        "declare <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32>, <16 x i32>, <16 x i32>)\n"
+        "declare <16 x float> @llvm.fma.v16f32(<16 x float>, <16 x float>, <16 x float>)\n" + _SCATTER_DECL
+    )
     return "\n".join([decls] + [_vnni_entry_ir(form) for form in VNNI_ENTRIES])
 
 
@@ -580,8 +589,10 @@ def _vnni_entry_ir(form: tuple[str, int]) -> str:
     P = VNNI_PANEL
     if TILE % P:  # ``rows`` hands whole tiles of 16 rows; a pass must never run past them
         raise ValueError(f"VNNI_PANEL {P} must divide {TILE}")
-    a(f"define void @{VNNI_ENTRIES[form]}(i8* %wq, float* %wdt, float* %wmt, i32* %wsc, i8* %xb, float* %xd, "
-      "float* %xs, float* %out, i64 %r0, i64 %r1, i64 %nb, i64 %tiles, i64 %cols, i64 %ostride, i64 %nin) nounwind {")
+    a(
+        f"define void @{VNNI_ENTRIES[form]}(i8* %wq, float* %wdt, float* %wmt, i32* %wsc, i8* %xb, float* %xd, "
+        "float* %xs, float* %out, i64 %r0, i64 %r1, i64 %nb, i64 %tiles, i64 %cols, i64 %ostride, i64 %nin) nounwind {"
+    )
     a("entry:")
     a("  %pstride = mul i64 %nb, 16")
     for r in range(P):
@@ -636,10 +647,14 @@ def _vnni_entry_ir(form: tuple[str, int]) -> str:
             a(f"  %wk{r}_{k} = load i32, i32* %wkp{r}_{k}, align 1")
             a(f"  %wki{r}_{k} = insertelement <16 x i32> undef, i32 %wk{r}_{k}, i32 0")
             a(f"  %wks{r}_{k} = shufflevector <16 x i32> %wki{r}_{k}, <16 x i32> undef, <16 x i32> zeroinitializer")
-            a(f"  %hh{r}_{k} = call <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32> {hh[c]}, <16 x i32> %h{k}, <16 x i32> %wks{r}_{k})")
+            a(
+                f"  %hh{r}_{k} = call <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32> {hh[c]}, <16 x i32> %h{k}, <16 x i32> %wks{r}_{k})"
+            )
             hh[c] = f"%hh{r}_{k}"
             if two:
-                a(f"  %ll{r}_{k} = call <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32> {ll[c]}, <16 x i32> %l{k}, <16 x i32> %wks{r}_{k})")
+                a(
+                    f"  %ll{r}_{k} = call <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32> {ll[c]}, <16 x i32> %l{k}, <16 x i32> %wks{r}_{k})"
+                )
                 ll[c] = f"%ll{r}_{k}"
         for c in range(1, VNNI_CHAINS):
             a(f"  %hj{r}_{c} = add <16 x i32> {hh[0]}, {hh[c]}")
@@ -769,9 +784,22 @@ def _avx2_slice(fn, unsigned, src, fill, d16, m16, zero, r0, w16, wdt, wmt, xq, 
                     elif unsigned:
                         wmt[p, b, r] = jit.f16_to_f32(m16[r0 + TILE * p + r, b])
     _interleave16(src, w16)
-    _call_avx2(fn, w16.ctypes.data, wdt.ctypes.data, wmt.ctypes.data if unsigned else 0, xq.ctypes.data,
-               xd.ctypes.data, xs.ctypes.data, out.ctypes.data + 4 * col, rows // TILE, nb,
-               xq.shape[0] // AVX2_INPUTS, cols, out.shape[1], nin)
+    _call_avx2(
+        fn,
+        w16.ctypes.data,
+        wdt.ctypes.data,
+        wmt.ctypes.data if unsigned else 0,
+        xq.ctypes.data,
+        xd.ctypes.data,
+        xs.ctypes.data,
+        out.ctypes.data + 4 * col,
+        rows // TILE,
+        nb,
+        xq.shape[0] // AVX2_INPUTS,
+        cols,
+        out.shape[1],
+        nin,
+    )
 
 
 def interleave16(src: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -795,8 +823,10 @@ def interleave16_ref(src: np.ndarray) -> np.ndarray:
 
 def avx2_module_ir() -> str:
     """Every AVX2 entry (``_avx2_entry_ir``)."""
-    decls = ("declare <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16>, <16 x i16>)\n"
-             "declare <8 x float> @llvm.fma.v8f32(<8 x float>, <8 x float>, <8 x float>)\n")
+    decls = (
+        "declare <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16>, <16 x i16>)\n"
+        "declare <8 x float> @llvm.fma.v8f32(<8 x float>, <8 x float>, <8 x float>)\n"
+    )
     return "\n".join([decls] + [_avx2_entry_ir(kind) for kind in AVX2_ENTRIES])
 
 
@@ -813,8 +843,10 @@ def _avx2_entry_ir(kind: str) -> str:
     M = AVX2_INPUTS
     i32x8 = "<8 x i32>"
     f32x8 = "<8 x float>"
-    a(f"define void @{AVX2_ENTRIES[kind]}(i16* %w, float* %wdt, float* %wmt, i16* %xq, float* %xd, float* %xs, "
-      "float* %out, i64 %panels, i64 %nb, i64 %groups, i64 %cols, i64 %ostride, i64 %nin) nounwind {")
+    a(
+        f"define void @{AVX2_ENTRIES[kind]}(i16* %w, float* %wdt, float* %wmt, i16* %xq, float* %xd, float* %xs, "
+        "float* %out, i64 %panels, i64 %nb, i64 %groups, i64 %cols, i64 %ostride, i64 %nin) nounwind {"
+    )
     a("entry:")
     # the f32 sums live in a stack buffer, the registers hold the int32 sums and operands
     # (as phis, 8 f32 vectors beside 8 int32 ones spilled: 42-55 -> 62-67 GMAC/s, Zen 3)
@@ -971,7 +1003,9 @@ def _scaled(a, kind: str, tag: str, s: str, xdv: str, xsv: str, idx: str, acc: s
     it is the same operations in the same order); the new sums' IR name."""
     a(f"  %f{tag} = sitofp <16 x i32> {s} to <16 x float>")
     a(f"  %sc{tag} = fmul <16 x float> {xdv}, {_bcast(a, f'dw{tag}', 'float', '%wdt', idx)}")
-    a(f"  %n{tag} = call <16 x float> @llvm.fma.v16f32(<16 x float> %f{tag}, <16 x float> %sc{tag}, <16 x float> {acc})")
+    a(
+        f"  %n{tag} = call <16 x float> @llvm.fma.v16f32(<16 x float> %f{tag}, <16 x float> %sc{tag}, <16 x float> {acc})"
+    )
     if kind != "u8":
         return f"%n{tag}"
     mws = _bcast(a, f"mw{tag}", "float", "%wmt", idx)
@@ -1002,7 +1036,9 @@ def _store_rows(a, sums: list[str]) -> None:
         a(f"  %ocs{r} = shufflevector <16 x i64> %oci{r}, <16 x i64> undef, <16 x i32> zeroinitializer")
         a(f"  %oidx{r} = add <16 x i64> %orows, %ocs{r}")
         a(f"  %optr{r} = getelementptr float, ptr %out, <16 x i64> %oidx{r}")
-        a(f"  call void @llvm.masked.scatter.v16f32.v16p0(<16 x float> {v}, <16 x ptr> %optr{r}, i32 4, <16 x i1> %omask)")
+        a(
+            f"  call void @llvm.masked.scatter.v16f32.v16p0(<16 x float> {v}, <16 x ptr> %optr{r}, i32 4, <16 x i1> %omask)"
+        )
 
 
 def splat(ty: str, v) -> str:
@@ -1126,8 +1162,18 @@ class TileKernels:
         pack_x16(np.ascontiguousarray(X, np.float32), xb, xd, xs, QMAX[bits])
         return Packed(xb, xd, xs, n)
 
-    def rows(self, dtype: str, parts: dict[str, np.ndarray], cols: int, r0: int, r1: int, x: Packed | Rows16,
-             out: np.ndarray, scratch: np.ndarray | None = None, col: int = 0) -> None:
+    def rows(
+        self,
+        dtype: str,
+        parts: dict[str, np.ndarray],
+        cols: int,
+        r0: int,
+        r1: int,
+        x: Packed | Rows16,
+        out: np.ndarray,
+        scratch: np.ndarray | None = None,
+        col: int = 0,
+    ) -> None:
         """out[:, col : col + r1 - r0] = the prepared inputs (``prepare``) times weight rows
         r0..r1 (``dtype``'s stored ``parts``, a [rows, cols] weight, C-contiguous); ``out``
         f32 [inputs, width], C-contiguous (a matmul's output: the kernels write it in place);
@@ -1146,14 +1192,23 @@ class TileKernels:
         nb = cols // QB
         for part in dt.parts((rows, cols)):
             arr = parts.get(part.name)
-            if arr is None or arr.shape != part.shape or arr.dtype.itemsize != part.dtype.itemsize \
-                    or not arr.flags.c_contiguous:
+            if (
+                arr is None
+                or arr.shape != part.shape
+                or arr.dtype.itemsize != part.dtype.itemsize
+                or not arr.flags.c_contiguous
+            ):
                 raise ValueError(f"amx: {dtype} part {part.name} is not {part.dtype}{list(part.shape)}")
         x_cols = x.xq.shape[1] if isinstance(x, Rows16) else x.xb.shape[1] * QB
         if (r1 - r0) % TILE or not 0 <= r0 <= r1 <= rows or x_cols != cols or cols % QB:
             raise ValueError(f"amx rows {r0}..{r1} of a [{rows}, {cols}] weight, {x_cols}-column inputs")
-        if out.ndim != 2 or out.shape[0] != x.n or not 0 <= col <= out.shape[1] - (r1 - r0) \
-                or out.dtype != np.float32 or not out.flags.c_contiguous:
+        if (
+            out.ndim != 2
+            or out.shape[0] != x.n
+            or not 0 <= col <= out.shape[1] - (r1 - r0)
+            or out.dtype != np.float32
+            or not out.flags.c_contiguous
+        ):
             raise ValueError(f"amx output {out.shape} for columns {col}..{col + r1 - r0} of {x.n} inputs")
         need = self.scratch_bytes(dtype, r1 - r0, cols)
         if scratch is None:
@@ -1177,15 +1232,55 @@ class TileKernels:
         wm = None if wmt is None else wmt.ctypes.data
         dst = out.ctypes.data + 4 * col
         if self.unit == "amx":
-            fn(a.ctypes.data, wdt.ctypes.data, wm, x.xb.ctypes.data, x.xd.ctypes.data, x.xs.ctypes.data,
-               dst, a0, a1, nb, x.tiles, cols, self._cfg.ctypes.data, out.shape[1], x.n)
+            fn(
+                a.ctypes.data,
+                wdt.ctypes.data,
+                wm,
+                x.xb.ctypes.data,
+                x.xd.ctypes.data,
+                x.xs.ctypes.data,
+                dst,
+                a0,
+                a1,
+                nb,
+                x.tiles,
+                cols,
+                self._cfg.ctypes.data,
+                out.shape[1],
+                x.n,
+            )
         else:
             wsc = panel(block_sums(a[a0:a1], x.bits), np.int32)
-            fn(a.ctypes.data, wdt.ctypes.data, wm, wsc.ctypes.data, x.xb.ctypes.data, x.xd.ctypes.data,
-               x.xs.ctypes.data, dst, a0, a1, nb, x.tiles, cols, out.shape[1], x.n)
+            fn(
+                a.ctypes.data,
+                wdt.ctypes.data,
+                wm,
+                wsc.ctypes.data,
+                x.xb.ctypes.data,
+                x.xd.ctypes.data,
+                x.xs.ctypes.data,
+                dst,
+                a0,
+                a1,
+                nb,
+                x.tiles,
+                cols,
+                out.shape[1],
+                x.n,
+            )
 
-    def _avx2_rows(self, dtype: str, parts: dict[str, np.ndarray], cols: int, r0: int, r1: int, x: Rows16,
-                   out: np.ndarray, scratch: np.ndarray, col: int) -> None:
+    def _avx2_rows(
+        self,
+        dtype: str,
+        parts: dict[str, np.ndarray],
+        cols: int,
+        r0: int,
+        r1: int,
+        x: Rows16,
+        out: np.ndarray,
+        scratch: np.ndarray,
+        col: int,
+    ) -> None:
         """``rows`` on the "avx2" unit (arguments checked): one ``_avx2_slice`` call, after
         the unsigned dtypes' unpacking and, for q4k/q5k, their scales (``block_scales``)."""
         rows, nb = r1 - r0, cols // QB
@@ -1208,5 +1303,22 @@ class TileKernels:
                 m16 = parts["m"].view(np.uint16)
             else:
                 zero = k.zero
-        _avx2_slice(self._fns[(k.tile_form, x.bits)], k.tile_unpacked, src, fill, d16,
-                    m16, zero, r0, w16, wdt, wmt, x.xq, x.xd, x.xs, out, col, x.n)
+        _avx2_slice(
+            self._fns[(k.tile_form, x.bits)],
+            k.tile_unpacked,
+            src,
+            fill,
+            d16,
+            m16,
+            zero,
+            r0,
+            w16,
+            wdt,
+            wmt,
+            x.xq,
+            x.xd,
+            x.xs,
+            out,
+            col,
+            x.n,
+        )

@@ -151,8 +151,10 @@ class _Ir:
             items, half = LANES // width, width // 2
             lo = [k + p * width + i for k in (0, LANES) for p in range(items) for i in range(half)]
             hi = [x + half for x in lo]
-            level = [self.v(f"fadd {_V} {self.shuffle(a, b, lo)}, {self.shuffle(a, b, hi)}")
-                     for a, b in zip(level[::2], level[1::2])]
+            level = [
+                self.v(f"fadd {_V} {self.shuffle(a, b, lo)}, {self.shuffle(a, b, hi)}")
+                for a, b in zip(level[::2], level[1::2])
+            ]
             width = half
         v = level[0]
         while width > 1:
@@ -170,8 +172,7 @@ class _Ir:
         return xs[0]
 
 
-def _scores_pass(f: _Ir, g: int, nk: int, tag: str, first: str, limit: str, entry: str, out: str,
-                 kv: str) -> None:
+def _scores_pass(f: _Ir, g: int, nk: int, tag: str, first: str, limit: str, entry: str, out: str, kv: str) -> None:
     """Keys j = first, first+nk, ... < limit, nk per pass (limit - first a multiple of
     nk): per head and key an accumulator over the chunks of 16, one horizontal sum each."""
     f(f"  %{tag}_any = icmp slt i64 {first}, {limit}")
@@ -200,8 +201,11 @@ def _scores_pass(f: _Ir, g: int, nk: int, tag: str, first: str, limit: str, entr
     f(f"  %{tag}_cm = icmp ult i64 %{tag}_cn, %nc")
     f(f"  br i1 %{tag}_cm, label %{tag}_dims, label %{tag}_end")
     phis = [f"  {c} = phi i64 [0, %{tag}], [%{tag}_cn, %{tag}_dims]"]
-    phis += [f"  %{tag}_a{h}_{r} = phi {_V} [zeroinitializer, %{tag}], [{accs[h, r]}, %{tag}_dims]"
-             for h in range(g) for r in range(nk)]
+    phis += [
+        f"  %{tag}_a{h}_{r} = phi {_V} [zeroinitializer, %{tag}], [{accs[h, r]}, %{tag}_dims]"
+        for h in range(g)
+        for r in range(nk)
+    ]
     f.lines[at:at] = phis
     f(f"{tag}_end:")
     items = [(h, r) for h in range(g) for r in range(nk)]
@@ -278,7 +282,9 @@ def _values_ir(g: int, kp: int, kv: str = "float") -> str:
     f("  %kmore = icmp slt i64 %jn, %mk")
     f("  br i1 %kmore, label %keys, label %sum")
     phis = ["  %j = phi i64 [0, %col], [%jn, %keys]"]
-    phis += [f"  %a{h}_{r} = phi {_V} [zeroinitializer, %col], [{new[h, r]}, %keys]" for h in range(g) for r in range(kp)]
+    phis += [
+        f"  %a{h}_{r} = phi {_V} [zeroinitializer, %col], [{new[h, r]}, %keys]" for h in range(g) for r in range(kp)
+    ]
     f.lines[at:at] = phis
     f("sum:")
     sums = []
@@ -381,7 +387,9 @@ def _softmax_ir() -> str:
     f(f"  %ev = phi {_V} [zeroinitializer, %maxt], [%evn, %expl]")
     off = f.v("shl i64 %ei, 4")
     y = _exp16(f, f.v(f"fsub {_V} {f.load('%s', off)}, {mxv}"))
-    f(f"  store {_V} {y}, {_V}* {f.v('bitcast float* ' + f.v(f'getelementptr float, float* %s, i64 {off}') + f' to {_V}*')}, align 4")
+    f(
+        f"  store {_V} {y}, {_V}* {f.v('bitcast float* ' + f.v(f'getelementptr float, float* %s, i64 {off}') + f' to {_V}*')}, align 4"
+    )
     f(f"  %evn = fadd {_V} %ev, {y}")
     f("  %ein = add i64 %ei, 1")
     f("  %emore = icmp ult i64 %ein, %nc")
@@ -420,7 +428,9 @@ def _dispatch(name: str, args: str, heads: int, shifted: dict[str, str]) -> str:
         L.append(f"  call void @{name}{g}({', '.join(vals)})")
 
     L = [f"define void @{name}(i64 %g, {args}) nounwind {{", "entry:"]
-    L.append("  switch i64 %g, label %done [" + " ".join(f"i64 {g}, label %g{g}" for g in range(1, MAX_GROUP + 1)) + "]")
+    L.append(
+        "  switch i64 %g, label %done [" + " ".join(f"i64 {g}, label %g{g}" for g in range(1, MAX_GROUP + 1)) + "]"
+    )
     for g in range(1, MAX_GROUP + 1):
         L.append(f"g{g}:")
         for first in range(0, g, heads):
@@ -470,8 +480,9 @@ def _gemm_tile_ir(t: int) -> str:
     f("  %kn = add i64 %k, 1")
     f("  %km = icmp slt i64 %kn, %depth")
     f("  br i1 %km, label %kl, label %store")
-    f.lines[at:at] = (["  %k = phi i64 [0, %init], [%kn, %kl]"]
-                      + [f"  %s{r} = phi {_V} [%i{r}, %init], [{new[r]}, %kl]" for r in range(t)])
+    f.lines[at:at] = ["  %k = phi i64 [0, %init], [%kn, %kl]"] + [
+        f"  %s{r} = phi {_V} [%i{r}, %init], [{new[r]}, %kl]" for r in range(t)
+    ]
     f("store:")
     for r in range(t):
         f(f"  %o{r} = phi {_V} [%i{r}, %init], [{new[r]}, %kl]")
@@ -496,18 +507,32 @@ def _gemm_ir() -> str:
     t = GEMM_ROWS
     call = "(float* %a, i64 %lda, float* %b, i64 %ldb, float* %c, i64 %ldc, i64 {r}, i64 %nc, i64 %depth, i1 %acc)"
     L = [_gemm_tile_ir(r) for r in range(1, t + 1)]
-    L += ["define void @attn_gemm(i64 %aa, i64 %lda, i64 %ba, i64 %ldb, i64 %ca, i64 %ldc, i64 %rows, i64 %cols,"
-          " i64 %depth, i64 %acci) nounwind {",
-          "entry:", "  %a = inttoptr i64 %aa to float*", "  %b = inttoptr i64 %ba to float*",
-          "  %c = inttoptr i64 %ca to float*", "  %nc = lshr i64 %cols, 4", "  %acc = icmp ne i64 %acci, 0",
-          f"  %rem = urem i64 %rows, {t}", "  %full = sub i64 %rows, %rem", "  %anyf = icmp sgt i64 %full, 0",
-          "  %anyc = icmp ugt i64 %nc, 0", "  %go = and i1 %anyf, %anyc",
-          "  br i1 %go, label %tiles, label %tail",
-          "tiles:", "  %r = phi i64 [0, %entry], [%rn, %tiles]",
-          f"  call void @attn_gemm_t{t}" + call.format(r="%r"),
-          f"  %rn = add i64 %r, {t}", "  %rm = icmp slt i64 %rn, %full", "  br i1 %rm, label %tiles, label %tail",
-          "tail:", "  %anyt = icmp ugt i64 %nc, 0", "  %rest = select i1 %anyt, i64 %rem, i64 0",
-          "  switch i64 %rest, label %done [" + " ".join(f"i64 {r}, label %t{r}" for r in range(1, t)) + "]"]
+    L += [
+        "define void @attn_gemm(i64 %aa, i64 %lda, i64 %ba, i64 %ldb, i64 %ca, i64 %ldc, i64 %rows, i64 %cols,"
+        " i64 %depth, i64 %acci) nounwind {",
+        "entry:",
+        "  %a = inttoptr i64 %aa to float*",
+        "  %b = inttoptr i64 %ba to float*",
+        "  %c = inttoptr i64 %ca to float*",
+        "  %nc = lshr i64 %cols, 4",
+        "  %acc = icmp ne i64 %acci, 0",
+        f"  %rem = urem i64 %rows, {t}",
+        "  %full = sub i64 %rows, %rem",
+        "  %anyf = icmp sgt i64 %full, 0",
+        "  %anyc = icmp ugt i64 %nc, 0",
+        "  %go = and i1 %anyf, %anyc",
+        "  br i1 %go, label %tiles, label %tail",
+        "tiles:",
+        "  %r = phi i64 [0, %entry], [%rn, %tiles]",
+        f"  call void @attn_gemm_t{t}" + call.format(r="%r"),
+        f"  %rn = add i64 %r, {t}",
+        "  %rm = icmp slt i64 %rn, %full",
+        "  br i1 %rm, label %tiles, label %tail",
+        "tail:",
+        "  %anyt = icmp ugt i64 %nc, 0",
+        "  %rest = select i1 %anyt, i64 %rem, i64 0",
+        "  switch i64 %rest, label %done [" + " ".join(f"i64 {r}, label %t{r}" for r in range(1, t)) + "]",
+    ]
     for r in range(1, t):
         L += [f"t{r}:", f"  call void @attn_gemm_t{r}" + call.format(r="%full"), "  br label %done"]
     L += ["done:", "  ret void", "}"]
@@ -550,8 +575,13 @@ class AttentionLoops:
 
     NAMES = ("attn_scores", "attn_values", "attn_softmax", "attn_gemm")
 
-    def __init__(self, enabled: bool | None = None, cache_dir: Path | None | str = "default",
-                 layout: Layout | None = None, kv: str = "f32") -> None:
+    def __init__(
+        self,
+        enabled: bool | None = None,
+        cache_dir: Path | None | str = "default",
+        layout: Layout | None = None,
+        kv: str = "f32",
+    ) -> None:
         if kv not in KV_ELEMS:
             raise ValueError(f"no attention loops for a {kv!r} cache")
         self.addrs = np.zeros(len(self.NAMES), np.int64)
@@ -562,8 +592,11 @@ class AttentionLoops:
 
         if enabled is False or not qdot.host_supports():
             return
-        compiled = llvm_jit.compile_ir(module_ir(self.layout, kv), self.NAMES,
-                                       llvm_jit.default_cache_dir() if cache_dir == "default" else cache_dir)
+        compiled = llvm_jit.compile_ir(
+            module_ir(self.layout, kv),
+            self.NAMES,
+            llvm_jit.default_cache_dir() if cache_dir == "default" else cache_dir,
+        )
         self._engine = compiled.engine
         self.addrs = np.array([compiled.addrs[n] for n in self.NAMES], np.int64)
 
@@ -578,8 +611,10 @@ _I64, _F32 = ir.IntType(64), ir.FloatType()
 @intrinsic
 def call_scores(typingctx, addr, g, q, k, m, d, scale, s, ss):
     """attn_scores at ``addr`` for a group of ``g`` heads: pointers and counts as int64, ``scale`` f32."""
-    return (types.void(*([types.int64] * 6), types.float32, types.int64, types.int64),
-            llvm_jit.call_by_address([_I64] * 5 + [_F32, _I64, _I64]))
+    return (
+        types.void(*([types.int64] * 6), types.float32, types.int64, types.int64),
+        llvm_jit.call_by_address([_I64] * 5 + [_F32, _I64, _I64]),
+    )
 
 
 @intrinsic

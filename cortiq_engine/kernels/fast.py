@@ -188,11 +188,19 @@ class NumbaKernels(NumpyKernels):
         bit for bit its one-row result. Beyond it BLAS batches the rows."""
         return min(self.small_n, SMALL_ATTN)
 
-    def __init__(self, small_n: int = SMALL_N, act_bits: int | Mapping[str, int] | None = None,
-                 vnni: bool | None = None, zmm: bool | None = None, zmm_min_weights: int = ZMM_MIN_WEIGHTS,
-                 attn_loops: bool | None = None, kernel_cache: Path | None | str = "default",
-                 amx_tiles: bool | None = None,
-                 tile_unit: str | None = None, vnni_min_weights: int = VNNI_MIN_WEIGHTS):
+    def __init__(
+        self,
+        small_n: int = SMALL_N,
+        act_bits: int | Mapping[str, int] | None = None,
+        vnni: bool | None = None,
+        zmm: bool | None = None,
+        zmm_min_weights: int = ZMM_MIN_WEIGHTS,
+        attn_loops: bool | None = None,
+        kernel_cache: Path | None | str = "default",
+        amx_tiles: bool | None = None,
+        tile_unit: str | None = None,
+        vnni_min_weights: int = VNNI_MIN_WEIGHTS,
+    ):
         self.small_n = small_n
         # Decode/verify attention's inner loops in LLVM IR (attn_ir.py; default where the
         # CPU has AVX2/FMA); False keeps numba's loops (same math, other rounding).
@@ -203,8 +211,13 @@ class NumbaKernels(NumpyKernels):
         # Quantized dtypes decode and verify on integer activations (qdot.py) where the
         # CPU has AVX2: ``act_bits`` per dtype (default ACT_BITS), or one width for all;
         # a width 0, a width the dtype has no kernel for, or no AVX2 keeps the float kernels.
-        widths = dict(ACT_BITS if act_bits is None else act_bits if isinstance(act_bits, Mapping)
-                      else {k: int(act_bits) for k in ACT_BITS})
+        widths = dict(
+            ACT_BITS
+            if act_bits is None
+            else act_bits
+            if isinstance(act_bits, Mapping)
+            else {k: int(act_bits) for k in ACT_BITS}
+        )
         # ``vnni``: the integer kernels' VNNI form (default where the CPU has it; same results).
         # ``zmm``: 3- and 4-row calls on AVX-512 VNNI bodies (default where the CPU has it; same results).
         # ``zmm_min_weights``: the smallest fused matmul that takes them.
@@ -232,8 +245,10 @@ class NumbaKernels(NumpyKernels):
         tiled = {d: b for d, b in wanted.items() if unit is not None and b in amx.widths(unit)[d]}
         can_tile = bool(tiled)
         if amx_tiles and not can_tile:
-            raise ValueError("integer tile prefill needs AMX-INT8 tiles, AVX-512 VNNI or AVX2, and integer activations "
-                             "(int16 on AVX2)")
+            raise ValueError(
+                "integer tile prefill needs AMX-INT8 tiles, AVX-512 VNNI or AVX2, and integer activations "
+                "(int16 on AVX2)"
+            )
         use = can_tile if amx_tiles is None else amx_tiles
         self._amx = amx.TileKernels(kernel_cache, unit) if use else None
         self.tile_bits: dict[str, int] = tiled if use else {}  # dtype -> the tiles' activation width
@@ -304,9 +319,20 @@ class NumbaKernels(NumpyKernels):
                     addrs[m, k] = part[m].ctypes.data
             rows = np.array([w.rows for w in run] + [0] * (FUSE_MAX - count), np.int64)
         bits = bits if fn is not None else 0
-        return _Plan(sum(w.rows for w in run), count, offs, parts, ops, bits, int_parts, fn, addrs, rows,
-                     qdot.qmax(ops.dtype, bits) if bits else 0,
-                     bool(bits) and self._intdot.interleaves(ops.dtype, bits, zmm))
+        return _Plan(
+            sum(w.rows for w in run),
+            count,
+            offs,
+            parts,
+            ops,
+            bits,
+            int_parts,
+            fn,
+            addrs,
+            rows,
+            qdot.qmax(ops.dtype, bits) if bits else 0,
+            bool(bits) and self._intdot.interleaves(ops.dtype, bits, zmm),
+        )
 
     def _large(self, ws: Sequence[Weight], X: np.ndarray, out: np.ndarray) -> None:
         """Prefill: row slices of the weights, each dequantized into a per-thread tile
@@ -320,9 +346,11 @@ class NumbaKernels(NumpyKernels):
             self._blas_primed = True
         threads = numba.get_num_threads()
         if any(w.dtype in self.amx_dtypes for w in ws) and (
-                self._amx.unit == "amx" or sum(w.rows * w.cols for w in ws) >= self.vnni_min_weights):
+            self._amx.unit == "amx" or sum(w.rows * w.cols for w in ws) >= self.vnni_min_weights
+        ):
             self._large_amx(ws, X, out, threads)
             return
+
         def work(span: tuple[int, int, list[tuple[Weight, int, int]]]) -> None:
             col, n, pieces = span
             w, r0, r1 = pieces[0]
@@ -350,7 +378,10 @@ class NumbaKernels(NumpyKernels):
         cols0 = np.cumsum([0] + [w.rows for w in ws])
         col_of = {id(w): int(c) for w, c in zip(ws, cols0)}
         # the activations once per width the call's tiled dtypes take
-        packs = {b: self._amx.prepare(X, b) for b in sorted({self.tile_bits[w.dtype] for w in ws if w.dtype in self.tile_bits})}
+        packs = {
+            b: self._amx.prepare(X, b)
+            for b in sorted({self.tile_bits[w.dtype] for w in ws if w.dtype in self.tile_bits})
+        }
 
         def piece(w: Weight, r0: int, r1: int) -> None:
             col = col_of[id(w)]
@@ -431,8 +462,9 @@ class NumbaKernels(NumpyKernels):
             plan.ops.small(plan.parts, plan.count, plan.offs, X, out)
             return
         # Decode/verify on integer activations: X quantized once per call, inside it.
-        qdot.intdot(plan.fn, plan.addrs, plan.rows, plan.count, plan.offs, X, _ACT_PROTO[plan.bits], plan.qmax,
-                    plan.zmm, out)
+        qdot.intdot(
+            plan.fn, plan.addrs, plan.rows, plan.count, plan.offs, X, _ACT_PROTO[plan.bits], plan.qmax, plan.zmm, out
+        )
 
     def _small_args(self, run: list[Weight]) -> tuple[int, np.ndarray, list[tuple[np.ndarray, ...]]]:
         """(count, row offsets, part 3-tuples padded with empty arrays) for a fused run."""
@@ -499,8 +531,16 @@ class NumbaKernels(NumpyKernels):
             self._attn_f16 = attn_ir.AttentionLoops(*self._attn_args, kv="f16")
         return self._attn_f16
 
-    def attend(self, q: np.ndarray, kc: np.ndarray, vc: np.ndarray, start: int, window: int, scale: float,
-               sinks: np.ndarray | None = None) -> np.ndarray:
+    def attend(
+        self,
+        q: np.ndarray,
+        kc: np.ndarray,
+        vc: np.ndarray,
+        start: int,
+        window: int,
+        scale: float,
+        sinks: np.ndarray | None = None,
+    ) -> np.ndarray:
         out = np.empty((q.shape[0], q.shape[1], vc.shape[2]), np.float32)
         if sinks is not None:
             sinks = np.ascontiguousarray(sinks, dtype=np.float32)
@@ -521,16 +561,27 @@ class NumbaKernels(NumpyKernels):
             # Prefill without the IR loops: the reference blocks (query block x KV head), pulled by the pool's threads.
             qs = q * np.float32(scale)
             jobs = attention_jobs(q.shape[0], kc.shape[0])
-            self._pull(lambda job: attend_block(qs, kc, vc, start, window, sinks, out, *job), jobs,
-                       numba.get_num_threads())
+            self._pull(
+                lambda job: attend_block(qs, kc, vc, start, window, sinks, out, *job), jobs, numba.get_num_threads()
+            )
             return out
         if kc.dtype == np.float16:  # numba has no f16 arrays: the IR loops read the bits
             kc, vc = kc.view(np.uint16), vc.view(np.uint16)
         jit.attend(np.ascontiguousarray(q), kc, vc, start, window, np.float32(scale), sinks, out, fns)
         return out
 
-    def _attend_flash(self, q: np.ndarray, kc: np.ndarray, vc: np.ndarray, start: int, window: int, scale: float,
-                      sinks: np.ndarray | None, out: np.ndarray, fns: np.ndarray) -> None:
+    def _attend_flash(
+        self,
+        q: np.ndarray,
+        kc: np.ndarray,
+        vc: np.ndarray,
+        start: int,
+        window: int,
+        scale: float,
+        sinks: np.ndarray | None,
+        out: np.ndarray,
+        fns: np.ndarray,
+    ) -> None:
         """A prefill's attention (``jit.attend_flash``): the keys its queries see, transposed
         once for every job, and one worker per thread pulling the jobs, heaviest first."""
         n, d = q.shape[0], q.shape[2]
@@ -544,20 +595,27 @@ class NumbaKernels(NumpyKernels):
         if vc.dtype != np.float32:
             vc = vc[:, :hi].astype(np.float32)  # the rows the jobs read, widened once per call
         step = jit.FLASH_QUERIES
-        jobs = np.array([(i0, min(n, i0 + step), g) for i0 in reversed(range(0, n, step)) for g in range(kvh)],
-                        np.int64).reshape(-1, 3)
+        jobs = np.array(
+            [(i0, min(n, i0 + step), g) for i0 in reversed(range(0, n, step)) for g in range(kvh)], np.int64
+        ).reshape(-1, 3)
         counter = np.zeros(1, np.int64)
         threads = min(numba.get_num_threads(), len(jobs))
-        self._pull(lambda _: jit.attend_flash(q, kt, k0, vc, start, window, np.float32(scale), sinks, out, jobs,
-                                              counter, fns), range(threads), threads)
+        self._pull(
+            lambda _: jit.attend_flash(q, kt, k0, vc, start, window, np.float32(scale), sinks, out, jobs, counter, fns),
+            range(threads),
+            threads,
+        )
 
     # ------------------------------------------------------------ linear attention
-    def delta_rule(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray,
-                   state: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def delta_rule(
+        self, q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray, state: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
         S = np.array(state, dtype=np.float32, copy=True)
         o = np.empty(v.shape, np.float32)
         c = np.ascontiguousarray
-        jit.delta_rule(c(q, np.float32), c(k, np.float32), c(v, np.float32), c(g, np.float32), c(beta, np.float32), S, o)
+        jit.delta_rule(
+            c(q, np.float32), c(k, np.float32), c(v, np.float32), c(g, np.float32), c(beta, np.float32), S, o
+        )
         return o, S
 
     # ------------------------------------------------------------ compile ahead

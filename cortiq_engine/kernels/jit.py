@@ -497,10 +497,17 @@ def attend(q, kc, vc, start, window, scale, sinks, out, fns):
             if ir_scores != 0:
                 # every key row loaded once for the whole group (attn_ir.py)
                 for a in range(0, group, attn_ir.MAX_GROUP):
-                    attn_ir.call_scores(ir_scores, min(attn_ir.MAX_GROUP, group - a),
-                                        q.ctypes.data + 4 * ((i * heads + h0 + a) * d),
-                                        kc.ctypes.data + kc.itemsize * ((g * kc.shape[1] + j0) * d), m, d, scale,
-                                        s.ctypes.data + 4 * a * ATTN_CHUNK, ATTN_CHUNK)
+                    attn_ir.call_scores(
+                        ir_scores,
+                        min(attn_ir.MAX_GROUP, group - a),
+                        q.ctypes.data + 4 * ((i * heads + h0 + a) * d),
+                        kc.ctypes.data + kc.itemsize * ((g * kc.shape[1] + j0) * d),
+                        m,
+                        d,
+                        scale,
+                        s.ctypes.data + 4 * a * ATTN_CHUNK,
+                        ATTN_CHUNK,
+                    )
             else:
                 # the group's heads one after another: the chunk's rows stay in L2 between them
                 for hh in range(group):
@@ -526,9 +533,17 @@ def attend(q, kc, vc, start, window, scale, sinks, out, fns):
                 psum[i, h0 + hh, c] = tot
             if ir_values != 0:
                 for a in range(0, group, attn_ir.MAX_GROUP):
-                    attn_ir.call_values(ir_values, min(attn_ir.MAX_GROUP, group - a), s.ctypes.data + 4 * a * ATTN_CHUNK,
-                                        vc.ctypes.data + vc.itemsize * ((g * vc.shape[1] + j0) * dv), m, dv,
-                                        o.ctypes.data + 4 * a * dv, ATTN_CHUNK, dv)
+                    attn_ir.call_values(
+                        ir_values,
+                        min(attn_ir.MAX_GROUP, group - a),
+                        s.ctypes.data + 4 * a * ATTN_CHUNK,
+                        vc.ctypes.data + vc.itemsize * ((g * vc.shape[1] + j0) * dv),
+                        m,
+                        dv,
+                        o.ctypes.data + 4 * a * dv,
+                        ATTN_CHUNK,
+                        dv,
+                    )
             else:
                 for hh in range(group):
                     for e in range(dv):
@@ -539,7 +554,9 @@ def attend(q, kc, vc, start, window, scale, sinks, out, fns):
                     while j + 4 <= j1:
                         p0, p1, p2, p3 = s[hh, j - j0], s[hh, j + 1 - j0], s[hh, j + 2 - j0], s[hh, j + 3 - j0]
                         for e in range(dv):
-                            o[hh, e] += (p0 * vc[g, j, e] + p1 * vc[g, j + 1, e]) + (p2 * vc[g, j + 2, e] + p3 * vc[g, j + 3, e])
+                            o[hh, e] += (p0 * vc[g, j, e] + p1 * vc[g, j + 1, e]) + (
+                                p2 * vc[g, j + 2, e] + p3 * vc[g, j + 3, e]
+                            )
                         j += 4
                     while j < j1:
                         p = s[hh, j - j0]
@@ -664,8 +681,19 @@ def _flash_job(q, kt, k0, vc, start, window, scale, sinks, out, i0, i1, g, gemm,
         lo = max(0, start + i0 - window + 1)  # its first sees keys >= lo
     for j0 in range(lo, hi, kb):
         m = min(kb, hi - j0)
-        attn_ir.call_gemm(gemm, a.ctypes.data, d, kt.ctypes.data + 4 * (g * d * ldk + j0 - k0), ldk,
-                          s.ctypes.data, kb, rows, (m + 15) // 16 * 16, d, 0)
+        attn_ir.call_gemm(
+            gemm,
+            a.ctypes.data,
+            d,
+            kt.ctypes.data + 4 * (g * d * ldk + j0 - k0),
+            ldk,
+            s.ctypes.data,
+            kb,
+            rows,
+            (m + 15) // 16 * 16,
+            d,
+            0,
+        )
         for r in range(rows):
             pos = start + i0 + r // group  # the query's own cache row
             c0 = j0
@@ -693,8 +721,19 @@ def _flash_job(q, kt, k0, vc, start, window, scale, sinks, out, i0, i1, g, gemm,
                 for j in range(c0 - j0, c1 - j0):
                     s[r, j] *= f
                 tot[r] += bsum * f
-        attn_ir.call_gemm(gemm, s.ctypes.data, kb, vc.ctypes.data + 4 * ((g * vc.shape[1] + j0) * dv), dv,
-                          o.ctypes.data, dv, rows, dv, m, 1)
+        attn_ir.call_gemm(
+            gemm,
+            s.ctypes.data,
+            kb,
+            vc.ctypes.data + 4 * ((g * vc.shape[1] + j0) * dv),
+            dv,
+            o.ctypes.data,
+            dv,
+            rows,
+            dv,
+            m,
+            1,
+        )
     for r in range(rows):
         i, h = i0 + r // group, h0 + r % group
         inv = np.float32(1.0) / tot[r]

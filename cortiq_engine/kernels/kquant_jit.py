@@ -87,7 +87,9 @@ def q4k_matmul_small(ds, dmins, scs, qss, count, offs, X, xsum, out):
                         ob = 128 * b + 32 * k
                         for l in range(32):
                             byte = q[r, ob + l]
-                            acc[l] += d0 * (np.float32(byte & 15) * X[i, o + l]) + d1 * (np.float32(byte >> 4) * X[i, o + 32 + l])
+                            acc[l] += d0 * (np.float32(byte & 15) * X[i, o + l]) + d1 * (
+                                np.float32(byte >> 4) * X[i, o + 32 + l]
+                            )
                         g = 8 * b + 2 * k
                         macc += dm * (m0 * xsum[i, g] + m1 * xsum[i, g + 1])
                 out[i, base + r] = acc.sum() - macc
@@ -222,8 +224,12 @@ def q6k_matmul_small(qls, qhs, scs, ds, count, offs, X, out):
                                 v1 = np.float32(np.int32((c & 15) | (((hb >> 2) & 3) << 4)) - 32)
                                 v2 = np.float32(np.int32((a >> 4) | (((hb >> 4) & 3) << 4)) - 32)
                                 v3 = np.float32(np.int32((c >> 4) | (((hb >> 6) & 3) << 4)) - 32)
-                                acc[l] += (d0 * (v0 * X[i, xo + l]) + d1 * (v1 * X[i, xo + 32 + l])
-                                           + d2 * (v2 * X[i, xo + 64 + l]) + d3 * (v3 * X[i, xo + 96 + l]))
+                                acc[l] += (
+                                    d0 * (v0 * X[i, xo + l])
+                                    + d1 * (v1 * X[i, xo + 32 + l])
+                                    + d2 * (v2 * X[i, xo + 64 + l])
+                                    + d3 * (v3 * X[i, xo + 96 + l])
+                                )
                 out[i, base + r] = acc.sum()
 
 

@@ -89,8 +89,12 @@ def q3k_matmul_small(hms, qss, scs, ds, count, offs, X, out):
                                 v1 = np.float32(((a >> 2) & 3) - 4 + 2 * (hb & 2))
                                 v2 = np.float32(((a >> 4) & 3) - 4 + (hb & 4))
                                 v3 = np.float32(((a >> 6) & 3) - 4 + ((hb & 8) >> 1))
-                                acc[l] += (d0 * (v0 * X[i, xo + l]) + d1 * (v1 * X[i, xo + 32 + l])
-                                           + d2 * (v2 * X[i, xo + 64 + l]) + d3 * (v3 * X[i, xo + 96 + l]))
+                                acc[l] += (
+                                    d0 * (v0 * X[i, xo + l])
+                                    + d1 * (v1 * X[i, xo + 32 + l])
+                                    + d2 * (v2 * X[i, xo + 64 + l])
+                                    + d3 * (v3 * X[i, xo + 96 + l])
+                                )
                 out[i, base + r] = acc.sum()
 
 

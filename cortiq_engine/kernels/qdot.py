@@ -99,7 +99,9 @@ def quantize_rows(X, xq, xd, xs, qmax):
             xs[i, b] = d * np.float32(s)
 
 
-def quantize_rows_ref(X: np.ndarray, bits: int = 8, top: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def quantize_rows_ref(
+    X: np.ndarray, bits: int = 8, top: int | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """numpy twin of ``quantize_rows`` (``top``: the largest integer, default 2^(bits-1) - 1)."""
     n, cols = X.shape
     b = X.reshape(n, cols // QB, QB).astype(np.float32)
@@ -149,8 +151,10 @@ _ONES16 = "<" + ", ".join(["i16 1"] * 16) + ">"
 NPARTS = 5
 _PARGS = ", ".join(f"i8* %p{k}" for k in range(NPARTS))
 # The 4-row zmm bodies (``_zbody``) also read the rows' interleaved copy: xt, xdt, xst.
-_ARGS = _PARGS + (", i64 %r0, i64 %r1, i64 %nb, i8* %xq, float* %xd, float* %xs, float* %out, i64 %ostride,"
-                  " i8* %xt, float* %xdt, float* %xst")
+_ARGS = _PARGS + (
+    ", i64 %r0, i64 %r1, i64 %nb, i8* %xq, float* %xd, float* %xs, float* %out, i64 %ostride,"
+    " i8* %xt, float* %xdt, float* %xst"
+)
 _CALL_ARGS = _ARGS
 # Which kernel part each role of the 32-block bodies is, (scale, min, fifth bits,
 # quants), is the dtype record's ``roles`` (dtype_ops.py). q8 has no min term; q4_0
@@ -226,16 +230,30 @@ def _wunpack(f: _Fn, kind: str, act: int, b: str, prefetch: bool = True) -> tupl
     if q4:
         pk = f.v(f"load <16 x i8>, <16 x i8>* {f.v(f'bitcast i8* {wp} to <16 x i8>*')}, align 1")
         lo, hi = f.v(f"and <16 x i8> {pk}, {v16}"), f.v(f"lshr <16 x i8> {pk}, {v4}")
-        w = f.v(f"shufflevector <16 x i8> {lo}, <16 x i8> {hi}, <32 x i32> <" + ", ".join(f"i32 {k}" for k in range(32)) + ">")
+        w = f.v(
+            f"shufflevector <16 x i8> {lo}, <16 x i8> {hi}, <32 x i32> <"
+            + ", ".join(f"i32 {k}" for k in range(32))
+            + ">"
+        )
         if ops_for(kind).roles[2] is not None:  # the fifth bits: bit j of the block's u32 -> element j
             hp = f.v(f"getelementptr i32, i32* %wh, i64 {f.v(f'add i64 %wdrow, {b}')}")
             bits = f.v(f"bitcast i32 {f.v(f'load i32, i32* {hp}, align 4')} to <32 x i1>")
-            hb = f.v(f"shl <32 x i8> {f.v(f'zext <32 x i1> {bits} to <32 x i8>')}, " + "<" + ", ".join(["i8 4"] * 32) + ">")
+            hb = f.v(
+                f"shl <32 x i8> {f.v(f'zext <32 x i1> {bits} to <32 x i8>')}, " + "<" + ", ".join(["i8 4"] * 32) + ">"
+            )
             w = f.v(f"or <32 x i8> {w}, {hb}")
         if act == 8:
             return (w,)
-        lo = f.v(f"shufflevector <32 x i8> {w}, <32 x i8> undef, <16 x i32> <" + ", ".join(f"i32 {k}" for k in range(16)) + ">")
-        hi = f.v(f"shufflevector <32 x i8> {w}, <32 x i8> undef, <16 x i32> <" + ", ".join(f"i32 {k}" for k in range(16, 32)) + ">")
+        lo = f.v(
+            f"shufflevector <32 x i8> {w}, <32 x i8> undef, <16 x i32> <"
+            + ", ".join(f"i32 {k}" for k in range(16))
+            + ">"
+        )
+        hi = f.v(
+            f"shufflevector <32 x i8> {w}, <32 x i8> undef, <16 x i32> <"
+            + ", ".join(f"i32 {k}" for k in range(16, 32))
+            + ">"
+        )
         return f.v(f"zext <16 x i8> {lo} to <16 x i16>"), f.v(f"zext <16 x i8> {hi} to <16 x i16>")
     if act == 8:
         w = f.v(f"load <32 x i8>, <32 x i8>* {f.v(f'bitcast i8* {wp} to <32 x i8>*')}, align 1")
@@ -252,7 +270,9 @@ def _isum(f: _Fn, kind: str, act: int, wv: tuple[str, ...], r: int, b: str) -> s
     ``r``, as <8 x i32> partial sums (their total is the block's dot product)."""
     xo = f.v(f"add i64 {f.v(f'mul i64 %cols, {r}')}, {f.v(f'mul i64 {b}, 32')}")
     if act == 8:
-        x = f.v(f"load <32 x i8>, <32 x i8>* {f.v('bitcast i8* ' + f.v(f'getelementptr i8, i8* %xq, i64 {xo}') + ' to <32 x i8>*')}, align 1")
+        x = f.v(
+            f"load <32 x i8>, <32 x i8>* {f.v('bitcast i8* ' + f.v(f'getelementptr i8, i8* %xq, i64 {xo}') + ' to <32 x i8>*')}, align 1"
+        )
         if not _nibbles(kind):  # signed quants
             u, v = wv[1], f.v(f"call <32 x i8> @llvm.x86.avx2.psign.b(<32 x i8> {x}, <32 x i8> {wv[0]})")
         else:
@@ -270,7 +290,9 @@ def _dot_i16(f: _Fn, w0: str, x0: str, w1: str, x1: str) -> str:
     with VNNI, else two vpmaddwd and an add (the same integers)."""
     if f.vnni:
         c = [f.v(f"bitcast <16 x i16> {t} to <8 x i32>") for t in (w0, x0, w1, x1)]
-        p0 = f.v(f"call <8 x i32> @llvm.x86.avx512.vpdpwssd.256(<8 x i32> zeroinitializer, <8 x i32> {c[0]}, <8 x i32> {c[1]})")
+        p0 = f.v(
+            f"call <8 x i32> @llvm.x86.avx512.vpdpwssd.256(<8 x i32> zeroinitializer, <8 x i32> {c[0]}, <8 x i32> {c[1]})"
+        )
         return f.v(f"call <8 x i32> @llvm.x86.avx512.vpdpwssd.256(<8 x i32> {p0}, <8 x i32> {c[2]}, <8 x i32> {c[3]})")
     p0 = f.v(f"call <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16> {w0}, <16 x i16> {x0})")
     p1 = f.v(f"call <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16> {w1}, <16 x i16> {x1})")
@@ -283,12 +305,16 @@ def _dot_u8s8(f: _Fn, u: str, v: str) -> str:
     pair here reaches vpmaddubsw's i16 saturation, |u| <= 128 and |v| <= 127)."""
     if f.vnni:
         a, b = f.v(f"bitcast <32 x i8> {u} to <8 x i32>"), f.v(f"bitcast <32 x i8> {v} to <8 x i32>")
-        return f.v(f"call <8 x i32> @llvm.x86.avx512.vpdpbusd.256(<8 x i32> zeroinitializer, <8 x i32> {a}, <8 x i32> {b})")
+        return f.v(
+            f"call <8 x i32> @llvm.x86.avx512.vpdpbusd.256(<8 x i32> zeroinitializer, <8 x i32> {a}, <8 x i32> {b})"
+        )
     p16 = f.v(f"call <16 x i16> @llvm.x86.avx2.pmadd.ub.sw(<32 x i8> {u}, <32 x i8> {v})")
     return f.v(f"call <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16> {p16}, <16 x i16> {_ONES16})")
 
 
-def _block(f: _Fn, kind: str, act: int, nx: int, b: str, accs: list[str], maccs: list[str]) -> tuple[list[str], list[str]]:
+def _block(
+    f: _Fn, kind: str, act: int, nx: int, b: str, accs: list[str], maccs: list[str]
+) -> tuple[list[str], list[str]]:
     """Multiply weight block ``b`` of the current row by block ``b`` of each input row
     and add it into ``accs[r]`` (and the q4 min term into ``maccs[r]``); the new names."""
     q4 = _nibbles(kind)
@@ -306,8 +332,12 @@ def _block(f: _Fn, kind: str, act: int, nx: int, b: str, accs: list[str], maccs:
         xdo = f.v(f"add i64 {f.v(f'mul i64 %nb, {r}')}, {b}")
         dx = f.v(f"load float, float* {f.v(f'getelementptr float, float* %xd, i64 {xdo}')}, align 4")
         sc = f.v(f"fmul float {dw}, {dx}")
-        sv = f.v(f"shufflevector <8 x float> {f.v(f'insertelement <8 x float> undef, float {sc}, i32 0')}, <8 x float> undef, <8 x i32> zeroinitializer")
-        new_accs.append(f.v(f"call <8 x float> @llvm.fma.v8f32(<8 x float> {pf}, <8 x float> {sv}, <8 x float> {accs[r]})"))
+        sv = f.v(
+            f"shufflevector <8 x float> {f.v(f'insertelement <8 x float> undef, float {sc}, i32 0')}, <8 x float> undef, <8 x i32> zeroinitializer"
+        )
+        new_accs.append(
+            f.v(f"call <8 x float> @llvm.fma.v8f32(<8 x float> {pf}, <8 x float> {sv}, <8 x float> {accs[r]})")
+        )
         if q4:
             xsv = f.v(f"load float, float* {f.v(f'getelementptr float, float* %xs, i64 {xdo}')}, align 4")
             new_maccs.append(f.v(f"call float @llvm.fma.f32(float {mw}, float {xsv}, float {maccs[r]})"))
@@ -316,8 +346,17 @@ def _block(f: _Fn, kind: str, act: int, nx: int, b: str, accs: list[str], maccs:
     return new_accs, new_maccs
 
 
-def _loop_back(f: _Fn, i: str, nxt: str, limit: str, head: str, entry: str, out: str, phi_at: int,
-               carried: list[tuple[str, str, str, str]]) -> None:
+def _loop_back(
+    f: _Fn,
+    i: str,
+    nxt: str,
+    limit: str,
+    head: str,
+    entry: str,
+    out: str,
+    phi_at: int,
+    carried: list[tuple[str, str, str, str]],
+) -> None:
     """Close the counted loop whose block ``head`` was entered from ``entry`` (its
     phis go at line ``phi_at``): ``nxt`` = ``i`` + 1, back to ``head`` while below
     ``limit``, else on to ``out``; each carried (name, type, initial, next) value
@@ -352,12 +391,18 @@ def _reduce8(f: _Fn, ps: list[str]) -> str:
     hadd = "call <8 x i32> @llvm.x86.avx2.phadd.d(<8 x i32> {}, <8 x i32> {})"
     s = [f.v(hadd.format(ps[2 * k], ps[2 * k + 1])) for k in range(4)]
     t0, t1 = f.v(hadd.format(s[0], s[1])), f.v(hadd.format(s[2], s[3]))
-    lo = f.v(f"shufflevector <8 x i32> {t0}, <8 x i32> {t1}, <8 x i32> <i32 0, i32 1, i32 2, i32 3, i32 8, i32 9, i32 10, i32 11>")
-    hi = f.v(f"shufflevector <8 x i32> {t0}, <8 x i32> {t1}, <8 x i32> <i32 4, i32 5, i32 6, i32 7, i32 12, i32 13, i32 14, i32 15>")
+    lo = f.v(
+        f"shufflevector <8 x i32> {t0}, <8 x i32> {t1}, <8 x i32> <i32 0, i32 1, i32 2, i32 3, i32 8, i32 9, i32 10, i32 11>"
+    )
+    hi = f.v(
+        f"shufflevector <8 x i32> {t0}, <8 x i32> {t1}, <8 x i32> <i32 4, i32 5, i32 6, i32 7, i32 12, i32 13, i32 14, i32 15>"
+    )
     return f.v(f"add <8 x i32> {lo}, {hi}")
 
 
-def _meet8(f: _Fn, r: int, b0: str, u: str, w8: str, acc: str, m8: str | None, macc: str | None) -> tuple[str, str | None]:
+def _meet8(
+    f: _Fn, r: int, b0: str, u: str, w8: str, acc: str, m8: str | None, macc: str | None
+) -> tuple[str, str | None]:
     """Eight exact block sums ``u`` (<8 x i32>, lane k = block b0 + k) of input row
     ``r`` meet the eight weight scales ``w8`` times the row's eight activation scales:
     acc + float(u) * w8 * xd[r, b0..b0+8]; with mins ``m8``, macc + m8 * xs[r, b0..b0+8]."""
@@ -372,7 +417,9 @@ def _meet8(f: _Fn, r: int, b0: str, u: str, w8: str, acc: str, m8: str | None, m
     acc = f.v(f"call <8 x float> @llvm.fma.v8f32(<8 x float> {uf}, <8 x float> {s8}, <8 x float> {acc})")
     if m8 is None:
         return acc, None
-    return acc, f.v(f"call <8 x float> @llvm.fma.v8f32(<8 x float> {m8}, <8 x float> {row8('%xs')}, <8 x float> {macc})")
+    return acc, f.v(
+        f"call <8 x float> @llvm.fma.v8f32(<8 x float> {m8}, <8 x float> {row8('%xs')}, <8 x float> {macc})"
+    )
 
 
 def _hsum(f: _Fn, v: str) -> str:
@@ -383,7 +430,9 @@ def _hsum(f: _Fn, v: str) -> str:
     c0 = f.v(f"shufflevector <4 x float> {c}, <4 x float> undef, <2 x i32> <i32 0, i32 1>")
     c1 = f.v(f"shufflevector <4 x float> {c}, <4 x float> undef, <2 x i32> <i32 2, i32 3>")
     d = f.v(f"fadd <2 x float> {c0}, {c1}")
-    return f.v(f"fadd float {f.v(f'extractelement <2 x float> {d}, i32 0')}, {f.v(f'extractelement <2 x float> {d}, i32 1')}")
+    return f.v(
+        f"fadd float {f.v(f'extractelement <2 x float> {d}, i32 0')}, {f.v(f'extractelement <2 x float> {d}, i32 1')}"
+    )
 
 
 def _grouped_prologue(f: _Fn, kind: str) -> None:
@@ -604,7 +653,11 @@ def _kbody(kind: str, nx: int, act: int = 8, vnni: bool = False) -> str:
             qb = _load32(f, "%p0", f.v(f"add i64 {qlo}, {64 * h + 32}"))
             qh = _load32(f, "%p1", f.v(f"add i64 {qho}, {32 * h}"))
             for t, (src, shift_lo) in enumerate(((qa, 0), (qb, 0), (qa, 4), (qb, 4))):
-                lo = f.v(f"and <32 x i8> {src}, {m15}") if shift_lo == 0 else f.v(f"lshr <32 x i8> {src}, {_const('i8', 32, 4)}")
+                lo = (
+                    f.v(f"and <32 x i8> {src}, {m15}")
+                    if shift_lo == 0
+                    else f.v(f"lshr <32 x i8> {src}, {_const('i8', 32, 4)}")
+                )
                 hb = qh if t == 0 else f.v(f"lshr <32 x i8> {qh}, {_const('i8', 32, 2 * t)}")
                 hb = f.v(f"and <32 x i8> {hb}, {m3}")
                 hb = f.v(f"shl <32 x i8> {hb}, {_const('i8', 32, 4)}")
@@ -615,7 +668,11 @@ def _kbody(kind: str, nx: int, act: int = 8, vnni: bool = False) -> str:
                 bb = _byte(f, "%p2", f.v(f"add i64 {sco}, {2 * g + 1}"))
                 sa, sb = f.v(f"sext i8 {ba} to i16"), f.v(f"sext i8 {bb} to i16")
                 va, vb = _splat(f, "i16", 8, sa), _splat(f, "i16", 8, sb)
-                sv = f.v(f"shufflevector <8 x i16> {va}, <8 x i16> {vb}, <16 x i32> <" + ", ".join(f"i32 {k}" for k in range(16)) + ">")
+                sv = f.v(
+                    f"shufflevector <8 x i16> {va}, <8 x i16> {vb}, <16 x i32> <"
+                    + ", ".join(f"i32 {k}" for k in range(16))
+                    + ">"
+                )
                 groups.append((w, sv, None))
     elif three:
         qso = f.v(f"add i64 {f.v('mul i64 %row, %qs_row')}, {f.v('mul i64 %s, 64')}")
@@ -646,7 +703,11 @@ def _kbody(kind: str, nx: int, act: int = 8, vnni: bool = False) -> str:
                 w = f.v(f"sub <32 x i8> {f.v(f'or <32 x i8> {lo}, {hb}')}, {_const('i8', 32, 4)}")
                 g = 4 * h + t
                 va, vb = _splat(f, "i16", 8, scale16(2 * g)), _splat(f, "i16", 8, scale16(2 * g + 1))
-                sv = f.v(f"shufflevector <8 x i16> {va}, <8 x i16> {vb}, <16 x i32> <" + ", ".join(f"i32 {k}" for k in range(16)) + ">")
+                sv = f.v(
+                    f"shufflevector <8 x i16> {va}, <8 x i16> {vb}, <16 x i32> <"
+                    + ", ".join(f"i32 {k}" for k in range(16))
+                    + ">"
+                )
                 groups.append((w, sv, None))
     elif grid:
         qso = f.v(f"add i64 {f.v('mul i64 %row, %qs_row')}, {f.v('mul i64 %s, 128')}")
@@ -670,7 +731,11 @@ def _kbody(kind: str, nx: int, act: int = 8, vnni: bool = False) -> str:
             wp = f.v(f"getelementptr i8, i8* %p3, i64 {f.v(f'add i64 {qso}, {16 * ib}')}")
             pk = f.v(f"load <16 x i8>, <16 x i8>* {f.v(f'bitcast i8* {wp} to <16 x i8>*')}, align 1")
             nlo, nhi = f.v(f"and <16 x i8> {pk}, {v16}"), f.v(f"lshr <16 x i8> {pk}, {v4}")
-            idx = f.v(f"shufflevector <16 x i8> {nlo}, <16 x i8> {nhi}, <32 x i32> <" + ", ".join(f"i32 {j}" for j in range(32)) + ">")
+            idx = f.v(
+                f"shufflevector <16 x i8> {nlo}, <16 x i8> {nhi}, <32 x i32> <"
+                + ", ".join(f"i32 {j}" for j in range(32))
+                + ">"
+            )
             w = f.v(f"call <32 x i8> @llvm.x86.avx2.pshuf.b(<32 x i8> {table}, <32 x i8> {idx})")
             groups.append((w, scf, None))
     else:
@@ -693,7 +758,11 @@ def _kbody(kind: str, nx: int, act: int = 8, vnni: bool = False) -> str:
             pk = _load32(f, qs_p, f.v(f"add i64 {qso}, {32 * k}"))
             for half in range(2):
                 j = 2 * k + half
-                q = f.v(f"and <32 x i8> {pk}, {_const('i8', 32, 15)}") if half == 0 else f.v(f"lshr <32 x i8> {pk}, {_const('i8', 32, 4)}")
+                q = (
+                    f.v(f"and <32 x i8> {pk}, {_const('i8', 32, 15)}")
+                    if half == 0
+                    else f.v(f"lshr <32 x i8> {pk}, {_const('i8', 32, 4)}")
+                )
                 if fifth:
                     hb = qh if j == 0 else f.v(f"lshr <32 x i8> {qh}, {_const('i8', 32, j)}")
                     hb = f.v(f"and <32 x i8> {hb}, {_const('i8', 32, 1)}")
@@ -712,8 +781,10 @@ def _kbody(kind: str, nx: int, act: int = 8, vnni: bool = False) -> str:
             sc8 = f.v(f"insertelement <8 x float> {sc8}, float {scale}, i32 {g}")
             if mins:
                 mn8 = f.v(f"insertelement <8 x float> {mn8}, float {mn}, i32 {g}")
-    aws = [f.v(f"call <32 x i8> @llvm.abs.v32i8(<32 x i8> {w}, i1 false)") if (wide or grid) and act == 8 else None
-           for w, _, _ in groups]
+    aws = [
+        f.v(f"call <32 x i8> @llvm.abs.v32i8(<32 x i8> {w}, i1 false)") if (wide or grid) and act == 8 else None
+        for w, _, _ in groups
+    ]
     if act == 16:
         # int16 activations: each group's weights as two <16 x i16> halves; q6k's two
         # 8-bit scales multiplied in (|(q - 32) * sc| <= 4096 fits i16).
@@ -722,10 +793,18 @@ def _kbody(kind: str, nx: int, act: int = 8, vnni: bool = False) -> str:
             ext = "sext" if wide or grid else "zext"
             hs = []
             for k in range(2):
-                hk = f.v(f"shufflevector <32 x i8> {w}, <32 x i8> undef, <16 x i32> <" + ", ".join(f"i32 {16 * k + j}" for j in range(16)) + ">")
+                hk = f.v(
+                    f"shufflevector <32 x i8> {w}, <32 x i8> undef, <16 x i32> <"
+                    + ", ".join(f"i32 {16 * k + j}" for j in range(16))
+                    + ">"
+                )
                 hk = f.v(f"{ext} <16 x i8> {hk} to <16 x i16>")
                 if wide:
-                    sk = f.v(f"shufflevector <16 x i16> {scale}, <16 x i16> undef, <16 x i32> <" + ", ".join([f"i32 {8 * k}"] * 16) + ">")
+                    sk = f.v(
+                        f"shufflevector <16 x i16> {scale}, <16 x i16> undef, <16 x i32> <"
+                        + ", ".join([f"i32 {8 * k}"] * 16)
+                        + ">"
+                    )
                     hk = f.v(f"mul <16 x i16> {hk}, {sk}")
                 hs.append(hk)
             halves.append(hs)
@@ -751,7 +830,9 @@ def _kbody(kind: str, nx: int, act: int = 8, vnni: bool = False) -> str:
                 ps.append(_dot_u8s8(f, aws[g], sx))
             else:
                 ps.append(_dot_u8s8(f, w, x))
-        cur_a[r], m = _meet8(f, r, xg0, _reduce8(f, ps), sc8, cur_a[r], mn8 if mins else None, cur_m[r] if mins else None)
+        cur_a[r], m = _meet8(
+            f, r, xg0, _reduce8(f, ps), sc8, cur_a[r], mn8 if mins else None, cur_m[r] if mins else None
+        )
         if mins:
             cur_m[r] = m
     carried = [(acc[r], "<8 x float>", "zeroinitializer", cur_a[r]) for r in range(nx)]
@@ -865,9 +946,13 @@ def _hsum_lanes(f: _Fn, a: str, b: str) -> str:
     """``_hsum`` of every 128-bit lane group's 8 values (a's 4 then b's 4), all groups at
     once, in ``_hsum``'s order: lane 4g holds group g's total."""
     c = f.v(f"fadd <16 x float> {a}, {b}")  # c_k = v_k + v_{k+4}
-    c2 = f.v(f"shufflevector <16 x float> {c}, <16 x float> undef, {_mask([4 * (i // 4) + (i % 4 + 2) % 4 for i in range(16)])}")
+    c2 = f.v(
+        f"shufflevector <16 x float> {c}, <16 x float> undef, {_mask([4 * (i // 4) + (i % 4 + 2) % 4 for i in range(16)])}"
+    )
     d = f.v(f"fadd <16 x float> {c}, {c2}")  # d0 = c0 + c2, d1 = c1 + c3
-    d1 = f.v(f"shufflevector <16 x float> {d}, <16 x float> undef, {_mask([4 * (i // 4) + (i % 4 + 1) % 4 for i in range(16)])}")
+    d1 = f.v(
+        f"shufflevector <16 x float> {d}, <16 x float> undef, {_mask([4 * (i // 4) + (i % 4 + 1) % 4 for i in range(16)])}"
+    )
     return f.v(f"fadd <16 x float> {d}, {d1}")
 
 
@@ -881,7 +966,7 @@ def _zbody(kind: str, act: int, nx: int) -> str:
     wbytes, ch = 16, 2  # ZBODIES: nibbles on int8, two 16-byte chunks a block
     name = _entry(kind, act)
     f = _Fn(True)
-    f(f"define internal void @{name}_rows{nx}z({_ARGS}) nounwind alwaysinline \"min-legal-vector-width\"=\"512\" {{")
+    f(f'define internal void @{name}_rows{nx}z({_ARGS}) nounwind alwaysinline "min-legal-vector-width"="512" {{')
     f("entry:")
     _grouped_prologue(f, kind)
     names = ["%zA", "%zB", "%zmA", "%zmB"]
@@ -898,8 +983,10 @@ def _zbody(kind: str, act: int, nx: int) -> str:
             # the packed nibbles repeated in the four lanes: chunk 0 = low nibbles, 1 = high
             pk = f.v(f"load <16 x i8>, <16 x i8>* {f.v(f'bitcast i8* {wp} to <16 x i8>*')}, align 1")
             rep = _lanes4(f, "i8", pk, 16)
-            wch = [f.v(f"and <64 x i8> {rep}, {_const('i8', 64, 15)}"),
-                   f.v(f"lshr <64 x i8> {rep}, {_const('i8', 64, 4)}")]
+            wch = [
+                f.v(f"and <64 x i8> {rep}, {_const('i8', 64, 15)}"),
+                f.v(f"lshr <64 x i8> {rep}, {_const('i8', 64, 4)}"),
+            ]
             acc32 = "zeroinitializer"
             bk = f.v(f"mul i64 {b}, {ch}")
             for k in range(ch):
@@ -908,7 +995,9 @@ def _zbody(kind: str, act: int, nx: int) -> str:
                 xv = f.v(f"load <16 x i32>, <16 x i32>* {f.v(f'bitcast i8* {xp} to <16 x i32>*')}, align 4")
                 wv = f.v(f"bitcast <64 x i8> {wch[k]} to <16 x i32>")
                 # unsigned weights (nibbles) times signed activations
-                acc32 = f.v(f"call <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32> {acc32}, <16 x i32> {wv}, <16 x i32> {xv})")
+                acc32 = f.v(
+                    f"call <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32> {acc32}, <16 x i32> {wv}, <16 x i32> {xv})"
+                )
             sums.append(acc32)
         u = _reduce4z(f, sums)
         bh = f.v(f"add i64 {b0}, {4 * half}")
@@ -931,7 +1020,9 @@ def _zbody(kind: str, act: int, nx: int) -> str:
             mw = half4("%wm")
         else:  # q4_0: the min -8 d, exact in f32, as _gbody
             mw = f.v(f"fmul <16 x float> {dw}, {_splat(f, 'float', 16, f'-{ops_for(kind).zero}.0')}")
-        new[macc] = f.v(f"call <16 x float> @llvm.fma.v16f32(<16 x float> {mw}, <16 x float> {rows16('%xst')}, <16 x float> {macc})")
+        new[macc] = f.v(
+            f"call <16 x float> @llvm.fma.v16f32(<16 x float> {mw}, <16 x float> {rows16('%xst')}, <16 x float> {macc})"
+        )
     carried = [(n, "<16 x float>", "zeroinitializer", new[n]) for n in names]
     _loop_back(f, "%g", "%gnext", "%ngroups", "grp", "rowloop", "gdone", phi_at, carried)
     f("gdone:")
@@ -977,7 +1068,7 @@ def _wbody(kind: str, act: int, nx: int) -> str:
     assert (kind, act) in WROWS_KINDS and ZROWS_FROM <= nx <= ZROWS
     name = _entry(kind, act)
     f = _Fn(True)
-    f(f"define internal void @{name}_rows{nx}w({_ARGS}) nounwind alwaysinline \"min-legal-vector-width\"=\"512\" {{")
+    f(f'define internal void @{name}_rows{nx}w({_ARGS}) nounwind alwaysinline "min-legal-vector-width"="512" {{')
     f("entry:")
     f("  %wd = bitcast i8* %p0 to i16*")
     f("  %wq = getelementptr i8, i8* %p1, i64 0")
@@ -1013,8 +1104,12 @@ def _wbody(kind: str, act: int, nx: int) -> str:
             z.append(f.v(f"sext <32 x i8> {v} to <32 x i16>"))
         u01, v01 = _lanes_pick(f, z[0], z[1], (0, 1, 4, 5)), _lanes_pick(f, z[0], z[1], (2, 3, 6, 7))
         u23, v23 = _lanes_pick(f, z[2], z[3], (0, 1, 4, 5)), _lanes_pick(f, z[2], z[3], (2, 3, 6, 7))
-        t = [_lanes_pick(f, u01, u23, (0, 2, 4, 6)), _lanes_pick(f, u01, u23, (1, 3, 5, 7)),
-             _lanes_pick(f, v01, v23, (0, 2, 4, 6)), _lanes_pick(f, v01, v23, (1, 3, 5, 7))]
+        t = [
+            _lanes_pick(f, u01, u23, (0, 2, 4, 6)),
+            _lanes_pick(f, u01, u23, (1, 3, 5, 7)),
+            _lanes_pick(f, v01, v23, (0, 2, 4, 6)),
+            _lanes_pick(f, v01, v23, (1, 3, 5, 7)),
+        ]
         return [f.v(f"bitcast <32 x i16> {x} to <16 x i32>") for x in t]
 
     def xchunk(r: int, b: str, k: int) -> str:
@@ -1029,8 +1124,12 @@ def _wbody(kind: str, act: int, nx: int) -> str:
         # Inline asm: LLVM otherwise splits a chain of vpdpwssd into vpmaddwd + vpaddd (two
         # port-0/5 uops for one).
         if acc == "zeroinitializer":
-            return f.v(f"call <16 x i32> @llvm.x86.avx512.vpdpwssd.512(<16 x i32> zeroinitializer, <16 x i32> {a}, <16 x i32> {b})")
-        return f.v(f'call <16 x i32> asm "vpdpwssd $2, $1, $0", "=v,v,v,0"(<16 x i32> {a}, <16 x i32> {b}, <16 x i32> {acc})')
+            return f.v(
+                f"call <16 x i32> @llvm.x86.avx512.vpdpwssd.512(<16 x i32> zeroinitializer, <16 x i32> {a}, <16 x i32> {b})"
+            )
+        return f.v(
+            f'call <16 x i32> asm "vpdpwssd $2, $1, $0", "=v,v,v,0"(<16 x i32> {a}, <16 x i32> {b}, <16 x i32> {acc})'
+        )
 
     def dw16(b0: str, width: int) -> str:
         """lane (w, j) = weight row w's scale of block b0 + j (width 4), or of block b0 (width 1)."""
@@ -1081,7 +1180,9 @@ def _wbody(kind: str, act: int, nx: int) -> str:
             xv = f.v(f"load <4 x float>, <4 x float>* {f.v(f'bitcast float* {xp} to <4 x float>*')}, align 4")
             s = f.v(f"fmul <16 x float> {dw}, {_lanes4(f, 'float', xv, 4)}")
             uf = f.v(f"sitofp <16 x i32> {u} to <16 x float>")
-            new[(r, half)] = f.v(f"call <16 x float> @llvm.fma.v16f32(<16 x float> {uf}, <16 x float> {s}, <16 x float> {accs[(r, half)]})")
+            new[(r, half)] = f.v(
+                f"call <16 x float> @llvm.fma.v16f32(<16 x float> {uf}, <16 x float> {s}, <16 x float> {accs[(r, half)]})"
+            )
     carried = [(accs[key], "<16 x float>", "zeroinitializer", new[key]) for key in accs]
     _loop_back(f, "%g", "%gnext", "%ngroups", "grp", "rowloop", "gdone", phi_at, carried)
     f("gdone:")
@@ -1105,17 +1206,23 @@ def _wbody(kind: str, act: int, nx: int) -> str:
         s = f.v(f"fmul <16 x float> {dwt}, {_splat(f, 'float', 16, dx)}")
         for h, pv in enumerate((plo, phi_)):
             pf = f.v(f"sitofp <16 x i32> {pv} to <16 x float>")
-            tnew[(r, h)] = f.v(f"call <16 x float> @llvm.fma.v16f32(<16 x float> {pf}, <16 x float> {s}, <16 x float> {taccs[(r, h)]})")
+            tnew[(r, h)] = f.v(
+                f"call <16 x float> @llvm.fma.v16f32(<16 x float> {pf}, <16 x float> {s}, <16 x float> {taccs[(r, h)]})"
+            )
     carried = [(taccs[key], "<16 x float>", "zeroinitializer", tnew[key]) for key in taccs]
     _loop_back(f, "%tb", "%tbnext", "%nb", "tloop", "gdone", "fin", tphi_at, carried)
     f("fin:")
     tend = {key: f.v(f"phi <16 x float> [zeroinitializer, %gdone], [{tnew[key]}, %tloop]") for key in taccs}
 
     for r in range(nx):
-        h = f.v(f"fadd <16 x float> {_hsum_lanes(f, accs[(r, 0)] + '_end', accs[(r, 1)] + '_end')}, {_hsum_lanes(f, tend[(r, 0)], tend[(r, 1)])}")
+        h = f.v(
+            f"fadd <16 x float> {_hsum_lanes(f, accs[(r, 0)] + '_end', accs[(r, 1)] + '_end')}, {_hsum_lanes(f, tend[(r, 0)], tend[(r, 1)])}"
+        )
         for w in range(4):
             oo = f.v(f"add i64 {f.v(f'mul i64 %ostride, {r}')}, %wrow{w}")
-            f(f"  store float {f.v(f'extractelement <16 x float> {h}, i32 {4 * w}')}, float* {f.v(f'getelementptr float, float* %out, i64 {oo}')}, align 4")
+            f(
+                f"  store float {f.v(f'extractelement <16 x float> {h}, i32 {4 * w}')}, float* {f.v(f'getelementptr float, float* %out, i64 {oo}')}, align 4"
+            )
     f("  br label %rowend")
     f("rowend:")
     f("  %rownext = add i64 %row, 4")
@@ -1232,8 +1339,9 @@ class IntDot:
     AVX-512 VNNI; needs ``vnni``) gives 3- and 4-row calls the 4-row bodies, whose
     results are the per-row bodies' bit for bit."""
 
-    def __init__(self, vnni: bool | None = None, zmm: bool | None = None,
-                 cache_dir: Path | None | str = "default") -> None:
+    def __init__(
+        self, vnni: bool | None = None, zmm: bool | None = None, cache_dir: Path | None | str = "default"
+    ) -> None:
         # The object cache of the compiled entries (llvm_jit.py; None: none).
         self.cache_dir = llvm_jit.default_cache_dir() if cache_dir == "default" else cache_dir
         self.vnni = host_vnni() if vnni is None else bool(vnni)
@@ -1268,8 +1376,9 @@ class IntDot:
         return z and (kind, act) in ZBODIES
 
 
-def compile_intdot(vnni: bool | None = None, zmm: bool | None = None,
-                   cache_dir: Path | None | str = "default") -> IntDot | None:
+def compile_intdot(
+    vnni: bool | None = None, zmm: bool | None = None, cache_dir: Path | None | str = "default"
+) -> IntDot | None:
     """The integer kernels, or None where x86-64 AVX2/FMA/F16C are missing."""
     return IntDot(vnni, zmm, cache_dir) if host_supports() else None
 
@@ -1352,8 +1461,22 @@ def intdot(fn, addrs, rows, count, offs, X, proto, qmax, zmm, out):
             zdaddr = np.int64(xdt.ctypes.data + gi * xdt.strides[0]) if zt else np.int64(0)
             zsaddr = np.int64(xst.ctypes.data + gi * xst.strides[0]) if zt else np.int64(0)
             _call_rows(
-                fn, np.int64(nx), addrs[m, 0], addrs[m, 1], addrs[m, 2], addrs[m, 3], addrs[m, 4],
-                np.int64(r0), np.int64(r1), np.int64(nb), np.int64(xq.ctypes.data + i0 * xq.strides[0]),
-                np.int64(xd.ctypes.data + 4 * i0 * nb), np.int64(xs.ctypes.data + 4 * i0 * nb),
-                np.int64(out.ctypes.data + 4 * (i0 * width + base)), np.int64(width), zaddr, zdaddr, zsaddr,
+                fn,
+                np.int64(nx),
+                addrs[m, 0],
+                addrs[m, 1],
+                addrs[m, 2],
+                addrs[m, 3],
+                addrs[m, 4],
+                np.int64(r0),
+                np.int64(r1),
+                np.int64(nb),
+                np.int64(xq.ctypes.data + i0 * xq.strides[0]),
+                np.int64(xd.ctypes.data + 4 * i0 * nb),
+                np.int64(xs.ctypes.data + 4 * i0 * nb),
+                np.int64(out.ctypes.data + 4 * (i0 * width + base)),
+                np.int64(width),
+                zaddr,
+                zdaddr,
+                zsaddr,
             )

@@ -105,8 +105,16 @@ class NumpyKernels:
         x[:, :, half : 2 * half] = b * c + a * s
 
     # ------------------------------------------------------------ attention
-    def attend(self, q: np.ndarray, kc: np.ndarray, vc: np.ndarray, start: int, window: int, scale: float,
-               sinks: np.ndarray | None = None) -> np.ndarray:
+    def attend(
+        self,
+        q: np.ndarray,
+        kc: np.ndarray,
+        vc: np.ndarray,
+        start: int,
+        window: int,
+        scale: float,
+        sinks: np.ndarray | None = None,
+    ) -> np.ndarray:
         """Causal GQA attention of n new queries over cache rows 0..start+n-1.
 
         q [n, heads, d]; kc [kv_heads, cap, d]; vc [kv_heads, cap, dv] -> [n, heads, dv].
@@ -127,8 +135,9 @@ class NumpyKernels:
         return out
 
     # ------------------------------------------------------------ linear attention
-    def delta_rule(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray,
-                   state: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def delta_rule(
+        self, q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray, state: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Gated DeltaNet's recurrence (``gated_delta_rule``): (o, the new state)."""
         return gated_delta_rule(q, k, v, g, beta, state)
 
@@ -140,8 +149,16 @@ class NumpyKernels:
 ROW_EXACT_ROWS = 16
 
 
-def softcap_attend(q: np.ndarray, kc: np.ndarray, vc: np.ndarray, start: int, window: int, scale: float, softcap: float,
-                   sinks: np.ndarray | None = None) -> np.ndarray:
+def softcap_attend(
+    q: np.ndarray,
+    kc: np.ndarray,
+    vc: np.ndarray,
+    start: int,
+    window: int,
+    scale: float,
+    softcap: float,
+    sinks: np.ndarray | None = None,
+) -> np.ndarray:
     """``attend`` with Gemma 2's tanh cap on the scores (the compiled routes have no cap)."""
     out = np.empty((q.shape[0], q.shape[1], vc.shape[2]), np.float32)
     if kc.dtype != np.float32:
@@ -150,8 +167,11 @@ def softcap_attend(q: np.ndarray, kc: np.ndarray, vc: np.ndarray, start: int, wi
     qs = q * np.float32(scale)
     # Up to ROW_EXACT_ROWS rows (decode, a speculative verify) each row runs alone, so a
     # verify row gets bit for bit the numbers its one-row decode gets; prefill in blocks.
-    jobs = attention_jobs(q.shape[0], kc.shape[0]) if q.shape[0] > ROW_EXACT_ROWS else [
-        (i, i + 1, g) for i in range(q.shape[0]) for g in range(kc.shape[0])]
+    jobs = (
+        attention_jobs(q.shape[0], kc.shape[0])
+        if q.shape[0] > ROW_EXACT_ROWS
+        else [(i, i + 1, g) for i in range(q.shape[0]) for g in range(kc.shape[0])]
+    )
     for job in jobs:
         attend_block(qs, kc, vc, start, window, sinks, out, *job, softcap=softcap)
     return out
@@ -162,8 +182,19 @@ def attention_jobs(n: int, kv_heads: int) -> list[tuple[int, int, int]]:
     return [(i0, min(n, i0 + ATTN_BLOCK), g) for i0 in range(0, n, ATTN_BLOCK) for g in range(kv_heads)]
 
 
-def attend_block(qs: np.ndarray, kc: np.ndarray, vc: np.ndarray, start: int, window: int, sinks: np.ndarray | None,
-                 out: np.ndarray, i0: int, i1: int, g: int, softcap: float = 0.0) -> None:
+def attend_block(
+    qs: np.ndarray,
+    kc: np.ndarray,
+    vc: np.ndarray,
+    start: int,
+    window: int,
+    sinks: np.ndarray | None,
+    out: np.ndarray,
+    i0: int,
+    i1: int,
+    g: int,
+    softcap: float = 0.0,
+) -> None:
     """Queries i0..i1 of KV head g's group (``qs`` already scaled) into ``out``;
     ``softcap`` > 0: scores become cap * tanh(score / cap) before the mask."""
     group = qs.shape[1] // kc.shape[0]

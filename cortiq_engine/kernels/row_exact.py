@@ -43,8 +43,16 @@ class RowExact:
         # A fresh 1-row array per call, as decode passes: BLAS may pick its kernel by alignment.
         return np.concatenate([self.inner.matmul(ws, X[i : i + 1].copy()) for i in range(X.shape[0])])
 
-    def attend(self, q: np.ndarray, kc: np.ndarray, vc: np.ndarray, start: int, window: int, scale: float,
-               sinks: np.ndarray | None = None) -> np.ndarray:
+    def attend(
+        self,
+        q: np.ndarray,
+        kc: np.ndarray,
+        vc: np.ndarray,
+        start: int,
+        window: int,
+        scale: float,
+        sinks: np.ndarray | None = None,
+    ) -> np.ndarray:
         n = q.shape[0]
         if not self._split(n):
             return self.inner.attend(q, kc, vc, start, window, scale, sinks)

@@ -45,9 +45,13 @@ class Registry:
                     table[k] = f
             for spec in f.gguf:
                 if spec.arch in gguf:
-                    raise ValueError(f"GGUF architecture {spec.arch!r} is claimed by families {gguf[spec.arch][0].name} and {f.name}")
+                    raise ValueError(
+                        f"GGUF architecture {spec.arch!r} is claimed by families {gguf[spec.arch][0].name} and {f.name}"
+                    )
                 if spec.model_type not in f.model_types:
-                    raise ValueError(f"family {f.name}'s GGUF {spec.arch!r} names model_type {spec.model_type!r}, which it does not parse")
+                    raise ValueError(
+                        f"family {f.name}'s GGUF {spec.arch!r} names model_type {spec.model_type!r}, which it does not parse"
+                    )
                 gguf[spec.arch] = (f, spec)
         object.__setattr__(self, "by_model_type", mts)
         object.__setattr__(self, "by_arch", archs)

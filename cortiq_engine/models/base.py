@@ -82,7 +82,9 @@ class Family:
     def parse(self, config: Mapping[str, Any]) -> ArchConfig:
         mt = config.get("model_type")
         if mt not in self.parsers:
-            raise CortiqError(f"family {self.name} does not parse model_type {mt!r} (it parses {', '.join(self.parsers)})")
+            raise CortiqError(
+                f"family {self.name} does not parse model_type {mt!r} (it parses {', '.join(self.parsers)})"
+            )
         return self.parsers[mt](dict(config))
 
 
@@ -96,7 +98,10 @@ class Family:
 # - ``mtp.layers.{k}.*`` with ``mtp.fc`` (eh_proj), ``mtp.pre_fc_norm_embedding`` (enorm),
 #   ``mtp.pre_fc_norm_hidden`` (hnorm), ``mtp.norm`` (final_layernorm) (Qwen3-Next / Qwen3.5).
 # MiMo-V2 release names inside its MTP layers -> the names every other family uses.
-_MIMO_ALIASES = {".pre_mlp_layernorm.": ".post_attention_layernorm.", ".self_attn.attention_sink_bias": ".self_attn.sinks"}
+_MIMO_ALIASES = {
+    ".pre_mlp_layernorm.": ".post_attention_layernorm.",
+    ".self_attn.attention_sink_bias": ".self_attn.sinks",
+}
 
 
 def _mimo_alias(name: str) -> str:
@@ -125,10 +130,15 @@ def mtp_normalize(name: str, config: Mapping[str, Any]) -> tuple[str | None, boo
         if m:
             return f"{MTP_PREFIX}{m.group(1)}.{m.group(2)}", True
         # Qwen3-Next keeps one set of shared pieces around its single layer.
-        renames = {"fc.": "eh_proj.", "pre_fc_norm_embedding.": "enorm.", "pre_fc_norm_hidden.": "hnorm.", "norm.": "final_layernorm."}
+        renames = {
+            "fc.": "eh_proj.",
+            "pre_fc_norm_embedding.": "enorm.",
+            "pre_fc_norm_hidden.": "hnorm.",
+            "norm.": "final_layernorm.",
+        }
         for old, new in renames.items():
             if rest.startswith(old):
-                return f"{MTP_PREFIX}0.{new}{rest[len(old):]}", True
+                return f"{MTP_PREFIX}0.{new}{rest[len(old) :]}", True
         return f"{MTP_PREFIX}0.{rest}", True
     return name, False
 
@@ -171,7 +181,9 @@ def dense_common(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
         if rtype in (None, "default"):
             rope_scaling = None
         elif rtype not in ROPE_TYPES:
-            raise CortiqError(f"config.json rope scaling type {rtype!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
+            raise CortiqError(
+                f"config.json rope scaling type {rtype!r} is not supported (supported: {', '.join(ROPE_TYPES)})"
+            )
     prf = cfg.get("partial_rotary_factor") or (rp.get("partial_rotary_factor") if isinstance(rp, dict) else None)
     return dict(
         arch=arch,
@@ -230,7 +242,6 @@ def qwen_moe(cfg: dict[str, Any], n: int, shared: bool) -> MoeConfig | None:
     )
 
 
-
 # ------------------------------------------------------------------ manifest pieces
 @dataclass(frozen=True)
 class Geometry:
@@ -260,7 +271,13 @@ def norms(p: str, h: int, *names: str) -> Manifest:
 
 
 def attention(
-    p: str, h: int, g: Geometry, *, gate: bool = False, sinks: bool | None = False, qk_norm: bool | None = False,
+    p: str,
+    h: int,
+    g: Geometry,
+    *,
+    gate: bool = False,
+    sinks: bool | None = False,
+    qk_norm: bool | None = False,
 ) -> Manifest:
     """q/k/v/o (q_proj doubled when it also emits an output gate), their optional biases;
     ``sinks`` / ``qk_norm``: True required, None read when present, False not read."""
@@ -268,11 +285,23 @@ def attention(
     q = p + "self_attn."
     qrows = nh * d * (2 if gate else 1)
     m = Manifest(
-        {q + "q_proj.weight": (qrows, h), q + "k_proj.weight": (nkv * d, h),
-         q + "v_proj.weight": (nkv * v, h), q + "o_proj.weight": (h, nh * v)},
-        {q + "q_proj.bias": (qrows,), q + "k_proj.bias": (nkv * d,), q + "v_proj.bias": (nkv * v,), q + "o_proj.bias": (h,)},
+        {
+            q + "q_proj.weight": (qrows, h),
+            q + "k_proj.weight": (nkv * d, h),
+            q + "v_proj.weight": (nkv * v, h),
+            q + "o_proj.weight": (h, nh * v),
+        },
+        {
+            q + "q_proj.bias": (qrows,),
+            q + "k_proj.bias": (nkv * d,),
+            q + "v_proj.bias": (nkv * v,),
+            q + "o_proj.bias": (h,),
+        },
     )
-    for on, entries in ((sinks, {q + "sinks": (nh,)}), (qk_norm, {q + "q_norm.weight": (d,), q + "k_norm.weight": (d,)})):
+    for on, entries in (
+        (sinks, {q + "sinks": (nh,)}),
+        (qk_norm, {q + "q_norm.weight": (d,), q + "k_norm.weight": (d,)}),
+    ):
         if on is None:
             m.optional.update(entries)
         elif on:
@@ -282,7 +311,9 @@ def attention(
 
 def gated_mlp(p: str, h: int, inter: int | None) -> Manifest:
     """``{p}{gate,up,down}_proj.weight``; ``inter`` None: the width is the tensors' own."""
-    return Manifest({p + "gate_proj.weight": (inter, h), p + "up_proj.weight": (inter, h), p + "down_proj.weight": (h, inter)})
+    return Manifest(
+        {p + "gate_proj.weight": (inter, h), p + "up_proj.weight": (inter, h), p + "down_proj.weight": (h, inter)}
+    )
 
 
 def moe(arch: ArchConfig, p: str) -> Manifest:
@@ -303,7 +334,9 @@ def moe(arch: ArchConfig, p: str) -> Manifest:
         inter = mc.expert_intermediate_size
         for e in range(mc.num_experts):
             q = f"{p}mlp.experts.{e}."
-            m.required.update({q + "gate_proj.bias": (inter,), q + "up_proj.bias": (inter,), q + "down_proj.bias": (h,)})
+            m.required.update(
+                {q + "gate_proj.bias": (inter,), q + "up_proj.bias": (inter,), q + "down_proj.bias": (h,)}
+            )
     return m
 
 
@@ -362,7 +395,9 @@ def wrap_draft(cmf: CmfFile, k: int, arch: ArchConfig, kernels, block) -> DraftL
     eh = load_weight(cmf, p + "eh_proj.weight")
     if eh.shape != (h, 2 * h):
         raise CortiqError(f"{cmf.path}: tensor {eh.name} is {list(eh.shape)}, the backbone implies {[h, 2 * h]}")
-    return DraftLayer(enorm=norm("enorm"), hnorm=norm("hnorm"), eh_proj=eh, block=block, final_norm=norm("final_layernorm"))
+    return DraftLayer(
+        enorm=norm("enorm"), hnorm=norm("hnorm"), eh_proj=eh, block=block, final_norm=norm("final_layernorm")
+    )
 
 
 def load_sinks(cmf: CmfFile, name: str, heads: int) -> np.ndarray:

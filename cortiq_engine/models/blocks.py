@@ -61,7 +61,10 @@ def attention_weights(cmf: CmfFile, p: str, arch: ArchConfig, qk_norm: bool | No
     qkv_bias = None
     if any(b in cmf for b in biases):
         qkv_bias = np.concatenate(
-            [load_vector(cmf, b, w.rows) if b in cmf else np.zeros(w.rows, np.float32) for b, w in zip(biases, (q, k, v))]
+            [
+                load_vector(cmf, b, w.rows) if b in cmf else np.zeros(w.rows, np.float32)
+                for b, w in zip(biases, (q, k, v))
+            ]
         )
     o_bias = load_vector(cmf, f"{p}self_attn.o_proj.bias", o.rows) if f"{p}self_attn.o_proj.bias" in cmf else None
     q_norm = k_norm = None
@@ -137,8 +140,14 @@ def load_moe(cmf: CmfFile, arch: ArchConfig, kernels, p: str) -> MoE:
     bias = load_vector(cmf, f"{p}mlp.gate.e_score_correction_bias", m.num_experts) if m.score_bias else None
     router_bias = load_vector(cmf, f"{p}mlp.gate.bias", m.num_experts) if m.router_bias else None
     return MoE(
-        kernels, m, load_weight(cmf, f"{p}mlp.gate.weight"), experts,
-        score_bias=bias, shared=shared, shared_gate=shared_gate, router_bias=router_bias,
+        kernels,
+        m,
+        load_weight(cmf, f"{p}mlp.gate.weight"),
+        experts,
+        score_bias=bias,
+        shared=shared,
+        shared_gate=shared_gate,
+        router_bias=router_bias,
     )
 
 
@@ -173,8 +182,14 @@ def prenorm_model(cmf: CmfFile, arch: ArchConfig, kernels) -> Model:
         layers.append(ffn_block(cmf, arch, kernels, i, attn))
     embed, head, norm_ = head_and_norm(cmf, arch, kernels)
     return Model(
-        arch=arch, kernels=kernels, embed=embed, blocks=tuple(layers), norm=norm_, head=head,
-        embed_scale=arch.embedding_scale, logit_divisor=arch.logits_scaling,
+        arch=arch,
+        kernels=kernels,
+        embed=embed,
+        blocks=tuple(layers),
+        norm=norm_,
+        head=head,
+        embed_scale=arch.embedding_scale,
+        logit_divisor=arch.logits_scaling,
     )
 
 
@@ -192,16 +207,25 @@ def draft_attention(cmf: CmfFile, p: str, arch: ArchConfig, kernels) -> Attentio
     aw = attention_weights(cmf, p, arch, qk_norm=f"{p}self_attn.q_norm.weight" in cmf)
     sinks = base.load_sinks(cmf, f"{p}self_attn.sinks", arch.num_heads) if f"{p}self_attn.sinks" in cmf else None
     return Attention(
-        kernels, aw, num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim,
-        v_head_dim=arch.v_head_dim, rope=rope(arch), norm_eps=arch.norm_eps, sinks=sinks,
+        kernels,
+        aw,
+        num_heads=arch.num_heads,
+        num_kv_heads=arch.num_kv_heads,
+        head_dim=arch.head_dim,
+        v_head_dim=arch.v_head_dim,
+        rope=rope(arch),
+        norm_eps=arch.norm_eps,
+        sinks=sinks,
         v_scale=arch.attention_value_scale if sinks is not None else 1.0,
     )
 
 
 def draft_block(cmf: CmfFile, p: str, arch: ArchConfig, kernels, attn, mlp) -> Block:
     return Block(
-        norm(cmf, arch, kernels, f"{p}input_layernorm.weight"), attn,
-        norm(cmf, arch, kernels, f"{p}post_attention_layernorm.weight"), mlp,
+        norm(cmf, arch, kernels, f"{p}input_layernorm.weight"),
+        attn,
+        norm(cmf, arch, kernels, f"{p}post_attention_layernorm.weight"),
+        mlp,
     )
 
 
@@ -209,7 +233,9 @@ def dense_draft_layer(cmf: CmfFile, k: int, arch: ArchConfig, kernels) -> DraftL
     """MTP layer ``k`` as a pre-norm block (full attention, a dense MLP of any width): what
     ``mtp-train`` trains for a family that ships no draft layers of its own."""
     p = draft_prefix(k)
-    block = draft_block(cmf, p, arch, kernels, draft_attention(cmf, p, arch, kernels), gated_mlp(cmf, kernels, p + "mlp."))
+    block = draft_block(
+        cmf, p, arch, kernels, draft_attention(cmf, p, arch, kernels), gated_mlp(cmf, kernels, p + "mlp.")
+    )
     return wrap_draft(cmf, k, arch, kernels, block)
 
 

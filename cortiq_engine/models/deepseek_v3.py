@@ -42,8 +42,13 @@ from cortiq_engine.weights import load_vector, load_weight
 
 # transformers' DeepseekV3Config defaults, for a config.json that leaves a key out.
 _DEFAULTS = dict(
-    n_shared_experts=1, routed_scaling_factor=2.5, n_group=8, topk_group=4, first_k_dense_replace=3,
-    norm_topk_prob=True, rope_interleave=True,
+    n_shared_experts=1,
+    routed_scaling_factor=2.5,
+    n_group=8,
+    topk_group=4,
+    first_k_dense_replace=3,
+    norm_topk_prob=True,
+    rope_interleave=True,
 )
 
 
@@ -175,7 +180,9 @@ def _check(cmf: CmfFile, arch: ArchConfig) -> None:
     if any(t != LAYER_FULL for t in arch.layer_types):
         raise CortiqError(f"{cmf.path}: deepseek_v3 layers are all full attention, the header says {arch.layer_types}")
     if arch.moe.scoring != "sigmoid" or not arch.moe.score_bias or arch.moe.shared_expert_gate:
-        raise CortiqError(f"{cmf.path}: deepseek_v3 routes by sigmoid scores with a choice bias and an ungated shared expert")
+        raise CortiqError(
+            f"{cmf.path}: deepseek_v3 routes by sigmoid scores with a choice bias and an ungated shared expert"
+        )
 
 
 def build(cmf: CmfFile, arch: ArchConfig, kernels, absorb: bool | None = None) -> Model:
@@ -245,7 +252,9 @@ def _gguf_config(ctx: GgufContext, config: dict[str, Any]) -> None:
         raise CortiqError(f"deepseek2 GGUF has no exp_probs_b (the routing bias) in its first MoE layer {dense}")
     for key in ("rope.scaling.yarn_ext_factor", "rope.scaling.yarn_attn_factor"):
         if ctx.key(key, 1.0) != 1.0:
-            raise CortiqError(f"deepseek2 GGUF {key} {ctx.key(key)!r} is not supported (transformers has no such factor)")
+            raise CortiqError(
+                f"deepseek2 GGUF {key} {ctx.key(key)!r} is not supported (transformers has no such factor)"
+            )
     config.update(
         num_key_value_heads=heads,
         head_dim=rope_dim,  # DeepseekV3Config's head_dim is the rotary width
@@ -277,7 +286,9 @@ def _gguf_config(ctx: GgufContext, config: dict[str, Any]) -> None:
         rs.update(
             beta_fast=_gguf_num(ctx, "rope.scaling.yarn_beta_fast", 32.0),
             beta_slow=_gguf_num(ctx, "rope.scaling.yarn_beta_slow", 1.0),
-            mscale=log_mul / 0.1, mscale_all_dim=log_mul / 0.1, attention_factor=1.0,
+            mscale=log_mul / 0.1,
+            mscale_all_dim=log_mul / 0.1,
+            attention_factor=1.0,
         )
 
 
@@ -285,7 +296,9 @@ def _gguf_config(ctx: GgufContext, config: dict[str, Any]) -> None:
 # attn_k_b [heads, kv_lora_rank, nope] (the key part, transposed) and attn_v_b
 # [heads, v, kv_lora_rank]; they become per-head views the latent attention reads directly.
 GGUF = GgufSpec(
-    "deepseek2", "deepseek_v3", "DeepseekV3ForCausalLM",
+    "deepseek2",
+    "deepseek_v3",
+    "DeepseekV3ForCausalLM",
     block_names={
         "attn_q_a": "self_attn.q_a_proj",
         "attn_q_a_norm": "self_attn.q_a_layernorm",
@@ -310,9 +323,7 @@ FAMILY = Family(
     build=build,
     draft_layer=draft_layer,
     sanitize=SanitizeRules(
-        renames=(
-            (r"\.mlp\.shared_experts\.", ".mlp.shared_expert."),
-        ),
+        renames=((r"\.mlp\.shared_experts\.", ".mlp.shared_expert."),),
         split_fused_experts=True,
     ),
     mtp_style="deepseek",

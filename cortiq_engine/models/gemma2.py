@@ -89,8 +89,15 @@ def _check(cmf: CmfFile, arch: ArchConfig) -> None:
     if LAYER_SLIDING in arch.layer_types and arch.sliding_window <= 0:
         raise CortiqError(f"{cmf.path}: gemma2 has sliding layers but no sliding_window")
     if arch.qk_norm or arch.attention_sinks or arch.attn_output_gate or arch.attention_scale or arch.no_rope_layers:
-        raise CortiqError(f"{cmf.path}: gemma2 with q/k norms, sinks, an output gate, a score scale or NoPE layers is not a Gemma 2 model")
-    if arch.norm_style != "rms_one" or arch.embedding_scale != 1.0 or arch.residual_scale != 1.0 or arch.logits_scaling != 1.0:
+        raise CortiqError(
+            f"{cmf.path}: gemma2 with q/k norms, sinks, an output gate, a score scale or NoPE layers is not a Gemma 2 model"
+        )
+    if (
+        arch.norm_style != "rms_one"
+        or arch.embedding_scale != 1.0
+        or arch.residual_scale != 1.0
+        or arch.logits_scaling != 1.0
+    ):
         raise CortiqError(f"{cmf.path}: gemma2 norms are (1 + w) and it has no Granite multipliers")
 
 
@@ -111,7 +118,9 @@ def build(cmf: CmfFile, arch: ArchConfig, kernels) -> Model:
         # The attention's soft-cap (arch.attn_logit_softcapping) and score scale
         # (query_pre_attn_scalar) come from arch through blocks.attention.
         attn = blocks.attention(cmf, arch, kernels, p, kind, rope)
-        mlp = GegluMLP(kernels, *(load_weight(cmf, f"{p}mlp.{x}_proj.weight") for x in ("gate", "up", "down")), arch.hidden_act)
+        mlp = GegluMLP(
+            kernels, *(load_weight(cmf, f"{p}mlp.{x}_proj.weight") for x in ("gate", "up", "down")), arch.hidden_act
+        )
         layers.append(SandwichBlock(tuple(norm(f"{p}{n}.weight") for n in NORMS), attn, mlp))
     embed, head, final_norm = blocks.head_and_norm(cmf, arch, kernels)
     return Model(
@@ -147,7 +156,9 @@ def _gguf_config(ctx: GgufContext, config: dict[str, Any]) -> None:
         raise CortiqError("partial rotary embeddings (rope.dimension_count < head size) are not supported")
     window = ctx.key("attention.sliding_window", 4096)
     if not isinstance(window, int) or isinstance(window, bool) or window < 1:
-        raise CortiqError(f"GGUF metadata gemma2.attention.sliding_window is {str(window)[:40]!r}, expected an integer >= 1")
+        raise CortiqError(
+            f"GGUF metadata gemma2.attention.sliding_window is {str(window)[:40]!r}, expected an integer >= 1"
+        )
     config.update(
         hidden_activation=GELU_TANH,
         hidden_act=GELU_TANH,
@@ -160,7 +171,9 @@ def _gguf_config(ctx: GgufContext, config: dict[str, Any]) -> None:
 
 
 GGUF = GgufSpec(
-    "gemma2", "gemma2", "Gemma2ForCausalLM",
+    "gemma2",
+    "gemma2",
+    "Gemma2ForCausalLM",
     # Gemma's four norms per block; llama.cpp stores them as 1 + w.
     block_names=SANDWICH_BLOCK_NAMES,
     norm_offset=-1.0,

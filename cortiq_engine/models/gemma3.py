@@ -96,8 +96,13 @@ def _check(cmf: CmfFile, arch: ArchConfig) -> None:
         raise CortiqError(f"{cmf.path}: layer types {bad} are not supported for gemma3")
     if arch.attn_logit_softcapping:
         # transformers' Gemma 3 and llama.cpp ignore it, so a value here names no model either computes.
-        raise CortiqError(f"{cmf.path}: gemma3 with attn_logit_softcapping is refused (transformers' Gemma 3 does not apply it)")
-    if arch.rope_scaling and arch.rope_scaling.get("rope_type", arch.rope_scaling.get("type")) not in ("linear", "llama3"):
+        raise CortiqError(
+            f"{cmf.path}: gemma3 with attn_logit_softcapping is refused (transformers' Gemma 3 does not apply it)"
+        )
+    if arch.rope_scaling and arch.rope_scaling.get("rope_type", arch.rope_scaling.get("type")) not in (
+        "linear",
+        "llama3",
+    ):
         raise CortiqError(f"{cmf.path}: rope scaling {arch.rope_scaling!r} is not supported for gemma3")
 
 
@@ -117,7 +122,9 @@ def build(cmf: CmfFile, arch: ArchConfig, kernels) -> Model:
     for i, kind in enumerate(arch.layer_types):
         p = f"model.layers.{i}."
         attn = blocks.attention(cmf, arch, kernels, p, kind, ropes[kind])  # q/k norms get (1 + w): norm_style rms_one
-        mlp = GegluMLP(kernels, *(load_weight(cmf, f"{p}mlp.{x}_proj.weight") for x in ("gate", "up", "down")), arch.hidden_act)
+        mlp = GegluMLP(
+            kernels, *(load_weight(cmf, f"{p}mlp.{x}_proj.weight") for x in ("gate", "up", "down")), arch.hidden_act
+        )
         norms = tuple(norm(f"{p}{n}.weight") for n in NORMS)
         layers.append(SandwichBlock(norms, attn, mlp))
     embed = load_weight(cmf, "model.embed_tokens.weight")
@@ -149,15 +156,15 @@ CHAT_TEMPLATE = (
     "    {%- endif -%}\n"
     "    {%- set loop_messages = messages[1:] -%}\n"
     "{%- else -%}\n"
-    "    {%- set first_user_prefix = \"\" -%}\n"
+    '    {%- set first_user_prefix = "" -%}\n'
     "    {%- set loop_messages = messages -%}\n"
     "{%- endif -%}\n"
     "{%- for message in loop_messages -%}\n"
     "    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}\n"
-    "        {{ raise_exception(\"Conversation roles must alternate user/assistant/user/assistant/...\") }}\n"
+    '        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}\n'
     "    {%- endif -%}\n"
     "    {%- if (message['role'] == 'assistant') -%}\n"
-    "        {%- set role = \"model\" -%}\n"
+    '        {%- set role = "model" -%}\n'
     "    {%- else -%}\n"
     "        {%- set role = message['role'] -%}\n"
     "    {%- endif -%}\n"
@@ -173,7 +180,7 @@ CHAT_TEMPLATE = (
     "            {%- endif -%}\n"
     "        {%- endfor -%}\n"
     "    {%- else -%}\n"
-    "        {{ raise_exception(\"Invalid content type\") }}\n"
+    '        {{ raise_exception("Invalid content type") }}\n'
     "    {%- endif -%}\n"
     "    {{ '<end_of_turn>\n' }}\n"
     "{%- endfor -%}\n"
@@ -203,7 +210,9 @@ def _gguf_config(ctx: GgufContext, config: dict[str, Any]) -> None:
     full = {"rope_type": "default", "rope_theta": theta if "gemma3.rope.freq_base" in ctx.meta else 1_000_000.0}
     if scaling is not None:
         if scaling.get("rope_type") != "linear":
-            raise CortiqError(f"gemma3 GGUF rope scaling {scaling.get('rope_type')!r} is not supported (supported: linear)")
+            raise CortiqError(
+                f"gemma3 GGUF rope scaling {scaling.get('rope_type')!r} is not supported (supported: linear)"
+            )
         full.update(scaling)
     caps = {}
     for k in ("final_logit_softcapping", "attn_logit_softcapping"):
@@ -223,7 +232,9 @@ def _gguf_config(ctx: GgufContext, config: dict[str, Any]) -> None:
 
 
 GGUF = GgufSpec(
-    "gemma3", "gemma3_text", "Gemma3ForCausalLM",
+    "gemma3",
+    "gemma3_text",
+    "Gemma3ForCausalLM",
     # Gemma's four norms per block; llama.cpp stores them (and the q/k norms) as 1 + w.
     block_names=SANDWICH_BLOCK_NAMES,
     norm_offset=-1.0,

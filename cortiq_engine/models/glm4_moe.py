@@ -135,7 +135,12 @@ def _check_attention(cmf: CmfFile, arch: ArchConfig, p: str) -> None:
 def _check(cmf: CmfFile, arch: ArchConfig) -> None:
     if arch.moe is None or arch.moe.scoring != "sigmoid" or not arch.moe.score_bias or arch.moe.shared_expert_gate:
         raise CortiqError(f"{cmf.path}: glm4_moe header without its sigmoid-routed MoE")
-    if set(arch.layer_types) != {LAYER_FULL} or arch.sliding is not None or arch.attention_sinks or arch.attn_output_gate:
+    if (
+        set(arch.layer_types) != {LAYER_FULL}
+        or arch.sliding is not None
+        or arch.attention_sinks
+        or arch.attn_output_gate
+    ):
         raise CortiqError(f"{cmf.path}: glm4_moe header with sliding, sink or gated attention")
 
 
@@ -146,7 +151,9 @@ def build(cmf: CmfFile, arch: ArchConfig, kernels) -> Model:
     for i in range(arch.num_layers):
         p = f"model.layers.{i}."
         _check_attention(cmf, arch, p)
-        layers.append(blocks.ffn_block(cmf, arch, kernels, i, blocks.attention(cmf, arch, kernels, p, LAYER_FULL, rope)))
+        layers.append(
+            blocks.ffn_block(cmf, arch, kernels, i, blocks.attention(cmf, arch, kernels, p, LAYER_FULL, rope))
+        )
     embed, head, norm = blocks.head_and_norm(cmf, arch, kernels)
     return Model(arch=arch, kernels=kernels, embed=embed, blocks=tuple(layers), norm=norm, head=head)
 
@@ -184,10 +191,14 @@ def _gguf_config(ctx: GgufContext, config: dict[str, Any]) -> None:
     blocks_total = config["num_hidden_layers"]
     nextn = _gguf_int(ctx, "nextn_predict_layers", 0)
     if nextn >= blocks_total:
-        raise CortiqError(f"GGUF metadata {ctx.arch}.nextn_predict_layers={nextn} leaves no trunk layer of {blocks_total}")
+        raise CortiqError(
+            f"GGUF metadata {ctx.arch}.nextn_predict_layers={nextn} leaves no trunk layer of {blocks_total}"
+        )
     gating = _gguf_int(ctx, "expert_gating_func", 2)
     if gating not in (0, 2):  # 0: unset (llama.cpp then uses sigmoid), 2: sigmoid
-        raise CortiqError(f"GGUF metadata {ctx.arch}.expert_gating_func={gating} is not supported (GLM-4-MoE routes by sigmoid)")
+        raise CortiqError(
+            f"GGUF metadata {ctx.arch}.expert_gating_func={gating} is not supported (GLM-4-MoE routes by sigmoid)"
+        )
     if "blk.0.attn_output.bias" in ctx.tensors:
         raise CortiqError("glm4moe GGUF with an attn_output bias is not supported (GLM-4-MoE has none)")
     bias = [f"blk.0.attn_{p}.bias" in ctx.tensors for p in ("q", "k", "v")]
@@ -197,8 +208,14 @@ def _gguf_config(ctx: GgufContext, config: dict[str, Any]) -> None:
     dense = _gguf_int(ctx, "leading_dense_block_count", routed[0] if routed else 0)
     norm = ctx.key("expert_weights_norm", False)
     scale = ctx.key("expert_weights_scale", 1.0)
-    if not isinstance(norm, (bool, np.bool_)) or isinstance(scale, bool) or not isinstance(scale, (int, float, np.number)):
-        raise CortiqError(f"GGUF metadata {ctx.arch}.expert_weights_norm / expert_weights_scale are {norm!r} / {scale!r}")
+    if (
+        not isinstance(norm, (bool, np.bool_))
+        or isinstance(scale, bool)
+        or not isinstance(scale, (int, float, np.number))
+    ):
+        raise CortiqError(
+            f"GGUF metadata {ctx.arch}.expert_weights_norm / expert_weights_scale are {norm!r} / {scale!r}"
+        )
     config.update(
         num_hidden_layers=blocks_total - nextn,
         num_nextn_predict_layers=nextn,
@@ -218,7 +235,9 @@ def _gguf_config(ctx: GgufContext, config: dict[str, Any]) -> None:
 
 
 GGUF = GgufSpec(
-    "glm4moe", "glm4_moe", "Glm4MoeForCausalLM",
+    "glm4moe",
+    "glm4_moe",
+    "Glm4MoeForCausalLM",
     block_names={
         "post_attention_norm": "post_attention_layernorm",
         **MOE_BLOCK_NAMES,
@@ -237,9 +256,7 @@ FAMILY = Family(
     build=build,
     draft_layer=draft_layer,
     sanitize=SanitizeRules(
-        renames=(
-            (r"\.mlp\.shared_experts\.", ".mlp.shared_expert."),
-        ),
+        renames=((r"\.mlp\.shared_experts\.", ".mlp.shared_expert."),),
         split_fused_experts=True,
     ),
     hf_architectures=("Glm4MoeForCausalLM",),

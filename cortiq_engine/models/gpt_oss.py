@@ -153,7 +153,9 @@ def _gguf_config(ctx: GgufContext, config: dict[str, Any]) -> None:
 
 
 GGUF = GgufSpec(
-    "gpt-oss", "gpt_oss", "GptOssForCausalLM",
+    "gpt-oss",
+    "gpt_oss",
+    "GptOssForCausalLM",
     # llama.cpp's experts are stacked [experts, out, in] per projection, gate and up apart.
     block_names={
         "post_attention_norm": "post_attention_layernorm",

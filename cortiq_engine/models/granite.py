@@ -59,12 +59,19 @@ def manifest(arch: ArchConfig, mtp_layers: Sequence[int] = ()) -> Manifest:
 def _check(cmf: CmfFile, arch: ArchConfig) -> None:
     """Refuse a header asking for what this build does not compute (it is untrusted)."""
     if arch.moe is not None or arch.linear_attn is not None or arch.sliding is not None or arch.mla is not None:
-        raise CortiqError(f"{cmf.path}: granite with MoE, linear, MLA or split-geometry layers is not a Granite 3 model")
+        raise CortiqError(
+            f"{cmf.path}: granite with MoE, linear, MLA or split-geometry layers is not a Granite 3 model"
+        )
     if any(t != LAYER_FULL for t in arch.layer_types) or arch.no_rope_layers:
         raise CortiqError(f"{cmf.path}: granite has full-attention RoPE layers only")
     if arch.qk_norm or arch.attn_output_gate or arch.attention_sinks or arch.norm_style != "rms":
         raise CortiqError(f"{cmf.path}: q/k norms, gated or sink attention and (1 + w) norms are not Granite's")
-    if arch.final_logit_softcapping or arch.attn_logit_softcapping or arch.query_pre_attn_scalar or arch.rope_local_theta:
+    if (
+        arch.final_logit_softcapping
+        or arch.attn_logit_softcapping
+        or arch.query_pre_attn_scalar
+        or arch.rope_local_theta
+    ):
         raise CortiqError(f"{cmf.path}: soft-caps and Gemma's score or RoPE settings are not Granite's")
     if not arch.attention_scale:
         raise CortiqError(f"{cmf.path}: granite needs its attention_scale (attention_multiplier)")
@@ -99,7 +106,11 @@ def _gguf_config(ctx: GgufContext, config: dict[str, Any]) -> None:
         raise CortiqError("granite GGUFs with MLP biases are not supported (the engine's gated MLP has no biases)")
     for field, key in _GGUF_SCALES.items():
         v = ctx.key(key, 0.0)
-        if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) or not math.isfinite(float(v)):
+        if (
+            isinstance(v, bool)
+            or not isinstance(v, (int, float, np.integer, np.floating))
+            or not math.isfinite(float(v))
+        ):
             raise CortiqError(f"GGUF metadata granite.{key} is {str(v)[:40]!r}, expected a finite number")
         # A float32 in the file, written back as the decimal its author wrote (0.22, not 0.2199999988079071).
         v = float(str(np.float32(v)))

@@ -101,6 +101,7 @@ def _with_geometry(hook):
     def run(ctx: GgufContext, config: dict[str, Any]) -> None:
         _check_gguf_geometry(ctx, config)
         hook(ctx, config)
+
     return run
 
 

@@ -146,7 +146,9 @@ def sliding_rope(arch: ArchConfig) -> RoPE:
 def build(cmf: CmfFile, arch: ArchConfig, kernels) -> Model:
     bad = sorted({t for t in arch.layer_types if t not in (LAYER_FULL, LAYER_SLIDING)})
     if bad or (LAYER_SLIDING in arch.layer_types and arch.sliding is None):
-        raise CortiqError(f"{cmf.path}: mimo_v2 header has layer types {bad or arch.layer_types} without their geometry")
+        raise CortiqError(
+            f"{cmf.path}: mimo_v2 header has layer types {bad or arch.layer_types} without their geometry"
+        )
     full_rope = RoPE(arch.rotary_dim, arch.rope_theta, arch.rope_scaling)
     swa_rope = sliding_rope(arch) if arch.sliding is not None else full_rope
     layers = []
@@ -167,7 +169,13 @@ def draft_layer(cmf: CmfFile, k: int, arch: ArchConfig, kernels) -> DraftLayer:
         base.load_sinks(cmf, f"{p}self_attn.sinks", g.num_heads)  # refuses non-finite sinks
     rope = sliding_rope(arch) if kind == LAYER_SLIDING else RoPE(arch.rotary_dim, arch.rope_theta, arch.rope_scaling)
     attn = blocks.attention(cmf, arch, kernels, p, kind, rope)
-    return wrap_draft(cmf, k, arch, kernels, blocks.draft_block(cmf, p, arch, kernels, attn, blocks.gated_mlp(cmf, kernels, p + "mlp.")))
+    return wrap_draft(
+        cmf,
+        k,
+        arch,
+        kernels,
+        blocks.draft_block(cmf, p, arch, kernels, attn, blocks.gated_mlp(cmf, kernels, p + "mlp.")),
+    )
 
 
 FAMILY = Family(
@@ -177,7 +185,9 @@ FAMILY = Family(
     manifest=manifest,
     build=build,
     draft_layer=draft_layer,
-    sanitize=SanitizeRules(renames=((r"\.self_attn\.attention_sink_bias$", ".self_attn.sinks"),), split_fused_experts=True),
+    sanitize=SanitizeRules(
+        renames=((r"\.self_attn\.attention_sink_bias$", ".self_attn.sinks"),), split_fused_experts=True
+    ),
     mtp_style="mimo",
     hf_architectures=("MiMoV2FlashForCausalLM",),
 )

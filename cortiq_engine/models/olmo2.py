@@ -40,7 +40,10 @@ def _olmo2(cfg: dict[str, Any]) -> ArchConfig:
 def qk_norms(p: str, g: Geometry) -> Manifest:
     """The full-width q/k norms of the attention under prefix ``p``."""
     return Manifest(
-        {f"{p}self_attn.q_norm.weight": (g.num_heads * g.head_dim,), f"{p}self_attn.k_norm.weight": (g.num_kv_heads * g.head_dim,)}
+        {
+            f"{p}self_attn.q_norm.weight": (g.num_heads * g.head_dim,),
+            f"{p}self_attn.k_norm.weight": (g.num_kv_heads * g.head_dim,),
+        }
     )
 
 
@@ -66,10 +69,17 @@ def _check(cmf: CmfFile, arch: ArchConfig) -> None:
     if any(t != LAYER_FULL for t in arch.layer_types) or arch.sliding_window:
         raise CortiqError(f"{cmf.path}: olmo2 has full attention in every layer, the header asks for other layer types")
     if arch.qk_norm or arch.attention_sinks or arch.attn_output_gate or arch.attention_scale or arch.no_rope_layers:
-        raise CortiqError(f"{cmf.path}: olmo2 with per-head q/k norms, sinks, an output gate, a score scale or NoPE layers is not an OLMo 2 model")
+        raise CortiqError(
+            f"{cmf.path}: olmo2 with per-head q/k norms, sinks, an output gate, a score scale or NoPE layers is not an OLMo 2 model"
+        )
     if arch.attn_logit_softcapping or arch.final_logit_softcapping or arch.query_pre_attn_scalar:
         raise CortiqError(f"{cmf.path}: olmo2 has no soft-caps and no query_pre_attn_scalar")
-    if arch.norm_style != "rms" or arch.embedding_scale != 1.0 or arch.residual_scale != 1.0 or arch.logits_scaling != 1.0:
+    if (
+        arch.norm_style != "rms"
+        or arch.embedding_scale != 1.0
+        or arch.residual_scale != 1.0
+        or arch.logits_scaling != 1.0
+    ):
         raise CortiqError(f"{cmf.path}: olmo2 norms scale by w and it has no Granite multipliers")
 
 
@@ -83,8 +93,15 @@ def attention(cmf: CmfFile, arch: ArchConfig, kernels, p: str, rope) -> Attentio
         k_norm=load_vector(cmf, f"{p}self_attn.k_norm.weight", g.num_kv_heads * g.head_dim),
     )
     return Attention(
-        kernels, aw, num_heads=g.num_heads, num_kv_heads=g.num_kv_heads, head_dim=g.head_dim, v_head_dim=g.v_head_dim,
-        rope=rope, norm_eps=arch.norm_eps, qk_norm_full=True,
+        kernels,
+        aw,
+        num_heads=g.num_heads,
+        num_kv_heads=g.num_kv_heads,
+        head_dim=g.head_dim,
+        v_head_dim=g.v_head_dim,
+        rope=rope,
+        norm_eps=arch.norm_eps,
+        qk_norm_full=True,
     )
 
 
@@ -100,7 +117,11 @@ def build(cmf: CmfFile, arch: ArchConfig, kernels) -> Model:
         post_attn, post_ffn = (blocks.norm(cmf, arch, kernels, f"{p}{n}.weight") for n in NORMS)
         # No pre-norms: each sublayer reads the residual stream itself.
         layers.append(
-            SandwichBlock((None, post_attn, None, post_ffn), attention(cmf, arch, kernels, p, rope), blocks.gated_mlp(cmf, kernels, f"{p}mlp."))
+            SandwichBlock(
+                (None, post_attn, None, post_ffn),
+                attention(cmf, arch, kernels, p, rope),
+                blocks.gated_mlp(cmf, kernels, f"{p}mlp."),
+            )
         )
     embed, head, norm = blocks.head_and_norm(cmf, arch, kernels)
     return Model(arch=arch, kernels=kernels, embed=embed, blocks=tuple(layers), norm=norm, head=head)
@@ -123,7 +144,9 @@ def _gguf_config(ctx: GgufContext, config: dict[str, Any]) -> None:
 
 
 GGUF = GgufSpec(
-    "olmo2", "olmo2", "Olmo2ForCausalLM",
+    "olmo2",
+    "olmo2",
+    "Olmo2ForCausalLM",
     # Only the post-sublayer norms; q/k norms keep the shared names (attn_q_norm / attn_k_norm).
     block_names={"post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"},
     config=_gguf_config,

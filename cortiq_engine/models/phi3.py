@@ -48,10 +48,14 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, float, dict[str, Any] | None]:
     if kind in (None, "default"):
         return float(theta), float(prf), None
     if kind not in _LONGROPE_ALIASES:
-        raise CortiqError(f"phi3 config.json rope_scaling type {kind!r} is not supported (supported: default, longrope)")
+        raise CortiqError(
+            f"phi3 config.json rope_scaling type {kind!r} is not supported (supported: default, longrope)"
+        )
     orig = cfg.get("original_max_position_embeddings", _ORIGINAL_MAX_POSITIONS)
     if isinstance(orig, bool) or not isinstance(orig, int) or orig < 1:
-        raise CortiqError(f"phi3 config.json original_max_position_embeddings is {str(orig)[:40]!r}, expected an integer >= 1")
+        raise CortiqError(
+            f"phi3 config.json original_max_position_embeddings is {str(orig)[:40]!r}, expected an integer >= 1"
+        )
     scaling: dict[str, Any] = {"rope_type": "longrope", "original_max_position_embeddings": orig}
     for key in ("short_factor", "long_factor"):
         v = params.get(key)
@@ -83,7 +87,9 @@ def _phi3(cfg: dict[str, Any]) -> ArchConfig:
     window = cfg.get("sliding_window")
     if window is not None:
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise CortiqError(f"phi3 config.json sliding_window is {str(window)[:40]!r}, expected an integer >= 1 or null")
+            raise CortiqError(
+                f"phi3 config.json sliding_window is {str(window)[:40]!r}, expected an integer >= 1 or null"
+            )
         d["layer_types"], d["sliding_window"] = [LAYER_SLIDING] * d["num_layers"], window
     return ArchConfig(**d)
 
@@ -97,11 +103,15 @@ def sanitize_for(config: Mapping[str, Any]) -> SanitizeRules:
     hd = int(cfg.get("head_dim") or hidden // heads)
     kv = int(cfg.get("num_key_value_heads") or heads)
     inter = int(req(cfg, "intermediate_size"))
-    return SanitizeRules(split_rows=(
-        (r"(.*\.self_attn)\.qkv_proj\.weight", ((r"\1.q_proj.weight", heads * hd), (r"\1.k_proj.weight", kv * hd),
-                                                (r"\1.v_proj.weight", kv * hd))),
-        (r"(.*\.mlp)\.gate_up_proj\.weight", ((r"\1.gate_proj.weight", inter), (r"\1.up_proj.weight", inter))),
-    ))
+    return SanitizeRules(
+        split_rows=(
+            (
+                r"(.*\.self_attn)\.qkv_proj\.weight",
+                ((r"\1.q_proj.weight", heads * hd), (r"\1.k_proj.weight", kv * hd), (r"\1.v_proj.weight", kv * hd)),
+            ),
+            (r"(.*\.mlp)\.gate_up_proj\.weight", ((r"\1.gate_proj.weight", inter), (r"\1.up_proj.weight", inter))),
+        )
+    )
 
 
 # ------------------------------------------------------------------ manifest
@@ -148,13 +158,19 @@ def _gguf_config(ctx: GgufContext, config: dict[str, Any]) -> None:
         raise CortiqError("phi3 GGUF has only one of rope_factors_long / rope_factors_short")
     rot = ctx.key("rope.dimension_count", hd)
     if isinstance(rot, bool) or not isinstance(rot, int) or not 0 < rot <= hd or rot % 2:
-        raise CortiqError(f"GGUF metadata phi3.rope.dimension_count is {str(rot)[:40]!r}, expected an even number 2..{hd}")
+        raise CortiqError(
+            f"GGUF metadata phi3.rope.dimension_count is {str(rot)[:40]!r}, expected an even number 2..{hd}"
+        )
     prf = rot / hd
     if int(hd * prf) != rot:
-        raise CortiqError(f"phi3 GGUF rotary width {rot} of head size {hd} is not a partial_rotary_factor transformers reproduces")
+        raise CortiqError(
+            f"phi3 GGUF rotary width {rot} of head size {hd} is not a partial_rotary_factor transformers reproduces"
+        )
     window = ctx.key("attention.sliding_window", 0)
     if isinstance(window, bool) or not isinstance(window, int) or window < 0:
-        raise CortiqError(f"GGUF metadata phi3.attention.sliding_window is {str(window)[:40]!r}, expected an integer >= 0")
+        raise CortiqError(
+            f"GGUF metadata phi3.attention.sliding_window is {str(window)[:40]!r}, expected an integer >= 0"
+        )
     orig = ctx.key("rope.scaling.original_context_length")
     if orig is not None:
         config["original_max_position_embeddings"] = orig
@@ -163,13 +179,16 @@ def _gguf_config(ctx: GgufContext, config: dict[str, Any]) -> None:
         if orig is None:
             raise CortiqError("phi3 GGUF has LongRoPE factors but no phi3.rope.scaling.original_context_length")
         config["rope_scaling"] = {
-            "type": "longrope", "long_factor": [float(np.float32(v)) for v in long],
+            "type": "longrope",
+            "long_factor": [float(np.float32(v)) for v in long],
             "short_factor": [float(np.float32(v)) for v in short],
         }
 
 
 GGUF = GgufSpec(
-    "phi3", "phi3", "Phi3ForCausalLM",
+    "phi3",
+    "phi3",
+    "Phi3ForCausalLM",
     # llama.cpp keeps both fused projections: attn_qkv [q | k | v], ffn_up [gate | up].
     block_names={"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
     config=_gguf_config,

@@ -95,13 +95,15 @@ def _linear_attn_manifest(arch: ArchConfig, p: str) -> Manifest:
     kd, vd = la.num_key_heads * la.key_head_dim, la.num_value_heads * la.value_head_dim
     conv = 2 * kd + vd
     q = p + "linear_attn."
-    m = Manifest({
-        q + "conv1d.weight": (conv, la.conv_kernel),
-        q + "dt_bias": (la.num_value_heads,),
-        q + "A_log": (la.num_value_heads,),
-        q + "norm.weight": (la.value_head_dim,),
-        q + "out_proj.weight": (h, vd),
-    })
+    m = Manifest(
+        {
+            q + "conv1d.weight": (conv, la.conv_kernel),
+            q + "dt_bias": (la.num_value_heads,),
+            q + "A_log": (la.num_value_heads,),
+            q + "norm.weight": (la.value_head_dim,),
+            q + "out_proj.weight": (h, vd),
+        }
+    )
     if la.fused_projection:
         m.required[q + "in_proj_qkvz.weight"] = (2 * kd + 2 * vd, h)
         m.required[q + "in_proj_ba.weight"] = (2 * la.num_value_heads, h)
@@ -138,7 +140,11 @@ def manifest(arch: ArchConfig, mtp_layers: Sequence[int] = ()) -> Manifest:
 def _linear_attn(cmf: CmfFile, arch: ArchConfig, kernels, p: str) -> GatedDeltaNet:
     la = arch.linear_attn
     q = p + "linear_attn."
-    names = ("in_proj_qkvz", "in_proj_ba") if la.fused_projection else ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+    names = (
+        ("in_proj_qkvz", "in_proj_ba")
+        if la.fused_projection
+        else ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+    )
     conv_dim = 2 * la.num_key_heads * la.key_head_dim + la.num_value_heads * la.value_head_dim
     conv = cmf.tensor_f32(q + "conv1d.weight").reshape(conv_dim, la.conv_kernel)
     w = LinearAttnWeights(
@@ -176,7 +182,9 @@ def draft_layer(cmf: CmfFile, k: int, arch: ArchConfig, kernels) -> DraftLayer:
     """The MTP layer: the trunk's full-attention block (output gate, q/k norm, partial
     rotary) whose FFN routes to experts on an MoE trunk."""
     p = draft_prefix(k)
-    attn = blocks.attention(cmf, arch, kernels, p, LAYER_FULL, RoPE(arch.rotary_dim, arch.rope_theta, arch.rope_scaling))
+    attn = blocks.attention(
+        cmf, arch, kernels, p, LAYER_FULL, RoPE(arch.rotary_dim, arch.rope_theta, arch.rope_scaling)
+    )
     mlp = blocks.load_moe(cmf, arch, kernels, p) if arch.moe is not None else blocks.gated_mlp(cmf, kernels, p + "mlp.")
     return wrap_draft(cmf, k, arch, kernels, blocks.draft_block(cmf, p, arch, kernels, attn, mlp))
 
