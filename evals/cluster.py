@@ -46,6 +46,7 @@ INSTALL_HINT = "pip install 'cortiq[cluster]'"
 MAX_RESTARTS = 4  # per worker process, by Ray
 MAX_WINDOW_ATTEMPTS = 4  # a window that loses this many workers is a failure, not bad luck
 IN_FLIGHT = 2  # windows queued per worker: the next one is there when the last one ends
+AHEAD_PER_WORKER = 8  # results per worker the driver holds while an earlier window is still out
 JOURNAL_ENV = "CORTIQ_CLUSTER_CACHE"
 
 
@@ -175,33 +176,57 @@ class WindowJournal:
         self.path = path
         self.key = key
         self._f: io.BufferedWriter | None = None
-        self._valid = 0  # bytes of whole records that load read
+        self._valid = 0  # bytes of whole records that index read
 
-    def load(self) -> dict[int, dict[str, np.ndarray]]:
-        """The windows a previous run of the same key finished, as their arrays (empty without a journal)."""
-        out: dict[int, dict[str, np.ndarray]] = {}
+    def index(self) -> dict[int, tuple[int, int]]:
+        """Where each window a previous run of the same key finished is: (offset, length) of its
+        record's body (empty without a journal). Only the records' heads are kept, not their arrays."""
+        out: dict[int, tuple[int, int]] = {}
+        self._valid = 0
         try:
-            data = self.path.read_bytes()
+            f = open(self.path, "rb")
         except OSError:
             return out
-        head = self.MAGIC + self.key.encode() + b"\n"
-        if not data.startswith(head):
-            return out
-        pos = len(head)
-        while pos + self._REC.size <= len(data):
-            n, crc = self._REC.unpack_from(data, pos)
-            body = data[pos + self._REC.size : pos + self._REC.size + n]
-            if len(body) != n or zlib.crc32(body) != crc:
-                break
-            with np.load(io.BytesIO(body), allow_pickle=False) as z:
-                arrays = {k: z[k] for k in z.files}
-            out[int(arrays.pop("window"))] = arrays
-            pos += self._REC.size + n
+        with f:
+            head = self.MAGIC + self.key.encode() + b"\n"
+            if f.read(len(head)) != head:
+                return out
+            pos = len(head)
+            while True:
+                rec = f.read(self._REC.size)
+                if len(rec) < self._REC.size:
+                    break
+                n, crc = self._REC.unpack(rec)
+                body = f.read(n)
+                if len(body) != n or zlib.crc32(body) != crc:
+                    break
+                out[self._window_of(body)] = (pos + self._REC.size, n)
+                pos += self._REC.size + n
         self._valid = pos
         return out
 
+    @staticmethod
+    def _window_of(body: bytes) -> int:
+        with np.load(io.BytesIO(body), allow_pickle=False) as z:
+            return int(z["window"])
+
+    def read(self, where: tuple[int, int]) -> dict[str, np.ndarray]:
+        """One record's arrays, from its place in ``index``."""
+        offset, n = where
+        with open(self.path, "rb") as f:
+            f.seek(offset)
+            body = f.read(n)
+        with np.load(io.BytesIO(body), allow_pickle=False) as z:
+            arrays = {k: z[k] for k in z.files}
+        arrays.pop("window")
+        return arrays
+
+    def load(self) -> dict[int, dict[str, np.ndarray]]:
+        """Every finished window's arrays at once (for inspection; a run reads them one by one)."""
+        return {i: self.read(where) for i, where in self.index().items()}
+
     def open(self, keep: bool) -> None:
-        """Start writing: after the records ``load`` read (``keep``), or afresh."""
+        """Start writing: after the records ``index`` read (``keep``), or afresh."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if keep and self.path.exists() and self._valid:
             self._f = open(self.path, "r+b")
@@ -301,7 +326,10 @@ class WindowScorer:
             self.error = f"worker on {self.host}: {type(e).__name__}: {e}"
 
     def info(self) -> dict[str, Any]:
-        return {"host": self.host, "pid": os.getpid(), "error": self.error}
+        import ray
+
+        node = ray.get_runtime_context().get_node_id()
+        return {"host": self.host, "node": node, "pid": os.getpid(), "error": self.error}
 
     def _blocks(self, window: Window, ids: np.ndarray) -> list[Any]:
         if self.error:
@@ -393,6 +421,7 @@ class ClusterReport:
     busy_s: float = 0.0  # the workers' own seconds scoring windows, summed
     startup_s: float = 0.0  # starting or joining the cluster and loading the models on every worker
     hosts: list[str] = field(default_factory=list)
+    nodes: int = 0  # Ray nodes the workers run on (several may share a host)
 
     @property
     def tokens_per_s(self) -> float:
@@ -414,6 +443,7 @@ class ClusterReport:
             "startup_s": self.startup_s,
             "busy": self.busy,
             "hosts": sorted(set(self.hosts)),
+            "nodes": self.nodes,
         }
 
 
@@ -453,6 +483,7 @@ class Cluster:
         self.ctx, self.kv_cache, self.chunk, self.load = ctx, kv_cache, chunk, load
         self.actors: list[Any] = []
         self.hosts: list[str] = []
+        self.nodes: list[str] = []
         self.startup_s = 0.0
         self._stack = contextlib.ExitStack()
 
@@ -509,6 +540,7 @@ class Cluster:
                 self.__exit__(None, None, None)
                 raise CortiqError(i["error"])
         self.hosts = [i["host"] for i in infos]
+        self.nodes = [i["node"] for i in infos]
         self.startup_s = time.perf_counter() - t0
         return self
 
@@ -532,9 +564,13 @@ class Cluster:
         on_result: Callable[[int, Any], None],
         method: str = "score",
         args: tuple[Any, ...] = (),
+        *,
+        admit: Callable[[], bool] | None = None,
     ) -> None:
         """Hand the windows out, at most IN_FLIGHT per worker, and pass each result on as it
-        arrives; a window whose worker dies goes to the next free worker."""
+        arrives; a window whose worker dies goes to the next free worker. While ``admit`` says
+        no, only windows handed out again go out (the driver holds enough results waiting for
+        an earlier window); with nothing in flight a new one goes out regardless."""
         import ray
         from ray.exceptions import (
             GetTimeoutError,
@@ -557,7 +593,7 @@ class Cluster:
             while True:
                 for a in range(len(self.actors)):
                     while load[a] < IN_FLIGHT:
-                        if not todo and not exhausted:
+                        if not todo and not exhausted and (admit is None or admit() or not inflight):
                             nxt = next(source, None)
                             if nxt is None:
                                 exhausted = True
@@ -598,7 +634,7 @@ class Cluster:
             report.seconds += time.perf_counter() - t0
 
 
-# ---------------------------------------------------------------------------- perplexity
+# ---------------------------------------------------------------------------- the commands
 
 
 def _run(
@@ -615,40 +651,84 @@ def _run(
     *,
     method: str,
     args: tuple[Any, ...],
-    refs: Sequence[RefRows | None] | None,
+    refs: Iterator[RefRows] | None,
     encode: Callable[[Any], dict[str, np.ndarray]],
     decode: Callable[[int, dict[str, np.ndarray]], Any],
+    combine: Callable[[Any], None],
     resume: bool,
     progress: ClusterProgress | None,
     load: str = "engines",
-) -> tuple[list[Any], ClusterReport]:
-    """Score ``windows`` on the cluster with the workers' ``method``, journaled under ``kind``:
-    (each window's result for the first windows done in plan order, the report). On Ctrl-C
-    the list stops at the first window not done; with none done the interrupt goes on up."""
+    whole_text: bool = False,
+) -> tuple[int, ClusterReport]:
+    """Score ``windows`` on the cluster with the workers' ``method``, journaled under ``kind``,
+    and hand each window's result to ``combine`` in plan order, as soon as every window before
+    it has been: the driver keeps only results that arrived ahead of an earlier window (at most
+    AHEAD_PER_WORKER per worker beyond those in flight), never all of them. Returns (windows
+    combined, the report). On Ctrl-C the windows combined are the first ones done in plan
+    order; with none the interrupt goes on up.
+
+    A task carries its window's tokens (a copy of the slice, freed when the task ends) and,
+    with ``refs`` (one per window, read in plan order), its rows of a saved reference. With
+    ``whole_text`` (every window reads the whole text) the text goes into Ray's object store
+    once and each task names that one copy."""
     fps = [ModelFingerprint.of(Path(p).resolve()) for p in paths]
     key = run_key(kind, fps, tokens, windows, {"ctx": ctx, "kv_cache": kv_cache, "chunk": chunk, **key_extra})
     journal = WindowJournal(journal_dir() / f"{kind}-{key}.journal", key)
-    parts: dict[int, Any] = {i: decode(i, a) for i, a in journal.load().items()} if resume else {}
-    report = ClusterReport(where.address, 0, resumed=len(parts))
+    n = len(windows)
+    journaled = {i: at for i, at in journal.index().items() if i < n} if resume else {}
+    report = ClusterReport(where.address, 0, resumed=len(journaled))
+    finished = np.zeros(n, dtype=bool)  # journaled or arrived: a late duplicate of a retried window is dropped
+    finished[list(journaled)] = True
+    n_finished = len(journaled)
+    pending: dict[int, Any] = {}  # arrived ahead of an earlier window
+    combined = 0
+    ahead = AHEAD_PER_WORKER
     total_tokens = sum(w.n_scored for w in windows)
-    done_tokens = sum(windows[i].n_scored for i in parts)
+    done_tokens = sum(windows[i].n_scored for i in journaled)
+
+    def advance() -> None:
+        nonlocal combined
+        while combined < n:
+            i = combined
+            if i in pending:
+                value = pending.pop(i)
+            elif i in journaled:
+                value = decode(i, journal.read(journaled.pop(i)))
+            else:
+                return
+            combine(value)
+            combined += 1
 
     def tasks() -> Iterator[WindowTask]:
+        shared = None
         for i, w in enumerate(windows):
-            if i not in parts:
-                yield WindowTask(i, w, tokens[w.begin : w.end].copy(), refs[i] if refs is not None else None)
+            ref = next(refs) if refs is not None else None  # read for every window: the file is read in order
+            if finished[i]:
+                continue
+            if whole_text:
+                if shared is None:
+                    import ray
+
+                    shared = ray.put(tokens)
+                ids: Any = shared
+            else:
+                ids = tokens[w.begin : w.end].copy()
+            yield WindowTask(i, w, ids, ref)
 
     def on_result(i: int, value: Any) -> None:
-        nonlocal done_tokens
-        if i in parts:
+        nonlocal done_tokens, n_finished
+        if finished[i]:
             return  # a late duplicate of a retried window: counted once
         journal.append(i, encode(value))  # first: a window counts once it is on disk (a Ctrl-C can cut the write short)
-        parts[i] = value
+        finished[i] = True
+        n_finished += 1
+        pending[i] = value
         done_tokens += windows[i].n_scored
+        advance()
         if progress:
             progress(
-                len(parts),
-                len(windows),
+                n_finished,
+                n,
                 done_tokens,
                 total_tokens,
                 report.tokens / max(time.perf_counter() - t_start, 1e-9),
@@ -656,18 +736,21 @@ def _run(
 
     interrupted = False
     t_start = time.perf_counter()
-    journal.open(keep=bool(parts))
+    journal.open(keep=bool(journaled))
     try:
+        advance()  # the journaled windows before the first one left
         if progress:
-            progress(len(parts), len(windows), done_tokens, total_tokens, float("nan"))
-        if len(parts) < len(windows):
+            progress(n_finished, n, done_tokens, total_tokens, float("nan"))
+        if n_finished < n:
             with Cluster(where, threads, paths, ctx, kv_cache, chunk, load) as cl:
                 report.workers = len(cl.actors)
                 report.hosts = cl.hosts
+                report.nodes = len(set(cl.nodes))
                 report.startup_s = cl.startup_s
+                ahead = AHEAD_PER_WORKER * max(report.workers, 1)
                 t_start = time.perf_counter()
                 try:
-                    cl.score(tasks(), report, on_result, method, args)
+                    cl.score(tasks(), report, on_result, method, args, admit=lambda: len(pending) < ahead)
                 except KeyboardInterrupt:
                     interrupted = True
     except KeyboardInterrupt:
@@ -675,14 +758,11 @@ def _run(
     finally:
         journal.close()
 
-    done = 0
-    while done < len(windows) and done in parts:
-        done += 1
-    if interrupted and not done:
+    if interrupted and not combined:
         raise KeyboardInterrupt
-    if done == len(windows):
+    if combined == n:
         journal.remove()
-    return [parts[i] for i in range(done)], report
+    return combined, report
 
 
 def score_ppl(
@@ -705,10 +785,11 @@ def score_ppl(
     cluster's report). On Ctrl-C the figures cover the first ``done`` windows, as in one
     process; the journal keeps every finished window for ``resume``."""
     tokens = np.asarray(tokens, dtype=np.int64)
-    # A saved reference's rows, in plan order, for every window (read once, sequentially).
-    refs = [saved.next_rows(w.n_scored) for w in windows] if saved is not None else None
+    # A saved reference's rows go out with their window, read in plan order as windows are handed out.
+    refs = (saved.next_rows(w.n_scored) for w in windows) if saved is not None else None
     extra = {"ref": None if saved is None else [str(saved.path), ModelFingerprint.of(Path(saved.path)).digest]}
-    parts, report = _run(
+    acc = PerplexityAccumulator(len(paths), saved_ref=saved is not None)
+    done, report = _run(
         "ppl",
         where,
         threads,
@@ -724,15 +805,13 @@ def score_ppl(
         refs=refs,
         encode=_partial_arrays,
         decode=_partial_of,
+        combine=acc.add_partial,
         resume=resume,
         progress=progress,
     )
-    acc = PerplexityAccumulator(len(paths), saved_ref=saved is not None)
-    for p in parts:
-        acc.add_partial(p)
     form = saved.form if saved is not None else "full"
-    reports, comps = build_reports(acc, names, scored_text_bytes(decoder, tokens, windows[: len(parts)]), form)
-    return PerplexityResult(reports, comps), len(parts), report
+    reports, comps = build_reports(acc, names, scored_text_bytes(decoder, tokens, windows[:done]), form)
+    return PerplexityResult(reports, comps), done, report
 
 
 def collect_features(
@@ -755,7 +834,8 @@ def collect_features(
 
     tokens = np.asarray(tokens, dtype=np.int64)
     extra = {"temperatures": np.asarray(grid.temperatures, np.float64).tolist()}
-    parts, report = _run(
+    parts: list[Any] = []  # the fit needs every row, as in one process
+    done, report = _run(
         "calibrate",
         where,
         threads,
@@ -771,10 +851,11 @@ def collect_features(
         refs=None,
         encode=_features_arrays,
         decode=_features_of,
+        combine=parts.append,
         resume=resume,
         progress=progress,
     )
-    return RowFeatures.concat(parts, grid), len(parts), report
+    return RowFeatures.concat(parts, grid), done, report
 
 
 def _imatrix_arrays(p: Any) -> dict[str, np.ndarray]:
@@ -809,11 +890,14 @@ def collect_imatrix(
 ) -> tuple[Any, int, ClusterReport]:
     """``cortiq imatrix``'s pass on a cluster: (an ``ImatrixAccumulator`` holding the first
     ``done`` windows' partials added in plan order, as one process adds them; ``done``; the
-    cluster's report). Each window's partial (an f64 sum per weight column) is journaled."""
+    cluster's report). Each window's partial (an f64 sum per weight column) is journaled and
+    added to the sum as soon as the windows before it are: the driver holds one running sum
+    and the few partials that arrived early."""
     from cortiq_engine.imatrix import ImatrixAccumulator
 
     tokens = np.asarray(tokens, dtype=np.int64)
-    parts, report = _run(
+    acc = ImatrixAccumulator()
+    done, report = _run(
         "imatrix",
         where,
         threads,
@@ -829,14 +913,12 @@ def collect_imatrix(
         refs=None,
         encode=_imatrix_arrays,
         decode=_imatrix_of,
+        combine=acc.add,
         resume=resume,
         progress=progress,
         load="imatrix",
     )
-    acc = ImatrixAccumulator()
-    for p in parts:
-        acc.add(p)
-    return acc, len(parts), report
+    return acc, done, report
 
 
 _COUNTS = ("drafted", "accepted", "checked", "right", "accept_hist", "depth_hist")
@@ -905,7 +987,16 @@ def probe_mtp(
         "trace": trace,
     }
     paths = [model] + ([sidecar] if sidecar is not None else [])
-    parts, report = _run(
+    counts = [Acceptance(depth) for _ in variants]
+    got: list[list[Any]] = [[] for _ in variants]  # per variant, the windows' traces in round order
+
+    def combine(p: Any) -> None:
+        for i in range(len(variants)):
+            counts[i].merge(p.counts[i])
+            if trace:
+                got[i].append(p.traces[i])
+
+    done, report = _run(
         "mtp-probe",
         where,
         threads,
@@ -921,26 +1012,22 @@ def probe_mtp(
         refs=None,
         encode=_probe_arrays,
         decode=_probe_of,
+        combine=combine,
         resume=resume,
         progress=progress,
         load="mtp",
+        whole_text=True,
     )
-    results = []
-    for i, v in enumerate(variants):
-        c = Acceptance(depth)
-        for p in parts:
-            c.merge(p.counts[i])
-        results.append((v, c))
     traces = None
     if trace:
         traces = [
             ProbeTrace(
-                np.concatenate([p.traces[i].probs for p in parts]).reshape(-1, depth),
-                np.concatenate([p.traces[i].right for p in parts]).reshape(-1, depth),
+                np.concatenate([t.probs for t in got[i]]).reshape(-1, depth),
+                np.concatenate([t.right for t in got[i]]).reshape(-1, depth),
             )
             for i in range(len(variants))
         ]
-    return results, traces, len(parts) == len(windows), report
+    return list(zip(variants, counts)), traces, done == len(windows), report
 
 
 __all__ = [
