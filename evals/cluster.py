@@ -422,6 +422,7 @@ class ClusterReport:
     startup_s: float = 0.0  # starting or joining the cluster and loading the models on every worker
     hosts: list[str] = field(default_factory=list)
     nodes: int = 0  # Ray nodes the workers run on (several may share a host)
+    held_max: int = 0  # most results the driver held at once, waiting for an earlier window
 
     @property
     def tokens_per_s(self) -> float:
@@ -444,6 +445,7 @@ class ClusterReport:
             "busy": self.busy,
             "hosts": sorted(set(self.hosts)),
             "nodes": self.nodes,
+            "held_max": self.held_max,
         }
 
 
@@ -637,6 +639,62 @@ class Cluster:
 # ---------------------------------------------------------------------------- the commands
 
 
+class PlanOrder:
+    """Results of windows 0..n-1 that arrive in any order, handed to ``combine`` in plan
+    order as soon as every window before them has been: a result that arrives ahead of an
+    earlier window is held until then, and only such results are held. Windows journaled by
+    an earlier run (``journaled``: window -> where its record is) are read with ``read``
+    when their turn comes, one at a time."""
+
+    def __init__(
+        self,
+        n: int,
+        combine: Callable[[Any], None],
+        journaled: dict[int, Any] | None = None,
+        read: Callable[[int, Any], Any] | None = None,
+    ):
+        self.n = n
+        self._combine = combine
+        self._journaled = dict(journaled or {})
+        self._read = read
+        self._done = np.zeros(n, dtype=bool)  # journaled or arrived
+        self._done[list(self._journaled)] = True
+        self.n_finished = len(self._journaled)
+        self._held: dict[int, Any] = {}
+        self.combined = 0  # windows 0..combined-1 went to combine
+        self.held_max = 0
+
+    @property
+    def held(self) -> int:
+        return len(self._held)
+
+    def finished(self, i: int) -> bool:
+        return bool(self._done[i])
+
+    def add(self, i: int, value: Any) -> None:
+        """Window ``i``'s result (once: a duplicate is the caller's to drop)."""
+        if self._done[i]:
+            raise ValueError(f"window {i} is already finished")
+        self._done[i] = True
+        self.n_finished += 1
+        self._held[i] = value
+        self.held_max = max(self.held_max, len(self._held))
+        self.advance()
+
+    def advance(self) -> None:
+        while self.combined < self.n:
+            i = self.combined
+            if i in self._held:
+                value = self._held.pop(i)
+            elif i in self._journaled:
+                assert self._read is not None
+                value = self._read(i, self._journaled.pop(i))
+            else:
+                return
+            self._combine(value)
+            self.combined += 1
+
+
 def _run(
     kind: str,
     where: ClusterAddress,
@@ -677,33 +735,16 @@ def _run(
     n = len(windows)
     journaled = {i: at for i, at in journal.index().items() if i < n} if resume else {}
     report = ClusterReport(where.address, 0, resumed=len(journaled))
-    finished = np.zeros(n, dtype=bool)  # journaled or arrived: a late duplicate of a retried window is dropped
-    finished[list(journaled)] = True
-    n_finished = len(journaled)
-    pending: dict[int, Any] = {}  # arrived ahead of an earlier window
-    combined = 0
+    order = PlanOrder(n, combine, journaled, lambda i, at: decode(i, journal.read(at)))
     ahead = AHEAD_PER_WORKER
     total_tokens = sum(w.n_scored for w in windows)
     done_tokens = sum(windows[i].n_scored for i in journaled)
-
-    def advance() -> None:
-        nonlocal combined
-        while combined < n:
-            i = combined
-            if i in pending:
-                value = pending.pop(i)
-            elif i in journaled:
-                value = decode(i, journal.read(journaled.pop(i)))
-            else:
-                return
-            combine(value)
-            combined += 1
 
     def tasks() -> Iterator[WindowTask]:
         shared = None
         for i, w in enumerate(windows):
             ref = next(refs) if refs is not None else None  # read for every window: the file is read in order
-            if finished[i]:
+            if order.finished(i):
                 continue
             if whole_text:
                 if shared is None:
@@ -716,18 +757,16 @@ def _run(
             yield WindowTask(i, w, ids, ref)
 
     def on_result(i: int, value: Any) -> None:
-        nonlocal done_tokens, n_finished
-        if finished[i]:
+        nonlocal done_tokens
+        if order.finished(i):
             return  # a late duplicate of a retried window: counted once
         journal.append(i, encode(value))  # first: a window counts once it is on disk (a Ctrl-C can cut the write short)
-        finished[i] = True
-        n_finished += 1
-        pending[i] = value
+        order.add(i, value)
+        report.held_max = order.held_max
         done_tokens += windows[i].n_scored
-        advance()
         if progress:
             progress(
-                n_finished,
+                order.n_finished,
                 n,
                 done_tokens,
                 total_tokens,
@@ -738,10 +777,10 @@ def _run(
     t_start = time.perf_counter()
     journal.open(keep=bool(journaled))
     try:
-        advance()  # the journaled windows before the first one left
+        order.advance()  # the journaled windows before the first one left
         if progress:
-            progress(n_finished, n, done_tokens, total_tokens, float("nan"))
-        if n_finished < n:
+            progress(order.n_finished, n, done_tokens, total_tokens, float("nan"))
+        if order.n_finished < n:
             with Cluster(where, threads, paths, ctx, kv_cache, chunk, load) as cl:
                 report.workers = len(cl.actors)
                 report.hosts = cl.hosts
@@ -750,7 +789,7 @@ def _run(
                 ahead = AHEAD_PER_WORKER * max(report.workers, 1)
                 t_start = time.perf_counter()
                 try:
-                    cl.score(tasks(), report, on_result, method, args, admit=lambda: len(pending) < ahead)
+                    cl.score(tasks(), report, on_result, method, args, admit=lambda: order.held < ahead)
                 except KeyboardInterrupt:
                     interrupted = True
     except KeyboardInterrupt:
@@ -758,11 +797,11 @@ def _run(
     finally:
         journal.close()
 
-    if interrupted and not combined:
+    if interrupted and not order.combined:
         raise KeyboardInterrupt
-    if combined == n:
+    if order.combined == n:
         journal.remove()
-    return combined, report
+    return order.combined, report
 
 
 def score_ppl(
@@ -1037,6 +1076,7 @@ __all__ = [
     "WindowScorer",
     "Cluster",
     "ClusterReport",
+    "PlanOrder",
     "score_ppl",
     "collect_features",
     "collect_imatrix",
