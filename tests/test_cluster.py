@@ -7,7 +7,8 @@ results (less per-machine timings).
 
 Most runs join one cluster of 2 CPUs that the module starts once (``--cluster HOST:PORT``,
 one worker per CPU at ``-t 1``); the killed-worker run starts its own (``local:2``), whose
-worker processes are the driver's children."""
+worker processes are the driver's children. The runs that ``test_cluster_nodes`` repeats on
+a multi-node cluster (ppl, calibrate and imatrix bit for bit) are marked slow here."""
 
 from __future__ import annotations
 
@@ -182,6 +183,7 @@ def one_process(tiny):
     return _in_process(_args(tiny))
 
 
+@pytest.mark.slow  # test_cluster_nodes covers it in the normal suite
 def test_two_workers_give_the_one_process_figures_bit_for_bit(tiny, one_process, head, tmp_path):
     assert one_process["settings"]["windows"] >= 250 and one_process["comparisons"][0]["kl_mean"] > 0
     got = _ppl(_args(tiny, "--cluster", head), tmp_path)
@@ -246,6 +248,7 @@ def test_an_interrupted_driver_resumes_to_the_same_figures(tiny, one_process, he
     assert cluster["resumed"] == kept and cluster["tasks"] == one_process["settings"]["windows"] - kept
 
 
+@pytest.mark.slow  # test_cluster_nodes covers it in the normal suite
 def test_calibrate_on_two_workers_gives_the_same_report(tiny, head, tmp_path):
     f32, _, text = tiny
     args = [
@@ -335,6 +338,7 @@ def _cli(args: list[str], cache: Path) -> dict:
     return json.loads(out)
 
 
+@pytest.mark.slow  # test_cluster_nodes covers it in the normal suite
 def test_imatrix_on_two_workers_writes_the_one_process_file(tiny, head, tmp_path):
     f32, _, text = tiny
     args = ["imatrix", str(f32), "--text", str(text), "-c", "32", "--max-tokens", "1200", "-t", "1", "--force"]
