@@ -42,16 +42,20 @@ class KVCache:
     def free(self) -> int:
         return self.capacity - self.length
 
-    def append(self, k: np.ndarray, v: np.ndarray) -> int:
-        """Store n new rows (k [n, kv_heads, d], v [n, kv_heads, dv]); returns their first row."""
-        n = k.shape[0]
+    def check_room(self, n: int, *rows: np.ndarray) -> None:
+        """Refuse ``n`` new rows the capacity cannot hold, or whose values (``rows``) an
+        f16 cache would store as inf: refused rather than silently wrong."""
         if self.length + n > self.capacity:
             raise CortiqError(f"context full: {self.length} + {n} tokens exceed the KV cache of {self.capacity}")
-        start = self.length
         if self.keys.dtype == np.float16 and n:
-            peak = max(np.abs(k).max(), np.abs(v).max())
-            if peak > F16_MAX:  # would be stored as inf: refused rather than silently wrong
+            peak = max(np.abs(r).max() for r in rows)
+            if peak > F16_MAX:
                 raise CortiqError(f"a key or value of {peak:.3g} exceeds f16's range ({F16_MAX:g}); use --kv-cache f32")
+
+    def append(self, k: np.ndarray, v: np.ndarray) -> int:
+        """Store n new rows (k [n, kv_heads, d], v [n, kv_heads, dv]); returns their first row."""
+        n, start = k.shape[0], self.length
+        self.check_room(n, k, v)
         self.keys[:, start : start + n] = k.transpose(1, 0, 2)
         self.values[:, start : start + n] = v.transpose(1, 0, 2)
         self.length += n

@@ -51,7 +51,7 @@ import numpy as np
 from formats.arch import MlaConfig
 from formats.errors import CortiqError
 from formats.manifest import Manifest
-from cortiq_engine.cache import F16_MAX, KVCache, kv_dtype
+from cortiq_engine.cache import KVCache, kv_dtype
 from cortiq_engine.layers import RoPE, Step
 from cortiq_engine.weights import Weight
 
@@ -95,8 +95,8 @@ class MlaCache(KVCache):
     """Per position [normed latent | rotated k_rope]: ``keys`` [1, capacity, kv_lora_rank +
     qk_rope_head_dim] of the engine's ``kv_cache`` type. ``values`` is the same array (the
     absorbed attention weighs the latent columns of the rows it scores), so the cache
-    costs kv_lora_rank + qk_rope_head_dim values per position. Appending, rollback
-    (``truncate``), eviction (``keep_last``) and the f16 range check are ``KVCache``'s."""
+    costs kv_lora_rank + qk_rope_head_dim values per position. Rollback (``truncate``)
+    and the capacity and f16 range checks (``check_room``) are ``KVCache``'s."""
 
     def __init__(self, kv_lora_rank: int, rope_dim: int, capacity: int, dtype: type = np.float32):
         self.capacity = int(capacity)
@@ -107,21 +107,10 @@ class MlaCache(KVCache):
         self.length = 0
         self.writes = 0
 
-    @property
-    def row_width(self) -> int:
-        """Values stored per position."""
-        return self.keys.shape[2]
-
     def append(self, latent: np.ndarray, k_rope: np.ndarray) -> int:
         """Store n rows (latent [n, kv_lora_rank], k_rope [n, qk_rope_head_dim]); returns the first."""
-        n = latent.shape[0]
-        if self.length + n > self.capacity:
-            raise CortiqError(f"context full: {self.length} + {n} tokens exceed the KV cache of {self.capacity}")
-        start = self.length
-        if self.keys.dtype == np.float16 and n:
-            peak = max(np.abs(latent).max(), np.abs(k_rope).max())
-            if peak > F16_MAX:
-                raise CortiqError(f"a key or value of {peak:.3g} exceeds f16's range ({F16_MAX:g}); use --kv-cache f32")
+        n, start = latent.shape[0], self.length
+        self.check_room(n, latent, k_rope)
         self.keys[0, start : start + n, : self.rank] = latent
         self.keys[0, start : start + n, self.rank :] = k_rope
         self.length += n
@@ -129,7 +118,7 @@ class MlaCache(KVCache):
         return start
 
     def rows_f32(self, hi: int) -> np.ndarray:
-        """Rows 0..hi-1 as f32 [hi, row_width] (an f16 cache widened, exactly)."""
+        """Rows 0..hi-1 as f32 [hi, kv_lora_rank + qk_rope_head_dim] (an f16 cache widened, exactly)."""
         return np.ascontiguousarray(self.keys[0, :hi], dtype=np.float32)
 
     def keep_last(self, n: int) -> None:
