@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from formats.convert import ConvertReport, ProgressFn
+from formats.convert import ConvertReport
 from formats.convert import convert_checkpoint as _convert_checkpoint
 from formats.gguf_import import GgufModel, ImportReport
 from formats.gguf_import import import_gguf as _import_gguf
@@ -17,32 +17,11 @@ from formats.gguf_import import read_gguf as _read_gguf
 from cortiq_engine.models import FAMILIES
 
 
-def convert_checkpoint(
-    src: str | Path,
-    out: str | Path,
-    *,
-    quant: str = "q8",
-    keep: list[tuple[str, str]] | None = None,
-    mtp: str = "sidecar",
-    force: bool = False,
-    progress: ProgressFn | None = None,
-    imatrix: str | Path | None = None,
-    allow_nonfinite: bool = False,
-) -> ConvertReport:
-    """Convert an HF checkpoint folder, a hub repo id, a .gguf or a .cmf file into ``out``
-    (see ``formats.convert.convert_checkpoint``)."""
-    return _convert_checkpoint(
-        src,
-        out,
-        families=FAMILIES,
-        quant=quant,
-        keep=keep,
-        mtp=mtp,
-        force=force,
-        progress=progress,
-        imatrix=imatrix,
-        allow_nonfinite=allow_nonfinite,
-    )
+def convert_checkpoint(src: str | Path, out: str | Path, **options) -> ConvertReport:
+    """Convert an HF checkpoint folder, a hub repo id, a .gguf or a .cmf file into ``out``;
+    ``options`` (quant, keep, mtp, force, progress, imatrix, ...) are
+    ``formats.convert.convert_checkpoint``'s."""
+    return _convert_checkpoint(src, out, families=FAMILIES, **options)
 
 
 def read_gguf(path: str | Path) -> GgufModel:

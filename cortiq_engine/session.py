@@ -15,9 +15,9 @@ first logits.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
-from cortiq_engine.generate import GenerationResult, TokenEvent
+from cortiq_engine.generate import GenerationResult
 from cortiq_engine.sampling import SamplingConfig
 
 
@@ -74,20 +74,10 @@ class ChatSession:
             n = min(n, self.drafter.hist_len)
         return max(min(n, len(ids) - 1), 0)
 
-    def generate(
-        self,
-        ids: Sequence[int],
-        config: SamplingConfig | None = None,
-        *,
-        max_tokens: int = 256,
-        stop: Sequence[str] = (),
-        evict: bool = False,
-        ignore_eos: bool = False,
-        logprobs: int = 0,
-        on_token: Callable[[TokenEvent], bool | None] | None = None,
-        on_text: Callable[[str], None] | None = None,
-    ) -> Turn:
-        """Answer the conversation ``ids`` (rendered with the generation prompt)."""
+    def generate(self, ids: Sequence[int], config: SamplingConfig | None = None, **options) -> Turn:
+        """Answer the conversation ``ids`` (rendered with the generation prompt);
+        ``options`` (max_tokens, stop, evict, ignore_eos, logprobs, on_token, on_text)
+        are ``Engine.generate``'s."""
         eng = self.engine
         ids = [int(i) for i in ids]
         keep = self.reusable(ids)
@@ -100,20 +90,8 @@ class ChatSession:
         self.cached = self.cached[:keep]
         history, new = ids[:keep], ids[keep:]
         try:
-            res = eng.generate(
-                new,
-                config,
-                max_tokens=max_tokens,
-                stop=stop,
-                evict=evict,
-                ignore_eos=ignore_eos,
-                logprobs=logprobs,
-                on_token=on_token,
-                on_text=on_text,
-                state=self.state,
-                history=history,
-                speculative=self.drafter if self.drafter is not None else False,
-            )
+            drafter = self.drafter if self.drafter is not None else False
+            res = eng.generate(new, config, state=self.state, history=history, speculative=drafter, **options)
         except BaseException:
             # An error before the prefill left the cache at the kept prefix; one inside
             # a forward (Ctrl-C, a full context) may have left layers unequal: start over.
