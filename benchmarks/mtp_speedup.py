@@ -27,6 +27,13 @@ of runs for both (the fastest of many plain runs against one speculative run wou
 best-of-six against a single draw on a machine whose step time wanders 7-11 ms). ``speedup_min`` compares the fastest of each. The
 acceptance figures come from the engine's one counter (``cortiq_engine.acceptance``),
 summed over the prompts: what ``generate --json`` and ``mtp-probe`` report.
+
+``--memory``: where the measured choice remembers the sources' rates between runs
+(``cortiq_engine.spec_decision.SpecMemory``, what ``cortiq generate`` uses): ``fresh``
+(the default), an empty file of this benchmark's own, so its first speculative run
+starts knowing nothing but what the sidecar records and every later one starts from the
+runs before it, as a user's second generation does; ``off``, every run starts knowing
+nothing but the sidecar's record (a first generation on a new machine); or a path.
 """
 
 from __future__ import annotations
@@ -34,9 +41,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import tempfile
+from pathlib import Path
 
 from cortiq_engine.acceptance import Acceptance
 from cortiq_engine.engine import Engine, SpeculativeConfig
+from cortiq_engine.spec_decision import SpecMemory
 
 
 # What a chat user asks about a passage (cycled over the prompts).
@@ -90,9 +100,13 @@ def main() -> None:
     ap.add_argument(
         "--min-chars", type=int, default=300, help="paragraphs (blank-line separated) at least this long become prompts"
     )
+    ap.add_argument("--memory", default="fresh", help="fresh (a new memory file), off, or a memory file's path")
     a = ap.parse_args()
-    print(json.dumps({"loadavg_start": os.getloadavg()}), flush=True)
+    print(json.dumps({"loadavg_start": os.getloadavg(), "memory": a.memory}), flush=True)
     eng = Engine.load(a.model, threads=a.threads, mtp=False if a.sidecar == "none" else a.sidecar)
+    scratch = tempfile.TemporaryDirectory()
+    if a.memory != "off":
+        eng.spec_memory = SpecMemory(Path(scratch.name) / "speculation.json" if a.memory == "fresh" else Path(a.memory))
     paras = [p for p in open(a.text, encoding="utf-8").read().split("\n\n") if len(p) > a.min_chars][: a.prompts]
     asks = CHAT_ASKS if a.asks == "summary" else CONTINUE_ASKS
     # "default": what `cortiq generate` drafts unless told (the sidecar's measured
@@ -177,6 +191,7 @@ def main() -> None:
             )
         )
     print(json.dumps({"loadavg_end": os.getloadavg()}), flush=True)
+    scratch.cleanup()
 
 
 if __name__ == "__main__":

@@ -220,6 +220,7 @@ def chat(
     """
     from cortiq_engine import SamplingConfig
     from cortiq_engine.session import ChatSession
+    from cortiq_engine.spec_decision import SpecMemory
 
     model, _ = opts.model_and_prompt(model, None, model_opt, None, takes_prompt=False)
     if chat_template not in (TEMPLATE_MODEL, TEMPLATE_RAW):
@@ -233,6 +234,8 @@ def chat(
     eng = load_engine(
         model, threads=threads, ctx=ctx, quiet=json_out, mtp=mtp_opt.load_arg(mtp, no_mtp), kv_cache=kv_cache
     )
+    # Draft sources start from the rates measured on this machine before (CORTIQ_SPEC_MEMORY).
+    eng.spec_memory = SpecMemory.default()
     # kernel compilation at load, kept apart from every turn's speeds
     compiled = eng.compile_report.to_json() if eng.compile_report is not None else {"compile_seconds": 0.0}
     if compile_note(eng.compile_report) and not json_out:

@@ -119,6 +119,7 @@ def generate(
 ) -> None:
     """Generate text from a prompt with a CMF model (greedy by default)."""
     from cortiq_engine import SamplingConfig
+    from cortiq_engine.spec_decision import SpecMemory
 
     model, prompt = opts.model_and_prompt(model, prompt, model_opt, prompt_opt)
     prompt = read_prompt(prompt, prompt_file)
@@ -132,6 +133,8 @@ def generate(
     eng = load_engine(
         model, threads=threads, ctx=ctx, quiet=json_out, mtp=mtp_opt.load_arg(mtp, no_mtp), kv_cache=kv_cache
     )
+    # Draft sources start from the rates measured on this machine before (CORTIQ_SPEC_MEMORY).
+    eng.spec_memory = SpecMemory.default()
     speculative = mtp_opt.speculative_arg(
         no_mtp, mtp_depth, mtp_chain, mtp_hidden, mtp_vocab, mtp_threshold, lookup, lookup_ngram, mtp_gate
     )

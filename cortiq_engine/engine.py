@@ -42,9 +42,9 @@ from cortiq_engine.model import Model, State, forward
 from cortiq_engine.models import build_model, read_arch
 from cortiq_engine.draft_vocab import DraftHead, full_head, pick_vocab, sub_head
 from cortiq_engine.lookup import DEFAULT_LOOKUP, DEFAULT_NGRAM, LookupDrafter
-from cortiq_engine.mtp import DEFAULT_THRESHOLD, DraftStack, Drafter, load_draft_stack, make_drafter
+from cortiq_engine.mtp import DEFAULT_THRESHOLD, DraftStack, Drafter, header_digest, load_draft_stack, make_drafter
 from cortiq_engine.sampling import SamplingConfig
-from cortiq_engine.spec_decision import SpecDecision
+from cortiq_engine.spec_decision import MODELLED_ROUNDS, Prior, SpecDecision, SpecMemory, modelled_ratio
 from cortiq_engine.threads import DecodeThreads, set_threads
 from cortiq_engine.tokenizer import Tokenizer, header_eos_ids
 
@@ -206,6 +206,10 @@ class Engine:
         self._draft_heads: dict[int | None, DraftHead] = {}
         # What the load's warm-up compiled (None: loaded without one).
         self.compile_report: CompileReport | None = None
+        # Where the measured rates of speculative decoding are remembered across runs
+        # (``SpecMemory.default()``, as the CLI sets it); None: each generation measures anew.
+        self.spec_memory: SpecMemory | None = None
+        self._model_digest: str | None = None  # the model's name in that memory, taken at first use
 
     # ---------------------------------------------------------------- loading
     @classmethod
@@ -460,7 +464,8 @@ class Engine:
         lookup = DEFAULT_LOOKUP if spec.lookup is None else int(spec.lookup)
         ngram = spec.ngram or DEFAULT_NGRAM
         if lookup_only:
-            return LookupDrafter(self.ctx, lookup, ngram, gate=spec.decide), ""
+            dec = self._decision(lookup, ngram, None) if spec.decide else None
+            return LookupDrafter(self.ctx, lookup, ngram, gate=spec.decide, decision=dec), ""
         # Unset depth and threshold: the sidecar's measured defaults (``mtp-train``,
         # ``mtp-probe --save``) when it has them and the draft vocabulary is the one they
         # were measured with; with lookup drafting first, those measured so (the MTP
@@ -484,9 +489,33 @@ class Engine:
             hidden=spec.hidden or "pre",
             head=self.draft_head(spec.vocab),
             threshold=threshold,
-            decision=SpecDecision() if spec.decide and lookup == 0 else None,
         )
-        return (LookupDrafter(self.ctx, lookup, ngram, mtp=d, gate=spec.decide) if lookup > 0 else d), ""
+        if spec.decide:
+            d.decision = self._decision(lookup, ngram, d)
+        if lookup == 0:
+            return d, ""
+        dec, d.decision = d.decision, None  # the lookup drafter's choice covers both sources
+        return LookupDrafter(self.ctx, lookup, ngram, mtp=d, gate=spec.decide, decision=dec), ""
+
+    def _decision(self, lookup: int, ngram: Sequence[int], mtp: Drafter | None) -> SpecDecision:
+        """The measured choice of sources for a drafter of these settings, starting from
+        what is known of their rates: remembered (``spec_memory``, under a key naming the
+        model, the draft layers, the settings and the threads), else for the MTP layers
+        modelled from their sidecar's held-out acceptance."""
+        if self._model_digest is None:
+            self._model_digest = header_digest(self.header, Path(self.path).stat().st_size)
+        what = {
+            "model": self._model_digest,
+            "threads": self.threads,
+            "lookup": [lookup, *ngram] if lookup else 0,
+            "mtp": None if mtp is None else {"layers": mtp.stack.fingerprint, **mtp.describe(), "source": None},
+        }
+        key = header_digest(what, 0)
+        priors = self.spec_memory.priors(key) if self.spec_memory is not None else {}
+        held = mtp.stack.held_out if mtp is not None else None
+        if mtp is not None and "mtp" not in priors and held:
+            priors["mtp"] = Prior(modelled_ratio(held, mtp.depth), MODELLED_ROUNDS, "modelled")
+        return SpecDecision(priors=priors, memory_key=key if self.spec_memory is not None else None)
 
     def draft_head(self, vocab: int | str | None = None) -> DraftHead:
         """The lm_head rows drafts score (see ``SpeculativeConfig.vocab``), built once per size."""
@@ -538,6 +567,9 @@ class Engine:
         )
         if note:
             res.extra["mtp_note"] = note
+        decision = getattr(drafter, "decision", None)
+        if self.spec_memory is not None and decision is not None and decision.memory_key is not None:
+            self.spec_memory.remember(decision.memory_key, decision)
         return res
 
     def close(self) -> None:

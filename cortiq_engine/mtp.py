@@ -40,6 +40,8 @@ text, whose later tokens then stand in for the drafts.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, ClassVar, Sequence
@@ -55,6 +57,7 @@ from formats.sidecar import (
     open_sidecar,
     read_defaults,
     read_draft_vocab,
+    read_held_out,
     read_lookup_defaults,
 )
 from cortiq_engine.cache import KVCache
@@ -91,6 +94,11 @@ class DraftStack:
     default_threshold: float | None = None
     # ... and those measured with n-gram lookup drafting first (mtp.defaults.with_lookup)
     lookup_defaults: LookupDefaults | None = None
+    # the held-out acceptance per depth mtp-train measured (trained.held_out)
+    held_out: tuple[float, ...] | None = None
+    # names these layers in the speculation memory: a digest of the sidecar's header
+    # and size ("inline": the model's own, named by the model)
+    fingerprint: str = "inline"
 
     @property
     def num_layers(self) -> int:
@@ -130,9 +138,18 @@ def load_draft_stack(main: CmfFile, arch: ArchConfig, kernels, path: str | Path 
         vocab = read_draft_vocab(src, arch.vocab_size)
         depth, threshold = read_defaults(src.header, n) if src is not main else (None, None)
         with_lookup = read_lookup_defaults(src.header, n) if src is not main else None
+        held_out = read_held_out(src.header) if src is not main else None
     except CortiqError as e:
         raise CortiqError(f"{e} ({NO_MTP_HINT})") from None
-    return DraftStack(layers, arch.mtp.style if arch.mtp else "deepseek", source, vocab, depth, threshold, with_lookup)
+    fingerprint = "inline" if src is main else header_digest(src.header, Path(src.path).stat().st_size)
+    style = arch.mtp.style if arch.mtp else "deepseek"
+    return DraftStack(layers, style, source, vocab, depth, threshold, with_lookup, held_out, fingerprint)
+
+
+def header_digest(header: dict, size: int) -> str:
+    """A short digest naming a file by its header and size (the speculation memory's keys)."""
+    text = json.dumps(header, sort_keys=True, default=str) + f"/{size}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 # ------------------------------------------------------------------ per-sequence state

@@ -17,6 +17,10 @@ on this machine); ``read_defaults`` validates them and
 ``generate`` drafts so unless told otherwise. Its optional ``with_lookup`` record holds
 the depth and threshold measured fastest when n-gram lookup drafts first
 (``cortiq_engine.lookup``; ``read_lookup_defaults``).
+
+A sidecar ``cortiq mtp-train`` wrote also records its held-out acceptance per depth
+(``trained.held_out.acceptance_per_depth``): ``read_held_out`` validates it, and the
+engine models from it whether the layers are worth a first round at all.
 """
 
 from __future__ import annotations
@@ -126,6 +130,7 @@ def open_sidecar(main_path: str | Path, main_header: dict[str, Any], path: str |
         read_draft_vocab(cmf, _get(main_header, ("arch", "vocab_size")))
         read_defaults(cmf.header, have)
         read_lookup_defaults(cmf.header, have)
+        read_held_out(cmf.header)
     except CortiqError as e:
         cmf.close()
         raise CortiqError(f"MTP sidecar {side}: {e}") from None
@@ -147,6 +152,33 @@ def read_defaults(header: dict[str, Any], num_layers: int) -> tuple[int | None, 
     if not isinstance(threshold, (int, float)) or isinstance(threshold, bool) or not 0.0 <= float(threshold) < 1.0:
         raise CortiqError(f"MTP defaults: threshold {threshold!r} is not a number in [0, 1)")
     return depth, float(threshold)
+
+
+MAX_HELD_OUT_DEPTH = 64
+
+
+def read_held_out(header: dict[str, Any]) -> tuple[float, ...] | None:
+    """The held-out acceptance per depth ``cortiq mtp-train`` measured, None without a
+    record. Valid: a list of 1..MAX_HELD_OUT_DEPTH numbers in [0, 1] (a recursive chain
+    drafts deeper than its layers); else a one-line ``CortiqError``."""
+    trained = section(header, "trained")
+    held = trained.get("held_out")
+    if held is None:
+        return None
+    if not isinstance(held, dict):
+        raise CortiqError(f"trained.held_out is {type(held).__name__}, expected an object")
+    acc = held.get("acceptance_per_depth")
+    if acc is None:
+        return None
+    if (
+        not isinstance(acc, list)
+        or not 1 <= len(acc) <= MAX_HELD_OUT_DEPTH
+        or not all(isinstance(a, (int, float)) and not isinstance(a, bool) and 0.0 <= a <= 1.0 for a in acc)
+    ):
+        raise CortiqError(
+            f"trained.held_out.acceptance_per_depth is not a list of 1..{MAX_HELD_OUT_DEPTH} numbers in [0, 1]"
+        )
+    return tuple(float(a) for a in acc)
 
 
 # Bounds of the lookup settings a record may name (cortiq_engine.lookup validates the same).

@@ -22,6 +22,7 @@ from cortiq_engine.lookup import LookupDrafter
 from cortiq_engine.mtp import make_drafter
 from cortiq_engine.spec_decision import (
     MAX_PROBE_EVERY,
+    MEMORY_ENV,
     MIN_ROUNDS,
     PROBE_BUDGET,
     PROBE_EVERY,
@@ -188,10 +189,11 @@ def test_hysteresis_and_probes():
     assert dec.probe_interval(0.5, 2) < dec.probe_interval(0.5, 20)  # few rounds: probed sooner
 
 
-def test_the_json_and_the_line_carry_the_decision(tiny):
+def test_the_json_and_the_line_carry_the_decision(tiny, tmp_path):
     path = str(tiny)
     args = ["generate", path, "la la la la la la la la", "-n", "24", "--ignore-eos"]
-    r = runner.invoke(app, [*args, "--json"])
+    env = {MEMORY_ENV: str(tmp_path / "speculation.json")}  # a first run: nothing remembered
+    r = runner.invoke(app, [*args, "--json"], env=env)
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
     spec = doc["speculative"]
@@ -204,9 +206,9 @@ def test_the_json_and_the_line_carry_the_decision(tiny):
         assert s["rounds"] > 0 and s["tokens"] > 0
         if name != "plain":
             assert isinstance(s["on"], bool) and name in spec["decision"]
-    plain = json.loads(runner.invoke(app, [*args, "--json", "--no-mtp", "--lookup", "0"]).stdout)
+    plain = json.loads(runner.invoke(app, [*args, "--json", "--no-mtp", "--lookup", "0"], env=env).stdout)
     assert "speculative" not in plain and plain["token_ids"] == doc["token_ids"]
-    line = runner.invoke(app, args)
+    line = runner.invoke(app, args, env=env)
     assert line.exit_code == 0 and "speculative: " in line.output  # its own run: its own figures
     bench = runner.invoke(app, ["bench", path, "-p", "0", "-n", "8", "-r", "1", "--json"])
     assert bench.exit_code == 0, bench.output
