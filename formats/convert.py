@@ -26,9 +26,11 @@ import json
 import os
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -41,7 +43,7 @@ from formats.manifest import ArchFamily, Families, check_manifest
 from formats.mtp_names import mtp_layer_count
 from formats.imatrix import read_imatrix
 from formats.policy import QuantPolicy
-from formats.quants import DTYPES, f32_to_bf16, get_dtype, rows_cols
+from formats.quants import DTYPES, DType, f32_to_bf16, get_dtype, rows_cols
 from formats.safetensors_reader import FLOAT_DTYPES
 from formats.sanitize import sanitize_checkpoint
 from formats.staging import remove_stale
@@ -228,6 +230,7 @@ def convert_checkpoint(
     progress: ProgressFn | None = None,
     imatrix: str | Path | None = None,
     allow_nonfinite: bool = False,
+    threads: int | None = None,
 ) -> ConvertReport:
     """Convert an HF checkpoint folder, a hub repo id or a .gguf file into ``out``.
 
@@ -236,7 +239,9 @@ def convert_checkpoint(
     its config, names its tensors and gives the manifest they are checked against.
     ``imatrix`` (a ``cortiq imatrix`` file) weights the quantizers' error per column.
     A NaN or an infinity in a weight is an error naming the tensor, row and column
-    (``formats.finite``), before anything is written, unless ``allow_nonfinite``."""
+    (``formats.finite``), before anything is written, unless ``allow_nonfinite``.
+    ``threads`` (default: every usable core) encode row slices side by side; the
+    bytes written are the same for any count."""
     from formats.checkpoint import open_checkpoint
 
     if mtp not in MTP_MODES:
@@ -246,30 +251,32 @@ def convert_checkpoint(
         keep or [],
         imatrix=read_imatrix(imatrix) if imatrix is not None else None,
     )
-    policy_keep_source = quant == KEEP
     out = Path(out)
     _check_output(out, force, Path(src))
+    run = _Run(policy, mtp, force, progress, quant == KEEP, allow_nonfinite)
     src_path = Path(src)
-    if _is_cmf(src_path):
-        return _convert_cmf(src_path, out, policy, policy_keep_source, force, progress, allow_nonfinite)
-    if _is_gguf(src_path):
-        return _convert_gguf(src_path, out, families, policy, mtp, force, progress, policy_keep_source, allow_nonfinite)
-    ck = open_checkpoint(src)
-    try:
-        return _convert(
-            ck,
-            out,
-            families,
-            policy,
-            mtp,
-            force,
-            progress,
-            source_format="safetensors",
-            keep_source=policy_keep_source,
-            allow_nonfinite=allow_nonfinite,
-        )
-    finally:
-        ck.close()
+    with SliceEncoder(usable_cpus() if threads is None else threads) as encoder:
+        if _is_cmf(src_path):
+            return _convert_cmf(src_path, out, run, encoder)
+        if _is_gguf(src_path):
+            return _convert_gguf(src_path, out, families, run, encoder)
+        ck = open_checkpoint(src)
+        try:
+            return _convert(ck, out, families, run, encoder, source_format="safetensors")
+        finally:
+            ck.close()
+
+
+@dataclass(frozen=True)
+class _Run:
+    """The options of one conversion, as every source kind takes them."""
+
+    policy: QuantPolicy
+    mtp: str
+    force: bool
+    progress: ProgressFn | None
+    keep_source: bool  # --quant keep
+    allow_nonfinite: bool
 
 
 def _check_output(out: Path, force: bool, src: Path) -> None:
@@ -312,17 +319,7 @@ def _is_cmf(path: Path) -> bool:
         return f.read(len(CMF_MAGIC)) == CMF_MAGIC
 
 
-def _convert_gguf(
-    path: Path,
-    out: Path,
-    families: Families,
-    policy: QuantPolicy,
-    mtp: str,
-    force: bool,
-    progress: ProgressFn | None,
-    keep_source: bool = False,
-    allow_nonfinite: bool = False,
-) -> ConvertReport:
+def _convert_gguf(path: Path, out: Path, families: Families, run: _Run, encoder: "SliceEncoder") -> ConvertReport:
     """GGUF -> CMF, tensor by tensor: each is dequantized from the map in row slices as
     the writer needs it (nothing staged on disk); blocks whose layout CMF shares are
     copied from the GGUF itself."""
@@ -333,32 +330,12 @@ def _convert_gguf(
     ck, blocks = open_gguf_checkpoint(path, families)
     _trim_heap()  # what building the tokenizer freed, before the converter parses it again
     try:
-        return _convert(
-            ck,
-            out,
-            families,
-            policy,
-            mtp,
-            force,
-            progress,
-            source_format="gguf",
-            blocks=blocks,
-            keep_source=keep_source,
-            allow_nonfinite=allow_nonfinite,
-        )
+        return _convert(ck, out, families, run, encoder, source_format="gguf", blocks=blocks)
     finally:
         ck.close()
 
 
-def _convert_cmf(
-    path: Path,
-    out: Path,
-    policy: QuantPolicy,
-    keep_source: bool,
-    force: bool,
-    progress: ProgressFn | None,
-    allow_nonfinite: bool = False,
-) -> ConvertReport:
+def _convert_cmf(path: Path, out: Path, run: _Run, encoder: "SliceEncoder") -> ConvertReport:
     """CMF -> CMF with new dtypes (the ``llama-quantize`` workflow): tensors whose dtype
     stays are copied byte for byte, the others decoded to f32 and re-encoded, row slice
     by row slice. The header is kept, with the new quant settings and the source."""
@@ -374,18 +351,9 @@ def _convert_cmf(
                 f"{path}: re-quantizing a model with an MTP sidecar is not supported yet; convert the original checkpoint"
             )
         arch = ArchConfig.from_json(header["arch"])
-        policy = replace(policy, layers=arch.num_layers)  # the mixed presets pick layers
-        total = sum(src.info(n).nbytes for n in src.names())
-        done = 0
-        stats: dict[str, DtypeStats] = {}
-        reports: list[TensorReport] = []
-        fallbacks: list[str] = []
-        used_keep: set[str] = set()
-        copied: list[str] = []
-        header["quant"] = {
-            "default": KEEP if keep_source else policy.quant,
-            "keep": [f"{p}={d}" for p, d in policy.keep],
-        }
+        policy = replace(run.policy, layers=arch.num_layers)  # the mixed presets pick layers
+        tally = _Tally(sum(src.info(n).nbytes for n in src.names()), run.progress)
+        header["quant"] = _quant_header(policy, run.keep_source)
         header["source"] = {
             **(header.get("source") or {}),
             "path": str(path.resolve()),
@@ -393,54 +361,41 @@ def _convert_cmf(
             "from": header.get("source"),
         }
         header["converter"] = {"name": "cortiq", "version": CONVERTER_VERSION}
-        w = CmfWriter(out, header, force=force)
+        w = CmfWriter(out, header, force=run.force)
         try:
             for name in src.names():
                 info = src.info(name)
                 if not get_dtype(info.dtype).matrix:  # embedded files: bytes as they are
                     w.add_encoded(name, info.dtype, info.shape, [src.tensor_parts(name)["data"]])
                     continue
-                kept = policy.matching_keep(name)
-                if kept is not None and len(info.shape) >= 2:
-                    used_keep.add(kept[0])
-                if keep_source and kept is None:
+                kept = tally.keep_used(policy, name, info.shape)
+                if run.keep_source and kept is None:
                     dtype, fell = info.dtype, False
                 else:
                     dtype, fell = policy.choose(name, info.shape)
                 if fell:
-                    fallbacks.append(name)
+                    tally.fallbacks.append(name)
                 err = [0.0, 0.0]
                 if dtype == info.dtype:
                     parts = src.tensor_parts(name)
-                    if not allow_nonfinite:
+                    if not run.allow_nonfinite:
                         check_finite_parts(name, parts)
                     new = w.add_encoded(
                         name, dtype, info.shape, [parts[sp.name] for sp in get_dtype(dtype).parts(info.shape)]
                     )
-                    copied.append(name)
+                    tally.copied.append(name)
                 else:
-                    new = _reencode(
-                        src,
+                    job = SliceJob(
                         name,
-                        info,
-                        dtype,
-                        w,
-                        err,
+                        name,
+                        get_dtype(dtype),
                         policy.importance(name, rows_cols(info.shape)[1]),
-                        allow_nonfinite,
+                        True,
+                        run.allow_nonfinite,
                     )
-                done += info.nbytes
-                if progress:
-                    progress(name, done, total)
-                s = stats.setdefault(dtype, DtypeStats())
-                rows, cols = rows_cols(info.shape)
-                s.tensors += 1
-                s.params += rows * cols
-                s.bytes += new.nbytes
-                s.err_sq += err[0]
-                s.ref_sq += err[1]
-                rel = float(np.sqrt(err[0] / err[1])) if err[1] > 0 else 0.0
-                reports.append(TensorReport(name, dtype, tuple(info.shape), new.nbytes, rel, "main"))
+                    new = _reencode(src, info, job, w, err, encoder)
+                tally.advance(name, info.nbytes)
+                tally.record(dtype, name, info.shape, new.nbytes, err[0], err[1], "main")
             w.seal()
             w.publish()
         except BaseException:
@@ -448,57 +403,30 @@ def _convert_cmf(
             raise
     finally:
         src.close()
-    return ConvertReport(
-        output=out,
-        sidecar=None,
-        arch=arch,
-        by_dtype=stats,
-        source_bytes=done,
-        output_bytes=out.stat().st_size,
-        seconds=time.perf_counter() - t0,
-        mtp_tensors=0,
-        fallbacks=fallbacks,
-        source=str(path.resolve()),
-        tensors=reports,
-        unused_keep=[f"{p}={d}" for p, d in policy.keep if p not in used_keep],
-        block_copied=copied,
-    )
+    return tally.report(out, None, arch, time.perf_counter() - t0, 0, str(path.resolve()), policy)
 
 
-def _reencode(
-    src: CmfFile,
-    name: str,
-    info,
-    dtype: str,
-    w: CmfWriter,
-    err: list[float],
-    importance=None,
-    allow_nonfinite: bool = False,
-):
-    """Decode ``name`` to f32 in row slices and encode it as ``dtype`` into ``w``;
+def _quant_header(policy: QuantPolicy, keep_source: bool) -> dict[str, Any]:
+    return {"default": KEEP if keep_source else policy.quant, "keep": [f"{p}={d}" for p, d in policy.keep]}
+
+
+def _reencode(src: CmfFile, info, job: "SliceJob", w: CmfWriter, err: list[float], encoder: "SliceEncoder"):
+    """Decode ``info``'s tensor to f32 in row slices and encode it as ``job.dt`` into ``w``;
     ``err`` gets (sum of squared errors, sum of squared values) against the decoded source."""
-    sdt, dt = get_dtype(info.dtype), get_dtype(dtype)
+    sdt = get_dtype(info.dtype)
     rows, cols = rows_cols(info.shape)
-    parts = {k: v.reshape(rows, -1) for k, v in src.tensor_parts(name).items()}
-    step = max(1, SLICE_ELEMS // max(cols, 1))
-    layout = dt.parts(info.shape)
-    bufs = [np.empty(sp.shape, sp.dtype).reshape(rows, -1) for sp in layout]
-    for r0 in range(0, rows, step):
-        r1 = min(rows, r0 + step)
-        x = sdt.decode({k: v[r0:r1] for k, v in parts.items()}, (r1 - r0, cols))
-        if not allow_nonfinite:
-            check_finite(name, x, r0)
-        enc = dt.encode(x, importance)
-        e, ref = dt.error(x, enc)
-        if allow_nonfinite and not np.isfinite(ref):
-            e = ref = 0.0  # a kept NaN or infinity has no error to measure
-        if not np.isfinite(e):
-            raise CortiqError(f"tensor {name} does not fit {dtype}; use --keep '{name}=bf16'")
-        err[0] += e
-        err[1] += ref
-        for buf, part in zip(bufs, enc):
-            buf[r0:r1] = part.reshape(r1 - r0, -1)
-    return w.add_encoded(name, dtype, info.shape, [b.reshape(sp.shape) for b, sp in zip(bufs, layout)])
+    parts = {k: v.reshape(rows, -1) for k, v in src.tensor_parts(info.name).items()}
+
+    def decoded(max_elems: int) -> Iterator[np.ndarray]:
+        step = max(1, max_elems // max(cols, 1))
+        for r0 in range(0, rows, step):
+            yield sdt.decode({k: v[r0 : r0 + step] for k, v in parts.items()}, (min(rows, r0 + step) - r0, cols))
+
+    out = [np.empty(sp.shape, sp.dtype) for sp in job.dt.parts(info.shape)]
+    for sl in encoder.encoded(job, decoded, SLICE_ELEMS, out):
+        err[0] += sl.err_sq
+        err[1] += sl.ref_sq
+    return w.add_encoded(info.name, job.dt.name, info.shape, out)
 
 
 def _trim_heap() -> None:
@@ -532,110 +460,35 @@ def _source_identity(ck, plan: list[PlannedTensor], fp: str, source_format: str)
     return ident
 
 
-class _Streamer:
-    """Encodes one planned tensor slice by slice into a writer, keeping the stats."""
+@dataclass
+class _Tally:
+    """What a conversion reports, tensor by tensor, and its progress."""
 
-    def __init__(
-        self,
-        ck,
-        policy: QuantPolicy,
-        total: int,
-        progress: ProgressFn | None,
-        blocks: dict[str, Any] | None = None,
-        keep_source: bool = False,
-        allow_nonfinite: bool = False,
-    ):
-        self.ck, self.policy, self.total, self.progress = ck, policy, total, progress
-        self.allow_nonfinite = allow_nonfinite
-        self.blocks = blocks or {}  # HF name -> formats.gguf_import.SourceBlocks
-        self.keep_source = keep_source
-        self.copied: list[str] = []  # tensors whose GGML blocks were copied bit for bit
-        self.done = 0
-        self.stats: dict[str, DtypeStats] = {}
-        self.tensors: list[TensorReport] = []
-        self.fallbacks: list[str] = []
-        self.used_keep: set[str] = set()
+    total: int  # source bytes
+    progress: ProgressFn | None
+    done: int = 0
+    stats: dict[str, DtypeStats] = field(default_factory=dict)
+    tensors: list[TensorReport] = field(default_factory=list)
+    fallbacks: list[str] = field(default_factory=list)
+    used_keep: set[str] = field(default_factory=set)
+    copied: list[str] = field(default_factory=list)  # tensors whose blocks were copied bit for bit
 
-    def _source_type(self, p: PlannedTensor) -> str:
-        b = self.blocks.get(p.source)
-        return b.ggml_type if b is not None else self.ck.source_dtype(p.source)
-
-    def choose(self, p: PlannedTensor) -> tuple[str, bool]:
-        kept = self.policy.matching_keep(p.name)
-        if self.keep_source and kept is None and len(p.shape) >= 2:
-            dtype = SOURCE_TO_CMF.get(self._source_type(p), KEEP_FALLBACK)
-            if get_dtype(dtype).supports(p.shape):
-                return dtype, False
-        return self.policy.choose(p.name, p.shape)
-
-    def write(self, w: CmfWriter, p: PlannedTensor, file: str) -> None:
-        dtype, fell_back = self.choose(p)
-        kept = self.policy.matching_keep(p.name)
-        if kept is not None and len(p.shape) >= 2:
+    def keep_used(self, policy: QuantPolicy, name: str, shape: tuple[int, ...]) -> tuple[str, str] | None:
+        """The --keep rule matching ``name`` (None if none), noted as used when it applies."""
+        kept = policy.matching_keep(name)
+        if kept is not None and len(shape) >= 2:
             self.used_keep.add(kept[0])
-        if fell_back:
-            self.fallbacks.append(p.name)
-        dt = get_dtype(dtype)
-        src_dtype = self.ck.source_dtype(p.source)
-        itemsize = _ST_ITEMSIZE[src_dtype]
-        b = self.blocks.get(p.source)
-        if b is not None and BLOCK_COPY.get(b.ggml_type) == dtype and len(p.shape) == 2:
-            parts = ggml_block_parts(b, p.shape)
-            if not self.allow_nonfinite:
-                check_finite_parts(p.source, {sp.name: a for sp, a in zip(dt.parts(p.shape), parts)})
-            info = w.add_encoded(p.name, dtype, p.shape, parts)
-            self.ck.release_pages()  # the blocks read from the source's map
-            self.copied.append(p.name)
-            self.done += int(np.prod(p.shape)) * itemsize
-            if self.progress:
-                self.progress(p.name, self.done, self.total)
-            self._record(dtype, p, info.nbytes, 0.0, 0.0, file)
-            return
-        measure = (dtype, src_dtype) not in _LOSSLESS
-        rows, cols = rows_cols(p.shape)
-        err = [0.0, 0.0]
+        return kept
 
-        importance = self.policy.importance(p.name, cols)
+    def advance(self, name: str, nbytes: int) -> None:
+        self.done += nbytes
+        if self.progress:
+            self.progress(name, self.done, self.total)
 
-        def slices() -> Iterator[tuple[int, list[np.ndarray]]]:
-            r0 = 0
-            for x in self.ck.iter_f32_rows(p.source, SLICE_ELEMS):
-                if not self.allow_nonfinite:
-                    check_finite(p.source, x, r0)
-                enc = dt.encode(x, importance)
-                e, ref = dt.error(x, enc) if measure else (0.0, 0.0)
-                if self.allow_nonfinite and not np.isfinite(ref):
-                    e = ref = 0.0  # a kept NaN or infinity has no error to measure
-                if not np.isfinite(e):
-                    raise CortiqError(
-                        f"tensor {p.source} does not fit {dtype} (values up to {float(np.abs(x).max()):.4g}); "
-                        f"use --keep '{p.name}=bf16' or --quant bf16"
-                    )
-                err[0] += e
-                err[1] += ref
-                yield r0, enc
-                r0 += x.shape[0]
-                self.done += x.size * itemsize
-                if self.progress:
-                    self.progress(p.name, self.done, self.total)
-
-        layout = dt.parts(p.shape)
-        if len(layout) == 1:
-            # One part: the bytes stream straight to the file.
-            info = w.add_encoded(p.name, dtype, p.shape, [(enc[0] for _, enc in slices())])
-        else:
-            # Planar parts: gather each part whole (it is smaller than the source).
-            bufs = [np.empty(s.shape, s.dtype) for s in layout]
-            for r0, enc in slices():
-                for buf, part in zip(bufs, enc):
-                    buf[r0 : r0 + part.shape[0]] = part
-            info = w.add_encoded(p.name, dtype, p.shape, bufs)
-        if rows * cols == 0 and self.progress:
-            self.progress(p.name, self.done, self.total)
-        self._record(dtype, p, info.nbytes, err[0], err[1], file)
-
-    def _record(self, dtype: str, p: PlannedTensor, nbytes: int, err_sq: float, ref_sq: float, file: str) -> None:
-        rows, cols = rows_cols(p.shape)
+    def record(
+        self, dtype: str, name: str, shape: tuple[int, ...], nbytes: int, err_sq: float, ref_sq: float, file: str
+    ) -> None:
+        rows, cols = rows_cols(shape)
         s = self.stats.setdefault(dtype, DtypeStats())
         s.tensors += 1
         s.params += rows * cols
@@ -643,7 +496,235 @@ class _Streamer:
         s.err_sq += err_sq
         s.ref_sq += ref_sq
         rel = float(np.sqrt(err_sq / ref_sq)) if ref_sq > 0 else 0.0
-        self.tensors.append(TensorReport(p.name, dtype, p.shape, nbytes, rel, file))
+        self.tensors.append(TensorReport(name, dtype, tuple(shape), nbytes, rel, file))
+
+    def report(
+        self,
+        out: Path,
+        sidecar: Path | None,
+        arch: ArchConfig,
+        seconds: float,
+        mtp_tensors: int,
+        source: str,
+        policy: QuantPolicy,
+    ) -> ConvertReport:
+        return ConvertReport(
+            output=out,
+            sidecar=sidecar,
+            arch=arch,
+            by_dtype=self.stats,
+            source_bytes=self.done,
+            output_bytes=out.stat().st_size + (sidecar.stat().st_size if sidecar else 0),
+            seconds=seconds,
+            mtp_tensors=mtp_tensors,
+            fallbacks=self.fallbacks,
+            source=source,
+            tensors=self.tensors,
+            unused_keep=[f"{p}={d}" for p, d in policy.keep if p not in self.used_keep],
+            block_copied=self.copied,
+        )
+
+
+# ------------------------------------------------------------------ slices on all cores
+
+
+def usable_cpus() -> int:
+    """Cores this process may run on (taskset / cgroup cpusets narrow it)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+@dataclass(frozen=True)
+class SliceJob:
+    """How every row slice of one tensor is encoded."""
+
+    source: str  # the source's name, for errors
+    name: str  # the CMF name, for the --keep hint
+    dt: DType
+    importance: np.ndarray | None
+    measure: bool  # sum the encoding's squared error (a lossless pair has none)
+    allow_nonfinite: bool
+
+
+@dataclass(frozen=True)
+class EncodedSlice:
+    r0: int
+    rows: int
+    size: int  # elements
+    parts: list[np.ndarray] | None  # None once copied into the caller's whole parts
+    err_sq: float
+    ref_sq: float
+
+
+def encode_slice(job: SliceJob, r0: int, x: np.ndarray, out: list[np.ndarray] | None = None) -> EncodedSlice:
+    """Check, encode and measure the f32 rows ``x`` (rows ``r0``... of the tensor); with
+    ``out`` (the tensor's whole parts) the encoded rows go straight into it."""
+    if not job.allow_nonfinite:
+        check_finite(job.source, x, r0)
+    enc = job.dt.encode(x, job.importance)
+    e, ref = job.dt.error(x, enc) if job.measure else (0.0, 0.0)
+    if job.allow_nonfinite and not np.isfinite(ref):
+        e = ref = 0.0  # a kept NaN or infinity has no error to measure
+    if not np.isfinite(e):
+        raise CortiqError(
+            f"tensor {job.source} does not fit {job.dt.name} (values up to {float(np.abs(x).max()):.4g}); "
+            f"use --keep '{job.name}=bf16' or --quant bf16"
+        )
+    rows = x.shape[0]
+    if out is not None:
+        for buf, part in zip(out, enc):
+            buf.reshape(rows_cols(buf.shape)[0], -1)[r0 : r0 + rows] = part.reshape(rows, -1)
+        enc = None
+    return EncodedSlice(r0, rows, x.size, enc, e, ref)
+
+
+class SliceEncoder:
+    """Encodes a tensor's row slices on ``threads`` threads, handing them back in order.
+
+    The compiled quantizers release the GIL, so each thread runs one slice's whole
+    pipeline (finite check, encode, error, copy into the tensor's parts). The source
+    is read in batches of two slices per thread, and the next batch is read only when
+    every slice of this one is done: a reader hands a batch's mapped pages back to the
+    OS when it moves on, and a slice read after that would fault them in again for the
+    rest of the run. Slices are encoded independently, so the bytes are the same for
+    any thread count.
+    """
+
+    def __init__(self, threads: int):
+        if threads < 1:
+            raise CortiqError(f"threads must be at least 1, got {threads}")
+        self.threads = threads
+        self.batch = 1 if threads == 1 else 2 * threads
+        self._pool: ThreadPoolExecutor | None = None
+
+    def _start(self) -> ThreadPoolExecutor | None:
+        """The pool, started at the first tensor: numba's threading layer then loads
+        after the tokenizer's and the planning's memory went back to the OS, not on top."""
+        if self._pool is None and self.threads > 1:
+            from numba import set_num_threads
+
+            from formats.quant_kernels import parallel_calls_safe
+
+            if not parallel_calls_safe():
+                self.threads, self.batch = 1, 1
+                return None
+            # One numba thread per worker: the workers are the parallelism.
+            self._pool = ThreadPoolExecutor(self.threads, "cortiq-encode", initializer=set_num_threads, initargs=(1,))
+        return self._pool
+
+    def __enter__(self) -> "SliceEncoder":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def encoded(
+        self,
+        job: SliceJob,
+        read: Callable[[int], Iterable[np.ndarray]],
+        slice_elems: int,
+        out: list[np.ndarray] | None = None,
+    ) -> Iterator[EncodedSlice]:
+        """``encode_slice`` of every row slice of about ``slice_elems`` elements, in order;
+        ``read(max_elems)`` iterates the tensor's f32 rows in blocks of at most that many."""
+        pool = self._start()
+        r0 = 0
+        for block in read(slice_elems * self.batch):
+            rows = block.shape[0]
+            step = max(1, slice_elems // max(block[:1].size, 1))
+            starts = range(0, rows, step)
+            if pool is None:
+                yield from (encode_slice(job, r0 + a, block[a : a + step], out) for a in starts)
+            else:
+                futures = [pool.submit(encode_slice, job, r0 + a, block[a : a + step], out) for a in starts]
+                try:
+                    done = [f.result() for f in futures]
+                finally:
+                    wait(futures)  # nothing reads the block or writes ``out`` once this returns
+                yield from done
+            r0 += rows
+
+
+class _Streamer:
+    """Encodes one planned tensor slice by slice into a writer, keeping the tally."""
+
+    def __init__(
+        self,
+        ck,
+        run: _Run,
+        policy: QuantPolicy,
+        tally: _Tally,
+        encoder: SliceEncoder,
+        blocks: dict[str, Any] | None = None,
+    ):
+        self.ck, self.run, self.policy, self.tally, self.encoder = ck, run, policy, tally, encoder
+        self.blocks = blocks or {}  # HF name -> formats.gguf_import.SourceBlocks
+
+    def _source_type(self, p: PlannedTensor) -> str:
+        b = self.blocks.get(p.source)
+        return b.ggml_type if b is not None else self.ck.source_dtype(p.source)
+
+    def choose(self, p: PlannedTensor) -> tuple[str, bool]:
+        kept = self.tally.keep_used(self.policy, p.name, p.shape)
+        if self.run.keep_source and kept is None and len(p.shape) >= 2:
+            dtype = SOURCE_TO_CMF.get(self._source_type(p), KEEP_FALLBACK)
+            if get_dtype(dtype).supports(p.shape):
+                return dtype, False
+        return self.policy.choose(p.name, p.shape)
+
+    def write(self, w: CmfWriter, p: PlannedTensor, file: str) -> None:
+        dtype, fell_back = self.choose(p)
+        if fell_back:
+            self.tally.fallbacks.append(p.name)
+        dt = get_dtype(dtype)
+        src_dtype = self.ck.source_dtype(p.source)
+        itemsize = _ST_ITEMSIZE[src_dtype]
+        b = self.blocks.get(p.source)
+        if b is not None and BLOCK_COPY.get(b.ggml_type) == dtype and len(p.shape) == 2:
+            parts = ggml_block_parts(b, p.shape)
+            if not self.run.allow_nonfinite:
+                check_finite_parts(p.source, {sp.name: a for sp, a in zip(dt.parts(p.shape), parts)})
+            info = w.add_encoded(p.name, dtype, p.shape, parts)
+            self.ck.release_pages()  # the blocks read from the source's map
+            self.tally.copied.append(p.name)
+            self.tally.advance(p.name, int(np.prod(p.shape)) * itemsize)
+            self.tally.record(dtype, p.name, p.shape, info.nbytes, 0.0, 0.0, file)
+            return
+        rows, cols = rows_cols(p.shape)
+        job = SliceJob(
+            p.source,
+            p.name,
+            dt,
+            self.policy.importance(p.name, cols),
+            (dtype, src_dtype) not in _LOSSLESS,
+            self.run.allow_nonfinite,
+        )
+        err = [0.0, 0.0]
+
+        def encoded(out: list[np.ndarray] | None) -> Iterator[EncodedSlice]:
+            read = partial(self.ck.iter_f32_rows, p.source)
+            for sl in self.encoder.encoded(job, read, SLICE_ELEMS, out):
+                err[0] += sl.err_sq
+                err[1] += sl.ref_sq
+                yield sl
+                self.tally.advance(p.name, sl.size * itemsize)
+
+        layout = dt.parts(p.shape)
+        if len(layout) == 1:
+            # One part: the bytes stream straight to the file.
+            info = w.add_encoded(p.name, dtype, p.shape, [(sl.parts[0] for sl in encoded(None))])
+        else:
+            # Planar parts: gather each part whole (it is smaller than the source).
+            bufs = [np.empty(sp.shape, sp.dtype) for sp in layout]
+            for _ in encoded(bufs):
+                pass
+            info = w.add_encoded(p.name, dtype, p.shape, bufs)
+        if rows * cols == 0:
+            self.tally.advance(p.name, 0)
+        self.tally.record(dtype, p.name, p.shape, info.nbytes, err[0], err[1], file)
 
 
 def ggml_block_parts(b, shape: tuple[int, ...]) -> list[np.ndarray]:
@@ -663,18 +744,15 @@ def _convert(
     ck,
     out: Path,
     families: Families,
-    policy: QuantPolicy,
-    mtp_mode: str,
-    force: bool,
-    progress: ProgressFn | None,
+    run: _Run,
+    encoder: SliceEncoder,
     source_format: str,
     blocks: dict[str, Any] | None = None,
-    keep_source: bool = False,
-    allow_nonfinite: bool = False,
 ) -> ConvertReport:
     t0 = time.perf_counter()
     family, arch = arch_from_config(families, ck.config)
-    policy = replace(policy, layers=arch.num_layers)  # the mixed presets pick layers
+    policy = replace(run.policy, layers=arch.num_layers)  # the mixed presets pick layers
+    mtp_mode = run.mtp
     ck = sanitize_checkpoint(ck, family.rules_for(ck.config))  # the exporter's names -> the engine's
     plan = _plan(ck, arch, family, check_mtp=mtp_mode != "drop")
     mtp_plan = [p for p in plan if p.mtp]
@@ -687,7 +765,7 @@ def _convert(
     ck.release_pages()  # sampling faulted in pages all over the source
     _trim_heap()
     side = sidecar_path(out) if (mtp_plan and mtp_mode == "sidecar") else None
-    if side is not None and side.exists() and not force:
+    if side is not None and side.exists() and not run.force:
         raise CortiqError(f"{side} exists (use --force to overwrite)")
     header: dict[str, Any] = {
         "format": "cmf",
@@ -698,7 +776,7 @@ def _convert(
         "generation_config": ck.read_json("generation_config.json") or {},
         "source": _source_identity(ck, plan, fp, source_format),
         "converter": {"name": "cortiq", "version": CONVERTER_VERSION},
-        "quant": {"default": KEEP if keep_source else policy.quant, "keep": [f"{p}={d}" for p, d in policy.keep]},
+        "quant": _quant_header(policy, run.keep_source),
         "calibration": {"temperature": None},
         "mtp": None,
     }
@@ -712,11 +790,10 @@ def _convert(
     main_plan = [p for p in plan if not p.mtp or mtp_mode == "inline"]
     side_plan = mtp_plan if side else []
     total = sum(int(np.prod(p.shape)) * _ST_ITEMSIZE[ck.source_dtype(p.source)] for p in main_plan + side_plan)
-    streamer = _Streamer(
-        ck, policy, total, progress, blocks=blocks, keep_source=keep_source, allow_nonfinite=allow_nonfinite
-    )
+    tally = _Tally(total, run.progress)
+    streamer = _Streamer(ck, run, policy, tally, encoder, blocks)
 
-    main_w = CmfWriter(out, header, force=force)
+    main_w = CmfWriter(out, header, force=run.force)
     side_w: CmfWriter | None = None
     side_published = False
     try:
@@ -735,7 +812,7 @@ def _convert(
                 "converter": header["converter"],
                 "quant": header["quant"],
             }
-            side_w = CmfWriter(side, side_header, force=force)
+            side_w = CmfWriter(side, side_header, force=run.force)
             for p in side_plan:
                 streamer.write(side_w, p, "sidecar")
         # Both files complete on disk before either becomes visible.
@@ -752,19 +829,5 @@ def _convert(
             if side_published:
                 side.unlink(missing_ok=True)
         raise
-    out_bytes = out.stat().st_size + (side.stat().st_size if side else 0)
-    return ConvertReport(
-        output=out,
-        sidecar=side,
-        arch=arch,
-        by_dtype=streamer.stats,
-        source_bytes=streamer.done,
-        output_bytes=out_bytes,
-        seconds=time.perf_counter() - t0,
-        mtp_tensors=len(mtp_plan),
-        fallbacks=streamer.fallbacks,
-        source=header["source"]["path"],
-        tensors=streamer.tensors,
-        unused_keep=[f"{p}={d}" for p, d in policy.keep if p not in streamer.used_keep],
-        block_copied=streamer.copied,
-    )
+    seconds = time.perf_counter() - t0
+    return tally.report(out, side, arch, seconds, len(mtp_plan), header["source"]["path"], policy)

@@ -23,18 +23,24 @@ _F15 = np.float32(15.0)
 _F127 = np.float32(127.0)
 
 
+@njit(inline="always")
+def _amax(x, r, o):
+    """max |x| of the block of 32 at row r, column o."""
+    amax = _F0
+    for j in range(QB):
+        a = abs(x[r, o + j])
+        if a > amax:
+            amax = a
+    return amax
+
+
 @njit(cache=True, nogil=True)
 def _q8_rows(x, d, qs):  # pragma: no cover - compiled
     rows, cols = x.shape
     for r in range(rows):
         for b in range(cols // QB):
             o = b * QB
-            amax = _F0
-            for j in range(QB):
-                a = abs(x[r, o + j])
-                if a > amax:
-                    amax = a
-            dd = amax / _F127
+            dd = _amax(x, r, o) / _F127
             inv = _F1 / dd if dd != _F0 else _F0
             d[r, b] = dd
             for j in range(QB):
@@ -56,45 +62,61 @@ def _f16_round(typingctx, x):
     return sig, codegen
 
 
+_HALF_BELOW = np.float32(0.49999997)  # the f32 just below 0.5
+
+
 @njit(inline="always")
-def _roundf(v):
-    a = abs(v)
-    fl = np.floor(a)
-    q = fl + np.floor(_F2 * (a - fl))
-    return -q if v < _F0 else q
+def _q8_level(v):
+    """C roundf(v) clamped to +-127. floor(|v| + 0.49999997) is roundf(|v|) for every
+    f32 (checked exhaustively): one add and one floor, where v + 0.5 would round up
+    the values just below a half."""
+    q = np.floor(abs(v) + _HALF_BELOW)
+    return min(max(-q if v < _F0 else q, -_F127), _F127)
 
 
-# Rows in parallel: each row's result is independent of the thread count.
-@njit(cache=True, nogil=True, parallel=True)
-def _q8_rows_search(x, divs, d, qs):  # pragma: no cover - compiled
+# Q8_DIVISORS padded to a multiple of the vector width with its last divisor: a repeat
+# never wins (a tie keeps the first), and a fixed count lets LLVM unroll the lanes.
+_NCAND = 56
+
+
+def _candidates(divs: np.ndarray) -> np.ndarray:
+    pad = _NCAND - divs.shape[0]
+    assert pad >= 0
+    return np.concatenate([divs, np.repeat(divs[-1:], pad)]).astype(np.float32)
+
+
+# The candidates of a block are independent lanes: the loop over them vectorizes while
+# each candidate's error still sums its 32 values in order (f64), as the reference does.
+# The scratch arrays come from the caller: arrays allocated in here keep LLVM from
+# proving they do not alias, and the candidate loop then stays scalar (4x slower).
+@njit(cache=True, nogil=True)
+def _q8_rows_search(x, divs, d, qs, dd, inv, err):  # pragma: no cover - compiled
     rows, cols = x.shape
-    for r in prange(rows):
+    n = _NCAND
+    for r in range(rows):
         for b in range(cols // QB):
             o = b * QB
-            amax = _F0
+            amax = _amax(x, r, o)
+            for k in range(n):
+                c = _f16_round(amax / divs[k])
+                dd[k] = c
+                inv[k] = _F1 / c if c != _F0 else _F0
+                err[k] = 0.0
             for j in range(QB):
-                a = abs(x[r, o + j])
-                if a > amax:
-                    amax = a
+                xj = x[r, o + j]
+                for k in range(n):
+                    e = np.float64(xj - _q8_level(xj * inv[k]) * dd[k])
+                    err[k] += e * e
             best = _F0
             best_err = np.inf
-            for k in range(divs.shape[0]):
-                dd = _f16_round(amax / divs[k])
-                if dd == _F0:
-                    continue
-                inv = _F1 / dd
-                err = 0.0
-                for j in range(QB):
-                    q = min(max(_roundf(x[r, o + j] * inv), -_F127), _F127)
-                    e = np.float64(x[r, o + j] - q * dd)
-                    err += e * e
-                if err < best_err:
-                    best_err = err
-                    best = dd
+            for k in range(n):
+                if dd[k] != _F0 and err[k] < best_err:
+                    best_err = err[k]
+                    best = dd[k]
             d[r, b] = best
-            inv = _F1 / best if best != _F0 else _F0
+            iv = _F1 / best if best != _F0 else _F0
             for j in range(QB):
-                qs[r, o + j] = np.int8(min(max(_roundf(x[r, o + j] * inv), -_F127), _F127))
+                qs[r, o + j] = np.int8(_q8_level(x[r, o + j] * iv))
 
 
 @njit(cache=True, nogil=True)
@@ -166,7 +188,8 @@ def quantize_q8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     rows, cols = x.shape
     d = np.empty((rows, cols // QB), np.float32)
     qs = np.empty((rows, cols), np.int8)
-    _q8_rows_search(x, Q8_DIVISORS, d, qs)
+    n = _NCAND
+    _q8_rows_search(x, _candidates(Q8_DIVISORS), d, qs, np.empty(n, np.float32), np.empty(n, np.float32), np.empty(n))
     return d.astype(np.float16), qs
 
 
@@ -198,3 +221,18 @@ def q8_error(x: np.ndarray, d: np.ndarray, qs: np.ndarray) -> tuple[float, float
 
 def q4_error(x: np.ndarray, d: np.ndarray, m: np.ndarray, qs: np.ndarray) -> tuple[float, float]:
     return _q4_error(np.ascontiguousarray(x, np.float32), d.astype(np.float32), m.astype(np.float32), qs)
+
+
+@njit(cache=True, parallel=True)
+def _launch(a):  # pragma: no cover - compiled
+    for i in prange(a.shape[0]):
+        a[i] = i
+
+
+def parallel_calls_safe() -> bool:
+    """Whether numba's threading layer takes parallel kernels from several threads at
+    once (tbb and omp do; workqueue aborts the process)."""
+    import numba
+
+    _launch(np.zeros(1))  # the layer is chosen at the first parallel launch
+    return numba.threading_layer() != "workqueue"

@@ -22,7 +22,7 @@ from cortiq_cli.main import app
 from formats.cmf import CmfFile
 from cortiq_engine.convert import convert_checkpoint
 from cortiq_engine.models import FAMILIES
-from formats.convert import KEEP, KEEP_FALLBACK, QuantPolicy, _convert
+from formats.convert import KEEP, KEEP_FALLBACK, QuantPolicy, SliceEncoder, _convert, _Run
 from tests.tiny import build_tiny
 
 runner = CliRunner()
@@ -88,18 +88,9 @@ def convert_through_hf_folder(src: Path, out: Path, folder: Path, quant: str) ->
     ck.origin = str(src)
     policy = QuantPolicy(KEEP_FALLBACK if quant == KEEP else quant, [])
     try:
-        _convert(
-            ck,
-            out,
-            FAMILIES,
-            policy,
-            "sidecar",
-            False,
-            None,
-            source_format="gguf",
-            blocks=source_blocks(read_gguf(src)),
-            keep_source=quant == KEEP,
-        )
+        with SliceEncoder(1) as encoder:
+            run = _Run(policy, "sidecar", False, None, quant == KEEP, False)
+            _convert(ck, out, FAMILIES, run, encoder, source_format="gguf", blocks=source_blocks(read_gguf(src)))
     finally:
         ck.close()
     return out

@@ -1,0 +1,56 @@
+"""Encoding row slices on several threads writes the same bytes as encoding them on one."""
+
+from __future__ import annotations
+
+import pytest
+
+import formats.convert as conv
+from cortiq_engine.models import FAMILIES
+from formats.cmf import CmfFile
+from formats.policy import RECIPES
+from tests.test_convert import _write_llama
+
+# q5_1 is no preset's base type: a --keep rule puts one matrix in it.
+KEEP = [("model.layers.0.mlp.down_proj.weight", "q5_1")]
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("threads") / "llama"
+    _write_llama(folder, vocab=512, hidden=256, layers=2)  # rows of 256: the K-quants fit
+    return folder
+
+
+def _bytes(path) -> dict[str, bytes]:
+    with CmfFile(path) as f:
+        return {n: f.raw_bytes(n) for n in f.names()}
+
+
+def _convert(src, out, quant: str, threads: int) -> conv.ConvertReport:
+    return conv.convert_checkpoint(src, out, families=FAMILIES, quant=quant, keep=KEEP, force=True, threads=threads)
+
+
+@pytest.mark.parametrize("quant", sorted(RECIPES))
+def test_threads_write_the_bytes_one_thread_writes(llama, tmp_path, monkeypatch, quant):
+    # Slices of 16 rows, batches of 6 slices on 3 threads: every tensor spans several batches.
+    monkeypatch.setattr(conv, "SLICE_ELEMS", 16 * 256)
+    one = _convert(llama, tmp_path / "one.cmf", quant, threads=1)
+    three = _convert(llama, tmp_path / "three.cmf", quant, threads=3)
+    assert _bytes(tmp_path / "one.cmf") == _bytes(tmp_path / "three.cmf")
+    assert one.by_dtype.keys() == three.by_dtype.keys()
+    for dt, s in one.by_dtype.items():
+        assert (s.err_sq, s.ref_sq) == (three.by_dtype[dt].err_sq, three.by_dtype[dt].ref_sq)
+    assert "q5_1" in one.by_dtype or quant in ("f16", "bf16", "f32")
+
+
+def test_threads_requantize_a_cmf_file_as_one_thread_does(llama, tmp_path, monkeypatch):
+    monkeypatch.setattr(conv, "SLICE_ELEMS", 16 * 256)
+    _convert(llama, tmp_path / "q8.cmf", "q8", threads=1)
+    _convert(tmp_path / "q8.cmf", tmp_path / "one.cmf", "q4k", threads=1)
+    _convert(tmp_path / "q8.cmf", tmp_path / "three.cmf", "q4k", threads=3)
+    assert _bytes(tmp_path / "one.cmf") == _bytes(tmp_path / "three.cmf")
+
+
+def test_threads_must_be_positive(llama, tmp_path):
+    with pytest.raises(conv.CortiqError, match="threads must be at least 1"):
+        _convert(llama, tmp_path / "none.cmf", "q8", threads=0)
