@@ -35,6 +35,10 @@ from cortiq_engine.kernels import jit
 from cortiq_engine.kernels import kquant_jit as kq
 
 OPS: dict[str, "DtypeOps"] = {}
+# The small-batch kernels' unused part slots (``jit.NPARTS``): one read-only empty
+# matrix, one numba type.
+_NO_PART = np.zeros((0, 0), np.uint8)
+_NO_PART.flags.writeable = False
 
 
 class DtypeOps:
@@ -94,11 +98,31 @@ class DtypeOps:
         """The largest activation integer at ``act`` bits."""
         return self.qmax16 if act == 16 and self.qmax16 is not None else (1 << (act - 1)) - 1
 
+    # The compiled kernels (``jit.matmul_small`` and a ``*_dequant``, as staticmethods),
+    # the small-batch one's runtime ``flag`` and whether it takes the input's group sums
+    # (a min term).
+    small_kernel: ClassVar = None
+    dequant_kernel: ClassVar = None
+    flag: ClassVar[bool] = False
+    min_sums: ClassVar[bool] = False
+
+    def kernel_args(self, parts: tuple[np.ndarray, ...]) -> tuple:
+        """The kernel parts as this dtype's kernels take them."""
+        return tuple(parts)
+
     def small(self, parts, count: int, offs: np.ndarray, X: np.ndarray, out: np.ndarray) -> None:
-        raise NotImplementedError
+        parts = self.kernel_args(parts)
+        pad = ((_NO_PART,) * len(parts[0]),) * (jit.NPARTS - len(parts))
+        xsum = _group_sums(X) if self.min_sums else X
+        self.small_kernel(*parts, *pad, self.flag, count, offs, X, xsum, out)
 
     def dequant(self, parts: tuple[np.ndarray, ...], r0: int, r1: int, out: np.ndarray) -> None:
-        raise NotImplementedError
+        self.dequant_kernel(*self.kernel_args(parts), r0, r1, out)
+
+
+def _group_sums(X: np.ndarray) -> np.ndarray:
+    """Sum of each input row over each 32-value group: the min term's factor (q4, q5, the K-quants)."""
+    return X.reshape(X.shape[0], -1, 32).sum(axis=2, dtype=np.float32)
 
 
 def ops_for(dtype: str) -> DtypeOps:
@@ -109,8 +133,7 @@ def ops_for(dtype: str) -> DtypeOps:
 
 
 class F32Ops(DtypeOps, dtype="f32"):
-    def small(self, parts, count, offs, X, out):
-        jit.f32_matmul_small(parts[0], count, offs, X, out)
+    small_kernel = staticmethod(jit.f32_matmul_small)
 
     def dequant(self, parts, r0, r1, out):
         out[:] = parts[0][r0:r1]
@@ -118,9 +141,7 @@ class F32Ops(DtypeOps, dtype="f32"):
 
 class F16Ops(DtypeOps, dtype="f16"):
     bf16: ClassVar[bool] = False
-
-    def small(self, parts, count, offs, X, out):
-        jit.half_matmul_small(parts[0], self.bf16, count, offs, X, out)
+    small_kernel = staticmethod(jit.f16_matmul_small)
 
     def dequant(self, parts, r0, r1, out):
         jit.half_dequant(parts[0], self.bf16, r0, r1, out)
@@ -128,6 +149,7 @@ class F16Ops(DtypeOps, dtype="f16"):
 
 class BF16Ops(F16Ops, dtype="bf16"):
     bf16 = True
+    small_kernel = staticmethod(jit.bf16_matmul_small)
 
 
 class Q8Ops(DtypeOps, dtype="q8"):
@@ -135,17 +157,8 @@ class Q8Ops(DtypeOps, dtype="q8"):
     roles = (0, None, None, 1)
     wbody_widths = (16,)
     tiles = True
-
-    def small(self, parts, count, offs, X, out):
-        jit.q8_matmul_small(parts[0], parts[1], count, offs, X, out)
-
-    def dequant(self, parts, r0, r1, out):
-        jit.q8_dequant(parts[0], parts[1], r0, r1, out)
-
-
-def _group_sums(X: np.ndarray) -> np.ndarray:
-    """Sum of each input row over each 32-value group: the min term's factor (q4, q5, the K-quants)."""
-    return X.reshape(X.shape[0], -1, 32).sum(axis=2, dtype=np.float32)
+    small_kernel = staticmethod(jit.q8_matmul_small)
+    dequant_kernel = staticmethod(jit.q8_dequant)
 
 
 class Q4Ops(DtypeOps, dtype="q4"):
@@ -153,39 +166,29 @@ class Q4Ops(DtypeOps, dtype="q4"):
     roles, nibbles = (0, 1, None, 2), True
     zbody_widths = (8,)
     tiles, tile_unpacked = True, True
-
-    def small(self, parts, count, offs, X, out):
-        # The Q4_1 min term factors out of the dot: sum of X over each block.
-        jit.q4_matmul_small(parts[0], parts[1], parts[2], count, offs, X, _group_sums(X), out)
-
-    def dequant(self, parts, r0, r1, out):
-        jit.q4_dequant(parts[0], parts[1], parts[2], r0, r1, out)
+    small_kernel, min_sums = staticmethod(jit.q4_matmul_small), True
+    dequant_kernel = staticmethod(jit.q4_dequant)
 
 
 class Q5Ops(DtypeOps, dtype="q5"):
     """Q5_0: the Q5_1 kernels with the min derived from the scale (-16 d)."""
 
-    stored_min: ClassVar[bool] = False
     int_widths, act_bits = (8, 16), 8
     roles, zero, nibbles = (0, None, 1, 2), 16, True
     tiles, tile_unpacked = True, True
+    small_kernel, min_sums = staticmethod(jit.q5_matmul_small), True
 
-    def _split(self, parts):
-        if self.stored_min:
-            return parts[0], parts[1], parts[2], parts[3]
-        return parts[0], parts[0], parts[1], parts[2]  # the min slot is unread
-
-    def small(self, parts, count, offs, X, out):
-        d, m, qh, qs = self._split(parts)
-        jit.q5_matmul_small(d, m, self.stored_min, qh, qs, count, offs, X, _group_sums(X), out)
+    def kernel_args(self, parts):
+        """(d, min, qh, qs): Q5_0's min slot is its scale, unread."""
+        return tuple(parts) if self.flag else (parts[0], *parts)
 
     def dequant(self, parts, r0, r1, out):
-        d, m, qh, qs = self._split(parts)
-        jit.q5_dequant(d, m, self.stored_min, qh, qs, r0, r1, out)
+        d, m, qh, qs = self.kernel_args(parts)
+        jit.q5_dequant(d, m, self.flag, qh, qs, r0, r1, out)
 
 
 class Q5_1Ops(Q5Ops, dtype="q5_1"):
-    stored_min = True
+    flag = True  # the min is stored
     roles, zero = (0, 1, 2, 3), 0
 
 
@@ -194,36 +197,24 @@ class Q4_0Ops(DtypeOps, dtype="q4_0"):
     roles, zero, nibbles = (0, None, None, 1), 8, True
     zbody_widths = (8,)
     tiles, tile_unpacked = True, True
-
-    def small(self, parts, count, offs, X, out):
-        kq.q4_0_matmul_small(parts[0], parts[1], count, offs, X, out)
-
-    def dequant(self, parts, r0, r1, out):
-        kq.q4_0_dequant(parts[0], parts[1], r0, r1, out)
+    small_kernel = staticmethod(kq.q4_0_matmul_small)
+    dequant_kernel = staticmethod(kq.q4_0_dequant)
 
 
 class Q4KOps(DtypeOps, dtype="q4k"):
     int_widths, act_bits = (8, 16), 8
     kbody = True
     tiles, tile_unpacked = True, True
-
-    def small(self, parts, count, offs, X, out):
-        kq.q4k_matmul_small(parts[0], parts[1], parts[2], parts[3], count, offs, X, _group_sums(X), out)
-
-    def dequant(self, parts, r0, r1, out):
-        kq.q4k_dequant(parts[0], parts[1], parts[2], parts[3], r0, r1, out)
+    small_kernel, min_sums = staticmethod(kq.q4k_matmul_small), True
+    dequant_kernel = staticmethod(kq.q4k_dequant)
 
 
 class Q5KOps(DtypeOps, dtype="q5k"):
     int_widths, act_bits = (8, 16), 8
     kbody, kfifth = True, True
     tiles, tile_unpacked = True, True
-
-    def small(self, parts, count, offs, X, out):
-        kq.q5k_matmul_small(parts[0], parts[1], parts[2], parts[3], parts[4], count, offs, X, _group_sums(X), out)
-
-    def dequant(self, parts, r0, r1, out):
-        kq.q5k_dequant(parts[0], parts[1], parts[2], parts[3], parts[4], r0, r1, out)
+    small_kernel, min_sums = staticmethod(kq.q5k_matmul_small), True
+    dequant_kernel = staticmethod(kq.q5k_dequant)
 
 
 class Q6KOps(DtypeOps, dtype="q6k"):
@@ -231,12 +222,8 @@ class Q6KOps(DtypeOps, dtype="q6k"):
     # |scale| <= 128 and the activation; at 16383 the worst case (2,147,352,576) fits an i32.
     int_widths, act_bits, qmax16 = (8, 16), 16, 16383
     kbody, ksigned = True, True
-
-    def small(self, parts, count, offs, X, out):
-        kq.q6k_matmul_small(parts[0], parts[1], parts[2], parts[3], count, offs, X, out)
-
-    def dequant(self, parts, r0, r1, out):
-        kq.q6k_dequant(parts[0], parts[1], parts[2], parts[3], r0, r1, out)
+    small_kernel = staticmethod(kq.q6k_matmul_small)
+    dequant_kernel = staticmethod(kq.q6k_dequant)
 
 
 # Dtypes whose kernels live in their own module register on import (each subclasses

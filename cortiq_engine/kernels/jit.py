@@ -19,6 +19,8 @@ kernels read int8/uint8 quants and f16 scales straight from the map, no copies.
 
 from __future__ import annotations
 
+import types as pytypes
+
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
@@ -106,136 +108,137 @@ def prefetch_row(a, r):
 # per (row, input) keeps the block loop vectorized.
 
 
-@njit(parallel=True, fastmath=True, cache=True)
-def q8_matmul_small(ds, qss, count, offs, X, out):
-    n, cols = X.shape
-    nb = cols // QB
+def specialise(template, name: str, source: str, **consts):
+    """A copy of the plain function ``template`` named ``name``, its globals extended by
+    ``consts``, for ``njit`` to compile and cache as a kernel of its own. Numba inlines the
+    helpers ``consts`` names; passed as arguments instead, they would miss the on-disk
+    cache in every process (a dispatcher's type is new in each). ``source``, the
+    specialising module's file, holds those helpers: numba recompiles the copy when it
+    changes."""
+    code = template.__code__.replace(co_name=name, co_qualname=name, co_filename=source)
+    fn = pytypes.FunctionType(code, {**template.__globals__, **consts}, name)
+    fn.__qualname__ = name
+    return fn
+
+
+# The kernel parts a small-batch kernel takes, in ``DType.kernel_parts`` order, the
+# unused ones empty (qdot.py's integer kernels take the same five).
+NPARTS = 5
+
+
+def _matmul_small(p0, p1, p2, p3, p4, flag, count, offs, X, xsum, out):
+    """The template of every dtype's small-batch matmul (``matmul_small``):
+    ROW_DOT(parts of matrix m, flag, r, X, xsum, i) is the dot of weight row r with input
+    row i; part LEAD, the largest, is prefetched ahead. ``flag``: a runtime switch of the
+    row dot (q5: whether the min is stored, so Q5_0 and Q5_1 share one kernel); ``xsum``:
+    X's sums over groups of 32 where the dtype has a min term (it factors out of the dot),
+    else unread."""
+    n = X.shape[0]
     for m in range(count):
-        d = ds[m]
-        q = qss[m]
+        a0, a1, a2, a3, a4 = p0[m], p1[m], p2[m], p3[m], p4[m]
+        lead = (a0, a1, a2, a3, a4)[LEAD]  # noqa: F821 - bound by specialise
         base = offs[m]
-        for r in prange(q.shape[0]):
-            prefetch_row(q, r + PREFETCH_ROWS)
+        for r in prange(lead.shape[0]):
+            prefetch_row(lead, r + PREFETCH_ROWS)
             for i in range(n):
-                acc = np.zeros(QB, np.float32)
-                for b in range(nb):
-                    sc = f16_to_f32(d[r, b])
-                    o = b * QB
-                    for j in range(QB):
-                        acc[j] += sc * (np.float32(q[r, o + j]) * X[i, o + j])
-                out[i, base + r] = acc.sum()
+                out[i, base + r] = ROW_DOT(a0, a1, a2, a3, a4, flag, r, X, xsum, i)  # noqa: F821 - bound by specialise
 
 
-@njit(parallel=True, fastmath=True, cache=True)
-def q4_matmul_small(ds, mins, qss, count, offs, X, xsum, out):
-    """xsum[i, b] = sum of X[i] over block b: the Q4_1 min term factors out of the dot."""
-    n, cols = X.shape
-    nb = cols // QB
+def matmul_small(name: str, source: str, row_dot, lead: int):
+    """The small-batch matmul kernel ``name`` of a block dtype: ``_matmul_small`` with its
+    row dot ``row_dot`` (an inline helper of ``source``) and its largest part ``lead``."""
+    fn = specialise(_matmul_small, name, source, ROW_DOT=row_dot, LEAD=lead)
+    return njit(parallel=True, fastmath=True, cache=True)(fn)
+
+
+@njit(inline="always")
+def _q8_dot(d, q, _2, _3, _4, _flag, r, X, xsum, i):
+    acc = np.zeros(QB, np.float32)
+    for b in range(X.shape[1] // QB):
+        sc = f16_to_f32(d[r, b])
+        o = b * QB
+        for j in range(QB):
+            acc[j] += sc * (np.float32(q[r, o + j]) * X[i, o + j])
+    return acc.sum()
+
+
+@njit(inline="always")
+def _q4_dot(d, mn, q, _3, _4, _flag, r, X, xsum, i):
+    """Q4_1: value = d * q + min; the min term factors out of the dot."""
     half = QB // 2
-    for m in range(count):
-        d = ds[m]
-        mn = mins[m]
-        q = qss[m]
-        base = offs[m]
-        for r in prange(q.shape[0]):
-            prefetch_row(q, r + PREFETCH_ROWS)
-            for i in range(n):
-                acc = np.zeros(QB, np.float32)
-                macc = np.float32(0.0)
-                for b in range(nb):
-                    sc = f16_to_f32(d[r, b])
-                    o = b * QB
-                    ob = b * half
-                    for j in range(half):
-                        byte = q[r, ob + j]
-                        acc[j] += sc * (np.float32(byte & 15) * X[i, o + j])
-                        acc[j + half] += sc * (np.float32(byte >> 4) * X[i, o + j + half])
-                    macc += f16_to_f32(mn[r, b]) * xsum[i, b]
-                out[i, base + r] = acc.sum() + macc
+    acc = np.zeros(QB, np.float32)
+    macc = np.float32(0.0)
+    for b in range(X.shape[1] // QB):
+        sc = f16_to_f32(d[r, b])
+        o = b * QB
+        ob = b * half
+        for j in range(half):
+            byte = q[r, ob + j]
+            acc[j] += sc * (np.float32(byte & 15) * X[i, o + j])
+            acc[j + half] += sc * (np.float32(byte >> 4) * X[i, o + j + half])
+        macc += f16_to_f32(mn[r, b]) * xsum[i, b]
+    return acc.sum() + macc
 
 
-@njit(parallel=True, fastmath=True, cache=True)
-def q5_matmul_small(ds, mins, stored_min, qhs, qss, count, offs, X, xsum, out):
+@njit(inline="always")
+def _q5_dot(d, mn, qh, q, _4, stored_min, r, X, xsum, i):
     """Q5_0 and Q5_1: value = d * q + min, q = nibble | (bit of qh) << 4; the min is
-    stored (Q5_1, ``stored_min``) or -16 d (Q5_0: value = d * (q - 16)). As q4's, the
-    min term factors out of the dot: xsum[i, b] = sum of X[i] over block b."""
-    n, cols = X.shape
-    nb = cols // QB
+    stored (Q5_1, ``stored_min``) or -16 d (Q5_0: value = d * (q - 16))."""
     half = QB // 2
-    for m in range(count):
-        d = ds[m]
-        mn = mins[m]
-        qh = qhs[m]
-        q = qss[m]
-        base = offs[m]
-        for r in prange(q.shape[0]):
-            prefetch_row(q, r + PREFETCH_ROWS)
-            for i in range(n):
-                acc = np.zeros(QB, np.float32)
-                macc = np.float32(0.0)
-                for b in range(nb):
-                    sc = f16_to_f32(d[r, b])
-                    h = qh[r, b]
-                    o = b * QB
-                    ob = b * half
-                    for j in range(half):
-                        byte = np.int32(q[r, ob + j])
-                        v0 = np.float32((byte & 15) | (np.int32((h >> j) & 1) << 4))
-                        v1 = np.float32((byte >> 4) | (np.int32((h >> (j + half)) & 1) << 4))
-                        acc[j] += sc * (v0 * X[i, o + j])
-                        acc[j + half] += sc * (v1 * X[i, o + j + half])
-                    lo = f16_to_f32(mn[r, b]) if stored_min else np.float32(-16.0) * sc
-                    macc += lo * xsum[i, b]
-                out[i, base + r] = acc.sum() + macc
+    acc = np.zeros(QB, np.float32)
+    macc = np.float32(0.0)
+    for b in range(X.shape[1] // QB):
+        sc = f16_to_f32(d[r, b])
+        h = qh[r, b]
+        o = b * QB
+        ob = b * half
+        for j in range(half):
+            byte = np.int32(q[r, ob + j])
+            v0 = np.float32((byte & 15) | (np.int32((h >> j) & 1) << 4))
+            v1 = np.float32((byte >> 4) | (np.int32((h >> (j + half)) & 1) << 4))
+            acc[j] += sc * (v0 * X[i, o + j])
+            acc[j + half] += sc * (v1 * X[i, o + j + half])
+        lo = f16_to_f32(mn[r, b]) if stored_min else np.float32(-16.0) * sc
+        macc += lo * xsum[i, b]
+    return acc.sum() + macc
 
 
-@njit(parallel=True, fastmath=True, cache=True)
-def half_matmul_small(ws, bf16, count, offs, X, out):
-    """f16 (bf16=False) or bf16 (bf16=True) weights stored as uint16 bits; any width."""
-    n, cols = X.shape
+q8_matmul_small = matmul_small("q8_matmul_small", __file__, _q8_dot, lead=1)
+q4_matmul_small = matmul_small("q4_matmul_small", __file__, _q4_dot, lead=2)
+q5_matmul_small = matmul_small("q5_matmul_small", __file__, _q5_dot, lead=3)
+
+
+def _dense_dot(w, _1, _2, _3, _4, _flag, r, X, xsum, i):
+    """The template of the unquantized dtypes' row dots: WIDEN turns a stored value
+    into f32; any width."""
+    cols = X.shape[1]
     full = cols // QB * QB
-    for m in range(count):
-        W = ws[m]
-        base = offs[m]
-        for r in prange(W.shape[0]):
-            prefetch_row(W, r + PREFETCH_ROWS)
-            for i in range(n):
-                acc = np.zeros(QB, np.float32)
-                if bf16:
-                    for o in range(0, full, QB):
-                        for j in range(QB):
-                            acc[j] += bf16_to_f32(W[r, o + j]) * X[i, o + j]
-                else:
-                    for o in range(0, full, QB):
-                        for j in range(QB):
-                            acc[j] += f16_to_f32(W[r, o + j]) * X[i, o + j]
-                tail = np.float32(0.0)
-                for c in range(full, cols):
-                    wc = bf16_to_f32(W[r, c]) if bf16 else f16_to_f32(W[r, c])
-                    tail += wc * X[i, c]
-                out[i, base + r] = acc.sum() + tail
+    acc = np.zeros(QB, np.float32)
+    for o in range(0, full, QB):
+        for j in range(QB):
+            acc[j] += WIDEN(w[r, o + j]) * X[i, o + j]  # noqa: F821 - bound by specialise
+    tail = np.float32(0.0)
+    for c in range(full, cols):
+        tail += WIDEN(w[r, c]) * X[i, c]  # noqa: F821 - bound by specialise
+    return acc.sum() + tail
 
 
-@njit(parallel=True, fastmath=True, cache=True)
-def f32_matmul_small(ws, count, offs, X, out):
-    """f32 weights. Decode stays inside numba's thread pool: alternating BLAS calls
-    with numba's parallel kernels makes the two pools fight over the cores."""
-    n, cols = X.shape
-    full = cols // QB * QB
-    for m in range(count):
-        W = ws[m]
-        base = offs[m]
-        for r in prange(W.shape[0]):
-            prefetch_row(W, r + PREFETCH_ROWS)
-            for i in range(n):
-                acc = np.zeros(QB, np.float32)
-                for o in range(0, full, QB):
-                    for j in range(QB):
-                        acc[j] += W[r, o + j] * X[i, o + j]
-                tail = np.float32(0.0)
-                for c in range(full, cols):
-                    tail += W[r, c] * X[i, c]
-                out[i, base + r] = acc.sum() + tail
+@njit(inline="always")
+def _as_f32(v):
+    return v
+
+
+def _dense_matmul_small(name: str, widen):
+    row_dot = njit(inline="always")(specialise(_dense_dot, f"_{name}_dot", __file__, WIDEN=widen))
+    return matmul_small(f"{name}_matmul_small", __file__, row_dot, lead=0)
+
+
+# f32 weights: decode stays inside numba's thread pool (alternating BLAS calls with
+# numba's parallel kernels makes the two pools fight over the cores). f16 and bf16
+# weights arrive as their uint16 bits.
+f32_matmul_small = _dense_matmul_small("f32", _as_f32)
+f16_matmul_small = _dense_matmul_small("f16", f16_to_f32)
+bf16_matmul_small = _dense_matmul_small("bf16", bf16_to_f32)
 
 
 # ------------------------------------------------------------ dequantize row tiles
@@ -256,40 +259,35 @@ def q8_dequant(d, q, r0, r1, out):
                 out[r - r0, o + j] = sc * np.float32(q[r, o + j])
 
 
-@njit(parallel=False, nogil=True, cache=True)
-def q4_dequant(d, mn, q, r0, r1, out):
-    cols = q.shape[1] * 2
-    nb = cols // QB
+@njit(inline="always")
+def _nibble_dequant(d, mn, stored_min, qh, fifth, q, r0, r1, out):
+    """Q4_1 and Q5_0 / Q5_1 rows (see ``_q4_dot``, ``_q5_dot``): the min stored or -16 d,
+    a fifth bit per value from ``qh`` where ``fifth``."""
     half = QB // 2
     for r in range(r0, r1):
-        for b in range(nb):
+        for b in range(d.shape[1]):
             sc = f16_to_f32(d[r, b])
-            lo = f16_to_f32(mn[r, b])
+            lo = f16_to_f32(mn[r, b]) if stored_min else np.float32(-16.0) * sc
             o = b * QB
-            ob = b * half
             for j in range(half):
-                byte = q[r, ob + j]
-                out[r - r0, o + j] = sc * np.float32(byte & 15) + lo
-                out[r - r0, o + j + half] = sc * np.float32(byte >> 4) + lo
+                byte = np.int32(q[r, b * half + j])
+                v0, v1 = byte & 15, byte >> 4
+                if fifth:
+                    h = qh[r, b]
+                    v0 |= np.int32((h >> j) & 1) << 4
+                    v1 |= np.int32((h >> (j + half)) & 1) << 4
+                out[r - r0, o + j] = sc * np.float32(v0) + lo
+                out[r - r0, o + j + half] = sc * np.float32(v1) + lo
+
+
+@njit(parallel=False, nogil=True, cache=True)
+def q4_dequant(d, mn, q, r0, r1, out):
+    _nibble_dequant(d, mn, True, q, False, q, r0, r1, out)
 
 
 @njit(parallel=False, nogil=True, cache=True)
 def q5_dequant(d, mn, stored_min, qh, q, r0, r1, out):
-    """Q5_0 / Q5_1 rows (see ``q5_matmul_small``)."""
-    cols = q.shape[1] * 2
-    nb = cols // QB
-    half = QB // 2
-    for r in range(r0, r1):
-        for b in range(nb):
-            sc = f16_to_f32(d[r, b])
-            lo = f16_to_f32(mn[r, b]) if stored_min else np.float32(-16.0) * sc
-            h = qh[r, b]
-            o = b * QB
-            ob = b * half
-            for j in range(half):
-                byte = np.int32(q[r, ob + j])
-                out[r - r0, o + j] = sc * np.float32((byte & 15) | (np.int32((h >> j) & 1) << 4)) + lo
-                out[r - r0, o + j + half] = sc * np.float32((byte >> 4) | (np.int32((h >> (j + half)) & 1) << 4)) + lo
+    _nibble_dequant(d, mn, stored_min, qh, True, q, r0, r1, out)
 
 
 @njit(parallel=False, nogil=True, cache=True)

@@ -4,8 +4,8 @@ kernel record.
 ``q3k_dequant`` turns rows r0..r1 into f32 as the numpy twin
 (``formats.q3_k.dequantize_q3k``) does, bit for bit (the same f32 operations);
 ``q3k_matmul_small`` is the decode matvec over 1..small_n input rows and up to three
-fused matrices, in the shape of ``kquant_jit``'s: each (weight row, input row) summed on
-its own in 32 lanes, so a row's result does not depend on how many rows share the call.
+fused matrices, ``jit.matmul_small`` with this dtype's row dot: each (weight row, input
+row) summed on its own in 32 lanes, so a row's result does not depend on how many rows share the call.
 Element 128 h + 32 s + l of a super-block: low bits (qs[32 h + l] >> 2 s) & 3, high bit
 bit 4 h + s of hmask[l] (clear: minus 4), scale 8 h + 2 s + l / 16. Decode and verify
 take the integer-activation kernel of ``qdot.py`` (the record's ``kthree``) where the CPU
@@ -15,12 +15,11 @@ has AVX2; these float ones elsewhere and under ``numba-float``.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
 from cortiq_engine.kernels.dtype_ops import DtypeOps
-from cortiq_engine.kernels.jit import PREFETCH_ROWS, f16_to_f32, prefetch_row
-
-QK = 256
+from cortiq_engine.kernels.jit import matmul_small
+from cortiq_engine.kernels.kquant_jit import sixteen_scales_kernels
 
 
 @njit(inline="always")
@@ -40,62 +39,22 @@ def _q3(hm, qs, r, b, h, s, l):
     return np.float32(low - 4 + 4 * high)
 
 
-@njit(parallel=False, nogil=True, cache=True)
-def q3k_dequant(hm, qs, sc, d, r0, r1, out):
-    nsb = d.shape[1]
-    for r in range(r0, r1):
-        for b in range(nsb):
-            dd = f16_to_f32(d[r, b])
-            for h in range(2):
-                for s in range(4):
-                    da = dd * _scale(sc, r, b, 8 * h + 2 * s)
-                    db = dd * _scale(sc, r, b, 8 * h + 2 * s + 1)
-                    o = QK * b + 128 * h + 32 * s
-                    for l in range(16):
-                        out[r - r0, o + l] = da * _q3(hm, qs, r, b, h, s, l)
-                    for l in range(16, 32):
-                        out[r - r0, o + l] = db * _q3(hm, qs, r, b, h, s, l)
+@njit(inline="always")
+def _q3_values(hm, qs, r, b, h, l):
+    """qs[32 h + l] holds the four groups' low bits at shifts 0, 2, 4, 6, hmask[l] their
+    high bits."""
+    a = np.int32(qs[r, 64 * b + 32 * h + l])
+    hb = np.int32(hm[r, 32 * b + l]) >> (4 * h)
+    return (
+        np.float32((a & 3) - 4 + 4 * (hb & 1)),
+        np.float32(((a >> 2) & 3) - 4 + 2 * (hb & 2)),
+        np.float32(((a >> 4) & 3) - 4 + (hb & 4)),
+        np.float32(((a >> 6) & 3) - 4 + ((hb & 8) >> 1)),
+    )
 
 
-@njit(parallel=True, fastmath=True, cache=True)
-def q3k_matmul_small(hms, qss, scs, ds, count, offs, X, out):
-    n, cols = X.shape
-    nsb = cols // QK
-    for m in range(count):
-        hm = hms[m]
-        qs = qss[m]
-        sc = scs[m]
-        d = ds[m]
-        base = offs[m]
-        for r in prange(qs.shape[0]):
-            prefetch_row(qs, r + PREFETCH_ROWS)
-            for i in range(n):
-                acc = np.zeros(32, np.float32)
-                for b in range(nsb):
-                    dd = f16_to_f32(d[r, b])
-                    for h in range(2):
-                        # the four 32-value groups of a half share the bytes: qs[32 h + l] holds
-                        # their low bits at shifts 0, 2, 4, 6, hmask[l] their high bits
-                        xo = QK * b + 128 * h
-                        for half in range(2):
-                            d0 = dd * _scale(sc, r, b, 8 * h + half)
-                            d1 = dd * _scale(sc, r, b, 8 * h + 2 + half)
-                            d2 = dd * _scale(sc, r, b, 8 * h + 4 + half)
-                            d3 = dd * _scale(sc, r, b, 8 * h + 6 + half)
-                            for l in range(16 * half, 16 * half + 16):
-                                a = np.int32(qs[r, 64 * b + 32 * h + l])
-                                hb = np.int32(hm[r, 32 * b + l]) >> (4 * h)
-                                v0 = np.float32((a & 3) - 4 + 4 * (hb & 1))
-                                v1 = np.float32(((a >> 2) & 3) - 4 + 2 * (hb & 2))
-                                v2 = np.float32(((a >> 4) & 3) - 4 + (hb & 4))
-                                v3 = np.float32(((a >> 6) & 3) - 4 + ((hb & 8) >> 1))
-                                acc[l] += (
-                                    d0 * (v0 * X[i, xo + l])
-                                    + d1 * (v1 * X[i, xo + 32 + l])
-                                    + d2 * (v2 * X[i, xo + 64 + l])
-                                    + d3 * (v3 * X[i, xo + 96 + l])
-                                )
-                out[i, base + r] = acc.sum()
+q3k_dequant, _q3k_dot = sixteen_scales_kernels("q3k", __file__, _scale, _q3, _q3_values)
+q3k_matmul_small = matmul_small("q3k_matmul_small", __file__, _q3k_dot, lead=1)
 
 
 class Q3KOps(DtypeOps, dtype="q3k"):
@@ -103,9 +62,5 @@ class Q3KOps(DtypeOps, dtype="q3k"):
     # keep their full range.
     int_widths, act_bits = (8, 16), 8
     kbody, kthree = True, True
-
-    def small(self, parts, count, offs, X, out):
-        q3k_matmul_small(parts[0], parts[1], parts[2], parts[3], count, offs, X, out)
-
-    def dequant(self, parts, r0, r1, out):
-        q3k_dequant(parts[0], parts[1], parts[2], parts[3], r0, r1, out)
+    small_kernel = staticmethod(q3k_matmul_small)
+    dequant_kernel = staticmethod(q3k_dequant)

@@ -225,16 +225,8 @@ def _wunpack(f: _Fn, kind: str, act: int, b: str, prefetch: bool = True) -> tupl
     if prefetch:
         pfp = f.v(f"getelementptr i8, i8* {wp}, i64 %pf_ahead")
         f(f"  call void @llvm.prefetch.p0i8(i8* {pfp}, i32 0, i32 3, i32 1)")
-    v16 = "<" + ", ".join(["i8 15"] * 16) + ">"
-    v4 = "<" + ", ".join(["i8 4"] * 16) + ">"
     if q4:
-        pk = f.v(f"load <16 x i8>, <16 x i8>* {f.v(f'bitcast i8* {wp} to <16 x i8>*')}, align 1")
-        lo, hi = f.v(f"and <16 x i8> {pk}, {v16}"), f.v(f"lshr <16 x i8> {pk}, {v4}")
-        w = f.v(
-            f"shufflevector <16 x i8> {lo}, <16 x i8> {hi}, <32 x i32> <"
-            + ", ".join(f"i32 {k}" for k in range(32))
-            + ">"
-        )
+        w = _unpack_nibbles(f, wp)
         if ops_for(kind).roles[2] is not None:  # the fifth bits: bit j of the block's u32 -> element j
             hp = f.v(f"getelementptr i32, i32* %wh, i64 {f.v(f'add i64 %wdrow, {b}')}")
             bits = f.v(f"bitcast i32 {f.v(f'load i32, i32* {hp}, align 4')} to <32 x i1>")
@@ -244,16 +236,7 @@ def _wunpack(f: _Fn, kind: str, act: int, b: str, prefetch: bool = True) -> tupl
             w = f.v(f"or <32 x i8> {w}, {hb}")
         if act == 8:
             return (w,)
-        lo = f.v(
-            f"shufflevector <32 x i8> {w}, <32 x i8> undef, <16 x i32> <"
-            + ", ".join(f"i32 {k}" for k in range(16))
-            + ">"
-        )
-        hi = f.v(
-            f"shufflevector <32 x i8> {w}, <32 x i8> undef, <16 x i32> <"
-            + ", ".join(f"i32 {k}" for k in range(16, 32))
-            + ">"
-        )
+        lo, hi = _slice(f, "i8", 32, w, range(16)), _slice(f, "i8", 32, w, range(16, 32))
         return f.v(f"zext <16 x i8> {lo} to <16 x i16>"), f.v(f"zext <16 x i8> {hi} to <16 x i16>")
     if act == 8:
         w = f.v(f"load <32 x i8>, <32 x i8>* {f.v(f'bitcast i8* {wp} to <32 x i8>*')}, align 1")
@@ -569,6 +552,20 @@ def _k4_scales(f: _Fn, sc: str, o: str) -> list[tuple[str, str]]:
     return out
 
 
+# The K-quant super-block layouts (``_kbody``), by kernel part (``DType.kernel_parts``
+# order): the part of the f16 scale d, another f16 part and its register (Q4_K's dmin,
+# IQ4_XS's high scale bits), each byte part's bytes per super-block, and the second quant
+# stream's share of the first one's bytes (its prefetch distance is that share of
+# PREFETCH_BYTES).
+_KLAYOUTS = {
+    "six": (3, None, {"ql": 128, "qh": 64, "sc": 16}, 2),  # (ql, qh, scales, d)
+    "three": (3, None, {"hm": 32, "qs": 64, "sc": 12}, 2),  # (hmask, qs, scales, d)
+    "grid": (0, ("ksh", 1), {"sl": 4, "qs": 128}, 0),  # (d, scales_h, scales_l, qs)
+    "k4": (0, ("kdm", 1), {"sc": 12, "qs": 128}, 0),  # (d, dmin, scales, qs)
+    "k5": (0, ("kdm", 1), {"sc": 12, "qs": 128, "qh": 32}, 4),  # (d, dmin, scales, qh, qs)
+}
+
+
 def _kbody(kind: str, nx: int, act: int = 8, vnni: bool = False) -> str:
     """One K-quant super-block body (q4k, q5k, q6k) for ``nx`` input rows on int8
     activations. A super-block holds 8 groups of 32 values, each aligned with one
@@ -593,36 +590,16 @@ def _kbody(kind: str, nx: int, act: int = 8, vnni: bool = False) -> str:
     f("  %xq16 = bitcast i8* %xq to i16*")
     f("  %nsb = udiv i64 %nb, 8")
     f("  %cols = mul i64 %nb, 32")
-    # part roles and their bytes per super-block
-    if six:  # (ql, qh, scales, d)
-        f("  %kd = bitcast i8* %p3 to i16*")
-        f("  %ql_row = mul i64 %nsb, 128")
-        f("  %qh_row = mul i64 %nsb, 64")
-        f("  %sc_row = mul i64 %nsb, 16")
-        f(f"  %pf_ahead = add i64 0, {PREFETCH_BYTES}")
-        f(f"  %pf_ahead_h = add i64 0, {PREFETCH_BYTES // 2}")  # qh: half of ql's bytes
-    elif three:  # (hmask, qs, scales, d)
-        f("  %kd = bitcast i8* %p3 to i16*")
-        f("  %hm_row = mul i64 %nsb, 32")
-        f("  %qs_row = mul i64 %nsb, 64")
-        f("  %sc_row = mul i64 %nsb, 12")
-        f(f"  %pf_ahead = add i64 0, {PREFETCH_BYTES}")
-        f(f"  %pf_ahead_h = add i64 0, {PREFETCH_BYTES // 2}")  # hmask: half of qs's bytes
-    elif grid:  # (d, scales_h, scales_l, qs)
-        f("  %kd = bitcast i8* %p0 to i16*")
-        f("  %ksh = bitcast i8* %p1 to i16*")
-        f("  %sl_row = mul i64 %nsb, 4")
-        f("  %qs_row = mul i64 %nsb, 128")
-        f(f"  %pf_ahead = add i64 0, {PREFETCH_BYTES}")
-    else:  # (d, dmin, scales, [qh,] qs)
-        f("  %kd = bitcast i8* %p0 to i16*")
-        f("  %kdm = bitcast i8* %p1 to i16*")
-        f("  %sc_row = mul i64 %nsb, 12")
-        f("  %qs_row = mul i64 %nsb, 128")
-        f(f"  %pf_ahead = add i64 0, {PREFETCH_BYTES}")
-        if fifth:
-            f("  %qh_row = mul i64 %nsb, 32")
-            f(f"  %pf_ahead_h = add i64 0, {PREFETCH_BYTES // 4}")  # qh: a quarter of qs's bytes
+    layout = "six" if six else "three" if three else "grid" if grid else "k5" if fifth else "k4"
+    d_part, f16_part, row_bytes, second_stream = _KLAYOUTS[layout]
+    f(f"  %kd = bitcast i8* %p{d_part} to i16*")
+    if f16_part is not None:
+        f(f"  %{f16_part[0]} = bitcast i8* %p{f16_part[1]} to i16*")
+    for name, nbytes in row_bytes.items():
+        f(f"  %{name}_row = mul i64 %nsb, {nbytes}")
+    f(f"  %pf_ahead = add i64 0, {PREFETCH_BYTES}")
+    if second_stream:
+        f(f"  %pf_ahead_h = add i64 0, {PREFETCH_BYTES // second_stream}")
     f("  %empty = icmp sge i64 %r0, %r1")
     f("  br i1 %empty, label %exit, label %rowloop")
     f("rowloop:")
@@ -667,13 +644,7 @@ def _kbody(kind: str, nx: int, act: int = 8, vnni: bool = False) -> str:
                 ba = _byte(f, "%p2", f.v(f"add i64 {sco}, {2 * g}"))
                 bb = _byte(f, "%p2", f.v(f"add i64 {sco}, {2 * g + 1}"))
                 sa, sb = f.v(f"sext i8 {ba} to i16"), f.v(f"sext i8 {bb} to i16")
-                va, vb = _splat(f, "i16", 8, sa), _splat(f, "i16", 8, sb)
-                sv = f.v(
-                    f"shufflevector <8 x i16> {va}, <8 x i16> {vb}, <16 x i32> <"
-                    + ", ".join(f"i32 {k}" for k in range(16))
-                    + ">"
-                )
-                groups.append((w, sv, None))
+                groups.append((w, _concat(f, "i16", 8, _splat(f, "i16", 8, sa), _splat(f, "i16", 8, sb)), None))
     elif three:
         qso = f.v(f"add i64 {f.v('mul i64 %row, %qs_row')}, {f.v('mul i64 %s, 64')}")
         hmo = f.v(f"add i64 {f.v('mul i64 %row, %hm_row')}, {f.v('mul i64 %s, 32')}")
@@ -703,12 +674,7 @@ def _kbody(kind: str, nx: int, act: int = 8, vnni: bool = False) -> str:
                 w = f.v(f"sub <32 x i8> {f.v(f'or <32 x i8> {lo}, {hb}')}, {_const('i8', 32, 4)}")
                 g = 4 * h + t
                 va, vb = _splat(f, "i16", 8, scale16(2 * g)), _splat(f, "i16", 8, scale16(2 * g + 1))
-                sv = f.v(
-                    f"shufflevector <8 x i16> {va}, <8 x i16> {vb}, <16 x i32> <"
-                    + ", ".join(f"i32 {k}" for k in range(16))
-                    + ">"
-                )
-                groups.append((w, sv, None))
+                groups.append((w, _concat(f, "i16", 8, va, vb), None))
     elif grid:
         qso = f.v(f"add i64 {f.v('mul i64 %row, %qs_row')}, {f.v('mul i64 %s, 128')}")
         slo = f.v(f"add i64 {f.v('mul i64 %row, %sl_row')}, {f.v('mul i64 %s, 4')}")
@@ -719,8 +685,6 @@ def _kbody(kind: str, nx: int, act: int = 8, vnni: bool = False) -> str:
         shp = f.v(f"getelementptr i16, i16* %ksh, i64 {di}")
         sh = f.v(f"zext i16 {f.v(f'load i16, i16* {shp}, align 2')} to i32")
         table = "<" + ", ".join(f"i8 {v}" for v in list(rec.kgrid) * 2) + ">"
-        v16 = "<" + ", ".join(["i8 15"] * 16) + ">"
-        v4 = "<" + ", ".join(["i8 4"] * 16) + ">"
         for ib in range(8):
             lo = f.v(f"zext i8 {_byte(f, '%p2', f.v(f'add i64 {slo}, {ib // 2}'))} to i32")
             lo = f.v(f"and i32 {f.v(f'lshr i32 {lo}, {4 * (ib % 2)}')}, 15")
@@ -728,14 +692,7 @@ def _kbody(kind: str, nx: int, act: int = 8, vnni: bool = False) -> str:
             hi = f.v(f"shl i32 {hi}, 4")
             ls = f.v(f"sub i32 {f.v(f'or i32 {lo}, {hi}')}, 32")
             scf = f.v(f"fmul float {dd}, {f.v(f'sitofp i32 {ls} to float')}")
-            wp = f.v(f"getelementptr i8, i8* %p3, i64 {f.v(f'add i64 {qso}, {16 * ib}')}")
-            pk = f.v(f"load <16 x i8>, <16 x i8>* {f.v(f'bitcast i8* {wp} to <16 x i8>*')}, align 1")
-            nlo, nhi = f.v(f"and <16 x i8> {pk}, {v16}"), f.v(f"lshr <16 x i8> {pk}, {v4}")
-            idx = f.v(
-                f"shufflevector <16 x i8> {nlo}, <16 x i8> {nhi}, <32 x i32> <"
-                + ", ".join(f"i32 {j}" for j in range(32))
-                + ">"
-            )
+            idx = _unpack_nibbles(f, f.v(f"getelementptr i8, i8* %p3, i64 {f.v(f'add i64 {qso}, {16 * ib}')}"))
             w = f.v(f"call <32 x i8> @llvm.x86.avx2.pshuf.b(<32 x i8> {table}, <32 x i8> {idx})")
             groups.append((w, scf, None))
     else:
@@ -881,6 +838,28 @@ def _mask(idx) -> str:
     """A shufflevector mask operand: <n x i32> <i32 a, ...>."""
     idx = list(idx)
     return f"<{len(idx)} x i32> <" + ", ".join(f"i32 {i}" for i in idx) + ">"
+
+
+def _concat(f: _Fn, ty: str, n: int, a: str, b: str) -> str:
+    """<2n x ty>: the n lanes of ``a``, then those of ``b``."""
+    return f.v(f"shufflevector <{n} x {ty}> {a}, <{n} x {ty}> {b}, {_mask(range(2 * n))}")
+
+
+def _unpack_nibbles(f: _Fn, wp: str) -> str:
+    """The 16 bytes at ``wp`` as <32 x i8>: their low nibbles, then their high ones."""
+    pk = f.v(f"load <16 x i8>, <16 x i8>* {f.v(f'bitcast i8* {wp} to <16 x i8>*')}, align 1")
+    return _concat(
+        f,
+        "i8",
+        16,
+        f.v(f"and <16 x i8> {pk}, {_const('i8', 16, 15)}"),
+        f.v(f"lshr <16 x i8> {pk}, {_const('i8', 16, 4)}"),
+    )
+
+
+def _slice(f: _Fn, ty: str, n: int, v: str, lanes) -> str:
+    """The ``lanes`` of the <n x ty> ``v``, as a vector of their own."""
+    return f.v(f"shufflevector <{n} x {ty}> {v}, <{n} x {ty}> undef, {_mask(lanes)}")
 
 
 def _lanes4(f: _Fn, ty: str, v: str, n: int) -> str:
@@ -1142,9 +1121,8 @@ def _wbody(kind: str, act: int, nx: int) -> str:
             else:
                 h = f.v(f"load half, half* {f.v(f'bitcast i16* {p} to half*')}, align 2")
                 parts.append(_splat(f, "float", 4, f.v(f"fpext half {h} to float")))
-        lo = f.v(f"shufflevector <4 x float> {parts[0]}, <4 x float> {parts[1]}, {_mask(range(8))}")
-        hi = f.v(f"shufflevector <4 x float> {parts[2]}, <4 x float> {parts[3]}, {_mask(range(8))}")
-        return f.v(f"shufflevector <8 x float> {lo}, <8 x float> {hi}, {_mask(range(16))}")
+        lo = _concat(f, "float", 4, parts[0], parts[1])
+        return _concat(f, "float", 8, lo, _concat(f, "float", 4, parts[2], parts[3]))
 
     # ---- groups of 8 blocks
     f("grp:")
