@@ -500,9 +500,7 @@ def _entry_ir(form: tuple[str, int]) -> str:
     a("  %bprev = sub i64 %b, 1")
     amx_block("m", "%b", "%par")
     new = post("q", "%bprev", "%pprev", accs)
-    a("  %bnext = add i64 %b, 1")
-    a("  %bmore = icmp slt i64 %bnext, %nb")
-    a("  br i1 %bmore, label %blk, label %bdone")
+    _loop_end(a, "b", 1, "%nb", "blk", "bdone")
     L[phi_at:phi_at] = [
         f"  {accs[r]} = phi <16 x float> [zeroinitializer, %tile], [{new[r]}, %blk]" for r in range(TILE)
     ]
@@ -512,17 +510,7 @@ def _entry_ir(form: tuple[str, int]) -> str:
     a("  %blast = sub i64 %nb, 1")
     a("  %plast = and i64 %blast, 1")
     _store_rows(a, post("e", "%blast", "%plast", [f"%e{r}" for r in range(TILE)]))
-    a("  %tnext = add i64 %t, 1")
-    a("  %tmore = icmp slt i64 %tnext, %tiles")
-    a("  br i1 %tmore, label %tile, label %tdone")
-    a("tdone:")
-    a("  %pnext = add i64 %p, 16")
-    a("  %pmore = icmp slt i64 %pnext, %r1")
-    a("  br i1 %pmore, label %panel, label %exit")
-    a("exit:")
-    a("  call void @llvm.x86.tilerelease()")
-    a("  ret void")
-    a("}")
+    _end_entry(a, ("t", "%tiles", "tile"), ("p", 16, "%r1"), "  call void @llvm.x86.tilerelease()")
     return "\n".join(L)
 
 
@@ -669,22 +657,11 @@ def _vnni_entry_ir(form: tuple[str, int]) -> str:
         a(f"  %ci{r} = add i64 %sidx, {r}")
         a(f"  %s{r} = sub <16 x i32> {flipped}, {_bcast(a, f'c{r}', 'i32', '%wsc', f'%ci{r}')}")
         new.append(_scaled(a, kind, str(r), f"%s{r}", "%xdv", "%xsv", f"%ci{r}", f"%acc{r}"))
-    a("  %bnext = add i64 %b, 1")
-    a("  %bmore = icmp slt i64 %bnext, %nb")
-    a("  br i1 %bmore, label %blk, label %bdone")
+    _loop_end(a, "b", 1, "%nb", "blk", "bdone")
     L[phi_at:phi_at] = [f"  %acc{r} = phi <16 x float> [zeroinitializer, %tile], [{new[r]}, %blk]" for r in range(P)]
     a("bdone:")
     _store_rows(a, new)
-    a("  %tnext = add i64 %t, 1")
-    a("  %tmore = icmp slt i64 %tnext, %tiles")
-    a("  br i1 %tmore, label %tile, label %tdone")
-    a("tdone:")
-    a(f"  %pnext = add i64 %p, {P}")
-    a("  %pmore = icmp slt i64 %pnext, %r1")
-    a("  br i1 %pmore, label %panel, label %exit")
-    a("exit:")
-    a("  ret void")
-    a("}")
+    _end_entry(a, ("t", "%tiles", "tile"), ("p", P, "%r1"))
     return "\n".join(L)
 
 
@@ -930,9 +907,7 @@ def _avx2_entry_ir(kind: str) -> str:
     for i in range(M):
         for h in range(2):
             a(f"  store {f32x8} {new[i, h]}, {f32x8}* %fa{2 * i + h}, align 32")
-    a("  %bnext = add i64 %b, 1")
-    a("  %bmore = icmp slt i64 %bnext, %nb")
-    a("  br i1 %bmore, label %blk, label %bdone")
+    _loop_end(a, "b", 1, "%nb", "blk", "bdone")
     a("bdone:")
     a("  br label %st0")
     for i in range(M):  # the padding inputs of the last group are never written
@@ -949,17 +924,30 @@ def _avx2_entry_ir(kind: str) -> str:
             a(f"  store {f32x8} {new[i, h]}, {f32x8}* {_f32x8_at(a, f'o{t}', '%out', f'%ooh{t}')}, align 4")
         a(f"  br label %{nxt}")
     a("stored:")
-    a("  %gnext = add i64 %g, 1")
-    a("  %gmore = icmp slt i64 %gnext, %groups")
-    a("  br i1 %gmore, label %group, label %gdone")
-    a("gdone:")
-    a("  %pnext = add i64 %p, 1")
-    a("  %pmore = icmp slt i64 %pnext, %panels")
-    a("  br i1 %pmore, label %panel, label %exit")
+    _end_entry(a, ("g", "%groups", "group"), ("p", 1, "%panels"))
+    return "\n".join(L)
+
+
+def _loop_end(a, var: str, step: int, bound: str, loop: str, done: str) -> None:
+    """The back edge of the loop over ``%var``: step it, then on to ``loop`` while it is
+    below ``bound``, else to ``done``."""
+    a(f"  %{var}next = add i64 %{var}, {step}")
+    a(f"  %{var}more = icmp slt i64 %{var}next, {bound}")
+    a(f"  br i1 %{var}more, label %{loop}, label %{done}")
+
+
+def _end_entry(a, inner: tuple[str, str, str], panels: tuple[str, int, str], *last: str) -> None:
+    """An entry's close: the back edges of its inner loop (variable, bound, loop label)
+    and of its panel loop (variable, step, bound), then ``last`` and the return."""
+    var, bound, loop = inner
+    _loop_end(a, var, 1, bound, loop, f"{var}done")
+    a(f"{var}done:")
+    _loop_end(a, panels[0], panels[1], panels[2], "panel", "exit")
     a("exit:")
+    for line in last:
+        a(line)
     a("  ret void")
     a("}")
-    return "\n".join(L)
 
 
 def _f32x8_at(a, name: str, ptr: str, idx: str) -> str:
@@ -1231,43 +1219,13 @@ class TileKernels:
         fn = self._fns[(k.tile_form, x.bits)]
         wm = None if wmt is None else wmt.ctypes.data
         dst = out.ctypes.data + 4 * col
-        if self.unit == "amx":
-            fn(
-                a.ctypes.data,
-                wdt.ctypes.data,
-                wm,
-                x.xb.ctypes.data,
-                x.xd.ctypes.data,
-                x.xs.ctypes.data,
-                dst,
-                a0,
-                a1,
-                nb,
-                x.tiles,
-                cols,
-                self._cfg.ctypes.data,
-                out.shape[1],
-                x.n,
-            )
-        else:
+        head = (a.ctypes.data, wdt.ctypes.data, wm)
+        inputs = (x.xb.ctypes.data, x.xd.ctypes.data, x.xs.ctypes.data, dst, a0, a1, nb, x.tiles, cols)
+        if self.unit == "amx":  # the tile configuration before the output's stride
+            fn(*head, *inputs, self._cfg.ctypes.data, out.shape[1], x.n)
+        else:  # the VNNI entry also takes the weight blocks' sums
             wsc = panel(block_sums(a[a0:a1], x.bits), np.int32)
-            fn(
-                a.ctypes.data,
-                wdt.ctypes.data,
-                wm,
-                wsc.ctypes.data,
-                x.xb.ctypes.data,
-                x.xd.ctypes.data,
-                x.xs.ctypes.data,
-                dst,
-                a0,
-                a1,
-                nb,
-                x.tiles,
-                cols,
-                out.shape[1],
-                x.n,
-            )
+            fn(*head, wsc.ctypes.data, *inputs, out.shape[1], x.n)
 
     def _avx2_rows(
         self,

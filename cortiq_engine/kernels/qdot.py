@@ -313,7 +313,7 @@ def _block(
         p32 = _isum(f, kind, act, wv, r, b)
         pf = f.v(f"sitofp <8 x i32> {p32} to <8 x float>")
         xdo = f.v(f"add i64 {f.v(f'mul i64 %nb, {r}')}, {b}")
-        dx = f.v(f"load float, float* {f.v(f'getelementptr float, float* %xd, i64 {xdo}')}, align 4")
+        dx = _load_at(f, "float", "float", "%xd", xdo)
         sc = f.v(f"fmul float {dw}, {dx}")
         sv = f.v(
             f"shufflevector <8 x float> {f.v(f'insertelement <8 x float> undef, float {sc}, i32 0')}, <8 x float> undef, <8 x i32> zeroinitializer"
@@ -348,6 +348,13 @@ def _loop_back(
     f(f"  %{head}_more = icmp slt i64 {nxt}, {limit}")
     f(f"  br i1 %{head}_more, label %{head}, label %{out}")
     f.lines[phi_at:phi_at] = [f"  {n} = phi {t} [{v0}, %{entry}], [{v1}, %{head}]" for n, t, v0, v1 in carried]
+
+
+def _carried8(accs: list[str], new: list[str], mins: tuple[list[str], list[str]] | None = None) -> list:
+    """``_loop_back``'s carried values for <8 x float> accumulators (each from zero to its
+    next value), then for the min accumulators where there are (``mins``: names, next)."""
+    pairs = list(zip(accs, new)) + (list(zip(*mins)) if mins is not None else [])
+    return [(a, "<8 x float>", "zeroinitializer", n) for a, n in pairs]
 
 
 def _close_rows(f: _Fn) -> str:
@@ -407,12 +414,8 @@ def _meet8(
 
 def _hsum(f: _Fn, v: str) -> str:
     """The lanes of an <8 x float> added in one fixed order."""
-    lo = f.v(f"shufflevector <8 x float> {v}, <8 x float> undef, <4 x i32> <i32 0, i32 1, i32 2, i32 3>")
-    hi = f.v(f"shufflevector <8 x float> {v}, <8 x float> undef, <4 x i32> <i32 4, i32 5, i32 6, i32 7>")
-    c = f.v(f"fadd <4 x float> {lo}, {hi}")
-    c0 = f.v(f"shufflevector <4 x float> {c}, <4 x float> undef, <2 x i32> <i32 0, i32 1>")
-    c1 = f.v(f"shufflevector <4 x float> {c}, <4 x float> undef, <2 x i32> <i32 2, i32 3>")
-    d = f.v(f"fadd <2 x float> {c0}, {c1}")
+    c = f.v(f"fadd <4 x float> {_slice(f, 'float', 8, v, range(4))}, {_slice(f, 'float', 8, v, range(4, 8))}")
+    d = f.v(f"fadd <2 x float> {_slice(f, 'float', 4, c, range(2))}, {_slice(f, 'float', 4, c, range(2, 4))}")
     return f.v(
         f"fadd float {f.v(f'extractelement <2 x float> {d}, i32 0')}, {f.v(f'extractelement <2 x float> {d}, i32 1')}"
     )
@@ -501,9 +504,7 @@ def _gbody(kind: str, nx: int, act: int = 8, vnni: bool = False) -> str:
         new_f.append(a)
         if q4:
             new_m.append(m)
-    carried = [(facc[r], "<8 x float>", "zeroinitializer", new_f[r]) for r in range(nx)]
-    if q4:
-        carried += [(macc[r], "<8 x float>", "zeroinitializer", new_m[r]) for r in range(nx)]
+    carried = _carried8(facc, new_f, (macc, new_m) if q4 else None)
     _loop_back(f, "%g", "%gnext", "%ngroups", "grp", "rowloop", "gdone", phi_at, carried)
     f("gdone:")
     for r in range(nx):
@@ -525,6 +526,14 @@ def _splat(f: _Fn, ty: str, n: int, scalar: str) -> str:
 
 def _const(ty: str, n: int, value: int) -> str:
     return "<" + ", ".join([f"{ty} {value}"] * n) + ">"
+
+
+def _load_at(f: _Fn, ty: str, elem: str, base: str, index: str) -> str:
+    """A ``ty`` loaded (align 4) from element ``index`` of ``base``, an ``elem``*."""
+    p = f.v(f"getelementptr {elem}, {elem}* {base}, i64 {index}")
+    if ty != elem:
+        p = f.v(f"bitcast {elem}* {p} to {ty}*")
+    return f.v(f"load {ty}, {ty}* {p}, align 4")
 
 
 def _load32(f: _Fn, base: str, off: str) -> str:
@@ -792,9 +801,7 @@ def _kbody(kind: str, nx: int, act: int = 8, vnni: bool = False) -> str:
         )
         if mins:
             cur_m[r] = m
-    carried = [(acc[r], "<8 x float>", "zeroinitializer", cur_a[r]) for r in range(nx)]
-    if mins:
-        carried += [(macc[r], "<8 x float>", "zeroinitializer", cur_m[r]) for r in range(nx)]
+    carried = _carried8(acc, cur_a, (macc, cur_m) if mins else None)
     _loop_back(f, "%s", "%snext", "%nsb", "blk", "rowloop", "rowdone", phi_at, carried)
     f("rowdone:")
     for r in range(nx):
@@ -970,8 +977,7 @@ def _zbody(kind: str, act: int, nx: int) -> str:
             bk = f.v(f"mul i64 {b}, {ch}")
             for k in range(ch):
                 xo = f.v(f"mul i64 {f.v(f'add i64 {bk}, {k}')}, 64")
-                xp = f.v(f"getelementptr i8, i8* %xt, i64 {xo}")
-                xv = f.v(f"load <16 x i32>, <16 x i32>* {f.v(f'bitcast i8* {xp} to <16 x i32>*')}, align 4")
+                xv = _load_at(f, "<16 x i32>", "i8", "%xt", xo)
                 wv = f.v(f"bitcast <64 x i8> {wch[k]} to <16 x i32>")
                 # unsigned weights (nibbles) times signed activations
                 acc32 = f.v(
@@ -993,8 +999,7 @@ def _zbody(kind: str, act: int, nx: int) -> str:
 
         dw = half4("%wd")
         s = f.v(f"fmul <16 x float> {dw}, {rows16('%xdt')}")
-        uf = f.v(f"sitofp <16 x i32> {u} to <16 x float>")
-        new[acc] = f.v(f"call <16 x float> @llvm.fma.v16f32(<16 x float> {uf}, <16 x float> {s}, <16 x float> {acc})")
+        new[acc] = _fma_isum(f, u, s, acc)
         if _stored_min(kind):
             mw = half4("%wm")
         else:  # q4_0: the min -8 d, exact in f32, as _gbody
@@ -1035,6 +1040,12 @@ WROWS_KINDS = tuple((d, a) for d, o in OPS.items() for a in o.wbody_widths)
 # the per-row bodies 78-80).
 WBAND_AHEAD_ROWS = 3
 WBAND_AHEAD_BYTES = PREFETCH_BYTES
+
+
+def _fma_isum(f: _Fn, isum: str, scale: str, acc: str) -> str:
+    """acc + float(isum) * scale, lane-wise, for <16 x i32> integer sums."""
+    uf = f.v(f"sitofp <16 x i32> {isum} to <16 x float>")
+    return f.v(f"call <16 x float> @llvm.fma.v16f32(<16 x float> {uf}, <16 x float> {scale}, <16 x float> {acc})")
 
 
 def _lanes_pick(f: _Fn, a: str, b: str, lanes: tuple[int, int, int, int]) -> str:
@@ -1154,13 +1165,9 @@ def _wbody(kind: str, act: int, nx: int) -> str:
         for r in range(nx):
             u = _zpair(f, folded[r][0], folded[r][1], 2)
             xo = f.v(f"mul i64 %nb, {r}")
-            xp = f.v(f"getelementptr float, float* %xd, i64 {f.v(f'add i64 {xo}, {bh}')}")
-            xv = f.v(f"load <4 x float>, <4 x float>* {f.v(f'bitcast float* {xp} to <4 x float>*')}, align 4")
+            xv = _load_at(f, "<4 x float>", "float", "%xd", f.v(f"add i64 {xo}, {bh}"))
             s = f.v(f"fmul <16 x float> {dw}, {_lanes4(f, 'float', xv, 4)}")
-            uf = f.v(f"sitofp <16 x i32> {u} to <16 x float>")
-            new[(r, half)] = f.v(
-                f"call <16 x float> @llvm.fma.v16f32(<16 x float> {uf}, <16 x float> {s}, <16 x float> {accs[(r, half)]})"
-            )
+            new[(r, half)] = _fma_isum(f, u, s, accs[(r, half)])
     carried = [(accs[key], "<16 x float>", "zeroinitializer", new[key]) for key in accs]
     _loop_back(f, "%g", "%gnext", "%ngroups", "grp", "rowloop", "gdone", phi_at, carried)
     f("gdone:")
@@ -1180,13 +1187,10 @@ def _wbody(kind: str, act: int, nx: int) -> str:
         # _block's lane i (i < 4) sums pairs i and i + 8: chunks 0 and 2; lanes 4-7: chunks 1 and 3
         plo, phi_ = f.v(f"add <16 x i32> {d[0]}, {d[2]}"), f.v(f"add <16 x i32> {d[1]}, {d[3]}")
         xo = f.v(f"add i64 {f.v(f'mul i64 %nb, {r}')}, %tb")
-        dx = f.v(f"load float, float* {f.v(f'getelementptr float, float* %xd, i64 {xo}')}, align 4")
+        dx = _load_at(f, "float", "float", "%xd", xo)
         s = f.v(f"fmul <16 x float> {dwt}, {_splat(f, 'float', 16, dx)}")
         for h, pv in enumerate((plo, phi_)):
-            pf = f.v(f"sitofp <16 x i32> {pv} to <16 x float>")
-            tnew[(r, h)] = f.v(
-                f"call <16 x float> @llvm.fma.v16f32(<16 x float> {pf}, <16 x float> {s}, <16 x float> {taccs[(r, h)]})"
-            )
+            tnew[(r, h)] = _fma_isum(f, pv, s, taccs[(r, h)])
     carried = [(taccs[key], "<16 x float>", "zeroinitializer", tnew[key]) for key in taccs]
     _loop_back(f, "%tb", "%tbnext", "%nb", "tloop", "gdone", "fin", tphi_at, carried)
     f("fin:")
