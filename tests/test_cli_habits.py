@@ -234,29 +234,49 @@ def test_version_prints_the_package_version():
 
 
 # ------------------------------------------------------------------ 4. help
+def _assert_plain_help(name: str, out: str) -> None:
+    lines = out.splitlines()
+    assert lines[0].startswith("Usage: ") and f" {name} [OPTIONS]" in lines[0]
+    assert max(len(ln) for ln in lines) <= 80
+    assert all(ln == ln.rstrip() for ln in lines)
+    assert out.endswith("\n") and not out.endswith("\n\n")  # no blank line after the last one
+    assert "\x1b" not in out and not re.search(r"\[/?(bold|dim|red|yellow|green|cyan)\b|\[/\]", out), out
+    if name in ("generate", "chat", "ppl", "calibrate"):
+        assert "--kv-cache f32|f16" in out
+    if name in ("generate", "chat"):
+        assert "--mtp-chain independent|recursive" in out and "--mtp-hidden pre|post" in out
+    if name in ("ppl", "quant-sweep"):
+        assert re.search(r"--mode (sliding\|chunks|chunks\|sliding) ", out)
+    if name == "chat":
+        assert "--chat-template model|raw" in out
+    if name == "convert":
+        assert "--mtp sidecar|inline|drop" in out and "-q, --quant TYPE" in out
+        assert all(q in " ".join(out.split()) for q in ("q4_k_m (q4km)", "q4_1 (q4)", "q4_0,", "q8_0 (q8)"))
+
+
+def _runner_help(name: str):
+    # The runner's output is no terminal, as a pipe is not; the environment is the process test's.
+    return runner.invoke(app, [name, "--help"], env={"COLUMNS": "200", "NO_COLOR": "1"})
+
+
 @pytest.mark.parametrize("name", NAMES)
+def test_help_off_a_terminal_is_80_columns_of_plain_text(name):
+    res = _runner_help(name)
+    assert res.exit_code == 0, res.output
+    _assert_plain_help(name, res.stdout)
+
+
+# One real process proves the runner's help is the pipe's, byte for byte but the program name;
+# the runner test above covers every command, so the other processes run in the slow suite.
+@pytest.mark.parametrize("name", [n if n == "convert" else pytest.param(n, marks=pytest.mark.slow) for n in NAMES])
 def test_help_into_a_pipe_is_80_columns_of_plain_text(name):
     p = subprocess.run(
         _cortiq(name, "--help"), capture_output=True, text=True, env={**_env(), "COLUMNS": "200"}, timeout=60
     )
     assert p.returncode == 0, p.stderr
-    lines = p.stdout.splitlines()
-    assert lines[0].startswith("Usage: ") and f" {name} [OPTIONS]" in lines[0]
-    assert max(len(ln) for ln in lines) <= 80
-    assert all(ln == ln.rstrip() for ln in lines)
-    assert p.stdout.endswith("\n") and not p.stdout.endswith("\n\n")  # no blank line after the last one
-    assert "\x1b" not in p.stdout and not re.search(r"\[/?(bold|dim|red|yellow|green|cyan)\b|\[/\]", p.stdout), p.stdout
-    if name in ("generate", "chat", "ppl", "calibrate"):
-        assert "--kv-cache f32|f16" in p.stdout
-    if name in ("generate", "chat"):
-        assert "--mtp-chain independent|recursive" in p.stdout and "--mtp-hidden pre|post" in p.stdout
-    if name in ("ppl", "quant-sweep"):
-        assert re.search(r"--mode (sliding\|chunks|chunks\|sliding) ", p.stdout)
-    if name == "chat":
-        assert "--chat-template model|raw" in p.stdout
-    if name == "convert":
-        assert "--mtp sidecar|inline|drop" in p.stdout and "-q, --quant TYPE" in p.stdout
-        assert all(q in " ".join(p.stdout.split()) for q in ("q4_k_m (q4km)", "q4_1 (q4)", "q4_0,", "q8_0 (q8)"))
+    _assert_plain_help(name, p.stdout)
+    usage = "Usage: python -m cortiq_cli.main "
+    assert p.stdout.startswith(usage) and p.stdout == _runner_help(name).stdout.replace("Usage: cortiq ", usage, 1)
 
 
 # ------------------------------------------------------------------ 5. a folder for a file
