@@ -1,6 +1,6 @@
 """The cluster commands on a multi-node Ray cluster made with Ray's own test tool
-(``ray.cluster_utils.Cluster``: a head without CPUs and two worker nodes of one CPU
-each, every node its own raylet and object store, on this machine). The real CLI joins
+(``ray.cluster_utils.Cluster``: a head node and a worker node of one CPU each, every
+node its own raylet and object store, on this machine). The real CLI joins
 it by its address (``--cluster HOST:PORT``, or ``auto`` with ``RAY_ADDRESS``) and its
 figures are the one-process figures bit for bit: ppl here, calibrate and imatrix under
 faults (a driver killed outright, then ``--resume`` with a worker process killed
@@ -34,14 +34,15 @@ TEXT = BUNDLED_TEXT.read_text(encoding="utf-8")
 runner = CliRunner()
 HELD_BOUND = (AHEAD_PER_WORKER + IN_FLIGHT) * 2  # results the driver of two workers may hold at once
 
-# A head that runs no work (num_cpus 0) and worker nodes of one CPU each: one worker per
-# node at -t 1, so the windows are scored on two raylets with two object stores.
+# A head and worker nodes of one CPU each: one worker per node at -t 1, so the windows are
+# scored on two raylets with two object stores (a head without CPUs would cost a third
+# raylet and its agents on this 2-core machine, and test no more).
 _NODES = """
 import json, sys
 from ray.cluster_utils import Cluster
 spec = json.loads(sys.argv[1])
 store = 80 * 1024 * 1024
-head = dict(num_cpus=0, object_store_memory=store, include_dashboard=False, **spec["head"])
+head = dict(num_cpus=1, object_store_memory=store, include_dashboard=False, **spec["head"])
 cluster = Cluster(initialize_head=True, head_node_args=head)
 for _ in range(spec["nodes"]):
     cluster.add_node(num_cpus=1, object_store_memory=store)
@@ -64,7 +65,8 @@ def _env(cache: Path | None = None, **extra: str) -> dict[str, str]:
 
 
 class Nodes:
-    """A running ``cluster_utils.Cluster`` in a child process: its address and process."""
+    """A running ``cluster_utils.Cluster`` in a child process (a head and ``nodes`` more
+    nodes; ``head``: the head's further node arguments): its address and process."""
 
     def __init__(self, nodes: int, head: dict | None = None):
         self.proc = subprocess.Popen(
@@ -107,7 +109,7 @@ class Nodes:
 
 @pytest.fixture(scope="module")
 def nodes():
-    n = Nodes(2)
+    n = Nodes(1)
     try:
         yield n
     finally:
@@ -289,7 +291,7 @@ def test_plan_order_combines_in_window_order_holding_only_early_results():
         order.add(4, "again")
 
 
-def test_ppl_on_two_worker_nodes(tiny, nodes, tmp_path):
+def test_ppl_on_two_nodes(tiny, nodes, tmp_path):
     """ppl with two models (every KL statistic), joined by HOST:PORT, one worker on each
     node: the one-process figures bit for bit."""
     want, _ = _figures("ppl", _alone(_ppl(tiny, tmp_path)), tmp_path)
@@ -304,7 +306,7 @@ def test_ppl_on_two_worker_nodes(tiny, nodes, tmp_path):
 
 
 @pytest.mark.slow
-def test_mtp_probe_on_two_worker_nodes(tiny, mtp_model, nodes, tmp_path):
+def test_mtp_probe_on_two_nodes(tiny, mtp_model, nodes, tmp_path):
     t = dict(tiny, mtp=mtp_model)
     want, _ = _figures("mtp-probe", _alone(_mtp(t, tmp_path)), tmp_path)
     got, cluster = _figures(
@@ -315,7 +317,7 @@ def test_mtp_probe_on_two_worker_nodes(tiny, mtp_model, nodes, tmp_path):
 
 
 @pytest.mark.slow
-def test_quant_sweep_on_two_worker_nodes(tiny, nodes, tmp_path):
+def test_quant_sweep_on_two_nodes(tiny, nodes, tmp_path):
     """Each type's rows against the saved f32 reference: every figure but the timings."""
     args = ["quant-sweep", str(tiny["hf"]), "--types", "q4_0,q8_0", "--text", str(tiny["text"]), "-c", "32"]
     args += ["--max-tokens", "640", "-t", "1", "--decode-tokens", "2", "--decode-reps", "1"]
@@ -388,9 +390,9 @@ def _free_port() -> int:
 @pytest.mark.slow
 def test_ppl_through_ray_client(tiny, tmp_path):
     """``ray://127.0.0.1:PORT``: a head with Ray's client server on the loopback (Ray Client,
-    ``cortiq[cluster]``'s ``ray[client]``), two worker nodes; the one-process figures."""
+    ``cortiq[cluster]``'s ``ray[client]``) and a worker node; the one-process figures."""
     port = _free_port()
-    client = Nodes(2, head={"ray_client_server_port": port})
+    client = Nodes(1, head={"ray_client_server_port": port})
     try:
         want, _ = _figures("ppl", _alone(_ppl(tiny, tmp_path)), tmp_path)
         where = f"ray://127.0.0.1:{port}"
