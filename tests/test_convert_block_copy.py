@@ -17,6 +17,7 @@ from cortiq_engine.convert import convert_checkpoint
 from formats.errors import CortiqError
 from formats.gguf_import import unpermute_rope_rows
 from formats.quants import get_dtype
+from tests.tiny import save_tiny
 
 
 @pytest.fixture(scope="module")
@@ -84,14 +85,22 @@ def test_quant_keep_keeps_source_types(smollm2_gguf, tmp_path):
     assert set(report.by_dtype) == {"q4", "q8", "f32"} and len(report.block_copied) == 211
 
 
-def test_cmf_source_requantizes(smollm2_q4_direct, tmp_path):
+@pytest.fixture(scope="module")
+def tiny_q4(tmp_path_factory) -> Path:
+    """A tiny random llama as q4 (its embedding and head q8, as SmolLM2's GGUF has them)."""
+    root = tmp_path_factory.mktemp("blk-tiny")
+    out = root / "a.q4.cmf"
+    convert_checkpoint(save_tiny("llama", root / "hf"), out, quant="q4")
+    return out
+
+
+def _requantize_chain(a: Path, tmp_path: Path) -> None:
     """a.q4.cmf -> b.q8.cmf -> c.q4.cmf: each step re-encodes the decoded values; a dtype
     that stays is copied byte for byte."""
     from cortiq_engine import Engine
 
-    a, _ = smollm2_q4_direct
     r8 = convert_checkpoint(a, tmp_path / "b.q8.cmf", quant="q8")
-    name = "model.layers.2.mlp.gate_proj.weight"
+    name = "model.layers.1.mlp.gate_proj.weight"
     with CmfFile(a) as fa, CmfFile(tmp_path / "b.q8.cmf") as fb:
         assert fb.info(name).dtype == "q8"
         want = get_dtype("q8").encode(fa.tensor_f32(name))
@@ -109,3 +118,12 @@ def test_cmf_source_requantizes(smollm2_q4_direct, tmp_path):
         assert eng.logits(ids).shape == (len(ids), eng.vocab_size)
     with pytest.raises(CortiqError, match="is the source itself"):
         convert_checkpoint(a, a, quant="q4", force=True)
+
+
+def test_cmf_source_requantizes(tiny_q4, tmp_path):
+    _requantize_chain(tiny_q4, tmp_path)
+
+
+@pytest.mark.slow  # the same chain on a tiny llama above; here twice SmolLM2's 135M weights
+def test_smollm2_cmf_source_requantizes(smollm2_q4_direct, tmp_path):
+    _requantize_chain(smollm2_q4_direct[0], tmp_path)
