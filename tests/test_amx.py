@@ -286,8 +286,16 @@ def test_vnni_takes_only_matmuls_of_vnni_min_weights():
     assert np.abs(tiled - qdot.qdot_ref("q8", w.parts, X, 16)).max() / np.abs(off).max() < 2e-6
 
 
-@pytest.mark.parametrize("unit", UNITS)
-@pytest.mark.parametrize("quant", ["q8", "q4"])
+# Every unit's tiles meet SmolLM2 once (q8) and both quants meet the host's first unit; the
+# other units' q4 runs are slow (their q4 tiles stay checked against float64 above).
+@pytest.mark.parametrize(
+    "unit,quant",
+    [
+        pytest.param(u, q, marks=pytest.mark.slow) if (q == "q4" and u != UNITS[0]) else (u, q)
+        for q in ("q8", "q4")
+        for u in UNITS
+    ],
+)
 def test_smollm2_prefill_with_and_without_tiles(smollm2_cmf, unit, quant):
     """One prompt three ways: in one chunk on the tiles, in chunks of 16 rows on the decode
     kernels, and in one chunk on sgemm (float activations). q8: tiles and decode both round
