@@ -79,12 +79,8 @@ def note_interrupted() -> None:
     )
 
 
-def score_ppl(
-    where: ClusterAddress, threads: int, resume: bool, show: bool, *args: Any, **kwargs: Any
-) -> tuple[Any, int, ClusterReport]:
-    """``evals.cluster.score_ppl`` under the progress bar (``show``)."""
-    from evals.cluster import score_ppl as run
-
+def _under_bar(run: Any, where: ClusterAddress, threads: int, resume: bool, show: bool, args: Any, kwargs: Any) -> Any:
+    """``run`` (one of ``evals.cluster``'s commands) under the progress bar (``show``)."""
     with progress_bar() as bar:
         task = bar.add_task("cluster", total=None, rate="-")
 
@@ -92,6 +88,15 @@ def score_ppl(
             bar.update(task, completed=done, total=windows, rate=f"{rate:,.0f}" if rate == rate else "-")
 
         return run(where, threads, *args, resume=resume, progress=progress if show else None, **kwargs)
+
+
+def score_ppl(
+    where: ClusterAddress, threads: int, resume: bool, show: bool, *args: Any, **kwargs: Any
+) -> tuple[Any, int, ClusterReport]:
+    """``evals.cluster.score_ppl`` under the progress bar (``show``)."""
+    from evals.cluster import score_ppl as run
+
+    return _under_bar(run, where, threads, resume, show, args, kwargs)
 
 
 def collect_features(
@@ -100,13 +105,7 @@ def collect_features(
     """``evals.cluster.collect_features`` under the progress bar (``show``)."""
     from evals.cluster import collect_features as run
 
-    with progress_bar() as bar:
-        task = bar.add_task("cluster", total=None, rate="-")
-
-        def progress(done: int, windows: int, _tokens: int, _total: int, rate: float) -> None:
-            bar.update(task, completed=done, total=windows, rate=f"{rate:,.0f}" if rate == rate else "-")
-
-        return run(where, threads, *args, resume=resume, progress=progress if show else None, **kwargs)
+    return _under_bar(run, where, threads, resume, show, args, kwargs)
 
 
 def collect_imatrix(
@@ -115,13 +114,7 @@ def collect_imatrix(
     """``evals.cluster.collect_imatrix`` under the progress bar (``show``)."""
     from evals.cluster import collect_imatrix as run
 
-    with progress_bar() as bar:
-        task = bar.add_task("cluster", total=None, rate="-")
-
-        def progress(done: int, windows: int, _tokens: int, _total: int, rate: float) -> None:
-            bar.update(task, completed=done, total=windows, rate=f"{rate:,.0f}" if rate == rate else "-")
-
-        return run(where, threads, *args, resume=resume, progress=progress if show else None, **kwargs)
+    return _under_bar(run, where, threads, resume, show, args, kwargs)
 
 
 def probe_mtp(
@@ -130,13 +123,7 @@ def probe_mtp(
     """``evals.cluster.probe_mtp`` under the progress bar (``show``)."""
     from evals.cluster import probe_mtp as run
 
-    with progress_bar() as bar:
-        task = bar.add_task("cluster", total=None, rate="-")
-
-        def progress(done: int, windows: int, _tokens: int, _total: int, rate: float) -> None:
-            bar.update(task, completed=done, total=windows, rate=f"{rate:,.0f}" if rate == rate else "-")
-
-        return run(where, threads, *args, resume=resume, progress=progress if show else None, **kwargs)
+    return _under_bar(run, where, threads, resume, show, args, kwargs)
 
 
 def render_report(report: ClusterReport) -> None:
@@ -146,9 +133,10 @@ def render_report(report: ClusterReport) -> None:
         if report.tokens_per_s == report.tokens_per_s
         else "nothing left to score"
     )
+    hosts, nodes = len(set(report.hosts)), report.nodes
     console.print(
-        f"cluster {report.address}: {report.workers} workers on {len(set(report.hosts))} "
-        f"host{'s' if len(set(report.hosts)) != 1 else ''}, {report.tasks} windows handed out"
+        f"cluster {report.address}: {report.workers} worker{'s' if report.workers != 1 else ''} on {nodes} node{'s' if nodes != 1 else ''} "
+        f"({hosts} host{'s' if hosts != 1 else ''}), {report.tasks} windows handed out"
         f" ({report.retried} again after a lost worker, {report.resumed} from the journal), {rate}",
         highlight=False,
     )

@@ -46,6 +46,8 @@ INSTALL_HINT = "pip install 'cortiq[cluster]'"
 MAX_RESTARTS = 4  # per worker process, by Ray
 MAX_WINDOW_ATTEMPTS = 4  # a window that loses this many workers is a failure, not bad luck
 IN_FLIGHT = 2  # windows queued per worker: the next one is there when the last one ends
+WORKER_PROBE_S = 0.25  # a lost worker is first asked again after this, then less often (5 s at most)
+WORKER_GIVE_UP_S = 300.0  # a worker that has not answered for this long gets no more windows
 AHEAD_PER_WORKER = 8  # results per worker the driver holds while an earlier window is still out
 JOURNAL_ENV = "CORTIQ_CLUSTER_CACHE"
 
@@ -462,6 +464,16 @@ class WindowTask:
     ref: RefRows | None
 
 
+@dataclass
+class _Down:
+    """A lost worker: since when, when to ask it again, the question pending."""
+
+    since: float
+    next_probe: float
+    wait: float = WORKER_PROBE_S
+    probe: Any = None
+
+
 class Cluster:
     """A started or joined Ray cluster with ``workers`` WindowScorer actors; a context manager
     that shuts down what it started."""
@@ -570,9 +582,11 @@ class Cluster:
         admit: Callable[[], bool] | None = None,
     ) -> None:
         """Hand the windows out, at most IN_FLIGHT per worker, and pass each result on as it
-        arrives; a window whose worker dies goes to the next free worker. While ``admit`` says
-        no, only windows handed out again go out (the driver holds enough results waiting for
-        an earlier window); with nothing in flight a new one goes out regardless."""
+        arrives. A window whose worker dies goes to another worker; the lost worker gets no
+        window until it answers again (Ray restarts it), asked every WORKER_PROBE_S at first,
+        then less often, and is given up after WORKER_GIVE_UP_S. While ``admit`` says no, only
+        windows handed out again go out (the driver holds enough results waiting for an
+        earlier window); with nothing in flight a new one goes out regardless."""
         import ray
         from ray.exceptions import (
             GetTimeoutError,
@@ -583,17 +597,40 @@ class Cluster:
             WorkerCrashedError,
         )
 
-        lost = (RayActorError, WorkerCrashedError, ObjectLostError, OwnerDiedError)
+        lost = (RayActorError, WorkerCrashedError, ObjectLostError, OwnerDiedError, GetTimeoutError)
         todo: deque[WindowTask] = deque()
         source = iter(tasks)
         exhausted = False
         inflight: dict[Any, tuple[int, WindowTask]] = {}
         load = [0] * len(self.actors)
         attempts: dict[int, int] = {}
+        down: dict[int, _Down] = {}  # workers lost, until they answer again
+        probes: dict[Any, int] = {}  # a lost worker's pending ``info`` call
         t0 = time.perf_counter()
+
+        def lose(a: int) -> None:
+            d = down.get(a)
+            if d is None:
+                down[a] = _Down(since=time.monotonic(), next_probe=time.monotonic() + WORKER_PROBE_S)
+            elif d.probe is None:
+                d.wait = min(d.wait * 2, 5.0)
+                d.next_probe = time.monotonic() + d.wait
+
         try:
             while True:
+                now = time.monotonic()
+                for a, d in down.items():
+                    if d.probe is None and now >= d.next_probe:
+                        if now - d.since > WORKER_GIVE_UP_S:
+                            d.next_probe = float("inf")  # given up: it never gets a window again
+                            continue
+                        d.probe = self.actors[a].info.remote()
+                        probes[d.probe] = a
+                if len(down) == len(self.actors) and all(d.next_probe == float("inf") for d in down.values()):
+                    raise CortiqError(f"every worker was lost for over {WORKER_GIVE_UP_S:.0f} s; is the cluster up?")
                 for a in range(len(self.actors)):
+                    if a in down:
+                        continue
                     while load[a] < IN_FLIGHT:
                         if not todo and not exhausted and (admit is None or admit() or not inflight):
                             nxt = next(source, None)
@@ -608,10 +645,26 @@ class Cluster:
                         inflight[ref] = (a, t)
                         load[a] += 1
                         report.tasks += 1
-                if not inflight:
+                if not inflight and not todo and exhausted:
                     break
-                ready, _ = ray.wait(list(inflight), num_returns=1, timeout=0.5)
+                waiting = list(inflight) + list(probes)
+                if not waiting:  # every worker lost and none due to be asked yet
+                    time.sleep(0.05)
+                    continue
+                ready, _ = ray.wait(waiting, num_returns=1, timeout=0.5)
                 for r in ready:
+                    if r in probes:
+                        a = probes.pop(r)
+                        down[a].probe = None
+                        try:
+                            info = ray.get(r, timeout=60)
+                        except lost:
+                            lose(a)
+                            continue
+                        if info["error"]:
+                            raise CortiqError(info["error"])
+                        del down[a]
+                        continue
                     a, t = inflight.pop(r)
                     load[a] -= 1
                     try:
@@ -619,7 +672,7 @@ class Cluster:
                     except RayTaskError as e:
                         cause = e.cause if isinstance(getattr(e, "cause", None), BaseException) else e
                         raise CortiqError(f"window {t.index}: {str(cause).splitlines()[0][:300]}") from None
-                    except (*lost, GetTimeoutError) as e:
+                    except lost as e:
                         attempts[t.index] = attempts.get(t.index, 0) + 1
                         if attempts[t.index] >= MAX_WINDOW_ATTEMPTS:
                             raise CortiqError(
@@ -628,6 +681,7 @@ class Cluster:
                             ) from None
                         report.retried += 1
                         todo.appendleft(t)
+                        lose(a)
                         continue
                     report.tokens += rows
                     report.busy_s += busy

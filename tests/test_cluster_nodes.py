@@ -291,6 +291,25 @@ def test_plan_order_combines_in_window_order_holding_only_early_results():
         order.add(4, "again")
 
 
+def test_the_report_line_names_workers_nodes_and_hosts(capsys):
+    from cortiq_cli.cluster_options import render_report
+    from evals.cluster import ClusterReport
+
+    render_report(
+        ClusterReport(
+            "10.1.2.3:6379", 2, tasks=301, retried=1, resumed=4, tokens=900, seconds=2.0, hosts=["a", "a"], nodes=2
+        )
+    )
+    render_report(ClusterReport("local:1", 1, tasks=3, tokens=10, seconds=1.0, hosts=["a"], nodes=1))
+    out = capsys.readouterr().out.splitlines()
+    assert out == [
+        "cluster 10.1.2.3:6379: 2 workers on 2 nodes (1 host), 301 windows handed out "
+        "(1 again after a lost worker, 4 from the journal), 450 tokens/s",
+        "cluster local:1: 1 worker on 1 node (1 host), 3 windows handed out "
+        "(0 again after a lost worker, 0 from the journal), 10 tokens/s",
+    ], out
+
+
 def test_ppl_on_two_nodes(tiny, nodes, tmp_path):
     """ppl with two models (every KL statistic), joined by HOST:PORT, one worker on each
     node: the one-process figures bit for bit."""
