@@ -390,29 +390,10 @@ class Attention:
 
 # ------------------------------------------------------------------ feed-forward
 class GatedMLP:
-    """down(silu(gate(x)) * up(x)); gate and up run as one fused matmul."""
+    """down(act(gate(x)) * up(x)); gate and up run as one fused matmul. ``act`` is the
+    config's activation name: the tanh GELU (Gemma's GeGLU) or SiLU (SwiGLU)."""
 
-    def __init__(self, kernels, gate: Weight, up: Weight, down: Weight):
-        if not (gate.shape == up.shape == (down.cols, down.rows)):
-            raise CortiqError(
-                f"MLP tensors {gate.name} {list(gate.shape)}, {up.name} {list(up.shape)}, {down.name} {list(down.shape)} disagree"
-            )
-        self.ks = kernels
-        self._gu = (gate, up)
-        self._down = (down,)
-
-    def weights(self) -> list[Weight]:
-        return [*self._gu, *self._down]
-
-    def __call__(self, x: np.ndarray) -> np.ndarray:
-        return self.ks.matmul(self._down, self.ks.silu_mul(self.ks.matmul(self._gu, x)))
-
-
-# ------------------------------------------------------------------ the residual block
-class GegluMLP:
-    """down(act(gate(x)) * up(x)), act = the tanh GELU (Gemma) or SiLU, by the config's name."""
-
-    def __init__(self, kernels, gate: Weight, up: Weight, down: Weight, act: str):
+    def __init__(self, kernels, gate: Weight, up: Weight, down: Weight, act: str = "silu"):
         if not (gate.shape == up.shape == (down.cols, down.rows)):
             raise CortiqError(
                 f"MLP tensors {gate.name} {list(gate.shape)}, {up.name} {list(up.shape)}, {down.name} {list(down.shape)} disagree"
@@ -433,6 +414,7 @@ class GegluMLP:
 GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
 
 
+# ------------------------------------------------------------------ the residual block
 class Block:
     """Pre-norm decoder block: h = x + attn(norm(x)); x = h + mlp(norm(h)).
     ``residual_scale`` (Granite) multiplies each sublayer's output before the add."""

@@ -179,11 +179,11 @@ def step_usage(step: Step, layer: int, experts: int) -> np.ndarray | None:
     return table[layer]
 
 
-class BiasedExpert:
+class BiasedExpert(GatedMLP):
     """A GPT-OSS expert: ``down(act(gate(x) + bg, up(x) + bu)) + bd`` where, with
     ``limit`` > 0, gate is clamped above at ``limit`` and up to [-limit, limit], and
     ``act`` is ``(up + 1) * gate * sigmoid(alpha * gate)`` (``alpha`` 0: ``silu(gate) * up``).
-    Gate and up run as one fused matmul, as ``GatedMLP``'s do."""
+    Gate and up run as one fused matmul, as in the ``GatedMLP`` it extends."""
 
     def __init__(
         self,
@@ -197,14 +197,11 @@ class BiasedExpert:
         limit: float = 0.0,
         alpha: float = 0.0,
     ):
-        GatedMLP(kernels, gate, up, down)  # refuses shapes that disagree
+        super().__init__(kernels, gate, up, down)  # refuses shapes that disagree
         width = gate.rows
         for name, b, n in (("gate", gate_bias, width), ("up", up_bias, width), ("down", down_bias, down.rows)):
             if b is not None and b.shape != (n,):
                 raise CortiqError(f"expert {name} bias has {b.size} values, its projection has {n} rows")
-        self.ks = kernels
-        self._gu = (gate, up)
-        self._down = (down,)
         self.gu_bias = (
             None
             if gate_bias is None and up_bias is None
@@ -215,9 +212,6 @@ class BiasedExpert:
         self.down_bias = None if down_bias is None else down_bias.astype(np.float32)
         self.limit = np.float32(limit)
         self.alpha = np.float32(alpha)
-
-    def weights(self) -> list[Weight]:
-        return [*self._gu, *self._down]
 
     def activate(self, gu: np.ndarray) -> np.ndarray:
         """[n, 2 * width] gate|up products (biases not yet added) -> [n, width] activations."""

@@ -24,21 +24,20 @@ from formats.gguf_spec import GgufSpec
 
 @dataclass(frozen=True)
 class Registry:
-    """The families, by ``model_type`` and by ``arch``; both are checked to be unique."""
+    """The families, by ``model_type``, by ``arch`` and by GGUF architecture; each is
+    checked to be unique."""
 
     families: tuple[Family, ...]
     by_model_type: dict[str, Family] = field(init=False, repr=False)
     by_arch: dict[str, Family] = field(init=False, repr=False)
-    by_hf_architecture: dict[str, Family] = field(init=False, repr=False)
     by_gguf: dict[str, tuple[Family, GgufSpec]] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         mts: dict[str, Family] = {}
         archs: dict[str, Family] = {}
-        hf: dict[str, Family] = {}
         gguf: dict[str, tuple[Family, GgufSpec]] = {}
         for f in self.families:
-            for key, table in ((f.model_types, mts), (f.archs, archs), (f.hf_architectures, hf)):
+            for key, table in ((f.model_types, mts), (f.archs, archs)):
                 for k in key:
                     if k in table:
                         raise ValueError(f"{k!r} is claimed by families {table[k].name} and {f.name}")
@@ -55,7 +54,6 @@ class Registry:
                 gguf[spec.arch] = (f, spec)
         object.__setattr__(self, "by_model_type", mts)
         object.__setattr__(self, "by_arch", archs)
-        object.__setattr__(self, "by_hf_architecture", hf)
         object.__setattr__(self, "by_gguf", gguf)
 
     def supported_model_types(self) -> list[str]:

@@ -3,7 +3,10 @@
 - ``Family``: the one object a family file exports as ``FAMILY``. The registry
   (``cortiq_engine.models``) collects them; the converter and the loader ask it for
   the parser, the tensor manifest, the name rules, the trunk and the draft layers.
-- config.json helpers every parser uses (``req``, ``dense_common``, ``sliding_layers``).
+- config.json helpers every parser uses (``req``, ``dense_common``, ``layer_kinds``,
+  ``sliding_layers``); the GGUF metadata checks several families share (``gguf_heads``).
+- ``SETTINGS`` and ``refuse_header``: what a CMF header (untrusted) may ask of a family,
+  one table; each family names the settings it computes and the rest are refused.
 - manifest pieces: the tensors of an attention, an MLP, an MoE FFN, the trunk's ends
   and a draft layer's ends, with their shapes.
 - ``DraftLayer`` and ``wrap_draft``: an MTP layer is a family block between the shared
@@ -18,10 +21,10 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from formats.arch import ACTIVATIONS, LAYER_FULL, LAYER_SLIDING, ArchConfig, MoeConfig
+from formats.arch import ACTIVATIONS, LAYER_FULL, LAYER_LINEAR, LAYER_SLIDING, ArchConfig, MoeConfig
 from formats.cmf import CmfFile
 from formats.errors import CortiqError
-from formats.gguf_spec import GgufSpec
+from formats.gguf_spec import GgufContext, GgufSpec
 from formats.manifest import Manifest
 from formats.mtp_names import MTP_PREFIX, mtp_layer_count
 from formats.sanitize import NO_RULES, SanitizeRules
@@ -38,7 +41,7 @@ class Family:
     """One architecture family, end to end.
 
     ``parsers``: config.json ``model_type`` -> ``ArchConfig`` (each sets ``arch`` to one of
-    ``archs``, the names CMF headers carry). ``manifest(arch, mtp_layers)``: every tensor
+    ``archs``, the names CMF headers carry; default: the family's ``name``). ``manifest(arch, mtp_layers)``: every tensor
     the family reads, trunk and draft layers. ``build(cmf, arch, kernels)``: the trunk
     ``Model``. ``draft_layer(cmf, k, arch, kernels)``: MTP layer ``k``, the one draft
     loader that decoding, the probe and mtp-train all use. ``sanitize``: the family's
@@ -48,20 +51,21 @@ class Family:
 
     name: str
     parsers: Mapping[str, Parser]
-    archs: tuple[str, ...]
     manifest: Callable[[ArchConfig, Sequence[int]], Manifest]
     build: Callable[[CmfFile, ArchConfig, Any], Any]
     draft_layer: Callable[[CmfFile, int, ArchConfig, Any], "DraftLayer"]
+    archs: tuple[str, ...] = ()
     sanitize: SanitizeRules = NO_RULES
     activations: tuple[str, ...] = ACTIVATIONS
     mtp_style: str | None = None
-    # config.json "architectures" names (e.g. "LlamaForCausalLM"): found by these when a
-    # config has no model_type, and listed in the docs and the unsupported-architecture error.
-    hf_architectures: tuple[str, ...] = ()
     # llama.cpp GGUF architectures this family imports (formats.gguf_spec.GgufSpec).
     gguf: tuple[GgufSpec, ...] = ()
     # Name rules that depend on config.json (sizes of fused tensors to split); None: ``sanitize``.
     sanitize_for: Callable[[Mapping[str, Any]], SanitizeRules] | None = None
+
+    def __post_init__(self) -> None:
+        if not self.archs:
+            object.__setattr__(self, "archs", (self.name,))
 
     def mtp_name(self, name: str, config: Mapping[str, Any]) -> tuple[str | None, bool]:
         """(the CMF name of checkpoint tensor ``name`` or None to drop it, is an MTP tensor)."""
@@ -86,6 +90,15 @@ class Family:
                 f"family {self.name} does not parse model_type {mt!r} (it parses {', '.join(self.parsers)})"
             )
         return self.parsers[mt](dict(config))
+
+
+# ------------------------------------------------------------------ checkpoint names
+# DeepSeek-V3 and GLM-4.5 name their always-on experts ``mlp.shared_experts.*`` (one
+# SwiGLU, the engine's ``mlp.shared_expert.*``); transformers fuses the routed ones.
+SHARED_EXPERTS_RULES = SanitizeRules(
+    renames=((r"\.mlp\.shared_experts\.", ".mlp.shared_expert."),),
+    split_fused_experts=True,
+)
 
 
 # ------------------------------------------------------------------ MTP naming
@@ -204,6 +217,26 @@ def dense_common(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
     )
 
 
+# config.json's layer type names, as the engine's layer kinds.
+LAYER_TYPES = {"full_attention": LAYER_FULL, "sliding_attention": LAYER_SLIDING, "linear_attention": LAYER_LINEAR}
+
+
+def layer_kinds(lt: Any, n: int, supported: Sequence[str] = ("sliding_attention", "full_attention")) -> list[str]:
+    """config.json's ``layer_types`` ``lt`` as layer kinds; refused unless it names one of
+    ``supported`` for each of the ``n`` layers."""
+    if not isinstance(lt, list) or len(lt) != n or any(t not in supported for t in lt):
+        raise CortiqError(
+            f"config.json layer_types is {str(lt)[:60]}, expected one of {', '.join(supported)} for each of {n} layers"
+        )
+    return [LAYER_TYPES[t] for t in lt]
+
+
+def every_nth_full(n: int, every: int, other: str = "sliding_attention") -> list[str]:
+    """``layer_types`` with every ``every``-th layer full attention and the rest ``other``
+    (the interleaving rule of Gemma, GPT-OSS and the Qwen3-Next hybrids)."""
+    return ["full_attention" if (i + 1) % every == 0 else other for i in range(n)]
+
+
 def sliding_layers(cfg: dict[str, Any], n: int) -> tuple[list[str], int]:
     """Mistral/Qwen2-style sliding windows: every layer, or layers >= max_window_layers."""
     window = cfg.get("sliding_window") or 0
@@ -212,7 +245,7 @@ def sliding_layers(cfg: dict[str, Any], n: int) -> tuple[list[str], int]:
         return [LAYER_FULL] * n, 0
     lt = cfg.get("layer_types")
     if lt:
-        return [LAYER_SLIDING if t == "sliding_attention" else LAYER_FULL for t in lt], int(window)
+        return layer_kinds(lt, n), int(window)
     start = cfg.get("max_window_layers")
     if start is None:
         return [LAYER_SLIDING] * n, int(window)
@@ -242,19 +275,108 @@ def qwen_moe(cfg: dict[str, Any], n: int, shared: bool) -> MoeConfig | None:
     )
 
 
+# ------------------------------------------------------------------ what a header asks for
+# The settings of an ``ArchConfig`` beyond a pre-norm block of full or sliding attention
+# with plain (w) RMS norms, each with the test of whether a header asks for it.
+SETTINGS: dict[str, Callable[[ArchConfig], bool]] = {
+    "routed experts": lambda a: a.moe is not None,
+    "linear attention": lambda a: a.linear_attn is not None,
+    "split-geometry sliding layers": lambda a: a.sliding is not None,
+    "latent attention": lambda a: a.mla is not None,
+    "q/k norms": lambda a: a.qk_norm,
+    "an attention output gate": lambda a: a.attn_output_gate,
+    "attention sinks": lambda a: a.attention_sinks,
+    "(1 + w) norms": lambda a: a.norm_style != "rms",
+    "NoPE layers": lambda a: bool(a.no_rope_layers),
+    "Granite's multipliers": lambda a: (
+        bool(a.attention_scale) or (a.embedding_scale, a.residual_scale, a.logits_scaling) != (1.0, 1.0, 1.0)
+    ),
+    "query_pre_attn_scalar": lambda a: bool(a.query_pre_attn_scalar),
+    "an attention soft-cap": lambda a: bool(a.attn_logit_softcapping),
+    "a final soft-cap": lambda a: bool(a.final_logit_softcapping),
+    "a local RoPE base": lambda a: bool(a.rope_local_theta),
+}
+
+
+def refuse_header(cmf: CmfFile, arch: ArchConfig, kinds: Iterable[str], computes: Iterable[str] = ()) -> None:
+    """Refuse a header (it is untrusted) with layer types other than ``kinds`` or asking
+    for a setting of ``SETTINGS`` the family does not compute (``computes``): such a
+    file would otherwise run as a silently different model."""
+    kinds, computes = tuple(kinds), frozenset(computes)
+    if unknown := computes - SETTINGS.keys():
+        raise ValueError(f"unknown settings {sorted(unknown)}")
+    bad = sorted({t for t in arch.layer_types if t not in kinds})
+    if bad:
+        raise CortiqError(f"{cmf.path}: layer types {bad} are not supported for {arch.arch}")
+    asked = [name for name, is_set in SETTINGS.items() if name not in computes and is_set(arch)]
+    if asked:
+        raise CortiqError(f"{cmf.path}: the header asks for {', '.join(asked)}, which {arch.arch} does not compute")
+
+
+# ------------------------------------------------------------------ GGUF checks
+def gguf_heads(ctx: GgufContext, config: dict[str, Any], rotary: bool = True) -> None:
+    """Refuse a GGUF whose value heads differ in size from its key heads (``head_dim``)
+    and, with ``rotary``, one whose rotary width falls short of the head (families with
+    partial rotary read ``rope.dimension_count`` themselves)."""
+    hd = config["head_dim"]
+    if gguf_size(ctx, "attention.value_length", hd) != hd:
+        raise CortiqError("GGUFs with different key and value head sizes are not supported")
+    if rotary and gguf_size(ctx, "rope.dimension_count", hd) != hd:
+        raise CortiqError("partial rotary embeddings (rope.dimension_count < head size) are not supported")
+
+
+def gguf_size(ctx: GgufContext, key: str, default: Any = None, required: bool = False) -> int:
+    """``{arch}.{key}`` as a non-negative integer (``default`` when absent and not ``required``)."""
+    v = ctx.key(key, default, required)
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or int(v) < 0:
+        raise CortiqError(f"GGUF metadata {ctx.arch}.{key} is {str(v)[:40]!r}, expected a non-negative integer")
+    return int(v)
+
+
+def gguf_attention_bias(ctx: GgufContext, parts: Sequence[str] = ("q", "k", "v", "output")) -> bool:
+    """Whether the GGUF's attention projections ``parts`` have biases; refuses biases on
+    only some of them."""
+    bias = [f"blk.0.attn_{p}.bias" in ctx.tensors for p in parts]
+    if any(bias) and not all(bias):
+        raise CortiqError(
+            f"GGUFs with biases on only some of the attention projections {'/'.join(parts)} are not supported"
+        )
+    return all(bias)
+
+
+def gguf_refuse_mlp_bias(ctx: GgufContext) -> None:
+    """The engine's dense gated MLP has no biases."""
+    if any(f"blk.0.ffn_{p}.bias" in ctx.tensors for p in ("gate", "up", "down")):
+        raise CortiqError(f"{ctx.arch} GGUFs with MLP biases are not supported (the engine's gated MLP has no biases)")
+
+
 # ------------------------------------------------------------------ manifest pieces
 @dataclass(frozen=True)
 class Geometry:
-    """One attention's head layout (the full layers', or MiMo's sliding layers')."""
+    """One attention's head layout (the full layers', or MiMo's sliding layers'), its
+    window (0: none) and whether it has a learned sink logit per head."""
 
     num_heads: int
     num_kv_heads: int
     head_dim: int
     v_head_dim: int
+    window: int = 0
+    sinks: bool = False
 
     @classmethod
     def full(cls, arch: ArchConfig) -> "Geometry":
+        """The full layers' heads (no window, no sinks)."""
         return cls(arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.v_head_dim)
+
+    @classmethod
+    def of(cls, arch: ArchConfig, kind: str) -> "Geometry":
+        """A ``kind`` layer's: sliding layers have their own heads, widths, window and
+        sinks when ``arch.sliding`` gives them (MiMo-V2), else the full layers' heads."""
+        s = arch.sliding if kind == LAYER_SLIDING else None
+        if s is not None:
+            return cls(s.num_heads, s.num_kv_heads, s.head_dim, s.v_head_dim, s.window, s.sinks)
+        window = arch.sliding_window if kind == LAYER_SLIDING else 0
+        return cls(arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.v_head_dim, window, arch.attention_sinks)
 
 
 def trunk_ends(arch: ArchConfig) -> Manifest:

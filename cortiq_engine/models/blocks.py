@@ -1,17 +1,19 @@
 """Loaders every family file builds its layers from (the part of a model file that is
-the same across families): attention from ``ArchConfig``, gated MLPs, routed experts,
-the pre-norm residual block, the trunk's ends and the pre-norm draft layer.
+the same across families): attention from ``ArchConfig``, gated MLPs (SwiGLU, GeGLU),
+routed experts, the pre-norm trunk (``prenorm_model``: a family with latent or linear
+attention passes its own token mixer) and its manifest, the trunk's ends (``trunk``)
+and the pre-norm draft layer.
 
 A family file imports this module and ``base``; it never imports another family file.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from formats.arch import LAYER_SLIDING, ArchConfig
+from formats.arch import LAYER_FULL, ArchConfig
 from formats.cmf import CmfFile
 from formats.errors import CortiqError
 from formats.manifest import Manifest
@@ -20,36 +22,70 @@ from cortiq_engine.model import Model
 from cortiq_engine.models import base
 from cortiq_engine.models.base import DraftLayer, Geometry, draft_prefix, wrap_draft
 from cortiq_engine.moe import BiasedExpert, MoE, MoeBlock
-from cortiq_engine.weights import Weight, load_vector, load_weight
+from cortiq_engine.weights import load_vector, load_weight
 
 
 # ------------------------------------------------------------------ manifests of the pre-norm block
-def draft_manifest(arch: ArchConfig, k: int, ffn: Manifest | None = None) -> Manifest:
-    """A pre-norm draft block: full attention (sinks and q/k norms when present) and
-    ``ffn`` (default: a dense MLP of any width)."""
+AttentionManifest = Callable[[str, str], Manifest]  # (prefix, layer kind) -> the attention's tensors
+
+
+def block_manifest(arch: ArchConfig, p: str, attn: Manifest, ffn: Manifest) -> Manifest:
+    """A pre-norm block under prefix ``p``: its two norms, ``attn`` and ``ffn``."""
+    return base.norms(p, arch.hidden_size, "input_layernorm", "post_attention_layernorm").update(attn).update(ffn)
+
+
+def draft_manifest(
+    arch: ArchConfig,
+    k: int,
+    ffn: Manifest | None = None,
+    attention: AttentionManifest | None = None,
+    kind: str = LAYER_FULL,
+) -> Manifest:
+    """A pre-norm draft block: ``attention`` of a ``kind`` layer (default: full attention,
+    sinks and q/k norms when present) and ``ffn`` (default: a dense MLP of any width)."""
     p, h = draft_prefix(k), arch.hidden_size
-    m = base.draft_ends(arch, p).update(base.norms(p, h, "input_layernorm", "post_attention_layernorm"))
-    m.update(base.attention(p, h, Geometry.full(arch), sinks=None, qk_norm=True if arch.qk_norm else None))
-    return m.update(ffn if ffn is not None else base.gated_mlp(p + "mlp.", h, None))
+    if attention is not None:
+        attn = attention(p, kind)
+    else:
+        attn = base.attention(p, h, Geometry.full(arch), sinks=None, qk_norm=True if arch.qk_norm else None)
+    return base.draft_ends(arch, p).update(
+        block_manifest(arch, p, attn, ffn if ffn is not None else base.gated_mlp(p + "mlp.", h, None))
+    )
 
 
-def prenorm_manifest(arch: ArchConfig) -> Manifest:
-    """Pre-norm blocks of full attention over each layer's FFN (dense, or routed experts)."""
-    h, m = arch.hidden_size, base.trunk_ends(arch)
-    for i in range(arch.num_layers):
+def prenorm_manifest(arch: ArchConfig, attention: AttentionManifest | None = None) -> Manifest:
+    """Pre-norm blocks over each layer's FFN (dense, or routed experts); ``attention``:
+    a layer's attention tensors (default: full attention, q/k norms by ``arch.qk_norm``)."""
+    m = base.trunk_ends(arch)
+    for i, kind in enumerate(arch.layer_types):
         p = f"model.layers.{i}."
-        m.update(base.norms(p, h, "input_layernorm", "post_attention_layernorm"))
-        m.update(base.attention(p, h, Geometry.full(arch), qk_norm=arch.qk_norm))
-        m.update(base.ffn(arch, p, i))
+        if attention is not None:
+            attn = attention(p, kind)
+        else:
+            attn = base.attention(p, arch.hidden_size, Geometry.full(arch), qk_norm=arch.qk_norm)
+        m.update(block_manifest(arch, p, attn, base.ffn(arch, p, i)))
     return m
 
 
-def draft_manifests(arch: ArchConfig, mtp_layers: Sequence[int], routed: bool = False) -> Manifest:
-    """Pre-norm draft blocks ``mtp_layers``; ``routed``: their FFN routes to experts like the trunk's."""
+def draft_manifests(
+    arch: ArchConfig,
+    mtp_layers: Sequence[int],
+    routed: bool = False,
+    attention: AttentionManifest | None = None,
+    kind: str = LAYER_FULL,
+) -> Manifest:
+    """Pre-norm draft blocks ``mtp_layers``; ``routed``: their FFN routes to experts like
+    the trunk's (on an MoE trunk); ``attention`` and ``kind`` as for ``draft_manifest``."""
     m = Manifest()
     for k in mtp_layers:
-        m.update(draft_manifest(arch, k, base.moe(arch, draft_prefix(k)) if routed and arch.moe is not None else None))
+        ffn = base.moe(arch, draft_prefix(k)) if routed and arch.moe is not None else None
+        m.update(draft_manifest(arch, k, ffn, attention, kind))
     return m
+
+
+def dense_manifest(arch: ArchConfig, mtp_layers: Sequence[int] = ()) -> Manifest:
+    """A pre-norm trunk (attention biases read when present) and its pre-norm draft blocks."""
+    return prenorm_manifest(arch).update(draft_manifests(arch, mtp_layers))
 
 
 # ------------------------------------------------------------------ attention
@@ -90,30 +126,38 @@ def score_scale(arch: ArchConfig) -> float | None:
     return None
 
 
-def attention(cmf: CmfFile, arch: ArchConfig, kernels, p: str, kind: str, rope: RoPE | None) -> Attention:
-    """The attention of the block with prefix ``p``, every option read from ``arch``:
-    ``kind`` picks the full or the sliding-window geometry (MiMo-V2's sliding layers
-    have their own heads, widths and sinks in ``arch.sliding``); ``rope`` None: no
-    rotary embedding on this layer."""
-    s = arch.sliding if kind == LAYER_SLIDING else None
-    if s is not None:
-        nh, nkv, hd, vd, window, has_sinks = s.num_heads, s.num_kv_heads, s.head_dim, s.v_head_dim, s.window, s.sinks
-    else:
-        nh, nkv, hd, vd = arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.v_head_dim
-        window = arch.sliding_window if kind == LAYER_SLIDING else 0
-        has_sinks = arch.attention_sinks
+def make_attention(
+    kernels, aw: AttentionWeights, g: Geometry, arch: ArchConfig, rope: RoPE | None, **options
+) -> Attention:
+    """An ``Attention`` of head layout ``g`` over ``aw`` (``arch``'s norm epsilon);
+    ``options``: the rest of ``Attention``'s (window, scale, sinks, ...)."""
     return Attention(
         kernels,
-        attention_weights(cmf, p, arch),
-        num_heads=nh,
-        num_kv_heads=nkv,
-        head_dim=hd,
-        v_head_dim=vd,
+        aw,
+        num_heads=g.num_heads,
+        num_kv_heads=g.num_kv_heads,
+        head_dim=g.head_dim,
+        v_head_dim=g.v_head_dim,
         rope=rope,
         norm_eps=arch.norm_eps,
-        window=window,
+        **options,
+    )
+
+
+def attention(cmf: CmfFile, arch: ArchConfig, kernels, p: str, kind: str, rope: RoPE | None) -> Attention:
+    """The attention of the block with prefix ``p``, every option read from ``arch``:
+    ``kind`` picks the layer's geometry (``Geometry.of``: MiMo-V2's sliding layers have
+    their own heads, widths and sinks); ``rope`` None: no rotary embedding on this layer."""
+    g = Geometry.of(arch, kind)
+    return make_attention(
+        kernels,
+        attention_weights(cmf, p, arch),
+        g,
+        arch,
+        rope,
+        window=g.window,
         scale=score_scale(arch),
-        sinks=load_vector(cmf, f"{p}self_attn.sinks", nh) if has_sinks else None,
+        sinks=load_vector(cmf, f"{p}self_attn.sinks", g.num_heads) if g.sinks else None,
         v_scale=arch.attention_value_scale,
         output_gate=arch.attn_output_gate,
         softcap=arch.attn_logit_softcapping,
@@ -121,9 +165,17 @@ def attention(cmf: CmfFile, arch: ArchConfig, kernels, p: str, kind: str, rope: 
 
 
 # ------------------------------------------------------------------ feed-forward
-def gated_mlp(cmf: CmfFile, kernels, p: str) -> GatedMLP:
-    """The SwiGLU MLP whose tensors are ``{p}{gate,up,down}_proj.weight`` (any width)."""
-    return GatedMLP(kernels, *(load_weight(cmf, f"{p}{x}_proj.weight") for x in ("gate", "up", "down")))
+def gated_mlp(cmf: CmfFile, kernels, p: str, act: str = "silu") -> GatedMLP:
+    """The gated MLP whose tensors are ``{p}{gate,up,down}_proj.weight`` (any width);
+    ``act``: the config's activation name (SwiGLU by default, GeGLU for Gemma's)."""
+    return GatedMLP(kernels, *(load_weight(cmf, f"{p}{x}_proj.weight") for x in ("gate", "up", "down")), act)
+
+
+def refuse_mlp_bias(cmf: CmfFile, p: str) -> None:
+    """The dense MLP under ``p`` has no biases in any family the engine computes."""
+    for x in ("gate", "up", "down"):
+        if f"{p}mlp.{x}_proj.bias" in cmf:
+            raise CortiqError(f"{cmf.path}: MLP biases are not supported by the engine yet")
 
 
 def load_moe(cmf: CmfFile, arch: ArchConfig, kernels, p: str) -> MoE:
@@ -151,6 +203,24 @@ def load_moe(cmf: CmfFile, arch: ArchConfig, kernels, p: str) -> MoE:
     )
 
 
+def biased_expert(cmf: CmfFile, arch: ArchConfig, kernels, p: str) -> BiasedExpert:
+    """The expert under prefix ``p`` with its biases (when ``arch.moe.expert_bias``) and
+    the clamped SwiGLU of ``arch.moe`` (GPT-OSS)."""
+    m = arch.moe
+    gate, up, down = (load_weight(cmf, f"{p}{x}_proj.weight") for x in ("gate", "up", "down"))
+    biases = [
+        load_vector(cmf, f"{p}{x}_proj.bias", w.rows) if m.expert_bias else None
+        for x, w in (("gate", gate), ("up", up), ("down", down))
+    ]
+    return BiasedExpert(kernels, gate, up, down, *biases, limit=m.swiglu_limit, alpha=m.swiglu_alpha)
+
+
+def routed_or_dense(cmf: CmfFile, arch: ArchConfig, kernels, p: str):
+    """The FFN under ``p``: routed experts on an MoE trunk, else a dense MLP of any width."""
+    return load_moe(cmf, arch, kernels, p) if arch.moe is not None else gated_mlp(cmf, kernels, p + "mlp.")
+
+
+# ------------------------------------------------------------------ the trunk
 def norm(cmf: CmfFile, arch: ArchConfig, kernels, name: str, width: int | None = None) -> RMSNorm:
     """The RMS norm stored as ``name`` (``arch.norm_style``, ``arch.norm_eps``)."""
     return RMSNorm(kernels, load_vector(cmf, name, width or arch.hidden_size), arch.norm_eps, arch.norm_style)
@@ -166,38 +236,61 @@ def ffn_block(cmf: CmfFile, arch: ArchConfig, kernels, i: int, attn) -> Block:
     return Block(n1, attn, n2, gated_mlp(cmf, kernels, f"{p}mlp."), residual_scale=arch.residual_scale)
 
 
-def prenorm_model(cmf: CmfFile, arch: ArchConfig, kernels) -> Model:
-    """A trunk of pre-norm blocks, every option read from ``arch``: each layer's attention
-    (no RoPE on ``arch.no_rope_layers``), its FFN (dense, or routed experts on MoE layers),
-    the residual scale; embeddings scaled and logits divided as ``arch`` says."""
-    rope_ = rope(arch)
+# What ``prenorm_model`` computes beyond full or sliding attention over plain norms
+# (``base.SETTINGS``); each family refuses what its own checkpoints never have.
+PRENORM = (
+    "q/k norms",
+    "(1 + w) norms",
+    "NoPE layers",
+    "Granite's multipliers",
+    "query_pre_attn_scalar",
+    "an attention soft-cap",
+)
+
+
+def prenorm_model(
+    cmf: CmfFile,
+    arch: ArchConfig,
+    kernels,
+    ropes: Mapping[str, RoPE] | None = None,
+    mixer: Callable[[str, str], Any] | None = None,
+) -> Model:
+    """A trunk of pre-norm blocks, every option read from ``arch``: each layer's token
+    mixer, its FFN (dense, or routed experts on MoE layers), the residual scale. The
+    mixer is ``attention`` with the RoPE of the layer's kind (``ropes``; default
+    ``rope(arch)`` for every kind; none on ``arch.no_rope_layers``), or the family's own
+    ``mixer(prefix, kind)`` (latent or linear attention)."""
+    default = rope(arch) if ropes is None else None  # one table cache for every kind
     nope = set(arch.no_rope_layers)
     layers = []
     for i, kind in enumerate(arch.layer_types):
         p = f"model.layers.{i}."
-        for x in ("gate", "up", "down"):
-            if f"{p}mlp.{x}_proj.bias" in cmf:
-                raise CortiqError(f"{cmf.path}: MLP biases are not supported by the engine yet")
-        attn = attention(cmf, arch, kernels, p, kind, None if i in nope else rope_)
-        layers.append(ffn_block(cmf, arch, kernels, i, attn))
-    embed, head, norm_ = head_and_norm(cmf, arch, kernels)
+        refuse_mlp_bias(cmf, p)
+        if mixer is not None:
+            m = mixer(p, kind)
+        else:
+            r = None if i in nope else (default if ropes is None else ropes[kind])
+            m = attention(cmf, arch, kernels, p, kind, r)
+        layers.append(ffn_block(cmf, arch, kernels, i, m))
+    return trunk(cmf, arch, kernels, layers)
+
+
+def trunk(cmf: CmfFile, arch: ArchConfig, kernels, layers: Sequence[Any], **options) -> Model:
+    """The ``Model`` of ``layers`` between the embedding and the final norm and lm_head,
+    as every family stores them; embeddings scaled and logits divided as ``arch`` says
+    (``options``: the rest of ``Model``'s, or an ``embed_scale`` of the family's own)."""
+    embed = load_weight(cmf, "model.embed_tokens.weight")
+    head = embed if (arch.tie_word_embeddings or "lm_head.weight" not in cmf) else load_weight(cmf, "lm_head.weight")
+    options = {"embed_scale": arch.embedding_scale, "logit_divisor": arch.logits_scaling, **options}
     return Model(
         arch=arch,
         kernels=kernels,
         embed=embed,
         blocks=tuple(layers),
-        norm=norm_,
+        norm=norm(cmf, arch, kernels, "model.norm.weight"),
         head=head,
-        embed_scale=arch.embedding_scale,
-        logit_divisor=arch.logits_scaling,
+        **options,
     )
-
-
-def head_and_norm(cmf: CmfFile, arch: ArchConfig, kernels) -> tuple[Weight, Weight, RMSNorm]:
-    """(embedding, lm_head, final norm) as every family stores them."""
-    embed = load_weight(cmf, "model.embed_tokens.weight")
-    head = embed if (arch.tie_word_embeddings or "lm_head.weight" not in cmf) else load_weight(cmf, "lm_head.weight")
-    return embed, head, norm(cmf, arch, kernels, "model.norm.weight")
 
 
 # ------------------------------------------------------------------ draft layers
@@ -206,54 +299,41 @@ def draft_attention(cmf: CmfFile, p: str, arch: ArchConfig, kernels) -> Attentio
     when the draft layer has them."""
     aw = attention_weights(cmf, p, arch, qk_norm=f"{p}self_attn.q_norm.weight" in cmf)
     sinks = base.load_sinks(cmf, f"{p}self_attn.sinks", arch.num_heads) if f"{p}self_attn.sinks" in cmf else None
-    return Attention(
+    return make_attention(
         kernels,
         aw,
-        num_heads=arch.num_heads,
-        num_kv_heads=arch.num_kv_heads,
-        head_dim=arch.head_dim,
-        v_head_dim=arch.v_head_dim,
-        rope=rope(arch),
-        norm_eps=arch.norm_eps,
+        Geometry.full(arch),
+        arch,
+        rope(arch),
         sinks=sinks,
         v_scale=arch.attention_value_scale if sinks is not None else 1.0,
     )
 
 
-def draft_block(cmf: CmfFile, p: str, arch: ArchConfig, kernels, attn, mlp) -> Block:
-    return Block(
+def prenorm_draft(cmf: CmfFile, k: int, arch: ArchConfig, kernels, attn, mlp) -> DraftLayer:
+    """MTP layer ``k``: a pre-norm block of ``attn`` and ``mlp`` between the shared draft ends."""
+    p = draft_prefix(k)
+    block = Block(
         norm(cmf, arch, kernels, f"{p}input_layernorm.weight"),
         attn,
         norm(cmf, arch, kernels, f"{p}post_attention_layernorm.weight"),
         mlp,
     )
+    return wrap_draft(cmf, k, arch, kernels, block)
 
 
 def dense_draft_layer(cmf: CmfFile, k: int, arch: ArchConfig, kernels) -> DraftLayer:
     """MTP layer ``k`` as a pre-norm block (full attention, a dense MLP of any width): what
     ``mtp-train`` trains for a family that ships no draft layers of its own."""
     p = draft_prefix(k)
-    block = draft_block(
-        cmf, p, arch, kernels, draft_attention(cmf, p, arch, kernels), gated_mlp(cmf, kernels, p + "mlp.")
+    return prenorm_draft(
+        cmf, k, arch, kernels, draft_attention(cmf, p, arch, kernels), gated_mlp(cmf, kernels, p + "mlp.")
     )
-    return wrap_draft(cmf, k, arch, kernels, block)
 
 
 def routed_draft_layer(cmf: CmfFile, k: int, arch: ArchConfig, kernels) -> DraftLayer:
     """MTP layer ``k`` as a pre-norm block whose FFN routes to experts on an MoE trunk."""
     p = draft_prefix(k)
-    mlp = load_moe(cmf, arch, kernels, p) if arch.moe is not None else gated_mlp(cmf, kernels, p + "mlp.")
-    block = draft_block(cmf, p, arch, kernels, draft_attention(cmf, p, arch, kernels), mlp)
-    return wrap_draft(cmf, k, arch, kernels, block)
-
-
-def biased_expert(cmf: CmfFile, arch: ArchConfig, kernels, p: str) -> BiasedExpert:
-    """The expert under prefix ``p`` with its biases (when ``arch.moe.expert_bias``) and
-    the clamped SwiGLU of ``arch.moe`` (GPT-OSS)."""
-    m = arch.moe
-    gate, up, down = (load_weight(cmf, f"{p}{x}_proj.weight") for x in ("gate", "up", "down"))
-    biases = [
-        load_vector(cmf, f"{p}{x}_proj.bias", w.rows) if m.expert_bias else None
-        for x, w in (("gate", gate), ("up", up), ("down", down))
-    ]
-    return BiasedExpert(kernels, gate, up, down, *biases, limit=m.swiglu_limit, alpha=m.swiglu_alpha)
+    return prenorm_draft(
+        cmf, k, arch, kernels, draft_attention(cmf, p, arch, kernels), routed_or_dense(cmf, arch, kernels, p)
+    )

@@ -32,12 +32,11 @@ from formats.cmf import CmfFile
 from formats.errors import CortiqError
 from formats.gguf_spec import MOE_BLOCK_NAMES, ROUTING_BIAS, GgufContext, GgufSpec
 from formats.manifest import Manifest
-from formats.sanitize import SanitizeRules
 from cortiq_engine.layers import RoPE
 from cortiq_engine.mla import MlaAttention, MlaWeights, mla_manifest
 from cortiq_engine.model import Model
 from cortiq_engine.models import base, blocks
-from cortiq_engine.models.base import DraftLayer, Family, dense_common, draft_prefix, req, wrap_draft
+from cortiq_engine.models.base import DraftLayer, Family, dense_common, draft_prefix, req
 from cortiq_engine.weights import load_vector, load_weight
 
 # transformers' DeepseekV3Config defaults, for a config.json that leaves a key out.
@@ -118,20 +117,16 @@ def _deepseek_v3(cfg: dict[str, Any]) -> ArchConfig:
 
 # ------------------------------------------------------------------ manifest
 def manifest(arch: ArchConfig, mtp_layers: Sequence[int] = ()) -> Manifest:
-    h, m = arch.hidden_size, base.trunk_ends(arch)
+    """Pre-norm blocks of latent attention over each layer's FFN; the draft blocks route
+    to experts like the layers they follow."""
     if arch.mla is None or arch.moe is None:
         raise CortiqError("a deepseek_v3 header needs its mla and moe sections")
-    for i in range(arch.num_layers):
-        p = f"model.layers.{i}."
-        m.update(base.norms(p, h, "input_layernorm", "post_attention_layernorm"))
-        m.update(mla_manifest(p, h, arch.num_heads, arch.mla))
-        m.update(base.ffn(arch, p, i))
-    for k in mtp_layers:
-        p = draft_prefix(k)
-        m.update(base.draft_ends(arch, p)).update(base.norms(p, h, "input_layernorm", "post_attention_layernorm"))
-        m.update(mla_manifest(p, h, arch.num_heads, arch.mla))
-        m.update(base.moe(arch, p))  # the draft block routes to experts like the layers it follows
-    return m
+
+    def attention(p: str, kind: str) -> Manifest:
+        return mla_manifest(p, arch.hidden_size, arch.num_heads, arch.mla)
+
+    trunk = blocks.prenorm_manifest(arch, attention)
+    return trunk.update(blocks.draft_manifests(arch, mtp_layers, routed=True, attention=attention))
 
 
 # ------------------------------------------------------------------ the trunk
@@ -175,10 +170,9 @@ def attention(cmf: CmfFile, arch: ArchConfig, kernels, p: str, rope_: RoPE, abso
 
 
 def _check(cmf: CmfFile, arch: ArchConfig) -> None:
+    base.refuse_header(cmf, arch, (LAYER_FULL,), ("routed experts", "latent attention"))
     if arch.mla is None or arch.moe is None:
         raise CortiqError(f"{cmf.path}: a deepseek_v3 header needs its mla and moe sections")
-    if any(t != LAYER_FULL for t in arch.layer_types):
-        raise CortiqError(f"{cmf.path}: deepseek_v3 layers are all full attention, the header says {arch.layer_types}")
     if arch.moe.scoring != "sigmoid" or not arch.moe.score_bias or arch.moe.shared_expert_gate:
         raise CortiqError(
             f"{cmf.path}: deepseek_v3 routes by sigmoid scores with a choice bias and an ungated shared expert"
@@ -189,12 +183,7 @@ def build(cmf: CmfFile, arch: ArchConfig, kernels, absorb: bool | None = None) -
     """The trunk; ``absorb`` forces one form of the latent attention (tests compare them)."""
     _check(cmf, arch)
     r = rope(arch)
-    layers = []
-    for i in range(arch.num_layers):
-        attn = attention(cmf, arch, kernels, f"model.layers.{i}.", r, absorb)
-        layers.append(blocks.ffn_block(cmf, arch, kernels, i, attn))
-    embed, head, norm = blocks.head_and_norm(cmf, arch, kernels)
-    return Model(arch=arch, kernels=kernels, embed=embed, blocks=tuple(layers), norm=norm, head=head)
+    return blocks.prenorm_model(cmf, arch, kernels, mixer=lambda p, kind: attention(cmf, arch, kernels, p, r, absorb))
 
 
 # ------------------------------------------------------------------ draft layers
@@ -203,8 +192,7 @@ def draft_layer(cmf: CmfFile, k: int, arch: ArchConfig, kernels) -> DraftLayer:
     _check(cmf, arch)
     p = draft_prefix(k)
     attn = attention(cmf, arch, kernels, p, rope(arch))
-    mlp = blocks.load_moe(cmf, arch, kernels, p)
-    return wrap_draft(cmf, k, arch, kernels, blocks.draft_block(cmf, p, arch, kernels, attn, mlp))
+    return blocks.prenorm_draft(cmf, k, arch, kernels, attn, blocks.load_moe(cmf, arch, kernels, p))
 
 
 # ------------------------------------------------------------------ GGUF
@@ -318,15 +306,10 @@ GGUF = GgufSpec(
 FAMILY = Family(
     name="deepseek_v3",
     parsers={"deepseek_v3": _deepseek_v3, "kimi_k2": _deepseek_v3},
-    archs=("deepseek_v3",),
     manifest=manifest,
     build=build,
     draft_layer=draft_layer,
-    sanitize=SanitizeRules(
-        renames=((r"\.mlp\.shared_experts\.", ".mlp.shared_expert."),),
-        split_fused_experts=True,
-    ),
+    sanitize=base.SHARED_EXPERTS_RULES,
     mtp_style="deepseek",
-    hf_architectures=("DeepseekV3ForCausalLM",),
     gguf=(GGUF,),
 )

@@ -19,14 +19,12 @@ from formats.cmf import CmfFile
 from formats.errors import CortiqError
 from formats.gguf_spec import SANDWICH_BLOCK_NAMES, GgufContext, GgufSpec, SentencePieceStyle
 from formats.manifest import Manifest
-from cortiq_engine.layers import GegluMLP, RMSNorm, SandwichBlock
+from cortiq_engine.layers import SandwichBlock
 from cortiq_engine.model import Model
 from cortiq_engine.models import base, blocks
 from cortiq_engine.models.base import Family, Geometry, dense_common
-from cortiq_engine.weights import load_vector, load_weight
 
 GELU_TANH = "gelu_pytorch_tanh"
-_LAYER_TYPES = {"sliding_attention": LAYER_SLIDING, "full_attention": LAYER_FULL}
 
 
 # ------------------------------------------------------------------ config.json
@@ -38,20 +36,17 @@ def _gemma2(cfg: dict[str, Any]) -> ArchConfig:
     flat["hidden_act"] = cfg.get("hidden_activation") or cfg.get("hidden_act") or GELU_TANH
     d = dense_common(flat, "gemma2")
     n = d["num_layers"]
-    lt = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
-    bad = sorted({str(t) for t in lt if t not in _LAYER_TYPES})
-    if bad:
-        raise CortiqError(f"gemma2 layer_types {bad} are not supported (supported: sliding_attention, full_attention)")
+    kinds = base.layer_kinds(cfg.get("layer_types") or base.every_nth_full(n, 2), n)
     if cfg.get("use_bidirectional_attention"):
         raise CortiqError("gemma2 with use_bidirectional_attention is not supported (an encoder, not a causal LM)")
     window = cfg.get("sliding_window")
-    if "sliding_attention" in lt and not window:
+    if LAYER_SLIDING in kinds and not window:
         raise CortiqError(f"gemma2 sliding_window is {window!r} but layer_types has sliding layers")
     d.update(
         attention_bias=bool(cfg.get("attention_bias", False)),
         norm_style="rms_one",
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
-        layer_types=[_LAYER_TYPES[t] for t in lt],
+        layer_types=kinds,
         sliding_window=int(window or 0),
         query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or 256),
         final_logit_softcapping=float(cfg.get("final_logit_softcapping") or 0.0),
@@ -73,67 +68,33 @@ def manifest(arch: ArchConfig, mtp_layers: Sequence[int] = ()) -> Manifest:
         m.update(base.norms(p, h, *NORMS))
         m.update(base.attention(p, h, Geometry.full(arch)))
         m.update(base.gated_mlp(p + "mlp.", h, arch.intermediate_size))
-    for k in mtp_layers:
-        m.update(blocks.draft_manifest(arch, k))
-    return m
+    return m.update(blocks.draft_manifests(arch, mtp_layers))
 
 
 # ------------------------------------------------------------------ the model
-def _check(cmf: CmfFile, arch: ArchConfig) -> None:
-    """Refuse header fields a Gemma 2 never has: the build would not honour them."""
-    if arch.moe is not None or arch.linear_attn is not None or arch.sliding is not None or arch.mla is not None:
-        raise CortiqError(f"{cmf.path}: gemma2 with MoE, linear, MLA or split-geometry layers is not a Gemma 2 model")
-    bad = sorted({t for t in arch.layer_types if t not in (LAYER_FULL, LAYER_SLIDING)})
-    if bad:
-        raise CortiqError(f"{cmf.path}: layer types {bad} are not supported for gemma2")
-    if LAYER_SLIDING in arch.layer_types and arch.sliding_window <= 0:
-        raise CortiqError(f"{cmf.path}: gemma2 has sliding layers but no sliding_window")
-    if arch.qk_norm or arch.attention_sinks or arch.attn_output_gate or arch.attention_scale or arch.no_rope_layers:
-        raise CortiqError(
-            f"{cmf.path}: gemma2 with q/k norms, sinks, an output gate, a score scale or NoPE layers is not a Gemma 2 model"
-        )
-    if (
-        arch.norm_style != "rms_one"
-        or arch.embedding_scale != 1.0
-        or arch.residual_scale != 1.0
-        or arch.logits_scaling != 1.0
-    ):
-        raise CortiqError(f"{cmf.path}: gemma2 norms are (1 + w) and it has no Granite multipliers")
+# What a Gemma 2 header may ask for (``base.SETTINGS``); the rest is refused.
+COMPUTES = ("(1 + w) norms", "query_pre_attn_scalar", "an attention soft-cap", "a final soft-cap")
 
 
 def build(cmf: CmfFile, arch: ArchConfig, kernels) -> Model:
-    _check(cmf, arch)
-    h, eps = arch.hidden_size, arch.norm_eps
+    base.refuse_header(cmf, arch, (LAYER_FULL, LAYER_SLIDING), COMPUTES)
+    if LAYER_SLIDING in arch.layer_types and arch.sliding_window <= 0:
+        raise CortiqError(f"{cmf.path}: gemma2 has sliding layers but no sliding_window")
+    if arch.norm_style != "rms_one":
+        raise CortiqError(f"{cmf.path}: gemma2 norms are (1 + w)")
     rope = blocks.rope(arch)  # one RoPE for both layer kinds
-
-    def norm(name: str) -> RMSNorm:
-        return RMSNorm(kernels, load_vector(cmf, name, h), eps, "rms_one")
-
     layers = []
     for i, kind in enumerate(arch.layer_types):
         p = f"model.layers.{i}."
-        for x in ("gate", "up", "down"):
-            if f"{p}mlp.{x}_proj.bias" in cmf:
-                raise CortiqError(f"{cmf.path}: MLP biases are not part of Gemma 2")
+        blocks.refuse_mlp_bias(cmf, p)
         # The attention's soft-cap (arch.attn_logit_softcapping) and score scale
         # (query_pre_attn_scalar) come from arch through blocks.attention.
         attn = blocks.attention(cmf, arch, kernels, p, kind, rope)
-        mlp = GegluMLP(
-            kernels, *(load_weight(cmf, f"{p}mlp.{x}_proj.weight") for x in ("gate", "up", "down")), arch.hidden_act
-        )
-        layers.append(SandwichBlock(tuple(norm(f"{p}{n}.weight") for n in NORMS), attn, mlp))
-    embed, head, final_norm = blocks.head_and_norm(cmf, arch, kernels)
-    return Model(
-        arch=arch,
-        kernels=kernels,
-        embed=embed,
-        blocks=tuple(layers),
-        norm=final_norm,
-        head=head,
-        # transformers multiplies by sqrt(hidden) cast to the weights' dtype (f32).
-        embed_scale=float(np.float32(h**0.5)),
-        logit_softcap=arch.final_logit_softcapping,
-    )
+        norms = tuple(blocks.norm(cmf, arch, kernels, f"{p}{n}.weight") for n in NORMS)
+        layers.append(SandwichBlock(norms, attn, blocks.gated_mlp(cmf, kernels, f"{p}mlp.", arch.hidden_act)))
+    # transformers multiplies by sqrt(hidden) cast to the weights' dtype (f32).
+    embed_scale = float(np.float32(arch.hidden_size**0.5))
+    return blocks.trunk(cmf, arch, kernels, layers, embed_scale=embed_scale, logit_softcap=arch.final_logit_softcapping)
 
 
 # ------------------------------------------------------------------ GGUF
@@ -149,11 +110,8 @@ def _gguf_config(ctx: GgufContext, config: dict[str, Any]) -> None:
     gemma2 and so do we: even layers slide, a window of 4096 and caps of 50 (scores)
     and 30 (logits) when the file names none, and query_pre_attn_scalar = head_dim,
     except hidden / heads for the 27B model (46 layers), as llama.cpp picks it."""
+    base.gguf_heads(ctx, config)
     layers, hd = config["num_hidden_layers"], config["head_dim"]
-    if int(ctx.key("attention.value_length", hd)) != hd:
-        raise CortiqError("GGUFs with different key and value head sizes are not supported")
-    if int(ctx.key("rope.dimension_count", hd)) != hd:
-        raise CortiqError("partial rotary embeddings (rope.dimension_count < head size) are not supported")
     window = ctx.key("attention.sliding_window", 4096)
     if not isinstance(window, int) or isinstance(window, bool) or window < 1:
         raise CortiqError(
@@ -164,7 +122,7 @@ def _gguf_config(ctx: GgufContext, config: dict[str, Any]) -> None:
         hidden_act=GELU_TANH,
         query_pre_attn_scalar=config["hidden_size"] // config["num_attention_heads"] if layers == 46 else hd,
         sliding_window=window,
-        layer_types=["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)],
+        layer_types=base.every_nth_full(layers, 2),
         attn_logit_softcapping=_gguf_number(ctx, "attn_logit_softcapping", 50.0),
         final_logit_softcapping=_gguf_number(ctx, "final_logit_softcapping", 30.0),
     )
@@ -185,11 +143,9 @@ GGUF = GgufSpec(
 FAMILY = Family(
     name="gemma2",
     parsers={"gemma2": _gemma2},
-    archs=("gemma2",),
     manifest=manifest,
     build=build,
     draft_layer=blocks.dense_draft_layer,
     activations=ACTIVATIONS + (GELU_TANH,),
-    hf_architectures=("Gemma2ForCausalLM",),
     gguf=(GGUF,),
 )

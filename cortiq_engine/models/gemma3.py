@@ -19,11 +19,10 @@ from formats.cmf import CmfFile
 from formats.errors import CortiqError
 from formats.gguf_spec import SANDWICH_BLOCK_NAMES, GgufContext, GgufSpec, SentencePieceStyle
 from formats.manifest import Manifest
-from cortiq_engine.layers import GegluMLP, RMSNorm, RoPE, SandwichBlock
+from cortiq_engine.layers import RoPE, SandwichBlock
 from cortiq_engine.model import Model
 from cortiq_engine.models import base, blocks
 from cortiq_engine.models.base import Family, Geometry, dense_common
-from cortiq_engine.weights import load_vector, load_weight
 
 GELU_TANH = "gelu_pytorch_tanh"
 
@@ -43,13 +42,9 @@ def _gemma3(cfg: dict[str, Any]) -> ArchConfig:
     flat["hidden_act"] = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
     d = dense_common(flat, "gemma3")
     n = d["num_layers"]
-    lt = cfg.get("layer_types") or [
-        "sliding_attention" if (i + 1) % int(cfg.get("sliding_window_pattern") or 6) else "full_attention"
-        for i in range(n)
-    ]
-    bad = sorted({t for t in lt if t not in ("sliding_attention", "full_attention")})
-    if bad:
-        raise CortiqError(f"gemma3 layer_types {bad} are not supported (supported: sliding_attention, full_attention)")
+    kinds = base.layer_kinds(
+        cfg.get("layer_types") or base.every_nth_full(n, int(cfg.get("sliding_window_pattern") or 6)), n
+    )
     if cfg.get("use_bidirectional_attention"):
         raise CortiqError("gemma3 with use_bidirectional_attention is not supported (an encoder, not a causal LM)")
     d.update(
@@ -57,7 +52,7 @@ def _gemma3(cfg: dict[str, Any]) -> ArchConfig:
         qk_norm=True,
         norm_style="rms_one",
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
-        layer_types=[LAYER_SLIDING if t == "sliding_attention" else LAYER_FULL for t in lt],
+        layer_types=kinds,
         sliding_window=int(cfg.get("sliding_window") or 4096),
         query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or 256),
         rope_local_theta=float(local_rp.get("rope_theta", cfg.get("rope_local_base_freq", 10_000.0))),
@@ -80,65 +75,38 @@ def manifest(arch: ArchConfig, mtp_layers: Sequence[int] = ()) -> Manifest:
         m.update(base.norms(p, h, *NORMS))
         m.update(base.attention(p, h, Geometry.full(arch), qk_norm=True))
         m.update(base.gated_mlp(p + "mlp.", h, arch.intermediate_size))
-    for k in mtp_layers:
-        m.update(blocks.draft_manifest(arch, k))
-    return m
+    return m.update(blocks.draft_manifests(arch, mtp_layers))
 
 
 # ------------------------------------------------------------------ the model
+# What a Gemma 3 header may ask for (``base.SETTINGS``); the rest is refused. Not an
+# attention soft-cap: transformers' Gemma 3 and llama.cpp ignore it, so a value there
+# names no model either computes.
+COMPUTES = ("q/k norms", "(1 + w) norms", "query_pre_attn_scalar", "a final soft-cap", "a local RoPE base")
 
 
-def _check(cmf: CmfFile, arch: ArchConfig) -> None:
-    if arch.moe is not None or arch.linear_attn is not None or arch.sliding is not None:
-        raise CortiqError(f"{cmf.path}: gemma3 with MoE, linear or split-geometry layers is not a Gemma 3 model")
-    bad = sorted({t for t in arch.layer_types if t not in (LAYER_FULL, LAYER_SLIDING)})
-    if bad:
-        raise CortiqError(f"{cmf.path}: layer types {bad} are not supported for gemma3")
-    if arch.attn_logit_softcapping:
-        # transformers' Gemma 3 and llama.cpp ignore it, so a value here names no model either computes.
-        raise CortiqError(
-            f"{cmf.path}: gemma3 with attn_logit_softcapping is refused (transformers' Gemma 3 does not apply it)"
-        )
+def build(cmf: CmfFile, arch: ArchConfig, kernels) -> Model:
+    base.refuse_header(cmf, arch, (LAYER_FULL, LAYER_SLIDING), COMPUTES)
+    if arch.norm_style != "rms_one":
+        raise CortiqError(f"{cmf.path}: gemma3 norms are (1 + w)")
     if arch.rope_scaling and arch.rope_scaling.get("rope_type", arch.rope_scaling.get("type")) not in (
         "linear",
         "llama3",
     ):
         raise CortiqError(f"{cmf.path}: rope scaling {arch.rope_scaling!r} is not supported for gemma3")
-
-
-def build(cmf: CmfFile, arch: ArchConfig, kernels) -> Model:
-    _check(cmf, arch)
-    h, eps = arch.hidden_size, arch.norm_eps
     # The global layers use rope_theta (and any scaling); the local ones their own base, unscaled.
     ropes = {
         LAYER_FULL: RoPE(arch.rotary_dim, arch.rope_theta, arch.rope_scaling),
         LAYER_SLIDING: RoPE(arch.rotary_dim, arch.rope_local_theta or arch.rope_theta, None),
     }
-
-    def norm(name: str) -> RMSNorm:
-        return RMSNorm(kernels, load_vector(cmf, name, h), eps, "rms_one")
-
     layers = []
     for i, kind in enumerate(arch.layer_types):
         p = f"model.layers.{i}."
         attn = blocks.attention(cmf, arch, kernels, p, kind, ropes[kind])  # q/k norms get (1 + w): norm_style rms_one
-        mlp = GegluMLP(
-            kernels, *(load_weight(cmf, f"{p}mlp.{x}_proj.weight") for x in ("gate", "up", "down")), arch.hidden_act
-        )
-        norms = tuple(norm(f"{p}{n}.weight") for n in NORMS)
-        layers.append(SandwichBlock(norms, attn, mlp))
-    embed = load_weight(cmf, "model.embed_tokens.weight")
-    head = embed if (arch.tie_word_embeddings or "lm_head.weight" not in cmf) else load_weight(cmf, "lm_head.weight")
-    return Model(
-        arch=arch,
-        kernels=kernels,
-        embed=embed,
-        blocks=tuple(layers),
-        norm=RMSNorm(kernels, load_vector(cmf, "model.norm.weight", h), eps, "rms_one"),
-        head=head,
-        embed_scale=float(np.float32(h**0.5)),
-        logit_softcap=arch.final_logit_softcapping,
-    )
+        mlp = blocks.gated_mlp(cmf, kernels, f"{p}mlp.", arch.hidden_act)
+        layers.append(SandwichBlock(tuple(blocks.norm(cmf, arch, kernels, f"{p}{n}.weight") for n in NORMS), attn, mlp))
+    embed_scale = float(np.float32(arch.hidden_size**0.5))
+    return blocks.trunk(cmf, arch, kernels, layers, embed_scale=embed_scale, logit_softcap=arch.final_logit_softcapping)
 
 
 # ------------------------------------------------------------------ GGUF
@@ -195,11 +163,8 @@ def _gguf_config(ctx: GgufContext, config: dict[str, Any]) -> None:
     gemma3 and so do we: every 6th layer global, a local RoPE base of 10000, and
     query_pre_attn_scalar = head_dim (the 27B model's hidden/heads differs; llama.cpp
     special-cases it by size, which a GGUF does not name, so it is refused below)."""
+    base.gguf_heads(ctx, config)
     layers, hd = config["num_hidden_layers"], config["head_dim"]
-    if int(ctx.key("attention.value_length", hd)) != hd:
-        raise CortiqError("GGUFs with different key and value head sizes are not supported")
-    if int(ctx.key("rope.dimension_count", hd)) != hd:
-        raise CortiqError("partial rotary embeddings (rope.dimension_count < head size) are not supported")
     scaling = config.pop("rope_scaling", None)
     theta = config.pop("rope_theta")
     if config["hidden_size"] == 5376 and layers == 62:
@@ -225,7 +190,7 @@ def _gguf_config(ctx: GgufContext, config: dict[str, Any]) -> None:
         hidden_act=GELU_TANH,
         query_pre_attn_scalar=hd,
         sliding_window=window,
-        layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)],
+        layer_types=base.every_nth_full(layers, 6),
         rope_parameters={"full_attention": full, "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
         **caps,
     )
@@ -246,11 +211,9 @@ GGUF = GgufSpec(
 FAMILY = Family(
     name="gemma3",
     parsers={"gemma3_text": _gemma3},
-    archs=("gemma3",),
     manifest=manifest,
     build=build,
     draft_layer=blocks.dense_draft_layer,
     activations=ACTIVATIONS + (GELU_TANH,),
-    hf_architectures=("Gemma3ForCausalLM",),
     gguf=(GGUF,),
 )

@@ -32,10 +32,9 @@ from formats.cmf import CmfFile
 from formats.errors import CortiqError
 from formats.gguf_spec import MOE_BLOCK_NAMES, NEXTN_BLOCK_NAMES, ROUTING_BIAS, GgufContext, GgufSpec
 from formats.manifest import Manifest
-from formats.sanitize import SanitizeRules
 from cortiq_engine.model import Model
 from cortiq_engine.models import base, blocks
-from cortiq_engine.models.base import DraftLayer, Family, Geometry, dense_common, draft_prefix, req, wrap_draft
+from cortiq_engine.models.base import DraftLayer, Family, Geometry, dense_common, draft_prefix, req
 
 ARCH = "glm4_moe"
 
@@ -108,16 +107,13 @@ def _attention(arch: ArchConfig, p: str) -> Manifest:
 
 
 def manifest(arch: ArchConfig, mtp_layers: Sequence[int] = ()) -> Manifest:
-    h, m = arch.hidden_size, base.trunk_ends(arch)
-    for i in range(arch.num_layers):
-        p = f"model.layers.{i}."
-        m.update(base.norms(p, h, "input_layernorm", "post_attention_layernorm"))
-        m.update(_attention(arch, p)).update(base.ffn(arch, p, i))
-    for k in mtp_layers:
-        p = draft_prefix(k)
-        m.update(base.draft_ends(arch, p)).update(base.norms(p, h, "input_layernorm", "post_attention_layernorm"))
-        m.update(_attention(arch, p)).update(base.moe(arch, p))
-    return m
+    """Pre-norm blocks over each layer's FFN; the MTP layer routes like the trunk's."""
+
+    def attention(p: str, kind: str) -> Manifest:
+        return _attention(arch, p)
+
+    trunk = blocks.prenorm_manifest(arch, attention)
+    return trunk.update(blocks.draft_manifests(arch, mtp_layers, routed=True, attention=attention))
 
 
 # ------------------------------------------------------------------ the trunk
@@ -133,29 +129,16 @@ def _check_attention(cmf: CmfFile, arch: ArchConfig, p: str) -> None:
 
 
 def _check(cmf: CmfFile, arch: ArchConfig) -> None:
+    base.refuse_header(cmf, arch, (LAYER_FULL,), ("routed experts", "q/k norms"))
     if arch.moe is None or arch.moe.scoring != "sigmoid" or not arch.moe.score_bias or arch.moe.shared_expert_gate:
         raise CortiqError(f"{cmf.path}: glm4_moe header without its sigmoid-routed MoE")
-    if (
-        set(arch.layer_types) != {LAYER_FULL}
-        or arch.sliding is not None
-        or arch.attention_sinks
-        or arch.attn_output_gate
-    ):
-        raise CortiqError(f"{cmf.path}: glm4_moe header with sliding, sink or gated attention")
 
 
 def build(cmf: CmfFile, arch: ArchConfig, kernels) -> Model:
     _check(cmf, arch)
-    rope = blocks.rope(arch)
-    layers = []
     for i in range(arch.num_layers):
-        p = f"model.layers.{i}."
-        _check_attention(cmf, arch, p)
-        layers.append(
-            blocks.ffn_block(cmf, arch, kernels, i, blocks.attention(cmf, arch, kernels, p, LAYER_FULL, rope))
-        )
-    embed, head, norm = blocks.head_and_norm(cmf, arch, kernels)
-    return Model(arch=arch, kernels=kernels, embed=embed, blocks=tuple(layers), norm=norm, head=head)
+        _check_attention(cmf, arch, f"model.layers.{i}.")
+    return blocks.prenorm_model(cmf, arch, kernels)
 
 
 # ------------------------------------------------------------------ draft layers
@@ -166,46 +149,34 @@ def draft_layer(cmf: CmfFile, k: int, arch: ArchConfig, kernels) -> DraftLayer:
     p = draft_prefix(k)
     _check_attention(cmf, arch, p)
     attn = blocks.attention(cmf, arch, kernels, p, LAYER_FULL, blocks.rope(arch))
-    block = blocks.draft_block(cmf, p, arch, kernels, attn, blocks.load_moe(cmf, arch, kernels, p))
-    return wrap_draft(cmf, k, arch, kernels, block)
+    return blocks.prenorm_draft(cmf, k, arch, kernels, attn, blocks.load_moe(cmf, arch, kernels, p))
 
 
 # ------------------------------------------------------------------ GGUF
-def _gguf_int(ctx: GgufContext, key: str, default: Any = None, required: bool = False) -> int:
-    v = ctx.key(key, default, required)
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or int(v) < 0:
-        raise CortiqError(f"GGUF metadata {ctx.arch}.{key} is {str(v)[:40]!r}, expected a non-negative integer")
-    return int(v)
-
-
 def _gguf_config(ctx: GgufContext, config: dict[str, Any]) -> None:
     """GLM-4.5's config.json from llama.cpp's metadata. ``block_count`` counts the MTP
     layers (``nextn_predict_layers``) after the trunk's; a missing gating function is
     sigmoid and a missing ``expert_weights_norm`` false, as llama.cpp reads them."""
+    base.gguf_heads(ctx, config, rotary=False)
     hd = config["head_dim"]
-    if _gguf_int(ctx, "attention.value_length", hd) != hd:
-        raise CortiqError("GGUFs with different key and value head sizes are not supported")
-    rot = _gguf_int(ctx, "rope.dimension_count", hd)
+    rot = base.gguf_size(ctx, "rope.dimension_count", hd)
     if not 0 < rot <= hd or rot % 2 or int(hd * (rot / hd)) != rot:
         raise CortiqError(f"GGUF metadata {ctx.arch}.rope.dimension_count={rot} does not fit head size {hd}")
     blocks_total = config["num_hidden_layers"]
-    nextn = _gguf_int(ctx, "nextn_predict_layers", 0)
+    nextn = base.gguf_size(ctx, "nextn_predict_layers", 0)
     if nextn >= blocks_total:
         raise CortiqError(
             f"GGUF metadata {ctx.arch}.nextn_predict_layers={nextn} leaves no trunk layer of {blocks_total}"
         )
-    gating = _gguf_int(ctx, "expert_gating_func", 2)
+    gating = base.gguf_size(ctx, "expert_gating_func", 2)
     if gating not in (0, 2):  # 0: unset (llama.cpp then uses sigmoid), 2: sigmoid
         raise CortiqError(
             f"GGUF metadata {ctx.arch}.expert_gating_func={gating} is not supported (GLM-4-MoE routes by sigmoid)"
         )
     if "blk.0.attn_output.bias" in ctx.tensors:
         raise CortiqError("glm4moe GGUF with an attn_output bias is not supported (GLM-4-MoE has none)")
-    bias = [f"blk.0.attn_{p}.bias" in ctx.tensors for p in ("q", "k", "v")]
-    if any(bias) and not all(bias):
-        raise CortiqError("GGUFs with biases on only some of q/k/v are not supported")
     routed = [i for i in range(blocks_total) if f"blk.{i}.ffn_gate_inp.weight" in ctx.tensors]
-    dense = _gguf_int(ctx, "leading_dense_block_count", routed[0] if routed else 0)
+    dense = base.gguf_size(ctx, "leading_dense_block_count", routed[0] if routed else 0)
     norm = ctx.key("expert_weights_norm", False)
     scale = ctx.key("expert_weights_scale", 1.0)
     if (
@@ -220,15 +191,15 @@ def _gguf_config(ctx: GgufContext, config: dict[str, Any]) -> None:
         num_hidden_layers=blocks_total - nextn,
         num_nextn_predict_layers=nextn,
         partial_rotary_factor=rot / hd,
-        attention_bias=all(bias),
+        attention_bias=base.gguf_attention_bias(ctx, ("q", "k", "v")),
         use_qk_norm="blk.0.attn_q_norm.weight" in ctx.tensors,
         first_k_dense_replace=dense,
-        n_routed_experts=_gguf_int(ctx, "expert_count", required=True),
-        num_experts_per_tok=_gguf_int(ctx, "expert_used_count", required=True),
-        moe_intermediate_size=_gguf_int(ctx, "expert_feed_forward_length", required=True),
-        n_shared_experts=_gguf_int(ctx, "expert_shared_count", 0),
-        n_group=_gguf_int(ctx, "expert_group_count", 1) or 1,
-        topk_group=_gguf_int(ctx, "expert_group_used_count", 1) or 1,
+        n_routed_experts=base.gguf_size(ctx, "expert_count", required=True),
+        num_experts_per_tok=base.gguf_size(ctx, "expert_used_count", required=True),
+        moe_intermediate_size=base.gguf_size(ctx, "expert_feed_forward_length", required=True),
+        n_shared_experts=base.gguf_size(ctx, "expert_shared_count", 0),
+        n_group=base.gguf_size(ctx, "expert_group_count", 1) or 1,
+        topk_group=base.gguf_size(ctx, "expert_group_used_count", 1) or 1,
         norm_topk_prob=bool(norm),
         routed_scaling_factor=float(scale),
     )
@@ -251,14 +222,9 @@ GGUF = GgufSpec(
 FAMILY = Family(
     name="glm4_moe",
     parsers={"glm4_moe": _glm4_moe},
-    archs=(ARCH,),
     manifest=manifest,
     build=build,
     draft_layer=draft_layer,
-    sanitize=SanitizeRules(
-        renames=((r"\.mlp\.shared_experts\.", ".mlp.shared_expert."),),
-        split_fused_experts=True,
-    ),
-    hf_architectures=("Glm4MoeForCausalLM",),
+    sanitize=base.SHARED_EXPERTS_RULES,
     gguf=(GGUF,),
 )

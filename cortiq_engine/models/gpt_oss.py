@@ -28,8 +28,6 @@ from cortiq_engine.model import Model
 from cortiq_engine.models import base, blocks
 from cortiq_engine.models.base import Family, Geometry, dense_common, req
 
-_LAYER_KINDS = {"sliding_attention": LAYER_SLIDING, "full_attention": LAYER_FULL}
-
 
 # ------------------------------------------------------------------ config.json
 def _positive(cfg: dict[str, Any], key: str, default: float) -> float:
@@ -49,13 +47,7 @@ def _gpt_oss(cfg: dict[str, Any]) -> ArchConfig:
         raise CortiqError(f"gpt_oss quantization_config quant_method {method!r} is not supported (supported: mxfp4)")
     d = dense_common(cfg, "gpt_oss")
     n = d["num_layers"]
-    lt = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
-    if not isinstance(lt, list) or len(lt) != n:
-        raise CortiqError(f"gpt_oss layer_types has {len(lt) if isinstance(lt, list) else lt!r} entries for {n} layers")
-    bad = sorted({str(t) for t in lt if t not in _LAYER_KINDS})
-    if bad:
-        raise CortiqError(f"gpt_oss layer_types {bad} are not supported (supported: sliding_attention, full_attention)")
-    d["layer_types"] = [_LAYER_KINDS[t] for t in lt]
+    d["layer_types"] = base.layer_kinds(cfg.get("layer_types") or base.every_nth_full(n, 2), n)
     window = cfg.get("sliding_window")
     if LAYER_SLIDING in d["layer_types"] and not window:
         raise CortiqError("gpt_oss has sliding_attention layers but no sliding_window")
@@ -80,44 +72,33 @@ def _gpt_oss(cfg: dict[str, Any]) -> ArchConfig:
 
 
 # ------------------------------------------------------------------ manifest
+def _attention(arch: ArchConfig, p: str) -> Manifest:
+    """Attention with sinks; its biases required with ``attention_bias`` (the release
+    always has them: a file that lost them is refused)."""
+    att = base.attention(p, arch.hidden_size, Geometry.full(arch), sinks=True)
+    if arch.attention_bias:
+        att.required.update(att.optional)
+        att.optional.clear()
+    return att
+
+
 def manifest(arch: ArchConfig, mtp_layers: Sequence[int] = ()) -> Manifest:
     """Per layer: the two norms, biased attention with sinks, the biased MoE (every layer)."""
-    h, m = arch.hidden_size, base.trunk_ends(arch)
-    for i in range(arch.num_layers):
-        p = f"model.layers.{i}."
-        m.update(base.norms(p, h, "input_layernorm", "post_attention_layernorm"))
-        att = base.attention(p, h, Geometry.full(arch), sinks=True)
-        if arch.attention_bias:  # the release always has them: refuse a file that lost them
-            att.required.update(att.optional)
-            att.optional.clear()
-        m.update(att)
-        m.update(base.ffn(arch, p, i))
-    return m.update(blocks.draft_manifests(arch, mtp_layers, routed=True))
+    trunk = blocks.prenorm_manifest(arch, lambda p, kind: _attention(arch, p))
+    return trunk.update(blocks.draft_manifests(arch, mtp_layers, routed=True))
 
 
 # ------------------------------------------------------------------ the trunk
-def _check(cmf: CmfFile, arch: ArchConfig) -> None:
+def build(cmf: CmfFile, arch: ArchConfig, kernels) -> Model:
+    base.refuse_header(cmf, arch, (LAYER_FULL, LAYER_SLIDING), ("routed experts", "attention sinks"))
     mc = arch.moe
     if mc is None or mc.moe_layers != list(range(arch.num_layers)) or not (mc.router_bias and mc.expert_bias):
         raise CortiqError(f"{cmf.path}: gpt_oss needs a biased MoE on every layer")
     if mc.scoring != "softmax" or not mc.norm_topk_prob or mc.shared_expert_intermediate_size:
         raise CortiqError(f"{cmf.path}: gpt_oss routes by softmax over the top-k without a shared expert")
-    bad = sorted({t for t in arch.layer_types if t not in (LAYER_FULL, LAYER_SLIDING)})
-    if bad or arch.sliding is not None or arch.linear_attn is not None or arch.mla is not None:
-        raise CortiqError(f"{cmf.path}: gpt_oss with layer types {bad or arch.layer_types} or split-geometry layers")
-    if not arch.attention_sinks or arch.attn_output_gate or arch.qk_norm or arch.attn_logit_softcapping:
-        raise CortiqError(f"{cmf.path}: gpt_oss attention has sinks, no output gate, no q/k norm, no soft-cap")
-
-
-def build(cmf: CmfFile, arch: ArchConfig, kernels) -> Model:
-    _check(cmf, arch)
-    rope = blocks.rope(arch)
-    layers = []
-    for i, kind in enumerate(arch.layer_types):
-        attn = blocks.attention(cmf, arch, kernels, f"model.layers.{i}.", kind, rope)
-        layers.append(blocks.ffn_block(cmf, arch, kernels, i, attn))
-    embed, head, norm = blocks.head_and_norm(cmf, arch, kernels)
-    return Model(arch=arch, kernels=kernels, embed=embed, blocks=tuple(layers), norm=norm, head=head)
+    if not arch.attention_sinks:
+        raise CortiqError(f"{cmf.path}: gpt_oss attention has learned sinks")
+    return blocks.prenorm_model(cmf, arch, kernels)
 
 
 # ------------------------------------------------------------------ GGUF
@@ -172,7 +153,6 @@ GGUF = GgufSpec(
 FAMILY = Family(
     name="gpt_oss",
     parsers={"gpt_oss": _gpt_oss},
-    archs=("gpt_oss",),
     manifest=manifest,
     build=build,
     draft_layer=blocks.routed_draft_layer,
@@ -180,6 +160,5 @@ FAMILY = Family(
         renames=((r"\.mlp\.router\.", ".mlp.gate."),),
         interleaved_experts=True,
     ),
-    hf_architectures=("GptOssForCausalLM",),
     gguf=(GGUF,),
 )

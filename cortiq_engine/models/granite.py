@@ -10,7 +10,7 @@ Follows transformers' ``models/granite/modeling_granite.py`` (the oracle of the 
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -18,9 +18,8 @@ from formats.arch import LAYER_FULL, ArchConfig
 from formats.cmf import CmfFile
 from formats.errors import CortiqError
 from formats.gguf_spec import GgufContext, GgufSpec
-from formats.manifest import Manifest
 from cortiq_engine.model import Model
-from cortiq_engine.models import blocks
+from cortiq_engine.models import base, blocks
 from cortiq_engine.models.base import Family, dense_common
 
 
@@ -49,36 +48,11 @@ def _granite(cfg: dict[str, Any]) -> ArchConfig:
     return ArchConfig(**d)
 
 
-# ------------------------------------------------------------------ manifest
-def manifest(arch: ArchConfig, mtp_layers: Sequence[int] = ()) -> Manifest:
-    """Llama's: pre-norm blocks (attention biases read when present), Llama draft blocks."""
-    return blocks.prenorm_manifest(arch).update(blocks.draft_manifests(arch, mtp_layers))
-
-
 # ------------------------------------------------------------------ the trunk
-def _check(cmf: CmfFile, arch: ArchConfig) -> None:
-    """Refuse a header asking for what this build does not compute (it is untrusted)."""
-    if arch.moe is not None or arch.linear_attn is not None or arch.sliding is not None or arch.mla is not None:
-        raise CortiqError(
-            f"{cmf.path}: granite with MoE, linear, MLA or split-geometry layers is not a Granite 3 model"
-        )
-    if any(t != LAYER_FULL for t in arch.layer_types) or arch.no_rope_layers:
-        raise CortiqError(f"{cmf.path}: granite has full-attention RoPE layers only")
-    if arch.qk_norm or arch.attn_output_gate or arch.attention_sinks or arch.norm_style != "rms":
-        raise CortiqError(f"{cmf.path}: q/k norms, gated or sink attention and (1 + w) norms are not Granite's")
-    if (
-        arch.final_logit_softcapping
-        or arch.attn_logit_softcapping
-        or arch.query_pre_attn_scalar
-        or arch.rope_local_theta
-    ):
-        raise CortiqError(f"{cmf.path}: soft-caps and Gemma's score or RoPE settings are not Granite's")
+def build(cmf: CmfFile, arch: ArchConfig, kernels) -> Model:
+    base.refuse_header(cmf, arch, (LAYER_FULL,), ("Granite's multipliers",))
     if not arch.attention_scale:
         raise CortiqError(f"{cmf.path}: granite needs its attention_scale (attention_multiplier)")
-
-
-def build(cmf: CmfFile, arch: ArchConfig, kernels) -> Model:
-    _check(cmf, arch)
     return blocks.prenorm_model(cmf, arch, kernels)
 
 
@@ -97,13 +71,9 @@ def _gguf_config(ctx: GgufContext, config: dict[str, Any]) -> None:
     """Granite's config.json from a llama.cpp granite GGUF: the four multipliers. Without
     attention.scale llama.cpp scales scores by head_dim**-0.5; without the others it
     leaves the values unscaled (a multiplier of 1)."""
+    base.gguf_heads(ctx, config)
+    base.gguf_refuse_mlp_bias(ctx)
     hd = config["head_dim"]
-    if int(ctx.key("attention.value_length", hd)) != hd:
-        raise CortiqError("GGUFs with different key and value head sizes are not supported")
-    if int(ctx.key("rope.dimension_count", hd)) != hd:
-        raise CortiqError("partial rotary embeddings (rope.dimension_count < head size) are not supported")
-    if any(f"blk.0.ffn_{p}.bias" in ctx.tensors for p in ("gate", "up", "down")):
-        raise CortiqError("granite GGUFs with MLP biases are not supported (the engine's gated MLP has no biases)")
     for field, key in _GGUF_SCALES.items():
         v = ctx.key(key, 0.0)
         if (
@@ -125,10 +95,8 @@ GGUF = (GgufSpec("granite", "granite", "GraniteForCausalLM", permute_qk=True, co
 FAMILY = Family(
     name="granite",
     parsers={"granite": _granite},
-    archs=("granite",),
-    manifest=manifest,
+    manifest=blocks.dense_manifest,
     build=build,
     draft_layer=blocks.dense_draft_layer,
-    hf_architectures=("GraniteForCausalLM",),
     gguf=GGUF,
 )

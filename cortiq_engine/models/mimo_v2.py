@@ -24,7 +24,7 @@ from formats.sanitize import SanitizeRules
 from cortiq_engine.layers import RoPE
 from cortiq_engine.model import Model
 from cortiq_engine.models import base, blocks
-from cortiq_engine.models.base import DraftLayer, Family, Geometry, dense_common, draft_prefix, req, wrap_draft
+from cortiq_engine.models.base import DraftLayer, Family, Geometry, dense_common, draft_prefix, req
 
 
 # ------------------------------------------------------------------ config.json
@@ -52,7 +52,7 @@ def _mimo_v2(cfg: dict[str, Any]) -> ArchConfig:
     d["attention_value_scale"] = float(cfg.get("attention_value_scale") or 1.0)
     lt = cfg.get("layer_types")
     if lt:
-        d["layer_types"] = [LAYER_SLIDING if t == "sliding_attention" else LAYER_FULL for t in lt]
+        d["layer_types"] = base.layer_kinds(lt, n)
     elif cfg.get("hybrid_layer_pattern"):
         d["layer_types"] = [LAYER_SLIDING if int(t) else LAYER_FULL for t in cfg["hybrid_layer_pattern"]]
     else:
@@ -106,82 +106,53 @@ def _mimo_v2(cfg: dict[str, Any]) -> ArchConfig:
 
 
 # ------------------------------------------------------------------ manifest
-def _geometry(arch: ArchConfig, kind: str) -> tuple[Geometry, bool]:
-    """(head layout, learned sinks) of the full or the sliding layers."""
-    s = arch.sliding
-    if kind == LAYER_SLIDING and s is not None:
-        return Geometry(s.num_heads, s.num_kv_heads, s.head_dim, s.v_head_dim), s.sinks
-    return Geometry.full(arch), arch.attention_sinks
-
-
 def _draft_kind(arch: ArchConfig) -> str:
     return LAYER_SLIDING if arch.sliding is not None else LAYER_FULL
 
 
+def _attention(arch: ArchConfig, p: str, kind: str) -> Manifest:
+    """The attention of a ``kind`` layer: its own geometry and sinks (``Geometry.of``)."""
+    g = Geometry.of(arch, kind)
+    return base.attention(p, arch.hidden_size, g, sinks=g.sinks, qk_norm=arch.qk_norm)
+
+
 def manifest(arch: ArchConfig, mtp_layers: Sequence[int] = ()) -> Manifest:
-    h, m = arch.hidden_size, base.trunk_ends(arch)
-    for i, kind in enumerate(arch.layer_types):
-        p = f"model.layers.{i}."
-        g, sinks = _geometry(arch, kind)
-        m.update(base.norms(p, h, "input_layernorm", "post_attention_layernorm"))
-        m.update(base.attention(p, h, g, sinks=sinks, qk_norm=arch.qk_norm))
-        m.update(base.ffn(arch, p, i))
-    for k in mtp_layers:
-        p = draft_prefix(k)
-        g, sinks = _geometry(arch, _draft_kind(arch))
-        m.update(base.draft_ends(arch, p)).update(base.norms(p, h, "input_layernorm", "post_attention_layernorm"))
-        m.update(base.attention(p, h, g, sinks=sinks, qk_norm=arch.qk_norm))
-        m.update(base.gated_mlp(p + "mlp.", h, None))
-    return m
+    def attention(p: str, kind: str) -> Manifest:
+        return _attention(arch, p, kind)
+
+    trunk = blocks.prenorm_manifest(arch, attention)
+    return trunk.update(blocks.draft_manifests(arch, mtp_layers, attention=attention, kind=_draft_kind(arch)))
 
 
 # ------------------------------------------------------------------ the trunk
-
-
-def sliding_rope(arch: ArchConfig) -> RoPE:
+def _ropes(arch: ArchConfig) -> dict[str, RoPE]:
+    """Each layer kind's rotary embedding: the sliding layers' own base and width."""
+    full = RoPE(arch.rotary_dim, arch.rope_theta, arch.rope_scaling)
     s = arch.sliding
-    return RoPE(s.rotary_dim or s.head_dim, s.rope_theta)
+    return {LAYER_FULL: full, LAYER_SLIDING: full if s is None else RoPE(s.rotary_dim or s.head_dim, s.rope_theta)}
 
 
 def build(cmf: CmfFile, arch: ArchConfig, kernels) -> Model:
-    bad = sorted({t for t in arch.layer_types if t not in (LAYER_FULL, LAYER_SLIDING)})
-    if bad or (LAYER_SLIDING in arch.layer_types and arch.sliding is None):
-        raise CortiqError(
-            f"{cmf.path}: mimo_v2 header has layer types {bad or arch.layer_types} without their geometry"
-        )
-    full_rope = RoPE(arch.rotary_dim, arch.rope_theta, arch.rope_scaling)
-    swa_rope = sliding_rope(arch) if arch.sliding is not None else full_rope
-    layers = []
-    for i, kind in enumerate(arch.layer_types):
-        rope = swa_rope if kind == LAYER_SLIDING else full_rope
-        attn = blocks.attention(cmf, arch, kernels, f"model.layers.{i}.", kind, rope)
-        layers.append(blocks.ffn_block(cmf, arch, kernels, i, attn))
-    embed, head, norm = blocks.head_and_norm(cmf, arch, kernels)
-    return Model(arch=arch, kernels=kernels, embed=embed, blocks=tuple(layers), norm=norm, head=head)
+    computes = ("routed experts", "split-geometry sliding layers", "attention sinks", "q/k norms")
+    base.refuse_header(cmf, arch, (LAYER_FULL, LAYER_SLIDING), computes)
+    if LAYER_SLIDING in arch.layer_types and arch.sliding is None:
+        raise CortiqError(f"{cmf.path}: mimo_v2 header has sliding layers without their geometry")
+    return blocks.prenorm_model(cmf, arch, kernels, ropes=_ropes(arch))
 
 
 # ------------------------------------------------------------------ draft layers
 def draft_layer(cmf: CmfFile, k: int, arch: ArchConfig, kernels) -> DraftLayer:
-    p = draft_prefix(k)
-    kind = _draft_kind(arch)
-    g, sinks = _geometry(arch, kind)
-    if sinks:
+    p, kind = draft_prefix(k), _draft_kind(arch)
+    g = Geometry.of(arch, kind)
+    if g.sinks:
         base.load_sinks(cmf, f"{p}self_attn.sinks", g.num_heads)  # refuses non-finite sinks
-    rope = sliding_rope(arch) if kind == LAYER_SLIDING else RoPE(arch.rotary_dim, arch.rope_theta, arch.rope_scaling)
-    attn = blocks.attention(cmf, arch, kernels, p, kind, rope)
-    return wrap_draft(
-        cmf,
-        k,
-        arch,
-        kernels,
-        blocks.draft_block(cmf, p, arch, kernels, attn, blocks.gated_mlp(cmf, kernels, p + "mlp.")),
-    )
+    attn = blocks.attention(cmf, arch, kernels, p, kind, _ropes(arch)[kind])
+    return blocks.prenorm_draft(cmf, k, arch, kernels, attn, blocks.gated_mlp(cmf, kernels, p + "mlp."))
 
 
 FAMILY = Family(
     name="mimo_v2",
     parsers={"mimo_v2_flash": _mimo_v2},
-    archs=("mimo_v2",),
     manifest=manifest,
     build=build,
     draft_layer=draft_layer,
@@ -189,5 +160,4 @@ FAMILY = Family(
         renames=((r"\.self_attn\.attention_sink_bias$", ".self_attn.sinks"),), split_fused_experts=True
     ),
     mtp_style="mimo",
-    hf_architectures=("MiMoV2FlashForCausalLM",),
 )

@@ -15,7 +15,6 @@ from typing import Any, Sequence
 
 from formats.arch import LAYER_FULL, LAYER_SLIDING, ArchConfig, MoeConfig
 from formats.cmf import CmfFile
-from formats.errors import CortiqError
 from formats.manifest import Manifest
 from formats.sanitize import SanitizeRules
 from cortiq_engine.model import Model
@@ -62,9 +61,7 @@ def manifest(arch: ArchConfig, mtp_layers: Sequence[int] = ()) -> Manifest:
 
 # ------------------------------------------------------------------ the trunk
 def build(cmf: CmfFile, arch: ArchConfig, kernels) -> Model:
-    bad = sorted({t for t in arch.layer_types if t not in (LAYER_FULL, LAYER_SLIDING)})
-    if bad or arch.attn_output_gate or arch.sliding is not None or arch.attention_sinks:
-        raise CortiqError(f"{cmf.path}: {arch.arch} with layer types {bad} or gated/sink attention is not supported")
+    base.refuse_header(cmf, arch, (LAYER_FULL, LAYER_SLIDING), (*blocks.PRENORM, "routed experts"))
     return blocks.prenorm_model(cmf, arch, kernels)
 
 
@@ -84,5 +81,4 @@ FAMILY = Family(
         ),
         split_fused_experts=True,
     ),
-    hf_architectures=("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM"),
 )

@@ -62,27 +62,6 @@ def manifest(arch: ArchConfig, mtp_layers: Sequence[int] = ()) -> Manifest:
 
 
 # ------------------------------------------------------------------ the model
-def _check(cmf: CmfFile, arch: ArchConfig) -> None:
-    """Refuse header fields an OLMo 2 never has: the build would not honour them."""
-    if arch.moe is not None or arch.linear_attn is not None or arch.sliding is not None or arch.mla is not None:
-        raise CortiqError(f"{cmf.path}: olmo2 with MoE, linear, MLA or split-geometry layers is not an OLMo 2 model")
-    if any(t != LAYER_FULL for t in arch.layer_types) or arch.sliding_window:
-        raise CortiqError(f"{cmf.path}: olmo2 has full attention in every layer, the header asks for other layer types")
-    if arch.qk_norm or arch.attention_sinks or arch.attn_output_gate or arch.attention_scale or arch.no_rope_layers:
-        raise CortiqError(
-            f"{cmf.path}: olmo2 with per-head q/k norms, sinks, an output gate, a score scale or NoPE layers is not an OLMo 2 model"
-        )
-    if arch.attn_logit_softcapping or arch.final_logit_softcapping or arch.query_pre_attn_scalar:
-        raise CortiqError(f"{cmf.path}: olmo2 has no soft-caps and no query_pre_attn_scalar")
-    if (
-        arch.norm_style != "rms"
-        or arch.embedding_scale != 1.0
-        or arch.residual_scale != 1.0
-        or arch.logits_scaling != 1.0
-    ):
-        raise CortiqError(f"{cmf.path}: olmo2 norms scale by w and it has no Granite multipliers")
-
-
 def attention(cmf: CmfFile, arch: ArchConfig, kernels, p: str, rope) -> Attention:
     """Full attention with q/k norms over the whole projection (``Attention(qk_norm_full=True)``)."""
     g = Geometry.full(arch)
@@ -92,55 +71,37 @@ def attention(cmf: CmfFile, arch: ArchConfig, kernels, p: str, rope) -> Attentio
         q_norm=load_vector(cmf, f"{p}self_attn.q_norm.weight", g.num_heads * g.head_dim),
         k_norm=load_vector(cmf, f"{p}self_attn.k_norm.weight", g.num_kv_heads * g.head_dim),
     )
-    return Attention(
-        kernels,
-        aw,
-        num_heads=g.num_heads,
-        num_kv_heads=g.num_kv_heads,
-        head_dim=g.head_dim,
-        v_head_dim=g.v_head_dim,
-        rope=rope,
-        norm_eps=arch.norm_eps,
-        qk_norm_full=True,
-    )
+    return blocks.make_attention(kernels, aw, g, arch, rope, qk_norm_full=True)
 
 
 def build(cmf: CmfFile, arch: ArchConfig, kernels) -> Model:
-    _check(cmf, arch)
+    # A header is untrusted: refuse what an OLMo 2 never has (its full-width q/k norms
+    # are implied by the arch, so qk_norm, the per-head kind, stays False).
+    base.refuse_header(cmf, arch, (LAYER_FULL,))
+    if arch.sliding_window:
+        raise CortiqError(f"{cmf.path}: olmo2 has full attention in every layer, the header asks for a window")
     rope = blocks.rope(arch)
     layers = []
     for i in range(arch.num_layers):
         p = f"model.layers.{i}."
-        for x in ("gate", "up", "down"):
-            if f"{p}mlp.{x}_proj.bias" in cmf:
-                raise CortiqError(f"{cmf.path}: MLP biases are not part of OLMo 2")
+        blocks.refuse_mlp_bias(cmf, p)
         post_attn, post_ffn = (blocks.norm(cmf, arch, kernels, f"{p}{n}.weight") for n in NORMS)
         # No pre-norms: each sublayer reads the residual stream itself.
+        norms = (None, post_attn, None, post_ffn)
         layers.append(
-            SandwichBlock(
-                (None, post_attn, None, post_ffn),
-                attention(cmf, arch, kernels, p, rope),
-                blocks.gated_mlp(cmf, kernels, f"{p}mlp."),
-            )
+            SandwichBlock(norms, attention(cmf, arch, kernels, p, rope), blocks.gated_mlp(cmf, kernels, f"{p}mlp."))
         )
-    embed, head, norm = blocks.head_and_norm(cmf, arch, kernels)
-    return Model(arch=arch, kernels=kernels, embed=embed, blocks=tuple(layers), norm=norm, head=head)
+    return blocks.trunk(cmf, arch, kernels, layers)
 
 
 # ------------------------------------------------------------------ GGUF
 def _gguf_config(ctx: GgufContext, config: dict[str, Any]) -> None:
     """OLMo 2's config.json: the common fields are all it has. llama.cpp also files
     OLMo 3 (sliding-window layers) under olmo2; such a file is refused."""
-    hd = config["head_dim"]
-    if int(ctx.key("attention.value_length", hd)) != hd:
-        raise CortiqError("GGUFs with different key and value head sizes are not supported")
-    if int(ctx.key("rope.dimension_count", hd)) != hd:
-        raise CortiqError("partial rotary embeddings (rope.dimension_count < head size) are not supported")
+    base.gguf_heads(ctx, config)
     if ctx.key("attention.sliding_window") is not None:
         raise CortiqError("olmo2 GGUFs with olmo2.attention.sliding_window (OLMo 3) are not supported")
-    bias = [f"blk.0.attn_{p}.bias" in ctx.tensors for p in ("q", "k", "v", "output")]
-    if any(bias) and not all(bias):
-        raise CortiqError("GGUFs with biases on only some attention projections are not supported")
+    base.gguf_attention_bias(ctx)
 
 
 GGUF = GgufSpec(
@@ -156,10 +117,8 @@ GGUF = GgufSpec(
 FAMILY = Family(
     name="olmo2",
     parsers={"olmo2": _olmo2},
-    archs=("olmo2",),
     manifest=manifest,
     build=build,
     draft_layer=blocks.dense_draft_layer,
-    hf_architectures=("Olmo2ForCausalLM",),
     gguf=(GGUF,),
 )

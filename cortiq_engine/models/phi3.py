@@ -13,7 +13,7 @@ and the trunk is the shared pre-norm block.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -21,10 +21,9 @@ from formats.arch import LAYER_FULL, LAYER_SLIDING, ArchConfig
 from formats.cmf import CmfFile
 from formats.errors import CortiqError
 from formats.gguf_spec import GgufContext, GgufSpec
-from formats.manifest import Manifest
 from formats.sanitize import SanitizeRules
 from cortiq_engine.model import Model
-from cortiq_engine.models import blocks
+from cortiq_engine.models import base, blocks
 from cortiq_engine.models.base import Family, dense_common, req
 
 # transformers' Phi3Config maps the rope types of early Phi-3 releases to longrope.
@@ -114,28 +113,12 @@ def sanitize_for(config: Mapping[str, Any]) -> SanitizeRules:
     )
 
 
-# ------------------------------------------------------------------ manifest
-def manifest(arch: ArchConfig, mtp_layers: Sequence[int] = ()) -> Manifest:
-    return blocks.prenorm_manifest(arch).update(blocks.draft_manifests(arch, mtp_layers))
-
-
 # ------------------------------------------------------------------ the trunk
-def _check(cmf: CmfFile, arch: ArchConfig) -> None:
-    """A header is untrusted: refuse what a Phi-3 never has rather than ignore it."""
-    if arch.moe is not None or arch.linear_attn is not None or arch.sliding is not None or arch.mla is not None:
-        raise CortiqError(f"{cmf.path}: phi3 with MoE, linear, MLA or split-geometry layers is not a Phi-3 model")
-    bad = sorted({t for t in arch.layer_types if t not in (LAYER_FULL, LAYER_SLIDING)})
-    if bad:
-        raise CortiqError(f"{cmf.path}: layer types {bad} are not supported for phi3")
-    if arch.attn_output_gate or arch.attention_sinks or arch.qk_norm or arch.norm_style != "rms":
-        raise CortiqError(f"{cmf.path}: gated, sink, q/k-normed or (1 + w)-normed attention is not a Phi-3 model")
+def build(cmf: CmfFile, arch: ArchConfig, kernels) -> Model:
+    base.refuse_header(cmf, arch, (LAYER_FULL, LAYER_SLIDING))
     kind = (arch.rope_scaling or {}).get("rope_type")
     if arch.rope_scaling is not None and kind != "longrope":
         raise CortiqError(f"{cmf.path}: rope scaling {kind!r} is not supported for phi3 (supported: longrope)")
-
-
-def build(cmf: CmfFile, arch: ArchConfig, kernels) -> Model:
-    _check(cmf, arch)
     return blocks.prenorm_model(cmf, arch, kernels)
 
 
@@ -148,9 +131,8 @@ def _gguf_config(ctx: GgufContext, config: dict[str, Any]) -> None:
     """Phi-3's config.json from llama.cpp's ``phi3.*`` keys: the rotary width
     (``rope.dimension_count``, int(partial_rotary_factor * hidden) // heads), the
     pretraining length, the sliding window (0: none, as its converter writes for Phi-4)."""
+    base.gguf_heads(ctx, config, rotary=False)
     hd = config["head_dim"]
-    if int(ctx.key("attention.value_length", hd)) != hd:
-        raise CortiqError("GGUFs with different key and value head sizes are not supported")
     if config.pop("rope_scaling", None) is not None:
         raise CortiqError("phi3 GGUF rope scaling other than LongRoPE's factor tensors is not supported")
     long, short = (ctx.values(t) for t in _GGUF_ROPE_FACTORS)
@@ -199,11 +181,9 @@ GGUF = GgufSpec(
 FAMILY = Family(
     name="phi3",
     parsers={"phi3": _phi3},
-    archs=("phi3",),
-    manifest=manifest,
+    manifest=blocks.dense_manifest,
     build=build,
     draft_layer=blocks.dense_draft_layer,
-    hf_architectures=("Phi3ForCausalLM",),
     sanitize_for=sanitize_for,
     gguf=(GGUF,),
 )

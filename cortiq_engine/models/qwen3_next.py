@@ -27,21 +27,16 @@ from cortiq_engine.gated_deltanet import GatedDeltaNet, LinearAttnWeights
 from cortiq_engine.layers import RoPE
 from cortiq_engine.model import Model
 from cortiq_engine.models import base, blocks
-from cortiq_engine.models.base import DraftLayer, Family, Geometry, dense_common, draft_prefix, req, wrap_draft
+from cortiq_engine.models.base import DraftLayer, Family, Geometry, dense_common, draft_prefix, req
 from cortiq_engine.weights import load_vector, load_weight
 
 
 # ------------------------------------------------------------------ config.json
 def _hybrid_layer_types(cfg: dict[str, Any], n: int) -> list[str]:
-    lt = cfg.get("layer_types")
-    if not lt:
-        interval = int(cfg.get("full_attention_interval") or 4)
-        lt = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n)]
-    kinds = {"linear_attention": LAYER_LINEAR, "full_attention": LAYER_FULL}
-    bad = sorted({t for t in lt if t not in kinds})
-    if bad:
-        raise CortiqError(f"layer_types {bad} are not supported (supported: linear_attention, full_attention)")
-    return [kinds[t] for t in lt]
+    lt = cfg.get("layer_types") or base.every_nth_full(
+        n, int(cfg.get("full_attention_interval") or 4), "linear_attention"
+    )
+    return base.layer_kinds(lt, n, ("linear_attention", "full_attention"))
 
 
 def _linear_attn_config(cfg: dict[str, Any], fused: bool) -> LinearAttnConfig:
@@ -120,18 +115,14 @@ def _full_attention(arch: ArchConfig, p: str) -> Manifest:
 
 
 def manifest(arch: ArchConfig, mtp_layers: Sequence[int] = ()) -> Manifest:
-    h, m = arch.hidden_size, base.trunk_ends(arch)
-    for i, kind in enumerate(arch.layer_types):
-        p = f"model.layers.{i}."
-        m.update(base.norms(p, h, "input_layernorm", "post_attention_layernorm"))
-        m.update(_linear_attn_manifest(arch, p) if kind == LAYER_LINEAR else _full_attention(arch, p))
-        m.update(base.ffn(arch, p, i))
-    for k in mtp_layers:
-        p = draft_prefix(k)
-        m.update(base.draft_ends(arch, p)).update(base.norms(p, h, "input_layernorm", "post_attention_layernorm"))
-        m.update(_full_attention(arch, p))
-        m.update(base.moe(arch, p) if arch.moe is not None else base.gated_mlp(p + "mlp.", h, None))
-    return m
+    """Linear or output-gated full attention per layer over its FFN; the MTP layer is a
+    full-attention block that routes like the trunk's (dense on a dense trunk)."""
+
+    def mixer(p: str, kind: str) -> Manifest:
+        return _linear_attn_manifest(arch, p) if kind == LAYER_LINEAR else _full_attention(arch, p)
+
+    trunk = blocks.prenorm_manifest(arch, mixer)
+    return trunk.update(blocks.draft_manifests(arch, mtp_layers, routed=True, attention=mixer))
 
 
 # ------------------------------------------------------------------ the trunk
@@ -158,23 +149,23 @@ def _linear_attn(cmf: CmfFile, arch: ArchConfig, kernels, p: str) -> GatedDeltaN
     return GatedDeltaNet(kernels, la, w, arch.norm_eps)
 
 
+def _rope(arch: ArchConfig) -> RoPE:
+    return RoPE(arch.rotary_dim, arch.rope_theta, arch.rope_scaling)
+
+
 def build(cmf: CmfFile, arch: ArchConfig, kernels) -> Model:
+    computes = ("linear attention", "routed experts", "q/k norms", "an attention output gate", "(1 + w) norms")
+    base.refuse_header(cmf, arch, (LAYER_FULL, LAYER_LINEAR), computes)
     if arch.linear_attn is None:
         raise CortiqError(f"{cmf.path}: {arch.arch} header has no linear_attn geometry")
-    bad = sorted({t for t in arch.layer_types if t not in (LAYER_FULL, LAYER_LINEAR)})
-    if bad:
-        raise CortiqError(f"{cmf.path}: layer types {bad} are not supported for {arch.arch}")
-    rope = RoPE(arch.rotary_dim, arch.rope_theta, arch.rope_scaling)
-    layers = []
-    for i, kind in enumerate(arch.layer_types):
-        p = f"model.layers.{i}."
+    rope = _rope(arch)
+
+    def mixer(p: str, kind: str):
         if kind == LAYER_LINEAR:
-            mixer = _linear_attn(cmf, arch, kernels, p)
-        else:
-            mixer = blocks.attention(cmf, arch, kernels, p, kind, rope)
-        layers.append(blocks.ffn_block(cmf, arch, kernels, i, mixer))
-    embed, head, norm = blocks.head_and_norm(cmf, arch, kernels)
-    return Model(arch=arch, kernels=kernels, embed=embed, blocks=tuple(layers), norm=norm, head=head)
+            return _linear_attn(cmf, arch, kernels, p)
+        return blocks.attention(cmf, arch, kernels, p, kind, rope)
+
+    return blocks.prenorm_model(cmf, arch, kernels, mixer=mixer)
 
 
 # ------------------------------------------------------------------ draft layers
@@ -182,11 +173,8 @@ def draft_layer(cmf: CmfFile, k: int, arch: ArchConfig, kernels) -> DraftLayer:
     """The MTP layer: the trunk's full-attention block (output gate, q/k norm, partial
     rotary) whose FFN routes to experts on an MoE trunk."""
     p = draft_prefix(k)
-    attn = blocks.attention(
-        cmf, arch, kernels, p, LAYER_FULL, RoPE(arch.rotary_dim, arch.rope_theta, arch.rope_scaling)
-    )
-    mlp = blocks.load_moe(cmf, arch, kernels, p) if arch.moe is not None else blocks.gated_mlp(cmf, kernels, p + "mlp.")
-    return wrap_draft(cmf, k, arch, kernels, blocks.draft_block(cmf, p, arch, kernels, attn, mlp))
+    attn = blocks.attention(cmf, arch, kernels, p, LAYER_FULL, _rope(arch))
+    return blocks.prenorm_draft(cmf, k, arch, kernels, attn, blocks.routed_or_dense(cmf, arch, kernels, p))
 
 
 FAMILY = Family(
@@ -198,5 +186,4 @@ FAMILY = Family(
     draft_layer=draft_layer,
     sanitize=SanitizeRules(split_fused_experts=True, squeeze_conv=True),
     mtp_style="qwen3_next",
-    hf_architectures=("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"),
 )

@@ -12,19 +12,17 @@ when ``use_sliding_window`` and ``sliding_window`` are set.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
 from formats.arch import LAYER_FULL, LAYER_SLIDING, ArchConfig
 from formats.cmf import CmfFile
 from formats.errors import CortiqError
 from formats.gguf_spec import GgufContext, GgufSpec
-from formats.manifest import Manifest
 from cortiq_engine.model import Model
-from cortiq_engine.models import blocks
+from cortiq_engine.models import base, blocks
 from cortiq_engine.models.base import Family, dense_common
 
 DEFAULT_THETA = 2_000_000.0  # SmolLM3Config.default_theta, when config.json names no base
-_KINDS = {"full_attention": LAYER_FULL, "sliding_attention": LAYER_SLIDING}
 
 
 # ------------------------------------------------------------------ config.json
@@ -56,11 +54,7 @@ def _smollm3(cfg: dict[str, Any]) -> ArchConfig:
     if lt is None:
         slide = bool(cfg.get("use_sliding_window", False)) and window is not None
         lt = ["sliding_attention" if slide and not r else "full_attention" for r in rope]
-    if not isinstance(lt, list) or len(lt) != n or any(t not in _KINDS for t in lt):
-        raise CortiqError(
-            f"config.json layer_types is {str(lt)[:60]}, expected one of {', '.join(_KINDS)} for each of {n} layers"
-        )
-    kinds = [_KINDS[t] for t in lt]
+    kinds = base.layer_kinds(lt, n)
     if LAYER_SLIDING in kinds and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise CortiqError(f"config.json sliding_window is {window!r}, the sliding layers need an integer >= 1")
     d.update(
@@ -73,31 +67,9 @@ def _smollm3(cfg: dict[str, Any]) -> ArchConfig:
     return ArchConfig(**d)
 
 
-# ------------------------------------------------------------------ manifest
-def manifest(arch: ArchConfig, mtp_layers: Sequence[int] = ()) -> Manifest:
-    """Llama's: pre-norm blocks (attention biases read when present), Llama draft blocks."""
-    return blocks.prenorm_manifest(arch).update(blocks.draft_manifests(arch, mtp_layers))
-
-
 # ------------------------------------------------------------------ the trunk
-def _check(cmf: CmfFile, arch: ArchConfig) -> None:
-    """Refuse a header asking for what this build does not compute (it is untrusted)."""
-    if arch.moe is not None or arch.linear_attn is not None or arch.sliding is not None or arch.mla is not None:
-        raise CortiqError(f"{cmf.path}: smollm3 with MoE, linear, MLA or split-geometry layers is not a SmolLM3 model")
-    bad = sorted({t for t in arch.layer_types if t not in (LAYER_FULL, LAYER_SLIDING)})
-    if bad:
-        raise CortiqError(f"{cmf.path}: layer types {bad} are not supported for smollm3")
-    if arch.qk_norm or arch.attn_output_gate or arch.attention_sinks or arch.norm_style != "rms":
-        raise CortiqError(f"{cmf.path}: q/k norms, gated or sink attention and (1 + w) norms are not SmolLM3's")
-    scales = (arch.embedding_scale, arch.residual_scale, arch.logits_scaling)
-    if scales != (1.0, 1.0, 1.0) or arch.attention_scale or arch.query_pre_attn_scalar:
-        raise CortiqError(f"{cmf.path}: embedding, residual, score or logit multipliers are not SmolLM3's")
-    if arch.final_logit_softcapping or arch.attn_logit_softcapping or arch.rope_local_theta:
-        raise CortiqError(f"{cmf.path}: soft-caps and a local RoPE base are not SmolLM3's")
-
-
 def build(cmf: CmfFile, arch: ArchConfig, kernels) -> Model:
-    _check(cmf, arch)
+    base.refuse_header(cmf, arch, (LAYER_FULL, LAYER_SLIDING), ("NoPE layers",))
     return blocks.prenorm_model(cmf, arch, kernels)
 
 
@@ -106,13 +78,8 @@ def _gguf_config(ctx: GgufContext, config: dict[str, Any]) -> None:
     """SmolLM3's config.json from a llama.cpp smollm3 GGUF. The file stores neither the
     NoPE layers nor windows: llama.cpp hard-codes a NoPE layer every 4th layer and runs
     every layer on full attention, and so does the import."""
-    hd = config["head_dim"]
-    if int(ctx.key("attention.value_length", hd)) != hd:
-        raise CortiqError("GGUFs with different key and value head sizes are not supported")
-    if int(ctx.key("rope.dimension_count", hd)) != hd:
-        raise CortiqError("partial rotary embeddings (rope.dimension_count < head size) are not supported")
-    if any(f"blk.0.ffn_{p}.bias" in ctx.tensors for p in ("gate", "up", "down")):
-        raise CortiqError("smollm3 GGUFs with MLP biases are not supported (the engine's gated MLP has no biases)")
+    base.gguf_heads(ctx, config)
+    base.gguf_refuse_mlp_bias(ctx)
     config.update(mlp_bias=False, no_rope_layer_interval=4, use_sliding_window=False, sliding_window=None)
 
 
@@ -123,10 +90,8 @@ GGUF = (GgufSpec("smollm3", "smollm3", "SmolLM3ForCausalLM", permute_qk=True, co
 FAMILY = Family(
     name="smollm3",
     parsers={"smollm3": _smollm3},
-    archs=("smollm3",),
-    manifest=manifest,
+    manifest=blocks.dense_manifest,
     build=build,
     draft_layer=blocks.dense_draft_layer,
-    hf_architectures=("SmolLM3ForCausalLM",),
     gguf=GGUF,
 )
