@@ -4,25 +4,23 @@ from __future__ import annotations
 
 import datetime as _dt
 from pathlib import Path
-from typing import Annotated, Any, Callable
+from typing import Annotated, Any
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 from rich.text import Text
 
 from cortiq_cli import cluster_options as copt
 from cortiq_cli import text_options as opt
-from cortiq_cli.eval_run import interrupted, load_engines, model_label, whole_windows
-from cortiq_cli.common import KvCache, console, err_console, handle_errors, print_json
-from evals.calibrate import DEFAULT_FIT_FRACTION, CalibrationReport, calibration_report, split_rows
-from evals.temperature import RowFeatures, row_features
-from evals.scoring import count_scored, iter_scored
+from cortiq_cli.eval_run import cluster_run, interrupted, scoring_bars
+from cortiq_cli.common import console, handle_errors, print_json
+from evals.calibrate import DEFAULT_FIT_FRACTION, CalibrationReport
 from evals.calibration import DEFAULT_BINS, Bin, CalibrationMetrics
-from evals.temperature import DEFAULT_T_MAX, DEFAULT_T_MIN, TemperatureGrid
-from evals.text_source import LoadedText, load_text
-from evals.tokens import chunk_bos, tokenize_for
-from evals.windows import DEFAULT_CTX, plan_windows, resolve_settings
+from evals.runs import CalibrateRequest, run_calibrate
+from evals.runs import collect_partial as collect_partial  # still imported from here by a test
+from evals.temperature import DEFAULT_T_MAX, DEFAULT_T_MIN
+from evals.text_source import LoadedText
+from evals.windows import DEFAULT_CTX
 from formats.errors import CortiqError
 
 CAL_PANEL = "Calibration"
@@ -30,19 +28,13 @@ _BAR_WIDTH = 40
 
 
 @handle_errors
+@opt.options
 def calibrate(
     model: Annotated[Path, typer.Argument(help="CMF model file.", show_default=False)],
-    text: opt.TextFile = None,
-    dataset: opt.Dataset = None,
-    config: opt.Config = None,
-    split: opt.Split = None,
-    column: opt.Column = None,
-    data_files: opt.DataFiles = None,
+    text_opts: opt.TextArgs = opt.TextArgs(),
     max_tokens: opt.MaxTokens = None,
     ctx: opt.Ctx = DEFAULT_CTX,
-    stride: opt.Stride = None,
-    mode: opt.Mode = None,
-    chunks: opt.Chunks = None,
+    window_opts: opt.WindowArgs = opt.WindowArgs(),
     bins: Annotated[
         int,
         typer.Option("--bins", min=1, help="Reliability bins (equal-width and equal-mass).", rich_help_panel=CAL_PANEL),
@@ -75,13 +67,9 @@ def calibrate(
             "--write", help="Store the fitted temperature in the model's CMF header.", rich_help_panel=CAL_PANEL
         ),
     ] = False,
-    batch: opt.BlockRows = 512,
-    kv_cache: KvCache = "f32",
-    threads: opt.Threads = None,
+    engine_opts: opt.EngineArgs = opt.EngineArgs(),
     json_out: opt.Json = False,
-    cluster: copt.Cluster = None,
-    cluster_threads: copt.ClusterThreads = None,
-    resume: copt.Resume = False,
+    cluster_opts: opt.ClusterArgs = opt.ClusterArgs(),
 ) -> None:
     """Reliability table and diagram, ECE (equal-width and equal-mass), MCE, Brier, NLL, and a fitted temperature."""
     if not 0 < fit_fraction < 1:  # checked before the (long) pass
@@ -90,82 +78,30 @@ def calibrate(
         _require_matplotlib()
         if not plot.parent.is_dir():
             raise CortiqError(f"--plot: folder {plot.parent} does not exist")
-    where = copt.check(cluster, resume)
-    wset = resolve_settings(mode, ctx, stride, max_tokens, chunks)
-    grid = TemperatureGrid.make(t_min, t_max)
-    source = load_text(opt.text_spec(text, dataset, config, split, column, data_files))
-    (engine,) = load_engines([model], threads, ctx, kv_cache)
-    name = model_label(model, engine)
-    tokens = tokenize_for([engine], [name], source.text)
-    windows = plan_windows(wset, len(tokens), chunk_bos(engine.tokenizer))
-    total = sum(w.n_scored for w in windows)
-    split_rows(total, fit_fraction)  # too few tokens: say so before the pass
-
-    creport = None
-    if where is not None:
-        features, done, creport = copt.collect_features(
-            where,
-            cluster_threads or engine.threads,
-            resume,
-            not json_out,
-            model,
-            ctx,
-            kv_cache,
-            batch,
-            tokens,
-            windows,
-            grid,
-        )
-    elif json_out:
-        features, done = collect_partial(engine, tokens, windows, grid, chunk=batch)
-    else:
-        with Progress(
-            TextColumn("[bold]scoring[/]"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("tokens  top-1 acc [cyan]{task.fields[acc]}[/]"),
-            TimeElapsedColumn(),
-            TimeRemainingColumn(),
-            console=err_console,
-            transient=True,
-            disable=not err_console.is_terminal,  # no stray output into logs or captured stderr
-        ) as bar:
-            task = bar.add_task("calibrate", total=total, acc="-")
-
-            def progress(done: int, _total: int, acc: float) -> None:
-                bar.update(task, completed=done, acc=f"{acc:.3f}")
-
-            features, done = collect_partial(engine, tokens, windows, grid, chunk=batch, progress=progress)
-
-    report = calibration_report(name, features, grid, bins, fit_fraction)
-    settings = {
-        "mode": wset.mode,
-        "ctx": ctx,
-        "stride": wset.stride,
-        "chunks": wset.chunks,
-        "windows": len(windows),
-        "max_tokens": max_tokens,
-        "text_tokens": int(len(tokens)),
-        "t_min": float(grid.temperatures.min()),
-        "t_max": float(grid.temperatures.max()),
-        "grid_points": grid.n,
-        "fit_fraction": fit_fraction,
-        **({"partial": True, "windows_done": done} if done < len(windows) else {}),
-        **({"cluster": creport.to_json()} if creport is not None else {}),
-    }
-    if done < len(windows) and write:
+    where = cluster_opts.where()
+    request = CalibrateRequest(
+        model,
+        text_opts.spec(),
+        window_opts.options(ctx, max_tokens),
+        bins=bins,
+        fit_fraction=fit_fraction,
+        t_min=t_min,
+        t_max=t_max,
+        engine=engine_opts.options(),
+    )
+    with scoring_bars(json_out, where is not None, "top-1 acc", ".3f") as (progress, cluster_progress):
+        run = run_calibrate(request, progress, cluster_run(where, cluster_opts, cluster_progress))
+    report, source, settings, creport, done = run.report, run.source, run.settings, run.cluster, run.done
+    if done < run.windows and write:
         write = False  # never store a temperature fitted on an interrupted pass
     if not json_out:
         render(report, source, settings)  # before --write, which may refuse the fit
         if creport is not None:
             copt.render_report(creport)
-    if creport is not None and done < len(windows):
+    if creport is not None and done < run.windows:
         copt.note_interrupted()
     written = None
-    if write:
-        close = getattr(engine, "close", None)
-        if callable(close):
-            close()  # release the map before the header changes under it
+    if write:  # the run has closed the model's map: the header may change under it
         written = write_temperature(model, report, source, settings)
     if plot is not None:
         draw_png(report, plot)
@@ -181,43 +117,15 @@ def calibrate(
                 "plot": str(plot) if plot else None,
             }
         )
-        if done < len(windows):
-            interrupted(done, len(windows))
+        if done < run.windows:
+            interrupted(done, run.windows)
         return
-    if done < len(windows):
-        interrupted(done, len(windows))
+    if done < run.windows:
+        interrupted(done, run.windows)
     if written:
         console.print(f"[green]wrote[/] calibration.temperature = {report.temperature:.4f} into {model}")
     if plot is not None:
         console.print(f"[green]wrote[/] {plot}")
-
-
-def collect_partial(
-    engine: Any,
-    tokens: Any,
-    windows: list[Any],
-    grid: TemperatureGrid,
-    chunk: int,
-    progress: Callable[[int, int, float], None] | None = None,
-) -> tuple[RowFeatures, int]:
-    """``collect_features`` that, on Ctrl-C, keeps the windows done so far (and says how
-    many); with none done the interrupt goes on up."""
-    parts: list[RowFeatures] = []
-    total, rows, hits, done = count_scored(windows), 0, 0, 0
-    try:
-        for group in whole_windows(iter_scored([engine], tokens, windows, chunk=chunk), windows):
-            for block in group:
-                f = row_features(block.logits[0], block.targets, grid)
-                parts.append(f)
-                rows += len(f)
-                hits += int(f.correct.sum())
-            done = group[0].window + 1
-            if progress:
-                progress(rows, total, hits / max(rows, 1))
-    except KeyboardInterrupt:
-        if not parts:
-            raise
-    return RowFeatures.concat(parts, grid), done
 
 
 # ------------------------------------------------------------------ header

@@ -6,12 +6,12 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from cortiq_cli import cluster_options as copt
 from cortiq_cli import text_options as opt
-from cortiq_cli.common import console, err_console, handle_errors, print_json, print_table
+from cortiq_cli.common import console, handle_errors, print_json, print_table
+from cortiq_cli.eval_run import progress_bar
 from cortiq_cli.mtp_options import MTP_PANEL, MtpDepth, MtpPath, MtpThreshold, MtpVocab
 from formats.errors import CortiqError
 
@@ -25,14 +25,10 @@ def _choices(value: str, allowed: tuple[str, ...], flag: str) -> list[str]:
 
 
 @handle_errors
+@opt.options
 def mtp_probe(
     model: Annotated[Path, typer.Argument(help="CMF model file.", show_default=False)],
-    text: opt.TextFile = None,
-    dataset: opt.Dataset = None,
-    config: opt.Config = None,
-    split: opt.Split = None,
-    column: opt.Column = None,
-    data_files: opt.DataFiles = None,
+    text_opts: opt.TextArgs = opt.TextArgs(),
     max_tokens: Annotated[
         int,
         typer.Option(
@@ -83,9 +79,7 @@ def mtp_probe(
     ] = False,
     threads: opt.Threads = None,
     json_out: opt.Json = False,
-    cluster: copt.Cluster = None,
-    cluster_threads: copt.ClusterThreads = None,
-    resume: copt.Resume = False,
+    cluster_opts: opt.ClusterArgs = opt.ClusterArgs(),
 ) -> None:
     """What each draft depth would propose at every position of a text, given the true
     previous tokens, against the true next tokens (per depth alone and chained)."""
@@ -101,10 +95,9 @@ def mtp_probe(
         verify_costs,
         with_lookup_setting,
     )
-    from evals.text_source import load_text
 
-    where = copt.check(cluster, resume)
-    loaded = load_text(opt.text_spec(text, dataset, config, split, column, data_files))
+    where = cluster_opts.where()
+    loaded = text_opts.load()
     eng = Engine.load(model, threads=threads, mtp=mtp if mtp is not None else True)
     stack = eng.drafts
     if stack is None:
@@ -146,8 +139,8 @@ def mtp_probe(
         sidecar = None if stack.source == "inline" else Path(stack.source)
         results, got, complete, creport = copt.probe_mtp(
             where,
-            cluster_threads or eng.threads,
-            resume,
+            cluster_opts.cluster_threads or eng.threads,
+            cluster_opts.resume,
             not json_out,
             model,
             sidecar,
@@ -166,15 +159,7 @@ def mtp_probe(
     elif json_out:
         results = probe(eng.model, stack, ids, k, variants, **kw)
     else:
-        with Progress(
-            TextColumn("[bold]probing"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            console=err_console,
-            transient=True,
-            disable=not err_console.is_terminal,
-        ) as bar:
+        with progress_bar("probing", eta=False) as bar:
             task = bar.add_task("probe", total=steps)
             results = probe(eng.model, stack, ids, k, variants, progress=lambda n: bar.advance(task, n), **kw)
 

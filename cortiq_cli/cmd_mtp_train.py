@@ -11,20 +11,15 @@ from rich.table import Table
 
 from cortiq_cli import text_options as opt
 from cortiq_cli.common import console, err_console, handle_errors, print_json, print_table
-from evals.text_source import load_text
 
 TRAIN_PANEL = "Training"
 
 
 @handle_errors
+@opt.options
 def mtp_train(
     model: Annotated[Path, typer.Argument(help="The backbone CMF file (frozen).", show_default=False)],
-    text: opt.TextFile = None,
-    dataset: opt.Dataset = None,
-    config: opt.Config = None,
-    split: opt.Split = None,
-    column: opt.Column = None,
-    data_files: opt.DataFiles = None,
+    text_opts: opt.TextArgs = opt.TextArgs(),
     max_tokens: Annotated[
         Optional[int],
         typer.Option(
@@ -260,7 +255,7 @@ def mtp_train(
         chat=chat,
     )
     cfg.check(num_layers=1 << 30)  # the one-line messages before any file is read; layers are checked again
-    source = load_text(opt.text_spec(text, dataset, config, split, column, data_files))
+    source = text_opts.load()
     if json_out:
         result = train_mtp(
             model,

@@ -13,14 +13,10 @@ from formats.errors import CortiqError
 
 
 @handle_errors
+@opt.options
 def mtp_vocab(
     model: Annotated[Path, typer.Argument(help="The backbone CMF file.", show_default=False)],
-    text: opt.TextFile = None,
-    dataset: opt.Dataset = None,
-    config: opt.Config = None,
-    split: opt.Split = None,
-    column: opt.Column = None,
-    data_files: opt.DataFiles = None,
+    text_opts: opt.TextArgs = opt.TextArgs(),
     max_tokens: opt.MaxTokens = None,
     size: Annotated[
         Optional[int],
@@ -42,7 +38,6 @@ def mtp_vocab(
     copied byte for byte."""
     from cortiq_engine import Engine
     from cortiq_engine.draft_vocab import vocab_from_text
-    from evals.text_source import load_text
     from formats.sidecar import copy_with_draft_vocab, draft_vocab_record, open_sidecar, sidecar_path
 
     eng = Engine.load(model, threads=1, warmup=False)
@@ -56,7 +51,7 @@ def mtp_vocab(
     if size:
         if eng.tokenizer is None:
             raise CortiqError(f"{model}: no embedded tokenizer to read the text with")
-        loaded = load_text(opt.text_spec(text, dataset, config, split, column, data_files))
+        loaded = text_opts.load()
         ids, tokens = vocab_from_text(eng.tokenizer, eng.vocab_size, eng.eos_ids, loaded.text, size, max_tokens)
         source = loaded.source
         record = draft_vocab_record(ids, source, tokens)

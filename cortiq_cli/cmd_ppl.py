@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Annotated, Any, Callable
+from typing import Annotated, Any
 
 import typer
 from rich import box
@@ -13,39 +13,21 @@ from rich.table import Table
 
 from cortiq_cli import cluster_options as copt
 from cortiq_cli import text_options as opt
-from cortiq_cli.common import KvCache, console, err_console, handle_errors, human_bytes, print_json, print_table
-from cortiq_cli.eval_run import interrupted, load_engines, model_label, scoring_progress, whole_windows
+from cortiq_cli.common import console, err_console, handle_errors, human_bytes, print_json, print_table
+from cortiq_cli.eval_run import cluster_run, interrupted, scoring_bars
 from cortiq_cli.help import cortiq_version
-from evals.perplexity import (
-    DP_QUANTILES,
-    KLD_QUANTILES,
-    Comparison,
-    PerplexityAccumulator,
-    PerplexityReport,
-    PerplexityResult,
-    build_reports,
-    window_partial,
-)
-from evals.reference import (
-    DEFAULT_SAMPLES,
-    DEFAULT_TOP_K,
-    ReferenceIdentity,
-    ReferenceRecorder,
-    SavedReference,
-    form_name,
-    text_sha256,
-    tokenizer_fingerprint,
-)
-from evals.scoring import count_scored, iter_scored, scored_text_bytes
-from evals.text_source import LoadedText, load_text
-from evals.tokens import chunk_bos, tokenize_for
-from evals.windows import DEFAULT_CTX, Window, WindowSettings, plan_windows, resolve_settings
-from formats.errors import CortiqError
+from evals.perplexity import DP_QUANTILES, KLD_QUANTILES, Comparison, PerplexityReport, PerplexityResult
+from evals.reference import DEFAULT_SAMPLES, DEFAULT_TOP_K
+from evals.runs import PplRequest, run_ppl
+from evals.runs import score_partial as score_partial  # still imported from here by benchmarks and tests
+from evals.text_source import LoadedText
+from evals.windows import DEFAULT_CTX
 
 REF_PANEL = "Reference"
 
 
 @handle_errors
+@opt.options
 def ppl(
     models: Annotated[
         list[Path],
@@ -53,12 +35,7 @@ def ppl(
             help="CMF model files; the first is the reference for comparisons (unless --ref).", show_default=False
         ),
     ],
-    text: opt.TextFile = None,
-    dataset: opt.Dataset = None,
-    config: opt.Config = None,
-    split: opt.Split = None,
-    column: opt.Column = None,
-    data_files: opt.DataFiles = None,
+    text_opts: opt.TextArgs = opt.TextArgs(),
     max_tokens: opt.MaxTokens = None,
     ctx: Annotated[
         int | None,
@@ -70,9 +47,7 @@ def ppl(
             rich_help_panel=opt.WINDOW_PANEL,
         ),
     ] = None,
-    stride: opt.Stride = None,
-    mode: opt.Mode = None,
-    chunks: opt.Chunks = None,
+    window_opts: opt.WindowArgs = opt.WindowArgs(),
     save_ref: Annotated[
         Path | None,
         typer.Option(
@@ -107,209 +82,39 @@ def ppl(
             rich_help_panel=REF_PANEL,
         ),
     ] = None,
-    batch: opt.BlockRows = 512,
-    kv_cache: KvCache = "f32",
-    threads: opt.Threads = None,
+    engine_opts: opt.EngineArgs = opt.EngineArgs(),
     json_out: opt.Json = False,
-    cluster: copt.Cluster = None,
-    cluster_threads: copt.ClusterThreads = None,
-    resume: copt.Resume = False,
+    cluster_opts: opt.ClusterArgs = opt.ClusterArgs(),
 ) -> None:
     """Perplexity, NLL with its standard error, bits per byte; with several models (or --ref), llama.cpp's KL-divergence statistics against the reference."""
-    if ref is not None and save_ref is not None:
-        raise CortiqError("--ref and --save-ref cannot be combined (save the reference in its own run)")
-    if save_ref is not None and any(save_ref.resolve() == m.resolve() for m in models):
-        raise CortiqError(f"--save-ref {save_ref} is one of the models; give a new file name such as ref.cref")
-    where = copt.check(cluster, resume)
-    if where is not None and save_ref is not None:
-        raise CortiqError("--save-ref runs in one process: save the reference without --cluster")
-    saved = SavedReference(ref) if ref is not None else None
-    settings = resolve_settings(mode, ctx, stride, max_tokens, chunks, saved.settings if saved else None)
-    source = load_text(opt.text_spec(text, dataset, config, split, column, data_files))
-    engines = load_engines(models, threads, settings.ctx, kv_cache)
-    names = [model_label(p, e) for p, e in zip(models, engines)]
-    tokens = tokenize_for(engines, names, source.text)
-    windows = plan_windows(settings, len(tokens), chunk_bos(engines[0].tokenizer))
-    if not windows:
-        raise CortiqError("nothing to score: the window plan is empty")
-    ident = ReferenceIdentity(
-        tokenizer_fingerprint(engines[0].tokenizer, engines[0].vocab_size),
-        text_sha256(source.text),
-        int(engines[0].vocab_size),
+    request = PplRequest(
+        models,
+        text_opts.spec(),
+        window_opts.options(ctx, max_tokens),
+        save_ref=save_ref,
+        ref=ref,
+        ref_top_k=ref_top_k,
+        ref_samples=ref_samples,
+        engine=engine_opts.options(),
     )
-    if saved is not None:
-        saved.check(ident, tokens, windows)
-        names = [f"{saved.name} (saved)"] + names
-    recorder = None
-    if save_ref is not None:
-        meta = reference_meta(models[0], names[0], engines[0], ident, source, settings, windows)
-        recorder = ReferenceRecorder(
-            save_ref,
-            tokens=tokens,
-            windows=windows,
-            vocab_size=int(engines[0].vocab_size),
-            top_k=ref_top_k,
-            samples=ref_samples,
-            meta=meta,
-        )
-    total = count_scored(windows)
-    creport = None
-    try:
-        if where is not None:
-            result, done, creport = copt.score_ppl(
-                where,
-                cluster_threads or engines[0].threads,
-                resume,
-                not json_out,
-                models,
-                settings.ctx,
-                kv_cache,
-                batch,
-                names,
-                tokens,
-                windows,
-                engines[0].tokenizer,
-                saved=saved,
-            )
-        elif json_out:
-            result, done = score_partial(
-                engines, names, tokens, windows, engines[0].tokenizer, batch, saved=saved, recorder=recorder
-            )
-        else:
-            with scoring_progress("scoring", "ppl") as bar:
-                task = bar.add_task("ppl", total=total, value="-")
-
-                def progress(done: int, _total: int, running: float) -> None:
-                    bar.update(task, completed=done, value=f"{running:.4f}")
-
-                result, done = score_partial(
-                    engines,
-                    names,
-                    tokens,
-                    windows,
-                    engines[0].tokenizer,
-                    batch,
-                    progress,
-                    saved=saved,
-                    recorder=recorder,
-                )
-        if recorder is not None:
-            if done < len(windows):
-                recorder.abort()
-            else:
-                recorder.commit()
-    except BaseException:
-        if recorder is not None:
-            recorder.abort()
-        raise
-
-    info = {
-        **settings.to_json(),
-        "windows": len(windows),
-        "chunk_bos": windows[0].bos if settings.mode == "chunks" else None,
-        "text_tokens": int(len(tokens)),
-        "reference": (
-            {"path": str(ref), "form": saved.form, "model": saved.name}
-            if saved
-            else {"path": str(models[0]), "form": "full", "model": names[0]}
-        ),
-        **(
-            {
-                "saved_ref": {
-                    "path": str(save_ref),
-                    "form": form_name(recorder.top_k, recorder.samples),
-                    "bytes": save_ref.stat().st_size,
-                }
-            }
-            if recorder is not None and done == len(windows)
-            else {}
-        ),
-        # only after a Ctrl-C: the figures cover the first windows_done windows
-        **({"partial": True, "windows_done": done} if done < len(windows) else {}),
-        **({"cluster": creport.to_json()} if creport is not None else {}),
-    }
-    paths = ([ref] if saved else []) + list(models)
+    request.check()
+    where = cluster_opts.where()
+    tool = f"cortiq ppl {cortiq_version()}"
+    with scoring_bars(json_out, where is not None, "ppl") as (progress, cluster_progress):
+        cluster = cluster_run(where, cluster_opts, cluster_progress)
+        run = run_ppl(request, progress, cluster, tool)
     if json_out:
-        print_json(to_json(source, info, result, paths))
+        print_json(run.to_json())
     else:
-        render(source, info, result)
-        if creport is not None:
-            copt.render_report(creport)
-    if done < len(windows):
-        if recorder is not None:
+        render(run.source, run.info, run.result)
+        if run.cluster is not None:
+            copt.render_report(run.cluster)
+    if run.partial:
+        if save_ref is not None:
             err_console.print(f"[yellow]{save_ref} was not written (the pass did not finish)[/]", highlight=False)
-        if creport is not None:
+        if run.cluster is not None:
             copt.note_interrupted()
-        interrupted(done, len(windows))
-
-
-def reference_meta(
-    path: Path,
-    label: str,
-    engine: Any,
-    ident: ReferenceIdentity,
-    source: LoadedText,
-    settings: WindowSettings,
-    windows: list[Window],
-) -> dict[str, Any]:
-    """The saved reference's identity: checked by --ref, shown by inspect."""
-    return {
-        "model": {"path": str(path), "label": label, "arch": getattr(getattr(engine, "arch", None), "arch", None)},
-        "tokenizer": {
-            "fingerprint": ident.tokenizer,
-            "vocab_size": ident.vocab_size,
-            "bos_id": getattr(engine.tokenizer, "bos_id", None),
-            "add_bos": bool(getattr(engine.tokenizer, "add_bos", False)),
-        },
-        "text": {"sha256": ident.text_sha256, "source": source.source, "bytes": source.n_bytes},
-        "settings": settings.to_json(),
-        "tool": f"cortiq ppl {cortiq_version()}",
-    }
-
-
-def score_partial(
-    engines: list[Any],
-    names: list[str],
-    tokens: Any,
-    windows: list[Window],
-    decoder: Any,
-    chunk: int,
-    progress: Callable[[int, int, float], None] | None = None,
-    *,
-    saved: SavedReference | None = None,
-    recorder: ReferenceRecorder | None = None,
-) -> tuple[PerplexityResult, int]:
-    """Score every model in lockstep; on Ctrl-C, the figures over the windows done so far
-    (and how many); with none done the interrupt goes on up."""
-    acc = PerplexityAccumulator(len(engines), saved_ref=saved is not None)
-    total, done = count_scored(windows), 0
-    try:
-        for group in whole_windows(iter_scored(engines, tokens, windows, chunk=chunk), windows):
-            refs = [saved.next_rows(len(b.targets)) for b in group] if saved is not None else None
-            if recorder is not None:
-                for block in group:
-                    recorder.add(block.logits[0], block.targets)
-            acc.add_partial(window_partial(group[0].window, group, len(engines), refs))
-            done = group[0].window + 1
-            if progress:
-                progress(acc.count, total, acc.running_ppl)
-    except KeyboardInterrupt:
-        if not acc.count:
-            raise
-    form = saved.form if saved is not None else "full"
-    reports, comps = build_reports(acc, names, scored_text_bytes(decoder, tokens, windows[:done]), form)
-    return PerplexityResult(reports, comps), done
-
-
-def to_json(
-    source: LoadedText, settings: dict[str, Any], result: PerplexityResult, paths: list[Path]
-) -> dict[str, Any]:
-    return {
-        "text": {"source": source.source, "documents": source.documents, "bytes": source.n_bytes},
-        "settings": settings,
-        "models": [dict(r.to_json(), path=str(p)) for r, p in zip(result.reports, paths)],
-        "comparisons": [c.to_json() for c in result.comparisons],
-    }
+        interrupted(run.done, run.windows)
 
 
 def render(source: LoadedText, settings: dict[str, Any], result: PerplexityResult) -> None:

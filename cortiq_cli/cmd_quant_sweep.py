@@ -4,7 +4,6 @@ the f32 reference on the same windows, time its decode, and print one table."""
 from __future__ import annotations
 
 import math
-import tempfile
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -15,16 +14,17 @@ from rich.table import Table
 from cortiq_cli import cluster_options as copt
 from cortiq_cli import text_options as opt
 from cortiq_cli.common import console, err_console, handle_errors, human_bytes, print_json, print_table, resolve_quant
-from cortiq_cli.eval_run import scoring_progress
-from evals.sweep import REFERENCE_TYPE, SweepResult, parse_types, run_sweep
-from evals.text_source import load_text
-from evals.windows import DEFAULT_CTX, plan_windows, resolve_settings
+from cortiq_cli.eval_run import cluster_bar, cluster_run, sweep_bar
+from evals.runs import ClusterInterrupted, SweepRequest, run_quant_sweep
+from evals.sweep import SweepResult, parse_types
+from evals.windows import DEFAULT_CTX
 from formats.errors import CortiqError
 
 SWEEP_PANEL = "Sweep"
 
 
 @handle_errors
+@opt.options
 def quant_sweep(
     src: Annotated[
         str,
@@ -41,19 +41,12 @@ def quant_sweep(
             rich_help_panel=SWEEP_PANEL,
         ),
     ] = "q8_0,q4_1",
-    text: opt.TextFile = None,
-    dataset: opt.Dataset = None,
-    config: opt.Config = None,
-    split: opt.Split = None,
-    column: opt.Column = None,
-    data_files: opt.DataFiles = None,
+    text_opts: opt.TextArgs = opt.TextArgs(),
     max_tokens: opt.MaxTokens = None,
     ctx: Annotated[
         int, typer.Option("--ctx", "-c", min=4, help="Tokens per forward window.", rich_help_panel=opt.WINDOW_PANEL)
     ] = DEFAULT_CTX,
-    mode: opt.Mode = None,
-    chunks: opt.Chunks = None,
-    stride: opt.Stride = None,
+    window_opts: opt.WindowArgs = opt.WindowArgs(),
     top_k: Annotated[
         int,
         typer.Option(
@@ -111,114 +104,48 @@ def quant_sweep(
     batch: opt.BlockRows = 512,
     threads: opt.Threads = None,
     json_out: opt.Json = False,
-    cluster: copt.Cluster = None,
-    cluster_threads: copt.ClusterThreads = None,
-    resume: copt.Resume = False,
+    cluster_opts: opt.ClusterArgs = opt.ClusterArgs(),
 ) -> None:
     """Convert SRC to each --types quantization, score each against the f32 reference on the same windows, and time its decode."""
     kinds = parse_types(",".join(resolve_quant(t, option="--types") for t in types.split(",") if t.strip()) or types)
-    if keep_files and workdir is None:
-        raise CortiqError("--keep-files needs --workdir (a temporary folder is removed afterwards)")
+    request = SweepRequest(
+        src,
+        kinds,
+        text_opts.spec(),
+        window_opts.options(ctx, max_tokens),
+        top_k=top_k,
+        samples=samples,
+        decode_tokens=decode_tokens,
+        decode_reps=decode_reps,
+        workdir=workdir,
+        keep_files=keep_files,
+        batch=batch,
+        threads=threads,
+    )
+    request.check()
     if plot is not None:
         _require_matplotlib()
         if not plot.parent.is_dir():
             raise CortiqError(f"--plot: folder {plot.parent} does not exist")
-    settings = resolve_settings(mode, ctx, stride, max_tokens, chunks)
-    where = copt.check(cluster, resume)
-    if resume and workdir is None:  # a cluster run is journaled by its saved reference's path
-        raise CortiqError("--resume with quant-sweep needs the --workdir of the interrupted run")
-    source = load_text(opt.text_spec(text, dataset, config, split, column, data_files))
-    need_ctx = max(settings.ctx, decode_tokens + 2)
-
-    def load(path: Path) -> Any:
-        from cortiq_engine import Engine
-
-        return Engine.load(path, threads=threads, ctx=need_ctx)
-
-    def plan(n_tokens: int, bos: int | None):
-        return plan_windows(settings, n_tokens, bos)
+    where = cluster_opts.where()
 
     def event(kind: str, info: dict[str, Any]) -> None:
         if kind in ("convert", "decode") and not json_out and err_console.is_terminal:
             err_console.print(f"[dim]{kind} {info['type']}[/]", highlight=False)
 
-    creports: dict[str, Any] = {}
-
-    def remote(kind: str, path: Path, tokens: Any, windows: Any, eng: Any, saved: Any) -> Any:
-        """One type's scoring on the cluster (its CMF read by the workers at the same path)."""
-        result, done, creport = copt.score_ppl(
-            where,
-            cluster_threads or eng.threads,
-            resume,
-            not json_out,
-            [path],
-            need_ctx,
-            "f32",
-            batch,
-            [REFERENCE_TYPE, kind],
-            tokens,
-            windows,
-            eng.tokenizer,
-            saved=saved,
-        )
-        creports[kind] = creport
-        if done < len(windows):  # no row of a type scored on part of the windows
-            copt.note_interrupted()
-            raise KeyboardInterrupt
-        return result
-
-    def sweep(progress=None) -> SweepResult:
-        on_cluster = remote if where is not None else None
-        if workdir is not None:
-            if workdir.exists() and not workdir.is_dir():
-                raise CortiqError(f"--workdir {workdir} is a file")
-            return run_sweep(
-                src,
-                kinds,
-                source.text,
-                workdir,
-                load,
-                plan,
-                top_k=top_k,
-                samples=samples,
-                decode_tokens=decode_tokens,
-                decode_reps=decode_reps,
-                chunk=batch,
-                keep_files=keep_files,
-                settings=settings.to_json(),
-                event=event,
-                progress=progress,
-                remote=on_cluster,
-            )
-        with tempfile.TemporaryDirectory(prefix="cortiq-sweep-") as tmp:
-            return run_sweep(
-                src,
-                kinds,
-                source.text,
-                Path(tmp),
-                load,
-                plan,
-                top_k=top_k,
-                samples=samples,
-                decode_tokens=decode_tokens,
-                decode_reps=decode_reps,
-                chunk=batch,
-                settings=settings.to_json(),
-                event=event,
-                progress=progress,
-                remote=on_cluster,
-            )
-
-    if json_out or where is not None:  # a cluster run shows its own bar per type
-        result = sweep()
-    else:
-        with scoring_progress("scoring", "type") as bar:
-            task = bar.add_task("sweep", total=None, value="-")
-
-            def progress(kind: str, done: int, total: int) -> None:
-                bar.update(task, completed=done, total=total, value=kind)
-
-            result = sweep(progress)
+    try:
+        if where is not None:  # a cluster run shows its bar over the workers
+            with cluster_bar() as bar:
+                run = run_quant_sweep(
+                    request, event, cluster=cluster_run(where, cluster_opts, None if json_out else bar)
+                )
+        else:
+            with sweep_bar(json_out) as progress:
+                run = run_quant_sweep(request, event, progress)
+    except ClusterInterrupted:  # no row of a type scored on part of the windows
+        copt.note_interrupted()
+        raise
+    result, source, settings, creports = run.result, run.source, run.settings, run.cluster
     if plot is not None:
         draw(result, plot)
     if json_out:

@@ -1,30 +1,19 @@
-"""What the eval commands (``ppl``, ``calibrate``, ``quant-sweep``) share: loading the
-models, labelling them, grouping scored blocks into whole windows, the progress bar
-and the Ctrl-C exit."""
+"""What the eval commands (``ppl``, ``calibrate``, ``imatrix``, ``quant-sweep``) share in
+the terminal: the progress bars their evals run reports to, and the Ctrl-C exit."""
 
 from __future__ import annotations
 
-from pathlib import Path
+from contextlib import contextmanager
 from typing import Any, Iterator
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from cortiq_cli import cluster_options as copt
 from cortiq_cli.common import err_console
-from evals.scoring import ScoredBlock
-from evals.windows import Window
-from formats.untrusted_json import section
-
-
-def load_engines(paths: list[Path], threads: int | None, ctx: int, kv_cache: str = "f32") -> list[Any]:
-    from cortiq_engine import Engine
-
-    return [Engine.load(p, threads=threads, ctx=ctx, kv_cache=kv_cache) for p in paths]
-
-
-def model_label(path: Path, engine: Any) -> str:
-    quant = section(getattr(engine, "header", None) or {}, "quant").get("default")
-    return f"{path.name} ({quant})" if quant else path.name
+from cortiq_cli.text_options import ClusterArgs
+from evals.cluster import ClusterAddress, ClusterProgress
+from evals.runs import ClusterRun, ScoreProgress
 
 
 def interrupted(done: int, total: int) -> None:
@@ -35,32 +24,104 @@ def interrupted(done: int, total: int) -> None:
     raise typer.Exit(130)
 
 
-def whole_windows(blocks: Iterator[ScoredBlock], windows: list[Window]) -> Iterator[list[ScoredBlock]]:
-    """Group scored blocks by window, yielding a window as soon as all of its rows are
-    scored (so a Ctrl-C leaves figures over whole windows)."""
-    pending: list[ScoredBlock] = []
-    rows = 0
-    for b in blocks:
-        if pending and b.window != pending[0].window:  # not expected: iter_scored gives every row
-            yield pending
-            pending, rows = [], 0
-        pending.append(b)
-        rows += len(b.targets)
-        if rows >= windows[b.window].n_scored:
-            yield pending
-            pending, rows = [], 0
+def progress_bar(label: str, *fields: str, eta: bool = True) -> Progress:
+    """A transient stderr bar: ``label``, the bar, done/total, the ``fields`` (rich markup
+    reading ``task.fields``), elapsed and (with ``eta``) remaining time."""
+    columns = [TextColumn(f"[bold]{label}[/]"), BarColumn(), MofNCompleteColumn()]
+    columns += [TextColumn(f) for f in fields]
+    columns += [TimeElapsedColumn()] + ([TimeRemainingColumn()] if eta else [])
+    # no stray output into logs or captured stderr
+    return Progress(*columns, console=err_console, transient=True, disable=not err_console.is_terminal)
 
 
 def scoring_progress(label: str, field: str) -> Progress:
-    """The transient stderr bar of a scoring pass; ``field`` names the running figure."""
-    return Progress(
-        TextColumn(f"[bold]{label}[/]"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn(f"tokens  {field} [cyan]{{task.fields[value]}}[/]"),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-        console=err_console,
-        transient=True,
-        disable=not err_console.is_terminal,  # no stray output into logs or captured stderr
-    )
+    """The bar of a scoring pass; ``field`` names the running figure."""
+    return progress_bar(label, f"tokens  {field} [cyan]{{task.fields[value]}}[/]")
+
+
+class _Bar:
+    """A bar shown from its first update (not while the models load) until the block ends."""
+
+    def __init__(self, make: Any, **fields: str):
+        self.make, self.fields = make, fields
+        self.bar: Progress | None = None
+        self.task: Any = None
+
+    def update(self, **kw: Any) -> None:
+        if self.bar is None:
+            self.bar = self.make()
+            self.bar.start()
+            self.task = self.bar.add_task("run", total=None, **self.fields)
+        self.bar.update(self.task, **kw)
+
+    def stop(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+@contextmanager
+def _shown(bar: _Bar, callback: Any) -> Iterator[Any]:
+    try:
+        yield callback
+    finally:
+        bar.stop()
+
+
+def cluster_bar() -> Any:
+    """The bar over every worker of a cluster run, and its ``ClusterProgress`` callback."""
+    bar = _Bar(copt.progress_bar, rate="-")
+
+    def update(done: int, windows: int, _tokens: int, _total: int, rate: float) -> None:
+        bar.update(completed=done, total=windows, rate=f"{rate:,.0f}" if rate == rate else "-")
+
+    return _shown(bar, update)
+
+
+@contextmanager
+def scoring_bars(
+    quiet: bool, on_cluster: bool, field: str, fmt: str = ".4f"
+) -> Iterator[tuple[ScoreProgress | None, ClusterProgress | None]]:
+    """The callbacks an evals run reports its scoring to: (one process's, a cluster's);
+    None where nothing is shown (``quiet``: --json)."""
+    if quiet:
+        yield None, None
+    elif on_cluster:
+        with cluster_bar() as cluster:
+            yield None, cluster
+    else:
+        bar = _Bar(lambda: scoring_progress("scoring", field), value="-")
+
+        def local(done: int, total: int, running: float) -> None:
+            bar.update(completed=done, total=total, value=format(running, fmt))
+
+        with _shown(bar, local) as update:
+            yield update, None
+
+
+@contextmanager
+def sweep_bar(quiet: bool) -> Iterator[Any]:
+    """quant-sweep's bar: the type being scored, its tokens done out of its total."""
+    if quiet:
+        yield None
+        return
+    bar = _Bar(lambda: scoring_progress("scoring", "type"), value="-")
+
+    def update(kind: str, done: int, total: int) -> None:
+        bar.update(completed=done, total=total, value=kind)
+
+    with _shown(bar, update) as progress:
+        yield progress
+
+
+def counting_bar(label: str, field: str) -> Any:
+    """A bar of things done out of a total, and its ``(done, total)`` callback."""
+    bar = _Bar(lambda: progress_bar(label, field))
+
+    def update(done: int, total: int) -> None:
+        bar.update(completed=done, total=total)
+
+    return _shown(bar, update)
+
+
+def cluster_run(where: ClusterAddress | None, opts: ClusterArgs, progress: ClusterProgress | None) -> ClusterRun | None:
+    return None if where is None else ClusterRun(where, opts.cluster_threads, opts.resume, progress)

