@@ -13,6 +13,7 @@ from cortiq_cli import text_options as opt
 from cortiq_cli.common import console, handle_errors, print_json, print_table
 from cortiq_cli.eval_run import progress_bar
 from cortiq_cli.mtp_options import MTP_PANEL, MtpDepth, MtpPath, MtpThreshold, MtpVocab
+from evals.tokens import encode_sharded
 from formats.errors import CortiqError
 
 
@@ -105,7 +106,7 @@ def mtp_probe(
             f"{model}: no MTP draft layers (none inline, no sidecar beside it); train them with "
             f"`cortiq mtp-train {model}` (it writes the sidecar beside the model), or give --mtp PATH"
         )
-    ids = eng.tokenizer.encode(loaded.text, add_bos=True)[:max_tokens]
+    ids = encode_sharded(eng.tokenizer, loaded.pieces(), limit=max_tokens).tolist()  # the text's first tokens
     k = depth or stack.num_layers
     chains, hiddens = _choices(chain, CHAINS, "--mtp-chain"), _choices(hidden, HIDDENS, "--mtp-hidden")
     variants = [v for v in default_variants(stack.num_layers, k) if v.chain in chains and v.hidden in hiddens]

@@ -48,6 +48,9 @@ class TokenBuffer:
         self._a[self._n : need] = ids
         self._n = need
 
+    def __len__(self) -> int:
+        return self._n
+
     def array(self) -> np.ndarray:
         """The ids; the buffer is spent."""
         a, n = self._a, self._n
@@ -97,9 +100,12 @@ def _cuts(text: str) -> list[int]:
     return [q for q in lines if not text[q].isspace()] + words + [q for q in lines if text[q].isspace()]
 
 
-def encode_sharded(tokenizer: Any, pieces: Iterable[str], size: int = SHARD_CHARS) -> np.ndarray:
+def encode_sharded(
+    tokenizer: Any, pieces: Iterable[str], size: int = SHARD_CHARS, limit: int | None = None
+) -> np.ndarray:
     """``tokenizer.encode(text, add_bos=True)`` of the pieces' concatenation, as int32,
-    encoding one shard at a time (see the module docstring)."""
+    encoding one shard at a time (see the module docstring); with ``limit``, its first
+    ``limit`` ids, reading no further than they need (committed ids are final)."""
     out = TokenBuffer()
     carry = ""
     first = True  # nothing committed yet: the next encoding starts the text (BOS)
@@ -118,11 +124,13 @@ def encode_sharded(tokenizer: Any, pieces: Iterable[str], size: int = SHARD_CHAR
                 break
         else:
             carry = text
+        if limit is not None and len(out) >= limit:
+            return out.array()[:limit]
     else:
         text = carry
     if text:
         out.extend(tokenizer.encode(text, add_bos=first))
-    return out.array()
+    return out.array()[:limit]
 
 
 def tokenize_for(models: Sequence[Any], names: Sequence[str], text: Any) -> np.ndarray:

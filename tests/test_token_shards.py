@@ -91,6 +91,21 @@ def test_a_file_read_in_blocks_and_shards(tokenizer: Tokenizer, tmp_path: Path) 
     assert tokenize_for([Model()], ["m"], loaded).tolist() == whole
 
 
+def test_a_limit_gives_the_first_ids_and_reads_no_further(tokenizer: Tokenizer) -> None:
+    text = _corpus()
+    whole = tokenizer.encode(text, add_bos=True)
+    read: list[int] = []
+
+    def pieces():
+        for i in range(0, len(text), 1000):
+            read.append(i)
+            yield text[i : i + 1000]
+
+    assert encode_sharded(tokenizer, pieces(), size=2000, limit=512).tolist() == whole[:512]
+    assert read[-1] < len(text) // 10
+    assert encode_sharded(tokenizer, [text[:3000]], size=2000, limit=10**9).tolist() == tokenizer.encode(text[:3000])
+
+
 def test_a_tokenizer_that_marks_its_start_is_encoded_whole(tokenizer: Tokenizer) -> None:
     marked = MarksStart(tokenizer)
     text = _corpus()[:30_000]
