@@ -6,8 +6,10 @@ SmolLM2-135M weights (see ``make_gguf.py``), with the same token ids, the same
 thread count, a warm-up and several repetitions. Reported per system: prompt
 tok/s for a ``--prompt-tokens`` prompt of real text, decode tok/s over
 ``--decode-tokens`` greedy tokens (EOS ignored), RSS after load, peak RSS, file
-size, ratios against transformers f32 and llama.cpp Q8_0, and how many greedy
-tokens agree with transformers f32 (a broken fast path shows up there).
+size, ratios against transformers f32 and llama.cpp Q8_0 (and cortiq q4 against
+llama.cpp's repacked Q4_0, its fastest Q4_0 on AVX2 / AVX-512), how many greedy
+tokens agree with transformers f32 (a broken fast path shows up there), and the load
+average as each system starts (the machine may be shared).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from make_gguf import DEFAULT_CACHE, REPO, BenchInputs, make_inputs  # noqa: E40
 
 PROMPT_FILE = HERE / "data" / "prompt.txt"
 DECODE_INSTRUCTION = "Write a short story about a lighthouse keeper who finds a message in a bottle."
-TF32, LLAMA_Q8 = "transformers-f32", "llama.cpp-q8_0"
+TF32, LLAMA_Q8, LLAMA_Q4_REPACK = "transformers-f32", "llama.cpp-q8_0", "llama.cpp-q4_0-repack"
 MIB = 2**20
 RSS_HEADROOM = 200 * MIB
 
@@ -53,7 +55,7 @@ SYSTEMS = [
     System("transformers-bf16", "transformers", "hf", dtype="bfloat16"),
     System(LLAMA_Q8, "llama.cpp", "gguf:q8_0"),
     System("llama.cpp-q4_0", "llama.cpp", "gguf:q4_0"),
-    System("llama.cpp-q4_0-repack", "llama.cpp", "gguf:q4_0", llama_bufts="repack", default=False),
+    System(LLAMA_Q4_REPACK, "llama.cpp", "gguf:q4_0", llama_bufts="repack"),
     System("llama.cpp-q4_1", "llama.cpp", "gguf:q4_1", default=False),
     System("cortiq-q8", "cortiq", "cmf:q8"),
     System("cortiq-q4", "cortiq", "cmf:q4"),
@@ -87,6 +89,7 @@ class Row:
     decode_vs_llama_q8: float | None = None
     agree_tf32: int | None = None  # leading greedy decode tokens equal to transformers f32's
     decode_token_ids: list[int] = field(default_factory=list)
+    load_average: list[float] = field(default_factory=list)  # 1, 5, 15 minutes, as the system starts
     notes: list[str] = field(default_factory=list)
     versions: dict[str, str] = field(default_factory=dict)
 
@@ -300,11 +303,12 @@ def render(report: dict[str, Any]) -> None:
         "RSS peak",
         "file",
         "agree",
+        "load",
     ):
         table.add_column(col, justify="left" if col == "system" else "right")
     for r in report["systems"]:
         if r["status"] != "ok":
-            table.add_row(r["system"], f"[red]failed: {r['error']}[/]", *[""] * 9)
+            table.add_row(r["system"], f"[red]failed: {r['error']}[/]", *[""] * 10)
             continue
         table.add_row(
             r["system"],
@@ -318,8 +322,17 @@ def render(report: dict[str, Any]) -> None:
             f"{r['rss_peak'] / MIB:.0f} MiB",
             f"{r['file_bytes'] / MIB:.0f} MiB",
             "-" if r["agree_tf32"] is None else f"{r['agree_tf32']}/{len(r['decode_token_ids'])}",
+            f"{r['load_average'][0]:.2f}" if r.get("load_average") else "-",
         )
     console.print(table)
+    speeds = {r["system"]: r for r in report["systems"] if r["status"] == "ok"}
+    if "cortiq-q4" in speeds and LLAMA_Q4_REPACK in speeds:
+        q4, rp = speeds["cortiq-q4"], speeds[LLAMA_Q4_REPACK]
+        console.print(
+            f"cortiq-q4 / {LLAMA_Q4_REPACK}: decode {_x(_ratio(q4['decode_tok_s'], rp['decode_tok_s']))}, "
+            f"prefill {_x(_ratio(q4['prefill_tok_s'], rp['prefill_tok_s']))}",
+            highlight=False,
+        )
     tt = Table(title="Targets", title_justify="left")
     for col in ("target", "measured", "threshold", "met"):
         tt.add_column(col, justify="left" if col == "target" else "right")
@@ -451,8 +464,9 @@ def main(argv: list[str] | None = None) -> int:
         error = None
         if system.artifact.startswith("cmf:"):
             error = ensure_cmf(model, hf_dir, system.artifact.split(":")[1], args.reconvert)
+        load = os.getloadavg()
         if error is None:
-            log(f"{system.name}: {model.name}")
+            log(f"{system.name}: {model.name} (load {load[0]:.2f})")
             t0 = time.perf_counter()
             bufts = system.llama_bufts or args.llama_bufts
             res = run_system(system, model, dict(job, llama_bufts=bufts), args.timeout)
@@ -461,6 +475,7 @@ def main(argv: list[str] | None = None) -> int:
             log(f"{system.name}: {error}")
             res = error
         rows.append(row_from(system, model, res))
+        rows[-1].load_average = list(load)
         report = build_report(head, rows, load_before)
         if args.out:  # after every system, so a long run that dies still leaves its figures
             args.out.parent.mkdir(parents=True, exist_ok=True)

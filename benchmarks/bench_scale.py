@@ -7,18 +7,22 @@ so decode there is what users of 1-8B models see. This benchmark:
 1. writes an F32 GGUF of a Llama with TinyLlama's shape (hidden 2048, 22 layers,
    32 heads, 4 KV heads, FFN 5632) and SmolLM2's tokenizer (vocab 49152), random
    weights (std 0.02, seeded; speed does not depend on the values);
-2. quantizes it with llama.cpp to Q8_0 / Q4_0 and with ``cortiq convert`` to q8 / q4;
-3. runs every system in its own process, same thread count, in one run:
+2. quantizes it with llama.cpp to Q8_0 / Q4_0 and with ``cortiq convert`` to q8 / q4,
+   and imports it into an f32 transformers folder (``cortiq import-gguf``);
+3. runs every system in its own process, same thread count, in one run: cortiq q8 / q4,
+   llama.cpp Q8_0, Q4_0 on its plain CPU kernels and Q4_0 repacked (CPU_REPACK: the
+   interleaved layout llama.cpp copies Q4_0 into at load on AVX2 / AVX-512, its fastest
+   Q4_0), transformers f32;
    prefill (512 tokens), greedy decode (128), RSS (``bench_worker.py``); the verify
    cost of 1/2/4/8 rows after a 64-token prompt (median of 9, the speculative
    decoder's batched check; cortiq through its row-exact path); decode after 2,048
    tokens of context against decode after 64 (alternating rounds of 8 steps in one
    process, the median of the rounds' ratios); and decode beside a CPU-bound
-   neighbour process.
+   neighbour process. Each system's load average is recorded as it starts.
 
-    python benchmarks/bench_scale.py --threads 2 --reps 3 [--json] [--out report.json]
+    python benchmarks/bench_scale.py --threads 2 --reps 3 [--systems A,B] [--json] [--out report.json]
 
-Files (about 7 GB) go to ``.cortiq-cache/scale/`` and are reused.
+Files (about 11 GB) go to ``.cortiq-cache/scale/`` and are reused.
 """
 
 from __future__ import annotations
@@ -109,7 +113,7 @@ def write_random_gguf(dst: Path, seed: int = 0) -> None:
     os.replace(tmp, dst)
 
 
-def build(cache: Path, threads: int) -> dict[str, Path]:
+def build(cache: Path, threads: int, hf: bool = True) -> dict[str, Path]:
     cache.mkdir(parents=True, exist_ok=True)
     f32 = cache / f"{STEM}-f32.gguf"
     paths = {
@@ -117,6 +121,7 @@ def build(cache: Path, threads: int) -> dict[str, Path]:
         "gguf:q4_0": cache / f"{STEM}-q4_0.gguf",
         "cmf:q8": cache / f"{STEM}-q8.cmf",
         "cmf:q4": cache / f"{STEM}-q4.cmf",
+        "hf": cache / f"{STEM}-hf",
     }
     if not f32.is_file():
         log(f"writing {f32.name} (4.4 GB)")
@@ -131,6 +136,11 @@ def build(cache: Path, threads: int) -> dict[str, Path]:
             log(f"cortiq convert -> {quant}")
             cmd = [sys.executable, "-m", "cortiq_cli.main", "convert", str(f32), str(out), "--quant", quant]
             subprocess.run(cmd, check=True, cwd=REPO, env=worker_env(threads), stdout=subprocess.DEVNULL)
+    if hf and not (paths["hf"] / "config.json").is_file():
+        from cortiq_engine.convert import import_gguf
+
+        log("import -> f32 transformers folder (4.4 GB)")
+        import_gguf(f32, paths["hf"], dtype="f32", force=True)
     return paths
 
 
@@ -216,14 +226,16 @@ def worker_cortiq(model: str, threads: int, ids: list[int], long_ids: list[int],
     return out
 
 
-def worker_llama(model: str, threads: int, ids: list[int], long_ids: list[int], reps: int) -> dict[str, Any]:
+def worker_llama(
+    model: str, threads: int, ids: list[int], long_ids: list[int], reps: int, bufts: str = "none"
+) -> dict[str, Any]:
     import llama_cpp
     from bench_worker import _llama_model_params
 
-    # The plain CPU weight buffers, as bench_worker's decode and prefill: the AMX ones llama.cpp
-    # prefers on AMX CPUs crash this build on the first decode (bench_worker._llama_model_params).
+    # The buffers the system's prefill and decode use (bench_worker._llama_model_params): plain CPU
+    # kernels or CPU_REPACK; the AMX ones llama.cpp prefers on AMX CPUs crash this build.
     def make():
-        with _llama_model_params("none"):
+        with _llama_model_params(bufts):
             return llama_cpp.Llama(
                 model_path=model,
                 n_threads=threads,
@@ -268,9 +280,17 @@ def worker_llama(model: str, threads: int, ids: list[int], long_ids: list[int], 
 
 
 def run_worker(
-    backend: str, model: Path, threads: int, ids: list[int], long_ids: list[int], reps: int
+    system: System, model: Path, threads: int, ids: list[int], long_ids: list[int], reps: int
 ) -> dict[str, Any] | str:
-    job = {"backend": backend, "model": str(model), "threads": threads, "ids": ids, "long_ids": long_ids, "reps": reps}
+    job = {
+        "backend": system.backend,
+        "bufts": system.llama_bufts or "none",
+        "model": str(model),
+        "threads": threads,
+        "ids": ids,
+        "long_ids": long_ids,
+        "reps": reps,
+    }
     proc = subprocess.run(
         [sys.executable, __file__, "--worker"],
         input=json.dumps(job),
@@ -303,9 +323,13 @@ class Hog:
 SYSTEMS = [
     System("cortiq-q8", "cortiq", "cmf:q8"),
     System("cortiq-q4", "cortiq", "cmf:q4"),
-    System("llama.cpp-q8_0", "llama.cpp", "gguf:q8_0"),
-    System("llama.cpp-q4_0", "llama.cpp", "gguf:q4_0"),
+    System("llama.cpp-q8_0", "llama.cpp", "gguf:q8_0", llama_bufts="none"),
+    System("llama.cpp-q4_0", "llama.cpp", "gguf:q4_0", llama_bufts="none"),
+    System("llama.cpp-q4_0-repack", "llama.cpp", "gguf:q4_0", llama_bufts="repack"),
+    System("transformers-f32", "transformers", "hf"),
 ]
+# Backends timed for prefill and decode only: no row-exact verify or cache rollback to time.
+NO_VERIFY = {"transformers"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -316,17 +340,35 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--cache-dir", type=Path, default=CACHE)
     ap.add_argument("--skip", default="", help="comma-separated parts to skip: engine,verify,busy")
+    ap.add_argument(
+        "--systems",
+        default=",".join(s.name for s in SYSTEMS),
+        help=f"comma-separated subset, in run order (default: all of {', '.join(s.name for s in SYSTEMS)})",
+    )
     ap.add_argument("--out", type=Path)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.worker:
         job = json.loads(sys.stdin.read())
-        fn = worker_cortiq if job["backend"] == "cortiq" else worker_llama
-        print(json.dumps(fn(job["model"], job["threads"], job["ids"], job["long_ids"], job["reps"])))
+        args = (job["model"], job["threads"], job["ids"], job["long_ids"], job["reps"])
+        if job["backend"] == "cortiq":
+            print(json.dumps(worker_cortiq(*args)))
+        else:
+            print(json.dumps(worker_llama(*args, bufts=job["bufts"])))
         return 0
     skip = set(filter(None, a.skip.split(",")))
-    paths = build(a.cache_dir, a.threads)
+    by_name = {s.name: s for s in SYSTEMS}
+    wanted = [x.strip() for x in a.systems.split(",") if x.strip()]
+    unknown = [x for x in wanted if x not in by_name]
+    if unknown or not wanted:
+        print(
+            f"error: --systems: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(by_name)}",
+            file=sys.stderr,
+        )
+        return 2
+    systems = [by_name[x] for x in wanted]
+    paths = build(a.cache_dir, a.threads, hf=any(s.artifact == "hf" for s in systems))
     tok_json = a.cache_dir / "tokenizer.json"
     if not tok_json.is_file():
         from cortiq_engine import Engine
@@ -335,9 +377,10 @@ def main(argv: list[str] | None = None) -> int:
             tok_json.write_bytes(e.cmf.raw_bytes("__tokenizer__/tokenizer.json"))
     prefill, decode_prompt = prompt_ids(tok_json, max(a.prompt_tokens, 2048))
     report: dict[str, Any] = {"shape": SHAPE, "threads": a.threads, "load_before": os.getloadavg(), "systems": {}}
-    for s in SYSTEMS:
+    for s in systems:
         model = paths[s.artifact]
-        entry: dict[str, Any] = {"file_bytes": model.stat().st_size}
+        size = sum(p.stat().st_size for p in model.glob("*.safetensors")) if model.is_dir() else model.stat().st_size
+        entry: dict[str, Any] = {"file_bytes": size, "load_average": os.getloadavg()}
         if "engine" not in skip:
             log(f"{s.name}: prefill/decode (load {os.getloadavg()[0]:.1f})")
             job = {
@@ -347,6 +390,7 @@ def main(argv: list[str] | None = None) -> int:
                 "decode_tokens": a.decode_tokens,
                 "warmup": 1,
                 "reps": a.reps,
+                "llama_bufts": s.llama_bufts or "none",
             }
             row = row_from(s, model, run_system(s, model, job, 3600))
             entry.update(
@@ -356,15 +400,15 @@ def main(argv: list[str] | None = None) -> int:
                 rss_peak=row.rss_peak,
                 error=row.error,
             )
-            if "busy" not in skip:
+            if "busy" not in skip and s.backend not in NO_VERIFY:
                 log(f"{s.name}: decode beside a busy process")
                 with Hog():
                     job_busy = dict(job, prefill_ids=prefill[:64], reps=a.reps)
                     busy = row_from(s, model, run_system(s, model, job_busy, 3600))
                 entry["busy_decode_tok_s"] = busy.decode_tok_s
-        if "verify" not in skip:
+        if "verify" not in skip and s.backend not in NO_VERIFY:
             log(f"{s.name}: verify rows and long-context decode (load {os.getloadavg()[0]:.1f})")
-            res = run_worker(s.backend, model, a.threads, prefill, prefill[:2048], 3 * a.reps)
+            res = run_worker(s, model, a.threads, prefill, prefill[:2048], 3 * a.reps)
             if isinstance(res, str):
                 entry["verify_error"] = res
             else:
@@ -387,8 +431,12 @@ def main(argv: list[str] | None = None) -> int:
     report["ratios"] = {
         "q8 decode / llama.cpp Q8_0": ratio("cortiq-q8", "llama.cpp-q8_0", "decode_tok_s"),
         "q4 decode / llama.cpp Q4_0": ratio("cortiq-q4", "llama.cpp-q4_0", "decode_tok_s"),
+        "q4 decode / llama.cpp Q4_0 repacked": ratio("cortiq-q4", "llama.cpp-q4_0-repack", "decode_tok_s"),
         "q4 decode / q8 decode": ratio("cortiq-q4", "cortiq-q8", "decode_tok_s"),
         "q8 prefill / llama.cpp Q8_0": ratio("cortiq-q8", "llama.cpp-q8_0", "prefill_tok_s"),
+        "q4 prefill / llama.cpp Q4_0 repacked": ratio("cortiq-q4", "llama.cpp-q4_0-repack", "prefill_tok_s"),
+        "q8 prefill / transformers f32": ratio("cortiq-q8", "transformers-f32", "prefill_tok_s"),
+        "q8 decode / transformers f32": ratio("cortiq-q8", "transformers-f32", "decode_tok_s"),
         "q8 busy decode / llama.cpp Q8_0 busy": ratio("cortiq-q8", "llama.cpp-q8_0", "busy_decode_tok_s"),
     }
     if a.out:
@@ -398,16 +446,21 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"load before {report['load_before']}, after {report['load_after']}; threads {a.threads}")
     print(
-        f"{'system':16s} {'prefill':>8s} {'decode':>8s} {'busy':>8s} {'2k/64':>6s} {'(f16)':>6s}  verify 2/4/8 rows vs 1   RSS MiB"
+        f"{'system':22s} {'load':>5s} {'prefill':>8s} {'decode':>8s} {'busy':>8s} {'2k/64':>6s} {'(f16)':>6s}"
+        "  verify 2/4/8 rows vs 1   RSS MiB"
     )
     for name, e in sy.items():
         vr = e.get("verify_ratio", {})
         f16 = f"{e['decode_2k_over_64_f16']:6.2f}" if "decode_2k_over_64_f16" in e else f"{'-':>6s}"
         print(
-            f"{name:16s} {e.get('prefill_tok_s', 0):8.1f} {e.get('decode_tok_s', 0):8.2f} {e.get('busy_decode_tok_s', 0):8.2f} "
+            f"{name:22s} {e['load_average'][0]:5.2f} {e.get('prefill_tok_s', 0):8.1f} {e.get('decode_tok_s', 0):8.2f} {e.get('busy_decode_tok_s', 0):8.2f} "
             f"{e.get('decode_2k_over_64', 0):6.2f} {f16}  {vr.get(2, 0):.2f} / {vr.get(4, 0):.2f} / {vr.get(8, 0):.2f}"
             f"        {e.get('rss_loaded', 0) / 2**20:.0f} (file {e['file_bytes'] / 2**20:.0f})"
         )
+    for name, e in sy.items():
+        for key in ("error", "verify_error"):
+            if e.get(key):
+                print(f"  {name}: {key.replace('_', ' ')}: {e[key]}")
     for k, v in report["ratios"].items():
         print(f"  {k}: {v:.2f}x" if v else f"  {k}: n/a")
     return 0

@@ -7,7 +7,16 @@ llama-perplexity does) and cortiq f32's distributions. This script feeds exactly
 token ids to llama.cpp (llama-cpp-python, ``logits_all``) for each GGUF, one chunk at a
 time from an empty cache, and computes the same statistics ``cortiq ppl --ref`` prints.
 An F32 GGUF of the same weights shows the floor (two engines, same numbers). With
-``--quantize F32.gguf`` it first makes Q8_0/Q4_0/Q4_K_M/... with llama.cpp's quantizer.
+``--quantize SRC.gguf`` it first makes Q8_0/Q4_0/Q4_K_M/IQ4_XS/Q3_K_S/... with llama.cpp's
+quantizer (SRC may itself be quantized: llama.cpp dequantizes it first, as
+``llama-quantize --allow-requantize``). ``--cmf NAME=PATH`` scores cortiq's own files
+against the same reference (``cortiq ppl PATH --ref REF``), so both engines' types share
+one table.
+
+With ``--llama-perplexity BIN --text FILE --base-gguf SRC.gguf`` each GGUF is also scored
+by llama.cpp's own tool on its own tokens of the text: ``llama-perplexity
+--kl-divergence-base`` saves SRC's distributions once, then ``--kl-divergence`` scores
+each GGUF against them (llama.cpp's chunks of ``--ctx`` tokens, at most ``--chunks``).
 
 With ``--imatrix FILE`` (a ``cortiq imatrix`` file) it also scores llama.cpp's own
 importance-weighted quantization: llama-cpp-python's ``llama_model_quantize`` takes an
@@ -20,6 +29,9 @@ file's bytes (same types, same sizes, same layout): ``NAME+imatrix`` rows.
     python benchmarks/kld_vs_llamacpp.py REF.cref --gguf f32=F32.gguf --gguf q8_0=Q8.gguf ... [--json]
     python benchmarks/kld_vs_llamacpp.py REF.cref --quantize F32.gguf --types q8_0,q4_0,q4_k_m --out-dir DIR \
         [--imatrix train.imatrix.safetensors]
+    python benchmarks/kld_vs_llamacpp.py REF.cref --quantize SRC.gguf --types iq4_xs,q3_k_s --out-dir DIR \
+        --cmf iq4_xs=M-iq4_xs.cmf --cmf q3k=M-q3k.cmf \
+        --llama-perplexity build/bin/llama-perplexity --text held.txt --base-gguf SRC.gguf
 
 Bits/weight are exact (``gguf_bits``): 8 x tensor bytes / parameters over every
 tensor, as llama.cpp's BPW and cortiq's ``benchmarks/quant_bits.py``; the file's
@@ -30,6 +42,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -38,9 +53,22 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))  # quant_bits, a sibling script
 
 # llama_ftype values from llama.h
-FTYPES = {"f32": 0, "q4_0": 2, "q8_0": 7, "q4_k_m": 15, "q5_k_m": 17, "q6_k": 18}
+FTYPES = {
+    "f32": 0,
+    "q4_0": 2,
+    "q8_0": 7,
+    "q3_k_s": 11,
+    "q3_k_m": 12,
+    "q4_k_s": 14,
+    "q4_k_m": 15,
+    "q5_k_m": 17,
+    "q6_k": 18,
+    "iq4_nl": 25,
+    "iq4_xs": 30,
+}
 
 
 def quantize(src: Path, dst: Path, quant: str, threads: int) -> None:
@@ -49,6 +77,7 @@ def quantize(src: Path, dst: Path, quant: str, threads: int) -> None:
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = FTYPES[quant]
     params.nthread = threads
+    params.allow_requantize = True  # a quantized source is dequantized first; an F32 one is unaffected
     tmp = dst.with_suffix(".tmp")
     rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), params)
     if rc != 0:
@@ -193,6 +222,93 @@ def score(path: Path, ref_path: Path, threads: int, batch: int) -> dict:
     }
 
 
+def score_cmf(path: Path, ref_path: Path, threads: int) -> dict:
+    """cortiq's own quantization against the same reference: ``cortiq ppl PATH --ref REF``."""
+    from quant_bits import cmf_bits
+
+    cmd = [sys.executable, "-m", "cortiq_cli.main", "ppl", str(path), "--ref", str(ref_path)]
+    t0 = time.perf_counter()
+    proc = subprocess.run(
+        [*cmd, "--threads", str(threads), "--json"], capture_output=True, text=True, cwd=REPO, check=False
+    )
+    if proc.returncode != 0:
+        raise SystemExit(f"{path}: cortiq ppl failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
+    (c,) = json.loads(proc.stdout)["comparisons"]
+    b = cmf_bits(path)
+    return {
+        "cmf": str(path),
+        "bits_per_weight": b["bits_per_weight"],
+        "params": b["params"],
+        "file_bytes": b["file_bytes"],
+        "file_bits_per_weight": b["file_bits_per_weight"],
+        "types": {k: v["params"] for k, v in b["by_type"].items()},
+        "seconds": time.perf_counter() - t0,
+        **c,
+    }
+
+
+def gguf_types(path: Path) -> dict[str, int]:
+    """Parameters per GGML type of a GGUF's tensors (where a type fell back on a shape)."""
+    from quant_bits import gguf_bits
+
+    return {k: v["params"] for k, v in gguf_bits(path)["by_type"].items()}
+
+
+# llama-perplexity's KL-divergence report lines, by the key they go to.
+_LP_LINES = {
+    "ppl_ratio": r"Mean\s+PPL\(Q\)/PPL\(base\)\s*:\s*([-\d.]+)",
+    "kl_mean": r"Mean\s+KLD:\s*([-\d.]+)\s*±\s*([-\d.]+)",
+    "kl_p99": r"99\.0%\s+KLD:\s*([-\d.]+)",
+    "delta_p_rms": r"RMS Δp\s*:\s*([-\d.]+)\s*±\s*([-\d.]+)\s*%",
+    "top1_agreement": r"Same top p:\s*([-\d.]+)\s*±\s*([-\d.]+)\s*%",
+}
+
+
+def parse_llama_kld(text: str) -> dict:
+    """The figures of a ``llama-perplexity --kl-divergence`` report (fractions, not percents)."""
+    out: dict = {}
+    for key, pat in _LP_LINES.items():
+        m = re.search(pat, text)
+        if m is None:
+            continue
+        v = float(m.group(1))
+        if key == "kl_mean":
+            out["kl_se"] = float(m.group(2))
+        out[key] = v / 100 if key in ("delta_p_rms", "top1_agreement") else v
+    m = re.search(r"calculating perplexity over (\d+) chunks", text)
+    if m:
+        out["chunks"] = int(m.group(1))
+    return out
+
+
+def llama_perplexity_base(binary: Path, base: Path, text: Path, out: Path, ctx: int, chunks: int, threads: int) -> None:
+    """``llama-perplexity --kl-divergence-base``: the base model's distributions on the text, saved once."""
+    if out.is_file():
+        return
+    tmp = out.with_name(out.name + ".tmp")
+    cmd = [str(binary), "-m", str(base), "-f", str(text), "-c", str(ctx), "-t", str(threads)]
+    cmd += ["--kl-divergence-base", str(tmp)] + (["--chunks", str(chunks)] if chunks else [])
+    print(" ".join(cmd), file=sys.stderr, flush=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode != 0 or not tmp.is_file():
+        raise SystemExit(f"llama-perplexity base failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
+    os.replace(tmp, out)
+
+
+def llama_perplexity_kld(binary: Path, path: Path, base_kld: Path, chunks: int, threads: int) -> dict:
+    """``llama-perplexity --kl-divergence`` of ``path`` against the saved base (its tokens and ctx)."""
+    cmd = [str(binary), "-m", str(path), "--kl-divergence-base", str(base_kld), "--kl-divergence"]
+    cmd += ["-t", str(threads)] + (["--chunks", str(chunks)] if chunks else [])
+    print(" ".join(cmd), file=sys.stderr, flush=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise SystemExit(f"llama-perplexity on {path}: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
+    r = parse_llama_kld(proc.stdout + proc.stderr)
+    if "kl_mean" not in r:
+        raise SystemExit(f"llama-perplexity on {path}: no KL-divergence figures in its output")
+    return r
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("ref", type=Path, help="a .cref saved by cortiq ppl --mode chunks --save-ref")
@@ -209,10 +325,18 @@ def main(argv: list[str] | None = None) -> int:
         help="with --quantize: also each type re-quantized by llama.cpp with this cortiq imatrix",
     )
     ap.add_argument("--imatrix-only", action="store_true", help="with --imatrix: score only the imatrix files")
+    ap.add_argument("--cmf", action="append", default=[], help="NAME=PATH: a cortiq file scored the same way")
+    ap.add_argument("--llama-perplexity", type=Path, default=None, help="llama.cpp's llama-perplexity binary")
+    ap.add_argument("--text", type=Path, default=None, help="with --llama-perplexity: the text file it scores")
+    ap.add_argument("--base-gguf", type=Path, default=None, help="with --llama-perplexity: the reference GGUF")
+    ap.add_argument("--ctx", type=int, default=512, help="with --llama-perplexity: tokens per chunk")
+    ap.add_argument("--chunks", type=int, default=0, help="with --llama-perplexity: at most this many (0: all)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--batch", type=int, default=512)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    if args.llama_perplexity is not None and (args.text is None or args.base_gguf is None):
+        ap.error("--llama-perplexity needs --text and --base-gguf")
 
     todo: list[tuple[str, Path]] = []
     for spec in args.gguf:
@@ -232,15 +356,40 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"llama.cpp quantize with {args.imatrix} -> {wdst}", file=sys.stderr)
                     print(requantize_with_imatrix(args.quantize, dst, wdst, args.imatrix), file=sys.stderr)
                 todo.append((f"{q}+imatrix", wdst))
+    base_kld = None
+    if args.llama_perplexity is not None:
+        base_kld = args.out_dir / f"{args.base_gguf.stem}-{args.text.stem}-c{args.ctx}-n{args.chunks}.kld"
+        llama_perplexity_base(
+            args.llama_perplexity, args.base_gguf, args.text, base_kld, args.ctx, args.chunks, args.threads
+        )
     out = {}
-    for name, p in todo:
-        r = score(p, args.ref, args.threads, args.batch)
+    rows = [(name, p, "llama.cpp") for name, p in todo]
+    rows += [(name, Path(p), "cortiq") for name, _, p in (spec.partition("=") for spec in args.cmf)]
+    for name, p, engine in rows:
+        if engine == "cortiq":
+            r = score_cmf(p, args.ref, args.threads)
+        else:
+            r = score(p, args.ref, args.threads, args.batch)
+            r["types"] = gguf_types(p)
+            if base_kld is not None:
+                r["llama_perplexity"] = llama_perplexity_kld(
+                    args.llama_perplexity, p, base_kld, args.chunks, args.threads
+                )
+        r["engine"] = engine
         out[name] = r
         if not args.json:
+            lp = r.get("llama_perplexity")
+            lp_text = (
+                f"  | llama-perplexity: KLD {lp['kl_mean']:.6f} ± {lp['kl_se']:.6f}  p99 {lp.get('kl_p99', 0):.5f}  "
+                f"same top {100 * lp.get('top1_agreement', 0):.2f}%"
+                if lp
+                else ""
+            )
             print(
-                f"{name:8s} {r['bits_per_weight']:7.4f} bpw  ppl ratio {r['ppl_ratio']:.4f}  mean KLD {r['kl_mean']:.6f} "
-                f"± {r['kl_se']:.6f}  p99 {r['kl_quantiles']['p99']:.5f}  same top-1 {100 * r['top1_agreement']:.2f}%  "
-                f"RMS Δp {100 * r['delta_p_rms']:.3f}%  ({r['seconds']:.0f} s)",
+                f"{name:10s} {engine:9s} {r['bits_per_weight']:7.4f} bpw  ppl ratio {r['ppl_ratio']:.4f}  "
+                f"mean KLD {r['kl_mean']:.6f} ± {r['kl_se']:.6f}  p99 {r['kl_quantiles']['p99']:.5f}  "
+                f"same top-1 {100 * r['top1_agreement']:.2f}%  RMS Δp {100 * r['delta_p_rms']:.3f}%  "
+                f"({r['seconds']:.0f} s){lp_text}",
                 flush=True,
             )
     if args.json:
