@@ -50,6 +50,7 @@ WORKER_PROBE_S = 0.25  # a lost worker is first asked again after this, then les
 WORKER_GIVE_UP_S = 300.0  # a worker that has not answered for this long gets no more windows
 AHEAD_PER_WORKER = 8  # results per worker the driver holds while an earlier window is still out
 JOURNAL_ENV = "CORTIQ_CLUSTER_CACHE"
+HASH_BLOCK = 1 << 20  # tokens hashed per step of a run's key
 
 
 def ray_available() -> bool:
@@ -271,7 +272,9 @@ def run_key(
             {"kind": kind, "models": [[f.size, f.digest] for f in fingerprints], **extra}, sort_keys=True
         ).encode()
     )
-    h.update(np.ascontiguousarray(tokens, dtype=np.int64).tobytes())
+    tokens = np.asarray(tokens)
+    for a in range(0, len(tokens), HASH_BLOCK):  # as int64, a block at a time: never a copy of the whole text
+        h.update(np.ascontiguousarray(tokens[a : a + HASH_BLOCK], dtype=np.int64).tobytes())
     h.update(
         np.array(
             [[w.begin, w.end, w.row_from, w.row_to, -1 if w.bos is None else w.bos] for w in windows], np.int64
@@ -807,7 +810,7 @@ def _run(
                     shared = ray.put(tokens)
                 ids: Any = shared
             else:
-                ids = tokens[w.begin : w.end].copy()
+                ids = np.array(tokens[w.begin : w.end], dtype=np.int64)  # a copy of the window alone
             yield WindowTask(i, w, ids, ref)
 
     def on_result(i: int, value: Any) -> None:
@@ -877,7 +880,7 @@ def score_ppl(
     """``cortiq ppl``'s scoring on a cluster: (the figures, windows done in plan order, the
     cluster's report). On Ctrl-C the figures cover the first ``done`` windows, as in one
     process; the journal keeps every finished window for ``resume``."""
-    tokens = np.asarray(tokens, dtype=np.int64)
+    tokens = np.asarray(tokens)  # as the driver holds them (int32 from the sharded tokenizer): no second copy
     # A saved reference's rows go out with their window, read in plan order as windows are handed out.
     refs = (saved.next_rows(w.n_scored) for w in windows) if saved is not None else None
     extra = {"ref": None if saved is None else [str(saved.path), ModelFingerprint.of(Path(saved.path)).digest]}
@@ -925,7 +928,7 @@ def collect_features(
     in plan order, as one process collects them; ``done``; the cluster's report)."""
     from evals.temperature import RowFeatures
 
-    tokens = np.asarray(tokens, dtype=np.int64)
+    tokens = np.asarray(tokens)  # as the driver holds them (int32 from the sharded tokenizer): no second copy
     extra = {"temperatures": np.asarray(grid.temperatures, np.float64).tolist()}
     parts: list[Any] = []  # the fit needs every row, as in one process
     done, report = _run(
@@ -988,7 +991,7 @@ def collect_imatrix(
     and the few partials that arrived early."""
     from cortiq_engine.imatrix import ImatrixAccumulator
 
-    tokens = np.asarray(tokens, dtype=np.int64)
+    tokens = np.asarray(tokens)  # as the driver holds them (int32 from the sharded tokenizer): no second copy
     acc = ImatrixAccumulator()
     done, report = _run(
         "imatrix",
