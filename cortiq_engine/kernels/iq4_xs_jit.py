@@ -25,41 +25,39 @@ _KV = KVALUES_IQ4NL.astype(np.float32)
 
 
 @njit(inline="always")
-def _sub_block(d, sh, sl, r, s):
-    """Sub-block s (of 32 values) of row r: its scale d * (ls - 32) and first column."""
-    b, ib = s // 8, s % 8
+def _scale(sh, sl, r, b, ib):
+    """The 6-bit scale of sub-block ib of super-block b, minus 32."""
     lo = (np.int32(sl[r, 4 * b + ib // 2]) >> (4 * (ib % 2))) & 15
     hi = (np.int32(sh[r, b]) >> (2 * ib)) & 3
-    return f16_to_f32(d[r, b]) * np.float32((lo | (hi << 4)) - 32), 32 * s
-
-
-@njit(inline="always")
-def _levels(qs, r, s, j):
-    """The levels of byte j of sub-block s: values j (low nibble) and 16 + j (high)."""
-    byte = qs[r, 16 * s + j]
-    return _KV[byte & 15], _KV[byte >> 4]
+    return np.float32((lo | (hi << 4)) - 32)
 
 
 @njit(parallel=False, nogil=True, cache=True)
 def iq4_xs_dequant(d, sh, sl, qs, r0, r1, out):
     for r in range(r0, r1):
-        for s in range(8 * d.shape[1]):
-            dl, o = _sub_block(d, sh, sl, r, s)
+        for s in range(8 * d.shape[1]):  # sub-blocks of 32
+            b, ib = s >> 3, s & 7
+            dl = f16_to_f32(d[r, b]) * _scale(sh, sl, r, b, ib)
             for j in range(16):
-                v0, v1 = _levels(qs, r, s, j)
-                out[r - r0, o + j] = dl * v0
-                out[r - r0, o + 16 + j] = dl * v1
+                byte = qs[r, 16 * s + j]
+                out[r - r0, 32 * s + j] = dl * _KV[byte & 15]
+                out[r - r0, 32 * s + 16 + j] = dl * _KV[byte >> 4]
 
 
 @njit(inline="always")
 def _iq4_xs_dot(d, sh, sl, qs, _4, _flag, r, X, xsum, i):
+    kv = _KV
     acc = np.zeros(32, np.float32)
-    for s in range(8 * d.shape[1]):
-        dl, o = _sub_block(d, sh, sl, r, s)
-        for j in range(16):
-            v0, v1 = _levels(qs, r, s, j)
-            acc[j] += dl * (v0 * X[i, o + j])
-            acc[j + 16] += dl * (v1 * X[i, o + 16 + j])
+    for b in range(d.shape[1]):  # the levels looked up in place: a helper returning both cost 7 %
+        dd = f16_to_f32(d[r, b])
+        for ib in range(8):
+            dl = dd * _scale(sh, sl, r, b, ib)
+            o = 256 * b + 32 * ib
+            ob = 128 * b + 16 * ib
+            for j in range(16):
+                byte = qs[r, ob + j]
+                acc[j] += dl * (kv[byte & 15] * X[i, o + j])
+                acc[j + 16] += dl * (kv[byte >> 4] * X[i, o + 16 + j])
     return acc.sum()
 
 
