@@ -43,7 +43,7 @@ import numpy as np
 
 from formats.errors import CortiqError
 from formats.quants import ALIGN, DTYPES, align_up, get_dtype
-from formats.staging import Staged, hold, new_temp, place, refuse_special, remove_stale
+from formats.staging import Staged, hold, new_temp, place, refuse_special, remove_stale, staged_file
 from formats.untrusted_json import is_int, loads as untrusted_loads, open_regular
 
 MAGIC = b"CORTIQMF"
@@ -472,30 +472,20 @@ def rewrite_header(path: str | os.PathLike, header: dict[str, Any]) -> None:
     for e in entries:
         e["offset"] += shift
     dir_json = json.dumps(entries).encode("utf-8")
-    remove_stale(path)
-    with open(path, "rb") as src:
-        fd, tmp = new_temp(path)
-        held = hold(tmp)  # a later run removes it only once this process is gone
-        try:
-            os.fchmod(fd, os.stat(path).st_mode & 0o7777)
-            with os.fdopen(fd, "wb") as dst:
-                dst.write(_preamble(len(hjson), new_data_off, pre.dir_offset + shift, len(dir_json), hjson, dir_json))
-                dst.write(hjson)
-                dst.write(b" " * (new_data_off - PREAMBLE - len(hjson)))
-                src.seek(pre.data_offset)
-                remaining = pre.dir_offset - pre.data_offset
-                while remaining:
-                    chunk = src.read(min(remaining, 1 << 24))
-                    if not chunk:
-                        raise CortiqError(f"{path}: truncated while rewriting its header")
-                    dst.write(chunk)
-                    remaining -= len(chunk)
-                dst.write(dir_json)
-                dst.flush()
-                os.fsync(dst.fileno())
-            place(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        finally:
-            held.release()
+    with open(path, "rb") as src, staged_file(path) as (fd, tmp):
+        os.fchmod(fd, os.stat(path).st_mode & 0o7777)
+        with os.fdopen(fd, "wb") as dst:
+            dst.write(_preamble(len(hjson), new_data_off, pre.dir_offset + shift, len(dir_json), hjson, dir_json))
+            dst.write(hjson)
+            dst.write(b" " * (new_data_off - PREAMBLE - len(hjson)))
+            src.seek(pre.data_offset)
+            remaining = pre.dir_offset - pre.data_offset
+            while remaining:
+                chunk = src.read(min(remaining, 1 << 24))
+                if not chunk:
+                    raise CortiqError(f"{path}: truncated while rewriting its header")
+                dst.write(chunk)
+                remaining -= len(chunk)
+            dst.write(dir_json)
+            dst.flush()
+            os.fsync(dst.fileno())

@@ -111,14 +111,7 @@ def build_tokenizer(meta: dict[str, Any], n_embd_rows: int, spm: SentencePieceSt
 def _build_byte_level(meta: dict[str, Any], n_embd_rows: int) -> TokenizerFiles:
     from tokenizers import AddedToken, Tokenizer, decoders, models
 
-    tokens: list[str] = meta.get("tokenizer.ggml.tokens") or []
-    types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-    if not tokens:
-        raise CortiqError("GGUF tokenizer has no tokens")
-    if len(types) != len(tokens):
-        raise CortiqError(f"GGUF tokenizer has {len(tokens)} tokens but {len(types)} token types")
-    if len(tokens) > n_embd_rows:
-        raise CortiqError(f"GGUF tokenizer has {len(tokens)} tokens, more than the {n_embd_rows} embedding rows")
+    tokens, types = _token_list(meta, n_embd_rows)
     pre_name = meta.get("tokenizer.ggml.pre")
     warnings: list[str] = []
     if not pre_name:
@@ -144,48 +137,101 @@ def _build_byte_level(meta: dict[str, Any], n_embd_rows: int) -> TokenizerFiles:
     if tok.get_vocab_size(with_added_tokens=True) != len(tokens):
         raise CortiqError("GGUF tokenizer: control/user-defined tokens did not keep their own ids")
 
-    def token_id(key: str) -> int | None:
-        v = meta.get(f"tokenizer.ggml.{key}")
-        if v is None:
-            return None
-        if not 0 <= int(v) < len(tokens):
-            raise CortiqError(f"GGUF tokenizer.ggml.{key} = {v} is outside the vocabulary of {len(tokens)}")
-        return int(v)
-
-    def text(i: int | None) -> str | None:
-        return tokens[i] if i is not None else None
-
-    bos, eos, pad, unk = (token_id(k) for k in ("bos_token_id", "eos_token_id", "padding_token_id", "unknown_token_id"))
+    ids = _SpecialIds.read(meta, len(tokens))
     # End-of-turn / end-of-message ids also stop generation (llama-3 style chat models).
-    eos_ids = list(dict.fromkeys(i for i in (eos, token_id("eot_token_id"), token_id("eom_token_id")) if i is not None))
+    eos_ids = ids.stops(*(_SpecialIds.get(meta, k, len(tokens)) for k in ("eot_token_id", "eom_token_id")))
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", pre.add_bos))
     add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
-    tok.post_processor = _post_processor(tokens, bos if add_bos else None, eos if add_eos else None)
-    tcfg: dict[str, Any] = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": text(bos),
-        "eos_token": text(eos),
-        "unk_token": text(unk),
-        "pad_token": text(pad),
-        "add_bos_token": add_bos,
-        "add_eos_token": add_eos,
-        "clean_up_tokenization_spaces": pre.clean_spaces,
-    }
+    tok.post_processor = _post_processor(tokens, ids.bos if add_bos else None, ids.eos if add_eos else None)
+    tcfg = ids.config(tokens, "PreTrainedTokenizerFast", add_bos, add_eos, pre.clean_spaces)
     template = meta.get("tokenizer.chat_template")
     if template:
         tcfg["chat_template"] = template
-    return TokenizerFiles(
-        tokenizer_json=tok.to_str(pretty=False),
-        tokenizer_config=tcfg,
-        bos_token_id=bos,
-        eos_token_ids=eos_ids,
-        pad_token_id=pad,
-        vocab_size=len(tokens),
-        merges=len(merges),
-        special_tokens=sum(a.special for a in added),
-        pre=str(pre_name),
-        warnings=warnings,
+    return ids.files(
+        tok, tcfg, eos_ids, len(tokens), len(merges), sum(a.special for a in added), str(pre_name), warnings
     )
+
+
+def _token_list(meta: dict[str, Any], n_embd_rows: int) -> tuple[list[str], list[int]]:
+    """The vocabulary and its token types, checked against each other and the embedding."""
+    tokens: list[str] = list(meta.get("tokenizer.ggml.tokens") or [])
+    types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+    if not tokens:
+        raise CortiqError("GGUF tokenizer has no tokens")
+    if len(types) != len(tokens):
+        raise CortiqError(f"GGUF tokenizer has {len(tokens)} tokens but {len(types)} token types")
+    if len(tokens) > n_embd_rows:
+        raise CortiqError(f"GGUF tokenizer has {len(tokens)} tokens, more than the {n_embd_rows} embedding rows")
+    return tokens, types
+
+
+@dataclass(frozen=True)
+class _SpecialIds:
+    """The special token ids a GGUF names, each checked against the vocabulary."""
+
+    bos: int | None
+    eos: int | None
+    pad: int | None
+    unk: int | None
+
+    @staticmethod
+    def get(meta: dict[str, Any], key: str, vocab_size: int) -> int | None:
+        v = meta.get(f"tokenizer.ggml.{key}")
+        if v is None:
+            return None
+        if not 0 <= int(v) < vocab_size:
+            raise CortiqError(f"GGUF tokenizer.ggml.{key} = {v} is outside the vocabulary of {vocab_size}")
+        return int(v)
+
+    @classmethod
+    def read(cls, meta: dict[str, Any], vocab_size: int) -> "_SpecialIds":
+        keys = ("bos_token_id", "eos_token_id", "padding_token_id", "unknown_token_id")
+        return cls(*(cls.get(meta, k, vocab_size) for k in keys))
+
+    def stops(self, *more: int | None) -> list[int]:
+        """The ids that end generation: eos, then ``more``, each once."""
+        return list(dict.fromkeys(i for i in (self.eos, *more) if i is not None))
+
+    def config(self, tokens: list[str], cls: str, add_bos: bool, add_eos: bool, clean: bool) -> dict[str, Any]:
+        """tokenizer_config.json's class, special tokens and flags."""
+
+        def text(i: int | None) -> str | None:
+            return tokens[i] if i is not None else None
+
+        return {
+            "tokenizer_class": cls,
+            "bos_token": text(self.bos),
+            "eos_token": text(self.eos),
+            "unk_token": text(self.unk),
+            "pad_token": text(self.pad),
+            "add_bos_token": add_bos,
+            "add_eos_token": add_eos,
+            "clean_up_tokenization_spaces": clean,
+        }
+
+    def files(
+        self,
+        tok,
+        tcfg: dict[str, Any],
+        eos_ids: list[int],
+        vocab_size: int,
+        merges: int,
+        special: int,
+        pre: str,
+        warnings: list[str],
+    ) -> TokenizerFiles:
+        return TokenizerFiles(
+            tokenizer_json=tok.to_str(pretty=False),
+            tokenizer_config=tcfg,
+            bos_token_id=self.bos,
+            eos_token_ids=eos_ids,
+            pad_token_id=self.pad,
+            vocab_size=vocab_size,
+            merges=merges,
+            special_tokens=special,
+            pre=pre,
+            warnings=warnings,
+        )
 
 
 def _vocab(tokens: list[str], types: list[int]) -> dict[str, int]:
@@ -270,14 +316,7 @@ def _build_sentencepiece(meta: dict[str, Any], n_embd_rows: int, spm: SentencePi
     """A SentencePiece BPE with byte fallback over "\u2581"-for-space text, no prefix space."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
-    tokens: list[str] = list(meta.get("tokenizer.ggml.tokens") or [])
-    types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
-    if not tokens:
-        raise CortiqError("GGUF tokenizer has no tokens")
-    if len(types) != len(tokens):
-        raise CortiqError(f"GGUF tokenizer has {len(tokens)} tokens but {len(types)} token types")
-    if len(tokens) > n_embd_rows:
-        raise CortiqError(f"GGUF tokenizer has {len(tokens)} tokens, more than the {n_embd_rows} embedding rows")
+    tokens, types = _token_list(meta, n_embd_rows)
     # The file spells tokens of 2+ spaces with real spaces; the model's text has "\u2581"s.
     tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
     vocab: dict[str, int] = {}
@@ -286,16 +325,8 @@ def _build_sentencepiece(meta: dict[str, Any], n_embd_rows: int, spm: SentencePi
             raise CortiqError(f"GGUF tokenizer lists token {t!r} twice (ids {vocab[t]} and {i})")
         vocab[t] = i
 
-    def token_id(key: str) -> int | None:
-        v = meta.get(f"tokenizer.ggml.{key}")
-        if v is None:
-            return None
-        if not 0 <= int(v) < len(tokens):
-            raise CortiqError(f"GGUF tokenizer.ggml.{key} = {v} is outside the vocabulary of {len(tokens)}")
-        return int(v)
-
-    bos, eos, pad, unk = (token_id(k) for k in ("bos_token_id", "eos_token_id", "padding_token_id", "unknown_token_id"))
-    unk_text = tokens[unk] if unk is not None else "<unk>"
+    ids = _SpecialIds.read(meta, len(tokens))
+    unk_text = tokens[ids.unk] if ids.unk is not None else "<unk>"
     merges = _spm_merges(tokens)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unk_text, fuse_unk=True, byte_fallback=True))
     tok.normalizer = normalizers.Replace(" ", "\u2581")
@@ -319,35 +350,12 @@ def _build_sentencepiece(meta: dict[str, Any], n_embd_rows: int, spm: SentencePi
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", True))  # llama.cpp's SentencePiece default
     add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
     eog = [vocab[t] for t in spm.eog_texts if t in vocab]
-    eos_ids = list(dict.fromkeys(i for i in (eos, token_id("eot_token_id"), *eog) if i is not None))
+    eos_ids = ids.stops(_SpecialIds.get(meta, "eot_token_id", len(tokens)), *eog)
     template = meta.get("tokenizer.chat_template")
     if not template and spm.chat_template:
         template = spm.chat_template
         warnings.append("GGUF has no tokenizer.chat_template; using the architecture's own chat template")
 
-    def text(i: int | None) -> str | None:
-        return tokens[i] if i is not None else None
-
-    tcfg: dict[str, Any] = {
-        "tokenizer_class": spm.tokenizer_class,
-        "bos_token": text(bos),
-        "eos_token": text(eos),
-        "unk_token": text(unk),
-        "pad_token": text(pad),
-        "add_bos_token": add_bos,
-        "add_eos_token": add_eos,
-        "clean_up_tokenization_spaces": False,
-        "chat_template": template,
-    }
-    return TokenizerFiles(
-        tokenizer_json=tok.to_str(pretty=False),
-        tokenizer_config=tcfg,
-        bos_token_id=bos,
-        eos_token_ids=eos_ids,
-        pad_token_id=pad,
-        vocab_size=len(tokens),
-        merges=len(merges),
-        special_tokens=len(special),
-        pre="sentencepiece",
-        warnings=warnings,
-    )
+    tcfg = ids.config(tokens, spm.tokenizer_class, add_bos, add_eos, False)
+    tcfg["chat_template"] = template
+    return ids.files(tok, tcfg, eos_ids, len(tokens), len(merges), len(special), "sentencepiece", warnings)

@@ -18,7 +18,7 @@ import numpy as np
 from formats.errors import CortiqError
 from formats.safetensors_reader import SafetensorsFile
 from formats.safetensors_writer import SafetensorsStream
-from formats.staging import hold, new_temp, place, refuse_special, remove_stale
+from formats.staging import refuse_special, staged_file
 
 TOKENS_KEY = "cortiq.imatrix.tokens"
 
@@ -47,11 +47,8 @@ def write_imatrix(path: str | Path, means: dict[str, np.ndarray], tokens: int) -
     refuse_special(path)
     names = sorted(means)
     entries = [(n, "F32", (int(means[n].size),), 4) for n in names] + [(TOKENS_KEY, "I64", (1,), 8)]
-    remove_stale(path)
-    fd, tmp = new_temp(path)
-    os.close(fd)
-    held = hold(tmp)
-    try:
+    with staged_file(path) as (fd, tmp):
+        os.close(fd)
         st = SafetensorsStream(tmp, entries)
         try:
             for n in names:
@@ -59,12 +56,6 @@ def write_imatrix(path: str | Path, means: dict[str, np.ndarray], tokens: int) -
             st.write(TOKENS_KEY, np.array([tokens], np.int64))
         finally:
             st.close()
-        place(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    finally:
-        held.release()
 
 
 def read_imatrix(path: str | Path) -> Imatrix:

@@ -25,13 +25,11 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from formats.quants import QK_K, Blocked
+from formats.kquant_kernels import _EPS, _F0, _F1, _nearest, _signed_max
+from formats.quants import QK_K, SuperBlocked
 
 KVALUES_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
 NTRY = 7  # ggml's quantize_iq4_xs
-_F0 = np.float32(0.0)
-_F1 = np.float32(1.0)
-_EPS = np.float32(1e-15)  # ggml's GROUP_MAX_EPS
 
 
 def scales_iq4_xs(scales_h: np.ndarray, scales_l: np.ndarray) -> np.ndarray:
@@ -53,12 +51,6 @@ def dequantize_iq4_xs(d, scales_h, scales_l, qs) -> np.ndarray:
 
 
 # ---------------------------------------------------------------- the encoder
-
-
-@njit(inline="always")
-def _nearest(v):
-    """ggml's nearest_int: round half to even."""
-    return np.int32(np.rint(v))
 
 
 @njit(inline="always")
@@ -98,13 +90,7 @@ def _superblock(x, o, imp, use_imp, values, ntry, L, w, sc):  # pragma: no cover
         else:
             for j in range(32):
                 w[j] = x[s + j] * x[s + j]
-        amax = _F0
-        mx = _F0
-        for j in range(32):
-            ax = abs(x[s + j])
-            if ax > amax:
-                amax = ax
-                mx = x[s + j]
+        amax, mx = _signed_max(x[s : s + 32])
         if amax < _EPS:
             sc[ib] = _F0
             continue
@@ -170,38 +156,18 @@ def iq4_xs_rows(x, imp, use_imp, values, d, scales_h, scales_l, qs):  # pragma: 
                     qs[r, 128 * b + 16 * i + j] = L[32 * i + j] | (L[32 * i + 16 + j] << 4)
 
 
-def quantize_iq4_xs(x: np.ndarray, importance: np.ndarray | None = None) -> tuple[np.ndarray, ...]:
-    """f32[rows, cols] -> (d f16[rows, nb], scales_h u16[rows, nb], scales_l u8[rows, 4 nb],
-    qs u8[rows, 128 nb]); ``importance`` f32[cols] (an imatrix entry) or None."""
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    use = importance is not None
-    imp = np.ascontiguousarray(importance, dtype=np.float32).reshape(-1) if use else np.zeros(1, np.float32)
-    rows, cols = x.shape
-    nb = cols // QK_K
-    d = np.empty((rows, nb), np.float32)
-    scales_h = np.empty((rows, nb), np.uint16)
-    scales_l = np.empty((rows, 4 * nb), np.uint8)
-    qs = np.empty((rows, 128 * nb), np.uint8)
-    iq4_xs_rows(x, imp, use, KVALUES_IQ4NL, d, scales_h, scales_l, qs)
-    return d.astype(np.float16), scales_h, scales_l, qs
-
-
-class IQ4_XS(Blocked):
+class IQ4_XS(SuperBlocked):
     """ggml IQ4_XS: 4-bit indices into a 16-level non-linear grid in 8 groups of 32, a
     6-bit scale per group, one f16 super-scale: 136 bytes per 256 values = 4.25 bits/weight."""
 
     name = "iq4_xs"
-    block = QK_K
     fields = (("d", "<f2", 1), ("scales_h", "<u2", 1), ("scales_l", "u1", 4), ("qs", "u1", 128))
-    kernel_parts = ("d", "scales_h", "scales_l", "qs")
     bits = 4.25
     ggml_type = "IQ4_XS"
     # llama.cpp's fallback is IQ4_NL (the same grid per 32); q4_0 has its size.
     fallback = "q4_0"
-    takes_imatrix = True
 
-    def encode_rows(self, x2, importance=None):
-        return quantize_iq4_xs(x2, importance)
+    dequantize = staticmethod(dequantize_iq4_xs)
 
-    def _decode(self, parts, shape):
-        return dequantize_iq4_xs(*(parts[n] for n, _, _ in self.fields)).reshape(shape)
+    def compiled_encoder(self):
+        return iq4_xs_rows, (KVALUES_IQ4NL,)

@@ -96,50 +96,57 @@ def _make_qkx2(x, w, L, Laux, nmax, rmin, rdelta, nstep):  # pragma: no cover - 
     return scale, -mn
 
 
-@njit(cache=True, nogil=True)
-def _make_qx(x, L, nmax, qw, use_qw):  # pragma: no cover - compiled
-    """make_qx_quants(n, nmax, x, L, rmse_type=1, qw): weights x^2 unless ``use_qw``."""
-    n = x.shape[0]
-    mx = _F0
+@njit(inline="always")
+def _signed_max(x):
+    """(max |x|, the value that has it): the first of equal magnitudes, as ggml's strict >."""
     amax = _F0
-    for i in range(n):
+    mx = _F0
+    for i in range(x.shape[0]):
         ax = abs(x[i])
         if ax > amax:
             amax = ax
             mx = x[i]
-    if amax < _EPS:
-        for i in range(n):
-            L[i] = 0
-        return _F0
-    iscale = np.float32(-nmax) / mx
+    return amax, mx
+
+
+@njit(inline="always")
+def _fit_levels(x, iscale, nmax, qw, use_qw, L, store):
+    """Levels nearest(iscale x) in [-nmax, nmax - 1] (into L when ``store``) and their
+    (sum w x l, sum w l^2), w = qw or, without ``use_qw``, x^2."""
     sumlx = _F0
     suml2 = _F0
-    for i in range(n):
+    for i in range(x.shape[0]):
         l = max(-nmax, min(nmax - 1, _nearest(iscale * x[i])))
-        L[i] = l + nmax
+        if store:
+            L[i] = l
         w = qw[i] if use_qw else x[i] * x[i]
         lf = np.float32(l)
         sumlx += w * x[i] * lf
         suml2 += w * lf * lf
+    return sumlx, suml2
+
+
+@njit(cache=True, nogil=True)
+def _make_qx(x, L, nmax, qw, use_qw):  # pragma: no cover - compiled
+    """make_qx_quants(n, nmax, x, L, rmse_type=1, qw): weights x^2 unless ``use_qw``."""
+    amax, mx = _signed_max(x)
+    if amax < _EPS:
+        L[:] = 0
+        return _F0
+    sumlx, suml2 = _fit_levels(x, np.float32(-nmax) / mx, nmax, qw, use_qw, L, True)
     scale = sumlx / suml2 if suml2 != _F0 else _F0
     best = scale * sumlx
     for st in range(-9, 10):
         if st == 0:
             continue
         iscale = -(np.float32(nmax) + np.float32(0.1) * np.float32(st)) / mx
-        sumlx = _F0
-        suml2 = _F0
-        for i in range(n):
-            l = max(-nmax, min(nmax - 1, _nearest(iscale * x[i])))
-            w = qw[i] if use_qw else x[i] * x[i]
-            lf = np.float32(l)
-            sumlx += w * x[i] * lf
-            suml2 += w * lf * lf
+        sumlx, suml2 = _fit_levels(x, iscale, nmax, qw, use_qw, L, False)
         if suml2 > _F0 and sumlx * sumlx > best * suml2:
-            for i in range(n):
-                L[i] = nmax + max(-nmax, min(nmax - 1, _nearest(iscale * x[i])))
+            _fit_levels(x, iscale, nmax, qw, use_qw, L, True)
             scale = sumlx / suml2
             best = scale * sumlx
+    for i in range(x.shape[0]):
+        L[i] += nmax
     return scale
 
 
@@ -218,60 +225,32 @@ def _qkx_block(x, o, imp, use_imp, nmax, rmin, rdelta, nstep, d_out, dmin_out, s
             L[32 * j + ii] = max(0, min(nmax, _nearest((x[o + 32 * j + ii] + dmj) / d)))
 
 
+# Q4_K: nmax 15, ggml's search from -1.0 in 20 steps of 0.1; Q5_K: nmax 31, from -0.5 in
+# 15 steps, the fifth bits to ``qh``. The packing is one: a Q4_K level never has one.
 @njit(cache=True, nogil=True, parallel=True)
-def q4k_rows(x, imp, use_imp, d, dmin, scales, qs):  # pragma: no cover - compiled
+def qkx_rows(x, imp, use_imp, nmax, rmin, rdelta, nstep, d, dmin, scales, qs, qh=None):  # pragma: no cover - compiled
     rows, cols = x.shape
     for r in prange(rows):
         L = np.empty(QK, np.int32)
+        h = np.empty(32, np.uint8)
         xr = x[r]
         for b in range(cols // QK):
-            o = b * QK
             _qkx_block(
                 xr,
-                o,
+                b * QK,
                 imp,
                 use_imp,
-                15,
-                np.float32(-1.0),
-                np.float32(0.1),
-                20,
+                nmax,
+                rmin,
+                rdelta,
+                nstep,
                 d[r, b : b + 1],
                 dmin[r, b : b + 1],
                 scales[r, 12 * b : 12 * b + 12],
                 L,
             )
             q = qs[r, 128 * b : 128 * b + 128]
-            for k in range(4):
-                for l in range(32):
-                    q[32 * k + l] = L[64 * k + l] | (L[64 * k + l + 32] << 4)
-
-
-@njit(cache=True, nogil=True, parallel=True)
-def q5k_rows(x, imp, use_imp, d, dmin, scales, qh, qs):  # pragma: no cover - compiled
-    rows, cols = x.shape
-    for r in prange(rows):
-        L = np.empty(QK, np.int32)
-        xr = x[r]
-        for b in range(cols // QK):
-            o = b * QK
-            _qkx_block(
-                xr,
-                o,
-                imp,
-                use_imp,
-                31,
-                np.float32(-0.5),
-                np.float32(0.1),
-                15,
-                d[r, b : b + 1],
-                dmin[r, b : b + 1],
-                scales[r, 12 * b : 12 * b + 12],
-                L,
-            )
-            h = qh[r, 32 * b : 32 * b + 32]
-            q = qs[r, 128 * b : 128 * b + 128]
-            for j in range(32):
-                h[j] = 0
+            h[:] = 0
             m1 = 1
             m2 = 2
             for k in range(4):
@@ -287,6 +266,8 @@ def q5k_rows(x, imp, use_imp, d, dmin, scales, qh, qs):  # pragma: no cover - co
                     q[32 * k + j] = l1 | (l2 << 4)
                 m1 <<= 2
                 m2 <<= 2
+            if qh is not None:
+                qh[r, 32 * b : 32 * b + 32] = h
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -347,53 +328,6 @@ def q6k_rows(x, imp, use_imp, ql, qh, scales, d):  # pragma: no cover - compiled
                     )
 
 
-def _prep(x: np.ndarray, importance: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, bool]:
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    if importance is None:
-        return x, np.zeros(1, np.float32), False
-    return x, np.ascontiguousarray(importance, dtype=np.float32).reshape(-1), True
-
-
-def quantize_q4k(x: np.ndarray, importance: np.ndarray | None = None) -> tuple[np.ndarray, ...]:
-    """f32[rows, cols] -> (d f16[rows, nb], dmin f16[rows, nb], scales u8[rows, 12 nb], qs u8[rows, 128 nb])."""
-    x, imp, use = _prep(x, importance)
-    rows, cols = x.shape
-    nb = cols // QK
-    d = np.empty((rows, nb), np.float32)
-    dmin = np.empty((rows, nb), np.float32)
-    scales = np.empty((rows, 12 * nb), np.uint8)
-    qs = np.empty((rows, 128 * nb), np.uint8)
-    q4k_rows(x, imp, use, d, dmin, scales, qs)
-    return d.astype(np.float16), dmin.astype(np.float16), scales, qs
-
-
-def quantize_q5k(x: np.ndarray, importance: np.ndarray | None = None) -> tuple[np.ndarray, ...]:
-    """f32[rows, cols] -> (d, dmin f16[rows, nb], scales u8[rows, 12 nb], qh u8[rows, 32 nb], qs u8[rows, 128 nb])."""
-    x, imp, use = _prep(x, importance)
-    rows, cols = x.shape
-    nb = cols // QK
-    d = np.empty((rows, nb), np.float32)
-    dmin = np.empty((rows, nb), np.float32)
-    scales = np.empty((rows, 12 * nb), np.uint8)
-    qh = np.empty((rows, 32 * nb), np.uint8)
-    qs = np.empty((rows, 128 * nb), np.uint8)
-    q5k_rows(x, imp, use, d, dmin, scales, qh, qs)
-    return d.astype(np.float16), dmin.astype(np.float16), scales, qh, qs
-
-
-def quantize_q6k(x: np.ndarray, importance: np.ndarray | None = None) -> tuple[np.ndarray, ...]:
-    """f32[rows, cols] -> (ql u8[rows, 128 nb], qh u8[rows, 64 nb], scales i8[rows, 16 nb], d f16[rows, nb])."""
-    x, imp, use = _prep(x, importance)
-    rows, cols = x.shape
-    nb = cols // QK
-    ql = np.empty((rows, 128 * nb), np.uint8)
-    qh = np.empty((rows, 64 * nb), np.uint8)
-    scales = np.empty((rows, 16 * nb), np.int8)
-    d = np.empty((rows, nb), np.float32)
-    q6k_rows(x, imp, use, ql, qh, scales, d)
-    return ql, qh, scales, d.astype(np.float16)
-
-
 # ---------------------------------------------------------------- q4_0 and q5 (blocks of 32)
 # Symmetric blocks: value = d * l, l in [lo, hi] (Q4_0: -8..7, Q5_0: -16..15), one f16 d
 # per 32 values. ggml's reference picks d = (the signed value of largest |x|) / lo; the
@@ -408,14 +342,16 @@ SYM_REFITS = 2
 
 
 @njit(inline="always")
-def _sym_levels(xb, w, dd, lo, hi, L):
-    """Levels of xb at scale dd (nearest, clamped to [lo, hi]) and their weighted squared error (f64)."""
+def _levels(xb, w, dd, mm, lo, hi, L):
+    """Levels of xb for the stored scale dd and min mm (nearest, clamped to [lo, hi]) and
+    their weighted squared error (f64). A symmetric block has mm = 0, which changes no
+    value: x - 0 and d l + 0 are x and d l."""
     inv = _F1 / dd if dd != _F0 else _F0
     err = 0.0
     for j in range(QB):
-        l = min(max(_nearest(xb[j] * inv), lo), hi)
+        l = min(max(_nearest((xb[j] - mm) * inv), lo), hi)
         L[j] = l
-        e = np.float64(xb[j] - dd * np.float32(l))  # the decoder's f32 product
+        e = np.float64(xb[j] - (dd * np.float32(l) + mm))  # the decoder's f32 operations
         err += np.float64(w[j]) * e * e
     return err
 
@@ -423,16 +359,9 @@ def _sym_levels(xb, w, dd, lo, hi, L):
 @njit(inline="always")
 def _sym_block(xb, w, lo, hi, factors, L, Lt):
     """The stored (f16-exact) scale of one block; its levels (in [lo, hi]) go to L."""
-    amax = _F0
-    mx = _F0
-    for j in range(QB):
-        a = abs(xb[j])
-        if amax < a:  # ggml's strict <: the first of equal magnitudes
-            amax = a
-            mx = xb[j]
+    amax, mx = _signed_max(xb)
     if amax == _F0:
-        for j in range(QB):
-            L[j] = 0
+        L[:] = 0
         return _F0
     # ggml's own choice, with its own rounding: trunc(x / d + off + 0.5), capped
     off = -lo
@@ -451,7 +380,7 @@ def _sym_block(xb, w, lo, hi, factors, L, Lt):
             c = _f16_round(mx / (end * factors[k]))
             if c == _F0:
                 continue
-            err = _sym_levels(xb, w, c, lo, hi, Lt)
+            err = _levels(xb, w, c, _F0, lo, hi, Lt)
             if err < best:
                 best = err
                 dd = c
@@ -469,7 +398,7 @@ def _sym_block(xb, w, lo, hi, factors, L, Lt):
         c = _f16_round(np.float32(sxl / sll))
         if c == _F0 or c == dd:
             break
-        err = _sym_levels(xb, w, c, lo, hi, Lt)
+        err = _levels(xb, w, c, _F0, lo, hi, Lt)
         if not err < best:
             break
         best = err
@@ -497,69 +426,6 @@ def _row_sigma2(xr):
     return s / np.float32(xr.shape[0])
 
 
-@njit(cache=True, nogil=True, parallel=True)
-def q4_0_rows(x, imp, use_imp, factors, d, qs):  # pragma: no cover - compiled
-    rows, cols = x.shape
-    for r in prange(rows):
-        L = np.empty(QB, np.int32)
-        Lt = np.empty(QB, np.int32)
-        w = np.empty(QB, np.float32)
-        xr = x[r]
-        sigma2 = _row_sigma2(xr) if use_imp else _F0
-        for b in range(cols // QB):
-            o = QB * b
-            _sym_weights(xr, o, imp, use_imp, sigma2, w)
-            d[r, b] = _sym_block(xr[o : o + QB], w, -8, 7, factors, L, Lt)
-            for j in range(16):
-                qs[r, 16 * b + j] = np.uint8((L[j] + 8) | ((L[j + 16] + 8) << 4))
-
-
-@njit(cache=True, nogil=True, parallel=True)
-def q5_rows(x, imp, use_imp, factors, d, qh, qs):  # pragma: no cover - compiled
-    rows, cols = x.shape
-    for r in prange(rows):
-        L = np.empty(QB, np.int32)
-        Lt = np.empty(QB, np.int32)
-        w = np.empty(QB, np.float32)
-        xr = x[r]
-        sigma2 = _row_sigma2(xr) if use_imp else _F0
-        for b in range(cols // QB):
-            o = QB * b
-            _sym_weights(xr, o, imp, use_imp, sigma2, w)
-            d[r, b] = _sym_block(xr[o : o + QB], w, -16, 15, factors, L, Lt)
-            h = np.uint32(0)
-            for j in range(16):
-                a = L[j] + 16
-                c = L[j + 16] + 16
-                qs[r, 16 * b + j] = np.uint8((a & 15) | ((c & 15) << 4))
-                h |= np.uint32((a >> 4) & 1) << np.uint32(j)
-                h |= np.uint32((c >> 4) & 1) << np.uint32(j + 16)
-            qh[r, b] = h
-
-
-def quantize_q4_0(x: np.ndarray, importance: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """f32[rows, cols] -> (d f16[rows, nb], qs u8[rows, cols/2]); the searched scale,
-    weighted by ``importance`` (ggml's imatrix weighting) when given."""
-    x, imp, use = _prep(x, importance)
-    rows, cols = x.shape
-    d = np.empty((rows, cols // QB), np.float32)
-    qs = np.empty((rows, cols // 2), np.uint8)
-    q4_0_rows(x, imp, use, SYM_FACTORS, d, qs)
-    return d.astype(np.float16), qs
-
-
-def quantize_q5_weighted(x: np.ndarray, importance: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """f32[rows, cols] -> Q5_0 (d f16[rows, nb], qh u32[rows, nb], qs u8[rows, cols/2]), the
-    scale searched to minimize the importance-weighted error (``--imatrix``)."""
-    x, imp, use = _prep(x, importance)
-    rows, cols = x.shape
-    d = np.empty((rows, cols // QB), np.float32)
-    qh = np.empty((rows, cols // QB), np.uint32)
-    qs = np.empty((rows, cols // 2), np.uint8)
-    q5_rows(x, imp, use, SYM_FACTORS, d, qh, qs)
-    return d.astype(np.float16), qh, qs
-
-
 # ---------------------------------------------------------------- q5_1 (blocks of 32, scale and min)
 # value = d * l + m, l in 0..31, d and m f16. The block's (d, m) is the best, by
 # squared error as decoded (importance-weighted with an imatrix), of: ggml's reference choice
@@ -573,19 +439,6 @@ ASYM_REFITS = 2
 
 
 @njit(inline="always")
-def _asym_levels(xb, w, dd, mm, nmax, L):
-    """Levels of xb for stored (dd, mm) (nearest, clamped to [0, nmax]) and their weighted squared error (f64)."""
-    inv = _F1 / dd if dd != _F0 else _F0
-    err = 0.0
-    for j in range(QB):
-        l = min(max(_nearest((xb[j] - mm) * inv), 0), nmax)
-        L[j] = l
-        e = np.float64(xb[j] - (dd * np.float32(l) + mm))  # the decoder's f32 operations
-        err += np.float64(w[j]) * e * e
-    return err
-
-
-@njit(inline="always")
 def _asym_block(xb, w, nmax, L, Lt, Laux):
     """The stored (f16-exact) scale and min of one block; its levels go to L."""
     mn = xb[0]
@@ -595,7 +448,7 @@ def _asym_block(xb, w, nmax, L, Lt, Laux):
         mx = max(mx, xb[j])
     dd = _f16_round((mx - mn) / np.float32(nmax))
     mm = _f16_round(mn)
-    best = _asym_levels(xb, w, dd, mm, nmax, L)
+    best = _levels(xb, w, dd, mm, 0, nmax, L)
     if mx == mn:
         return dd, mm
     # ggml's imatrix grid (make_qkx3_quants(32, nmax, ..., -0.9, 0.05, 36))
@@ -626,7 +479,7 @@ def _asym_block(xb, w, nmax, L, Lt, Laux):
         cm = _f16_round(-negmin)
         if c <= _F0:
             continue
-        err = _asym_levels(xb, w, c, cm, nmax, Lt)
+        err = _levels(xb, w, c, cm, 0, nmax, Lt)
         if err < best:
             best = err
             dd = c
@@ -636,8 +489,10 @@ def _asym_block(xb, w, nmax, L, Lt, Laux):
     return dd, mm
 
 
+# Q4_0 (levels -8..7), Q5_0 (-16..15, the fifth bits to ``qh``) and Q5_1 (a min ``m``,
+# levels 0..31): one row loop and one packing, each block's scale searched as above.
 @njit(cache=True, nogil=True, parallel=True)
-def q5_1_rows(x, imp, use_imp, d, m, qh, qs):  # pragma: no cover - compiled
+def rows32(x, imp, use_imp, factors, lo, hi, d, qs, m=None, qh=None):  # pragma: no cover - compiled
     rows, cols = x.shape
     for r in prange(rows):
         L = np.empty(QB, np.int32)
@@ -648,27 +503,18 @@ def q5_1_rows(x, imp, use_imp, d, m, qh, qs):  # pragma: no cover - compiled
         sigma2 = _row_sigma2(xr) if use_imp else _F0
         for b in range(cols // QB):
             o = QB * b
-            _sym_weights(xr, o, imp, use_imp, sigma2, w)  # ggml's quantize_q5_1 weighs as Q5_0
-            d[r, b], m[r, b] = _asym_block(xr[o : o + QB], w, 31, L, Lt, Laux)
+            # ggml's Q4_0, Q5_0 and Q5_1 weigh alike
+            _sym_weights(xr, o, imp, use_imp, sigma2, w)
+            if m is None:
+                d[r, b] = _sym_block(xr[o : o + QB], w, lo, hi, factors, L, Lt)
+            else:
+                d[r, b], m[r, b] = _asym_block(xr[o : o + QB], w, hi, L, Lt, Laux)
             h = np.uint32(0)
             for j in range(16):
-                a = L[j]
-                c = L[j + 16]
+                a = L[j] - lo
+                c = L[j + 16] - lo
                 qs[r, 16 * b + j] = np.uint8((a & 15) | ((c & 15) << 4))
                 h |= np.uint32((a >> 4) & 1) << np.uint32(j)
                 h |= np.uint32((c >> 4) & 1) << np.uint32(j + 16)
-            qh[r, b] = h
-
-
-def quantize_q5_1(x: np.ndarray, importance: np.ndarray | None = None) -> tuple[np.ndarray, ...]:
-    """f32[rows, cols] -> Q5_1 (d, m f16[rows, nb], qh u32[rows, nb], qs u8[rows, cols/2]),
-    scale and min searched to minimize the squared error, weighted by ``importance``
-    (ggml's imatrix weighting) when given."""
-    x, imp, use = _prep(x, importance)
-    rows, cols = x.shape
-    d = np.empty((rows, cols // QB), np.float32)
-    m = np.empty((rows, cols // QB), np.float32)
-    qh = np.empty((rows, cols // QB), np.uint32)
-    qs = np.empty((rows, cols // 2), np.uint8)
-    q5_1_rows(x, imp, use, d, m, qh, qs)
-    return d.astype(np.float16), m.astype(np.float16), qh, qs
+            if qh is not None:
+                qh[r, b] = h

@@ -25,13 +25,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from formats.kquant_kernels import _importance_weights, _make_qx
+from formats.kquant_kernels import _EPS, _F0, _F1, _fit_levels, _importance_weights, _make_qx, _nearest, _signed_max
 from formats.quant_kernels import _f16_round
-from formats.quants import QK_K, Blocked
-
-_F0 = np.float32(0.0)
-_F1 = np.float32(1.0)
-_EPS = np.float32(1e-15)  # ggml's GROUP_MAX_EPS
+from formats.quants import QK_K, SuperBlocked
 
 
 def scales_q3k(scales: np.ndarray) -> np.ndarray:
@@ -59,38 +55,16 @@ def dequantize_q3k(hmask, qs, scales, d) -> np.ndarray:
 # ---------------------------------------------------------------- the encoder
 
 
-@njit(inline="always")
-def _nearest(v):
-    """ggml's nearest_int: round half to even."""
-    return np.int32(np.rint(v))
-
-
 @njit(cache=True, nogil=True)
 def _make_q3(x, L):  # pragma: no cover - compiled
     """make_q3_quants(16, 4, x, L, do_rmse=true): L in 0..7, returns the scale."""
     n = x.shape[0]
     nmax = 4
-    mx = _F0
-    amax = _F0
-    for i in range(n):
-        ax = abs(x[i])
-        if ax > amax:
-            amax = ax
-            mx = x[i]
+    amax, mx = _signed_max(x)
     if amax < _EPS:
-        for i in range(n):
-            L[i] = 0
+        L[:] = 0
         return _F0
-    iscale = np.float32(-nmax) / mx
-    sumlx = _F0
-    suml2 = _F0
-    for i in range(n):
-        l = max(-nmax, min(nmax - 1, _nearest(iscale * x[i])))
-        L[i] = l
-        w = x[i] * x[i]
-        lf = np.float32(l)
-        sumlx += w * x[i] * lf
-        suml2 += w * lf * lf
+    sumlx, suml2 = _fit_levels(x, np.float32(-nmax) / mx, nmax, x, False, L, True)
     for _ in range(5):
         changed = 0
         for i in range(n):
@@ -189,39 +163,18 @@ def q3k_rows(x, imp, use_imp, hmask, qs, scales, d):  # pragma: no cover - compi
                     qs[r, 64 * b + 32 * h + l] = L[j] | (L[j + 32] << 2) | (L[j + 64] << 4) | (L[j + 96] << 6)
 
 
-def quantize_q3k(x: np.ndarray, importance: np.ndarray | None = None) -> tuple[np.ndarray, ...]:
-    """f32[rows, cols] -> (hmask u8[rows, 32 nb], qs u8[rows, 64 nb], scales u8[rows, 12 nb],
-    d f16[rows, nb]); ``importance`` f32[cols] (an imatrix entry) or None."""
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    use = importance is not None
-    imp = np.ascontiguousarray(importance, dtype=np.float32).reshape(-1) if use else np.zeros(1, np.float32)
-    rows, cols = x.shape
-    nb = cols // QK_K
-    hmask = np.empty((rows, 32 * nb), np.uint8)
-    qs = np.empty((rows, 64 * nb), np.uint8)
-    scales = np.empty((rows, 12 * nb), np.uint8)
-    d = np.empty((rows, nb), np.float32)
-    q3k_rows(x, imp, use, hmask, qs, scales, d)
-    return hmask, qs, scales, d.astype(np.float16)
-
-
-class Q3K(Blocked):
+class Q3K(SuperBlocked):
     """ggml Q3_K: 3-bit values in 16 groups of 16, a 6-bit scale per group, one f16
     super-scale: 110 bytes per 256 values = 3.4375 bits/weight."""
 
     name = "q3k"
-    aliases = ("q3_k",)
-    block = QK_K
     fields = (("hmask", "u1", 32), ("qs", "u1", 64), ("scales", "u1", 12), ("d", "<f2", 1))
-    kernel_parts = ("hmask", "qs", "scales", "d")
     bits = 3.4375
     ggml_type = "Q3_K"
     # llama.cpp's fallback is IQ4_NL; q4_0 has its size.
     fallback = "q4_0"
-    takes_imatrix = True
 
-    def encode_rows(self, x2, importance=None):
-        return quantize_q3k(x2, importance)
+    dequantize = staticmethod(dequantize_q3k)
 
-    def _decode(self, parts, shape):
-        return dequantize_q3k(*(parts[n] for n, _, _ in self.fields)).reshape(shape)
+    def compiled_encoder(self):
+        return q3k_rows, ()

@@ -145,22 +145,10 @@ def _q4_rows(x, d, m, qs):  # pragma: no cover - compiled
 
 # Reassociation lets the sums vectorize; the element errors themselves are exact.
 @njit(cache=True, nogil=True, fastmath={"reassoc"})
-def _q8_error(x, d, qs):  # pragma: no cover - compiled
-    rows, cols = x.shape
-    err = 0.0
-    ref = 0.0
-    for r in range(rows):
-        for b in range(cols // QB):
-            dd = d[r, b]
-            for j in range(b * QB, (b + 1) * QB):
-                e = np.float64(np.float32(qs[r, j]) * dd - x[r, j])
-                err += e * e
-                ref += np.float64(x[r, j]) * np.float64(x[r, j])
-    return err, ref
-
-
-@njit(cache=True, nogil=True, fastmath={"reassoc"})
-def _q4_error(x, d, m, qs):  # pragma: no cover - compiled
+def _affine_error(x, d, m, qs, nibbles):  # pragma: no cover - compiled
+    """(sum of squared errors, sum of squared values) of blocks of 32 decoding to
+    q * d + m: q8's levels are qs itself (m = 0), q4's the nibbles of qs (element j in
+    the low nibble of byte j, j + 16 in its high nibble)."""
     rows, cols = x.shape
     err = 0.0
     ref = 0.0
@@ -168,15 +156,15 @@ def _q4_error(x, d, m, qs):  # pragma: no cover - compiled
         for b in range(cols // QB):
             dd = d[r, b]
             mm = m[r, b]
-            o = b * QB
-            for j in range(QB // 2):
-                p = qs[r, o // 2 + j]
-                lo = x[r, o + j]
-                hi = x[r, o + j + 16]
-                e0 = np.float64(np.float32(p & 15) * dd + mm - lo)
-                e1 = np.float64(np.float32(p >> 4) * dd + mm - hi)
-                err += e0 * e0 + e1 * e1
-                ref += np.float64(lo) * np.float64(lo) + np.float64(hi) * np.float64(hi)
+            for j in range(QB):
+                if nibbles:
+                    q = np.float32((qs[r, b * 16 + j % 16] >> (4 * (j // 16))) & 15)
+                else:
+                    q = np.float32(qs[r, b * QB + j])
+                v = x[r, b * QB + j]
+                e = np.float64(q * dd + mm - v)
+                err += e * e
+                ref += np.float64(v) * np.float64(v)
     return err, ref
 
 
@@ -216,11 +204,12 @@ def quantize_q4(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 def q8_error(x: np.ndarray, d: np.ndarray, qs: np.ndarray) -> tuple[float, float]:
     """(sum of squared errors, sum of squared values) of a q8 encoding of ``x`` [rows, cols]."""
-    return _q8_error(np.ascontiguousarray(x, np.float32), d.astype(np.float32), qs)
+    d32 = d.astype(np.float32)
+    return _affine_error(np.ascontiguousarray(x, np.float32), d32, np.zeros_like(d32), qs, False)
 
 
 def q4_error(x: np.ndarray, d: np.ndarray, m: np.ndarray, qs: np.ndarray) -> tuple[float, float]:
-    return _q4_error(np.ascontiguousarray(x, np.float32), d.astype(np.float32), m.astype(np.float32), qs)
+    return _affine_error(np.ascontiguousarray(x, np.float32), d.astype(np.float32), m.astype(np.float32), qs, True)
 
 
 @njit(cache=True, parallel=True)

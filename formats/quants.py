@@ -45,7 +45,7 @@ decodes with ggml's Q8_0 formula.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Callable, ClassVar
 
 import numpy as np
 
@@ -398,27 +398,31 @@ class BF16(_Dense):
         return bf16_to_f32(parts["data"]).reshape(shape)
 
 
-class U8(_Dense):
-    """Raw bytes (embedded files such as tokenizer.json)."""
+class _Raw(_Dense):
+    """Values stored as they are, read back as they are: data, not a weight matrix."""
 
-    name = "u8"
-    store = np.dtype("u1")
     matrix = False
-    bits = 8.0
-
-    def encode(self, x: np.ndarray, importance: np.ndarray | None = None) -> list[np.ndarray]:
-        return [np.ascontiguousarray(x, dtype=np.uint8).reshape(-1)]
 
     def _decode(self, parts, shape):
         return np.array(parts["data"]).reshape(shape)
 
 
-class I32(_Dense):
+class U8(_Raw):
+    """Raw bytes (embedded files such as tokenizer.json)."""
+
+    name = "u8"
+    store = np.dtype("u1")
+    bits = 8.0
+
+    def encode(self, x: np.ndarray, importance: np.ndarray | None = None) -> list[np.ndarray]:
+        return [np.ascontiguousarray(x, dtype=np.uint8).reshape(-1)]
+
+
+class I32(_Raw):
     """Signed 32-bit integers, little-endian (id tables such as an MTP draft vocabulary)."""
 
     name = "i32"
     store = np.dtype("<i4")
-    matrix = False
     bits = 32.0
 
     def encode(self, x: np.ndarray, importance: np.ndarray | None = None) -> list[np.ndarray]:
@@ -428,9 +432,6 @@ class I32(_Dense):
         if a.size and (int(a.min()) < -(2**31) or int(a.max()) >= 2**31):
             raise CortiqError("i32 value out of the 32-bit range")
         return [np.ascontiguousarray(a, dtype="<i4").reshape(-1)]
-
-    def _decode(self, parts, shape):
-        return np.array(parts["data"]).reshape(shape)
 
 
 class Blocked(DType):
@@ -468,13 +469,43 @@ class Blocked(DType):
             )
         return super().encode(x, importance)
 
+    def __init_subclass__(cls, **kwargs) -> None:
+        # llama.cpp's lower-case type name is another spelling of the dtype (q8_0 -> q8).
+        ggml = cls.__dict__.get("ggml_type")
+        if ggml and ggml.lower() != cls.__dict__.get("name") and "aliases" not in cls.__dict__:
+            cls.aliases = (ggml.lower(),)
+        super().__init_subclass__(**kwargs)
+
+    @property
+    def kernel_parts(self) -> tuple[str, ...]:  # type: ignore[override]
+        """Every part, in ``fields`` order: the kernels take a block's fields as they are."""
+        return tuple(n for n, _, _ in self.fields)
+
     def _encode(self, x32, shape, importance):
         return list(self.encode_rows(x32.reshape(rows_cols(shape)), importance))
 
     def encode_rows(self, x2: np.ndarray, importance: np.ndarray | None = None) -> tuple[np.ndarray, ...]:
         """f32[rows, cols] -> the parts, in order; ``importance`` (f32[cols], per input
-        column) weights the encoder's error where the dtype's search uses weights."""
+        column) weights the encoder's error where the dtype's search uses weights.
+
+        The compiled encoder (``compiled_encoder``) fills the parts, which it takes by
+        their field names; f16 parts are computed in f32 and rounded once here."""
+        kernel, consts = self.compiled_encoder()
+        x2 = np.ascontiguousarray(x2, dtype=np.float32)
+        use = importance is not None
+        imp = np.ascontiguousarray(importance, dtype=np.float32).reshape(-1) if use else np.zeros(1, np.float32)
+        rows, cols = x2.shape
+        nb = cols // self.block
+        parts = {n: np.empty((rows, k * nb), np.float32 if dt == "<f2" else dt) for n, dt, k in self.fields}
+        kernel(x2, imp, use, *consts, **parts)
+        return tuple(a.astype(np.float16) if dt == "<f2" else a for a, (_, dt, _) in zip(parts.values(), self.fields))
+
+    def compiled_encoder(self) -> tuple[Callable[..., None], tuple]:
+        """(kernel, the constants it takes after x, importance and its flag)."""
         raise NotImplementedError
+
+    def _decode(self, parts, shape):
+        return self.dequantize(*(parts[n] for n, _, _ in self.fields)).reshape(shape)
 
     def from_ggml(self, blocks: np.ndarray) -> list[np.ndarray]:
         """GGML blocks uint8[rows, nb, block_bytes] -> our parts, byte for byte."""
@@ -498,49 +529,12 @@ class Blocked(DType):
         )
 
 
-class Q8(Blocked):
-    """llama.cpp Q8_0 semantics: ``d`` f16[rows, nb], ``qs`` int8[rows, cols]; value = d * q;
-    per block of 32 the encoder picks d = f16(max|x| / k), k from ``Q8_DIVISORS``, with
-    the least squared error, q = clip(round-half-away(x / d), +-127)."""
-
-    name = "q8"
-    fields = (("d", "<f2", 1), ("qs", "i1", QBLOCK))
-    kernel_parts = ("d", "qs")
-    bits = 8.5
-    ggml_type = "Q8_0"
-    aliases = ("q8_0",)
+class _OnePass(Blocked):
+    """q8 and q4: the compiled encoder and error meter (``formats.quant_kernels``
+    ``quantize_NAME`` and ``NAME_error``), the numpy reference where numba is missing."""
 
     def encode_rows(self, x2, importance=None):
-        return (_kernels() or _reference).quantize_q8(x2)
-
-    def _decode(self, parts, shape):
-        return dequantize_q8(parts["d"], parts["qs"]).reshape(shape)
-
-    def error(self, x, parts):
-        fast = _kernels()
-        if fast is None:
-            return super().error(x, parts)
-        named = self.named(parts, tuple(x.shape))
-        return fast.q8_error(np.ascontiguousarray(x, np.float32).reshape(rows_cols(x.shape)), named["d"], named["qs"])
-
-
-class Q4(Blocked):
-    """llama.cpp Q4_1 semantics: ``d``, ``m`` f16[rows, nb], ``qs`` uint8[rows, cols/2];
-    within a block of 32, byte j holds element j in its low nibble and element j+16
-    in its high nibble; value = d * q + m, q in 0..15."""
-
-    name = "q4"
-    fields = (("d", "<f2", 1), ("m", "<f2", 1), ("qs", "u1", QBLOCK // 2))
-    kernel_parts = ("d", "m", "qs")
-    bits = 5.0
-    ggml_type = "Q4_1"
-    aliases = ("q4_1",)
-
-    def encode_rows(self, x2, importance=None):
-        return (_kernels() or _reference).quantize_q4(x2)
-
-    def _decode(self, parts, shape):
-        return dequantize_q4(parts["d"], parts["m"], parts["qs"]).reshape(shape)
+        return getattr(_kernels() or _reference, f"quantize_{self.name}")(x2)
 
     def error(self, x, parts):
         fast = _kernels()
@@ -548,7 +542,31 @@ class Q4(Blocked):
             return super().error(x, parts)
         named = self.named(parts, tuple(x.shape))
         x2 = np.ascontiguousarray(x, np.float32).reshape(rows_cols(x.shape))
-        return fast.q4_error(x2, named["d"], named["m"], named["qs"])
+        return getattr(fast, f"{self.name}_error")(x2, *(named[n] for n in self.kernel_parts))
+
+
+class Q8(_OnePass):
+    """llama.cpp Q8_0 semantics: ``d`` f16[rows, nb], ``qs`` int8[rows, cols]; value = d * q;
+    per block of 32 the encoder picks d = f16(max|x| / k), k from ``Q8_DIVISORS``, with
+    the least squared error, q = clip(round-half-away(x / d), +-127)."""
+
+    name = "q8"
+    fields = (("d", "<f2", 1), ("qs", "i1", QBLOCK))
+    bits = 8.5
+    ggml_type = "Q8_0"
+    dequantize = staticmethod(dequantize_q8)
+
+
+class Q4(_OnePass):
+    """llama.cpp Q4_1 semantics: ``d``, ``m`` f16[rows, nb], ``qs`` uint8[rows, cols/2];
+    within a block of 32, byte j holds element j in its low nibble and element j+16
+    in its high nibble; value = d * q + m, q in 0..15."""
+
+    name = "q4"
+    fields = (("d", "<f2", 1), ("m", "<f2", 1), ("qs", "u1", QBLOCK // 2))
+    bits = 5.0
+    ggml_type = "Q4_1"
+    dequantize = staticmethod(dequantize_q4)
 
 
 def quantize_q5(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -580,7 +598,20 @@ def dequantize_q5(d: np.ndarray, qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
     return (d.astype(np.float32)[:, :, None] * q.astype(np.float32)).reshape(rows, nb * QBLOCK)
 
 
-class Q5(Blocked):
+class _Searched32(Blocked):
+    """A block of 32 whose scale (and min) the compiled encoder searches
+    (``formats.kquant_kernels.rows32``): ``levels`` is the range of its stored levels."""
+
+    takes_imatrix = True
+    levels: ClassVar[tuple[int, int]]
+
+    def compiled_encoder(self):
+        from formats.kquant_kernels import SYM_FACTORS, rows32
+
+        return rows32, (SYM_FACTORS, *self.levels)
+
+
+class Q5(_Searched32):
     """llama.cpp Q5_0 semantics: ``d`` f16[rows, nb], ``qh`` uint32[rows, nb] (the fifth
     bits), ``qs`` uint8[rows, cols/2] (nibbles as q4); value = d * (q - 16), q in 0..31:
     22 bytes per 32 values = 5.5 bits/weight. The K-quants fall back to it (as
@@ -589,21 +620,13 @@ class Q5(Blocked):
 
     name = "q5"
     fields = (("d", "<f2", 1), ("qh", "<u4", 1), ("qs", "u1", QBLOCK // 2))
-    kernel_parts = ("d", "qh", "qs")
     bits = 5.5
     ggml_type = "Q5_0"
-    aliases = ("q5_0",)
-    takes_imatrix = True
+    levels = (-16, 15)
+    dequantize = staticmethod(dequantize_q5)
 
     def encode_rows(self, x2, importance=None):
-        if importance is None:
-            return quantize_q5(x2)
-        from formats import kquant_kernels
-
-        return kquant_kernels.quantize_q5_weighted(x2, importance)
-
-    def _decode(self, parts, shape):
-        return dequantize_q5(parts["d"], parts["qh"], parts["qs"]).reshape(shape)
+        return quantize_q5(x2) if importance is None else super().encode_rows(x2, importance)
 
 
 def quantize_q5_1_ggml(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -641,29 +664,21 @@ def dequantize_q5_1(d: np.ndarray, m: np.ndarray, qh: np.ndarray, qs: np.ndarray
     return out.reshape(rows, nb * QBLOCK)
 
 
-class Q5_1(Blocked):
+class Q5_1(_Searched32):
     """llama.cpp Q5_1 semantics: ``d``, ``m`` f16[rows, nb], ``qh`` uint32[rows, nb] (the
     fifth bits), ``qs`` uint8[rows, cols/2] (nibbles as q4); value = d * q + m, q in
     0..31: 24 bytes per 32 values = 6.0 bits/weight. q5k falls back to it (as
     llama.cpp's Q5_K does) where a row is not a multiple of 256. The encoder searches
-    scale and min (``formats.kquant_kernels.quantize_q5_1``), ggml's reference choice
+    scale and min (``formats.kquant_kernels.rows32``), ggml's reference choice
     among the candidates, by squared error or, with an imatrix, importance-weighted
     error; ``quantize_q5_1_ggml`` is ggml's reference encoder bit for bit."""
 
     name = "q5_1"
     fields = (("d", "<f2", 1), ("m", "<f2", 1), ("qh", "<u4", 1), ("qs", "u1", QBLOCK // 2))
-    kernel_parts = ("d", "m", "qh", "qs")
     bits = 6.0
     ggml_type = "Q5_1"
-    takes_imatrix = True
-
-    def encode_rows(self, x2, importance=None):
-        from formats import kquant_kernels
-
-        return kquant_kernels.quantize_q5_1(x2, importance)
-
-    def _decode(self, parts, shape):
-        return dequantize_q5_1(parts["d"], parts["m"], parts["qh"], parts["qs"]).reshape(shape)
+    levels = (0, 31)
+    dequantize = staticmethod(dequantize_q5_1)
 
 
 def quantize_q4_0_ggml(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -691,7 +706,7 @@ def dequantize_q4_0(d: np.ndarray, qs: np.ndarray) -> np.ndarray:
     return (d.astype(np.float32)[:, :, None] * q.astype(np.float32)).reshape(rows, nb * QBLOCK)
 
 
-class Q4_0(Blocked):
+class Q4_0(_Searched32):
     """llama.cpp Q4_0 semantics: ``d`` f16[rows, nb], ``qs`` uint8[rows, cols/2] (nibbles as
     q4); value = d * (q - 8), q in 0..15: 18 bytes per 32 values = 4.5 bits/weight, for
     rows no K-quant fits. The encoder searches the scale (``formats.kquant_kernels``):
@@ -699,18 +714,10 @@ class Q4_0(Blocked):
 
     name = "q4_0"
     fields = (("d", "<f2", 1), ("qs", "u1", QBLOCK // 2))
-    kernel_parts = ("d", "qs")
     bits = 4.5
     ggml_type = "Q4_0"
-    takes_imatrix = True
-
-    def encode_rows(self, x2, importance=None):
-        from formats import kquant_kernels
-
-        return kquant_kernels.quantize_q4_0(x2, importance)
-
-    def _decode(self, parts, shape):
-        return dequantize_q4_0(parts["d"], parts["qs"]).reshape(shape)
+    levels = (-8, 7)
+    dequantize = staticmethod(dequantize_q4_0)
 
 
 # ---------------------------------------------------------------- K-quants
@@ -719,6 +726,13 @@ class Q4_0(Blocked):
 # follows gguf-py's numpy (the same f32 operations), so it matches it bit for bit.
 
 QK_K = 256
+
+
+class SuperBlocked(Blocked):
+    """A super-block type (256 values): every one searches its scales, imatrix-aware."""
+
+    block = QK_K
+    takes_imatrix = True
 
 
 def _k4_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -772,59 +786,55 @@ def dequantize_q6k(ql, qh, scales, d) -> np.ndarray:
     return (dl * q.reshape(n, 16, 16).astype(np.float32)).reshape(rows, -1)
 
 
-class _KQuant(Blocked):
-    block = QK_K
-    takes_imatrix = True
-
-    def encode_rows(self, x2, importance=None):
-        from formats import kquant_kernels
-
-        return getattr(kquant_kernels, f"quantize_{self.name}")(x2, importance)
-
-    def _decode(self, parts, shape):
-        return self.dequantize(*(parts[n] for n, _, _ in self.fields)).reshape(shape)
-
-
-class Q6K(_KQuant):
+class Q6K(SuperBlocked):
     """ggml Q6_K: 6-bit values in 16 groups of 16, an 8-bit scale per group, one f16
     super-scale: 210 bytes per 256 values = 6.5625 bits/weight."""
 
     name = "q6k"
     fields = (("ql", "u1", 128), ("qh", "u1", 64), ("scales", "i1", 16), ("d", "<f2", 1))
-    kernel_parts = ("ql", "qh", "scales", "d")
     bits = 6.5625
     ggml_type = "Q6_K"
-    aliases = ("q6_k",)
     fallback = "q8"
     dequantize = staticmethod(dequantize_q6k)
 
+    def compiled_encoder(self):
+        from formats.kquant_kernels import q6k_rows
 
-class Q5K(_KQuant):
+        return q6k_rows, ()
+
+
+class Q5K(SuperBlocked):
     """ggml Q5_K: 5-bit values in 8 groups of 32, 6-bit scale and min per group, f16
     super-scale and super-min: 176 bytes per 256 values = 5.5 bits/weight."""
 
     name = "q5k"
     fields = (("d", "<f2", 1), ("dmin", "<f2", 1), ("scales", "u1", 12), ("qh", "u1", 32), ("qs", "u1", 128))
-    kernel_parts = ("d", "dmin", "scales", "qh", "qs")
     bits = 5.5
     ggml_type = "Q5_K"
-    aliases = ("q5_k",)
     fallback = "q5_1"
     dequantize = staticmethod(dequantize_q5k)
 
+    def compiled_encoder(self):
+        from formats.kquant_kernels import qkx_rows
 
-class Q4K(_KQuant):
+        return qkx_rows, (31, np.float32(-0.5), np.float32(0.1), 15)
+
+
+class Q4K(SuperBlocked):
     """ggml Q4_K: 4-bit values in 8 groups of 32, 6-bit scale and min per group, f16
     super-scale and super-min: 144 bytes per 256 values = 4.5 bits/weight."""
 
     name = "q4k"
     fields = (("d", "<f2", 1), ("dmin", "<f2", 1), ("scales", "u1", 12), ("qs", "u1", 128))
-    kernel_parts = ("d", "dmin", "scales", "qs")
     bits = 4.5
     ggml_type = "Q4_K"
-    aliases = ("q4_k",)
     fallback = "q5"
     dequantize = staticmethod(dequantize_q4k)
+
+    def compiled_encoder(self):
+        from formats.kquant_kernels import qkx_rows
+
+        return qkx_rows, (15, np.float32(-1.0), np.float32(0.1), 20)
 
 
 class _Reference:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Any, Iterator
 
 import numpy as np
@@ -286,6 +286,8 @@ def sanitized_shapes(shapes: dict[str, tuple[int, ...]], rules: SanitizeRules = 
 
 
 # ------------------------------------------------------------------ interleaved fused experts
+# A fused projection's parts: (name, first row, row step); gate_up interleaves its halves.
+_EXPERT_PARTS = {"gate_up_proj": (("gate_proj", 0, 2), ("up_proj", 1, 2)), "down_proj": (("down_proj", 0, 1),)}
 _INTERLEAVED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?$")
 
 
@@ -349,21 +351,15 @@ class InterleavedExperts(SanitizedCheckpoint):
                         f"tensor {plain} has shape {list(shape)}: expected 3 dimensions [experts, in, out]"
                     )
                 e, inner, outer = shape  # [E, in, out]: row r of the engine's weight is column r
-                if proj == "gate_up_proj":
-                    if outer % 2:
-                        raise CortiqError(
-                            f"tensor {plain} has shape {list(shape)}: expected [experts, hidden, 2 * intermediate]"
-                        )
-                    for k in range(e):
-                        for half, name in ((0, "gate_proj"), (1, "up_proj")):
-                            out[f"{base}.{k}.{name}.weight"] = _View(
-                                plain, (outer // 2, inner), self._source_dtype(plain), self._columns(plain, k, half, 2)
-                            )
-                else:
-                    for k in range(e):
-                        out[f"{base}.{k}.down_proj.weight"] = _View(
-                            plain, (outer, inner), self._source_dtype(plain), self._columns(plain, k, 0, 1)
-                        )
+                if proj == "gate_up_proj" and outer % 2:
+                    raise CortiqError(
+                        f"tensor {plain} has shape {list(shape)}: expected [experts, hidden, 2 * intermediate]"
+                    )
+                out.update(
+                    self._split(
+                        base, proj, plain, self._source_dtype(plain), e, (outer, inner), partial(self._columns, plain)
+                    )
+                )
             elif blocks is not None:
                 bshape = tuple(int(d) for d in ck.shape(blocks))
                 sshape = tuple(int(d) for d in ck.shape(scales))
@@ -375,34 +371,36 @@ class InterleavedExperts(SanitizedCheckpoint):
                         f"MXFP4 tensor {blocks} has shape {list(bshape)}: expected [experts, out, groups, 16]"
                     )
                 e, rows, cols = shape
-                if proj == "gate_up_proj":
-                    if rows % 2:
-                        raise CortiqError(
-                            f"MXFP4 tensor {blocks} has {rows} rows per expert: expected 2 * intermediate"
-                        )
-                    for k in range(e):
-                        for half, name in ((0, "gate_proj"), (1, "up_proj")):
-                            out[f"{base}.{k}.{name}.weight"] = _View(
-                                blocks, (rows // 2, cols), "BF16", self._mxfp4_rows(blocks, scales, k, half, 2)
-                            )
-                else:
-                    for k in range(e):
-                        out[f"{base}.{k}.down_proj.weight"] = _View(
-                            blocks, (rows, cols), "BF16", self._mxfp4_rows(blocks, scales, k, 0, 1)
-                        )
+                if proj == "gate_up_proj" and rows % 2:
+                    raise CortiqError(f"MXFP4 tensor {blocks} has {rows} rows per expert: expected 2 * intermediate")
+                out.update(
+                    self._split(base, proj, blocks, "BF16", e, (rows, cols), partial(self._mxfp4_rows, blocks, scales))
+                )
             bias = parts.get(proj + "_bias")
             if bias is not None:
                 shape = tuple(int(d) for d in ck.shape(bias))
                 if len(shape) != 2 or (proj == "gate_up_proj" and shape[1] % 2):
                     width = "2 * intermediate" if proj == "gate_up_proj" else "hidden"
                     raise CortiqError(f"tensor {bias} has shape {list(shape)}: expected [experts, {width}]")
-                names = (("gate_proj", 0, 2), ("up_proj", 1, 2)) if proj == "gate_up_proj" else (("down_proj", 0, 1),)
                 for k in range(shape[0]):
-                    for name, half, step in names:
+                    for name, half, step in _EXPERT_PARTS[proj]:
                         out[f"{base}.{k}.{name}.bias"] = _View(
                             bias, (shape[1] // step,), self._source_dtype(bias), self._bias(bias, k, half, step)
                         )
         return out
+
+    @staticmethod
+    def _split(
+        base: str, proj: str, src: str, dtype: str, experts: int, shape: tuple[int, int], reader
+    ) -> dict[str, _View]:
+        """Each expert's weight views of one fused projection: ``reader(k, first, step)``
+        reads rows first + step * r of expert k, [rows, cols] = ``shape`` before the split."""
+        rows, cols = shape
+        return {
+            f"{base}.{k}.{name}.weight": _View(src, (rows // step, cols), dtype, reader(k, first, step))
+            for k in range(experts)
+            for name, first, step in _EXPERT_PARTS[proj]
+        }
 
     def _source_dtype(self, src: str) -> str:
         return self._ck.source_dtype(src)

@@ -20,6 +20,8 @@ import re
 import shutil
 import stat
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from formats.errors import CortiqError
@@ -147,6 +149,24 @@ def _lock(path: Path) -> int | None:
 def hold(path: Path) -> Held:
     """Mark ``path`` (just created by this process) as in use."""
     return Held(_lock(path))
+
+
+@contextmanager
+def staged_file(path: Path) -> Iterator[tuple[int, Path]]:
+    """A new staging file beside ``path`` (its open fd and its name), renamed over
+    ``path`` when the block succeeds and removed when it raises. What dead runs left
+    on ``path`` goes first."""
+    remove_stale(path)
+    fd, tmp = new_temp(path)
+    held = hold(tmp)  # a later run removes it only once this process is gone
+    try:
+        yield fd, tmp
+        place(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    finally:
+        held.release()
 
 
 def stale_pattern(name: str) -> re.Pattern[str]:
