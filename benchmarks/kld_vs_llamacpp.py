@@ -226,7 +226,8 @@ def score_cmf(path: Path, ref_path: Path, threads: int) -> dict:
     """cortiq's own quantization against the same reference: ``cortiq ppl PATH --ref REF``."""
     from quant_bits import cmf_bits
 
-    cmd = [sys.executable, "-m", "cortiq_cli.main", "ppl", str(path), "--ref", str(ref_path)]
+    # Absolute paths: the command runs from the repository, for its package.
+    cmd = [sys.executable, "-m", "cortiq_cli.main", "ppl", str(path.resolve()), "--ref", str(ref_path.resolve())]
     t0 = time.perf_counter()
     proc = subprocess.run(
         [*cmd, "--threads", str(threads), "--json"], capture_output=True, text=True, cwd=REPO, check=False
