@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 from formats.errors import CortiqError
-from formats.untrusted_json import open_regular
+from formats.untrusted_json import MAX_BYTES, open_regular
 from evals.corpora import DOWNLOADED_CORPORA
 
 DATA_DIR = Path(__file__).parent / "data"
@@ -225,7 +225,9 @@ def _json_column(path: Path, col: str) -> Iterator[object]:
     first = next(blocks, "")
     if path.suffix.lower() in _JSONL or not first.lstrip().startswith("["):
         records = _json_lines(path, itertools.chain([first], blocks))
-    else:
+    else:  # a JSON array is parsed whole: bounded as any file read whole
+        if path.stat().st_size > MAX_BYTES:
+            raise CortiqError(f"{path}: over {MAX_BYTES} bytes, the limit for a text file")
         text = first + "".join(blocks)
         try:
             records = iter(json.loads(text))

@@ -137,3 +137,21 @@ def test_bundled_corpora_by_name(name, first, size):
 def test_unknown_name_lists_bundled_texts():
     with pytest.raises(CortiqError, match="bundled texts by name: alice, hamlet, sonnets"):
         load_text(TextSpec(path="macbeth"))
+
+
+def test_sources_are_read_in_pieces_and_again_on_demand(tmp_path):
+    import datasets
+
+    ds = datasets.Dataset.from_dict({"text": DOCS * 700})
+    ds.save_to_disk(str(tmp_path / "many"))
+    t = load_text(TextSpec(dataset=str(tmp_path / "many")))
+    docs = [list(d) for d in t.read()]
+    assert len(docs) == t.documents == 2100 and all(len(d) == 1 for d in docs)  # record by record
+    assert t.text == DOC_SEPARATOR.join(DOCS * 700)
+    import hashlib
+
+    assert t.sha256 == hashlib.sha256(t.text.encode()).hexdigest() and t.n_bytes == len(t.text.encode())
+    big = tmp_path / "big.txt"
+    big.write_text("a line of text\n" * 100_000, encoding="utf-8")
+    pieces = list(load_text(TextSpec(path=str(big))).pieces())
+    assert len(pieces) > 4 and max(map(len, pieces)) < 300_000 and "".join(pieces) == big.read_text()
