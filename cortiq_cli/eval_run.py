@@ -50,8 +50,10 @@ class _Bar:
     def update(self, **kw: Any) -> None:
         if self.bar is None:
             self.bar = self.make()
+            self.task = self.bar.add_task("run", total=kw.get("total"), **self.fields)
+            self.bar.update(self.task, **kw)  # the first frame shows the first figures
             self.bar.start()
-            self.task = self.bar.add_task("run", total=None, **self.fields)
+            return
         self.bar.update(self.task, **kw)
 
     def stop(self) -> None:
