@@ -229,7 +229,14 @@ class SpecDecision:
                 src.on, src.switches = True, src.switches + 1
         if not src.on:
             src.wait += 1
-            if src.wait < self.probe_interval(r if r is not None else src.off_ratio, self._evidence(src)):
+            if r is None:
+                r = src.off_ratio
+                # Started off by its prior and not yet judged: its first probe's rate already
+                # counts (a sidecar modelled at 0.77x whose probes, catching up on the rows
+                # they sat out, run at 0.55x would otherwise be probed twice as often).
+                if src.switches == 0 and src.rounds > 0:
+                    r = self.ratio(name, recent=False) or r
+            if src.wait < self.probe_interval(r, self._evidence(src)):
                 return False
             src.wait = 0
             return True
