@@ -154,7 +154,7 @@ def llama_quantize(src: Path, dst: Path, quant: str, threads: int = 2) -> None:
 def write_hf_dir(src: Path, dst: Path) -> None:
     """An f32 safetensors checkpoint + tokenizer through cortiq's own importer
     (what ``cortiq import-gguf`` runs): the dequantized values, Q/K rows in HF order."""
-    from formats.gguf_import import import_gguf
+    from cortiq_engine.convert import import_gguf
 
     import_gguf(src, dst, dtype="f32", force=True)
 
