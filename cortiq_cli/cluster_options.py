@@ -90,33 +90,6 @@ def _under_bar(run: Any, where: ClusterAddress, threads: int, resume: bool, show
         return run(where, threads, *args, resume=resume, progress=progress if show else None, **kwargs)
 
 
-def score_ppl(
-    where: ClusterAddress, threads: int, resume: bool, show: bool, *args: Any, **kwargs: Any
-) -> tuple[Any, int, ClusterReport]:
-    """``evals.cluster.score_ppl`` under the progress bar (``show``)."""
-    from evals.cluster import score_ppl as run
-
-    return _under_bar(run, where, threads, resume, show, args, kwargs)
-
-
-def collect_features(
-    where: ClusterAddress, threads: int, resume: bool, show: bool, *args: Any, **kwargs: Any
-) -> tuple[Any, int, ClusterReport]:
-    """``evals.cluster.collect_features`` under the progress bar (``show``)."""
-    from evals.cluster import collect_features as run
-
-    return _under_bar(run, where, threads, resume, show, args, kwargs)
-
-
-def collect_imatrix(
-    where: ClusterAddress, threads: int, resume: bool, show: bool, *args: Any, **kwargs: Any
-) -> tuple[Any, int, ClusterReport]:
-    """``evals.cluster.collect_imatrix`` under the progress bar (``show``)."""
-    from evals.cluster import collect_imatrix as run
-
-    return _under_bar(run, where, threads, resume, show, args, kwargs)
-
-
 def probe_mtp(
     where: ClusterAddress, threads: int, resume: bool, show: bool, *args: Any, **kwargs: Any
 ) -> tuple[Any, Any, int, ClusterReport]:
@@ -149,9 +122,6 @@ __all__ = [
     "check",
     "progress_bar",
     "note_interrupted",
-    "score_ppl",
-    "collect_features",
-    "collect_imatrix",
     "probe_mtp",
     "render_report",
     "CLUSTER_PANEL",

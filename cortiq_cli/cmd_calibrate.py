@@ -17,7 +17,6 @@ from cortiq_cli.common import console, handle_errors, print_json
 from evals.calibrate import DEFAULT_FIT_FRACTION, CalibrationReport
 from evals.calibration import DEFAULT_BINS, Bin, CalibrationMetrics
 from evals.runs import CalibrateRequest, run_calibrate
-from evals.runs import collect_partial as collect_partial  # still imported from here by a test
 from evals.temperature import DEFAULT_T_MAX, DEFAULT_T_MIN
 from evals.text_source import LoadedText
 from evals.windows import DEFAULT_CTX

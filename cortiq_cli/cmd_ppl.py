@@ -19,7 +19,6 @@ from cortiq_cli.help import cortiq_version
 from evals.perplexity import DP_QUANTILES, KLD_QUANTILES, Comparison, PerplexityReport, PerplexityResult
 from evals.reference import DEFAULT_SAMPLES, DEFAULT_TOP_K
 from evals.runs import PplRequest, run_ppl
-from evals.runs import score_partial as score_partial  # still imported from here by benchmarks and tests
 from evals.text_source import LoadedText
 from evals.windows import DEFAULT_CTX
 

@@ -472,8 +472,7 @@ class _StopAfter:
 
 
 def test_ppl_and_calibrate_keep_the_windows_done(tiny):
-    from cortiq_cli.cmd_calibrate import collect_partial
-    from cortiq_cli.cmd_ppl import score_partial
+    from evals.runs import collect_partial, score_partial
     from cortiq_engine import Engine
     from evals.perplexity import run_perplexity
     from evals.temperature import TemperatureGrid
