@@ -30,7 +30,14 @@ def _convert(src, out, quant: str, threads: int) -> conv.ConvertReport:
     return conv.convert_checkpoint(src, out, families=FAMILIES, quant=quant, keep=KEEP, force=True, threads=threads)
 
 
-@pytest.mark.parametrize("quant", sorted(RECIPES))
+# The pool is the same for every type; the normal suite runs one per kernel family (legacy
+# blocks, K-quant super-blocks, the non-linear grid, a float type), the slow suite the rest.
+NORMAL = {"q8", "q4_0", "q4km", "iq4_xs", "bf16"}
+
+
+@pytest.mark.parametrize(
+    "quant", [q if q in NORMAL else pytest.param(q, marks=pytest.mark.slow) for q in sorted(RECIPES)]
+)
 def test_threads_write_the_bytes_one_thread_writes(llama, tmp_path, monkeypatch, quant):
     # Slices of 16 rows, batches of 6 slices on 3 threads: every tensor spans several batches.
     monkeypatch.setattr(conv, "SLICE_ELEMS", 16 * 256)
