@@ -35,9 +35,10 @@ from cortiq_engine.kernels import jit
 from cortiq_engine.kernels import kquant_jit as kq
 
 OPS: dict[str, "DtypeOps"] = {}
-# The small-batch kernels' unused part slots (``jit.NPARTS``): one read-only empty
-# matrix, one numba type.
-_NO_PART = np.zeros((0, 0), np.uint8)
+# The small-batch kernels' unused part slots (``jit.NPARTS``): an empty read-only matrix
+# for each fused slot (more than ``fast.FUSE_MAX``), as one array whose ``[m]`` is the
+# matrix: numba types an array faster than a tuple on every call.
+_NO_PART = np.zeros((8, 0, 0), np.uint8)
 _NO_PART.flags.writeable = False
 
 
@@ -112,7 +113,7 @@ class DtypeOps:
 
     def small(self, parts, count: int, offs: np.ndarray, X: np.ndarray, out: np.ndarray) -> None:
         parts = self.kernel_args(parts)
-        pad = ((_NO_PART,) * len(parts[0]),) * (jit.NPARTS - len(parts))
+        pad = (_NO_PART,) * (jit.NPARTS - len(parts))
         xsum = _group_sums(X) if self.min_sums else X
         self.small_kernel(*parts, *pad, self.flag, count, offs, X, xsum, out)
 

@@ -154,7 +154,7 @@ def matmul_small(name: str, source: str, row_dot, lead: int):
 @njit(inline="always")
 def _q8_dot(d, q, _2, _3, _4, _flag, r, X, xsum, i):
     acc = np.zeros(QB, np.float32)
-    for b in range(X.shape[1] // QB):
+    for b in range(d.shape[1]):
         sc = f16_to_f32(d[r, b])
         o = b * QB
         for j in range(QB):
