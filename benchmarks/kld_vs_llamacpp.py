@@ -190,6 +190,7 @@ def score(path: Path, ref_path: Path, threads: int, batch: int) -> dict:
         n_ubatch=min(batch, ctx),
         logits_all=True,
         n_threads=threads,
+        n_threads_batch=threads,  # else every core: the chunks are batches
         verbose=False,
     )
     if llm.n_vocab() != ref.file.vocab_size:
@@ -222,12 +223,14 @@ def score(path: Path, ref_path: Path, threads: int, batch: int) -> dict:
     }
 
 
-def score_cmf(path: Path, ref_path: Path, threads: int) -> dict:
-    """cortiq's own quantization against the same reference: ``cortiq ppl PATH --ref REF``."""
+def score_cmf(path: Path, ref_path: Path, threads: int, text: Path | None) -> dict:
+    """cortiq's own quantization against the same reference: ``cortiq ppl PATH --ref REF -f TEXT``."""
     from quant_bits import cmf_bits
 
     # Absolute paths: the command runs from the repository, for its package.
     cmd = [sys.executable, "-m", "cortiq_cli.main", "ppl", str(path.resolve()), "--ref", str(ref_path.resolve())]
+    if text is not None:  # the text the reference was saved on (it checks the text's sha256)
+        cmd += ["-f", str(text.resolve())]
     t0 = time.perf_counter()
     proc = subprocess.run(
         [*cmd, "--threads", str(threads), "--json"], capture_output=True, text=True, cwd=REPO, check=False
@@ -328,7 +331,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--imatrix-only", action="store_true", help="with --imatrix: score only the imatrix files")
     ap.add_argument("--cmf", action="append", default=[], help="NAME=PATH: a cortiq file scored the same way")
     ap.add_argument("--llama-perplexity", type=Path, default=None, help="llama.cpp's llama-perplexity binary")
-    ap.add_argument("--text", type=Path, default=None, help="with --llama-perplexity: the text file it scores")
+    ap.add_argument(
+        "--text",
+        type=Path,
+        default=None,
+        help="the reference's text file (for --cmf, and what llama-perplexity scores)",
+    )
     ap.add_argument("--base-gguf", type=Path, default=None, help="with --llama-perplexity: the reference GGUF")
     ap.add_argument("--ctx", type=int, default=512, help="with --llama-perplexity: tokens per chunk")
     ap.add_argument("--chunks", type=int, default=0, help="with --llama-perplexity: at most this many (0: all)")
@@ -368,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     rows += [(name, Path(p), "cortiq") for name, _, p in (spec.partition("=") for spec in args.cmf)]
     for name, p, engine in rows:
         if engine == "cortiq":
-            r = score_cmf(p, args.ref, args.threads)
+            r = score_cmf(p, args.ref, args.threads, args.text)
         else:
             r = score(p, args.ref, args.threads, args.batch)
             r["types"] = gguf_types(p)
