@@ -32,6 +32,13 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _STALE_SECONDS = 24 * 3600  # older builds of other versions are pruned after a day
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # Speculation's per-machine memory is off in the suite (an empty CORTIQ_SPEC_MEMORY):
+    # every test decides from its own rounds, whatever ran before it, and nothing is
+    # written under the user's cache dir. Tests of the memory pass their own path.
+    os.environ["CORTIQ_SPEC_MEMORY"] = ""
+
+
 def cache_root() -> Path:
     return Path(os.environ.get("CORTIQ_TEST_CACHE", REPO / ".cortiq-cache"))
 
