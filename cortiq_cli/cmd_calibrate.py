@@ -12,6 +12,7 @@ from rich.text import Text
 
 from cortiq_cli import cluster_options as copt
 from cortiq_cli import text_options as opt
+from cortiq_cli.options import option_groups
 from cortiq_cli.eval_run import cluster_run, interrupted, scoring_bars
 from cortiq_cli.common import console, handle_errors, print_json
 from evals.calibrate import DEFAULT_FIT_FRACTION, CalibrationReport
@@ -27,7 +28,7 @@ _BAR_WIDTH = 40
 
 
 @handle_errors
-@opt.options
+@option_groups
 def calibrate(
     model: Annotated[Path, typer.Argument(help="CMF model file.", show_default=False)],
     text_opts: opt.TextArgs = opt.TextArgs(),

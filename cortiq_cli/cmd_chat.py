@@ -152,6 +152,7 @@ class _Interrupt:
 
 
 @handle_errors
+@opts.option_groups
 def chat(
     model: Annotated[
         Optional[str],
@@ -202,16 +203,7 @@ def chat(
             help="Each step's N most likely tokens and log-probabilities (in --json; else listed after each answer).",
         ),
     ] = 0,
-    mtp: mtp_opt.MtpPath = None,
-    no_mtp: mtp_opt.NoMtp = False,
-    mtp_depth: mtp_opt.MtpDepth = None,
-    mtp_chain: mtp_opt.MtpChain = None,
-    mtp_hidden: mtp_opt.MtpHidden = None,
-    mtp_vocab: mtp_opt.MtpVocab = None,
-    mtp_threshold: mtp_opt.MtpThreshold = None,
-    lookup: mtp_opt.Lookup = None,
-    lookup_ngram: mtp_opt.LookupNgram = None,
-    mtp_gate: mtp_opt.MtpGate = False,
+    spec: mtp_opt.SpecArgs = mtp_opt.SpecArgs(),
 ) -> None:
     """Chat with a model: multi-turn, streaming, the KV cache kept across turns.
 
@@ -231,9 +223,7 @@ def chat(
     conv = Conversation(system)
     if load is not None:
         conv.load(load)
-    eng = load_engine(
-        model, threads=threads, ctx=ctx, quiet=json_out, mtp=mtp_opt.load_arg(mtp, no_mtp), kv_cache=kv_cache
-    )
+    eng = load_engine(model, threads=threads, ctx=ctx, quiet=json_out, mtp=spec.load_arg(), kv_cache=kv_cache)
     # Draft sources start from the rates measured on this machine before (CORTIQ_SPEC_MEMORY).
     eng.spec_memory = SpecMemory.default()
     # kernel compilation at load, kept apart from every turn's speeds
@@ -265,9 +255,7 @@ def chat(
 
     # The conversation keeps one drafter (its rows of the cached prefix) across turns.
     drafter, mtp_note = eng.drafter(
-        mtp_opt.speculative_arg(
-            no_mtp, mtp_depth, mtp_chain, mtp_hidden, mtp_vocab, mtp_threshold, lookup, lookup_ngram, mtp_gate
-        ),
+        spec.speculative(),
         config,
         evict=evict,
     )

@@ -43,6 +43,7 @@ CONTEXT = "Context"
 
 
 @handle_errors
+@opts.option_groups
 def generate(
     model: Annotated[
         Optional[str], typer.Argument(help="Model file (.cmf); or give -m/--model.", show_default=False)
@@ -105,16 +106,7 @@ def generate(
             "--moe-stats", help="MoE models: show how often each expert of each layer was chosen (and in --json)."
         ),
     ] = False,
-    mtp: mtp_opt.MtpPath = None,
-    no_mtp: mtp_opt.NoMtp = False,
-    mtp_depth: mtp_opt.MtpDepth = None,
-    mtp_chain: mtp_opt.MtpChain = None,
-    mtp_hidden: mtp_opt.MtpHidden = None,
-    mtp_vocab: mtp_opt.MtpVocab = None,
-    mtp_threshold: mtp_opt.MtpThreshold = None,
-    lookup: mtp_opt.Lookup = None,
-    lookup_ngram: mtp_opt.LookupNgram = None,
-    mtp_gate: mtp_opt.MtpGate = False,
+    spec: mtp_opt.SpecArgs = mtp_opt.SpecArgs(),
     mtp_compare: mtp_opt.MtpCompare = False,
 ) -> None:
     """Generate text from a prompt with a CMF model (greedy by default)."""
@@ -130,14 +122,10 @@ def generate(
     )
     # MTP draft layers (inline, the sidecar beside the model, or --mtp): the engine decodes
     # speculatively (exact greedy) when it can, and says why not when it cannot.
-    eng = load_engine(
-        model, threads=threads, ctx=ctx, quiet=json_out, mtp=mtp_opt.load_arg(mtp, no_mtp), kv_cache=kv_cache
-    )
+    eng = load_engine(model, threads=threads, ctx=ctx, quiet=json_out, mtp=spec.load_arg(), kv_cache=kv_cache)
     # Draft sources start from the rates measured on this machine before (CORTIQ_SPEC_MEMORY).
     eng.spec_memory = SpecMemory.default()
-    speculative = mtp_opt.speculative_arg(
-        no_mtp, mtp_depth, mtp_chain, mtp_hidden, mtp_vocab, mtp_threshold, lookup, lookup_ngram, mtp_gate
-    )
+    speculative = spec.speculative()
     tok = eng.tokenizer
     if chat or system is not None:
         messages = ([{"role": "system", "content": system}] if system is not None else []) + [
@@ -252,7 +240,7 @@ def generate(
         print_moe_stats(err_console, moe_stats_json(res.expert_usage, eng.arch))
     if "mtp" in res.extra:
         mtp = res.extra["mtp"]
-        asked = lookup is not None or lookup_ngram is not None or mtp_compare
+        asked = spec.lookup_asked() or mtp_compare
         (mtp_opt.render if asked or mtp["source"] != "lookup" else mtp_opt.render_line)(err_console, mtp)
     elif "mtp_note" in res.extra:
         err_console.print(f"[dim]{res.extra['mtp_note']}[/]", highlight=False)

@@ -9,6 +9,7 @@ import typer
 
 from cortiq_cli import cluster_options as copt
 from cortiq_cli import text_options as opt
+from cortiq_cli.options import option_groups
 from cortiq_cli.common import console, handle_errors, print_json
 from cortiq_cli.eval_run import cluster_bar, cluster_run, counting_bar
 from evals.runs import ClusterInterrupted, ImatrixRequest, run_imatrix
@@ -18,7 +19,7 @@ from formats.imatrix import write_imatrix
 
 
 @handle_errors
-@opt.options
+@option_groups
 def imatrix(
     model: Path = typer.Argument(
         ..., help="CMF model to run (f32 or a high-precision type gives the truest activations)."

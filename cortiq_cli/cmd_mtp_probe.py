@@ -10,6 +10,7 @@ from rich.table import Table
 
 from cortiq_cli import cluster_options as copt
 from cortiq_cli import text_options as opt
+from cortiq_cli.options import option_groups
 from cortiq_cli.common import console, handle_errors, print_json, print_table
 from cortiq_cli.eval_run import progress_bar
 from cortiq_cli.mtp_options import MTP_PANEL, MtpDepth, MtpPath, MtpThreshold, MtpVocab
@@ -26,7 +27,7 @@ def _choices(value: str, allowed: tuple[str, ...], flag: str) -> list[str]:
 
 
 @handle_errors
-@opt.options
+@option_groups
 def mtp_probe(
     model: Annotated[Path, typer.Argument(help="CMF model file.", show_default=False)],
     text_opts: opt.TextArgs = opt.TextArgs(),

@@ -10,13 +10,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from cortiq_cli import text_options as opt
+from cortiq_cli.options import option_groups
 from cortiq_cli.common import console, err_console, handle_errors, print_json, print_table
 
 TRAIN_PANEL = "Training"
 
 
 @handle_errors
-@opt.options
+@option_groups
 def mtp_train(
     model: Annotated[Path, typer.Argument(help="The backbone CMF file (frozen).", show_default=False)],
     text_opts: opt.TextArgs = opt.TextArgs(),

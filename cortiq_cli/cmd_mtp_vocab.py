@@ -8,12 +8,13 @@ from typing import Annotated, Optional
 import typer
 
 from cortiq_cli import text_options as opt
+from cortiq_cli.options import option_groups
 from cortiq_cli.common import console, handle_errors, print_json
 from formats.errors import CortiqError
 
 
 @handle_errors
-@opt.options
+@option_groups
 def mtp_vocab(
     model: Annotated[Path, typer.Argument(help="The backbone CMF file.", show_default=False)],
     text_opts: opt.TextArgs = opt.TextArgs(),

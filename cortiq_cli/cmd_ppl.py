@@ -13,6 +13,7 @@ from rich.table import Table
 
 from cortiq_cli import cluster_options as copt
 from cortiq_cli import text_options as opt
+from cortiq_cli.options import option_groups
 from cortiq_cli.common import console, err_console, handle_errors, human_bytes, print_json, print_table
 from cortiq_cli.eval_run import cluster_run, interrupted, scoring_bars
 from cortiq_cli.help import cortiq_version
@@ -26,7 +27,7 @@ REF_PANEL = "Reference"
 
 
 @handle_errors
-@opt.options
+@option_groups
 def ppl(
     models: Annotated[
         list[Path],

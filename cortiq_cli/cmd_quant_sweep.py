@@ -13,6 +13,7 @@ from rich.table import Table
 
 from cortiq_cli import cluster_options as copt
 from cortiq_cli import text_options as opt
+from cortiq_cli.options import option_groups
 from cortiq_cli.common import console, err_console, handle_errors, human_bytes, print_json, print_table, resolve_quant
 from cortiq_cli.eval_run import cluster_bar, cluster_run, sweep_bar
 from evals.runs import ClusterInterrupted, SweepRequest, run_quant_sweep
@@ -24,7 +25,7 @@ SWEEP_PANEL = "Sweep"
 
 
 @handle_errors
-@opt.options
+@option_groups
 def quant_sweep(
     src: Annotated[
         str,

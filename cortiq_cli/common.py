@@ -357,26 +357,11 @@ def load_engine(
     compiles kernels (the one line even when ``quiet``)."""
     from cortiq_engine import Engine
 
+    kw = dict(threads=threads, ctx=ctx, mtp=mtp, kv_cache=kv_cache, **load)
     if quiet or not err_console.is_terminal:
-        return Engine.load(
-            model,
-            threads=threads,
-            ctx=ctx,
-            mtp=mtp,
-            kv_cache=kv_cache,
-            on_warmup=CompileProgress(err_console, bar=not quiet),
-            **load,
-        )
+        return Engine.load(model, on_warmup=CompileProgress(err_console, bar=not quiet), **kw)
     with err_console.status(f"loading {getattr(model, 'name', model)}", spinner="dots") as status:
-        return Engine.load(
-            model,
-            threads=threads,
-            ctx=ctx,
-            mtp=mtp,
-            kv_cache=kv_cache,
-            on_warmup=CompileProgress(err_console, status),
-            **load,
-        )
+        return Engine.load(model, on_warmup=CompileProgress(err_console, status), **kw)
 
 
 def compile_note(report: Any) -> str:

@@ -7,6 +7,7 @@ decides plain or speculative decoding and counts acceptance. ``render`` shows th
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -14,6 +15,7 @@ import typer
 from rich.table import Table
 
 from cortiq_cli.common import print_table
+from cortiq_cli.options import OptionGroup
 from formats.errors import CortiqError
 from formats.sidecar import MAX_LOOKUP_DRAFTS
 
@@ -185,6 +187,41 @@ def speculative_arg(
         ngram=grams,
         mtp_gate=gate,
     )
+
+
+@dataclass(frozen=True)
+class SpecArgs(OptionGroup):
+    """The draft-source options ``generate`` and ``chat`` share (spread by ``options.options``)."""
+
+    mtp: MtpPath = None
+    no_mtp: NoMtp = False
+    mtp_depth: MtpDepth = None
+    mtp_chain: MtpChain = None
+    mtp_hidden: MtpHidden = None
+    mtp_vocab: MtpVocab = None
+    mtp_threshold: MtpThreshold = None
+    lookup: Lookup = None
+    lookup_ngram: LookupNgram = None
+    mtp_gate: MtpGate = False
+
+    def load_arg(self) -> bool | Path:
+        return load_arg(self.mtp, self.no_mtp)
+
+    def speculative(self):
+        return speculative_arg(
+            self.no_mtp,
+            self.mtp_depth,
+            self.mtp_chain,
+            self.mtp_hidden,
+            self.mtp_vocab,
+            self.mtp_threshold,
+            self.lookup,
+            self.lookup_ngram,
+            self.mtp_gate,
+        )
+
+    def lookup_asked(self) -> bool:
+        return self.lookup is not None or self.lookup_ngram is not None
 
 
 def describe(mtp: dict[str, Any]) -> str:

@@ -10,8 +10,12 @@ something else in one command are refused there with a line naming the new spell
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import inspect
+import typing
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any, Callable, Optional, TypeVar
 
 import typer
 from typer._click import exceptions as click_exc
@@ -176,3 +180,39 @@ def model_and_prompt(
             else f"unexpected extra argument {extra!r}: give the model once (MODEL or -m)"
         )
     return model_path, (positional[0] if positional else None)
+
+
+class OptionGroup:
+    """A dataclass whose fields are typer options, taken by a command as one parameter."""
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def option_groups(fn: F) -> F:
+    """``fn`` as typer sees it: each parameter typed with an ``OptionGroup`` becomes the
+    group's fields, in their order, and the call gets the group built from them."""
+    hints = typing.get_type_hints(fn, include_extras=True)
+    params: list[inspect.Parameter] = []
+    groups: dict[str, tuple[type, list[str]]] = {}
+    for p in inspect.signature(fn).parameters.values():
+        hint = hints.get(p.name, p.annotation)
+        if isinstance(hint, type) and issubclass(hint, OptionGroup):
+            field_hints = typing.get_type_hints(hint, include_extras=True)
+            fields = dataclasses.fields(hint)  # type: ignore[arg-type]
+            params += [
+                inspect.Parameter(f.name, p.kind, default=f.default, annotation=field_hints[f.name]) for f in fields
+            ]
+            groups[p.name] = (hint, [f.name for f in fields])
+        else:
+            params.append(p.replace(annotation=hint))
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        for name, (group, fields) in groups.items():
+            kwargs[name] = group(**{f: kwargs.pop(f) for f in fields if f in kwargs})
+        return fn(*args, **kwargs)
+
+    wrapper.__signature__ = inspect.Signature(params, return_annotation=hints.get("return", inspect.Signature.empty))  # type: ignore[attr-defined]
+    wrapper.__annotations__ = {p.name: p.annotation for p in params}
+    return wrapper  # type: ignore[return-value]

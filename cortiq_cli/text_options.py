@@ -1,24 +1,21 @@
 """The text-source and window options every eval command shares (``ppl``, ``calibrate``, ``quant-sweep``, ``imatrix``).
 
 Options that always come together are one group (``TextArgs``, ``WindowArgs``,
-``ClusterArgs``): a command takes the group as one parameter and ``options`` spreads
+``ClusterArgs``): a command takes the group as one parameter and ``options.option_groups`` spreads
 its fields into the command's options, so each flag is declared once.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import inspect
-import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Callable, Optional, TypeVar
+from typing import Annotated, Optional
 
 import typer
 
 from cortiq_cli import cluster_options as copt
 from cortiq_cli.common import KvCache
+from cortiq_cli.options import OptionGroup
 from evals.cluster import ClusterAddress
 from evals.runs import EngineOptions, WindowOptions
 from evals.text_source import BUNDLED_CORPORA, DOWNLOADED_CORPORA, LoadedText, TextSpec, load_text
@@ -127,10 +124,6 @@ BlockRows = Annotated[
 Json = Annotated[bool, typer.Option("--json", help="Print one JSON document instead of tables.")]
 
 
-class OptionGroup:
-    """A dataclass whose fields are typer options, taken by a command as one parameter."""
-
-
 @dataclass(frozen=True)
 class TextArgs(OptionGroup):
     """Where the text comes from (--text, or --dataset with its configuration)."""
@@ -192,35 +185,3 @@ class ClusterArgs(OptionGroup):
     def where(self) -> ClusterAddress | None:
         """The parsed address, None without --cluster (``cluster_options.check``)."""
         return copt.check(self.cluster, self.resume)
-
-
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def options(fn: F) -> F:
-    """``fn`` as typer sees it: each parameter typed with an ``OptionGroup`` becomes the
-    group's fields, in their order, and the call gets the group built from them."""
-    hints = typing.get_type_hints(fn, include_extras=True)
-    params: list[inspect.Parameter] = []
-    groups: dict[str, tuple[type, list[str]]] = {}
-    for p in inspect.signature(fn).parameters.values():
-        hint = hints.get(p.name, p.annotation)
-        if isinstance(hint, type) and issubclass(hint, OptionGroup):
-            field_hints = typing.get_type_hints(hint, include_extras=True)
-            fields = dataclasses.fields(hint)  # type: ignore[arg-type]
-            params += [
-                inspect.Parameter(f.name, p.kind, default=f.default, annotation=field_hints[f.name]) for f in fields
-            ]
-            groups[p.name] = (hint, [f.name for f in fields])
-        else:
-            params.append(p.replace(annotation=hint))
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        for name, (group, fields) in groups.items():
-            kwargs[name] = group(**{f: kwargs.pop(f) for f in fields if f in kwargs})
-        return fn(*args, **kwargs)
-
-    wrapper.__signature__ = inspect.Signature(params, return_annotation=hints.get("return", inspect.Signature.empty))  # type: ignore[attr-defined]
-    wrapper.__annotations__ = {p.name: p.annotation for p in params}
-    return wrapper  # type: ignore[return-value]
