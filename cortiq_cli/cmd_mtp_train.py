@@ -257,8 +257,9 @@ def mtp_train(
     )
     cfg.check(num_layers=1 << 30)  # the one-line messages before any file is read; layers are checked again
     source = text_opts.load()
-    if json_out:
-        result = train_mtp(
+
+    def train(callbacks: Any = None) -> Any:
+        return train_mtp(
             model,
             source.text,
             source.source,
@@ -270,9 +271,13 @@ def mtp_train(
             force=force,
             threads=threads,
             backend=backbone,
+            callbacks=callbacks,
             features=features,
             draft_vocab=draft_vocab,
         )
+
+    if json_out:
+        result = train()
         if defaults:
             result.extra["defaults"] = _defaults_json(_measure_defaults(model, result, threads))
         print_json(result.to_json())
@@ -306,22 +311,7 @@ def mtp_train(
             acc = " ".join(f"d{i + 1} {a:.0%}" for i, a in enumerate(agree))
             bar.update(tasks["train"], completed=done, info=f"loss [cyan]{loss:.4f}[/]  top-1 {acc}")
 
-        result = train_mtp(
-            model,
-            source.text,
-            source.source,
-            cfg,
-            out=out,
-            quant=quant,
-            resume=resume,
-            keep_checkpoint=keep_checkpoint,
-            force=force,
-            threads=threads,
-            backend=backbone,
-            callbacks=Callbacks(collect=collect, step=step, generate=generate),
-            features=features,
-            draft_vocab=draft_vocab,
-        )
+        result = train(Callbacks(collect=collect, step=step, generate=generate))
         found = None
         if defaults:
             task = bar.add_task("defaults (live rounds)", total=None, info="")
