@@ -35,8 +35,11 @@ source whose prior rate is below ``off_below`` starts off, so its first rounds a
 plain steps instead of the rounds that would have learnt it loses, and it is probed
 under the probe budget from the first round on, its prior counting as its ``rounds``
 of evidence, at least ``PRIOR_ROUNDS`` (a remembered one as many rounds as it rests on,
-up to ``MEMORY_ROUNDS``). A prior at or above ``off_below`` changes nothing: a
-source starts on and is measured as it goes.
+up to ``MEMORY_ROUNDS``); its first probe waits at least ``MAX_PROBE_EVERY`` rounds,
+since a probe (the rows sat out caught up, a verify) costs about 1.5 plain steps, more
+than the 3 % a short answer may lose, so short answers decode plain and long ones (or a
+chat's turns together) still try it again. A prior at or above ``off_below`` changes
+nothing: a source starts on and is measured as it goes.
 
 The choice only decides which tokens get drafted and verified; the verify keeps the
 plain sampler's tokens, so the output is the plain greedy output token for token
@@ -236,7 +239,10 @@ class SpecDecision:
                 # they sat out, run at 0.55x would otherwise be probed twice as often).
                 if src.switches == 0 and src.rounds > 0:
                     r = self.ratio(name, recent=False) or r
-            if src.wait < self.probe_interval(r, self._evidence(src)):
+            wait = self.probe_interval(r, self._evidence(src))
+            if src.switches == 0 and src.rounds == 0 and src.prior is not None:
+                wait = max(wait, MAX_PROBE_EVERY)  # started off by its prior: see the module docs
+            if src.wait < wait:
                 return False
             src.wait = 0
             return True

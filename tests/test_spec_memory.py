@@ -22,6 +22,7 @@ from cortiq_engine.spec_decision import (
     DRAFT_COST,
     MEMORY_ENV,
     MEMORY_FORMAT,
+    MAX_PROBE_EVERY,
     MEMORY_MAX_BYTES,
     MEMORY_ROUNDS,
     MIN_ROUNDS,
@@ -65,9 +66,16 @@ def test_a_source_known_to_lose_starts_off_and_is_probed_under_the_budget():
     _plain_timed(dec)
     every = dec.probe_interval(0.5, PRIOR_ROUNDS)  # a prior counts as PRIOR_ROUNDS rounds at least
     assert every > dec.probe_interval(0.5, MIN_ROUNDS)
-    allowed = [dec.allow("mtp") for _ in range(2 * every)]
-    assert [i for i, a in enumerate(allowed) if a] == [every - 1, 2 * every - 1]
+    # Its first probe waits MAX_PROBE_EVERY rounds at least (a probe costs more than a short
+    # answer may lose), the later ones the budget's interval.
+    first = max(every, MAX_PROBE_EVERY)
+    allowed = [dec.allow("mtp") for _ in range(first)]
+    assert [i for i, a in enumerate(allowed) if a] == [first - 1]
     dec.record("mtp", 1, 2.0)
+    later = dec.probe_interval(0.5, 1 + PRIOR_ROUNDS)
+    assert later < MAX_PROBE_EVERY
+    allowed = [dec.allow("mtp") for _ in range(later)]
+    assert [i for i, a in enumerate(allowed) if a] == [later - 1]
     line = dec.decision()
     assert line.startswith("plain decoding; mtp off (0.50x over plain in 1 round; started off: 0.50x remembered")
 
