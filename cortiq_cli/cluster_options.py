@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Optional
+from typing import Annotated, Optional
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -79,26 +79,6 @@ def note_interrupted() -> None:
     )
 
 
-def _under_bar(run: Any, where: ClusterAddress, threads: int, resume: bool, show: bool, args: Any, kwargs: Any) -> Any:
-    """``run`` (one of ``evals.cluster``'s commands) under the progress bar (``show``)."""
-    with progress_bar() as bar:
-        task = bar.add_task("cluster", total=None, rate="-")
-
-        def progress(done: int, windows: int, _tokens: int, _total: int, rate: float) -> None:
-            bar.update(task, completed=done, total=windows, rate=f"{rate:,.0f}" if rate == rate else "-")
-
-        return run(where, threads, *args, resume=resume, progress=progress if show else None, **kwargs)
-
-
-def probe_mtp(
-    where: ClusterAddress, threads: int, resume: bool, show: bool, *args: Any, **kwargs: Any
-) -> tuple[Any, Any, int, ClusterReport]:
-    """``evals.cluster.probe_mtp`` under the progress bar (``show``)."""
-    from evals.cluster import probe_mtp as run
-
-    return _under_bar(run, where, threads, resume, show, args, kwargs)
-
-
 def render_report(report: ClusterReport) -> None:
     """One line under the tables: where the windows ran and how fast."""
     rate = (
@@ -122,7 +102,6 @@ __all__ = [
     "check",
     "progress_bar",
     "note_interrupted",
-    "probe_mtp",
     "render_report",
     "CLUSTER_PANEL",
 ]

@@ -12,8 +12,9 @@ from cortiq_cli import cluster_options as copt
 from cortiq_cli import text_options as opt
 from cortiq_cli.options import option_groups
 from cortiq_cli.common import console, handle_errors, print_json, print_table
-from cortiq_cli.eval_run import progress_bar
+from cortiq_cli.eval_run import progress_bar, scoring_bars
 from cortiq_cli.mtp_options import MTP_PANEL, MtpDepth, MtpPath, MtpThreshold, MtpVocab
+from evals.cluster import probe_mtp as probe_on_cluster
 from evals.tokens import encode_sharded
 from formats.errors import CortiqError
 
@@ -139,20 +140,21 @@ def mtp_probe(
     if where is not None:
         # The workers load the same draft layers: inline, or this sidecar (checked to be the driver's file).
         sidecar = None if stack.source == "inline" else Path(stack.source)
-        results, got, complete, creport = copt.probe_mtp(
-            where,
-            cluster_opts.cluster_threads or eng.threads,
-            cluster_opts.resume,
-            not json_out,
-            model,
-            sidecar,
-            ids,
-            k,
-            variants,
-            vocab=vocab,
-            threshold=threshold or 0.0,
-            trace=traces is not None,
-        )
+        with scoring_bars(json_out, on_cluster=True, field="") as (_, shown):
+            results, got, complete, creport = probe_on_cluster(
+                where,
+                cluster_opts.cluster_threads or eng.threads,
+                model,
+                sidecar,
+                ids,
+                k,
+                variants,
+                vocab=vocab,
+                threshold=threshold or 0.0,
+                trace=traces is not None,
+                resume=cluster_opts.resume,
+                progress=shown,
+            )
         if not complete:
             copt.note_interrupted()  # no figures of part of the rounds
             raise KeyboardInterrupt
