@@ -115,9 +115,9 @@ def sweep_bar(quiet: bool) -> Iterator[Any]:
         yield progress
 
 
-def counting_bar(label: str, field: str) -> Any:
+def counting_bar(label: str, *fields: str, eta: bool = True) -> Any:
     """A bar of things done out of a total, and its ``(done, total)`` callback."""
-    bar = _Bar(lambda: progress_bar(label, field))
+    bar = _Bar(lambda: progress_bar(label, *fields, eta=eta))
 
     def update(done: int, total: int) -> None:
         bar.update(completed=done, total=total)

@@ -25,15 +25,22 @@ least expected time per token.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
+from evals.text_source import TextSpec, load_text
 from formats.errors import CortiqError
 from cortiq_engine.acceptance import Acceptance
 from cortiq_engine.lookup import DEFAULT_LOOKUP, DEFAULT_NGRAM, NgramIndex
+
+if TYPE_CHECKING:
+    from evals.cluster import ClusterReport
+    from evals.runs import ClusterRun
 
 
 @dataclass
@@ -548,3 +555,215 @@ def save_live_defaults(
     if found.record is not None:
         write_defaults(sidecar, found.record)  # staged and renamed over: the open map stays valid
     return found
+
+
+# ------------------------------------------------------------ the probe of a model on a text
+@dataclass(frozen=True)
+class ProbeRequest:
+    """What ``cortiq mtp-probe`` probes: the model, the text and the drafts as given."""
+
+    model: Path
+    text: TextSpec = TextSpec()
+    max_tokens: int = 512  # the text's first tokens
+    mtp: Path | None = None  # the sidecar (None: inline layers, else the sidecar beside the model)
+    depth: int | None = None  # None: every draft layer
+    chain: str = "all"  # "all" or one of cortiq_engine.mtp.CHAINS
+    hidden: str = "all"  # "all" or one of cortiq_engine.mtp.HIDDENS
+    vocab: str | None = None  # read as --mtp-vocab is (cortiq_engine.draft_vocab.parse_vocab)
+    threshold: float | None = None
+    choose_threshold: bool = False  # also time verifies and replay the rounds under candidate thresholds
+    save: bool = False  # record the fastest independent/pre setting in the sidecar
+    threads: int | None = None
+
+
+@dataclass(frozen=True)
+class ProbeRun:
+    """Everything ``run_probe`` found, per variant in the order probed."""
+
+    model: Path
+    mtp: str  # where the draft layers came from: "inline" or the sidecar's path
+    style: str
+    draft_layers: int
+    depth: int
+    text: str  # the text's one-line description
+    tokens: int
+    draft_vocab: Any  # the draft head's label: its size, or "full"
+    threshold: float
+    results: list[tuple[Variant, Acceptance]]
+    verify_ms: list[float] | None = None  # with choose_threshold: a verify of 1.. rows
+    thresholds: list[list[ThresholdRow]] | None = None  # with choose_threshold, per variant
+    saved: dict | None = None  # with save: the record written into the sidecar
+    cluster: ClusterReport | None = None
+
+    def to_json(self) -> dict:
+        doc = {
+            "model": str(self.model),
+            "mtp": self.mtp,
+            "style": self.style,
+            "draft_layers": self.draft_layers,
+            "depth": self.depth,
+            "text": self.text,
+            "tokens": self.tokens,
+            "draft_vocab": self.draft_vocab,
+            "threshold": self.threshold,
+            "variants": [{"chain": v.chain, "hidden": v.hidden, **counts.to_json()} for v, counts in self.results],
+            **({"cluster": self.cluster.to_json()} if self.cluster is not None else {}),
+        }
+        if self.thresholds is not None:
+            doc["verify_ms_by_rows"] = self.verify_ms
+            for entry, rows in zip(doc["variants"], self.thresholds):
+                entry["thresholds"] = [r.to_json() for r in rows]
+        if self.saved is not None:
+            doc["saved"] = self.saved
+        return doc
+
+
+def _choices(value: str, allowed: tuple[str, ...], flag: str) -> list[str]:
+    if value == "all":
+        return list(allowed)
+    if value not in allowed:
+        raise CortiqError(f"unknown {flag} {value!r}; choose all or one of {', '.join(allowed)}")
+    return [value]
+
+
+def _check_save(req: ProbeRequest, source: str, variants: Sequence[Variant]) -> None:
+    """The combinations ``choose_threshold`` and ``save`` refuse (``source``: the draft layers')."""
+    if req.choose_threshold and req.threshold:
+        raise CortiqError("--choose-threshold replays thresholds itself; leave --mtp-threshold out")
+    if req.save and not req.choose_threshold:
+        raise CortiqError("--save records what --choose-threshold measures: give both")
+    if req.save and source == "inline":
+        raise CortiqError("--save writes to an MTP sidecar; these draft layers are inline in the model file")
+    if req.save and req.vocab is not None:
+        raise CortiqError(
+            "--save measures the sidecar's own draft vocabulary (the one generate uses): leave --mtp-vocab out"
+        )
+    if req.save and not any(v.chain == "independent" and v.hidden == "pre" for v in variants):
+        raise CortiqError(
+            "--save measures the drafts generate runs (independent layers, pre-norm hidden): "
+            "leave --mtp-chain and --mtp-hidden at all, or set them to independent and pre"
+        )
+
+
+def _saved_setting(
+    trace: ProbeTrace, draft_ms: float, verify_ms: list[float], ids: list[int], text: str, draft_vocab: Any
+) -> dict:
+    """The record ``save`` writes: the fastest depth and threshold of the traced rounds, and
+    the fastest when n-gram lookup drafts first (generate's default), the probe's rounds
+    being every t and the text their truth."""
+    d, row = best_setting(trace, draft_ms, verify_ms)
+    rounds = trace.probs.shape[0]
+    looked = lookup_rounds(ids, range(rounds), DEFAULT_LOOKUP, DEFAULT_NGRAM)
+    keys = [(0, t) for t in range(rounds)]
+    return {
+        "depth": d,
+        "threshold": row.threshold,
+        "modelled_speedup": round(row.speedup, 4),
+        "tokens_per_step": round(row.tokens_per_step, 4),
+        "text": text,
+        "tokens": len(ids),
+        "draft_vocab": draft_vocab,
+        "verify_ms_by_rows": verify_ms,
+        "with_lookup": with_lookup_setting(trace, *looked, keys, draft_ms, verify_ms, DEFAULT_LOOKUP, DEFAULT_NGRAM),
+    }
+
+
+def run_probe(
+    req: ProbeRequest, progress: Callable[[int, int], None] | None = None, cluster: ClusterRun | None = None
+) -> ProbeRun:
+    """Teacher-forced acceptance of every asked variant of the model's draft layers over the
+    text's first ``max_tokens`` tokens (in this process, ``progress`` getting (rounds done,
+    rounds to do); or on a Ray cluster in windows of rounds, ``evals.cluster.probe_mtp``).
+    With ``choose_threshold`` each variant's rounds are replayed under candidate thresholds
+    with this machine's draft and verify costs; with ``save`` the fastest independent/pre
+    setting is written into the sidecar, as generate's defaults. A cluster run interrupted
+    before its last window raises ``evals.runs.ClusterInterrupted`` (no figures of part of
+    the rounds)."""
+    from cortiq_engine import Engine
+    from cortiq_engine.mtp import CHAINS, HIDDENS
+    from evals.tokens import encode_sharded
+
+    loaded = load_text(req.text)
+    eng = Engine.load(req.model, threads=req.threads, mtp=req.mtp if req.mtp is not None else True)
+    stack = eng.drafts
+    if stack is None:
+        raise CortiqError(
+            f"{req.model}: no MTP draft layers (none inline, no sidecar beside it); train them with "
+            f"`cortiq mtp-train {req.model}` (it writes the sidecar beside the model), or give --mtp PATH"
+        )
+    ids = encode_sharded(eng.tokenizer, loaded.pieces(), limit=req.max_tokens).tolist()  # the text's first tokens
+    k = req.depth or stack.num_layers
+    chains, hiddens = _choices(req.chain, CHAINS, "--mtp-chain"), _choices(req.hidden, HIDDENS, "--mtp-hidden")
+    variants = [v for v in default_variants(stack.num_layers, k) if v.chain in chains and v.hidden in hiddens]
+    if not variants:
+        raise CortiqError(
+            f"--mtp-chain independent needs a draft layer per depth: depth {k}, {stack.num_layers} layers"
+        )
+    _check_save(req, stack.source, variants)
+    head = eng.draft_head(req.vocab)
+    threshold = req.threshold or 0.0
+    traces: list[ProbeTrace] | None = [] if req.choose_threshold else None
+    creport = None
+    if cluster is not None:
+        from evals.cluster import probe_mtp
+        from evals.runs import ClusterInterrupted
+
+        # The workers load the same draft layers: inline, or this sidecar (checked to be the driver's file).
+        sidecar = None if stack.source == "inline" else Path(stack.source)
+        results, got, complete, creport = probe_mtp(
+            cluster.where,
+            cluster.threads or eng.threads,
+            req.model,
+            sidecar,
+            ids,
+            k,
+            variants,
+            vocab=req.vocab,
+            threshold=threshold,
+            trace=traces is not None,
+            resume=cluster.resume,
+            progress=cluster.progress,
+        )
+        if not complete:
+            raise ClusterInterrupted(creport)
+        if traces is not None:
+            traces.extend(got)
+    else:
+        step = None
+        if progress is not None:
+            total, done = max(len(ids) - k - 1, 0) * len(variants), 0
+            progress(0, total)
+
+            def step(n: int) -> None:
+                nonlocal done
+                done += n
+                progress(done, total)
+
+        results = probe(eng.model, stack, ids, k, variants, step, head=head, threshold=threshold, traces=traces)
+    run = ProbeRun(
+        req.model,
+        stack.source,
+        stack.style,
+        stack.num_layers,
+        k,
+        loaded.source,
+        len(ids),
+        head.label,
+        threshold,
+        results,
+        cluster=creport,
+    )
+    if traces is None:
+        return run
+    verify_ms = verify_costs(eng.model, max(k, DEFAULT_LOOKUP) + 1)
+    tables, saved = [], None
+    for (v, counts), trace in zip(results, traces):
+        draft_ms = 1e3 * counts.draft_seconds / max(counts.drafting_rounds, 1) / k  # per computed draft
+        tables.append(threshold_table(trace, draft_ms, verify_ms))
+        if req.save and (v.chain, v.hidden) == ("independent", "pre"):
+            saved = _saved_setting(trace, draft_ms, verify_ms, ids, loaded.source, head.label)
+    if saved is not None:
+        from formats.sidecar import write_defaults
+
+        write_defaults(stack.source, saved)  # staged and renamed over: the open map stays valid
+    return dataclasses.replace(run, verify_ms=verify_ms, thresholds=tables, saved=saved)

@@ -12,7 +12,8 @@ from typer.testing import CliRunner
 from cortiq_cli.main import app
 from cortiq_engine import Engine
 from cortiq_engine.acceptance import Acceptance
-from evals.mtp_probe import default_variants, probe
+from evals.mtp_probe import ProbeRequest, default_variants, probe, run_probe
+from evals.text_source import TextSpec
 from cortiq_engine.convert import convert_checkpoint
 from tests.mtp_tiny import save_tiny_mtp
 
@@ -143,3 +144,23 @@ def test_cli_errors(const_model, tmp_path):
         app, ["mtp-probe", str(const_model), "--mtp-chain", "independent", "--mtp-depth", "4", "--threads", "1"]
     )
     assert r.exit_code == 2 and "independent" in r.output
+
+
+def test_run_probe_is_what_the_cli_prints(const_model, tmp_path):
+    """The command prints the typed run of ``run_probe``: the same counts, in the same document."""
+    text = tmp_path / "t.txt"
+    text.write_text("Hi!! yes!!! no! Wow!!!! " * 4)
+    run = run_probe(ProbeRequest(const_model, TextSpec(path=str(text)), 30, chain="recursive", threads=1))
+    assert [v.label for v, _ in run.results] == ["recursive/pre", "recursive/post"]
+    assert run.tokens == 30 and run.depth == 3 and run.thresholds is None and run.saved is None
+    r = CliRunner().invoke(
+        app,
+        ["mtp-probe", str(const_model), "-f", str(text), "--text-tokens", "30", "--mtp-chain", "recursive", "--json"],
+    )
+    assert r.exit_code == 0, r.output
+
+    def counts(doc):  # the draft and verify times differ from run to run
+        return [{k: v for k, v in var.items() if not k.endswith("_ms_per_round")} for var in doc.pop("variants")]
+
+    want, got = run.to_json(), json.loads(r.stdout)
+    assert counts(got) == counts(want) and got == want
