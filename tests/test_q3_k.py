@@ -31,6 +31,38 @@ def test_integer_kernels_against_float64_twin():
     sb.check_int_kernels(DT)
 
 
+def test_integer_kernels_on_every_bit_pattern():
+    """Random bytes (every 6-bit scale code, every hmask and qs bit; the encoder's
+    scales sit near the top of the range) through the integer decode kernels of 1..4
+    input rows, both activation widths and both dot-product forms, against the float64
+    twin, and each row bit for bit its one-row result."""
+    from cortiq_engine.kernels import qdot
+    from cortiq_engine.kernels.fast import NumbaKernels
+    from cortiq_engine.weights import Weight
+
+    rows, nb = 37, 4
+    shape = (rows, nb * DT.block)
+    named = DT.named(DT.from_ggml(sb.random_blocks(DT, rows, nb, seed=3)), shape)
+    parts = {n: a.view(np.uint16) if a.dtype == np.float16 else a for n, a in named.items()}
+    assert set(scales_q3k(named["scales"]).ravel()) == set(range(-32, 32))
+    w = Weight("w", DT.name, rows, shape[1], parts)
+    X = np.random.default_rng(4).standard_normal((4, shape[1])).astype(np.float32)
+    for bits in (8, 16):
+        results = []
+        for vnni in (False, True) if qdot.host_vnni() else (False,):
+            ks = NumbaKernels(act_bits=bits, vnni=vnni)
+            if not qdot.host_supports():
+                assert ks._plans_for([w])[0][0].fn is None
+                return
+            for n in range(1, 5):
+                got = ks.matmul([w], X[:n])
+                twin = qdot.qdot_ref(DT.name, named, X[:n], bits)
+                assert np.abs(got - twin).max() / np.abs(twin).max() < 2e-6
+                assert all(np.array_equal(ks.matmul([w], X[i : i + 1])[0], got[i]) for i in range(n))
+            results.append(got)
+        assert all(np.array_equal(r, results[0]) for r in results)
+
+
 def test_encoder_error_and_grid():
     rng = np.random.default_rng(0)
     x = rng.standard_normal((32, 1024)).astype(np.float32)
