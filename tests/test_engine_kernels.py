@@ -9,6 +9,7 @@ import pytest
 from formats.quants import get_dtype
 from cortiq_engine.kernels import get_kernels
 from cortiq_engine.kernels.fast import SMALL_N
+from cortiq_engine.kernels.reference import AttentionCall, softcap_attend
 from cortiq_engine.weights import Weight
 
 RNG = np.random.default_rng(0)
@@ -157,8 +158,9 @@ def test_attention(n, window, sinks):
     vc = RNG.standard_normal((kvh, cap, dv)).astype(np.float32)
     sk = (RNG.standard_normal(heads) * 2).astype(np.float32) if sinks else None
     exact = _attention64(q, kc, vc, start, window, d**-0.5, sk)
+    call = AttentionCall(d**-0.5, window, sk)
     for name, ks in _kernel_sets().items():
-        got = ks.attend(q, kc, vc, start, window, d**-0.5, sk)
+        got = ks.attend(q, kc, vc, start, call)
         np.testing.assert_allclose(got, exact, atol=1e-5, err_msg=name)
 
 
@@ -282,8 +284,25 @@ def test_declared_row_exact_attend(name, window, sinks):
     kc = RNG.standard_normal((kvh, 64, d)).astype(np.float32)
     vc = RNG.standard_normal((kvh, 64, dv)).astype(np.float32)
     sk = RNG.standard_normal(heads).astype(np.float32) if sinks else None
-    one = np.concatenate([ks.attend(q[i : i + 1].copy(), kc, vc, start + i, window, 0.25, sk) for i in range(k)])
-    assert np.array_equal(ks.attend(q, kc, vc, start, window, 0.25, sk), one)
+    call = AttentionCall(0.25, window, sk)
+    one = np.concatenate([ks.attend(q[i : i + 1].copy(), kc, vc, start + i, call) for i in range(k)])
+    assert np.array_equal(ks.attend(q, kc, vc, start, call), one)
+
+
+@pytest.mark.parametrize("n", [1, 4, 16, 17])
+def test_attention_call_forms(n):
+    """Every set gives the same bits for an ``AttentionCall`` and for its positional form
+    (window, scale, sinks), and for a capped call the bits of ``softcap_attend``."""
+    heads, kvh, d, dv, start = 6, 2, 16, 8, 30
+    q = RNG.standard_normal((n, heads, d)).astype(np.float32)
+    kc = RNG.standard_normal((kvh, 64, d)).astype(np.float32)
+    vc = RNG.standard_normal((kvh, 64, dv)).astype(np.float32)
+    sk = RNG.standard_normal(heads).astype(np.float64)  # any float type: the record makes it f32
+    capped = softcap_attend(q, kc, vc, start, 5, 0.25, 2.0, sk)
+    for name, ks in _kernel_sets().items():
+        want = ks.attend(q, kc, vc, start, AttentionCall(0.25, 5, sk))
+        assert np.array_equal(ks.attend(q, kc, vc, start, 5, 0.25, sk), want), name
+        assert np.array_equal(ks.attend(q, kc, vc, start, AttentionCall(0.25, 5, sk, softcap=2.0)), capped), name
 
 
 def test_row_exact_wrapper():

@@ -34,7 +34,14 @@ import numpy as np
 
 from cortiq_engine.kernels import amx, attn_ir, jit, qdot
 from cortiq_engine.kernels.dtype_ops import OPS, DtypeOps, ops_for
-from cortiq_engine.kernels.reference import NumpyKernels, attend_block, attention_jobs
+from cortiq_engine.kernels.reference import (
+    ROW_EXACT_ROWS,
+    AttentionCall,
+    NumpyKernels,
+    attend,
+    attend_block,
+    attention_jobs,
+)
 from cortiq_engine.weights import Weight
 from formats.quants import align_up
 
@@ -531,25 +538,17 @@ class NumbaKernels(NumpyKernels):
             self._attn_f16 = attn_ir.AttentionLoops(*self._attn_args, kv="f16")
         return self._attn_f16
 
-    def attend(
-        self,
-        q: np.ndarray,
-        kc: np.ndarray,
-        vc: np.ndarray,
-        start: int,
-        window: int,
-        scale: float,
-        sinks: np.ndarray | None = None,
-    ) -> np.ndarray:
+    def attend(self, q, kc, vc, start: int, call: AttentionCall | int, scale=None, sinks=None) -> np.ndarray:
+        call = AttentionCall.of(call, scale, sinks)
+        if call.softcap:  # the compiled routes have no cap
+            return attend(q, kc, vc, start, call, ROW_EXACT_ROWS)
         out = np.empty((q.shape[0], q.shape[1], vc.shape[2]), np.float32)
-        if sinks is not None:
-            sinks = np.ascontiguousarray(sinks, dtype=np.float32)
         n, d, dv = q.shape[0], q.shape[2], vc.shape[2]
         fns = self._loops(kc).for_dims(d, dv)
         if not (kc.flags.c_contiguous and vc.flags.c_contiguous):
             fns = np.zeros_like(fns)  # the IR loops address rows by a C layout
         if n > SMALL_ATTN and fns[3]:
-            self._attend_flash(np.ascontiguousarray(q), kc, vc, start, window, scale, sinks, out, fns)
+            self._attend_flash(np.ascontiguousarray(q), kc, vc, start, call, out, fns)
             return out
         if kc.dtype != np.float32 and not (n <= SMALL_ATTN and fns[0]):
             # An f16 cache where the IR loops do not serve: the rows the queries see, widened
@@ -559,34 +558,24 @@ class NumbaKernels(NumpyKernels):
             fns = self._attn.for_dims(d, dv) if kc.flags.c_contiguous else np.zeros_like(fns)
         if n > SMALL_ATTN:
             # Prefill without the IR loops: the reference blocks (query block x KV head), pulled by the pool's threads.
-            qs = q * np.float32(scale)
+            qs = q * np.float32(call.scale)
             jobs = attention_jobs(q.shape[0], kc.shape[0])
-            self._pull(
-                lambda job: attend_block(qs, kc, vc, start, window, sinks, out, *job), jobs, numba.get_num_threads()
-            )
+            self._pull(lambda job: attend_block(qs, kc, vc, start, call, out, *job), jobs, numba.get_num_threads())
             return out
         if kc.dtype == np.float16:  # numba has no f16 arrays: the IR loops read the bits
             kc, vc = kc.view(np.uint16), vc.view(np.uint16)
-        jit.attend(np.ascontiguousarray(q), kc, vc, start, window, np.float32(scale), sinks, out, fns)
+        jit.attend(np.ascontiguousarray(q), kc, vc, start, call.window, np.float32(call.scale), call.sinks, out, fns)
         return out
 
     def _attend_flash(
-        self,
-        q: np.ndarray,
-        kc: np.ndarray,
-        vc: np.ndarray,
-        start: int,
-        window: int,
-        scale: float,
-        sinks: np.ndarray | None,
-        out: np.ndarray,
-        fns: np.ndarray,
+        self, q: np.ndarray, kc: np.ndarray, vc: np.ndarray, start: int, call: AttentionCall, out: np.ndarray, fns
     ) -> None:
         """A prefill's attention (``jit.attend_flash``): the keys its queries see, transposed
         once for every job, and one worker per thread pulling the jobs, heaviest first."""
         n, d = q.shape[0], q.shape[2]
         kvh = kc.shape[0]
         hi = start + n
+        window = call.window
         k0 = max(0, start - window + 1) if window > 0 else 0  # the first query's oldest key
         keys = hi - k0
         kt = np.empty((kvh, d, align_up(keys, 16) + 16), np.float32)  # + 16: a key block's last columns
@@ -600,8 +589,9 @@ class NumbaKernels(NumpyKernels):
         ).reshape(-1, 3)
         counter = np.zeros(1, np.int64)
         threads = min(numba.get_num_threads(), len(jobs))
+        scale = np.float32(call.scale)
         self._pull(
-            lambda _: jit.attend_flash(q, kt, k0, vc, start, window, np.float32(scale), sinks, out, jobs, counter, fns),
+            lambda _: jit.attend_flash(q, kt, k0, vc, start, window, scale, call.sinks, out, jobs, counter, fns),
             range(threads),
             threads,
         )

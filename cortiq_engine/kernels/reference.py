@@ -7,6 +7,7 @@ this one to float rounding (tests/test_engine_kernels.py).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -19,6 +20,31 @@ TILE_ELEMS = 1 << 20
 BLOCK_ELEMS = 1 << 16
 # Query rows per attention block: [group, block, keys] scores stay in cache.
 ATTN_BLOCK = 128
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionCall:
+    """What a layer's attention calls share, built once by the layer and passed to every
+    kernel set's ``attend``: ``scale`` multiplies the scores; ``window`` > 0 is a sliding
+    window of that many rows counting the query's own; ``sinks`` f32 [heads] (MiMo-V2,
+    gpt-oss) are learned logits that join each head's softmax without a value row, so
+    they only take probability mass: p = softmax([scores, sink]), out = sum_j p_j v_j;
+    ``softcap`` > 0 (Gemma 2) turns scores into cap * tanh(score / cap) before the mask,
+    which only the reference computes (``attend``)."""
+
+    scale: float
+    window: int = 0
+    sinks: np.ndarray | None = None
+    softcap: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.sinks is not None:  # the layout the compiled kernels take, made once
+            object.__setattr__(self, "sinks", np.ascontiguousarray(self.sinks, dtype=np.float32))
+
+    @classmethod
+    def of(cls, call: "AttentionCall | int", scale: float | None, sinks: np.ndarray | None) -> "AttentionCall":
+        """``call`` itself, or the record of ``attend``'s positional form (window, scale, sinks)."""
+        return call if isinstance(call, AttentionCall) else cls(float(scale), int(call), sinks)
 
 
 def tile_rows(w: Weight) -> int:
@@ -105,34 +131,11 @@ class NumpyKernels:
         x[:, :, half : 2 * half] = b * c + a * s
 
     # ------------------------------------------------------------ attention
-    def attend(
-        self,
-        q: np.ndarray,
-        kc: np.ndarray,
-        vc: np.ndarray,
-        start: int,
-        window: int,
-        scale: float,
-        sinks: np.ndarray | None = None,
-    ) -> np.ndarray:
-        """Causal GQA attention of n new queries over cache rows 0..start+n-1.
-
-        q [n, heads, d]; kc [kv_heads, cap, d]; vc [kv_heads, cap, dv] -> [n, heads, dv].
-        Query i sees rows lo..start+i (lo > 0 only with a sliding window: ``window``
-        rows counting itself). ``sinks`` f32 [heads] (MiMo-V2, gpt-oss): a learned
-        logit per head that joins the softmax but has no value row, so it only takes
-        probability mass: p = softmax([scores, sink]), out = sum_j p_j v_j.
-        Queries go in blocks, each against only the keys it can see: causal prefill
-        then computes about half the scores, and a block's scores stay in cache.
-        """
-        out = np.empty((q.shape[0], q.shape[1], vc.shape[2]), np.float32)
-        if kc.dtype != np.float32:  # an f16 cache: the rows the queries see, widened (exact)
-            hi = start + q.shape[0]
-            kc, vc = kc[:, :hi].astype(np.float32), vc[:, :hi].astype(np.float32)
-        qs = q * np.float32(scale)  # n*d multiplies instead of n*keys
-        for job in attention_jobs(q.shape[0], kc.shape[0]):
-            attend_block(qs, kc, vc, start, window, sinks, out, *job)
-        return out
+    def attend(self, q, kc, vc, start: int, call: AttentionCall | int, scale=None, sinks=None) -> np.ndarray:
+        """Causal GQA attention over a KV cache (``attend``). ``call``: the layer's
+        ``AttentionCall``, or its window followed by ``scale`` and ``sinks``."""
+        call = AttentionCall.of(call, scale, sinks)
+        return attend(q, kc, vc, start, call, ROW_EXACT_ROWS if call.softcap else 0)
 
     # ------------------------------------------------------------ linear attention
     def delta_rule(
@@ -149,6 +152,33 @@ class NumpyKernels:
 ROW_EXACT_ROWS = 16
 
 
+def attend(
+    q: np.ndarray, kc: np.ndarray, vc: np.ndarray, start: int, call: AttentionCall, rows_alone: int = 0
+) -> np.ndarray:
+    """Causal GQA attention of n new queries over cache rows 0..start+n-1.
+
+    q [n, heads, d]; kc [kv_heads, cap, d]; vc [kv_heads, cap, dv] -> [n, heads, dv].
+    Query i sees rows lo..start+i (lo > 0 only with ``call.window``), with ``call``'s
+    scale, sinks and cap. Queries go in blocks, each against only the keys it can see:
+    causal prefill then computes about half the scores, and a block's scores stay in
+    cache. Calls of up to ``rows_alone`` rows (decode, a speculative verify) run row by
+    row instead, so a verify row gets bit for bit the numbers its one-row decode gets.
+    """
+    out = np.empty((q.shape[0], q.shape[1], vc.shape[2]), np.float32)
+    if kc.dtype != np.float32:  # an f16 cache: the rows the queries see, widened (exact)
+        hi = start + q.shape[0]
+        kc, vc = kc[:, :hi].astype(np.float32), vc[:, :hi].astype(np.float32)
+    qs = q * np.float32(call.scale)  # n*d multiplies instead of n*keys
+    jobs = (
+        attention_jobs(q.shape[0], kc.shape[0])
+        if q.shape[0] > rows_alone
+        else [(i, i + 1, g) for i in range(q.shape[0]) for g in range(kc.shape[0])]
+    )
+    for job in jobs:
+        attend_block(qs, kc, vc, start, call, out, *job)
+    return out
+
+
 def softcap_attend(
     q: np.ndarray,
     kc: np.ndarray,
@@ -160,21 +190,7 @@ def softcap_attend(
     sinks: np.ndarray | None = None,
 ) -> np.ndarray:
     """``attend`` with Gemma 2's tanh cap on the scores (the compiled routes have no cap)."""
-    out = np.empty((q.shape[0], q.shape[1], vc.shape[2]), np.float32)
-    if kc.dtype != np.float32:
-        hi = start + q.shape[0]
-        kc, vc = kc[:, :hi].astype(np.float32), vc[:, :hi].astype(np.float32)
-    qs = q * np.float32(scale)
-    # Up to ROW_EXACT_ROWS rows (decode, a speculative verify) each row runs alone, so a
-    # verify row gets bit for bit the numbers its one-row decode gets; prefill in blocks.
-    jobs = (
-        attention_jobs(q.shape[0], kc.shape[0])
-        if q.shape[0] > ROW_EXACT_ROWS
-        else [(i, i + 1, g) for i in range(q.shape[0]) for g in range(kc.shape[0])]
-    )
-    for job in jobs:
-        attend_block(qs, kc, vc, start, window, sinks, out, *job, softcap=softcap)
-    return out
+    return attend(q, kc, vc, start, AttentionCall(scale, window, sinks, softcap), ROW_EXACT_ROWS)
 
 
 def attention_jobs(n: int, kv_heads: int) -> list[tuple[int, int, int]]:
@@ -187,16 +203,14 @@ def attend_block(
     kc: np.ndarray,
     vc: np.ndarray,
     start: int,
-    window: int,
-    sinks: np.ndarray | None,
+    call: AttentionCall,
     out: np.ndarray,
     i0: int,
     i1: int,
     g: int,
-    softcap: float = 0.0,
 ) -> None:
-    """Queries i0..i1 of KV head g's group (``qs`` already scaled) into ``out``;
-    ``softcap`` > 0: scores become cap * tanh(score / cap) before the mask."""
+    """Queries i0..i1 of KV head g's group (``qs`` already scaled by ``call.scale``) into ``out``."""
+    window, sinks, softcap = call.window, call.sinks, call.softcap
     group = qs.shape[1] // kc.shape[0]
     hi = start + i1  # the block's last query sees keys < hi
     lo = max(0, start + i0 - window + 1) if window > 0 else 0  # its first sees keys >= lo

@@ -16,6 +16,7 @@ from typing import Sequence
 
 import numpy as np
 
+from cortiq_engine.kernels.reference import AttentionCall
 from cortiq_engine.weights import Weight
 
 
@@ -43,19 +44,10 @@ class RowExact:
         # A fresh 1-row array per call, as decode passes: BLAS may pick its kernel by alignment.
         return np.concatenate([self.inner.matmul(ws, X[i : i + 1].copy()) for i in range(X.shape[0])])
 
-    def attend(
-        self,
-        q: np.ndarray,
-        kc: np.ndarray,
-        vc: np.ndarray,
-        start: int,
-        window: int,
-        scale: float,
-        sinks: np.ndarray | None = None,
-    ) -> np.ndarray:
+    def attend(self, q, kc, vc, start: int, call: AttentionCall | int, scale=None, sinks=None) -> np.ndarray:
+        call = AttentionCall.of(call, scale, sinks)
         n = q.shape[0]
-        if not self._split(n):
-            return self.inner.attend(q, kc, vc, start, window, scale, sinks)
-        return np.concatenate(
-            [self.inner.attend(q[i : i + 1].copy(), kc, vc, start + i, window, scale, sinks) for i in range(n)]
-        )
+        # a capped call the reference already runs row by row (``reference.attend``)
+        if call.softcap or not self._split(n):
+            return self.inner.attend(q, kc, vc, start, call)
+        return np.concatenate([self.inner.attend(q[i : i + 1].copy(), kc, vc, start + i, call) for i in range(n)])
