@@ -17,11 +17,13 @@ import numpy as np
 from numba import njit
 
 from cortiq_engine.kernels.dtype_ops import DtypeOps
+
+# iq4_nl's module: the sub-block kernels, and the kernel record of iq4_xs's fallback
+from cortiq_engine.kernels.iq4_nl_jit import grid_dequant, grid_dot
 from cortiq_engine.kernels.jit import f16_to_f32, matmul_small
 from formats.iq4_xs import KVALUES_IQ4NL
 
 QK = 256
-_KV = KVALUES_IQ4NL.astype(np.float32)
 
 
 @njit(inline="always")
@@ -37,27 +39,16 @@ def iq4_xs_dequant(d, sh, sl, qs, r0, r1, out):
     for r in range(r0, r1):
         for s in range(8 * d.shape[1]):  # sub-blocks of 32
             b, ib = s >> 3, s & 7
-            dl = f16_to_f32(d[r, b]) * _scale(sh, sl, r, b, ib)
-            for j in range(16):
-                byte = qs[r, 16 * s + j]
-                out[r - r0, 32 * s + j] = dl * _KV[byte & 15]
-                out[r - r0, 32 * s + 16 + j] = dl * _KV[byte >> 4]
+            grid_dequant(out, r - r0, f16_to_f32(d[r, b]) * _scale(sh, sl, r, b, ib), qs, r, s)
 
 
 @njit(inline="always")
 def _iq4_xs_dot(d, sh, sl, qs, _4, _flag, r, X, xsum, i):
-    kv = _KV
     acc = np.zeros(32, np.float32)
-    for b in range(d.shape[1]):  # the levels looked up in place: a helper returning both cost 7 %
+    for b in range(d.shape[1]):
         dd = f16_to_f32(d[r, b])
         for ib in range(8):
-            dl = dd * _scale(sh, sl, r, b, ib)
-            o = 256 * b + 32 * ib
-            ob = 128 * b + 16 * ib
-            for j in range(16):
-                byte = qs[r, ob + j]
-                acc[j] += dl * (kv[byte & 15] * X[i, o + j])
-                acc[j + 16] += dl * (kv[byte >> 4] * X[i, o + 16 + j])
+            grid_dot(acc, dd * _scale(sh, sl, r, b, ib), qs, r, 8 * b + ib, X, i)
     return acc.sum()
 
 

@@ -1,0 +1,177 @@
+"""iq4_nl (llama.cpp's IQ4_NL): its bytes against gguf-py, its decoding against float64
+math, its kernels against their numpy twin and float64, its encoder against llama.cpp's
+own library and a file llama.cpp's quantizer wrote (the llamacpp marker), GGUF blocks
+copied bit for bit, ``cortiq convert --quant iq4_nl``, and iq4_xs falling back to it
+where a row is no multiple of 256."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as GT
+from typer.testing import CliRunner
+
+from cortiq_cli.main import app
+from cortiq_engine.convert import convert_checkpoint
+from formats.cmf import CmfFile
+from formats.iq4_nl import KVALUES_IQ4NL
+from formats.quants import get_dtype, resolve_dtype
+from tests import superblocks as sb
+from tests.tiny import save_tiny
+
+DT = get_dtype("iq4_nl")
+runner = CliRunner()
+MATRICES = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
+
+
+def test_layout_is_ggml_block_iq4_nl():
+    assert DT.block == 32 and DT.block_bytes == 18 and DT.bits == 4.5 and DT.ggml_type == "IQ4_NL"
+    assert resolve_dtype("IQ4_NL") is DT and DT.takes_imatrix
+    sb.check_ggml_layout(DT, GT.IQ4_NL)
+
+
+def test_kernels_against_numpy_and_float64():
+    sb.check_kernels(DT)
+
+
+def test_round_trip_against_float64():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((32, 1024)).astype(np.float32)
+    named = DT.named(DT.encode(x), x.shape)
+    # the decoding is d * grid level, computed in float64 from the raw parts
+    d = named["d"].astype(np.float64).reshape(32, -1, 1)
+    qs = named["qs"].reshape(32, -1, 16)
+    q = np.stack([qs & 15, qs >> 4], axis=-2).reshape(32, -1, 32)  # element j low nibble, j + 16 high
+    want = (d * KVALUES_IQ4NL.astype(np.float64)[q]).reshape(x.shape)
+    got = DT.decode(named, x.shape)
+    assert np.array_equal(got, want.astype(np.float32))
+    # N(0, 1): the non-linear grid beats q4_0's linear one at the same 4.5 bits, and
+    # sits just above iq4_xs (the same grid, 6-bit scales under one f16)
+    err = sb.relative_rms(DT, x)
+    assert 0.05 < err < sb.relative_rms(get_dtype("q4_0"), x)
+    assert err < sb.relative_rms(get_dtype("iq4_xs"), x)
+    # each block's scale is the best of its searched ones: by the encoder's measure, the
+    # error weighted by x^2, no worse than the plain max-abs scale's, block by block
+    b = x.reshape(32, -1, 32).astype(np.float64)
+    mx = np.take_along_axis(b, np.abs(b).argmax(axis=2)[:, :, None], axis=2)
+    d0 = (mx / -127).astype(np.float16).astype(np.float64)
+    lv = KVALUES_IQ4NL.astype(np.float64)
+    plain = d0 * lv[np.abs(b[..., None] / d0[..., None] - lv).argmin(axis=-1)]
+    ours = got.reshape(b.shape).astype(np.float64)
+    werr = [(b * b * (y - b) ** 2).sum(axis=2) for y in (ours, plain)]
+    assert (werr[0] <= werr[1] * 1.0001).mean() > 0.99
+    # zeros encode as zeros; rows are independent
+    z = np.zeros((2, 64), np.float32)
+    assert not DT.decode(DT.named(DT.encode(z), z.shape), z.shape).any()
+    both = DT.encode(x)
+    halves = [DT.encode(x[:10]), DT.encode(x[10:])]
+    assert all(np.array_equal(a, np.concatenate([h0, h1])) for a, h0, h1 in zip(both, *halves))
+
+
+def test_imatrix_lowers_the_weighted_error():
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((64, 512)).astype(np.float32)
+    imp = (rng.random(512) ** 6 * 100).astype(np.float32)  # a few columns matter most
+    assert sb.relative_rms(DT, x, imp) < sb.weighted_rms_of_plain(DT, x, imp)
+
+
+@pytest.mark.llamacpp
+def test_encoder_is_llama_cpp_byte_for_byte():
+    sb.check_llama_cpp_bytes(DT, GT.IQ4_NL)
+
+
+def test_gguf_blocks_copy_bit_for_bit_and_run(tmp_path):
+    from cortiq_engine import Engine, forward
+
+    out = sb.check_gguf_keep("iq4_nl", "IQ4_NL", DT, tmp_path)
+    ids = np.random.default_rng(2).integers(0, 256, 10)
+    logits = {}
+    for k in ("numba", "numpy"):
+        eng = Engine.load(out, kernels=k)
+        st = eng.new_state(32)
+        h = np.concatenate([forward(st, ids[:8])] + [forward(st, ids[i : i + 1]) for i in range(8, 10)])
+        logits[k] = eng.model.lm_head(eng.model.final_norm(h))
+    assert np.abs(logits["numba"] - logits["numpy"]).max() <= 1e-4 * np.abs(logits["numpy"]).max()
+
+
+@pytest.mark.llamacpp
+def test_llama_cpp_file_copies_bit_for_bit(tmp_path):
+    """llama.cpp's quantizer writes an IQ4_NL file of a tiny llama; ``--quant keep`` copies
+    its IQ4_NL blocks, and cortiq's encoder writes the same blocks from the F32 file."""
+    import gguf
+    import llama_cpp
+
+    from formats.gguf_import import unpermute_rope_rows
+    from tests.test_gguf_import import TINY, write_tiny_gguf
+    from tests.tiny import build_tiny
+
+    model = build_tiny("llama", **dict(TINY, hidden_size=96, intermediate_size=160, head_dim=24))
+    f32 = write_tiny_gguf(model, tmp_path / "f32.gguf", "llama")
+    nl = tmp_path / "iq4_nl.gguf"
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = 25  # LLAMA_FTYPE_MOSTLY_IQ4_NL
+    params.nthread = 1
+    assert llama_cpp.llama_model_quantize(str(f32).encode(), str(nl).encode(), params) == 0
+    for name, src, how in (("keep", nl, ["--quant", "keep"]), ("ours", f32, ["--quant", "f32", "--keep", "*=iq4_nl"])):
+        r = runner.invoke(app, ["convert", str(src), str(tmp_path / f"{name}.cmf"), *how])
+        assert r.exit_code == 0, r.stderr
+    stored = [t for t in gguf.GGUFReader(nl).tensors if t.tensor_type == GT.IQ4_NL]
+    assert len(stored) >= 7
+    with CmfFile(tmp_path / "keep.cmf") as kept, CmfFile(tmp_path / "ours.cmf") as ours:
+        for t in stored:
+            hname = sb._hf_name(t.name)
+            rows = kept.info(hname).shape[0]
+            blocks = np.asarray(t.data, dtype=np.uint8).reshape(rows, -1, DT.block_bytes)
+            kind = t.name.split(".")[-2]
+            if kind in ("attn_q", "attn_k"):
+                blocks = unpermute_rope_rows(blocks, {"attn_q": 4, "attn_k": 2}[kind])
+            for f in (kept, ours):
+                assert f.info(hname).dtype == "iq4_nl"
+                assert np.array_equal(DT.to_ggml(f.tensor_parts(hname)), blocks), (t.name, f)
+
+
+def test_convert_writes_the_dtype_and_runs(tmp_path):
+    """llama.cpp's IQ4_NL mix: the layers' matrices iq4_nl, the embeddings q6k's (q8 where
+    a row is no multiple of 256, its fallback)."""
+    src = save_tiny("llama", tmp_path / "m", hidden_size=96, intermediate_size=160, head_dim=24)
+    how = ["--quant", "q6k", "--keep", "model.layers.*=iq4_nl", "--json"]
+    r = runner.invoke(app, ["convert", str(src), str(tmp_path / "m.cmf"), *how])
+    assert r.exit_code == 0, r.stderr
+    rep = json.loads(r.stdout)
+    chosen = {t["name"]: t["dtype"] for t in rep["tensors"]}
+    assert {chosen[f"model.layers.{i}.{m}.weight"] for i in (0, 1) for m in MATRICES} == {"iq4_nl"}
+    assert chosen["lm_head.weight"] == "q8" and chosen["model.layers.0.input_layernorm.weight"] == "f32"
+    assert 0.05 < rep["dtypes"]["iq4_nl"]["rms_rel_error"] < 0.09
+    r = runner.invoke(app, ["generate", str(tmp_path / "m.cmf"), "-p", "hello", "-n", "4", "--json"])
+    assert r.exit_code == 0, r.stderr
+    assert len(json.loads(r.stdout)["token_ids"]) == 4
+
+
+def test_iq4_xs_falls_back_to_iq4_nl_where_rows_are_576_wide(tmp_path):
+    src = save_tiny(
+        "llama",
+        tmp_path / "m",
+        hidden_size=576,
+        intermediate_size=512,
+        head_dim=64,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+    )
+    rep = convert_checkpoint(src, tmp_path / "m.cmf", quant="iq4_xs")
+    chosen = {t.name: t.dtype for t in rep.tensors}
+    # 512 input columns: IQ4_XS's super-blocks; 576: its fallback, IQ4_NL
+    assert chosen["model.layers.0.mlp.down_proj.weight"] == "iq4_xs"
+    for m in MATRICES[:-1]:
+        assert chosen[f"model.layers.0.{m}.weight"] == "iq4_nl", m
+    assert chosen["lm_head.weight"] == "q8"  # q6k's fallback, as llama.cpp's output tensor
+    assert 0.05 < rep.by_dtype["iq4_nl"].rms_rel_error < 0.09
