@@ -22,19 +22,10 @@ from typing import Annotated, Any, Iterator, Optional
 import typer
 from rich.markup import escape
 
+from cortiq_cli import generation as gen
 from cortiq_cli import mtp_options as mtp_opt
 from cortiq_cli import options as opts
-from cortiq_cli.common import (
-    KvCache,
-    compile_note,
-    err_console,
-    handle_errors,
-    human_bytes,
-    load_engine,
-    peak_rss_bytes,
-    print_json,
-)
-from cortiq_cli.cmd_generate import MAX_LOGPROBS, print_logprobs
+from cortiq_cli.common import KvCache, err_console, handle_errors, print_json
 from formats import staging, untrusted_json
 from formats.errors import CortiqError
 from formats.untrusted_json import read_text
@@ -174,12 +165,7 @@ def chat(
     max_tokens: Annotated[
         int, typer.Option("--max-tokens", "-n", min=1, help="At most this many tokens per answer.")
     ] = 512,
-    temperature: opts.Temp = 0.0,
-    top_k: opts.TopK = 0,
-    top_p: opts.TopP = 1.0,
-    min_p: opts.MinP = 0.0,
-    repetition_penalty: opts.RepeatPenalty = 1.0,
-    seed: opts.Seed = None,
+    sampling: opts.SamplingArgs = opts.SamplingArgs(),
     ctx: opts.Ctx = None,
     kv_cache: KvCache = "f32",
     evict: Annotated[
@@ -196,11 +182,8 @@ def chat(
     ] = False,
     logprobs: Annotated[
         int,
-        typer.Option(
-            "--logprobs",
-            min=0,
-            max=MAX_LOGPROBS,
-            help="Each step's N most likely tokens and log-probabilities (in --json; else listed after each answer).",
+        gen.logprobs_option(
+            "Each step's N most likely tokens and log-probabilities (in --json; else listed after each answer)."
         ),
     ] = 0,
     spec: mtp_opt.SpecArgs = mtp_opt.SpecArgs(),
@@ -210,26 +193,18 @@ def chat(
     Commands: /reset, /system TEXT, /save FILE, /load FILE, /help, /exit. When stdin is
     not a terminal, each of its lines is a turn (or a command). Ctrl-C stops an answer.
     """
-    from cortiq_engine import SamplingConfig
     from cortiq_engine.session import ChatSession
-    from cortiq_engine.spec_decision import SpecMemory
 
     model, _ = opts.model_and_prompt(model, None, model_opt, None, takes_prompt=False)
     if chat_template not in (TEMPLATE_MODEL, TEMPLATE_RAW):
         raise CortiqError(f"unknown --chat-template {chat_template!r}; choose {TEMPLATE_MODEL} or {TEMPLATE_RAW}")
-    config = SamplingConfig(
-        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty, seed=seed
-    )
+    config = sampling.config()
     conv = Conversation(system)
     if load is not None:
         conv.load(load)
-    eng = load_engine(model, threads=threads, ctx=ctx, quiet=json_out, mtp=spec.load_arg(), kv_cache=kv_cache)
-    # Draft sources start from the rates measured on this machine before (CORTIQ_SPEC_MEMORY).
-    eng.spec_memory = SpecMemory.default()
-    # kernel compilation at load, kept apart from every turn's speeds
-    compiled = eng.compile_report.to_json() if eng.compile_report is not None else {"compile_seconds": 0.0}
-    if compile_note(eng.compile_report) and not json_out:
-        err_console.print(f"[dim]{compile_note(eng.compile_report)}[/]", highlight=False)
+    eng = spec.load_engine(model, threads=threads, ctx=ctx, quiet=json_out, kv_cache=kv_cache)
+    if not json_out:
+        gen.print_compile_note(eng.compile_report)  # kernel compilation at load, kept apart from every turn's speeds
     tok = eng.tokenizer
     if chat_template == TEMPLATE_RAW:
         err_console.print(
@@ -281,10 +256,6 @@ def chat(
     def error(message: str) -> None:
         err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False)
 
-    def stream(text: str) -> None:
-        sys.stdout.write(text)
-        sys.stdout.flush()
-
     failed = 0
     turn_no = 0
     for line in _turns(interactive):
@@ -335,7 +306,7 @@ def chat(
                     logprobs=logprobs,
                     stop=stops,
                     on_token=lambda _ev: not stop.flag.is_set(),
-                    on_text=None if json_out else stream,
+                    on_text=None if json_out else gen.write_stdout,
                 )
         except CortiqError as e:
             conv.messages.pop()  # the turn did not happen: the conversation stays as it was
@@ -351,14 +322,12 @@ def chat(
                     "turn": turn_no,
                     "user": line,
                     **turn.to_json(),
-                    **compiled,
-                    "peak_rss_bytes": peak_rss_bytes(),
+                    **gen.costs_json(eng.compile_report),
                     **({"mtp_note": mtp_note} if mtp_note else {}),
                 }
             )
             continue
-        sys.stdout.write("\n")
-        sys.stdout.flush()
+        gen.write_stdout("\n")
         spec_part = ""
         if "mtp" in res.extra:
             spec_part = f" · [dim]drafts accepted[/] {res.extra['mtp']['acceptance']:.0%}"
@@ -368,12 +337,11 @@ def chat(
         err_console.print(
             f"[dim]cached[/] {turn.reused_tokens} · [dim]new[/] {turn.forwarded_tokens} tok, {res.prefill_tok_s:.1f} tok/s · "
             f"[dim]answer[/] {len(res.token_ids)} tok, {res.decode_tok_s:.1f} tok/s{spec_part} · "
-            f"[dim]context[/] {session.state.length}/{eng.ctx} · [dim]peak RSS[/] {human_bytes(peak_rss_bytes())} · {ended}",
+            f"[dim]context[/] {session.state.length}/{eng.ctx} · [dim]peak RSS[/] {gen.peak_rss()} · {ended}",
             highlight=False,
         )
         if logprobs:
-            print_logprobs(err_console, res.tokens)
-        if "speculative" in res.extra:
-            err_console.print(f"[dim]speculative: {escape(res.extra['speculative']['decision'])}[/]", highlight=False)
+            gen.print_logprobs(res.tokens)
+        gen.print_decision(res.extra)
     if failed and not interactive:
         raise typer.Exit(1)

@@ -14,31 +14,20 @@ CPU first (one line on stderr says so; later runs load them from the on-disk cac
 
 from __future__ import annotations
 
-import sys
+import dataclasses
 import time
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
 
+from cortiq_cli import generation as gen
 from cortiq_cli import mtp_options as mtp_opt
 from cortiq_cli import options as opts
-from cortiq_cli.common import (
-    EXIT_INTERRUPTED,
-    KvCache,
-    compile_note,
-    err_console,
-    handle_errors,
-    human_bytes,
-    load_engine,
-    peak_rss_bytes,
-    print_json,
-    read_prompt,
-)
+from cortiq_cli.common import EXIT_INTERRUPTED, KvCache, err_console, handle_errors, print_json, read_prompt
 from cortiq_cli.moe_stats import moe_stats_json, print_moe_stats
 from formats.errors import CortiqError
 
-MAX_LOGPROBS = 20  # OpenAI's bound; more is a different question (use the engine's logits)
 CONTEXT = "Context"
 
 
@@ -62,12 +51,7 @@ def generate(
     max_tokens: Annotated[
         int, typer.Option("--max-tokens", "-n", min=1, help="Generate at most this many tokens.")
     ] = 256,
-    temperature: opts.Temp = 0.0,
-    top_k: opts.TopK = 0,
-    top_p: opts.TopP = 1.0,
-    min_p: opts.MinP = 0.0,
-    repetition_penalty: opts.RepeatPenalty = 1.0,
-    seed: opts.Seed = None,
+    sampling: opts.SamplingArgs = opts.SamplingArgs(),
     stop: Annotated[
         Optional[list[str]],
         typer.Option("--stop", help="Stop when this string appears (repeatable); it is not printed."),
@@ -93,11 +77,8 @@ def generate(
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of streaming text.")] = False,
     logprobs: Annotated[
         int,
-        typer.Option(
-            "--logprobs",
-            min=0,
-            max=MAX_LOGPROBS,
-            help="Each step's N most likely tokens with their log-probabilities (in --json; else listed after the text).",
+        gen.logprobs_option(
+            "Each step's N most likely tokens with their log-probabilities (in --json; else listed after the text)."
         ),
     ] = 0,
     moe_stats: Annotated[
@@ -110,21 +91,13 @@ def generate(
     mtp_compare: mtp_opt.MtpCompare = False,
 ) -> None:
     """Generate text from a prompt with a CMF model (greedy by default)."""
-    from cortiq_engine import SamplingConfig
-    from cortiq_engine.spec_decision import SpecMemory
-
     model, prompt = opts.model_and_prompt(model, prompt, model_opt, prompt_opt)
     prompt = read_prompt(prompt, prompt_file)
     if not prompt:
         raise CortiqError("empty prompt: nothing to generate from")
-    config = SamplingConfig(
-        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty, seed=seed
-    )
-    # MTP draft layers (inline, the sidecar beside the model, or --mtp): the engine decodes
-    # speculatively (exact greedy) when it can, and says why not when it cannot.
-    eng = load_engine(model, threads=threads, ctx=ctx, quiet=json_out, mtp=spec.load_arg(), kv_cache=kv_cache)
-    # Draft sources start from the rates measured on this machine before (CORTIQ_SPEC_MEMORY).
-    eng.spec_memory = SpecMemory.default()
+    config = sampling.config()
+    # The engine decodes speculatively (exact greedy) when it can, and says why not when it cannot.
+    eng = spec.load_engine(model, threads=threads, ctx=ctx, quiet=json_out, kv_cache=kv_cache)
     speculative = spec.speculative()
     tok = eng.tokenizer
     if chat or system is not None:
@@ -136,10 +109,6 @@ def generate(
         ids = tok.encode(prompt)
     if not ids:
         raise CortiqError("empty prompt: it encodes to no tokens")
-
-    def stream(text: str) -> None:
-        sys.stdout.write(text)
-        sys.stdout.flush()
 
     so_far: list[Any] = []  # every token event, for the partial result of a Ctrl-C
     clock = _Clock()
@@ -155,7 +124,7 @@ def generate(
             config,
             max_tokens=max_tokens,
             stop=stop or [],
-            on_text=None if json_out else stream,
+            on_text=None if json_out else gen.write_stdout,
             evict=evict,
             ignore_eos=ignore_eos,
             logprobs=logprobs,
@@ -168,9 +137,7 @@ def generate(
             )
     except KeyboardInterrupt:
         if not json_out:
-            # the line the text was on ends, the figures so far follow
-            sys.stdout.write("\n")
-            sys.stdout.flush()
+            gen.write_stdout("\n")  # the line the text was on ends, the figures so far follow
             _print_stats(
                 len(ids),
                 clock.prefill_tok_s(len(ids)),
@@ -205,24 +172,14 @@ def generate(
                 "kv_cache": kv_cache,
                 "threads": eng.threads,
                 "calibration_temperature": eng.calibration_temperature,
-                "sampling": {
-                    "temperature": temperature,
-                    "top_k": top_k,
-                    "top_p": top_p,
-                    "min_p": min_p,
-                    "repetition_penalty": repetition_penalty,
-                    "seed": seed,
-                },
+                "sampling": dataclasses.asdict(sampling),
                 **res.to_json(),
-                # kernel compilation at load: never part of the prefill/decode figures
-                **_compile_json(eng),
-                "peak_rss_bytes": peak_rss_bytes(),
+                **gen.costs_json(eng.compile_report),
                 **({"moe_stats": moe_stats_json(res.expert_usage, eng.arch)} if moe_stats else {}),
             }
         )
         return
-    sys.stdout.write("\n")
-    sys.stdout.flush()
+    gen.write_stdout("\n")
     _print_stats(
         res.prompt_tokens,
         res.prefill_tok_s,
@@ -232,10 +189,9 @@ def generate(
         eng.calibration_temperature,
         res.finish_reason,
     )
-    if compile_note(eng.compile_report):
-        err_console.print(f"[dim]{compile_note(eng.compile_report)}[/]", highlight=False)
+    gen.print_compile_note(eng.compile_report)
     if logprobs:
-        print_logprobs(err_console, res.tokens)
+        gen.print_logprobs(res.tokens)
     if moe_stats:
         print_moe_stats(err_console, moe_stats_json(res.expert_usage, eng.arch))
     if "mtp" in res.extra:
@@ -244,13 +200,7 @@ def generate(
         (mtp_opt.render if asked or mtp["source"] != "lookup" else mtp_opt.render_line)(err_console, mtp)
     elif "mtp_note" in res.extra:
         err_console.print(f"[dim]{res.extra['mtp_note']}[/]", highlight=False)
-    if "speculative" in res.extra:
-        err_console.print(f"[dim]speculative: {res.extra['speculative']['decision']}[/]", highlight=False)
-
-
-def _compile_json(eng: Any) -> dict:
-    report = eng.compile_report
-    return report.to_json() if report is not None else {"compile_seconds": 0.0, "compiled_kernels": 0}
+    gen.print_decision(res.extra)
 
 
 class _Clock:
@@ -289,18 +239,7 @@ def _print_stats(
     err_console.print(
         f"[dim]prompt[/] {prompt_tokens} tok · [dim]prefill[/] {prefill_tok_s:.1f} tok/s · "
         f"[dim]decode[/] {generated} tok, {decode_tok_s:.1f} tok/s · "
-        f"[dim]mean confidence[/] {mean_conf:.2f}{calib} · [dim]peak RSS[/] {human_bytes(peak_rss_bytes())} · "
+        f"[dim]mean confidence[/] {mean_conf:.2f}{calib} · [dim]peak RSS[/] {gen.peak_rss()} · "
         f"[dim]finish[/] [bold]{finish}[/]",
         highlight=False,
     )
-
-
-def print_logprobs(console, tokens) -> None:
-    """One line per step: the chosen token, then the most likely ones, with log-probabilities."""
-    from rich.markup import escape
-
-    for k, ev in enumerate(tokens):
-        alts = "  ".join(f"{escape(repr(t.text))} {t.logprob:.3f}" for t in ev.top_logprobs or [])
-        console.print(
-            f"[dim]{k:>4}[/] {escape(repr(ev.text))} [bold]{ev.logprob:.3f}[/]  [dim]|[/] {alts}", highlight=False
-        )

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Optional
 import typer
 from rich.table import Table
 
-from cortiq_cli.common import print_table
+from cortiq_cli.common import load_engine, print_table
 from cortiq_cli.options import OptionGroup
 from formats.errors import CortiqError
 from formats.sidecar import MAX_LOOKUP_DRAFTS
@@ -206,6 +206,16 @@ class SpecArgs(OptionGroup):
 
     def load_arg(self) -> bool | Path:
         return load_arg(self.mtp, self.no_mtp)
+
+    def load_engine(self, model: Path, *, threads: int | None, ctx: int | None, quiet: bool, kv_cache: str) -> Any:
+        """The engine with the draft layers these options ask for (inline, the sidecar beside
+        the model, --mtp, or none); its draft sources start from the rates measured on this
+        machine before (CORTIQ_SPEC_MEMORY)."""
+        from cortiq_engine.spec_decision import SpecMemory
+
+        eng = load_engine(model, threads=threads, ctx=ctx, quiet=quiet, mtp=self.load_arg(), kv_cache=kv_cache)
+        eng.spec_memory = SpecMemory.default()
+        return eng
 
     def speculative(self):
         return speculative_arg(

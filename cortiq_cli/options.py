@@ -186,6 +186,23 @@ class OptionGroup:
     """A dataclass whose fields are typer options, taken by a command as one parameter."""
 
 
+@dataclasses.dataclass(frozen=True)
+class SamplingArgs(OptionGroup):
+    """How each next token is chosen: greedy by default; the fields are ``SamplingConfig``'s."""
+
+    temperature: Temp = 0.0
+    top_k: TopK = 0
+    top_p: TopP = 1.0
+    min_p: MinP = 0.0
+    repetition_penalty: RepeatPenalty = 1.0
+    seed: Seed = None
+
+    def config(self) -> Any:
+        from cortiq_engine import SamplingConfig
+
+        return SamplingConfig(**dataclasses.asdict(self))
+
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 
