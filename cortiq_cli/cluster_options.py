@@ -1,12 +1,11 @@
 """The options that send an eval's windows to a Ray cluster (``--cluster``, ``--cluster-threads``,
-``--resume``), their checks, and the progress bar over all workers."""
+``--resume``), their checks, and the lines under a cluster run's figures."""
 
 from __future__ import annotations
 
 from typing import Annotated, Optional
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from cortiq_cli.common import console, err_console
 from evals.cluster import INSTALL_HINT, ClusterAddress, ClusterReport, journal_dir, ray_available
@@ -57,21 +56,6 @@ def check(cluster: str | None, resume: bool) -> ClusterAddress | None:
     return where
 
 
-def progress_bar() -> Progress:
-    """One bar over every worker: windows done, tokens per second, time left."""
-    return Progress(
-        TextColumn("[bold]cluster[/]"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("windows  [cyan]{task.fields[rate]}[/] tok/s"),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-        console=err_console,
-        transient=True,
-        disable=not err_console.is_terminal,
-    )
-
-
 def note_interrupted() -> None:
     err_console.print(
         f"the finished windows are journaled under {journal_dir()}: the same command with --resume continues",
@@ -100,7 +84,6 @@ __all__ = [
     "ClusterThreads",
     "Resume",
     "check",
-    "progress_bar",
     "note_interrupted",
     "render_report",
     "CLUSTER_PANEL",

@@ -6,12 +6,12 @@ from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
 from cortiq_cli import text_options as opt
 from cortiq_cli.options import option_groups
-from cortiq_cli.common import console, err_console, handle_errors, print_json, print_table
+from cortiq_cli.common import console, handle_errors, print_json, print_table
+from cortiq_cli.eval_run import progress_bar
 
 TRAIN_PANEL = "Training"
 
@@ -282,17 +282,7 @@ def mtp_train(
             result.extra["defaults"] = _defaults_json(_measure_defaults(model, result, threads))
         print_json(result.to_json())
         return
-    with Progress(
-        TextColumn("[bold]{task.description}[/]"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[info]}"),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-        console=err_console,
-        transient=True,
-        disable=not err_console.is_terminal,
-    ) as bar:
+    with progress_bar("{task.description}", "{task.fields[info]}") as bar:
         tasks: dict[str, Any] = {}
 
         def collect(done: int, total: int) -> None:

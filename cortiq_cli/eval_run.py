@@ -9,7 +9,6 @@ from typing import Any, Iterator
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from cortiq_cli import cluster_options as copt
 from cortiq_cli.common import err_console
 from cortiq_cli.text_options import ClusterArgs
 from evals.cluster import ClusterAddress, ClusterProgress
@@ -70,8 +69,9 @@ def _shown(bar: _Bar, callback: Any) -> Iterator[Any]:
 
 
 def cluster_bar() -> Any:
-    """The bar over every worker of a cluster run, and its ``ClusterProgress`` callback."""
-    bar = _Bar(copt.progress_bar, rate="-")
+    """The bar over every worker of a cluster run (windows done, tokens per second, time
+    left), and its ``ClusterProgress`` callback."""
+    bar = _Bar(lambda: progress_bar("cluster", "windows  [cyan]{task.fields[rate]}[/] tok/s"), rate="-")
 
     def update(done: int, windows: int, _tokens: int, _total: int, rate: float) -> None:
         bar.update(completed=done, total=windows, rate=f"{rate:,.0f}" if rate == rate else "-")
