@@ -167,6 +167,77 @@ def _features_of(window: int, d: dict[str, np.ndarray]) -> Any:
     return RowFeatures(d["gap"], d["correct"], d["L"], d["D"])
 
 
+def _imatrix_arrays(p: Any) -> dict[str, np.ndarray]:
+    names = list(p.sums)
+    out = {
+        "names": np.array(names, dtype=str),
+        "rows": np.array([p.rows[n] for n in names], np.int64),
+        "tokens": np.int64(p.tokens),
+    }
+    out.update({f"s{i}": p.sums[n] for i, n in enumerate(names)})
+    return out
+
+
+def _imatrix_of(window: int, d: dict[str, np.ndarray]) -> Any:
+    from cortiq_engine.imatrix import ImatrixPartial
+
+    names = [str(n) for n in d["names"]]
+    return ImatrixPartial(
+        {n: d[f"s{i}"] for i, n in enumerate(names)}, {n: int(r) for n, r in zip(names, d["rows"])}, int(d["tokens"])
+    )
+
+
+_COUNTS = ("drafted", "accepted", "checked", "right", "accept_hist", "depth_hist")
+
+
+def _probe_arrays(p: Any) -> dict[str, np.ndarray]:
+    out: dict[str, np.ndarray] = {}
+    for i, c in enumerate(p.counts):
+        out.update({f"{name}{i}": np.array(getattr(c, name), np.int64) for name in _COUNTS})
+        out[f"plain{i}"], out[f"seconds{i}"] = np.int64(c.plain_steps), np.float64(c.draft_seconds)
+    for i, t in enumerate(p.traces or []):
+        out[f"tprobs{i}"], out[f"tright{i}"] = t.probs, t.right
+    return out
+
+
+def _probe_of(window: int, d: dict[str, np.ndarray]) -> Any:
+    from cortiq_engine.acceptance import Acceptance
+    from evals.mtp_probe import ProbeTrace, ProbeWindow
+
+    counts = []
+    for i in range(sum(1 for k in d if k.startswith("plain"))):
+        lists = {name: [int(x) for x in d[f"{name}{i}"]] for name in _COUNTS}
+        counts.append(
+            Acceptance(
+                len(lists["drafted"]), **lists, plain_steps=int(d[f"plain{i}"]), draft_seconds=float(d[f"seconds{i}"])
+            )
+        )
+    traces = [ProbeTrace(d[f"tprobs{i}"], d[f"tright{i}"]) for i in range(len(counts))] if "tprobs0" in d else None
+    return ProbeWindow(counts, traces)
+
+
+@dataclass(frozen=True)
+class WindowKind:
+    """One kind of cluster run: its name (the journal's and the run key's), the
+    ``WindowScorer`` method that scores a window, how a window's result becomes the
+    journal's arrays and back, and what each worker loads (``WindowScorer``'s ``load``).
+    With ``whole_text`` every window reads the whole text: it goes into Ray's object store
+    once and each task names that one copy."""
+
+    name: str
+    method: str
+    encode: Callable[[Any], dict[str, np.ndarray]]
+    decode: Callable[[int, dict[str, np.ndarray]], Any]
+    load: str = "engines"
+    whole_text: bool = False
+
+
+PPL = WindowKind("ppl", "score", _partial_arrays, _partial_of)
+CALIBRATE = WindowKind("calibrate", "features", _features_arrays, _features_of)
+IMATRIX = WindowKind("imatrix", "imatrix", _imatrix_arrays, _imatrix_of, load="imatrix")
+MTP_PROBE = WindowKind("mtp-probe", "mtp_probe", _probe_arrays, _probe_of, load="mtp", whole_text=True)
+
+
 class WindowJournal:
     """Finished windows of one run, appended as they arrive: a header line naming the run,
     then records of (u64 length, u32 CRC-32, an .npz of the window's arrays). A record cut
@@ -477,27 +548,32 @@ class _Down:
     probe: Any = None
 
 
+@dataclass(frozen=True)
+class Workers:
+    """Where the workers run and what each one maps: the model files, engine threads per
+    worker, and the engines' context, KV-cache type and tokens per forward block (the
+    imatrix and mtp-probe workers use none of the three)."""
+
+    where: ClusterAddress
+    threads: int
+    paths: list[Path]
+    ctx: int = 0
+    kv_cache: str = "f32"
+    chunk: int = 0
+
+
 class Cluster:
     """A started or joined Ray cluster with ``workers`` WindowScorer actors; a context manager
     that shuts down what it started."""
 
-    def __init__(
-        self,
-        where: ClusterAddress,
-        threads: int,
-        paths: list[Path],
-        ctx: int,
-        kv_cache: str,
-        chunk: int,
-        load: str = "engines",
-    ):
+    def __init__(self, workers: Workers, load: str = "engines"):
         if not ray_available():
             raise CortiqError(f"--cluster needs Ray: {INSTALL_HINT}")
-        self.where = where
-        self.threads = threads
-        self.paths = [Path(p).resolve() for p in paths]
+        self.where = workers.where
+        self.threads = workers.threads
+        self.paths = [Path(p).resolve() for p in workers.paths]
         self.fingerprints = [ModelFingerprint.of(p) for p in self.paths]
-        self.ctx, self.kv_cache, self.chunk, self.load = ctx, kv_cache, chunk, load
+        self.ctx, self.kv_cache, self.chunk, self.load = workers.ctx, workers.kv_cache, workers.chunk, load
         self.actors: list[Any] = []
         self.hosts: list[str] = []
         self.nodes: list[str] = []
@@ -753,29 +829,19 @@ class PlanOrder:
 
 
 def _run(
-    kind: str,
-    where: ClusterAddress,
-    threads: int,
-    paths: list[Path],
-    ctx: int,
-    kv_cache: str,
-    chunk: int,
+    kind: WindowKind,
+    workers: Workers,
     tokens: np.ndarray,
     windows: list[Window],
+    combine: Callable[[Any], None],
     key_extra: dict[str, Any],
     *,
-    method: str,
-    args: tuple[Any, ...],
-    refs: Iterator[RefRows] | None,
-    encode: Callable[[Any], dict[str, np.ndarray]],
-    decode: Callable[[int, dict[str, np.ndarray]], Any],
-    combine: Callable[[Any], None],
+    args: tuple[Any, ...] = (),
+    refs: Iterator[RefRows] | None = None,
     resume: bool,
     progress: ClusterProgress | None,
-    load: str = "engines",
-    whole_text: bool = False,
 ) -> tuple[int, ClusterReport]:
-    """Score ``windows`` on the cluster with the workers' ``method``, journaled under ``kind``,
+    """Score ``windows`` on the cluster with ``kind``'s method, journaled under its name,
     and hand each window's result to ``combine`` in plan order, as soon as every window before
     it has been: the driver keeps only results that arrived ahead of an earlier window (at most
     AHEAD_PER_WORKER per worker beyond those in flight), never all of them. Returns (windows
@@ -783,16 +849,16 @@ def _run(
     order; with none the interrupt goes on up.
 
     A task carries its window's tokens (a copy of the slice, freed when the task ends) and,
-    with ``refs`` (one per window, read in plan order), its rows of a saved reference. With
-    ``whole_text`` (every window reads the whole text) the text goes into Ray's object store
-    once and each task names that one copy."""
-    fps = [ModelFingerprint.of(Path(p).resolve()) for p in paths]
-    key = run_key(kind, fps, tokens, windows, {"ctx": ctx, "kv_cache": kv_cache, "chunk": chunk, **key_extra})
-    journal = WindowJournal(journal_dir() / f"{kind}-{key}.journal", key)
+    with ``refs`` (one per window, read in plan order), its rows of a saved reference (a
+    ``whole_text`` kind's tasks name one shared copy of the text instead)."""
+    fps = [ModelFingerprint.of(Path(p).resolve()) for p in workers.paths]
+    engines = {"ctx": workers.ctx, "kv_cache": workers.kv_cache, "chunk": workers.chunk}
+    key = run_key(kind.name, fps, tokens, windows, {**engines, **key_extra})
+    journal = WindowJournal(journal_dir() / f"{kind.name}-{key}.journal", key)
     n = len(windows)
     journaled = {i: at for i, at in journal.index().items() if i < n} if resume else {}
-    report = ClusterReport(where.address, 0, resumed=len(journaled))
-    order = PlanOrder(n, combine, journaled, lambda i, at: decode(i, journal.read(at)))
+    report = ClusterReport(workers.where.address, 0, resumed=len(journaled))
+    order = PlanOrder(n, combine, journaled, lambda i, at: kind.decode(i, journal.read(at)))
     ahead = AHEAD_PER_WORKER
     total_tokens = sum(w.n_scored for w in windows)
     done_tokens = sum(windows[i].n_scored for i in journaled)
@@ -803,7 +869,7 @@ def _run(
             ref = next(refs) if refs is not None else None  # read for every window: the file is read in order
             if order.finished(i):
                 continue
-            if whole_text:
+            if kind.whole_text:
                 if shared is None:
                     import ray
 
@@ -817,7 +883,8 @@ def _run(
         nonlocal done_tokens
         if order.finished(i):
             return  # a late duplicate of a retried window: counted once
-        journal.append(i, encode(value))  # first: a window counts once it is on disk (a Ctrl-C can cut the write short)
+        # First: a window counts once it is on disk (a Ctrl-C can cut the write short).
+        journal.append(i, kind.encode(value))
         order.add(i, value)
         report.held_max = order.held_max
         done_tokens += windows[i].n_scored
@@ -838,7 +905,7 @@ def _run(
         if progress:
             progress(order.n_finished, n, done_tokens, total_tokens, float("nan"))
         if order.n_finished < n:
-            with Cluster(where, threads, paths, ctx, kv_cache, chunk, load) as cl:
+            with Cluster(workers, kind.load) as cl:
                 report.workers = len(cl.actors)
                 report.hosts = cl.hosts
                 report.nodes = len(set(cl.nodes))
@@ -846,7 +913,7 @@ def _run(
                 ahead = AHEAD_PER_WORKER * max(report.workers, 1)
                 t_start = time.perf_counter()
                 try:
-                    cl.score(tasks(), report, on_result, method, args, admit=lambda: order.held < ahead)
+                    cl.score(tasks(), report, on_result, kind.method, args, admit=lambda: order.held < ahead)
                 except KeyboardInterrupt:
                     interrupted = True
     except KeyboardInterrupt:
@@ -885,25 +952,9 @@ def score_ppl(
     refs = (saved.next_rows(w.n_scored) for w in windows) if saved is not None else None
     extra = {"ref": None if saved is None else [str(saved.path), ModelFingerprint.of(Path(saved.path)).digest]}
     acc = PerplexityAccumulator(len(paths), saved_ref=saved is not None)
+    workers = Workers(where, threads, paths, ctx, kv_cache, chunk)
     done, report = _run(
-        "ppl",
-        where,
-        threads,
-        paths,
-        ctx,
-        kv_cache,
-        chunk,
-        tokens,
-        windows,
-        extra,
-        method="score",
-        args=(),
-        refs=refs,
-        encode=_partial_arrays,
-        decode=_partial_of,
-        combine=acc.add_partial,
-        resume=resume,
-        progress=progress,
+        PPL, workers, tokens, windows, acc.add_partial, extra, refs=refs, resume=resume, progress=progress
     )
     form = saved.form if saved is not None else "full"
     reports, comps = build_reports(acc, names, scored_text_bytes(decoder, tokens, windows[:done]), form)
@@ -931,47 +982,11 @@ def collect_features(
     tokens = np.asarray(tokens)  # as the driver holds them (int32 from the sharded tokenizer): no second copy
     extra = {"temperatures": np.asarray(grid.temperatures, np.float64).tolist()}
     parts: list[Any] = []  # the fit needs every row, as in one process
+    workers = Workers(where, threads, [path], ctx, kv_cache, chunk)
     done, report = _run(
-        "calibrate",
-        where,
-        threads,
-        [path],
-        ctx,
-        kv_cache,
-        chunk,
-        tokens,
-        windows,
-        extra,
-        method="features",
-        args=(grid,),
-        refs=None,
-        encode=_features_arrays,
-        decode=_features_of,
-        combine=parts.append,
-        resume=resume,
-        progress=progress,
+        CALIBRATE, workers, tokens, windows, parts.append, extra, args=(grid,), resume=resume, progress=progress
     )
     return RowFeatures.concat(parts, grid), done, report
-
-
-def _imatrix_arrays(p: Any) -> dict[str, np.ndarray]:
-    names = list(p.sums)
-    out = {
-        "names": np.array(names, dtype=str),
-        "rows": np.array([p.rows[n] for n in names], np.int64),
-        "tokens": np.int64(p.tokens),
-    }
-    out.update({f"s{i}": p.sums[n] for i, n in enumerate(names)})
-    return out
-
-
-def _imatrix_of(window: int, d: dict[str, np.ndarray]) -> Any:
-    from cortiq_engine.imatrix import ImatrixPartial
-
-    names = [str(n) for n in d["names"]]
-    return ImatrixPartial(
-        {n: d[f"s{i}"] for i, n in enumerate(names)}, {n: int(r) for n, r in zip(names, d["rows"])}, int(d["tokens"])
-    )
 
 
 def collect_imatrix(
@@ -993,57 +1008,9 @@ def collect_imatrix(
 
     tokens = np.asarray(tokens)  # as the driver holds them (int32 from the sharded tokenizer): no second copy
     acc = ImatrixAccumulator()
-    done, report = _run(
-        "imatrix",
-        where,
-        threads,
-        [path],
-        0,
-        "f32",
-        0,
-        tokens,
-        windows,
-        {},
-        method="imatrix",
-        args=(),
-        refs=None,
-        encode=_imatrix_arrays,
-        decode=_imatrix_of,
-        combine=acc.add,
-        resume=resume,
-        progress=progress,
-        load="imatrix",
-    )
+    workers = Workers(where, threads, [path])
+    done, report = _run(IMATRIX, workers, tokens, windows, acc.add, {}, resume=resume, progress=progress)
     return acc, done, report
-
-
-_COUNTS = ("drafted", "accepted", "checked", "right", "accept_hist", "depth_hist")
-
-
-def _probe_arrays(p: Any) -> dict[str, np.ndarray]:
-    out: dict[str, np.ndarray] = {}
-    for i, c in enumerate(p.counts):
-        out.update({f"{name}{i}": np.array(getattr(c, name), np.int64) for name in _COUNTS})
-        out[f"plain{i}"], out[f"seconds{i}"] = np.int64(c.plain_steps), np.float64(c.draft_seconds)
-    for i, t in enumerate(p.traces or []):
-        out[f"tprobs{i}"], out[f"tright{i}"] = t.probs, t.right
-    return out
-
-
-def _probe_of(window: int, d: dict[str, np.ndarray]) -> Any:
-    from cortiq_engine.acceptance import Acceptance
-    from evals.mtp_probe import ProbeTrace, ProbeWindow
-
-    counts = []
-    for i in range(sum(1 for k in d if k.startswith("plain"))):
-        lists = {name: [int(x) for x in d[f"{name}{i}"]] for name in _COUNTS}
-        counts.append(
-            Acceptance(
-                len(lists["drafted"]), **lists, plain_steps=int(d[f"plain{i}"]), draft_seconds=float(d[f"seconds{i}"])
-            )
-        )
-    traces = [ProbeTrace(d[f"tprobs{i}"], d[f"tright{i}"]) for i in range(len(counts))] if "tprobs0" in d else None
-    return ProbeWindow(counts, traces)
 
 
 def probe_mtp(
@@ -1082,7 +1049,6 @@ def probe_mtp(
         "threshold": threshold,
         "trace": trace,
     }
-    paths = [model] + ([sidecar] if sidecar is not None else [])
     counts = [Acceptance(depth) for _ in variants]
     got: list[list[Any]] = [[] for _ in variants]  # per variant, the windows' traces in round order
 
@@ -1092,27 +1058,9 @@ def probe_mtp(
             if trace:
                 got[i].append(p.traces[i])
 
+    workers = Workers(where, threads, [model] + ([sidecar] if sidecar is not None else []))
     done, report = _run(
-        "mtp-probe",
-        where,
-        threads,
-        paths,
-        0,
-        "f32",
-        0,
-        tokens,
-        windows,
-        {"spec": spec},
-        method="mtp_probe",
-        args=(spec,),
-        refs=None,
-        encode=_probe_arrays,
-        decode=_probe_of,
-        combine=combine,
-        resume=resume,
-        progress=progress,
-        load="mtp",
-        whole_text=True,
+        MTP_PROBE, workers, tokens, windows, combine, {"spec": spec}, args=(spec,), resume=resume, progress=progress
     )
     traces = None
     if trace:
@@ -1134,6 +1082,8 @@ __all__ = [
     "Cluster",
     "ClusterReport",
     "PlanOrder",
+    "WindowKind",
+    "Workers",
     "score_ppl",
     "collect_features",
     "collect_imatrix",
