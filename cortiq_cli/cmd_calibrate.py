@@ -31,8 +31,7 @@ _BAR_WIDTH = 40
 @option_groups
 def calibrate(
     model: Annotated[Path, typer.Argument(help="CMF model file.", show_default=False)],
-    text_opts: opt.TextArgs = opt.TextArgs(),
-    max_tokens: opt.MaxTokens = None,
+    text_opts: opt.BoundedTextArgs = opt.BoundedTextArgs(),
     ctx: opt.Ctx = DEFAULT_CTX,
     window_opts: opt.WindowArgs = opt.WindowArgs(),
     bins: Annotated[
@@ -82,7 +81,7 @@ def calibrate(
     request = CalibrateRequest(
         model,
         text_opts.spec(),
-        window_opts.options(ctx, max_tokens),
+        window_opts.options(ctx, text_opts.max_tokens),
         bins=bins,
         fit_fraction=fit_fraction,
         t_min=t_min,

@@ -28,8 +28,7 @@ def imatrix(
         Optional[Path],
         typer.Option("--out", "-o", help="Output file (safetensors; default MODEL.imatrix.safetensors)."),
     ] = None,
-    text_opts: opt.TextArgs = opt.TextArgs(),
-    max_tokens: opt.MaxTokens = None,
+    text_opts: opt.BoundedTextArgs = opt.BoundedTextArgs(),
     ctx: opt.Ctx = DEFAULT_CTX,
     window_opts: opt.WindowArgs = opt.WindowArgs(),
     threads: opt.Threads = None,
@@ -43,7 +42,7 @@ def imatrix(
     request = ImatrixRequest(
         model,
         text_opts.spec(),
-        window_opts.options(ctx, max_tokens),
+        window_opts.options(ctx, text_opts.max_tokens),
         threads,
     )
     where = cluster_opts.where()

@@ -23,16 +23,7 @@ from evals.runs import ClusterInterrupted
 def mtp_probe(
     model: Annotated[Path, typer.Argument(help="CMF model file.", show_default=False)],
     text_opts: opt.TextArgs = opt.TextArgs(),
-    max_tokens: Annotated[
-        int,
-        typer.Option(
-            "--text-tokens",
-            "--max-tokens",
-            min=3,
-            help="Probe the first N tokens of the text.",
-            rich_help_panel=opt.TEXT_PANEL,
-        ),
-    ] = 512,
+    max_tokens: Annotated[int, opt.text_tokens("Probe the first N tokens of the text.", min=3)] = 512,
     mtp: MtpPath = None,
     depth: MtpDepth = None,
     chain: Annotated[

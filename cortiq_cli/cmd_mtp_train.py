@@ -22,13 +22,7 @@ def mtp_train(
     model: Annotated[Path, typer.Argument(help="The backbone CMF file (frozen).", show_default=False)],
     text_opts: opt.TextArgs = opt.TextArgs(),
     max_tokens: Annotated[
-        Optional[int],
-        typer.Option(
-            "--text-tokens",
-            "--max-tokens",
-            help="Use at most this many tokens of the text (training + held out).",
-            rich_help_panel=opt.TEXT_PANEL,
-        ),
+        Optional[int], opt.text_tokens("Use at most this many tokens of the text (training + held out).")
     ] = None,
     holdout: Annotated[
         float,

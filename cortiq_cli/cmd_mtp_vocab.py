@@ -17,8 +17,7 @@ from formats.errors import CortiqError
 @option_groups
 def mtp_vocab(
     model: Annotated[Path, typer.Argument(help="The backbone CMF file.", show_default=False)],
-    text_opts: opt.TextArgs = opt.TextArgs(),
-    max_tokens: opt.MaxTokens = None,
+    text_opts: opt.BoundedTextArgs = opt.BoundedTextArgs(),
     size: Annotated[
         Optional[int],
         typer.Option(
@@ -53,7 +52,9 @@ def mtp_vocab(
         if eng.tokenizer is None:
             raise CortiqError(f"{model}: no embedded tokenizer to read the text with")
         loaded = text_opts.load()
-        ids, tokens = vocab_from_text(eng.tokenizer, eng.vocab_size, eng.eos_ids, loaded.text, size, max_tokens)
+        ids, tokens = vocab_from_text(
+            eng.tokenizer, eng.vocab_size, eng.eos_ids, loaded.text, size, text_opts.max_tokens
+        )
         source = loaded.source
         record = draft_vocab_record(ids, source, tokens)
     copy_with_draft_vocab(src, target, ids, record, force=force or out is None)

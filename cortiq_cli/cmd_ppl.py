@@ -35,8 +35,7 @@ def ppl(
             help="CMF model files; the first is the reference for comparisons (unless --ref).", show_default=False
         ),
     ],
-    text_opts: opt.TextArgs = opt.TextArgs(),
-    max_tokens: opt.MaxTokens = None,
+    text_opts: opt.BoundedTextArgs = opt.BoundedTextArgs(),
     ctx: Annotated[
         int | None,
         typer.Option(
@@ -90,7 +89,7 @@ def ppl(
     request = PplRequest(
         models,
         text_opts.spec(),
-        window_opts.options(ctx, max_tokens),
+        window_opts.options(ctx, text_opts.max_tokens),
         save_ref=save_ref,
         ref=ref,
         ref_top_k=ref_top_k,

@@ -42,8 +42,7 @@ def quant_sweep(
             rich_help_panel=SWEEP_PANEL,
         ),
     ] = "q8_0,q4_1",
-    text_opts: opt.TextArgs = opt.TextArgs(),
-    max_tokens: opt.MaxTokens = None,
+    text_opts: opt.BoundedTextArgs = opt.BoundedTextArgs(),
     ctx: Annotated[
         int, typer.Option("--ctx", "-c", min=4, help="Tokens per forward window.", rich_help_panel=opt.WINDOW_PANEL)
     ] = DEFAULT_CTX,
@@ -113,7 +112,7 @@ def quant_sweep(
         src,
         kinds,
         text_opts.spec(),
-        window_opts.options(ctx, max_tokens),
+        window_opts.options(ctx, text_opts.max_tokens),
         top_k=top_k,
         samples=samples,
         decode_tokens=decode_tokens,

@@ -1,7 +1,7 @@
 """The text-source and window options every eval command shares (``ppl``, ``calibrate``, ``quant-sweep``, ``imatrix``).
 
-Options that always come together are one group (``TextArgs``, ``WindowArgs``,
-``ClusterArgs``): a command takes the group as one parameter and ``options.option_groups`` spreads
+Options that always come together are one group (``TextArgs``, ``BoundedTextArgs``, ``WindowArgs``,
+``EngineArgs``, ``ClusterArgs``): a command takes the group as one parameter and ``options.option_groups`` spreads
 its fields into the command's options, so each flag is declared once.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -62,18 +62,14 @@ DataFiles = Annotated[
         rich_help_panel=TEXT_PANEL,
     ),
 ]
-# --max-tokens is the number of tokens to generate (generate, chat): the text's bound is
-# --text-tokens; --max-tokens still reads here, out of the help (cortiq_cli/options.py).
-MaxTokens = Annotated[
-    Optional[int],
-    typer.Option(
-        "--text-tokens",
-        "--max-tokens",
-        min=1,
-        help="Use at most this many tokens of the text.",
-        rich_help_panel=TEXT_PANEL,
-    ),
-]
+
+
+def text_tokens(help: str, **kw: Any) -> Any:
+    """``--text-tokens N``, the text's bound; ``help`` says what the command does with it.
+    --max-tokens is the number of tokens to generate (generate, chat); it still reads here,
+    out of the help (cortiq_cli/options.py)."""
+    return typer.Option("--text-tokens", "--max-tokens", help=help, rich_help_panel=TEXT_PANEL, **kw)
+
 
 Ctx = Annotated[
     int, typer.Option("--ctx", "-c", min=2, help="Tokens per forward window.", rich_help_panel=WINDOW_PANEL)
@@ -147,6 +143,13 @@ class TextArgs(OptionGroup):
 
     def load(self) -> LoadedText:
         return load_text(self.spec())
+
+
+@dataclass(frozen=True)
+class BoundedTextArgs(TextArgs):
+    """The text and at most how many of its tokens are used (--text-tokens)."""
+
+    max_tokens: Annotated[Optional[int], text_tokens("Use at most this many tokens of the text.", min=1)] = None
 
 
 @dataclass(frozen=True)
