@@ -10,7 +10,13 @@ step reads per second over the first dtype's, "per token" its tokens per second 
 the first dtype's. Both ratios are also taken within each round, whose median is the
 figure to trust on a shared machine; every round prints its load average.
 
+``--cpu-time`` times the same decode in this process on one thread by the CPU time
+it spends (``time.process_time``), the tokens per second of a core that is never taken
+away: on a machine whose load exceeds its cores, wall-clock rounds measure the
+scheduler more than the kernels.
+
     python benchmarks/bench_dtype_decode.py --out /tmp/dtypes --quants q4k,iq4_xs,q3k,q8 --rounds 5
+    python benchmarks/bench_dtype_decode.py --out /tmp/dtypes --quants q4k,iq4_xs,q3k --rounds 9 --cpu-time
 """
 
 from __future__ import annotations
@@ -40,6 +46,27 @@ def build(folder: Path) -> Path:
     return folder
 
 
+def cpu_timer(cmfs: dict[str, Path], n_gen: int):
+    """A function of a dtype giving its decode tokens per CPU second on one thread (one
+    generate call of ``n_gen`` tokens after a one-token prompt), the engines loaded once."""
+    import time
+
+    from cortiq_engine import Engine, SamplingConfig
+    from cortiq_engine.threads import set_threads
+
+    set_threads(1)
+    engines = {q: Engine.load(path) for q, path in cmfs.items()}
+    for e in engines.values():
+        e.generate([1], SamplingConfig(), max_tokens=4, ignore_eos=True)  # warm-up
+
+    def tok_s(q: str) -> float:
+        t = time.process_time()
+        engines[q].generate([1], SamplingConfig(), max_tokens=n_gen + 1, ignore_eos=True)
+        return (n_gen + 1) / (time.process_time() - t)
+
+    return tok_s
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True, help="folder for the checkpoint and CMF files (reused)")
@@ -48,6 +75,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--n-gen", type=int, default=64)
+    ap.add_argument("--cpu-time", action="store_true", help="tokens per CPU second on one thread, in this process")
     args = ap.parse_args()
     from cortiq_engine.convert import convert_checkpoint
 
@@ -61,20 +89,29 @@ def main() -> None:
             convert_checkpoint(src, cmfs[q], quant=q)
         nbytes[q] = active_bytes(cmfs[q])
     ref = quants[0]
+    if args.cpu_time:
+        timer = cpu_timer(cmfs, args.n_gen)
+    else:
+
+        def timer(q: str) -> float:
+            return decode_tok_s(cmfs[q], args.threads, args.n_gen, args.reps)
+
     tok_s: dict[str, list[float]] = {q: [] for q in quants}
     for rnd in range(args.rounds):
         for q in quants:
-            tok_s[q].append(decode_tok_s(cmfs[q], args.threads, args.n_gen, args.reps))
+            tok_s[q].append(timer(q))
         row = {q: round(tok_s[q][-1], 1) for q in quants}
         print(json.dumps(dict(round=rnd, load=round(os.getloadavg()[0], 2), tok_s=row)), flush=True)
 
     def per_byte(q: str, i: int) -> float:
         return (tok_s[q][i] * nbytes[q]) / (tok_s[ref][i] * nbytes[ref])
 
-    print(
-        f"\n{args.threads} threads, median of {args.rounds} alternating rounds x {args.reps} reps x {args.n_gen} tokens;"
-        f" load now {os.getloadavg()[0]:.2f}"
+    how = (
+        f"1 thread, CPU time, median of {args.rounds} alternating rounds x {args.n_gen} tokens"
+        if args.cpu_time
+        else f"{args.threads} threads, median of {args.rounds} alternating rounds x {args.reps} reps x {args.n_gen} tokens"
     )
+    print(f"\n{how}; load now {os.getloadavg()[0]:.2f}")
     print(
         f"| type | weight MB a step | tok/s | GB/s | per weight byte vs {ref} | per token vs {ref} |"
         " per weight byte, median of rounds |"
