@@ -883,24 +883,25 @@ def _avx2_entry_ir(kind: str) -> str:
                     iacc[i, h] = f"%ia{t}_{h}"
                 else:
                     iacc[i, h] = f"%pm{t}_{h}"
+    # the block's scales (and mins) of the pass's 16 weight rows, the same for every input
+    a("  %db = mul i64 %b, 16")
+    for h in range(2):
+        a(f"  %dw{h} = load {f32x8}, {f32x8}* {_f32x8_at(a, f'dw{h}', '%wdt', '%dpan', '%db', 8 * h)}, align 4")
+        if kind == "u8":
+            a(f"  %mw{h} = load {f32x8}, {f32x8}* {_f32x8_at(a, f'mw{h}', '%wmt', '%dpan', '%db', 8 * h)}, align 4")
     for i in range(M):
         a(f"  %dxi{i} = add i64 %dr{i}, %b")
         xdv = _bcast8(a, f"xd{i}", "%xd", f"%dxi{i}")
         xsv = _bcast8(a, f"xs{i}", "%xs", f"%dxi{i}") if kind == "u8" else None
         for h in range(2):
             t = f"{i}_{h}"
-            a(f"  %dwo{t} = add i64 %dpan, {8 * h}")
-            a(f"  %dwb{t} = mul i64 %b, 16")
-            a(f"  %dwi{t} = add i64 %dwo{t}, %dwb{t}")
-            a(f"  %dw{t} = load {f32x8}, {f32x8}* {_f32x8_at(a, f'dw{t}', '%wdt', f'%dwi{t}')}, align 4")
             # _scaled's operations in its order: sitofp, d_x * d_w, fma, then the min term
             a(f"  %f{t} = sitofp {i32x8} {iacc[i, h]} to {f32x8}")
-            a(f"  %sc{t} = fmul {f32x8} {xdv}, %dw{t}")
+            a(f"  %sc{t} = fmul {f32x8} {xdv}, %dw{h}")
             a(f"  %acc{t} = load {f32x8}, {f32x8}* %fa{2 * i + h}, align 32")
             a(f"  %n{t} = call {f32x8} @llvm.fma.v8f32({f32x8} %f{t}, {f32x8} %sc{t}, {f32x8} %acc{t})")
             if kind == "u8":
-                a(f"  %mw{t} = load {f32x8}, {f32x8}* {_f32x8_at(a, f'mw{t}', '%wmt', f'%dwi{t}')}, align 4")
-                a(f"  %nm{t} = call {f32x8} @llvm.fma.v8f32({f32x8} %mw{t}, {f32x8} {xsv}, {f32x8} %n{t})")
+                a(f"  %nm{t} = call {f32x8} @llvm.fma.v8f32({f32x8} %mw{h}, {f32x8} {xsv}, {f32x8} %n{t})")
                 new[i, h] = f"%nm{t}"
             else:
                 new[i, h] = f"%n{t}"
@@ -918,10 +919,8 @@ def _avx2_entry_ir(kind: str) -> str:
         a(f"do{i}:")
         a(f"  %orow{i} = mul i64 %m{i}_, %ostride")
         for h in range(2):
-            t = f"{i}_{h}"
-            a(f"  %oo{t} = add i64 %orow{i}, %ocol")
-            a(f"  %ooh{t} = add i64 %oo{t}, {8 * h}")
-            a(f"  store {f32x8} {new[i, h]}, {f32x8}* {_f32x8_at(a, f'o{t}', '%out', f'%ooh{t}')}, align 4")
+            o = _f32x8_at(a, f"o{i}_{h}", "%out", f"%orow{i}", "%ocol", 8 * h)
+            a(f"  store {f32x8} {new[i, h]}, {f32x8}* {o}, align 4")
         a(f"  br label %{nxt}")
     a("stored:")
     _end_entry(a, ("g", "%groups", "group"), ("p", 1, "%panels"))
@@ -950,8 +949,13 @@ def _end_entry(a, inner: tuple[str, str, str], panels: tuple[str, int, str], *la
     a("}")
 
 
-def _f32x8_at(a, name: str, ptr: str, idx: str) -> str:
-    """A ``<8 x float>*`` to ``ptr[idx]`` (a float*); its IR name."""
+def _f32x8_at(a, name: str, ptr: str, *terms: str | int) -> str:
+    """A ``<8 x float>*`` to ``ptr[sum of terms]`` (a float*; the terms i64 values or
+    constants); its IR name."""
+    idx = terms[0]
+    for k, term in enumerate(terms[1:]):
+        a(f"  %{name}i{k} = add i64 {idx}, {term}")
+        idx = f"%{name}i{k}"
     a(f"  %{name}p = getelementptr float, float* {ptr}, i64 {idx}")
     a(f"  %{name}v = bitcast float* %{name}p to <8 x float>*")
     return f"%{name}v"
@@ -1203,8 +1207,10 @@ class TileKernels:
             scratch = np.empty(need, np.uint8)
         if scratch.dtype != np.uint8 or scratch.size < need or not scratch.flags.c_contiguous:
             raise ValueError(f"amx scratch needs {need} bytes")
-        if self.unit == "avx2":
-            self._avx2_rows(dtype, parts, cols, r0, r1, x, out, scratch, col)
+        if self.unit == "avx2":  # one ``_avx2_slice`` call
+            k = ops_for(dtype)
+            weights = self._avx2_weights(dtype, parts, cols, r0, r1, scratch)
+            _avx2_slice(self._fns[(k.tile_form, x.bits)], k.tile_unpacked, *weights, x.xq, x.xd, x.xs, out, col, x.n)
             return
         dw, mw = block_scales(dtype, parts, r0, r1)
         wdt = panel(dw)
@@ -1227,20 +1233,13 @@ class TileKernels:
             wsc = panel(block_sums(a[a0:a1], x.bits), np.int32)
             fn(*head, wsc.ctypes.data, *inputs, out.shape[1], x.n)
 
-    def _avx2_rows(
-        self,
-        dtype: str,
-        parts: dict[str, np.ndarray],
-        cols: int,
-        r0: int,
-        r1: int,
-        x: Rows16,
-        out: np.ndarray,
-        scratch: np.ndarray,
-        col: int,
-    ) -> None:
-        """``rows`` on the "avx2" unit (arguments checked): one ``_avx2_slice`` call, after
-        the unsigned dtypes' unpacking and, for q4k/q5k, their scales (``block_scales``)."""
+    @staticmethod
+    def _avx2_weights(
+        dtype: str, parts: dict[str, np.ndarray], cols: int, r0: int, r1: int, scratch: np.ndarray
+    ) -> tuple:
+        """``_avx2_slice``'s weight arguments (``src`` to ``wmt``) for rows r0..r1 (checked by
+        ``rows``), laid out in ``scratch``, after the unsigned dtypes' unpacking and, for
+        q4k/q5k, their scales (``block_scales``)."""
         rows, nb = r1 - r0, cols // QB
         buf = scratch.reshape(-1)
         k = ops_for(dtype)
@@ -1261,22 +1260,4 @@ class TileKernels:
                 m16 = parts["m"].view(np.uint16)
             else:
                 zero = k.zero
-        _avx2_slice(
-            self._fns[(k.tile_form, x.bits)],
-            k.tile_unpacked,
-            src,
-            fill,
-            d16,
-            m16,
-            zero,
-            r0,
-            w16,
-            wdt,
-            wmt,
-            x.xq,
-            x.xd,
-            x.xs,
-            out,
-            col,
-            x.n,
-        )
+        return src, fill, d16, m16, zero, r0, w16, wdt, wmt

@@ -38,27 +38,28 @@ interrupts.hold_during_numba_compiles()
 QB = 32  # quantization block (formats.quants.QBLOCK)
 
 
-@intrinsic
-def f16_to_f32(typingctx, bits):
+def _widening(convert):
+    """A numba intrinsic float32(uint16 bits) whose code ``convert(builder, bits)`` emits."""
+
+    def typer(typingctx, bits):
+        return types.float32(types.uint16), lambda context, builder, signature, args: convert(builder, args[0])
+
+    typer.__name__ = typer.__qualname__ = convert.__name__
+    typer.__doc__ = convert.__doc__
+    return intrinsic(typer)
+
+
+@_widening
+def f16_to_f32(builder, bits):
     """IEEE half (as uint16 bits) -> float32; compiles to vcvtph2ps with F16C."""
-    sig = types.float32(types.uint16)
-
-    def codegen(context, builder, signature, args):
-        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
-
-    return sig, codegen
+    return builder.fpext(builder.bitcast(bits, ir.HalfType()), ir.FloatType())
 
 
-@intrinsic
-def bf16_to_f32(typingctx, bits):
+@_widening
+def bf16_to_f32(builder, bits):
     """bfloat16 (as uint16 bits) -> float32: the bits are the upper half of an f32."""
-    sig = types.float32(types.uint16)
-
-    def codegen(context, builder, signature, args):
-        wide = builder.shl(builder.zext(args[0], ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
-        return builder.bitcast(wide, ir.FloatType())
-
-    return sig, codegen
+    wide = builder.shl(builder.zext(bits, ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
+    return builder.bitcast(wide, ir.FloatType())
 
 
 @intrinsic
@@ -151,15 +152,48 @@ def matmul_small(name: str, source: str, row_dot, lead: int):
     return njit(parallel=True, fastmath=True, cache=True)(fn)
 
 
-@njit(inline="always")
-def _q8_dot(d, q, _2, _3, _4, _flag, r, X, xsum, i):
+def _scaled_dequant(d, q, r0, r1, out):
+    """The template of the dequantization of blocks of 32 with one scale and no min (q8,
+    q4_0): value = d * v, PAIR(q, r, b, j) the block's v of elements j and j + 16."""
+    half = QB // 2
+    for r in range(r0, r1):
+        for b in range(d.shape[1]):
+            sc = f16_to_f32(d[r, b])
+            o = QB * b
+            for j in range(half):
+                v0, v1 = PAIR(q, r, b, j)  # noqa: F821 - bound by specialise
+                out[r - r0, o + j] = sc * v0
+                out[r - r0, o + j + half] = sc * v1
+
+
+def _scaled_dot(d, q, _2, _3, _4, _flag, r, X, xsum, i):
+    """The template of the row dots of ``_scaled_dequant``'s layout."""
+    half = QB // 2
     acc = np.zeros(QB, np.float32)
     for b in range(d.shape[1]):
         sc = f16_to_f32(d[r, b])
-        o = b * QB
-        for j in range(QB):
-            acc[j] += sc * (np.float32(q[r, o + j]) * X[i, o + j])
+        o = QB * b
+        for j in range(half):
+            v0, v1 = PAIR(q, r, b, j)  # noqa: F821 - bound by specialise
+            acc[j] += sc * (v0 * X[i, o + j])
+            acc[j + half] += sc * (v1 * X[i, o + j + half])
     return acc.sum()
+
+
+def scaled_kernels(dtype: str, source: str, pair):
+    """The dequantization kernel and the small-batch matmul of a dtype of
+    ``_scaled_dequant``'s layout, from its inline helper ``pair`` (in ``source``)."""
+    dequant = specialise(_scaled_dequant, f"{dtype}_dequant", source, PAIR=pair)
+    row_dot = njit(inline="always")(specialise(_scaled_dot, f"_{dtype}_dot", source, PAIR=pair))
+    return njit(parallel=False, nogil=True, cache=True)(dequant), matmul_small(
+        f"{dtype}_matmul_small", source, row_dot, 1
+    )
+
+
+@njit(inline="always")
+def _q8_pair(q, r, b, j):
+    o = QB * b + j
+    return np.float32(q[r, o]), np.float32(q[r, o + QB // 2])
 
 
 @njit(inline="always")
@@ -203,7 +237,7 @@ def _q5_dot(d, mn, qh, q, _4, stored_min, r, X, xsum, i):
     return acc.sum() + macc
 
 
-q8_matmul_small = matmul_small("q8_matmul_small", __file__, _q8_dot, lead=1)
+q8_dequant, q8_matmul_small = scaled_kernels("q8", __file__, _q8_pair)
 q4_matmul_small = matmul_small("q4_matmul_small", __file__, _q4_dot, lead=2)
 q5_matmul_small = matmul_small("q5_matmul_small", __file__, _q5_dot, lead=3)
 
@@ -245,18 +279,6 @@ bf16_matmul_small = _dense_matmul_small("bf16", bf16_to_f32)
 # For large batches: rows r0..r1 of a matrix -> f32 ``out[:r1-r0]``, then BLAS.
 # Serial and without the GIL: the prefill pool (fast.py) runs one per thread on
 # different row slices.
-
-
-@njit(parallel=False, nogil=True, cache=True)
-def q8_dequant(d, q, r0, r1, out):
-    cols = q.shape[1]
-    nb = cols // QB
-    for r in range(r0, r1):
-        for b in range(nb):
-            sc = f16_to_f32(d[r, b])
-            o = b * QB
-            for j in range(QB):
-                out[r - r0, o + j] = sc * np.float32(q[r, o + j])
 
 
 @njit(inline="always")

@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from cortiq_engine.kernels.jit import f16_to_f32, matmul_small, specialise
+from cortiq_engine.kernels.jit import f16_to_f32, matmul_small, scaled_kernels, specialise
 
 QK = 256
 _F0 = np.float32(0.0)
@@ -209,36 +209,12 @@ q6k_matmul_small = matmul_small("q6k_matmul_small", __file__, _q6k_dot, lead=0)
 
 # ------------------------------------------------------------ q4_0 (blocks of 32)
 
-QB = 32
-
-
-@njit(parallel=False, nogil=True, cache=True)
-def q4_0_dequant(d, qs, r0, r1, out):
-    nb = d.shape[1]
-    for r in range(r0, r1):
-        for b in range(nb):
-            sc = f16_to_f32(d[r, b])
-            o = QB * b
-            ob = 16 * b
-            for j in range(16):
-                byte = np.int32(qs[r, ob + j])
-                out[r - r0, o + j] = sc * np.float32((byte & 15) - 8)
-                out[r - r0, o + j + 16] = sc * np.float32((byte >> 4) - 8)
-
 
 @njit(inline="always")
-def _q4_0_dot(d, q, _2, _3, _4, _flag, r, X, xsum, i):
-    """value = d * (q - 8)."""
-    acc = np.zeros(QB, np.float32)
-    for b in range(d.shape[1]):
-        sc = f16_to_f32(d[r, b])
-        o = QB * b
-        ob = 16 * b
-        for j in range(16):
-            byte = np.int32(q[r, ob + j])
-            acc[j] += sc * (np.float32((byte & 15) - 8) * X[i, o + j])
-            acc[j + 16] += sc * (np.float32((byte >> 4) - 8) * X[i, o + j + 16])
-    return acc.sum()
+def _q4_0_pair(q, r, b, j):
+    """value = d * (q - 8): elements j and j + 16 share byte j of the block."""
+    byte = np.int32(q[r, 16 * b + j])
+    return np.float32((byte & 15) - 8), np.float32((byte >> 4) - 8)
 
 
-q4_0_matmul_small = matmul_small("q4_0_matmul_small", __file__, _q4_0_dot, lead=1)
+q4_0_dequant, q4_0_matmul_small = scaled_kernels("q4_0", __file__, _q4_0_pair)
