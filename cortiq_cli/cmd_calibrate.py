@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -12,19 +14,49 @@ from rich.text import Text
 
 from cortiq_cli import cluster_options as copt
 from cortiq_cli import text_options as opt
-from cortiq_cli.options import option_groups
+from cortiq_cli.options import OptionGroup, option_groups
 from cortiq_cli.eval_run import cluster_run, interrupted, scoring_bars
-from cortiq_cli.common import console, handle_errors, print_json
+from cortiq_cli.common import check_plot, console, handle_errors, print_json
 from evals.calibrate import DEFAULT_FIT_FRACTION, CalibrationReport
 from evals.calibration import DEFAULT_BINS, Bin, CalibrationMetrics
-from evals.runs import CalibrateRequest, run_calibrate
+from evals.runs import CalibrateRequest, EngineOptions, WindowOptions, run_calibrate
 from evals.temperature import DEFAULT_T_MAX, DEFAULT_T_MIN
-from evals.text_source import LoadedText
+from evals.text_source import LoadedText, TextSpec
 from evals.windows import DEFAULT_CTX
 from formats.errors import CortiqError
 
 CAL_PANEL = "Calibration"
 _BAR_WIDTH = 40
+
+
+@dataclass(frozen=True)
+class FitArgs(OptionGroup):
+    """The reliability bins and the temperature fit: ``CalibrateRequest``'s fields of these names."""
+
+    bins: Annotated[
+        int,
+        typer.Option("--bins", min=1, help="Reliability bins (equal-width and equal-mass).", rich_help_panel=CAL_PANEL),
+    ] = DEFAULT_BINS
+    fit_fraction: Annotated[
+        float,
+        typer.Option(
+            "--fit-fraction",
+            help="Leading share of the scored tokens used to fit the temperature; the rest evaluates it.",
+            rich_help_panel=CAL_PANEL,
+        ),
+    ] = DEFAULT_FIT_FRACTION
+    t_min: Annotated[
+        float, typer.Option("--t-min", help="Lowest temperature of the grid.", rich_help_panel=CAL_PANEL)
+    ] = DEFAULT_T_MIN
+    t_max: Annotated[
+        float, typer.Option("--t-max", help="Highest temperature of the grid.", rich_help_panel=CAL_PANEL)
+    ] = DEFAULT_T_MAX
+
+    def request(self, model: Path, text: TextSpec, windows: WindowOptions, engine: EngineOptions) -> CalibrateRequest:
+        """The run's request; the fit fraction is checked here, before the (long) pass."""
+        if not 0 < self.fit_fraction < 1:
+            raise CortiqError(f"--fit-fraction must be between 0 and 1 (got {self.fit_fraction})")
+        return CalibrateRequest(model, text, windows, engine=engine, **dataclasses.asdict(self))
 
 
 @handle_errors
@@ -34,24 +66,7 @@ def calibrate(
     text_opts: opt.BoundedTextArgs = opt.BoundedTextArgs(),
     ctx: opt.Ctx = DEFAULT_CTX,
     window_opts: opt.WindowArgs = opt.WindowArgs(),
-    bins: Annotated[
-        int,
-        typer.Option("--bins", min=1, help="Reliability bins (equal-width and equal-mass).", rich_help_panel=CAL_PANEL),
-    ] = DEFAULT_BINS,
-    fit_fraction: Annotated[
-        float,
-        typer.Option(
-            "--fit-fraction",
-            help="Leading share of the scored tokens used to fit the temperature; the rest evaluates it.",
-            rich_help_panel=CAL_PANEL,
-        ),
-    ] = DEFAULT_FIT_FRACTION,
-    t_min: Annotated[
-        float, typer.Option("--t-min", help="Lowest temperature of the grid.", rich_help_panel=CAL_PANEL)
-    ] = DEFAULT_T_MIN,
-    t_max: Annotated[
-        float, typer.Option("--t-max", help="Highest temperature of the grid.", rich_help_panel=CAL_PANEL)
-    ] = DEFAULT_T_MAX,
+    fit_opts: FitArgs = FitArgs(),
     plot: Annotated[
         Path | None,
         typer.Option(
@@ -71,23 +86,10 @@ def calibrate(
     cluster_opts: opt.ClusterArgs = opt.ClusterArgs(),
 ) -> None:
     """Reliability table and diagram, ECE (equal-width and equal-mass), MCE, Brier, NLL, and a fitted temperature."""
-    if not 0 < fit_fraction < 1:  # checked before the (long) pass
-        raise CortiqError(f"--fit-fraction must be between 0 and 1 (got {fit_fraction})")
-    if plot is not None:
-        _require_matplotlib()
-        if not plot.parent.is_dir():
-            raise CortiqError(f"--plot: folder {plot.parent} does not exist")
+    windows = window_opts.options(ctx, text_opts.max_tokens)
+    request = fit_opts.request(model, text_opts.spec(), windows, engine_opts.options())
+    check_plot(plot)
     where = cluster_opts.where()
-    request = CalibrateRequest(
-        model,
-        text_opts.spec(),
-        window_opts.options(ctx, text_opts.max_tokens),
-        bins=bins,
-        fit_fraction=fit_fraction,
-        t_min=t_min,
-        t_max=t_max,
-        engine=engine_opts.options(),
-    )
     with scoring_bars(json_out, where is not None, "top-1 acc", ".3f") as (progress, cluster_progress):
         run = run_calibrate(request, progress, cluster_run(where, cluster_opts, cluster_progress))
     report, source, settings, creport, done = run.report, run.source, run.settings, run.cluster, run.done
@@ -283,13 +285,6 @@ def summary_table(report: CalibrationReport) -> Table:
 
 
 # ------------------------------------------------------------------ png
-
-
-def _require_matplotlib() -> None:
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        raise CortiqError("--plot needs matplotlib: pip install 'cortiq[plot]'") from None
 
 
 def draw_png(report: CalibrationReport, path: Path) -> None:

@@ -14,7 +14,16 @@ from rich.table import Table
 from cortiq_cli import cluster_options as copt
 from cortiq_cli import text_options as opt
 from cortiq_cli.options import option_groups
-from cortiq_cli.common import console, err_console, handle_errors, human_bytes, print_json, print_table, resolve_quant
+from cortiq_cli.common import (
+    check_plot,
+    console,
+    err_console,
+    handle_errors,
+    human_bytes,
+    print_json,
+    print_table,
+    resolve_quant,
+)
 from cortiq_cli.eval_run import cluster_bar, cluster_run, sweep_bar
 from evals.runs import ClusterInterrupted, SweepRequest, run_quant_sweep
 from evals.sweep import SweepResult, parse_types
@@ -123,10 +132,7 @@ def quant_sweep(
         threads=threads,
     )
     request.check()
-    if plot is not None:
-        _require_matplotlib()
-        if not plot.parent.is_dir():
-            raise CortiqError(f"--plot: folder {plot.parent} does not exist")
+    check_plot(plot)
     where = cluster_opts.where()
 
     def event(kind: str, info: dict[str, Any]) -> None:
@@ -207,13 +213,6 @@ def _sci(x: float) -> str:
     if not math.isfinite(x):
         return "n/a"
     return "0" if x == 0 else (f"{x:.4f}" if x >= 1e-3 else f"{x:.2e}")
-
-
-def _require_matplotlib() -> None:
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        raise CortiqError("--plot needs matplotlib: pip install 'cortiq[plot]'") from None
 
 
 def _label_offsets(points: list[tuple[float, float]], log: bool) -> list[tuple[int, int]]:

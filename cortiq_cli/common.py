@@ -8,6 +8,7 @@ import json
 import math
 import os
 import sys
+from pathlib import Path
 from typing import Annotated, Any, Callable, TypeVar
 
 import numpy as np
@@ -173,6 +174,18 @@ def _quiet_after_closed_pipe() -> None:
         os.close(fd)
     except (OSError, ValueError, AttributeError):  # a captured stdout (tests) has no descriptor
         pass
+
+
+def check_plot(path: Path | None) -> None:
+    """--plot, before a long run: matplotlib is installed and the image's folder exists."""
+    if path is None:
+        return
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise CortiqError("--plot needs matplotlib: pip install 'cortiq[plot]'") from None
+    if not path.parent.is_dir():
+        raise CortiqError(f"--plot: folder {path.parent} does not exist")
 
 
 def print_json(obj: Any) -> None:
