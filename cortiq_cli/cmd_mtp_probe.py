@@ -13,7 +13,16 @@ from cortiq_cli import text_options as opt
 from cortiq_cli.options import option_groups
 from cortiq_cli.common import console, handle_errors, print_json, print_table
 from cortiq_cli.eval_run import cluster_bar, cluster_run, counting_bar
-from cortiq_cli.mtp_options import MTP_PANEL, MtpDepth, MtpPath, MtpThreshold, MtpVocab, with_lookup_line
+from cortiq_cli.mtp_options import (
+    MTP_PANEL,
+    MtpDepth,
+    MtpPath,
+    MtpThreshold,
+    MtpVocab,
+    chain_option,
+    hidden_option,
+    with_lookup_line,
+)
 from evals.mtp_probe import ProbeRequest, ProbeRun, run_probe
 from evals.runs import ClusterInterrupted
 
@@ -28,21 +37,13 @@ def mtp_probe(
     depth: MtpDepth = None,
     chain: Annotated[
         str,
-        typer.Option(
-            "--mtp-chain",
-            metavar="all|independent|recursive",
-            help="all, independent (layer k drafts depth k+1) or recursive (layer 0 on its own output).",
-            rich_help_panel=MTP_PANEL,
+        chain_option(
+            "all|independent|recursive",
+            "all, independent (layer k drafts depth k+1) or recursive (layer 0 on its own output).",
         ),
     ] = "all",
     hidden: Annotated[
-        str,
-        typer.Option(
-            "--mtp-hidden",
-            metavar="all|pre|post",
-            help="all, pre or post: the backbone hidden before or after its final norm.",
-            rich_help_panel=MTP_PANEL,
-        ),
+        str, hidden_option("all|pre|post", "all, pre or post: the backbone hidden before or after its final norm.")
     ] = "all",
     vocab: MtpVocab = None,
     threshold: MtpThreshold = None,

@@ -12,6 +12,7 @@ from cortiq_cli import text_options as opt
 from cortiq_cli.options import option_groups
 from cortiq_cli.common import console, handle_errors, print_json, print_table
 from cortiq_cli.eval_run import progress_bar
+from cortiq_cli.mtp_options import hidden_option
 
 TRAIN_PANEL = "Training"
 
@@ -72,13 +73,7 @@ def mtp_train(
         ),
     ] = -1,
     mtp_hidden: Annotated[
-        str,
-        typer.Option(
-            "--mtp-hidden",
-            metavar="pre|post",
-            help="Backbone hidden the drafts read: pre or post its final norm.",
-            rich_help_panel=TRAIN_PANEL,
-        ),
+        str, hidden_option("pre|post", "Backbone hidden the drafts read: pre or post its final norm.", TRAIN_PANEL)
     ] = "pre",
     topk: Annotated[
         int, typer.Option("--topk", help="Teacher probabilities kept per position.", rich_help_panel=TRAIN_PANEL)

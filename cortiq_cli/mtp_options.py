@@ -43,23 +43,28 @@ MtpDepth = Annotated[
         "--mtp-depth", min=1, help="Drafts per round (default: every draft layer).", rich_help_panel=MTP_PANEL
     ),
 ]
+
+
+def chain_option(values: str, help: str) -> Any:
+    """``--mtp-chain``: how depth k's draft reads the ones before it; ``values`` is its metavar."""
+    return typer.Option("--mtp-chain", metavar=values, help=help, rich_help_panel=MTP_PANEL)
+
+
+def hidden_option(values: str, help: str, panel: str = MTP_PANEL) -> Any:
+    """``--mtp-hidden``: which backbone hidden row the drafts read; ``values`` is its metavar."""
+    return typer.Option("--mtp-hidden", metavar=values, help=help, rich_help_panel=panel)
+
+
 MtpChain = Annotated[
     Optional[str],
-    typer.Option(
-        "--mtp-chain",
-        metavar="independent|recursive",
-        help="independent (layer k drafts depth k+1; default when there is a layer per depth) or recursive (layer 0 on its own output).",
-        rich_help_panel=MTP_PANEL,
+    chain_option(
+        "independent|recursive",
+        "independent (layer k drafts depth k+1; default when there is a layer per depth) or recursive (layer 0 on its own output).",
     ),
 ]
 MtpHidden = Annotated[
     Optional[str],
-    typer.Option(
-        "--mtp-hidden",
-        metavar="pre|post",
-        help="pre (default) or post: the backbone hidden before or after its final norm.",
-        rich_help_panel=MTP_PANEL,
-    ),
+    hidden_option("pre|post", "pre (default) or post: the backbone hidden before or after its final norm."),
 ]
 MtpVocab = Annotated[
     Optional[str],
