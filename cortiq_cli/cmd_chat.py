@@ -30,7 +30,6 @@ from formats import staging, untrusted_json
 from formats.errors import CortiqError
 from formats.untrusted_json import read_text
 
-CONTEXT = "Context"
 TEMPLATE_MODEL = "model"
 TEMPLATE_RAW = "raw"
 RAW_ROLES = {"system": "System", "user": "User", "assistant": "Assistant"}
@@ -170,10 +169,8 @@ def chat(
     kv_cache: KvCache = "f32",
     evict: Annotated[
         bool,
-        typer.Option(
-            "--evict",
-            help="When the context is full: drop the oldest turns before a turn, the oldest half of the cache during an answer.",
-            rich_help_panel=CONTEXT,
+        opts.evict_option(
+            "When the context is full: drop the oldest turns before a turn, the oldest half of the cache during an answer."
         ),
     ] = False,
     threads: opts.Threads = None,

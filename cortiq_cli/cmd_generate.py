@@ -28,8 +28,6 @@ from cortiq_cli.common import EXIT_INTERRUPTED, KvCache, err_console, handle_err
 from cortiq_cli.moe_stats import moe_stats_json, print_moe_stats
 from formats.errors import CortiqError
 
-CONTEXT = "Context"
-
 
 @handle_errors
 @opts.option_groups
@@ -63,10 +61,8 @@ def generate(
     ctx: opts.Ctx = None,
     evict: Annotated[
         bool,
-        typer.Option(
-            "--evict",
-            help="When the context is full, drop its oldest half and go on (positions keep increasing) instead of stopping.",
-            rich_help_panel=CONTEXT,
+        opts.evict_option(
+            "When the context is full, drop its oldest half and go on (positions keep increasing) instead of stopping."
         ),
     ] = False,
     kv_cache: KvCache = "f32",

@@ -46,13 +46,22 @@ Ctx = Annotated[
         rich_help_panel=CONTEXT,
     ),
 ]
+
+
+def threads_option(help: str) -> Any:
+    """``-t/--threads N``; ``help`` says how the command uses them by default."""
+    return typer.Option("--threads", "-t", min=1, help=help)
+
+
+def evict_option(help: str) -> Any:
+    """``--evict``; ``help`` says what the command drops when the context is full."""
+    return typer.Option("--evict", help=help, rich_help_panel=CONTEXT)
+
+
 Threads = Annotated[
     Optional[int],
-    typer.Option(
-        "--threads",
-        "-t",
-        min=1,
-        help="Compute threads, fixed (default: all cores for the prompt; each decode step runs on 1 or all cores, whichever measures faster).",
+    threads_option(
+        "Compute threads, fixed (default: all cores for the prompt; each decode step runs on 1 or all cores, whichever measures faster)."
     ),
 ]
 Temp = Annotated[

@@ -15,7 +15,7 @@ import typer
 
 from cortiq_cli import cluster_options as copt
 from cortiq_cli.common import KvCache
-from cortiq_cli.options import OptionGroup
+from cortiq_cli.options import OptionGroup, threads_option
 from evals.cluster import ClusterAddress
 from evals.runs import EngineOptions, WindowOptions
 from evals.text_source import BUNDLED_CORPORA, DOWNLOADED_CORPORA, LoadedText, TextSpec, load_text
@@ -107,7 +107,7 @@ Chunks = Annotated[
         rich_help_panel=WINDOW_PANEL,
     ),
 ]
-Threads = Annotated[Optional[int], typer.Option("--threads", "-t", min=1, help="Engine threads (default: all cores).")]
+Threads = Annotated[Optional[int], threads_option("Engine threads (default: all cores).")]
 BlockRows = Annotated[
     int,
     typer.Option(
