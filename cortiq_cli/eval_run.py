@@ -1,5 +1,5 @@
-"""What the eval commands (``ppl``, ``calibrate``, ``imatrix``, ``quant-sweep``) share in
-the terminal: the progress bars their evals run reports to, and the Ctrl-C exit."""
+"""What the eval commands (``ppl``, ``calibrate``, ``imatrix``, ``quant-sweep``, ``mtp-probe``)
+share in the terminal: the progress bars their evals run reports to, and the Ctrl-C exit."""
 
 from __future__ import annotations
 

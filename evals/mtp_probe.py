@@ -21,6 +21,10 @@ keeps every draft's own probability and whether it was right, and ``threshold_ta
 replays the rounds under candidate thresholds with a cost model (a computed draft
 costs ``draft_ms``, a verify of r rows ``verify_ms[r-1]``) to choose the one with the
 least expected time per token.
+
+``run_probe`` is ``cortiq mtp-probe``: a ``ProbeRequest`` in (model, text, drafts as
+given), a ``ProbeRun`` out (per variant its counts, with ``choose_threshold`` the
+threshold tables, with ``save`` the record written into the sidecar).
 """
 
 from __future__ import annotations
