@@ -124,7 +124,7 @@ def build_model(cmf: CmfFile, arch: ArchConfig, kernels):
         family = FAMILIES.for_arch(arch.arch)
     except CortiqError as e:
         raise CortiqError(f"{cmf.path}: {e}") from None
-    return family.build(cmf, arch, kernels)
+    return family.model(cmf, arch, kernels)
 
 
 def draft_layer(cmf: CmfFile, k: int, arch: ArchConfig, kernels) -> DraftLayer:

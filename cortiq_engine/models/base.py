@@ -2,7 +2,8 @@
 
 - ``Family``: the one object a family file exports as ``FAMILY``. The registry
   (``cortiq_engine.models``) collects them; the converter and the loader ask it for
-  the parser, the tensor manifest, the name rules, the trunk and the draft layers.
+  the parser, the tensor manifest, the name rules, the trunk and the draft layers
+  (by default the pre-norm ones of ``blocks``), and what a header may ask for.
 - config.json helpers every parser uses (``req``, ``dense_common``, ``layer_kinds``,
   ``sliding_layers``); the GGUF metadata checks several families share (``gguf_heads``).
 - ``SETTINGS`` and ``refuse_header``: what a CMF header (untrusted) may ask of a family,
@@ -43,17 +44,23 @@ class Family:
     ``parsers``: config.json ``model_type`` -> ``ArchConfig`` (each sets ``arch`` to one of
     ``archs``, the names CMF headers carry; default: the family's ``name``). ``manifest(arch, mtp_layers)``: every tensor
     the family reads, trunk and draft layers. ``build(cmf, arch, kernels)``: the trunk
-    ``Model``. ``draft_layer(cmf, k, arch, kernels)``: MTP layer ``k``, the one draft
-    loader that decoding, the probe and mtp-train all use. ``sanitize``: the family's
-    checkpoint-name rules. ``mtp_style``: its drafts' style when the family fixes it
-    (None: the checkpoint's naming scheme says).
+    ``Model`` (``model`` refuses a header first). ``draft_layer(cmf, k, arch, kernels)``:
+    MTP layer ``k``, the one draft loader that decoding, the probe and mtp-train all use.
+    The three default to the pre-norm pieces of ``blocks`` (``dense_manifest``,
+    ``prenorm_model``, ``dense_draft_layer``), so a family names only its own.
+    ``kinds`` / ``computes``: the layer kinds and the ``SETTINGS`` a header may ask for
+    (``refuse_header``). ``sanitize``: the family's checkpoint-name rules. ``mtp_style``:
+    its drafts' style when the family fixes it (None: the checkpoint's naming scheme says).
     """
 
     name: str
     parsers: Mapping[str, Parser]
-    manifest: Callable[[ArchConfig, Sequence[int]], Manifest]
-    build: Callable[[CmfFile, ArchConfig, Any], Any]
-    draft_layer: Callable[[CmfFile, int, ArchConfig, Any], "DraftLayer"]
+    # None: the pre-norm default, set by __post_init__.
+    manifest: Callable[[ArchConfig, Sequence[int]], Manifest] | None = None
+    build: Callable[[CmfFile, ArchConfig, Any], Any] | None = None
+    draft_layer: Callable[[CmfFile, int, ArchConfig, Any], "DraftLayer"] | None = None
+    kinds: tuple[str, ...] = (LAYER_FULL, LAYER_SLIDING)
+    computes: tuple[str, ...] = ()
     archs: tuple[str, ...] = ()
     sanitize: SanitizeRules = NO_RULES
     activations: tuple[str, ...] = ACTIVATIONS
@@ -64,8 +71,26 @@ class Family:
     sanitize_for: Callable[[Mapping[str, Any]], SanitizeRules] | None = None
 
     def __post_init__(self) -> None:
-        if not self.archs:
-            object.__setattr__(self, "archs", (self.name,))
+        # Imported here: blocks builds on this module.
+        from cortiq_engine.models import blocks
+
+        defaults = {
+            "archs": (self.name,),
+            "manifest": blocks.dense_manifest,
+            "build": blocks.prenorm_model,
+            "draft_layer": blocks.dense_draft_layer,
+        }
+        for key, value in defaults.items():
+            if not getattr(self, key):
+                object.__setattr__(self, key, value)
+        if unknown := set(self.computes) - SETTINGS.keys():
+            raise ValueError(f"family {self.name} computes unknown settings {sorted(unknown)}")
+
+    def model(self, cmf: CmfFile, arch: ArchConfig, kernels) -> Any:
+        """The trunk ``Model`` of ``cmf``, once its header (untrusted) asks only for the
+        layer kinds and settings the family computes."""
+        refuse_header(cmf, arch, self.kinds, self.computes)
+        return self.build(cmf, arch, kernels)
 
     def mtp_name(self, name: str, config: Mapping[str, Any]) -> tuple[str | None, bool]:
         """(the CMF name of checkpoint tensor ``name`` or None to drop it, is an MTP tensor)."""

@@ -169,8 +169,11 @@ def attention(cmf: CmfFile, arch: ArchConfig, kernels, p: str, rope_: RoPE, abso
     return MlaAttention(kernels, w, m, num_heads=arch.num_heads, rope=rope_, absorb=absorb)
 
 
+# What a DeepSeek-V3 header may ask for (``base.SETTINGS``); the rest is refused.
+COMPUTES = ("routed experts", "latent attention")
+
+
 def _check(cmf: CmfFile, arch: ArchConfig) -> None:
-    base.refuse_header(cmf, arch, (LAYER_FULL,), ("routed experts", "latent attention"))
     if arch.mla is None or arch.moe is None:
         raise CortiqError(f"{cmf.path}: a deepseek_v3 header needs its mla and moe sections")
     if arch.moe.scoring != "sigmoid" or not arch.moe.score_bias or arch.moe.shared_expert_gate:
@@ -189,6 +192,7 @@ def build(cmf: CmfFile, arch: ArchConfig, kernels, absorb: bool | None = None) -
 # ------------------------------------------------------------------ draft layers
 def draft_layer(cmf: CmfFile, k: int, arch: ArchConfig, kernels) -> DraftLayer:
     """MTP layer ``k``: the trunk's block (latent attention, routed experts) between the draft ends."""
+    base.refuse_header(cmf, arch, (LAYER_FULL,), COMPUTES)  # as Family.model does for the trunk
     _check(cmf, arch)
     p = draft_prefix(k)
     attn = attention(cmf, arch, kernels, p, rope(arch))
@@ -309,6 +313,8 @@ FAMILY = Family(
     manifest=manifest,
     build=build,
     draft_layer=draft_layer,
+    kinds=(LAYER_FULL,),
+    computes=COMPUTES,
     sanitize=base.SHARED_EXPERTS_RULES,
     mtp_style="deepseek",
     gguf=(GGUF,),

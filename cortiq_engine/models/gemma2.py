@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from formats.arch import ACTIVATIONS, LAYER_FULL, LAYER_SLIDING, ArchConfig
+from formats.arch import ACTIVATIONS, LAYER_SLIDING, ArchConfig
 from formats.cmf import CmfFile
 from formats.errors import CortiqError
 from formats.gguf_spec import SANDWICH_BLOCK_NAMES, GgufContext, GgufSpec, SentencePieceStyle
@@ -77,7 +77,6 @@ COMPUTES = ("(1 + w) norms", "query_pre_attn_scalar", "an attention soft-cap", "
 
 
 def build(cmf: CmfFile, arch: ArchConfig, kernels) -> Model:
-    base.refuse_header(cmf, arch, (LAYER_FULL, LAYER_SLIDING), COMPUTES)
     if LAYER_SLIDING in arch.layer_types and arch.sliding_window <= 0:
         raise CortiqError(f"{cmf.path}: gemma2 has sliding layers but no sliding_window")
     if arch.norm_style != "rms_one":
@@ -145,7 +144,7 @@ FAMILY = Family(
     parsers={"gemma2": _gemma2},
     manifest=manifest,
     build=build,
-    draft_layer=blocks.dense_draft_layer,
+    computes=COMPUTES,
     activations=ACTIVATIONS + (GELU_TANH,),
     gguf=(GGUF,),
 )

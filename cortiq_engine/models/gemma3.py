@@ -86,7 +86,6 @@ COMPUTES = ("q/k norms", "(1 + w) norms", "query_pre_attn_scalar", "a final soft
 
 
 def build(cmf: CmfFile, arch: ArchConfig, kernels) -> Model:
-    base.refuse_header(cmf, arch, (LAYER_FULL, LAYER_SLIDING), COMPUTES)
     if arch.norm_style != "rms_one":
         raise CortiqError(f"{cmf.path}: gemma3 norms are (1 + w)")
     if arch.rope_scaling and arch.rope_scaling.get("rope_type", arch.rope_scaling.get("type")) not in (
@@ -213,7 +212,7 @@ FAMILY = Family(
     parsers={"gemma3_text": _gemma3},
     manifest=manifest,
     build=build,
-    draft_layer=blocks.dense_draft_layer,
+    computes=COMPUTES,
     activations=ACTIVATIONS + (GELU_TANH,),
     gguf=(GGUF,),
 )

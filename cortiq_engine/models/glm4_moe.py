@@ -128,8 +128,11 @@ def _check_attention(cmf: CmfFile, arch: ArchConfig, p: str) -> None:
             raise CortiqError(f"{cmf.path}: glm4_moe has no tensor {name} (attention_bias={arch.attention_bias})")
 
 
+# What a GLM-4.5 header may ask for (``base.SETTINGS``); the rest is refused.
+COMPUTES = ("routed experts", "q/k norms")
+
+
 def _check(cmf: CmfFile, arch: ArchConfig) -> None:
-    base.refuse_header(cmf, arch, (LAYER_FULL,), ("routed experts", "q/k norms"))
     if arch.moe is None or arch.moe.scoring != "sigmoid" or not arch.moe.score_bias or arch.moe.shared_expert_gate:
         raise CortiqError(f"{cmf.path}: glm4_moe header without its sigmoid-routed MoE")
 
@@ -145,6 +148,7 @@ def build(cmf: CmfFile, arch: ArchConfig, kernels) -> Model:
 def draft_layer(cmf: CmfFile, k: int, arch: ArchConfig, kernels) -> DraftLayer:
     """MTP layer ``k``: the trunk's attention (biases, q/k norms, partial rotary) and its
     routed FFN with the shared expert, as GLM's MTP layer is a decoder layer past the last."""
+    base.refuse_header(cmf, arch, (LAYER_FULL,), COMPUTES)  # as Family.model does for the trunk
     _check(cmf, arch)
     p = draft_prefix(k)
     _check_attention(cmf, arch, p)
@@ -225,6 +229,8 @@ FAMILY = Family(
     manifest=manifest,
     build=build,
     draft_layer=draft_layer,
+    kinds=(LAYER_FULL,),
+    computes=COMPUTES,
     sanitize=base.SHARED_EXPERTS_RULES,
     gguf=(GGUF,),
 )

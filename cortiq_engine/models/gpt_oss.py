@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
-from formats.arch import LAYER_FULL, LAYER_SLIDING, ArchConfig, MoeConfig
+from formats.arch import LAYER_SLIDING, ArchConfig, MoeConfig
 from formats.cmf import CmfFile
 from formats.errors import CortiqError
 from formats.gguf_spec import GgufContext, GgufSpec
@@ -90,7 +90,6 @@ def manifest(arch: ArchConfig, mtp_layers: Sequence[int] = ()) -> Manifest:
 
 # ------------------------------------------------------------------ the trunk
 def build(cmf: CmfFile, arch: ArchConfig, kernels) -> Model:
-    base.refuse_header(cmf, arch, (LAYER_FULL, LAYER_SLIDING), ("routed experts", "attention sinks"))
     mc = arch.moe
     if mc is None or mc.moe_layers != list(range(arch.num_layers)) or not (mc.router_bias and mc.expert_bias):
         raise CortiqError(f"{cmf.path}: gpt_oss needs a biased MoE on every layer")
@@ -156,6 +155,7 @@ FAMILY = Family(
     manifest=manifest,
     build=build,
     draft_layer=blocks.routed_draft_layer,
+    computes=("routed experts", "attention sinks"),
     sanitize=SanitizeRules(
         renames=((r"\.mlp\.router\.", ".mlp.gate."),),
         interleaved_experts=True,

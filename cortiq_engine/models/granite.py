@@ -50,7 +50,6 @@ def _granite(cfg: dict[str, Any]) -> ArchConfig:
 
 # ------------------------------------------------------------------ the trunk
 def build(cmf: CmfFile, arch: ArchConfig, kernels) -> Model:
-    base.refuse_header(cmf, arch, (LAYER_FULL,), ("Granite's multipliers",))
     if not arch.attention_scale:
         raise CortiqError(f"{cmf.path}: granite needs its attention_scale (attention_multiplier)")
     return blocks.prenorm_model(cmf, arch, kernels)
@@ -95,8 +94,8 @@ GGUF = (GgufSpec("granite", "granite", "GraniteForCausalLM", permute_qk=True, co
 FAMILY = Family(
     name="granite",
     parsers={"granite": _granite},
-    manifest=blocks.dense_manifest,
     build=build,
-    draft_layer=blocks.dense_draft_layer,
+    kinds=(LAYER_FULL,),
+    computes=("Granite's multipliers",),
     gguf=GGUF,
 )

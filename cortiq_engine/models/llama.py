@@ -12,10 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from formats.arch import LAYER_FULL, LAYER_SLIDING, ArchConfig
-from formats.cmf import CmfFile
+from formats.arch import ArchConfig
 from formats.gguf_spec import GgufContext, GgufSpec
-from cortiq_engine.model import Model
 from cortiq_engine.models import base, blocks
 from cortiq_engine.models.base import Family, dense_common, sliding_layers
 
@@ -49,12 +47,6 @@ def qwen3(cfg: dict[str, Any], arch: str = "qwen3") -> ArchConfig:
     return ArchConfig(**d)
 
 
-# ------------------------------------------------------------------ the trunk
-def build(cmf: CmfFile, arch: ArchConfig, kernels) -> Model:
-    base.refuse_header(cmf, arch, (LAYER_FULL, LAYER_SLIDING), blocks.PRENORM)
-    return blocks.prenorm_model(cmf, arch, kernels)
-
-
 # ------------------------------------------------------------------ GGUF
 def _gguf_llama(ctx: GgufContext, config: dict[str, Any]) -> None:
     base.gguf_heads(ctx, config)
@@ -82,8 +74,6 @@ FAMILY = Family(
     name="llama",
     parsers={"llama": _llama, "mistral": _mistral, "qwen2": _qwen2, "qwen3": qwen3},
     archs=("llama", "mistral", "qwen2", "qwen3"),
-    manifest=blocks.dense_manifest,
-    build=build,
-    draft_layer=blocks.dense_draft_layer,
+    computes=blocks.PRENORM,
     gguf=GGUF,
 )

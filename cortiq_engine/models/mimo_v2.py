@@ -133,8 +133,6 @@ def _ropes(arch: ArchConfig) -> dict[str, RoPE]:
 
 
 def build(cmf: CmfFile, arch: ArchConfig, kernels) -> Model:
-    computes = ("routed experts", "split-geometry sliding layers", "attention sinks", "q/k norms")
-    base.refuse_header(cmf, arch, (LAYER_FULL, LAYER_SLIDING), computes)
     if LAYER_SLIDING in arch.layer_types and arch.sliding is None:
         raise CortiqError(f"{cmf.path}: mimo_v2 header has sliding layers without their geometry")
     return blocks.prenorm_model(cmf, arch, kernels, ropes=_ropes(arch))
@@ -156,6 +154,7 @@ FAMILY = Family(
     manifest=manifest,
     build=build,
     draft_layer=draft_layer,
+    computes=("routed experts", "split-geometry sliding layers", "attention sinks", "q/k norms"),
     sanitize=SanitizeRules(
         renames=((r"\.self_attn\.attention_sink_bias$", ".self_attn.sinks"),), split_fused_experts=True
     ),

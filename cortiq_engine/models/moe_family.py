@@ -13,11 +13,9 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from formats.arch import LAYER_FULL, LAYER_SLIDING, ArchConfig, MoeConfig
-from formats.cmf import CmfFile
+from formats.arch import ArchConfig, MoeConfig
 from formats.manifest import Manifest
 from formats.sanitize import SanitizeRules
-from cortiq_engine.model import Model
 from cortiq_engine.models import base, blocks
 from cortiq_engine.models.base import Family, dense_common, req, sliding_layers
 
@@ -59,19 +57,13 @@ def manifest(arch: ArchConfig, mtp_layers: Sequence[int] = ()) -> Manifest:
     return blocks.prenorm_manifest(arch).update(blocks.draft_manifests(arch, mtp_layers, routed=True))
 
 
-# ------------------------------------------------------------------ the trunk
-def build(cmf: CmfFile, arch: ArchConfig, kernels) -> Model:
-    base.refuse_header(cmf, arch, (LAYER_FULL, LAYER_SLIDING), (*blocks.PRENORM, "routed experts"))
-    return blocks.prenorm_model(cmf, arch, kernels)
-
-
 FAMILY = Family(
     name="moe",
     parsers={"qwen2_moe": _qwen2_moe, "qwen3_moe": _qwen3_moe, "mixtral": _mixtral},
     archs=("qwen2_moe", "qwen3_moe", "mixtral"),
     manifest=manifest,
-    build=build,
     draft_layer=blocks.routed_draft_layer,
+    computes=(*blocks.PRENORM, "routed experts"),
     sanitize=SanitizeRules(
         renames=(
             (r"\.block_sparse_moe\.gate\.", ".mlp.gate."),

@@ -75,9 +75,6 @@ def attention(cmf: CmfFile, arch: ArchConfig, kernels, p: str, rope) -> Attentio
 
 
 def build(cmf: CmfFile, arch: ArchConfig, kernels) -> Model:
-    # A header is untrusted: refuse what an OLMo 2 never has (its full-width q/k norms
-    # are implied by the arch, so qk_norm, the per-head kind, stays False).
-    base.refuse_header(cmf, arch, (LAYER_FULL,))
     if arch.sliding_window:
         raise CortiqError(f"{cmf.path}: olmo2 has full attention in every layer, the header asks for a window")
     rope = blocks.rope(arch)
@@ -119,6 +116,7 @@ FAMILY = Family(
     parsers={"olmo2": _olmo2},
     manifest=manifest,
     build=build,
-    draft_layer=blocks.dense_draft_layer,
+    # Its full-width q/k norms are implied by the arch: qk_norm, the per-head kind, is refused.
+    kinds=(LAYER_FULL,),
     gguf=(GGUF,),
 )

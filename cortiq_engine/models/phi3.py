@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from formats.arch import LAYER_FULL, LAYER_SLIDING, ArchConfig
+from formats.arch import LAYER_SLIDING, ArchConfig
 from formats.cmf import CmfFile
 from formats.errors import CortiqError
 from formats.gguf_spec import GgufContext, GgufSpec
@@ -115,7 +115,6 @@ def sanitize_for(config: Mapping[str, Any]) -> SanitizeRules:
 
 # ------------------------------------------------------------------ the trunk
 def build(cmf: CmfFile, arch: ArchConfig, kernels) -> Model:
-    base.refuse_header(cmf, arch, (LAYER_FULL, LAYER_SLIDING))
     kind = (arch.rope_scaling or {}).get("rope_type")
     if arch.rope_scaling is not None and kind != "longrope":
         raise CortiqError(f"{cmf.path}: rope scaling {kind!r} is not supported for phi3 (supported: longrope)")
@@ -181,9 +180,7 @@ GGUF = GgufSpec(
 FAMILY = Family(
     name="phi3",
     parsers={"phi3": _phi3},
-    manifest=blocks.dense_manifest,
     build=build,
-    draft_layer=blocks.dense_draft_layer,
     sanitize_for=sanitize_for,
     gguf=(GGUF,),
 )

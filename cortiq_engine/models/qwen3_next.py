@@ -154,8 +154,6 @@ def _rope(arch: ArchConfig) -> RoPE:
 
 
 def build(cmf: CmfFile, arch: ArchConfig, kernels) -> Model:
-    computes = ("linear attention", "routed experts", "q/k norms", "an attention output gate", "(1 + w) norms")
-    base.refuse_header(cmf, arch, (LAYER_FULL, LAYER_LINEAR), computes)
     if arch.linear_attn is None:
         raise CortiqError(f"{cmf.path}: {arch.arch} header has no linear_attn geometry")
     rope = _rope(arch)
@@ -184,6 +182,8 @@ FAMILY = Family(
     manifest=manifest,
     build=build,
     draft_layer=draft_layer,
+    kinds=(LAYER_FULL, LAYER_LINEAR),
+    computes=("linear attention", "routed experts", "q/k norms", "an attention output gate", "(1 + w) norms"),
     sanitize=SanitizeRules(split_fused_experts=True, squeeze_conv=True),
     mtp_style="qwen3_next",
 )

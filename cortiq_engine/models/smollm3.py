@@ -14,12 +14,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from formats.arch import LAYER_FULL, LAYER_SLIDING, ArchConfig
-from formats.cmf import CmfFile
+from formats.arch import LAYER_SLIDING, ArchConfig
 from formats.errors import CortiqError
 from formats.gguf_spec import GgufContext, GgufSpec
-from cortiq_engine.model import Model
-from cortiq_engine.models import base, blocks
+from cortiq_engine.models import base
 from cortiq_engine.models.base import Family, dense_common
 
 DEFAULT_THETA = 2_000_000.0  # SmolLM3Config.default_theta, when config.json names no base
@@ -67,12 +65,6 @@ def _smollm3(cfg: dict[str, Any]) -> ArchConfig:
     return ArchConfig(**d)
 
 
-# ------------------------------------------------------------------ the trunk
-def build(cmf: CmfFile, arch: ArchConfig, kernels) -> Model:
-    base.refuse_header(cmf, arch, (LAYER_FULL, LAYER_SLIDING), ("NoPE layers",))
-    return blocks.prenorm_model(cmf, arch, kernels)
-
-
 # ------------------------------------------------------------------ GGUF
 def _gguf_config(ctx: GgufContext, config: dict[str, Any]) -> None:
     """SmolLM3's config.json from a llama.cpp smollm3 GGUF. The file stores neither the
@@ -90,8 +82,6 @@ GGUF = (GgufSpec("smollm3", "smollm3", "SmolLM3ForCausalLM", permute_qk=True, co
 FAMILY = Family(
     name="smollm3",
     parsers={"smollm3": _smollm3},
-    manifest=blocks.dense_manifest,
-    build=build,
-    draft_layer=blocks.dense_draft_layer,
+    computes=("NoPE layers",),
     gguf=GGUF,
 )
