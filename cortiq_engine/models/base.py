@@ -12,6 +12,7 @@
   and a draft layer's ends, with their shapes.
 - ``DraftLayer`` and ``wrap_draft``: an MTP layer is a family block between the shared
   draft ends (``enorm``, ``hnorm``, ``eh_proj``, ``final_layernorm``).
+- ``gemma_gguf``: the GGUF record Gemma 2 and 3 share.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import numpy as np
 from formats.arch import ACTIVATIONS, LAYER_FULL, LAYER_LINEAR, LAYER_SLIDING, ArchConfig, MoeConfig
 from formats.cmf import CmfFile
 from formats.errors import CortiqError
-from formats.gguf_spec import GgufContext, GgufSpec
+from formats.gguf_spec import SANDWICH_BLOCK_NAMES, GgufContext, GgufSpec, SentencePieceStyle
 from formats.manifest import Manifest
 from formats.mtp_names import MTP_PREFIX, mtp_layer_count
 from formats.sanitize import NO_RULES, SanitizeRules
@@ -375,6 +376,26 @@ def gguf_refuse_mlp_bias(ctx: GgufContext) -> None:
         raise CortiqError(f"{ctx.arch} GGUFs with MLP biases are not supported (the engine's gated MLP has no biases)")
 
 
+def gemma_gguf(
+    arch: str,
+    model_type: str,
+    hf_class: str,
+    config: Callable[[GgufContext, dict[str, Any]], None],
+    chat_template: str | None = None,
+) -> GgufSpec:
+    """A Gemma GGUF (Gemma 2 and 3): four norms per block, which llama.cpp stores (with any
+    q/k norms) as 1 + w; Gemma's SentencePiece vocabulary, whose turns end at <end_of_turn>."""
+    return GgufSpec(
+        arch,
+        model_type,
+        hf_class,
+        block_names=SANDWICH_BLOCK_NAMES,
+        norm_offset=-1.0,
+        config=config,
+        sentencepiece=SentencePieceStyle("GemmaTokenizer", chat_template, eog_texts=("<end_of_turn>",)),
+    )
+
+
 # ------------------------------------------------------------------ manifest pieces
 @dataclass(frozen=True)
 class Geometry:
@@ -387,6 +408,10 @@ class Geometry:
     v_head_dim: int
     window: int = 0
     sinks: bool = False
+
+    def heads(self) -> dict[str, int]:
+        """The head layout, as ``layers.Attention`` takes it (keyword arguments)."""
+        return {k: getattr(self, k) for k in ("num_heads", "num_kv_heads", "head_dim", "v_head_dim")}
 
     @classmethod
     def full(cls, arch: ArchConfig) -> "Geometry":

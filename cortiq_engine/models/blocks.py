@@ -1,8 +1,9 @@
 """Loaders every family file builds its layers from (the part of a model file that is
 the same across families): attention from ``ArchConfig``, gated MLPs (SwiGLU, GeGLU),
 routed experts, the pre-norm trunk (``prenorm_model``: a family with latent or linear
-attention passes its own token mixer) and its manifest, the trunk's ends (``trunk``)
-and the pre-norm draft layer.
+attention passes its own token mixer) and its manifest, the sandwich trunk of Gemma 2/3
+and OLMo 2 (``sandwich_model``, four norms per block) and its manifest, the trunk's ends
+(``trunk``) and the pre-norm draft layer.
 
 A family file imports this module and ``base``; it never imports another family file.
 """
@@ -13,11 +14,11 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from formats.arch import LAYER_FULL, ArchConfig
+from formats.arch import ACTIVATIONS, LAYER_FULL, ArchConfig
 from formats.cmf import CmfFile
 from formats.errors import CortiqError
 from formats.manifest import Manifest
-from cortiq_engine.layers import Attention, AttentionWeights, Block, GatedMLP, RMSNorm, RoPE
+from cortiq_engine.layers import Attention, AttentionWeights, Block, GatedMLP, RMSNorm, RoPE, SandwichBlock
 from cortiq_engine.model import Model
 from cortiq_engine.models import base
 from cortiq_engine.models.base import DraftLayer, Geometry, draft_prefix, wrap_draft
@@ -131,17 +132,7 @@ def make_attention(
 ) -> Attention:
     """An ``Attention`` of head layout ``g`` over ``aw`` (``arch``'s norm epsilon);
     ``options``: the rest of ``Attention``'s (window, scale, sinks, ...)."""
-    return Attention(
-        kernels,
-        aw,
-        num_heads=g.num_heads,
-        num_kv_heads=g.num_kv_heads,
-        head_dim=g.head_dim,
-        v_head_dim=g.v_head_dim,
-        rope=rope,
-        norm_eps=arch.norm_eps,
-        **options,
-    )
+    return Attention(kernels, aw, rope=rope, norm_eps=arch.norm_eps, **g.heads(), **options)
 
 
 def attention(cmf: CmfFile, arch: ArchConfig, kernels, p: str, kind: str, rope: RoPE | None) -> Attention:
@@ -291,6 +282,61 @@ def trunk(cmf: CmfFile, arch: ArchConfig, kernels, layers: Sequence[Any], **opti
         head=head,
         **options,
     )
+
+
+# ------------------------------------------------------------------ the sandwich block
+# Gemma's four norms per block (before and after attention, before and after the MLP).
+SANDWICH_NORMS = (
+    "input_layernorm",
+    "post_attention_layernorm",
+    "pre_feedforward_layernorm",
+    "post_feedforward_layernorm",
+)
+# Gemma's GeGLU: the tanh-approximated GELU, besides SwiGLU.
+GELU_TANH = "gelu_pytorch_tanh"
+GEGLU_ACTIVATIONS = ACTIVATIONS + (GELU_TANH,)
+
+
+def sandwich_manifest(
+    arch: ArchConfig,
+    mtp_layers: Sequence[int],
+    attention: Callable[[str], Manifest],
+    norms: Sequence[str | None] = SANDWICH_NORMS,
+) -> Manifest:
+    """Per layer under prefix ``p``: the ``norms`` (as for ``sandwich_model``),
+    ``attention(p)``'s tensors and the dense gated MLP; draft layers (none ship with these
+    families; mtp-train can make them) are pre-norm draft blocks."""
+    h, m = arch.hidden_size, base.trunk_ends(arch)
+    for i in range(arch.num_layers):
+        p = f"model.layers.{i}."
+        m.update(base.norms(p, h, *(n for n in norms if n is not None))).update(attention(p))
+        m.update(base.gated_mlp(p + "mlp.", h, arch.intermediate_size))
+    return m.update(draft_manifests(arch, mtp_layers))
+
+
+def sandwich_model(
+    cmf: CmfFile,
+    arch: ArchConfig,
+    kernels,
+    mixer: Callable[[str, str], Any],
+    norms: Sequence[str | None] = SANDWICH_NORMS,
+    **options,
+) -> Model:
+    """A trunk of ``SandwichBlock``s: each layer's ``mixer(prefix, kind)``, its four norms
+    (``norms``; None: that sublayer reads the residual stream itself) and a dense gated
+    MLP of ``arch.hidden_act``; ``options``: ``trunk``'s."""
+    layers = []
+    for i, kind in enumerate(arch.layer_types):
+        p = f"model.layers.{i}."
+        ns = tuple(None if n is None else norm(cmf, arch, kernels, f"{p}{n}.weight") for n in norms)
+        layers.append(SandwichBlock(ns, mixer(p, kind), gated_mlp(cmf, kernels, f"{p}mlp.", arch.hidden_act)))
+    return trunk(cmf, arch, kernels, layers, **options)
+
+
+def gemma_trunk_options(arch: ArchConfig) -> dict[str, float]:
+    """Gemma's embeddings times sqrt(hidden), cast to the weights' dtype (f32) as
+    transformers does, and its final soft-cap (0: none)."""
+    return {"embed_scale": float(np.float32(arch.hidden_size**0.5)), "logit_softcap": arch.final_logit_softcapping}
 
 
 # ------------------------------------------------------------------ draft layers

@@ -12,19 +12,16 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-import numpy as np
 
-from formats.arch import ACTIVATIONS, LAYER_SLIDING, ArchConfig
+from formats.arch import LAYER_SLIDING, ArchConfig
 from formats.cmf import CmfFile
 from formats.errors import CortiqError
-from formats.gguf_spec import SANDWICH_BLOCK_NAMES, GgufContext, GgufSpec, SentencePieceStyle
+from formats.gguf_spec import GgufContext
 from formats.manifest import Manifest
-from cortiq_engine.layers import SandwichBlock
 from cortiq_engine.model import Model
 from cortiq_engine.models import base, blocks
 from cortiq_engine.models.base import Family, Geometry, dense_common
-
-GELU_TANH = "gelu_pytorch_tanh"
+from cortiq_engine.models.blocks import GELU_TANH
 
 
 # ------------------------------------------------------------------ config.json
@@ -56,19 +53,14 @@ def _gemma2(cfg: dict[str, Any]) -> ArchConfig:
 
 
 # ------------------------------------------------------------------ manifest
-NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
-
-
 def manifest(arch: ArchConfig, mtp_layers: Sequence[int] = ()) -> Manifest:
-    """Per layer: attention (optional biases), the four sandwich norms, the GeGLU MLP.
-    Draft layers (none ship with Gemma 2; mtp-train can make them) are pre-norm draft blocks."""
-    h, m = arch.hidden_size, base.trunk_ends(arch)
-    for i in range(arch.num_layers):
-        p = f"model.layers.{i}."
-        m.update(base.norms(p, h, *NORMS))
-        m.update(base.attention(p, h, Geometry.full(arch)))
-        m.update(base.gated_mlp(p + "mlp.", h, arch.intermediate_size))
-    return m.update(blocks.draft_manifests(arch, mtp_layers))
+    """Per layer: the four sandwich norms, attention (optional biases), the GeGLU MLP.
+    Draft layers (none ship with Gemma 2) are pre-norm draft blocks."""
+
+    def attention(p: str) -> Manifest:
+        return base.attention(p, arch.hidden_size, Geometry.full(arch))
+
+    return blocks.sandwich_manifest(arch, mtp_layers, attention)
 
 
 # ------------------------------------------------------------------ the model
@@ -81,19 +73,16 @@ def build(cmf: CmfFile, arch: ArchConfig, kernels) -> Model:
         raise CortiqError(f"{cmf.path}: gemma2 has sliding layers but no sliding_window")
     if arch.norm_style != "rms_one":
         raise CortiqError(f"{cmf.path}: gemma2 norms are (1 + w)")
+    for i in range(arch.num_layers):
+        blocks.refuse_mlp_bias(cmf, f"model.layers.{i}.")
     rope = blocks.rope(arch)  # one RoPE for both layer kinds
-    layers = []
-    for i, kind in enumerate(arch.layer_types):
-        p = f"model.layers.{i}."
-        blocks.refuse_mlp_bias(cmf, p)
-        # The attention's soft-cap (arch.attn_logit_softcapping) and score scale
-        # (query_pre_attn_scalar) come from arch through blocks.attention.
-        attn = blocks.attention(cmf, arch, kernels, p, kind, rope)
-        norms = tuple(blocks.norm(cmf, arch, kernels, f"{p}{n}.weight") for n in NORMS)
-        layers.append(SandwichBlock(norms, attn, blocks.gated_mlp(cmf, kernels, f"{p}mlp.", arch.hidden_act)))
-    # transformers multiplies by sqrt(hidden) cast to the weights' dtype (f32).
-    embed_scale = float(np.float32(arch.hidden_size**0.5))
-    return blocks.trunk(cmf, arch, kernels, layers, embed_scale=embed_scale, logit_softcap=arch.final_logit_softcapping)
+
+    def attention(p: str, kind: str):
+        # Its soft-cap (arch.attn_logit_softcapping) and score scale (query_pre_attn_scalar)
+        # come from arch through blocks.attention.
+        return blocks.attention(cmf, arch, kernels, p, kind, rope)
+
+    return blocks.sandwich_model(cmf, arch, kernels, attention, **blocks.gemma_trunk_options(arch))
 
 
 # ------------------------------------------------------------------ GGUF
@@ -127,16 +116,7 @@ def _gguf_config(ctx: GgufContext, config: dict[str, Any]) -> None:
     )
 
 
-GGUF = GgufSpec(
-    "gemma2",
-    "gemma2",
-    "Gemma2ForCausalLM",
-    # Gemma's four norms per block; llama.cpp stores them as 1 + w.
-    block_names=SANDWICH_BLOCK_NAMES,
-    norm_offset=-1.0,
-    config=_gguf_config,
-    sentencepiece=SentencePieceStyle("GemmaTokenizer", None, eog_texts=("<end_of_turn>",)),
-)
+GGUF = base.gemma_gguf("gemma2", "gemma2", "Gemma2ForCausalLM", _gguf_config)
 
 
 FAMILY = Family(
@@ -145,6 +125,6 @@ FAMILY = Family(
     manifest=manifest,
     build=build,
     computes=COMPUTES,
-    activations=ACTIVATIONS + (GELU_TANH,),
+    activations=blocks.GEGLU_ACTIVATIONS,
     gguf=(GGUF,),
 )

@@ -12,19 +12,17 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-import numpy as np
 
-from formats.arch import ACTIVATIONS, LAYER_FULL, LAYER_SLIDING, ArchConfig
+from formats.arch import LAYER_FULL, LAYER_SLIDING, ArchConfig
 from formats.cmf import CmfFile
 from formats.errors import CortiqError
-from formats.gguf_spec import SANDWICH_BLOCK_NAMES, GgufContext, GgufSpec, SentencePieceStyle
+from formats.gguf_spec import GgufContext
 from formats.manifest import Manifest
-from cortiq_engine.layers import RoPE, SandwichBlock
+from cortiq_engine.layers import RoPE
 from cortiq_engine.model import Model
 from cortiq_engine.models import base, blocks
 from cortiq_engine.models.base import Family, Geometry, dense_common
-
-GELU_TANH = "gelu_pytorch_tanh"
+from cortiq_engine.models.blocks import GELU_TANH
 
 
 # ------------------------------------------------------------------ config.json
@@ -39,7 +37,7 @@ def _gemma3(cfg: dict[str, Any]) -> ArchConfig:
     flat.setdefault("rope_scaling", None)
     if full_rp.get("rope_type", "default") not in (None, "default"):
         flat["rope_scaling"] = {k: v for k, v in full_rp.items() if k != "rope_theta"}
-    flat["hidden_act"] = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    flat["hidden_act"] = cfg.get("hidden_activation") or cfg.get("hidden_act") or GELU_TANH
     d = dense_common(flat, "gemma3")
     n = d["num_layers"]
     kinds = base.layer_kinds(
@@ -63,19 +61,14 @@ def _gemma3(cfg: dict[str, Any]) -> ArchConfig:
 
 
 # ------------------------------------------------------------------ manifest
-NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
-
-
 def manifest(arch: ArchConfig, mtp_layers: Sequence[int] = ()) -> Manifest:
-    """Per layer: attention with q/k norms, the four sandwich norms, the GeGLU MLP.
-    Draft layers (none ship with Gemma 3; mtp-train can make them) are Llama draft blocks."""
-    h, m = arch.hidden_size, base.trunk_ends(arch)
-    for i in range(arch.num_layers):
-        p = f"model.layers.{i}."
-        m.update(base.norms(p, h, *NORMS))
-        m.update(base.attention(p, h, Geometry.full(arch), qk_norm=True))
-        m.update(base.gated_mlp(p + "mlp.", h, arch.intermediate_size))
-    return m.update(blocks.draft_manifests(arch, mtp_layers))
+    """Per layer: the four sandwich norms, attention with q/k norms, the GeGLU MLP.
+    Draft layers (none ship with Gemma 3) are Llama draft blocks."""
+
+    def attention(p: str) -> Manifest:
+        return base.attention(p, arch.hidden_size, Geometry.full(arch), qk_norm=True)
+
+    return blocks.sandwich_manifest(arch, mtp_layers, attention)
 
 
 # ------------------------------------------------------------------ the model
@@ -98,14 +91,11 @@ def build(cmf: CmfFile, arch: ArchConfig, kernels) -> Model:
         LAYER_FULL: RoPE(arch.rotary_dim, arch.rope_theta, arch.rope_scaling),
         LAYER_SLIDING: RoPE(arch.rotary_dim, arch.rope_local_theta or arch.rope_theta, None),
     }
-    layers = []
-    for i, kind in enumerate(arch.layer_types):
-        p = f"model.layers.{i}."
-        attn = blocks.attention(cmf, arch, kernels, p, kind, ropes[kind])  # q/k norms get (1 + w): norm_style rms_one
-        mlp = blocks.gated_mlp(cmf, kernels, f"{p}mlp.", arch.hidden_act)
-        layers.append(SandwichBlock(tuple(blocks.norm(cmf, arch, kernels, f"{p}{n}.weight") for n in NORMS), attn, mlp))
-    embed_scale = float(np.float32(arch.hidden_size**0.5))
-    return blocks.trunk(cmf, arch, kernels, layers, embed_scale=embed_scale, logit_softcap=arch.final_logit_softcapping)
+
+    def attention(p: str, kind: str):
+        return blocks.attention(cmf, arch, kernels, p, kind, ropes[kind])  # q/k norms get (1 + w): norm_style rms_one
+
+    return blocks.sandwich_model(cmf, arch, kernels, attention, **blocks.gemma_trunk_options(arch))
 
 
 # ------------------------------------------------------------------ GGUF
@@ -195,16 +185,7 @@ def _gguf_config(ctx: GgufContext, config: dict[str, Any]) -> None:
     )
 
 
-GGUF = GgufSpec(
-    "gemma3",
-    "gemma3_text",
-    "Gemma3ForCausalLM",
-    # Gemma's four norms per block; llama.cpp stores them (and the q/k norms) as 1 + w.
-    block_names=SANDWICH_BLOCK_NAMES,
-    norm_offset=-1.0,
-    config=_gguf_config,
-    sentencepiece=SentencePieceStyle("GemmaTokenizer", CHAT_TEMPLATE, eog_texts=("<end_of_turn>",)),
-)
+GGUF = base.gemma_gguf("gemma3", "gemma3_text", "Gemma3ForCausalLM", _gguf_config, CHAT_TEMPLATE)
 
 
 FAMILY = Family(
@@ -213,6 +194,6 @@ FAMILY = Family(
     manifest=manifest,
     build=build,
     computes=COMPUTES,
-    activations=ACTIVATIONS + (GELU_TANH,),
+    activations=blocks.GEGLU_ACTIVATIONS,
     gguf=(GGUF,),
 )

@@ -14,15 +14,16 @@ from typing import Any, Sequence
 from formats.arch import LAYER_FULL, ArchConfig
 from formats.cmf import CmfFile
 from formats.errors import CortiqError
-from formats.gguf_spec import GgufContext, GgufSpec
+from formats.gguf_spec import SANDWICH_BLOCK_NAMES, GgufContext, GgufSpec
 from formats.manifest import Manifest
-from cortiq_engine.layers import Attention, SandwichBlock
+from cortiq_engine.layers import Attention
 from cortiq_engine.model import Model
 from cortiq_engine.models import base, blocks
 from cortiq_engine.models.base import Family, Geometry, dense_common
 from cortiq_engine.weights import load_vector
 
-NORMS = ("post_attention_layernorm", "post_feedforward_layernorm")
+# No pre-norms: each sublayer reads the residual stream itself.
+NORMS = (None, "post_attention_layernorm", None, "post_feedforward_layernorm")
 
 
 # ------------------------------------------------------------------ config.json
@@ -51,14 +52,12 @@ def manifest(arch: ArchConfig, mtp_layers: Sequence[int] = ()) -> Manifest:
     """Per layer: attention (optional biases) with its full-width q/k norms, the two
     post-sublayer norms, the SwiGLU MLP. Draft layers (none ship with OLMo 2; mtp-train
     can make them) are pre-norm draft blocks."""
-    h, m, g = arch.hidden_size, base.trunk_ends(arch), Geometry.full(arch)
-    for i in range(arch.num_layers):
-        p = f"model.layers.{i}."
-        m.update(base.norms(p, h, *NORMS))
-        m.update(base.attention(p, h, g))
-        m.update(qk_norms(p, g))
-        m.update(base.gated_mlp(p + "mlp.", h, arch.intermediate_size))
-    return m.update(blocks.draft_manifests(arch, mtp_layers))
+    g = Geometry.full(arch)
+
+    def attention(p: str) -> Manifest:
+        return base.attention(p, arch.hidden_size, g).update(qk_norms(p, g))
+
+    return blocks.sandwich_manifest(arch, mtp_layers, attention, NORMS)
 
 
 # ------------------------------------------------------------------ the model
@@ -77,18 +76,10 @@ def attention(cmf: CmfFile, arch: ArchConfig, kernels, p: str, rope) -> Attentio
 def build(cmf: CmfFile, arch: ArchConfig, kernels) -> Model:
     if arch.sliding_window:
         raise CortiqError(f"{cmf.path}: olmo2 has full attention in every layer, the header asks for a window")
-    rope = blocks.rope(arch)
-    layers = []
     for i in range(arch.num_layers):
-        p = f"model.layers.{i}."
-        blocks.refuse_mlp_bias(cmf, p)
-        post_attn, post_ffn = (blocks.norm(cmf, arch, kernels, f"{p}{n}.weight") for n in NORMS)
-        # No pre-norms: each sublayer reads the residual stream itself.
-        norms = (None, post_attn, None, post_ffn)
-        layers.append(
-            SandwichBlock(norms, attention(cmf, arch, kernels, p, rope), blocks.gated_mlp(cmf, kernels, f"{p}mlp."))
-        )
-    return blocks.trunk(cmf, arch, kernels, layers)
+        blocks.refuse_mlp_bias(cmf, f"model.layers.{i}.")
+    rope = blocks.rope(arch)
+    return blocks.sandwich_model(cmf, arch, kernels, lambda p, kind: attention(cmf, arch, kernels, p, rope), NORMS)
 
 
 # ------------------------------------------------------------------ GGUF
@@ -105,8 +96,9 @@ GGUF = GgufSpec(
     "olmo2",
     "olmo2",
     "Olmo2ForCausalLM",
-    # Only the post-sublayer norms; q/k norms keep the shared names (attn_q_norm / attn_k_norm).
-    block_names={"post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"},
+    # Gemma's four-norm block without its pre-norms: llama.cpp names the two post-sublayer
+    # norms alike (q/k norms keep the shared attn_q_norm / attn_k_norm).
+    block_names=SANDWICH_BLOCK_NAMES,
     config=_gguf_config,
 )
 
