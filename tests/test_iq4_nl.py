@@ -44,6 +44,23 @@ def test_kernels_against_numpy_and_float64():
     sb.check_kernels(DT)
 
 
+def test_kernels_compute_every_level_exactly():
+    """The kernels compute the grid's levels (a rounded fit, no table): each index, exactly."""
+    from cortiq_engine.kernels.dtype_ops import ops_for
+
+    ops = ops_for("iq4_nl")
+    n = np.arange(16, dtype=np.uint8)
+    qs = (n | (15 - n) << 4).reshape(1, 16)  # elements 0..15 get indices 0..15, 16..31 15..0
+    d = np.float16(0.5).reshape(1, 1).view(np.uint16)
+    want = 0.5 * np.concatenate([KVALUES_IQ4NL, KVALUES_IQ4NL[::-1]]).astype(np.float32)
+    out = np.zeros((1, 32), np.float32)
+    ops.dequant((d, qs), 0, 1, out)
+    assert np.array_equal(out[0], want)
+    got = np.zeros((32, 1), np.float32)  # one input row per element: its value alone
+    ops.small(((d, d[:0], d[:0]), (qs, qs[:0], qs[:0])), 1, np.zeros(3, np.int64), np.eye(32, dtype=np.float32), got)
+    assert np.array_equal(got[:, 0], want)
+
+
 def test_round_trip_against_float64():
     rng = np.random.default_rng(0)
     x = rng.standard_normal((32, 1024)).astype(np.float32)

@@ -18,8 +18,9 @@ from numba import njit
 
 from cortiq_engine.kernels.dtype_ops import DtypeOps
 
-# iq4_nl's module: the sub-block kernels, and the kernel record of iq4_xs's fallback
-from cortiq_engine.kernels.iq4_nl_jit import grid_dequant, grid_dot
+# iq4_nl's module: the sub-block kernels, and the kernel record of iq4_xs's fallback (the
+# module, not its names: either module may be imported first)
+from cortiq_engine.kernels import iq4_nl_jit as nl
 from cortiq_engine.kernels.jit import f16_to_f32, matmul_small
 from formats.iq4_xs import KVALUES_IQ4NL
 
@@ -39,7 +40,7 @@ def iq4_xs_dequant(d, sh, sl, qs, r0, r1, out):
     for r in range(r0, r1):
         for s in range(8 * d.shape[1]):  # sub-blocks of 32
             b, ib = s >> 3, s & 7
-            grid_dequant(out, r - r0, f16_to_f32(d[r, b]) * _scale(sh, sl, r, b, ib), qs, r, s)
+            nl.grid_dequant(out, r - r0, f16_to_f32(d[r, b]) * _scale(sh, sl, r, b, ib), qs, r, s)
 
 
 @njit(inline="always")
@@ -48,7 +49,7 @@ def _iq4_xs_dot(d, sh, sl, qs, _4, _flag, r, X, xsum, i):
     for b in range(d.shape[1]):
         dd = f16_to_f32(d[r, b])
         for ib in range(8):
-            grid_dot(acc, dd * _scale(sh, sl, r, b, ib), qs, r, 8 * b + ib, X, i)
+            nl.grid_dot(acc, dd * _scale(sh, sl, r, b, ib), qs, r, 8 * b + ib, X, i)
     return acc.sum()
 
 
