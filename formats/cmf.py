@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import json
 import math
-import mmap
 import os
 import struct
 import zlib
@@ -44,7 +43,7 @@ import numpy as np
 from formats.errors import CortiqError
 from formats.quants import ALIGN, DTYPES, align_up, get_dtype
 from formats.staging import Staged, hold, new_temp, place, refuse_special, remove_stale, staged_file
-from formats.untrusted_json import is_int, loads as untrusted_loads, open_regular
+from formats.untrusted_json import close_map, is_int, loads as untrusted_loads, map_regular, open_regular
 
 MAGIC = b"CORTIQMF"
 # Readers reject a newer major version; a newer minor version only adds things an
@@ -365,10 +364,7 @@ class CmfFile:
         for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
             if start < end:
                 raise CortiqError(f"{self.path}: tensors {a} and {b} overlap (corrupt file)")
-        with open_regular(self.path, "file") as f:
-            if os.fstat(f.fileno()).st_size != size:
-                raise CortiqError(f"{self.path}: the file changed while it was being opened")
-            self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self._mmap = map_regular(self.path, "file", size)  # never empty: the preamble was read
         self._buf = np.frombuffer(self._mmap, dtype=np.uint8)
 
     def __repr__(self) -> str:
@@ -427,11 +423,7 @@ class CmfFile:
 
     def close(self) -> None:
         self._buf = None  # type: ignore[assignment]
-        try:
-            self._mmap.close()
-        except BufferError:
-            # Live numpy views still reference the map; it closes when they go.
-            pass
+        close_map(self._mmap)
 
     def __enter__(self) -> "CmfFile":
         return self

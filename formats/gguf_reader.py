@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from formats.errors import CortiqError
+from formats.untrusted_json import close_map
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
@@ -161,7 +162,4 @@ class GgufFile:
     def close(self) -> None:
         """Unmap the file once no tensor view is left (views keep it mapped otherwise)."""
         self._map = None  # type: ignore[assignment]
-        try:
-            self._mmap.close()
-        except BufferError:
-            pass
+        close_map(self._mmap)

@@ -147,9 +147,7 @@ def _build_byte_level(meta: dict[str, Any], n_embd_rows: int) -> TokenizerFiles:
     template = meta.get("tokenizer.chat_template")
     if template:
         tcfg["chat_template"] = template
-    return ids.files(
-        tok, tcfg, eos_ids, len(tokens), len(merges), sum(a.special for a in added), str(pre_name), warnings
-    )
+    return ids.files(tok, tcfg, eos_ids, types, len(merges), str(pre_name), warnings)
 
 
 def _token_list(meta: dict[str, Any], n_embd_rows: int) -> tuple[list[str], list[int]]:
@@ -214,21 +212,22 @@ class _SpecialIds:
         tok,
         tcfg: dict[str, Any],
         eos_ids: list[int],
-        vocab_size: int,
+        types: list[int],
         merges: int,
-        special: int,
         pre: str,
         warnings: list[str],
     ) -> TokenizerFiles:
+        """The files of ``tok``, whose vocabulary has these token ``types`` (its control
+        tokens are the special ones)."""
         return TokenizerFiles(
             tokenizer_json=tok.to_str(pretty=False),
             tokenizer_config=tcfg,
             bos_token_id=self.bos,
             eos_token_ids=eos_ids,
             pad_token_id=self.pad,
-            vocab_size=vocab_size,
+            vocab_size=len(types),
             merges=merges,
-            special_tokens=special,
+            special_tokens=types.count(CONTROL),
             pre=pre,
             warnings=warnings,
         )
@@ -358,4 +357,4 @@ def _build_sentencepiece(meta: dict[str, Any], n_embd_rows: int, spm: SentencePi
 
     tcfg = ids.config(tokens, spm.tokenizer_class, add_bos, add_eos, False)
     tcfg["chat_template"] = template
-    return ids.files(tok, tcfg, eos_ids, len(tokens), len(merges), len(special), "sentencepiece", warnings)
+    return ids.files(tok, tcfg, eos_ids, types, len(merges), "sentencepiece", warnings)

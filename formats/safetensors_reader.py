@@ -18,7 +18,7 @@ import numpy as np
 
 from formats.errors import CortiqError
 from formats.quants import bf16_to_f32, rows_cols
-from formats.untrusted_json import load_object, open_regular
+from formats.untrusted_json import close_map, load_object, map_regular, open_regular
 
 _ST_DTYPES = {
     "F32": np.dtype("<f4"),
@@ -93,10 +93,7 @@ class SafetensorsFile:
                     f"{self.path}: tensor {name} has {en - b} bytes for shape {list(entry.shape)} {entry.dtype}"
                 )
             self.entries[name] = entry
-        with open_regular(self.path, "safetensors file") as f:
-            if os.fstat(f.fileno()).st_size != size:
-                raise CortiqError(f"{self.path}: the file changed while it was being opened")
-            self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+        self._mmap = map_regular(self.path, "safetensors file", size)
         self._buf = np.frombuffer(self._mmap, dtype=np.uint8) if self._mmap else np.zeros(0, np.uint8)
 
     def raw(self, name: str) -> np.ndarray:
@@ -155,8 +152,4 @@ class SafetensorsFile:
 
     def close(self) -> None:
         self._buf = None  # type: ignore[assignment]
-        if self._mmap is not None:
-            try:
-                self._mmap.close()
-            except BufferError:
-                pass
+        close_map(self._mmap)

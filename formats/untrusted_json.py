@@ -1,5 +1,6 @@
 """The one parser for JSON that comes from a file: CMF headers and directories,
-sidecars, safetensors headers, config.json and the tokenizer files.
+sidecars, safetensors headers, config.json and the tokenizer files; and the one way
+such a file is opened (``open_regular``) and mapped (``map_regular``, ``close_map``).
 
 Python's ``json`` recurses once per nesting level (a header nested 100,000 deep is a
 RecursionError), turns a 5,000-digit integer into a ValueError about digit limits,
@@ -12,6 +13,7 @@ refused.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import stat
 from pathlib import Path
@@ -171,6 +173,26 @@ def open_regular(path: str | os.PathLike, what: str = "file", max_bytes: int | N
     except BaseException:
         os.close(fd)
         raise
+
+
+def map_regular(path: str | os.PathLike, what: str, size: int) -> mmap.mmap | None:
+    """``path`` opened as ``open_regular`` opens it and mapped read-only, refused when it is
+    no longer ``size`` bytes (the size its header was checked against); None when empty
+    (zero bytes cannot be mapped)."""
+    with open_regular(path, what) as f:
+        if os.fstat(f.fileno()).st_size != size:
+            raise CortiqError(f"{path}: the file changed while it was being opened")
+        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+
+
+def close_map(mm: mmap.mmap | None) -> None:
+    """Unmap ``mm`` unless numpy views still reference it: then it closes when they go."""
+    if mm is None:
+        return
+    try:
+        mm.close()
+    except BufferError:
+        pass
 
 
 def _same_device(st: os.stat_result, root: str) -> bool:
