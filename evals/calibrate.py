@@ -1,6 +1,7 @@
 """``cortiq calibrate``'s numbers: one pass over the text, then reliability and a fitted temperature.
 
-The pass keeps, per scored token, only ``RowFeatures`` (top-1 correctness and the
+The pass (``evals.runs.collect_partial`` in one process, ``evals.cluster.collect_features``
+on a cluster) keeps, per scored token, only ``RowFeatures`` (top-1 correctness and the
 log-normaliser on the temperature grid), so the logits are never stored. The
 scored tokens are split in text order: the first ``fit_fraction`` fits the
 temperature, the rest measures ECE/NLL before (T = 1) and after (T = fitted).
@@ -9,12 +10,11 @@ temperature, the rest measures ECE/NLL before (T = 1) and after (T = fitted).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
 from evals.calibration import DEFAULT_BINS, Bin, CalibrationMetrics, ece, equal_mass_bins, equal_width_bins
-from evals.scoring import LogitModel, count_scored, iter_scored
 from evals.temperature import (
     RowFeatures,
     TemperatureFit,
@@ -22,34 +22,10 @@ from evals.temperature import (
     confidence_at,
     fit_temperature,
     nll_at,
-    row_features,
 )
-from evals.windows import Window
 from formats.errors import CortiqError
 
 DEFAULT_FIT_FRACTION = 0.5
-
-ProgressFn = Callable[[int, int, float], None]  # (tokens scored, total, running accuracy)
-
-
-def collect_features(
-    model: LogitModel,
-    tokens: np.ndarray,
-    windows: Sequence[Window],
-    grid: TemperatureGrid,
-    chunk: int = 128,
-    progress: ProgressFn | None = None,
-) -> RowFeatures:
-    parts: list[RowFeatures] = []
-    total, done, hits = count_scored(windows), 0, 0
-    for block in iter_scored([model], tokens, windows, chunk=chunk):
-        f = row_features(block.logits[0], block.targets, grid)
-        parts.append(f)
-        done += len(f)
-        hits += int(f.correct.sum())
-        if progress:
-            progress(done, total, hits / done)
-    return RowFeatures.concat(parts, grid)
 
 
 @dataclass(frozen=True)

@@ -409,8 +409,9 @@ def collect_partial(
     chunk: int,
     progress: ScoreProgress | None = None,
 ) -> tuple[RowFeatures, int]:
-    """``collect_features`` that, on Ctrl-C, keeps the windows done so far (and says how
-    many); with none done the interrupt goes on up."""
+    """The row features of every window in this process (``evals.temperature.row_features``
+    of each scored block); on Ctrl-C, those of the windows done so far (and how many);
+    with none done the interrupt goes on up."""
     parts: list[RowFeatures] = []
     total, rows, hits, done = count_scored(windows), 0, 0, 0
     try:

@@ -24,7 +24,7 @@ agree with each other on the same text and compare with ``llama-perplexity``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
 from formats.errors import CortiqError
@@ -68,13 +68,7 @@ class WindowSettings:
     chunks: int | None
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "mode": self.mode,
-            "ctx": self.ctx,
-            "stride": self.stride,
-            "max_tokens": self.max_tokens,
-            "chunks": self.chunks,
-        }
+        return asdict(self)
 
 
 def resolve_settings(
