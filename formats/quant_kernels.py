@@ -74,44 +74,54 @@ def _q8_level(v):
     return min(max(-q if v < _F0 else q, -_F127), _F127)
 
 
-# Q8_DIVISORS padded to a multiple of the vector width with its last divisor: a repeat
-# never wins (a tie keeps the first), and a fixed count lets LLVM unroll the lanes.
-_NCAND = 56
+# The q8 search's candidates (``formats.quants.Q8_DIVISORS``) and the partial sums of
+# each candidate's error: value j of a block goes to sum j % _NSUM, and the sums add up
+# as (s0 + s1) + (s2 + s3). Independent sums keep the adds from waiting on each other.
+_NDIV = 16
+_NSUM = 4
 
 
-def _candidates(divs: np.ndarray) -> np.ndarray:
-    pad = _NCAND - divs.shape[0]
-    assert pad >= 0
-    return np.concatenate([divs, np.repeat(divs[-1:], pad)]).astype(np.float32)
-
-
-# The candidates of a block are independent lanes: the loop over them vectorizes while
-# each candidate's error still sums its 32 values in order (f64), as the reference does.
-# The scratch arrays come from the caller: arrays allocated in here keep LLVM from
-# proving they do not alias, and the candidate loop then stays scalar (4x slower).
+# The candidates of a block are independent lanes (one vector of 16 f32 errors): the
+# loop over them vectorizes while each candidate's sums take their values in order, as
+# the reference does. A level and its error are those of |x|: the decoder's products
+# and differences are symmetric in the sign. The scratch arrays come from the caller:
+# arrays allocated in here keep LLVM from proving they do not alias, and the candidate
+# loop then stays scalar (4x slower).
 @njit(cache=True, nogil=True)
-def _q8_rows_search(x, divs, d, qs, dd, inv, err):  # pragma: no cover - compiled
+def _q8_rows_search(x, divs, d, qs, dd, inv, s0, s1, s2, s3):  # pragma: no cover - compiled
     rows, cols = x.shape
-    n = _NCAND
     for r in range(rows):
         for b in range(cols // QB):
             o = b * QB
             amax = _amax(x, r, o)
-            for k in range(n):
+            for k in range(_NDIV):
                 c = _f16_round(amax / divs[k])
                 dd[k] = c
                 inv[k] = _F1 / c if c != _F0 else _F0
-                err[k] = 0.0
-            for j in range(QB):
-                xj = x[r, o + j]
-                for k in range(n):
-                    e = np.float64(xj - _q8_level(xj * inv[k]) * dd[k])
-                    err[k] += e * e
+                s0[k] = _F0
+                s1[k] = _F0
+                s2[k] = _F0
+                s3[k] = _F0
+            for j in range(0, QB, _NSUM):
+                a0 = abs(x[r, o + j])
+                a1 = abs(x[r, o + j + 1])
+                a2 = abs(x[r, o + j + 2])
+                a3 = abs(x[r, o + j + 3])
+                for k in range(_NDIV):
+                    e0 = a0 - min(np.floor(a0 * inv[k] + _HALF_BELOW), _F127) * dd[k]
+                    e1 = a1 - min(np.floor(a1 * inv[k] + _HALF_BELOW), _F127) * dd[k]
+                    e2 = a2 - min(np.floor(a2 * inv[k] + _HALF_BELOW), _F127) * dd[k]
+                    e3 = a3 - min(np.floor(a3 * inv[k] + _HALF_BELOW), _F127) * dd[k]
+                    s0[k] += e0 * e0
+                    s1[k] += e1 * e1
+                    s2[k] += e2 * e2
+                    s3[k] += e3 * e3
             best = _F0
-            best_err = np.inf
-            for k in range(n):
-                if dd[k] != _F0 and err[k] < best_err:
-                    best_err = err[k]
+            best_err = np.float32(np.inf)
+            for k in range(_NDIV):
+                ek = (s0[k] + s1[k]) + (s2[k] + s3[k])
+                if dd[k] != _F0 and ek < best_err:
+                    best_err = ek
                     best = dd[k]
             d[r, b] = best
             iv = _F1 / best if best != _F0 else _F0
@@ -176,8 +186,8 @@ def quantize_q8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     rows, cols = x.shape
     d = np.empty((rows, cols // QB), np.float32)
     qs = np.empty((rows, cols), np.int8)
-    n = _NCAND
-    _q8_rows_search(x, _candidates(Q8_DIVISORS), d, qs, np.empty(n, np.float32), np.empty(n, np.float32), np.empty(n))
+    assert Q8_DIVISORS.shape == (_NDIV,)
+    _q8_rows_search(x, Q8_DIVISORS, d, qs, *(np.empty(_NDIV, np.float32) for _ in range(2 + _NSUM)))
     return d.astype(np.float16), qs
 
 
