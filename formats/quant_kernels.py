@@ -155,10 +155,11 @@ def _q4_rows(x, d, m, qs):  # pragma: no cover - compiled
 
 # Reassociation lets the sums vectorize; the element errors themselves are exact.
 @njit(cache=True, nogil=True, fastmath={"reassoc"})
-def _affine_error(x, d, m, qs, nibbles):  # pragma: no cover - compiled
+def _affine_error(x, d, m, qs, nibbles, offset):  # pragma: no cover - compiled
     """(sum of squared errors, sum of squared values) of blocks of 32 decoding to
-    q * d + m: q8's levels are qs itself (m = 0), q4's the nibbles of qs (element j in
-    the low nibble of byte j, j + 16 in its high nibble)."""
+    (q + offset) * d + m: q8's levels are qs itself (m = 0), q4's and q4_0's the nibbles
+    of qs (element j in the low nibble of byte j, j + 16 in its high nibble; q4_0's
+    offset -8, m = 0)."""
     rows, cols = x.shape
     err = 0.0
     ref = 0.0
@@ -168,7 +169,7 @@ def _affine_error(x, d, m, qs, nibbles):  # pragma: no cover - compiled
             mm = m[r, b]
             for j in range(QB):
                 if nibbles:
-                    q = np.float32((qs[r, b * 16 + j % 16] >> (4 * (j // 16))) & 15)
+                    q = np.float32(((qs[r, b * 16 + j % 16] >> (4 * (j // 16))) & 15) + offset)
                 else:
                     q = np.float32(qs[r, b * QB + j])
                 v = x[r, b * QB + j]
@@ -215,11 +216,17 @@ def quantize_q4(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 def q8_error(x: np.ndarray, d: np.ndarray, qs: np.ndarray) -> tuple[float, float]:
     """(sum of squared errors, sum of squared values) of a q8 encoding of ``x`` [rows, cols]."""
     d32 = d.astype(np.float32)
-    return _affine_error(np.ascontiguousarray(x, np.float32), d32, np.zeros_like(d32), qs, False)
+    return _affine_error(np.ascontiguousarray(x, np.float32), d32, np.zeros_like(d32), qs, False, 0)
 
 
 def q4_error(x: np.ndarray, d: np.ndarray, m: np.ndarray, qs: np.ndarray) -> tuple[float, float]:
-    return _affine_error(np.ascontiguousarray(x, np.float32), d.astype(np.float32), m.astype(np.float32), qs, True)
+    return _affine_error(np.ascontiguousarray(x, np.float32), d.astype(np.float32), m.astype(np.float32), qs, True, 0)
+
+
+def q4_0_error(x: np.ndarray, d: np.ndarray, qs: np.ndarray) -> tuple[float, float]:
+    """As ``q8_error``, of a q4_0 encoding (value = d * (q - 8): + 0 changes no product)."""
+    d32 = d.astype(np.float32)
+    return _affine_error(np.ascontiguousarray(x, np.float32), d32, np.zeros_like(d32), qs, True, -8)
 
 
 @njit(cache=True, parallel=True)

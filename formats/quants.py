@@ -507,6 +507,16 @@ class Blocked(DType):
         """(kernel, the constants it takes after x, importance and its flag)."""
         raise NotImplementedError
 
+    def error(self, x, parts):
+        """The compiled error meter ``formats.quant_kernels.NAME_error`` where the dtype has
+        one (one pass, no decoded copy), else the decoding's."""
+        meter = getattr(_kernels(), f"{self.name}_error", None)
+        if meter is None:
+            return super().error(x, parts)
+        named = self.named(parts, tuple(x.shape))
+        x2 = np.ascontiguousarray(x, np.float32).reshape(rows_cols(x.shape))
+        return meter(x2, *(named[n] for n in self.kernel_parts))
+
     def _decode(self, parts, shape):
         return self.dequantize(*(parts[n] for n, _, _ in self.fields)).reshape(shape)
 
@@ -533,19 +543,11 @@ class Blocked(DType):
 
 
 class _OnePass(Blocked):
-    """q8 and q4: the compiled encoder and error meter (``formats.quant_kernels``
-    ``quantize_NAME`` and ``NAME_error``), the numpy reference where numba is missing."""
+    """q8 and q4: the compiled encoder (``formats.quant_kernels.quantize_NAME``), the
+    numpy reference where numba is missing."""
 
     def encode_rows(self, x2, importance=None):
         return getattr(_kernels() or _reference, f"quantize_{self.name}")(x2)
-
-    def error(self, x, parts):
-        fast = _kernels()
-        if fast is None:
-            return super().error(x, parts)
-        named = self.named(parts, tuple(x.shape))
-        x2 = np.ascontiguousarray(x, np.float32).reshape(rows_cols(x.shape))
-        return getattr(fast, f"{self.name}_error")(x2, *(named[n] for n in self.kernel_parts))
 
 
 class Q8(_OnePass):
@@ -609,9 +611,9 @@ class _Searched32(Blocked):
     levels: ClassVar[tuple[int, int]]
 
     def compiled_encoder(self):
-        from formats.kquant_kernels import SYM_FACTORS, rows32
+        from formats.kquant_kernels import rows32, sym_divisors
 
-        return rows32, (SYM_FACTORS, *self.levels)
+        return rows32, (sym_divisors(*self.levels), *self.levels)
 
 
 class Q5(_Searched32):
