@@ -3,7 +3,7 @@
 A random Llama whose every row is a multiple of 256 (hidden 1,024, FFN 2,048, 8
 layers, vocabulary 8,192: 101M weights), so each file is its dtype throughout, is
 converted to each dtype and timed with ``cortiq bench -p 0 -n N -r R`` in its own
-process, the dtypes alternating round after round (a busy neighbour then weighs on
+process (the installed command: PYTHONPATH selects another checkout), the dtypes alternating round after round (a busy neighbour then weighs on
 every dtype alike). "Weight bytes a step" are the CMF's tensor bytes without the
 embedding table (``bench_families.active_bytes``); "per weight byte" is the bytes a
 step reads per second over the first dtype's, "per token" its tokens per second over
