@@ -1,10 +1,11 @@
 """Decode speed of quantized dtypes per weight byte, against q4k's.
 
 A random Llama whose every row is a multiple of 256 (hidden 1,024, FFN 2,048, 8
-layers, vocabulary 8,192: 101M weights), so each file is its dtype throughout, is
-converted to each dtype and timed with ``cortiq bench -p 0 -n N -r R`` in its own
-process (the installed command: PYTHONPATH selects another checkout), the dtypes alternating round after round (a busy neighbour then weighs on
-every dtype alike). "Weight bytes a step" are the CMF's tensor bytes without the
+layers, vocabulary 8,192: 101M weights), so each file is its dtype throughout but for
+the embedding and output matrices (the 3-5-bit presets keep them at q6k), is converted
+to each dtype and timed with ``cortiq bench -p 0 -n N -r R`` in its own process (the
+installed command: PYTHONPATH selects another checkout), the dtypes alternating round
+after round (a busy neighbour then weighs on every dtype alike). "Weight bytes a step" are the CMF's tensor bytes without the
 embedding table (``bench_families.active_bytes``); "per weight byte" is the bytes a
 step reads per second over the first dtype's, "per token" its tokens per second over
 the first dtype's. Both ratios are also taken within each round, whose median is the
