@@ -5,10 +5,10 @@ layers, vocabulary 8,192: 101M weights), so each file is its dtype throughout bu
 the embedding and output matrices (the 3-5-bit presets keep them at q6k), is converted
 to each dtype and timed with ``cortiq bench -p 0 -n N -r R`` in its own process (the
 installed command: PYTHONPATH selects another checkout), the dtypes alternating round
-after round (a busy neighbour then weighs on every dtype alike). "Weight bytes a step" are the CMF's tensor bytes without the
-embedding table (``bench_families.active_bytes``); "per weight byte" is the bytes a
-step reads per second over the first dtype's, "per token" its tokens per second over
-the first dtype's. Both ratios are also taken within each round, whose median is the
+after round (a busy neighbour then weighs on every dtype alike). "Weight bytes a step"
+are the CMF's tensor bytes without the embedding table (``bench_families.active_bytes``);
+"per weight byte" is the bytes a step reads per second over the first dtype's, "per
+token" its tokens per second over the first dtype's. Both ratios are also taken within each round, whose median is the
 figure to trust on a shared machine; every round prints its load average.
 
 ``--cpu-time`` times the same decode in this process on one thread by the CPU time
