@@ -8,8 +8,9 @@ installed command: PYTHONPATH selects another checkout), the dtypes alternating 
 after round (a busy neighbour then weighs on every dtype alike). "Weight bytes a step"
 are the CMF's tensor bytes without the embedding table (``bench_families.active_bytes``);
 "per weight byte" is the bytes a step reads per second over the first dtype's, "per
-token" its tokens per second over the first dtype's. Both ratios are also taken within each round, whose median is the
-figure to trust on a shared machine; every round prints its load average.
+token" its tokens per second over the first dtype's. Both ratios are also taken within
+each round, whose median is the figure to trust on a shared machine; every round prints
+its load average.
 
 ``--cpu-time`` times the same decode in this process on one thread by the CPU time
 it spends (``time.process_time``), the tokens per second of a core that is never taken
