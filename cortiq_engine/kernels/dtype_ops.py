@@ -66,8 +66,8 @@ class DtypeOps:
     # IQ4_XS's grid: 4-bit indices into these signed levels (a table lookup), 6-bit
     # scales per 32, no mins.
     kgrid: ClassVar[tuple[int, ...]] = ()
-    # Q3_K: signed 3-bit quants (2 bits in qs, the third in hmask), two 6-bit scales
-    # per 32 met in the integer domain as Q6_K's.
+    # Q3_K: signed 3-bit quants (2 bits in qs, the third in hmask), sixteen 6-bit scales
+    # met in the integer domain (one per 16 values).
     kthree: ClassVar[bool] = False
     # Activation widths with the 512-bit 3- and 4-row bodies: input rows side by side
     # (``qdot._zbody``) or weight rows side by side (``qdot._wbody``).

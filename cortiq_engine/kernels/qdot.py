@@ -32,8 +32,10 @@ super-blocks of 256) split into 8 groups of 32 aligned with the activation block
     sum_g  d * d_x[g] * sum_h sc_{g,h} * isum_{g,h}                        (q6k, two
                                                      8-bit scales per group, integer)
 iq4_xs (IQ4_XS) takes the q4k body with its levels looked up (vpshufb) and ggml's sign
-trick, one 6-bit scale per group and no min; q3k (Q3_K) takes q6k's, 3-bit signed quants
-and two 6-bit scales per group met in the integer domain.
+trick, one 6-bit scale per group and no min; q3k (Q3_K) takes iq4_xs's sign trick on its
+3-bit signed quants, whose sixteen 6-bit scales (unpacked as ggml does, four i32
+operations per four scales) meet the 16-value sums in the integer domain: one vpmulld
+per input row and half super-block.
 ggml itself quantizes K-quant activations per 256 (Q8_K); per 32 costs a float
 multiply per group and keeps the rounding finer. The block sums are exact integers
 and the float accumulation order of one input row never depends on the others, so a
@@ -375,12 +377,18 @@ def _close_rows(f: _Fn) -> str:
 GROUP = 8
 
 
-def _reduce8(f: _Fn, ps: list[str]) -> str:
+def _reduce8(f: _Fn, ps: list[str], sub_scales: tuple[str, str] | None = None) -> str:
     """Eight <8 x i32> partial-sum vectors -> one whose lane k is the total of ps[k]
-    (exact integer adds: vphaddd twice, then the two 128-bit halves)."""
+    (exact integer adds: vphaddd twice, then the two 128-bit halves). After the two
+    vphaddd each lane is one half of a vector (lanes 0-3 or 4-7 of ps[k]: with four
+    bytes a lane, 16 values): lanes (k, half) (0, 0) (1, 0) (2, 0) (3, 0) (0, 1) (1, 1)
+    (2, 1) (3, 1) of ps[0..3], then the same of ps[4..7]; ``sub_scales`` multiplies
+    those two vectors lane by lane there (Q3_K's scales per 16 values)."""
     hadd = "call <8 x i32> @llvm.x86.avx2.phadd.d(<8 x i32> {}, <8 x i32> {})"
     s = [f.v(hadd.format(ps[2 * k], ps[2 * k + 1])) for k in range(4)]
     t0, t1 = f.v(hadd.format(s[0], s[1])), f.v(hadd.format(s[2], s[3]))
+    if sub_scales is not None:
+        t0, t1 = (f.v(f"mul <8 x i32> {t}, {sc}") for t, sc in zip((t0, t1), sub_scales))
     lo = f.v(
         f"shufflevector <8 x i32> {t0}, <8 x i32> {t1}, <8 x i32> <i32 0, i32 1, i32 2, i32 3, i32 8, i32 9, i32 10, i32 11>"
     )
@@ -584,8 +592,9 @@ def _kbody(kind: str, nx: int, act: int = 8, vnni: bool = False) -> str:
     scales in one FMA:  acc += isum * (d * sc * xd)  lane-wise (and, for q4k/q5k,
     macc += (dmin * m) * xs, subtracted at the end). q6k's two signed 8-bit scales
     per group (16 values each) multiply the pair sums in the integer domain
-    (``vpmaddwd``), so only its f16 ``d`` meets the float side. The order depends on
-    nothing but the column count: row-exact."""
+    (``vpmaddwd``), so only its f16 ``d`` meets the float side; q3k's sixteen 6-bit
+    scales multiply the 16-value sums halfway through the reduction (``_reduce8``),
+    the same integers. The order depends on nothing but the column count: row-exact."""
     rec = ops_for(kind)
     assert rec.kbody and act in rec.int_widths
     six, fifth = rec.ksigned, rec.kfifth  # Q6_K's signed quants and 8-bit scales; Q5_K's fifth bit
@@ -624,6 +633,7 @@ def _kbody(kind: str, nx: int, act: int = 8, vnni: bool = False) -> str:
     di = f.v("add i64 %drow, %s")
     dd = _half(f, "%kd", di)
     groups: list[tuple[str, str, str | None]] = []  # (weights <32 x i8>, float scale, float min)
+    sub_scales = None  # q3k on int8 activations: its 16-value scales (_reduce8)
     if six:
         qlo = f.v(f"add i64 {f.v('mul i64 %row, %ql_row')}, {f.v('mul i64 %s, 128')}")
         qho = f.v(f"add i64 {f.v('mul i64 %row, %qh_row')}, {f.v('mul i64 %s, 64')}")
@@ -662,28 +672,46 @@ def _kbody(kind: str, nx: int, act: int = 8, vnni: bool = False) -> str:
             pp = f.v(f"getelementptr i8, i8* {base}, i64 {f.v(f'add i64 {src}, {ahead}')}")
             f(f"  call void @llvm.prefetch.p0i8(i8* {pp}, i32 0, i32 3, i32 1)")
         hm = _load32(f, "%p0", hmo)
-        sb = [f.v(f"zext i8 {_byte(f, '%p2', f.v(f'add i64 {sco}, {i}'))} to i32") for i in range(12)]
-
-        def scale16(j: int) -> str:
-            """Sub-block j's 6-bit scale minus 32, as i16."""
-            lo = f.v(f"and i32 {sb[j]}, 15") if j < 8 else f.v(f"lshr i32 {sb[j - 8]}, 4")
-            hi = f.v(f"and i32 {f.v(f'lshr i32 {sb[8 + j % 4]}, {2 * (j // 4)}')}, 3")
-            hi = f.v(f"shl i32 {hi}, 4")
-            v = f.v(f"sub i32 {f.v(f'or i32 {lo}, {hi}')}, 32")
-            return f.v(f"trunc i32 {v} to i16")
-
-        m3, one = _const("i8", 32, 3), _const("i8", 32, 1)
+        # The sixteen scales as ggml unpacks them: from the 12 bytes as three words a,
+        # b, c, word k of the result is scales 4k..4k+3 (low nibbles of a, b, high
+        # nibbles of a, b; top bits from c at shift 2k), in four i32 operations a word.
+        sw = []
+        for k in range(3):
+            p = f.v(f"getelementptr i8, i8* %p2, i64 {f.v(f'add i64 {sco}, {4 * k}')}")
+            sw.append(f.v(f"load i32, i32* {f.v(f'bitcast i8* {p} to i32*')}, align 1"))
+        words = []
+        for k in range(4):
+            low = sw[k % 2] if k < 2 else f.v(f"lshr i32 {sw[k % 2]}, 4")
+            low = f.v(f"and i32 {low}, {0x0F0F0F0F}")
+            top = sw[2] if k == 0 else f.v(f"lshr i32 {sw[2]}, {2 * k}")
+            top = f.v(f"shl i32 {f.v(f'and i32 {top}, {0x03030303}')}, 4")
+            words.append(f.v(f"or i32 {low}, {top}"))
+        v4 = "undef"
+        for k, wd in enumerate(words):
+            v4 = f.v(f"insertelement <4 x i32> {v4}, i32 {wd}, i32 {k}")
+        s8 = f.v(f"sub <16 x i8> {f.v(f'bitcast <4 x i32> {v4} to <16 x i8>')}, {_const('i8', 16, 32)}")
+        # int8 activations: the 16-value sums meet their scales in _reduce8's lane order
+        # (one vpmulld a row and half super-block); int16: each group's two scales as
+        # lanes 0 and 8 of a <16 x i16>, multiplied into the weights as Q6_K's.
+        order = (0, 2, 4, 6, 1, 3, 5, 7)
+        if act == 8:
+            sub_scales = tuple(
+                f.v(f"sext <8 x i8> {_slice(f, 'i8', 16, s8, [8 * k + j for j in order])} to <8 x i32>")
+                for k in range(2)
+            )
+        s16 = f.v(f"sext <16 x i8> {s8} to <16 x i16>") if act == 16 else None
+        m3, four = _const("i8", 32, 3), _const("i8", 32, 4)
         for h in range(2):
             qv = _load32(f, "%p1", f.v(f"add i64 {qso}, {32 * h}"))
             for t in range(4):
+                g = 4 * h + t
                 lo = qv if t == 0 else f.v(f"lshr <32 x i8> {qv}, {_const('i8', 32, 2 * t)}")
                 lo = f.v(f"and <32 x i8> {lo}, {m3}")
-                hb = hm if 4 * h + t == 0 else f.v(f"lshr <32 x i8> {hm}, {_const('i8', 32, 4 * h + t)}")
-                hb = f.v(f"shl <32 x i8> {f.v(f'and <32 x i8> {hb}, {one}')}, {_const('i8', 32, 2)}")
-                w = f.v(f"sub <32 x i8> {f.v(f'or <32 x i8> {lo}, {hb}')}, {_const('i8', 32, 4)}")
-                g = 4 * h + t
-                va, vb = _splat(f, "i16", 8, scale16(2 * g)), _splat(f, "i16", 8, scale16(2 * g + 1))
-                groups.append((w, _concat(f, "i16", 8, va, vb), None))
+                # a clear high bit (bit g of the hmask byte) subtracts 4
+                bit = f.v(f"and <32 x i8> {hm}, {_const('i8', 32, 1 << g)}")
+                clear = f.v(f"icmp eq <32 x i8> {bit}, zeroinitializer")
+                w = f.v(f"select <32 x i1> {clear}, <32 x i8> {f.v(f'sub <32 x i8> {lo}, {four}')}, <32 x i8> {lo}")
+                groups.append((w, _slice(f, "i16", 16, s16, [2 * g] * 8 + [2 * g + 1] * 8) if s16 else None, None))
     elif grid:
         qso = f.v(f"add i64 {f.v('mul i64 %row, %qs_row')}, {f.v('mul i64 %s, 128')}")
         slo = f.v(f"add i64 {f.v('mul i64 %row, %sl_row')}, {f.v('mul i64 %s, 4')}")
@@ -787,18 +815,17 @@ def _kbody(kind: str, nx: int, act: int = 8, vnni: bool = False) -> str:
                 ps.append(_dot_i16(f, halves[g][0], x0, halves[g][1], x1))
                 continue
             x = _load32(f, "%xq", f.v(f"add i64 {xo}, {32 * g}"))
-            if wide:
+            if six:
                 sx = f.v(f"call <32 x i8> @llvm.x86.avx2.psign.b(<32 x i8> {x}, <32 x i8> {w})")
                 p16 = f.v(f"call <16 x i16> @llvm.x86.avx2.pmadd.ub.sw(<32 x i8> {aws[g]}, <32 x i8> {sx})")
                 ps.append(f.v(f"call <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16> {p16}, <16 x i16> {scale})"))
-            elif grid:  # signed levels: |w| times x with w's sign (ggml's trick, as q8's)
+            elif grid or three:  # signed levels: |w| times x with w's sign (ggml's trick, as q8's)
                 sx = f.v(f"call <32 x i8> @llvm.x86.avx2.psign.b(<32 x i8> {x}, <32 x i8> {w})")
                 ps.append(_dot_u8s8(f, aws[g], sx))
             else:
                 ps.append(_dot_u8s8(f, w, x))
-        cur_a[r], m = _meet8(
-            f, r, xg0, _reduce8(f, ps), sc8, cur_a[r], mn8 if mins else None, cur_m[r] if mins else None
-        )
+        u = _reduce8(f, ps, sub_scales)
+        cur_a[r], m = _meet8(f, r, xg0, u, sc8, cur_a[r], mn8 if mins else None, cur_m[r] if mins else None)
         if mins:
             cur_m[r] = m
     carried = _carried8(acc, cur_a, (macc, cur_m) if mins else None)
