@@ -256,6 +256,7 @@ LLAMA_CPP_QUANTS: dict[str, str] = {
     "q4_1": "q4",
     "q4_0": "q4_0",
     "iq4_xs": "iq4_xs",
+    "iq4_nl": "iq4_nl",
     "q3_k_s": "q3k",
     "f16": "f16",
     "bf16": "bf16",

@@ -351,7 +351,7 @@ def _convert_cmf(path: Path, out: Path, run: _Run, encoder: "SliceEncoder") -> C
                 f"{path}: re-quantizing a model with an MTP sidecar is not supported yet; convert the original checkpoint"
             )
         arch = ArchConfig.from_json(header["arch"])
-        policy = replace(run.policy, layers=arch.num_layers)  # the mixed presets pick layers
+        policy = mixed_for(run.policy, arch)
         tally = _Tally(sum(src.info(n).nbytes for n in src.names()), run.progress)
         header["quant"] = _quant_header(policy, run.keep_source)
         header["source"] = {
@@ -404,6 +404,12 @@ def _convert_cmf(path: Path, out: Path, run: _Run, encoder: "SliceEncoder") -> C
     finally:
         src.close()
     return tally.report(out, None, arch, time.perf_counter() - t0, 0, str(path.resolve()), policy)
+
+
+def mixed_for(policy: QuantPolicy, arch: ArchConfig) -> QuantPolicy:
+    """``policy`` with what the mixed presets read of the model: its layer count and how
+    many query heads share a KV head."""
+    return replace(policy, layers=arch.num_layers, gqa=arch.num_heads // max(arch.num_kv_heads, 1))
 
 
 def _quant_header(policy: QuantPolicy, keep_source: bool) -> dict[str, Any]:
@@ -751,7 +757,7 @@ def _convert(
 ) -> ConvertReport:
     t0 = time.perf_counter()
     family, arch = arch_from_config(families, ck.config)
-    policy = replace(run.policy, layers=arch.num_layers)  # the mixed presets pick layers
+    policy = mixed_for(run.policy, arch)
     mtp_mode = run.mtp
     ck = sanitize_checkpoint(ck, family.rules_for(ck.config))  # the exporter's names -> the engine's
     plan = _plan(ck, arch, family, check_mtp=mtp_mode != "drop")

@@ -171,7 +171,7 @@ class Q3K(SuperBlocked):
     fields = (("hmask", "u1", 32), ("qs", "u1", 64), ("scales", "u1", 12), ("d", "<f2", 1))
     bits = 3.4375
     ggml_type = "Q3_K"
-    # llama.cpp's fallback is IQ4_NL; q4_0 has its size.
+    # llama.cpp's fallback for Q3_K (llama-quant.cpp).
     fallback = "q4_0"
 
     dequantize = staticmethod(dequantize_q3k)

@@ -92,3 +92,82 @@ def test_mixed_presets_and_fallbacks():
         QuantPolicy("q2k")
     with pytest.raises(CortiqError, match="unknown dtype 'u8'"):
         QuantPolicy("q8", keep=[("*", "u8")])
+
+
+@pytest.mark.parametrize(
+    "layers, gqa, shapes, more",
+    [
+        # SmolLM2-135M (30 layers, 9 heads over 3 KV heads, 576-wide rows): llama.cpp's
+        # IQ4_XS file has Q5_K in layers 0-2's FFN down only, IQ4_NL where rows are 576.
+        (30, 3, {"v_proj": (192, 576), "down_proj": (576, 1536)}, {"down_proj": {0, 1, 2}}),
+        # Gemma 3 270M (18 layers, 4 heads over 1 KV head, 640-wide rows): Q5_K V in every
+        # layer, which falls back to Q5_1 on 640-wide rows, and Q5_K down in layers 0-1.
+        (18, 4, {"v_proj": (256, 640), "down_proj": (640, 2048)}, {"v_proj": set(range(18)), "down_proj": {0, 1}}),
+    ],
+)
+def test_iq4_presets_are_llama_cpps_iq4_choices(layers, gqa, shapes, more):
+    for quant in ("iq4_xs", "iq4_nl"):
+        p = QuantPolicy(quant, layers=layers, gqa=gqa)
+        for module, shape in shapes.items():
+            kind = "self_attn" if module == "v_proj" else "mlp"
+            for layer in range(layers):
+                got = p.dtype_for(f"model.layers.{layer}.{kind}.{module}.weight", shape)
+                if layer in more.get(module, ()):
+                    want = "q5k" if shape[1] % 256 == 0 else "q5_1"
+                else:
+                    want = quant if shape[1] % 256 == 0 else "iq4_nl"
+                assert got == want, (quant, module, layer, got)
+        assert p.dtype_for("model.layers.0.self_attn.q_proj.weight", shape) in ("iq4_nl", quant)
+
+
+def test_iq4_down_rule_is_off_with_an_imatrix():
+    """llama.cpp gives the first layers' FFN down Q5_K only when no imatrix guides IQ4_XS."""
+    from formats.imatrix import Imatrix
+
+    p = QuantPolicy("iq4_xs", layers=16, gqa=2, imatrix=Imatrix({}, 1))
+    assert p.dtype_for("model.layers.0.mlp.down_proj.weight", (512, 1024)) == "iq4_xs"
+    assert (
+        QuantPolicy("iq4_xs", layers=16, gqa=2).dtype_for("model.layers.0.mlp.down_proj.weight", (512, 1024)) == "q5k"
+    )
+
+
+@pytest.mark.llamacpp
+def test_iq4_xs_preset_is_llama_cpps_file_tensor_by_tensor(tmp_path):
+    """llama.cpp's quantizer writes an IQ4_XS file of a tiny 8-layer llama whose four
+    heads share one KV head; the iq4_xs preset chooses its type for every matrix."""
+    import gguf
+    import llama_cpp
+
+    from tests.superblocks import _hf_name
+    from tests.test_gguf_import import TINY, write_tiny_gguf
+    from tests.tiny import build_tiny
+
+    model = build_tiny(
+        "llama",
+        **dict(
+            TINY,
+            hidden_size=256,
+            intermediate_size=512,
+            head_dim=64,
+            num_hidden_layers=8,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            tie_word_embeddings=True,  # as SmolLM2's and Gemma's: token_embd is the output
+        ),
+    )
+    f32 = write_tiny_gguf(model, tmp_path / "f32.gguf", "llama")
+    out = tmp_path / "iq4_xs.gguf"
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = 30  # LLAMA_FTYPE_MOSTLY_IQ4_XS
+    params.nthread = 1
+    assert llama_cpp.llama_model_quantize(str(f32).encode(), str(out).encode(), params) == 0
+    by_ggml = {get_dtype(n).ggml_type: n for n in ("q8", "q6k", "q5k", "q5_1", "iq4_xs", "iq4_nl")}
+    policy = QuantPolicy("iq4_xs", layers=8, gqa=4)
+    seen = set()
+    for t in gguf.GGUFReader(out).tensors:
+        if len(t.shape) != 2:
+            continue
+        shape = (int(t.shape[1]), int(t.shape[0]))
+        assert policy.dtype_for(_hf_name(t.name), shape) == by_ggml[t.tensor_type.name], t.name
+        seen.add(t.tensor_type.name)
+    assert {"IQ4_XS", "Q5_K"} <= seen
