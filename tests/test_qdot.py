@@ -1,4 +1,4 @@
-"""The integer-activation kernels (q8, q4, q4_0, q5, q5_1, q4k, q5k, q6k) against their float64 twin, row for row.
+"""The integer-activation kernels (q8, q4, q4_0, q5, q5_1, iq4_nl, q4k, q5k, q6k) against their float64 twin, row for row.
 
 ``kernels/qdot.py`` quantizes input rows to int16 (default) or int8 blocks and multiplies them by the
 weight blocks in integers. Its oracle is ``qdot_ref``: the same quantized operands
@@ -45,6 +45,7 @@ INT_DTYPES = [
     ("q4_0", (16, 8), 608),
     ("q5", (16, 8), 608),
     ("q5_1", (16, 8), 608),
+    ("iq4_nl", (16, 8), 608),
     ("q4k", (16, 8), 512),
     ("q5k", (16, 8), 512),
     ("q6k", (16, 8), 768),
@@ -73,7 +74,7 @@ def test_intdot_equals_float64_twin_and_is_row_exact(dtype, n, bits, cols):
 
 
 @needs_simd
-@pytest.mark.parametrize("dtype", ["q8", "q4", "q4_0", "q5", "q5_1"])
+@pytest.mark.parametrize("dtype", ["q8", "q4", "q4_0", "q5", "q5_1", "iq4_nl"])
 @pytest.mark.parametrize("cols", [32, 160, 256, 288, 1024])
 @pytest.mark.parametrize("bits", [8, 16])
 def test_grouped_kernel_every_group_and_tail_split(dtype, cols, bits):
@@ -188,7 +189,8 @@ def test_integer_and_float_kernel_sets_differ_only_by_activation_rounding(kernel
 
 def test_module_ir_declares_one_entry_per_dtype():
     ir = qdot.module_ir()
-    for entry in ("q8", "q4", "q8a16", "q4a16", "q4_0", "q4_0a16", "q5", "q5a16", "q4k", "q5k", "q6k"):
+    entries = ("q8", "q4", "q8a16", "q4a16", "q4_0", "q4_0a16", "q5", "q5a16", "iq4_nl", "iq4_nla16")
+    for entry in entries + ("q4k", "q5k", "q6k"):
         assert f"define void @{entry}_rows(" in ir
     assert ir.count("define internal void @q8_rows") == qdot.MAX_ROWS
 

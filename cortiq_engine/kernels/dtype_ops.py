@@ -53,7 +53,7 @@ class DtypeOps:
     # The 32-block IR bodies: kernel-part index of (scale, min, fifth bits, quants),
     # None where the dtype has no such part; ``zero``: the zero point of a symmetric
     # dtype (value = d * (q - zero), the min derived from the scale); ``nibbles``:
-    # quants packed two a byte (16 bytes a block) with a min term.
+    # quants packed two a byte (16 bytes a block), with a min term unless ``kgrid``.
     roles: ClassVar[tuple[int | None, ...] | None] = None
     zero: ClassVar[int] = 0
     nibbles: ClassVar[bool] = False
@@ -63,8 +63,8 @@ class DtypeOps:
     kbody: ClassVar[bool] = False
     ksigned: ClassVar[bool] = False
     kfifth: ClassVar[bool] = False
-    # IQ4_XS's grid: 4-bit indices into these signed levels (a table lookup), 6-bit
-    # scales per 32, no mins.
+    # A grid: 4-bit indices into these signed levels (a table lookup), no mins; with
+    # ``kbody`` IQ4_XS's 6-bit scales per 32, with ``nibbles`` IQ4_NL's f16 scale per 32.
     kgrid: ClassVar[tuple[int, ...]] = ()
     # Q3_K: signed 3-bit quants (2 bits in qs, the third in hmask), sixteen 6-bit scales
     # met in the integer domain (one per 16 values).

@@ -6,9 +6,11 @@ its kernel record.
 ``iq4_nl_matmul_small`` is the decode matvec over 1..small_n input rows and up to three
 fused matrices, ``jit.matmul_small`` with this dtype's row dot: each (weight row, input
 row) summed on its own in 32 lanes, so a row's result does not depend on how many rows
-share the call. Per block of 32: value = d * KVALUES_IQ4NL[q]. Decode, verify and
-prefill take these float kernels (the integer bodies of ``qdot.py`` have no 32-block
-grid form). ``grid_dot`` and ``grid_dequant`` serve iq4_xs's sub-blocks too.
+share the call. Per block of 32: value = d * KVALUES_IQ4NL[q]. Decode and verify take
+the integer-activation kernel of ``qdot.py`` (q4_0's 32-block body with the record's
+``kgrid`` looked up) where the CPU has AVX2; these float ones elsewhere, under
+``numba-float`` and for prefill. ``grid_dot`` and ``grid_dequant`` serve iq4_xs's
+sub-blocks too.
 """
 
 from __future__ import annotations
@@ -70,5 +72,10 @@ iq4_nl_matmul_small = matmul_small("iq4_nl_matmul_small", __file__, _iq4_nl_dot,
 
 
 class IQ4NLOps(DtypeOps, dtype="iq4_nl"):
+    # Integer decode kernels (qdot._gbody): q4_0's nibbles, the levels by vpshufb and
+    # ggml's sign trick on int8 activations, one f16 scale per block, no min.
+    int_widths, act_bits = (8, 16), 8
+    roles, nibbles = (0, None, None, 1), True
+    kgrid = tuple(int(v) for v in KVALUES_IQ4NL)
     small_kernel = staticmethod(iq4_nl_matmul_small)
     dequant_kernel = staticmethod(iq4_nl_dequant)

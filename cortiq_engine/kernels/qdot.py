@@ -32,7 +32,8 @@ super-blocks of 256) split into 8 groups of 32 aligned with the activation block
     sum_g  d * d_x[g] * sum_h sc_{g,h} * isum_{g,h}                        (q6k, two
                                                      8-bit scales per group, integer)
 iq4_xs (IQ4_XS) takes the q4k body with its levels looked up (vpshufb) and ggml's sign
-trick, one 6-bit scale per group and no min; q3k (Q3_K) takes iq4_xs's sign trick on its
+trick, one 6-bit scale per group and no min; iq4_nl (IQ4_NL) takes q4_0's 32-block body
+with that lookup and sign trick, one f16 scale per block and no min; q3k (Q3_K) takes iq4_xs's sign trick on its
 3-bit signed quants, whose sixteen 6-bit scales (unpacked as ggml does, four i32
 operations per four scales) meet the 16-value sums in the integer domain: one vpmulld
 per input row and half super-block.
@@ -165,8 +166,25 @@ _CALL_ARGS = _ARGS
 
 
 def _nibbles(kind: str) -> bool:
-    """Packed 4-bit quants (16 bytes a block) and a min term."""
+    """Packed 4-bit quants (16 bytes a block)."""
     return ops_for(kind).nibbles
+
+
+def _grid(kind: str) -> bool:
+    """4-bit indices into signed levels (IQ4_NL's, IQ4_XS's): a table lookup, no min."""
+    return bool(ops_for(kind).kgrid)
+
+
+def _min_term(kind: str) -> bool:
+    """A 32-block body's min term: the unsigned nibbles (stored min or zero point)."""
+    return _nibbles(kind) and not _grid(kind)
+
+
+def _levels(f: "_Fn", kind: str, idx: str) -> str:
+    """The grid's signed levels of the <32 x i8> 4-bit indices ``idx`` (vpshufb: the
+    16-entry table repeated in both 128-bit lanes)."""
+    table = "<" + ", ".join(f"i8 {v}" for v in list(ops_for(kind).kgrid) * 2) + ">"
+    return f.v(f"call <32 x i8> @llvm.x86.avx2.pshuf.b(<32 x i8> {table}, <32 x i8> {idx})")
 
 
 def _stored_min(kind: str) -> bool:
@@ -227,6 +245,12 @@ def _wunpack(f: _Fn, kind: str, act: int, b: str, prefetch: bool = True) -> tupl
     if prefetch:
         pfp = f.v(f"getelementptr i8, i8* {wp}, i64 %pf_ahead")
         f(f"  call void @llvm.prefetch.p0i8(i8* {pfp}, i32 0, i32 3, i32 1)")
+    if q4 and _grid(kind):  # signed levels: then as q8's signed bytes
+        w = _levels(f, kind, _unpack_nibbles(f, wp))
+        if act == 8:
+            return w, f.v(f"call <32 x i8> @llvm.abs.v32i8(<32 x i8> {w}, i1 false)")
+        lo, hi = _slice(f, "i8", 32, w, range(16)), _slice(f, "i8", 32, w, range(16, 32))
+        return f.v(f"sext <16 x i8> {lo} to <16 x i16>"), f.v(f"sext <16 x i8> {hi} to <16 x i16>")
     if q4:
         w = _unpack_nibbles(f, wp)
         if ops_for(kind).roles[2] is not None:  # the fifth bits: bit j of the block's u32 -> element j
@@ -258,7 +282,7 @@ def _isum(f: _Fn, kind: str, act: int, wv: tuple[str, ...], r: int, b: str) -> s
         x = f.v(
             f"load <32 x i8>, <32 x i8>* {f.v('bitcast i8* ' + f.v(f'getelementptr i8, i8* %xq, i64 {xo}') + ' to <32 x i8>*')}, align 1"
         )
-        if not _nibbles(kind):  # signed quants
+        if not _min_term(kind):  # signed quants (q8, the grids): ggml's sign trick
             u, v = wv[1], f.v(f"call <32 x i8> @llvm.x86.avx2.psign.b(<32 x i8> {x}, <32 x i8> {wv[0]})")
         else:
             u, v = wv[0], x
@@ -302,7 +326,7 @@ def _block(
 ) -> tuple[list[str], list[str]]:
     """Multiply weight block ``b`` of the current row by block ``b`` of each input row
     and add it into ``accs[r]`` (and the q4 min term into ``maccs[r]``); the new names."""
-    q4 = _nibbles(kind)
+    q4 = _min_term(kind)
     wv = _wunpack(f, kind, act, b)
     wdo = f.v(f"add i64 %wdrow, {b}")
     dw = _half(f, "%wd", wdo)
@@ -469,7 +493,7 @@ def _prefetch_group(f: _Fn, wqrow: str, b0: str, wbytes: int) -> None:
 
 
 def _gbody(kind: str, nx: int, act: int = 8, vnni: bool = False) -> str:
-    """The 32-block dtypes (q8, q4, q4_0, q5, q5_1) for ``nx`` input rows, eight blocks per
+    """The 32-block dtypes (q8, q4, q4_0, q5, q5_1, iq4_nl) for ``nx`` input rows, eight blocks per
     step: the eight exact block sums of an input row reduce into one vector (lane k =
     block k), which meets the eight weight scales (one f16 load and convert) times
     the eight activation scales in one FMA, and q4's mins meet the eight block sums
@@ -478,8 +502,8 @@ def _gbody(kind: str, nx: int, act: int = 8, vnni: bool = False) -> str:
     scalar scale product, a broadcast and an FMA: the part a verify pays per row.
     The nb % 8 leftover blocks take ``_block``. Every input row sums in an order
     fixed by nb alone: row-exact."""
-    q4 = _nibbles(kind)
-    wbytes = 16 if q4 else 32
+    q4 = _min_term(kind)
+    wbytes = 16 if _nibbles(kind) else 32
     name = _entry(kind, act)
     f = _Fn(vnni)
     f(f"define internal void @{name}_rows{nx}({_ARGS}) nounwind alwaysinline {{")
@@ -721,7 +745,6 @@ def _kbody(kind: str, nx: int, act: int = 8, vnni: bool = False) -> str:
             f(f"  call void @llvm.prefetch.p0i8(i8* {pp}, i32 0, i32 3, i32 1)")
         shp = f.v(f"getelementptr i16, i16* %ksh, i64 {di}")
         sh = f.v(f"zext i16 {f.v(f'load i16, i16* {shp}, align 2')} to i32")
-        table = "<" + ", ".join(f"i8 {v}" for v in list(rec.kgrid) * 2) + ">"
         for ib in range(8):
             lo = f.v(f"zext i8 {_byte(f, '%p2', f.v(f'add i64 {slo}, {ib // 2}'))} to i32")
             lo = f.v(f"and i32 {f.v(f'lshr i32 {lo}, {4 * (ib % 2)}')}, 15")
@@ -730,7 +753,7 @@ def _kbody(kind: str, nx: int, act: int = 8, vnni: bool = False) -> str:
             ls = f.v(f"sub i32 {f.v(f'or i32 {lo}, {hi}')}, 32")
             scf = f.v(f"fmul float {dd}, {f.v(f'sitofp i32 {ls} to float')}")
             idx = _unpack_nibbles(f, f.v(f"getelementptr i8, i8* %p3, i64 {f.v(f'add i64 {qso}, {16 * ib}')}"))
-            w = f.v(f"call <32 x i8> @llvm.x86.avx2.pshuf.b(<32 x i8> {table}, <32 x i8> {idx})")
+            w = _levels(f, kind, idx)
             groups.append((w, scf, None))
     else:
         qso = f.v(f"add i64 {f.v('mul i64 %row, %qs_row')}, {f.v('mul i64 %s, 128')}")
@@ -937,7 +960,7 @@ def _store_row(f: _Fn, r: int, groups: str, mins: str | None, tail: str, tail_mi
 def _tail_rows(f: _Fn, kind: str, act: int, nx: int) -> tuple[list[str], list[str | None]]:
     """The nb % 8 leftover blocks of a grouped body, one at a time per input row
     (``_block``), from ``gdone`` to ``fin``: each row's 8-lane sum and (q4) min sum."""
-    q4 = _nibbles(kind)
+    q4 = _min_term(kind)
     f("tloop:")
     f("  %tb = phi i64 [%gmain, %gdone], [%tbnext, %tloop]")
     tacc = [f"%tacc{r}" for r in range(nx)]
