@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from formats.quant_kernels import _f16_round
+from formats.quant_kernels import LANES, NSUM, _f16_round, lanes_best, lanes_start
 
 QK = 256
 _F0 = np.float32(0.0)
@@ -342,37 +342,29 @@ QB = 32
 # (14 per end, 0.75..1.156) on N(0, 1) and SmolLM2's weights.
 SYM_LOW = np.array([0.78125, 0.84375, 0.875, 0.90625, 0.9375, 0.96875, 1.0, 1.03125, 1.0625, 1.09375, 1.125, 1.15625])
 SYM_HIGH = np.array([0.9375, 0.96875, 1.0, 1.03125])
-_NSYM = 16
 SYM_REFITS = 1  # a second refit gains 0.05% of the squared error on N(0, 1) for 15% of the time
 
 
 def sym_divisors(lo: int, hi: int) -> np.ndarray:
     """The divisors of the signed max-|x| value that give the searched scales of levels [lo, hi]."""
     out = np.concatenate([np.float32(lo) * SYM_LOW.astype(np.float32), np.float32(hi) * SYM_HIGH.astype(np.float32)])
-    assert out.shape == (_NSYM,)
+    assert out.shape == (LANES,)
     return out.astype(np.float32)
 
 
-# The candidates are lanes, as q8's (``formats.quant_kernels._q8_rows_search``): 16 f32
-# weighted errors, value j adding to partial sum j % 4. Not inlined, so that its scratch
-# arrays are arguments LLVM can vectorize over.
+# The candidates are lanes, as q8's (``formats.quant_kernels.lanes_start``): weighted
+# f32 errors in partial sums. Not inlined, so that its scratch arrays are arguments
+# LLVM can vectorize over.
 @njit(nogil=True)
 def _sym_lanes(xb, w, mx, divs, lo, hi, cd, cinv, s0, s1, s2, s3):  # pragma: no cover - compiled
     """The candidate scale (f16-exact) of least weighted squared error, 0 if none."""
     flo = np.float32(lo)
     fhi = np.float32(hi)
-    for k in range(_NSYM):
-        c = _f16_round(mx / divs[k])
-        cd[k] = c
-        cinv[k] = _F1 / c if c != _F0 else _F0
-        s0[k] = _F0
-        s1[k] = _F0
-        s2[k] = _F0
-        s3[k] = _F0
-    for j in range(0, QB, 4):
+    lanes_start(mx, divs, cd, cinv, s0, s1, s2, s3)
+    for j in range(0, QB, NSUM):
         x0, x1, x2, x3 = xb[j], xb[j + 1], xb[j + 2], xb[j + 3]
         w0, w1, w2, w3 = w[j], w[j + 1], w[j + 2], w[j + 3]
-        for k in range(_NSYM):
+        for k in range(LANES):
             e0 = x0 - cd[k] * min(max(np.rint(x0 * cinv[k]), flo), fhi)
             e1 = x1 - cd[k] * min(max(np.rint(x1 * cinv[k]), flo), fhi)
             e2 = x2 - cd[k] * min(max(np.rint(x2 * cinv[k]), flo), fhi)
@@ -381,14 +373,7 @@ def _sym_lanes(xb, w, mx, divs, lo, hi, cd, cinv, s0, s1, s2, s3):  # pragma: no
             s1[k] += w1 * (e1 * e1)
             s2[k] += w2 * (e2 * e2)
             s3[k] += w3 * (e3 * e3)
-    best = _F0
-    best_err = np.float32(np.inf)
-    for k in range(_NSYM):
-        ek = (s0[k] + s1[k]) + (s2[k] + s3[k])
-        if cd[k] != _F0 and ek < best_err:
-            best_err = ek
-            best = cd[k]
-    return best
+    return lanes_best(cd, s0, s1, s2, s3)
 
 
 @njit(inline="always")
@@ -542,12 +527,12 @@ def rows32(x, imp, use_imp, divs, lo, hi, d, qs, m=None, qh=None):  # pragma: no
     rows, cols = x.shape
     for r in prange(rows):
         lanes = (
-            np.empty(_NSYM, np.float32),
-            np.empty(_NSYM, np.float32),
-            np.empty(_NSYM, np.float32),
-            np.empty(_NSYM, np.float32),
-            np.empty(_NSYM, np.float32),
-            np.empty(_NSYM, np.float32),
+            np.empty(LANES, np.float32),
+            np.empty(LANES, np.float32),
+            np.empty(LANES, np.float32),
+            np.empty(LANES, np.float32),
+            np.empty(LANES, np.float32),
+            np.empty(LANES, np.float32),
         )
         L = np.empty(QB, np.int32)
         Lt = np.empty(QB, np.int32)

@@ -74,40 +74,59 @@ def _q8_level(v):
     return min(max(-q if v < _F0 else q, -_F127), _F127)
 
 
-# The q8 search's candidates (``formats.quants.Q8_DIVISORS``) and the partial sums of
-# each candidate's error: value j of a block goes to sum j % _NSUM, and the sums add up
-# as (s0 + s1) + (s2 + s3). Independent sums keep the adds from waiting on each other.
-_NDIV = 16
-_NSUM = 4
+# The scale searches (q8 here, q4_0 and q5 in ``formats.kquant_kernels``) score LANES
+# candidate scales of a block side by side: one vector of f32 errors, each candidate's
+# kept as NSUM partial sums (value j of a block adds to sum j % NSUM, in order; the sums
+# add up as (s0 + s1) + (s2 + s3)). Independent sums keep the adds from waiting on each
+# other, and a fixed order keeps the numpy reference's sums equal to these.
+LANES = 16
+NSUM = 4
 
 
-# The candidates of a block are independent lanes (one vector of 16 f32 errors): the
-# loop over them vectorizes while each candidate's sums take their values in order, as
-# the reference does. A level and its error are those of |x|: the decoder's products
-# and differences are symmetric in the sign. The scratch arrays come from the caller:
-# arrays allocated in here keep LLVM from proving they do not alias, and the candidate
-# loop then stays scalar (4x slower).
+@njit(inline="always")
+def lanes_start(m, divs, cd, cinv, s0, s1, s2, s3):
+    """The candidate scales f16(m / divs[k]) into cd, their inverses (0 for a zero
+    scale) into cinv, the partial sums zeroed."""
+    for k in range(LANES):
+        c = _f16_round(m / divs[k])
+        cd[k] = c
+        cinv[k] = _F1 / c if c != _F0 else _F0
+        s0[k] = _F0
+        s1[k] = _F0
+        s2[k] = _F0
+        s3[k] = _F0
+
+
+@njit(inline="always")
+def lanes_best(cd, s0, s1, s2, s3):
+    """The first nonzero candidate scale of least error, 0 if every one is 0."""
+    best = _F0
+    best_err = np.float32(np.inf)
+    for k in range(LANES):
+        ek = (s0[k] + s1[k]) + (s2[k] + s3[k])
+        if cd[k] != _F0 and ek < best_err:
+            best_err = ek
+            best = cd[k]
+    return best
+
+
+# Q8_DIVISORS are the lanes; a level and its error are those of |x|: the decoder's
+# products and differences are symmetric in the sign. The scratch arrays come from the
+# caller: arrays allocated in here keep LLVM from proving they do not alias, and the
+# candidate loop then stays scalar (4x slower).
 @njit(cache=True, nogil=True)
 def _q8_rows_search(x, divs, d, qs, dd, inv, s0, s1, s2, s3):  # pragma: no cover - compiled
     rows, cols = x.shape
     for r in range(rows):
         for b in range(cols // QB):
             o = b * QB
-            amax = _amax(x, r, o)
-            for k in range(_NDIV):
-                c = _f16_round(amax / divs[k])
-                dd[k] = c
-                inv[k] = _F1 / c if c != _F0 else _F0
-                s0[k] = _F0
-                s1[k] = _F0
-                s2[k] = _F0
-                s3[k] = _F0
-            for j in range(0, QB, _NSUM):
+            lanes_start(_amax(x, r, o), divs, dd, inv, s0, s1, s2, s3)
+            for j in range(0, QB, NSUM):
                 a0 = abs(x[r, o + j])
                 a1 = abs(x[r, o + j + 1])
                 a2 = abs(x[r, o + j + 2])
                 a3 = abs(x[r, o + j + 3])
-                for k in range(_NDIV):
+                for k in range(LANES):
                     e0 = a0 - min(np.floor(a0 * inv[k] + _HALF_BELOW), _F127) * dd[k]
                     e1 = a1 - min(np.floor(a1 * inv[k] + _HALF_BELOW), _F127) * dd[k]
                     e2 = a2 - min(np.floor(a2 * inv[k] + _HALF_BELOW), _F127) * dd[k]
@@ -116,13 +135,7 @@ def _q8_rows_search(x, divs, d, qs, dd, inv, s0, s1, s2, s3):  # pragma: no cove
                     s1[k] += e1 * e1
                     s2[k] += e2 * e2
                     s3[k] += e3 * e3
-            best = _F0
-            best_err = np.float32(np.inf)
-            for k in range(_NDIV):
-                ek = (s0[k] + s1[k]) + (s2[k] + s3[k])
-                if dd[k] != _F0 and ek < best_err:
-                    best_err = ek
-                    best = dd[k]
+            best = lanes_best(dd, s0, s1, s2, s3)
             d[r, b] = best
             iv = _F1 / best if best != _F0 else _F0
             for j in range(QB):
@@ -187,8 +200,8 @@ def quantize_q8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     rows, cols = x.shape
     d = np.empty((rows, cols // QB), np.float32)
     qs = np.empty((rows, cols), np.int8)
-    assert Q8_DIVISORS.shape == (_NDIV,)
-    _q8_rows_search(x, Q8_DIVISORS, d, qs, *(np.empty(_NDIV, np.float32) for _ in range(2 + _NSUM)))
+    assert Q8_DIVISORS.shape == (LANES,)
+    _q8_rows_search(x, Q8_DIVISORS, d, qs, *(np.empty(LANES, np.float32) for _ in range(2 + NSUM)))
     return d.astype(np.float16), qs
 
 

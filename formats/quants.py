@@ -153,17 +153,25 @@ def dequantize_q8(d: np.ndarray, qs: np.ndarray) -> np.ndarray:
     return (b * d.astype(np.float32)[:, :, None]).reshape(rows, cols)
 
 
-def quantize_q4(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """x: f32[rows, cols] -> (d f16[rows, nb], m f16[rows, nb], qs uint8[rows, cols/2])."""
+def _ggml_affine(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """ggml's Q4_1 (nmax = 15) and Q5_1 (31) reference levels: d = (max - min) / nmax and
+    m = min, f32[rows, nb]; q = trunc((x - min) / d + 0.5) uint8[rows, nb, 32] (C's
+    (uint8_t) cast: at most nmax + 0.5 -> nmax)."""
     rows, cols = x.shape
-    nb = cols // QBLOCK
-    b = np.asarray(x, dtype=np.float32).reshape(rows, nb, QBLOCK)
+    b = np.asarray(x, dtype=np.float32).reshape(rows, cols // QBLOCK, QBLOCK)
     lo = b.min(axis=2)
-    d = (b.max(axis=2) - lo) / np.float32(15)
+    d = (b.max(axis=2) - lo) / np.float32(nmax)
     v = b - lo[:, :, None]
     v *= _inverse(d)[:, :, None]
     v += np.float32(0.5)
-    q = np.trunc(v).astype(np.uint8).clip(0, 15)
+    return d, lo, np.trunc(v).astype(np.uint8)
+
+
+def quantize_q4(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """x: f32[rows, cols] -> (d f16[rows, nb], m f16[rows, nb], qs uint8[rows, cols/2])."""
+    rows, cols = x.shape
+    d, lo, q = _ggml_affine(x, 15)
+    q = q.clip(0, 15)
     packed = q[:, :, :16] | (q[:, :, 16:] << np.uint8(4))
     return d.astype(np.float16), lo.astype(np.float16), packed.reshape(rows, cols // 2)
 
@@ -574,18 +582,26 @@ class Q4(_OnePass):
     dequantize = staticmethod(dequantize_q4)
 
 
+def _ggml_symmetric(x: np.ndarray, half: int) -> tuple[np.ndarray, np.ndarray]:
+    """ggml's Q4_0 (half = 8) and Q5_0 (16) reference levels: d = (the signed max-|x|
+    value) / -half f32[rows, nb], q = min(2 half - 1, trunc(x / d + half + 0.5))
+    uint8[rows, nb, 32]."""
+    rows, cols = x.shape
+    b = np.asarray(x, dtype=np.float32).reshape(rows, cols // QBLOCK, QBLOCK)
+    idx = np.abs(b).argmax(axis=2)[:, :, None]  # the first largest |x|, as ggml's strict <
+    mx = np.take_along_axis(b, idx, axis=2)[:, :, 0]
+    d = mx / np.float32(-half)
+    v = b * _inverse(d)[:, :, None]
+    v += np.float32(half + 0.5)
+    q = np.minimum(np.trunc(v).astype(np.int8), 2 * half - 1).astype(np.uint8)  # C's (int8_t) cast truncates
+    return d, q
+
+
 def quantize_q5(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """ggml's ``quantize_row_q5_0_ref`` bit for bit: x f32[rows, cols] -> (d f16[rows, nb],
     qh uint32[rows, nb], qs uint8[rows, cols/2]); d = -(the signed max-|x| value) / 16."""
     rows, cols = x.shape
-    nb = cols // QBLOCK
-    b = np.asarray(x, dtype=np.float32).reshape(rows, nb, QBLOCK)
-    idx = np.abs(b).argmax(axis=2)[:, :, None]  # the first largest |x|, as ggml's strict <
-    mx = np.take_along_axis(b, idx, axis=2)[:, :, 0]
-    d = mx / np.float32(-16)
-    v = b * _inverse(d)[:, :, None]
-    v += np.float32(16.5)
-    q = np.minimum(np.trunc(v).astype(np.int8), 31).astype(np.uint8)  # C's (int8_t) cast truncates
+    d, q = _ggml_symmetric(x, 16)
     packed = (q[:, :, :16] & 0x0F) | ((q[:, :, 16:] & 0x0F) << np.uint8(4))
     bits = ((q >> np.uint8(4)) & 1).astype(np.uint32) << np.arange(32, dtype=np.uint32)
     return d.astype(np.float16), bits.sum(axis=2, dtype=np.uint32), packed.reshape(rows, cols // 2)
@@ -639,14 +655,7 @@ def quantize_q5_1_ggml(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarra
     m f16[rows, nb], qh uint32[rows, nb], qs uint8[rows, cols/2]); d = (max - min) / 31,
     m = min, q = trunc((x - min) / d + 0.5)."""
     rows, cols = x.shape
-    nb = cols // QBLOCK
-    b = np.asarray(x, dtype=np.float32).reshape(rows, nb, QBLOCK)
-    lo = b.min(axis=2)
-    d = (b.max(axis=2) - lo) / np.float32(31)
-    v = b - lo[:, :, None]
-    v *= _inverse(d)[:, :, None]
-    v += np.float32(0.5)
-    q = np.trunc(v).astype(np.uint8)  # C's (uint8_t) cast; at most 31.5 -> 31
+    d, lo, q = _ggml_affine(x, 31)
     packed = (q[:, :, :16] & 0x0F) | ((q[:, :, 16:] & 0x0F) << np.uint8(4))
     bits = ((q >> np.uint8(4)) & 1).astype(np.uint32) << np.arange(32, dtype=np.uint32)
     return (
@@ -690,14 +699,7 @@ def quantize_q4_0_ggml(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """ggml's ``quantize_row_q4_0_ref`` bit for bit: x f32[rows, cols] -> (d f16[rows, nb],
     qs uint8[rows, cols/2]); d = -(the signed max-|x| value) / 8, q = min(15, trunc(x / d + 8.5))."""
     rows, cols = x.shape
-    nb = cols // QBLOCK
-    b = np.asarray(x, dtype=np.float32).reshape(rows, nb, QBLOCK)
-    idx = np.abs(b).argmax(axis=2)[:, :, None]  # the first largest |x|, as ggml's strict <
-    mx = np.take_along_axis(b, idx, axis=2)[:, :, 0]
-    d = mx / np.float32(-8)
-    v = b * _inverse(d)[:, :, None]
-    v += np.float32(8.5)
-    q = np.minimum(np.trunc(v).astype(np.int8), 15).astype(np.uint8)  # C's (int8_t) cast truncates
+    d, q = _ggml_symmetric(x, 8)
     packed = q[:, :, :16] | (q[:, :, 16:] << np.uint8(4))
     return d.astype(np.float16), packed.reshape(rows, cols // 2)
 
@@ -808,7 +810,19 @@ class Q6K(SuperBlocked):
         return q6k_rows, ()
 
 
-class Q5K(SuperBlocked):
+class _Qkx(SuperBlocked):
+    """Q5_K and Q4_K: ggml's scale-and-min search (``formats.kquant_kernels.qkx_rows``),
+    with ``search`` = (largest level, first step, step size, steps)."""
+
+    search: ClassVar[tuple[int, np.float32, np.float32, int]]
+
+    def compiled_encoder(self):
+        from formats.kquant_kernels import qkx_rows
+
+        return qkx_rows, self.search
+
+
+class Q5K(_Qkx):
     """ggml Q5_K: 5-bit values in 8 groups of 32, 6-bit scale and min per group, f16
     super-scale and super-min: 176 bytes per 256 values = 5.5 bits/weight."""
 
@@ -818,14 +832,10 @@ class Q5K(SuperBlocked):
     ggml_type = "Q5_K"
     fallback = "q5_1"
     dequantize = staticmethod(dequantize_q5k)
-
-    def compiled_encoder(self):
-        from formats.kquant_kernels import qkx_rows
-
-        return qkx_rows, (31, np.float32(-0.5), np.float32(0.1), 15)
+    search = (31, np.float32(-0.5), np.float32(0.1), 15)
 
 
-class Q4K(SuperBlocked):
+class Q4K(_Qkx):
     """ggml Q4_K: 4-bit values in 8 groups of 32, 6-bit scale and min per group, f16
     super-scale and super-min: 144 bytes per 256 values = 4.5 bits/weight."""
 
@@ -835,11 +845,7 @@ class Q4K(SuperBlocked):
     ggml_type = "Q4_K"
     fallback = "q5"
     dequantize = staticmethod(dequantize_q4k)
-
-    def compiled_encoder(self):
-        from formats.kquant_kernels import qkx_rows
-
-        return qkx_rows, (15, np.float32(-1.0), np.float32(0.1), 20)
+    search = (15, np.float32(-1.0), np.float32(0.1), 20)
 
 
 class _Reference:
