@@ -19,7 +19,7 @@ import numpy as np
 
 from formats.errors import CortiqError
 from cortiq_engine.cache import KVCache, kv_dtype
-from cortiq_engine.kernels.reference import softcap_attend
+from cortiq_engine.kernels.reference import AttentionCall
 from cortiq_engine.weights import Weight
 
 
@@ -296,6 +296,7 @@ class Attention:
         self.softcap = float(softcap)
         if not (math.isfinite(self.softcap) and self.softcap >= 0):
             raise CortiqError(f"attention soft-cap {softcap} is not a finite number >= 0")
+        self.call = AttentionCall(self.scale, self.window, self.sinks, self.softcap)
         self._qkv = (w.q, w.k, w.v)
         self._o = (w.o,)
 
@@ -375,10 +376,7 @@ class Attention:
             ks.rope(q, cos, sin)
             ks.rope(k, cos, sin)
         start = cache.append(k, v)
-        if self.softcap:
-            o = softcap_attend(q, cache.keys, cache.values, start, self.window, self.scale, self.softcap, self.sinks)
-        else:
-            o = ks.attend(q, cache.keys, cache.values, start, self.window, self.scale, self.sinks)
+        o = ks.attend(q, cache.keys, cache.values, start, self.call)
         o = o.reshape(n, nh * vd)
         if gate is not None:
             o = np.ascontiguousarray(o * (np.float32(1.0) / (np.float32(1.0) + np.exp(-gate))), dtype=np.float32)

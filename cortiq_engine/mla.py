@@ -53,6 +53,7 @@ from formats.errors import CortiqError
 from formats.manifest import Manifest
 from cortiq_engine.cache import KVCache, kv_dtype
 from cortiq_engine.layers import RoPE, Step
+from cortiq_engine.kernels.reference import AttentionCall
 from cortiq_engine.weights import Weight
 
 # Calls of up to this many rows take the absorbed form (decode, speculative verify);
@@ -175,6 +176,7 @@ class MlaAttention:
         self.absorb = absorb
         self.eps = float(latent_eps)
         self.scale = float((self.nope + self.r) ** -0.5 * rope.score_factor)
+        self.call = AttentionCall(self.scale)
         # Interleaved pairs -> [evens | odds]: the layout the half-split rotation takes.
         self.perm = np.concatenate([np.arange(0, self.r, 2), np.arange(1, self.r, 2)]) if m.rope_interleave else None
         self._in = (w.q_a, w.kv_a) if w.q_a is not None else (w.q_b, w.kv_a)
@@ -291,7 +293,7 @@ class MlaAttention:
                 q[i, :, :rank] = np.matmul(q_nope[i][:, None, :], self.w_uk)[:, 0, :]
         else:
             q[:, :, :rank] = np.matmul(q_nope.transpose(1, 0, 2), self.w_uk).transpose(1, 0, 2)
-        o_lat = self.ks.attend(q, cache.keys, cache.values, start, 0, self.scale)[:, :, :rank]
+        o_lat = self.ks.attend(q, cache.keys, cache.values, start, self.call)[:, :, :rank]
         if by_rows:
             return np.stack([np.matmul(o_lat[i][:, None, :], self.w_uv_t)[:, 0, :] for i in range(n)])
         return np.ascontiguousarray(np.matmul(o_lat.transpose(1, 0, 2), self.w_uv_t).transpose(1, 0, 2))
@@ -312,4 +314,4 @@ class MlaAttention:
             values = np.ascontiguousarray(np.matmul(latent[None], self.w_uv_t))
         keys[:, :, nope:] = rows[None, :, rank:]
         q = np.ascontiguousarray(np.concatenate([q_nope, q_rope], axis=2), dtype=np.float32)
-        return self.ks.attend(q, keys, values, start, 0, self.scale)
+        return self.ks.attend(q, keys, values, start, self.call)

@@ -11,6 +11,8 @@ window depend on it.
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 
 import numpy as np
@@ -169,12 +171,13 @@ def test_sliding_window_past_512_matches_transformers(engine, hf_gguf, english_t
     assert _rel(got[512:], ref[512:]) <= 1e-4
     assert _rel(got, ref) <= 1e-4
     # Without the window the later logits move far beyond the tolerance.
+    calls = [b.attn.call for b in engine.model.blocks]
     for b in engine.model.blocks:
-        b.attn.window = 0
+        b.attn.call = dataclasses.replace(b.attn.call, window=0)
     try:
         full = engine.logits(ids)
     finally:
-        for b, kind in zip(engine.model.blocks, engine.model.arch.layer_types):
-            b.attn.window = engine.model.arch.sliding_window if kind == "sliding" else 0
+        for b, call in zip(engine.model.blocks, calls):
+            b.attn.call = call
     assert np.allclose(full[:512], got[:512], rtol=0, atol=1e-3 * np.abs(got).max())
     assert _rel(full[600:], ref[600:]) > 1e-2
