@@ -118,14 +118,15 @@ def _ggml_quantize_chunk():
 
 def cmf_name(gguf_name: str) -> str | None:
     """The CMF (HF) name of a GGUF weight, for its imatrix entry."""
-    from formats.gguf_import import _BLOCK_NAMES, _BLOCK_RE, _GLOBAL_NAMES
+    from formats.gguf_import import _BLOCK_RE
+    from formats.gguf_spec import BLOCK_NAMES, GLOBAL_NAMES
 
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
+    if gguf_name in GLOBAL_NAMES:
+        return GLOBAL_NAMES[gguf_name]
     m = _BLOCK_RE.fullmatch(gguf_name)
-    if m is None or m.group(2) not in _BLOCK_NAMES:
+    if m is None or m.group(2) not in BLOCK_NAMES:
         return None
-    return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
+    return f"model.layers.{m.group(1)}.{BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
 
 
 def requantize_with_imatrix(f32: Path, like: Path, dst: Path, imatrix_path: Path) -> dict:

@@ -180,7 +180,24 @@ def test_unsupported_shapes_and_names():
         get_dtype("q3")
     assert (
         set(DTYPES)
-        == {"f32", "f16", "bf16", "q8", "q5", "q5_1", "q4", "q4_0", "q6k", "q5k", "q4k", "iq4_xs", "q3k", "u8", "i32"}
+        == {
+            "f32",
+            "f16",
+            "bf16",
+            "q8",
+            "q5",
+            "q5_1",
+            "q4",
+            "q4_0",
+            "q6k",
+            "q5k",
+            "q4k",
+            "iq4_xs",
+            "iq4_nl",
+            "q3k",
+            "u8",
+            "i32",
+        }
         and QBLOCK == 32
     )
 
