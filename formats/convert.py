@@ -26,7 +26,7 @@ import json
 import os
 import re
 import time
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
@@ -36,7 +36,7 @@ import numpy as np
 
 from formats.arch import ArchConfig, MtpConfig
 from formats.arch_check import arch_from_config
-from formats.cmf import FORMAT_MINOR, FORMAT_VERSION, MAGIC as CMF_MAGIC, CmfFile, CmfWriter
+from formats.cmf import FORMAT_MINOR, FORMAT_VERSION, MAGIC as CMF_MAGIC, CmfFile, CmfWriter, TensorInfo
 from formats.errors import CortiqError
 from formats.finite import check_finite, check_finite_parts
 from formats.manifest import ArchFamily, Families, check_manifest
@@ -67,6 +67,9 @@ CONVERTER_VERSION = "0.1.0"
 MTP_MODES = ("sidecar", "inline", "drop")
 # Elements per streamed slice: bounds the f32 temporaries of one slice to a few MB.
 SLICE_ELEMS = 1 << 20
+# A one-part tensor up to this many encoded bytes is gathered whole and written behind the
+# next tensor's encoding; a larger one streams to the file slice by slice.
+GATHER_BYTES = 32 << 20
 _ST_ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}
 _LOSSLESS = {("f32", "F32"), ("f32", "F16"), ("f32", "BF16"), ("f16", "F16"), ("bf16", "BF16")}
 KEEP = "keep"  # --quant keep: each matrix in its source type where CMF has one
@@ -363,39 +366,45 @@ def _convert_cmf(path: Path, out: Path, run: _Run, encoder: "SliceEncoder") -> C
         header["converter"] = {"name": "cortiq", "version": CONVERTER_VERSION}
         w = CmfWriter(out, header, force=run.force)
         try:
-            for name in src.names():
-                info = src.info(name)
-                if not get_dtype(info.dtype).matrix:  # embedded files: bytes as they are
-                    w.add_encoded(name, info.dtype, info.shape, [src.tensor_parts(name)["data"]])
-                    continue
-                kept = tally.keep_used(policy, name, info.shape)
-                if run.keep_source and kept is None:
-                    dtype, fell = info.dtype, False
-                else:
-                    dtype, fell = policy.choose(name, info.shape)
-                if fell:
-                    tally.fallbacks.append(name)
-                err = [0.0, 0.0]
-                if dtype == info.dtype:
-                    parts = src.tensor_parts(name)
-                    if not run.allow_nonfinite:
-                        check_finite_parts(name, parts)
-                    new = w.add_encoded(
-                        name, dtype, info.shape, [parts[sp.name] for sp in get_dtype(dtype).parts(info.shape)]
-                    )
-                    tally.copied.append(name)
-                else:
-                    job = SliceJob(
-                        name,
-                        name,
-                        get_dtype(dtype),
-                        policy.importance(name, rows_cols(info.shape)[1]),
-                        True,
-                        run.allow_nonfinite,
-                    )
-                    new = _reencode(src, info, job, w, err, encoder)
-                tally.advance(name, info.nbytes)
-                tally.record(dtype, name, info.shape, new.nbytes, err[0], err[1], "main")
+            with WriteBehind() as behind:
+                for name in src.names():
+                    info = src.info(name)
+                    if not get_dtype(info.dtype).matrix:  # embedded files: bytes as they are
+                        parts = [src.tensor_parts(name)["data"]]
+                        behind.add(w, name, info.dtype, info.shape, parts, lambda new: None)
+                        continue
+                    kept = tally.keep_used(policy, name, info.shape)
+                    if run.keep_source and kept is None:
+                        dtype, fell = info.dtype, False
+                    else:
+                        dtype, fell = policy.choose(name, info.shape)
+                    if fell:
+                        tally.fallbacks.append(name)
+                    err = [0.0, 0.0]
+                    if dtype == info.dtype:
+                        copy = src.tensor_parts(name)
+                        if not run.allow_nonfinite:
+                            check_finite_parts(name, copy)
+                        parts = [copy[sp.name] for sp in get_dtype(dtype).parts(info.shape)]
+                    else:
+                        job = SliceJob(
+                            name,
+                            name,
+                            get_dtype(dtype),
+                            policy.importance(name, rows_cols(info.shape)[1]),
+                            True,
+                            run.allow_nonfinite,
+                        )
+                        parts = _reencode(src, info, job, err, encoder)
+
+                    def written(new: TensorInfo, name=name, info=info, dtype=dtype, err=err) -> None:
+                        if dtype == info.dtype:
+                            tally.copied.append(name)
+                        tally.advance(name, info.nbytes)
+                        tally.record(dtype, name, info.shape, new.nbytes, err[0], err[1], "main")
+
+                    behind.add(w, name, dtype, info.shape, parts, written)
+                behind.sync()
             w.seal()
             w.publish()
         except BaseException:
@@ -416,8 +425,8 @@ def _quant_header(policy: QuantPolicy, keep_source: bool) -> dict[str, Any]:
     return {"default": KEEP if keep_source else policy.quant, "keep": [f"{p}={d}" for p, d in policy.keep]}
 
 
-def _reencode(src: CmfFile, info, job: "SliceJob", w: CmfWriter, err: list[float], encoder: "SliceEncoder"):
-    """Decode ``info``'s tensor to f32 in row slices and encode it as ``job.dt`` into ``w``;
+def _reencode(src: CmfFile, info, job: "SliceJob", err: list[float], encoder: "SliceEncoder") -> list[np.ndarray]:
+    """Decode ``info``'s tensor to f32 in row slices and encode it as ``job.dt``: its parts;
     ``err`` gets (sum of squared errors, sum of squared values) against the decoded source."""
     sdt = get_dtype(info.dtype)
     rows, cols = rows_cols(info.shape)
@@ -432,7 +441,7 @@ def _reencode(src: CmfFile, info, job: "SliceJob", w: CmfWriter, err: list[float
     for sl in encoder.encoded(job, decoded, SLICE_ELEMS, out):
         err[0] += sl.err_sq
         err[1] += sl.ref_sq
-    return w.add_encoded(info.name, job.dt.name, info.shape, out)
+    return out
 
 
 def _trim_heap() -> None:
@@ -654,6 +663,51 @@ class SliceEncoder:
             r0 += rows
 
 
+class WriteBehind:
+    """Appends encoded tensors to their files on a thread of its own, so that tensor N is
+    written (and its CRC summed) while tensor N+1 is encoded.
+
+    At most one tensor waits: ``add`` first collects the one before it, so memory holds
+    two encoded tensors at most (the one being written, the one being encoded). The
+    writes run one after another in the order given, so the bytes are those of writing
+    in turn; each ``then`` runs on the caller's thread, in order, with the tensor's
+    directory entry, and a failed write raises from the next ``add`` or ``sync``.
+    """
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(1, "cortiq-write")
+        self._pending: tuple[Future, Callable[[TensorInfo], None]] | None = None
+
+    def add(
+        self,
+        w: CmfWriter,
+        name: str,
+        dtype: str,
+        shape: tuple[int, ...],
+        parts: list[np.ndarray],
+        then: Callable[[TensorInfo], None],
+    ) -> None:
+        self.sync()
+        self._pending = (self._pool.submit(w.add_encoded, name, dtype, shape, parts), then)
+
+    def sync(self) -> None:
+        """Wait for the tensor being written; every file is then whole up to its last ``add``."""
+        if self._pending is not None:
+            fut, then = self._pending
+            self._pending = None
+            then(fut.result())
+
+    def __enter__(self) -> "WriteBehind":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        # On an error too, the write in flight ends before anyone closes its file.
+        if self._pending is not None:
+            wait([self._pending[0]])
+            self._pending = None
+        self._pool.shutdown(wait=True)
+
+
 class _Streamer:
     """Encodes one planned tensor slice by slice into a writer, keeping the tally."""
 
@@ -664,9 +718,11 @@ class _Streamer:
         policy: QuantPolicy,
         tally: _Tally,
         encoder: SliceEncoder,
+        behind: WriteBehind,
         blocks: dict[str, Any] | None = None,
     ):
         self.ck, self.run, self.policy, self.tally, self.encoder = ck, run, policy, tally, encoder
+        self.behind = behind
         self.blocks = blocks or {}  # HF name -> formats.gguf_import.SourceBlocks
 
     def _source_type(self, p: PlannedTensor) -> str:
@@ -693,11 +749,14 @@ class _Streamer:
             parts = ggml_block_parts(b, p.shape)
             if not self.run.allow_nonfinite:
                 check_finite_parts(p.source, {sp.name: a for sp, a in zip(dt.parts(p.shape), parts)})
-            info = w.add_encoded(p.name, dtype, p.shape, parts)
-            self.ck.release_pages()  # the blocks read from the source's map
-            self.tally.copied.append(p.name)
-            self.tally.advance(p.name, int(np.prod(p.shape)) * itemsize)
-            self.tally.record(dtype, p.name, p.shape, info.nbytes, 0.0, 0.0, file)
+
+            def copied(info: TensorInfo) -> None:
+                self.ck.release_pages()  # the blocks read from the source's map
+                self.tally.copied.append(p.name)
+                self.tally.advance(p.name, int(np.prod(p.shape)) * itemsize)
+                self.tally.record(dtype, p.name, p.shape, info.nbytes, 0.0, 0.0, file)
+
+            self.behind.add(w, p.name, dtype, p.shape, parts, copied)
             return
         rows, cols = rows_cols(p.shape)
         job = SliceJob(
@@ -718,19 +777,23 @@ class _Streamer:
                 yield sl
                 self.tally.advance(p.name, sl.size * itemsize)
 
+        def written(info: TensorInfo) -> None:
+            if rows * cols == 0:
+                self.tally.advance(p.name, 0)
+            self.tally.record(dtype, p.name, p.shape, info.nbytes, err[0], err[1], file)
+
         layout = dt.parts(p.shape)
-        if len(layout) == 1:
-            # One part: the bytes stream straight to the file.
-            info = w.add_encoded(p.name, dtype, p.shape, [(sl.parts[0] for sl in encoded(None))])
+        if len(layout) == 1 and layout[0].nbytes > GATHER_BYTES:
+            # One large part: the bytes stream straight to the file.
+            self.behind.sync()
+            written(w.add_encoded(p.name, dtype, p.shape, [(sl.parts[0] for sl in encoded(None))]))
         else:
-            # Planar parts: gather each part whole (it is smaller than the source).
+            # Gather each part whole (planar parts: smaller than the source), written
+            # while the next tensor is encoded.
             bufs = [np.empty(sp.shape, sp.dtype) for sp in layout]
             for _ in encoded(bufs):
                 pass
-            info = w.add_encoded(p.name, dtype, p.shape, bufs)
-        if rows * cols == 0:
-            self.tally.advance(p.name, 0)
-        self.tally.record(dtype, p.name, p.shape, info.nbytes, err[0], err[1], file)
+            self.behind.add(w, p.name, dtype, p.shape, bufs, written)
 
 
 def ggml_block_parts(b, shape: tuple[int, ...]) -> list[np.ndarray]:
@@ -797,30 +860,33 @@ def _convert(
     side_plan = mtp_plan if side else []
     total = sum(int(np.prod(p.shape)) * _ST_ITEMSIZE[ck.source_dtype(p.source)] for p in main_plan + side_plan)
     tally = _Tally(total, run.progress)
-    streamer = _Streamer(ck, run, policy, tally, encoder, blocks)
+    behind = WriteBehind()
+    streamer = _Streamer(ck, run, policy, tally, encoder, behind, blocks)
 
     main_w = CmfWriter(out, header, force=run.force)
     side_w: CmfWriter | None = None
     side_published = False
     try:
-        main_w.add_bytes(TOKENIZER_TENSOR, tok_bytes)
-        for p in main_plan:
-            streamer.write(main_w, p, "main")
-        if side:
-            side_header = {
-                "format": "cmf",
-                "format_version": header["format_version"],
-                "role": ROLE_SIDECAR,
-                "arch": header["arch"],
-                "mtp": header["mtp"],
-                "backbone": backbone_identity(header, out.name),
-                "source": header["source"],
-                "converter": header["converter"],
-                "quant": header["quant"],
-            }
-            side_w = CmfWriter(side, side_header, force=run.force)
-            for p in side_plan:
-                streamer.write(side_w, p, "sidecar")
+        with behind:
+            main_w.add_bytes(TOKENIZER_TENSOR, tok_bytes)
+            for p in main_plan:
+                streamer.write(main_w, p, "main")
+            if side:
+                side_header = {
+                    "format": "cmf",
+                    "format_version": header["format_version"],
+                    "role": ROLE_SIDECAR,
+                    "arch": header["arch"],
+                    "mtp": header["mtp"],
+                    "backbone": backbone_identity(header, out.name),
+                    "source": header["source"],
+                    "converter": header["converter"],
+                    "quant": header["quant"],
+                }
+                side_w = CmfWriter(side, side_header, force=run.force)
+                for p in side_plan:
+                    streamer.write(side_w, p, "sidecar")
+            behind.sync()
         # Both files complete on disk before either becomes visible.
         main_w.seal()
         if side_w:

@@ -61,3 +61,21 @@ def test_threads_requantize_a_cmf_file_as_one_thread_does(llama, tmp_path, monke
 def test_threads_must_be_positive(llama, tmp_path):
     with pytest.raises(conv.CortiqError, match="threads must be at least 1"):
         _convert(llama, tmp_path / "none.cmf", "q8", threads=0)
+
+
+def test_one_part_tensors_written_behind_or_streamed_give_the_same_file(llama, tmp_path, monkeypatch):
+    """A one-part tensor up to GATHER_BYTES is gathered and written while the next one is
+    encoded; a larger one streams to the file slice by slice. Either way: the same file,
+    the same report, the same progress calls."""
+    monkeypatch.setattr(conv, "SLICE_ELEMS", 16 * 256)
+    runs = {}
+    for name, gather in (("behind", conv.GATHER_BYTES), ("streamed", 0)):
+        monkeypatch.setattr(conv, "GATHER_BYTES", gather)
+        calls: list[tuple[str, int, int]] = []
+        out = tmp_path / f"{name}.cmf"
+        report = conv.convert_checkpoint(
+            llama, out, families=FAMILIES, quant="bf16", force=True, threads=3, progress=lambda *a: calls.append(a)
+        )
+        runs[name] = (out.read_bytes(), [(t.name, t.dtype, t.nbytes) for t in report.tensors], calls)
+    assert runs["behind"] == runs["streamed"]
+    assert runs["behind"][2][-1][1] == runs["behind"][2][-1][2]  # the last call reports everything done
