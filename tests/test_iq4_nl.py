@@ -8,6 +8,8 @@ where a row is no multiple of 256."""
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,6 +23,10 @@ from formats.iq4_nl import KVALUES_IQ4NL
 from formats.quants import get_dtype, resolve_dtype
 from tests import superblocks as sb
 from tests.tiny import save_tiny
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import kld_vs_llamacpp  # noqa: E402
 
 DT = get_dtype("iq4_nl")
 runner = CliRunner()
@@ -172,7 +178,6 @@ def test_llama_cpp_file_copies_bit_for_bit(tmp_path):
     """llama.cpp's quantizer writes an IQ4_NL file of a tiny llama; ``--quant keep`` copies
     its IQ4_NL blocks, and cortiq's encoder writes the same blocks from the F32 file."""
     import gguf
-    import llama_cpp
 
     from formats.gguf_import import unpermute_rope_rows
     from tests.test_gguf_import import TINY, write_tiny_gguf
@@ -181,10 +186,7 @@ def test_llama_cpp_file_copies_bit_for_bit(tmp_path):
     model = build_tiny("llama", **dict(TINY, hidden_size=96, intermediate_size=160, head_dim=24))
     f32 = write_tiny_gguf(model, tmp_path / "f32.gguf", "llama")
     nl = tmp_path / "iq4_nl.gguf"
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = 25  # LLAMA_FTYPE_MOSTLY_IQ4_NL
-    params.nthread = 1
-    assert llama_cpp.llama_model_quantize(str(f32).encode(), str(nl).encode(), params) == 0
+    kld_vs_llamacpp.quantize(f32, nl, "iq4_nl", threads=1)
     for name, src, how in (("keep", nl, ["--quant", "keep"]), ("ours", f32, ["--quant", "f32", "--keep", "*=iq4_nl"])):
         r = runner.invoke(app, ["convert", str(src), str(tmp_path / f"{name}.cmf"), *how])
         assert r.exit_code == 0, r.stderr
@@ -204,10 +206,11 @@ def test_llama_cpp_file_copies_bit_for_bit(tmp_path):
 
 
 def test_convert_writes_the_dtype_and_runs(tmp_path):
-    """llama.cpp's IQ4_NL mix: the layers' matrices iq4_nl, the embeddings q6k's (q8 where
-    a row is no multiple of 256, its fallback)."""
+    """``--quant iq4_nl``, llama.cpp's IQ4_NL mix: the layers' matrices iq4_nl (two layers
+    and two query heads per KV head: no Q5_K site), the embeddings q6k's (q8 where a row is
+    no multiple of 256, its fallback)."""
     src = save_tiny("llama", tmp_path / "m", hidden_size=96, intermediate_size=160, head_dim=24)
-    how = ["--quant", "q6k", "--keep", "model.layers.*=iq4_nl", "--json"]
+    how = ["--quant", "iq4_nl", "--json"]
     r = runner.invoke(app, ["convert", str(src), str(tmp_path / "m.cmf"), *how])
     assert r.exit_code == 0, r.stderr
     rep = json.loads(r.stdout)

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 
 from formats.errors import CortiqError
 from formats.policy import QUANT_CHOICES, RECIPES, QuantPolicy, use_more_bits
 from formats.quants import get_dtype
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import kld_vs_llamacpp  # noqa: E402
 
 _GGUF_TO_HF = {
     "attn_q": "self_attn.q_proj",
@@ -136,7 +143,6 @@ def test_iq4_xs_preset_is_llama_cpps_file_tensor_by_tensor(tmp_path):
     """llama.cpp's quantizer writes an IQ4_XS file of a tiny 8-layer llama whose four
     heads share one KV head; the iq4_xs preset chooses its type for every matrix."""
     import gguf
-    import llama_cpp
 
     from tests.superblocks import _hf_name
     from tests.test_gguf_import import TINY, write_tiny_gguf
@@ -157,10 +163,7 @@ def test_iq4_xs_preset_is_llama_cpps_file_tensor_by_tensor(tmp_path):
     )
     f32 = write_tiny_gguf(model, tmp_path / "f32.gguf", "llama")
     out = tmp_path / "iq4_xs.gguf"
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = 30  # LLAMA_FTYPE_MOSTLY_IQ4_XS
-    params.nthread = 1
-    assert llama_cpp.llama_model_quantize(str(f32).encode(), str(out).encode(), params) == 0
+    kld_vs_llamacpp.quantize(f32, out, "iq4_xs", threads=1)
     by_ggml = {get_dtype(n).ggml_type: n for n in ("q8", "q6k", "q5k", "q5_1", "iq4_xs", "iq4_nl")}
     policy = QuantPolicy("iq4_xs", layers=8, gqa=4)
     seen = set()
