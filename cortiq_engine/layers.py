@@ -289,14 +289,16 @@ class Attention:
         self._check_geometry(rope)
         self.rope = rope
         self.eps = norm_eps
-        self.window = int(window)
-        self.scale = head_dim**-0.5 if scale is None else float(scale)
-        self.sinks = None if sinks is None else self._check_sinks(sinks)
         self.v_scale = float(v_scale)
-        self.softcap = float(softcap)
-        if not (math.isfinite(self.softcap) and self.softcap >= 0):
+        if not (math.isfinite(float(softcap)) and float(softcap) >= 0):
             raise CortiqError(f"attention soft-cap {softcap} is not a finite number >= 0")
-        self.call = AttentionCall(self.scale, self.window, self.sinks, self.softcap)
+        # What every attend call of this layer shares (scale, window, sinks, cap), made once.
+        self.call = AttentionCall(
+            head_dim**-0.5 if scale is None else float(scale),
+            int(window),
+            None if sinks is None else self._check_sinks(sinks),
+            float(softcap),
+        )
         self._qkv = (w.q, w.k, w.v)
         self._o = (w.o,)
 

@@ -175,8 +175,7 @@ class MlaAttention:
         self.rope = rope
         self.absorb = absorb
         self.eps = float(latent_eps)
-        self.scale = float((self.nope + self.r) ** -0.5 * rope.score_factor)
-        self.call = AttentionCall(self.scale)
+        self.call = AttentionCall(float((self.nope + self.r) ** -0.5 * rope.score_factor))
         # Interleaved pairs -> [evens | odds]: the layout the half-split rotation takes.
         self.perm = np.concatenate([np.arange(0, self.r, 2), np.arange(1, self.r, 2)]) if m.rope_interleave else None
         self._in = (w.q_a, w.kv_a) if w.q_a is not None else (w.q_b, w.kv_a)

@@ -135,8 +135,9 @@ class QuantPolicy:
        the attention V and FFN down matrices its ``where`` rule picks its ``more``
        dtype, everything else its ``base``;
     4. a quantized dtype that does not fit the shape falls back along the dtypes'
-       ``fallback`` (q6k -> q8, q5k -> q5_1, q4k -> q5 where a row is not a multiple
-       of 256; the 32-blocks -> f16 where it is not a multiple of 32).
+       ``fallback`` (q6k -> q8, q5k -> q5_1, q4k -> q5, iq4_xs -> iq4_nl, q3k -> q4_0
+       where a row is not a multiple of 256; the 32-blocks -> f16 where it is not a
+       multiple of 32).
     """
 
     quant: str

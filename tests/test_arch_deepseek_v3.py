@@ -158,7 +158,7 @@ def test_yarn_tables_and_score_scale_match_transformers(ds):
     hf = model.model.rotary_emb
     np.testing.assert_allclose(rope.inv_freq, hf.inv_freq.numpy(), rtol=1e-6)
     assert rope.attention_factor == pytest.approx(hf.attention_scaling, rel=1e-12) and rope.attention_factor != 1.0
-    assert attn.scale == pytest.approx(model.model.layers[0].self_attn.scaling, rel=1e-12)
+    assert attn.call.scale == pytest.approx(model.model.layers[0].self_attn.scaling, rel=1e-12)
     assert rope.score_factor != 1.0
     assert isinstance(cache, MlaCache)
 

@@ -122,7 +122,7 @@ def test_every_family_loads_with_its_geometry(tiny):
         eng = Engine.load(models[family][1], threads=1)
         stack = load_draft_stack(eng.cmf, eng.arch, eng.kernels)
         assert stack.num_layers == n and stack.style == family
-        has_sinks = [getattr(l.block.attn, "sinks", None) is not None for l in stack.layers]
+        has_sinks = [l.block.attn.call.sinks is not None for l in stack.layers]
         assert has_sinks == [family == "mimo"] * n
         assert (stack.layers[0].block.attn.w.q_norm is not None) == (family == "qwen3_next")
 
