@@ -751,31 +751,31 @@ def _k4_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc.astype(np.float32), mn.astype(np.float32)
 
 
-def dequantize_q4k(d, dmin, scales, qs) -> np.ndarray:
-    """value = (d * sc) * q - dmin * m; sub-block 2k in the low nibbles of bytes 32k..32k+31, 2k+1 in the high."""
-    rows = qs.shape[0]
+def _k4_nibbles(qs: np.ndarray, n: int) -> np.ndarray:
+    """The low nibbles, u8 [n, 8, 32]: sub-block 2k in the low nibbles of bytes 32k..32k+31, 2k+1 in the high."""
+    q = qs.reshape(n, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+    return (q & np.uint8(0x0F)).reshape(n, 8, 32)
+
+
+def _k4_values(d, dmin, scales, q: np.ndarray, rows: int) -> np.ndarray:
+    """value = (d * sc) * q - dmin * m for the quants ``q`` [n, 8, 32] of Q4_K / Q5_K."""
     n = d.size
     sc, mn = _k4_scale_min(scales)
     dl = (d.reshape(n, 1).astype(np.float32) * sc).reshape(n, 8, 1)
     ml = (dmin.reshape(n, 1).astype(np.float32) * mn).reshape(n, 8, 1)
-    q = qs.reshape(n, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
-    q = (q & np.uint8(0x0F)).reshape(n, 8, 32).astype(np.float32)
-    return (dl * q - ml).reshape(rows, -1)
+    return (dl * q.astype(np.float32) - ml).reshape(rows, -1)
+
+
+def dequantize_q4k(d, dmin, scales, qs) -> np.ndarray:
+    return _k4_values(d, dmin, scales, _k4_nibbles(qs, d.size), qs.shape[0])
 
 
 def dequantize_q5k(d, dmin, scales, qh, qs) -> np.ndarray:
     """Q4_K's scales and low nibbles, plus a fifth bit per value: bit 2k (sub-block 2k) and
     2k+1 (sub-block 2k+1) of qh[l] belong to element l of those sub-blocks."""
-    rows = qs.shape[0]
-    n = d.size
-    sc, mn = _k4_scale_min(scales)
-    dl = (d.reshape(n, 1).astype(np.float32) * sc).reshape(n, 8, 1)
-    ml = (dmin.reshape(n, 1).astype(np.float32) * mn).reshape(n, 8, 1)
-    lo = qs.reshape(n, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
-    lo = (lo & np.uint8(0x0F)).reshape(n, 8, 32)
-    hi = qh.reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
-    q = (lo | ((hi & np.uint8(1)) << np.uint8(4))).astype(np.float32)
-    return (dl * q - ml).reshape(rows, -1)
+    hi = qh.reshape(d.size, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
+    q = _k4_nibbles(qs, d.size) | ((hi & np.uint8(1)) << np.uint8(4))
+    return _k4_values(d, dmin, scales, q, qs.shape[0])
 
 
 def dequantize_q6k(ql, qh, scales, d) -> np.ndarray:
