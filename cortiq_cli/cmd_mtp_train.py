@@ -12,15 +12,20 @@ from cortiq_cli import text_options as opt
 from cortiq_cli.options import option_groups
 from cortiq_cli.common import console, handle_errors, print_json, print_table
 from cortiq_cli.eval_run import progress_bar
-from cortiq_cli.mtp_options import hidden_option
+from cortiq_cli.mtp_options import Backbone, hidden_option
 
 TRAIN_PANEL = "Training"
+
+
+def train_option(*flags: str, **kwargs: Any) -> Any:
+    """A ``typer.Option`` of the Training panel."""
+    return typer.Option(*flags, rich_help_panel=TRAIN_PANEL, **kwargs)
 
 
 @handle_errors
 @option_groups
 def mtp_train(
-    model: Annotated[Path, typer.Argument(help="The backbone CMF file (frozen).", show_default=False)],
+    model: Backbone,
     text_opts: opt.TextArgs = opt.TextArgs(),
     max_tokens: Annotated[
         Optional[int], opt.text_tokens("Use at most this many tokens of the text (training + held out).")
@@ -35,171 +40,133 @@ def mtp_train(
     ] = 0.1,
     layers: Annotated[
         int,
-        typer.Option(
-            "--layers",
-            "-k",
-            help="Draft layers K: depth k predicts k+1 tokens past the next.",
-            rich_help_panel=TRAIN_PANEL,
-        ),
+        train_option("--layers", "-k", help="Draft layers K: depth k predicts k+1 tokens past the next."),
     ] = 1,
     steps: Annotated[
         int,
-        typer.Option("--steps", help="Optimizer steps (total, a resumed run included).", rich_help_panel=TRAIN_PANEL),
+        train_option("--steps", help="Optimizer steps (total, a resumed run included)."),
     ] = 200,
     seq: Annotated[
         int,
-        typer.Option(
-            "--seq", help="Tokens per window (backbone context and draft sequence).", rich_help_panel=TRAIN_PANEL
-        ),
+        train_option("--seq", help="Tokens per window (backbone context and draft sequence)."),
     ] = 256,
-    batch: Annotated[int, typer.Option("--batch", help="Windows per step.", rich_help_panel=TRAIN_PANEL)] = 2,
+    batch: Annotated[int, train_option("--batch", help="Windows per step.")] = 2,
     lr: Annotated[
         float,
-        typer.Option(
-            "--lr", help="Peak learning rate (AdamW, warm-up then cosine to lr/10).", rich_help_panel=TRAIN_PANEL
-        ),
+        train_option("--lr", help="Peak learning rate (AdamW, warm-up then cosine to lr/10)."),
     ] = 5e-4,
-    warmup: Annotated[int, typer.Option("--warmup", help="Warm-up steps.", rich_help_panel=TRAIN_PANEL)] = 10,
+    warmup: Annotated[int, train_option("--warmup", help="Warm-up steps.")] = 10,
     intermediate: Annotated[
         Optional[int],
-        typer.Option("--intermediate", help="Draft MLP width (default: the backbone's).", rich_help_panel=TRAIN_PANEL),
+        train_option("--intermediate", help="Draft MLP width (default: the backbone's)."),
     ] = None,
     init_layer: Annotated[
         int,
-        typer.Option(
-            "--init-layer",
-            help="Backbone layer the draft blocks start from (negative counts from the end).",
-            rich_help_panel=TRAIN_PANEL,
-        ),
+        train_option("--init-layer", help="Backbone layer the draft blocks start from (negative counts from the end)."),
     ] = -1,
     mtp_hidden: Annotated[
         str, hidden_option("pre|post", "Backbone hidden the drafts read: pre or post its final norm.", TRAIN_PANEL)
     ] = "pre",
-    topk: Annotated[
-        int, typer.Option("--topk", help="Teacher probabilities kept per position.", rich_help_panel=TRAIN_PANEL)
-    ] = 32,
+    topk: Annotated[int, train_option("--topk", help="Teacher probabilities kept per position.")] = 32,
     vocab: Annotated[
         str,
-        typer.Option(
+        train_option(
             "--vocab",
             metavar="active|full",
             help="Draft softmax during training: active (tokens the teacher uses, + random negatives) or full.",
-            rich_help_panel=TRAIN_PANEL,
         ),
     ] = "active",
     backbone: Annotated[
         str,
-        typer.Option(
+        train_option(
             "--backbone",
             metavar="engine|torch",
             help="Who runs the frozen backbone to collect its hidden rows: engine (the decode path's exact numbers) or torch (faster on CPU, llama-style blocks only; checked against the engine first).",
-            rich_help_panel=TRAIN_PANEL,
         ),
     ] = "engine",
     ttt: Annotated[
         Optional[bool],
-        typer.Option(
+        train_option(
             "--ttt/--teacher-forcing",
             help="Training-time test: depth k reads the drafts of depths < k where inference does, or the true tokens (default: TTT for --chain recursive, teacher forcing for independent).",
             show_default=False,
-            rich_help_panel=TRAIN_PANEL,
         ),
     ] = None,
     chain: Annotated[
         str,
-        typer.Option(
+        train_option(
             "--chain",
             metavar="independent|recursive",
             help="How the drafts chain: independent (K layers) or recursive (one layer re-fed, --layers 1).",
-            rich_help_panel=TRAIN_PANEL,
         ),
     ] = "independent",
-    depth: Annotated[
-        int, typer.Option("--depth", help="Depths trained with --chain recursive (0: 3).", rich_help_panel=TRAIN_PANEL)
-    ] = 0,
+    depth: Annotated[int, train_option("--depth", help="Depths trained with --chain recursive (0: 3).")] = 0,
     features: Annotated[
         Optional[Path],
-        typer.Option(
+        train_option(
             "--features",
             help="Keep the collected backbone rows in this folder (memory-mapped, resumed after a kill, reused by runs on the same text; default: the run's work folder in the cache, removed when the run succeeds).",
-            rich_help_panel=TRAIN_PANEL,
         ),
     ] = None,
     feature_dtype: Annotated[
         str,
-        typer.Option(
-            "--feature-dtype",
-            metavar="f16|f32",
-            help="Stored hidden rows: f16 (half the disk) or f32.",
-            rich_help_panel=TRAIN_PANEL,
-        ),
+        train_option("--feature-dtype", metavar="f16|f32", help="Stored hidden rows: f16 (half the disk) or f32."),
     ] = "f16",
     self_distill: Annotated[
         int,
-        typer.Option(
+        train_option(
             "--self-distill",
             help="Train on the backbone's own text: each window keeps this many real tokens and the backbone continues it (0: real text only).",
-            rich_help_panel=TRAIN_PANEL,
         ),
     ] = 0,
     self_temperature: Annotated[
         float,
-        typer.Option(
-            "--self-temperature",
-            help="With --self-distill: sample the continuations at this temperature (0: greedy).",
-            rich_help_panel=TRAIN_PANEL,
+        train_option(
+            "--self-temperature", help="With --self-distill: sample the continuations at this temperature (0: greedy)."
         ),
     ] = 0.0,
     chat: Annotated[
         bool,
-        typer.Option(
+        train_option(
             "--chat",
             help="Train on chat turns: each window asks about a passage of the text through the model's chat template and the backbone answers (greedy, or at --self-temperature); with --self-distill N, chat turns alternate with plain windows.",
-            rich_help_panel=TRAIN_PANEL,
         ),
     ] = False,
-    seed: Annotated[
-        int, typer.Option("--seed", help="Seed of the window choice and negatives.", rich_help_panel=TRAIN_PANEL)
-    ] = 0,
+    seed: Annotated[int, train_option("--seed", help="Seed of the window choice and negatives.")] = 0,
     checkpoint_every: Annotated[
         int,
-        typer.Option(
+        train_option(
             "--checkpoint-every",
             help="Save a checkpoint (safetensors, no pickle; in the run's work folder under $XDG_CACHE_HOME/cortiq/mtp-train) every N steps; 0 = never.",
-            rich_help_panel=TRAIN_PANEL,
         ),
     ] = 50,
     resume: Annotated[
         bool,
-        typer.Option(
+        train_option(
             "--resume",
             help="Continue from the checkpoint of a stopped (or --keep-checkpoint) run for the same output, checked against this run first.",
-            rich_help_panel=TRAIN_PANEL,
         ),
     ] = False,
     keep_checkpoint: Annotated[
         bool,
-        typer.Option(
+        train_option(
             "--keep-checkpoint",
             help="Keep the checkpoint and collected rows after a successful run (for a later --resume with more --steps); by default only the sidecar remains.",
-            rich_help_panel=TRAIN_PANEL,
         ),
     ] = False,
     draft_vocab: Annotated[
         Optional[int],
-        typer.Option(
+        train_option(
             "--draft-vocab",
             min=1,
             help="Also store a draft vocabulary of N ids chosen from the training text (the drafts then score only those; `cortiq mtp-vocab` changes it later).",
-            rich_help_panel=TRAIN_PANEL,
         ),
     ] = None,
     defaults: Annotated[
         bool,
-        typer.Option(
+        train_option(
             "--defaults/--no-defaults",
             help="After training, time this machine's drafts and verifies on the live rounds of the held-out windows (the backbone's own text: --self-distill or --chat) and store the fastest depth and --mtp-threshold in the sidecar as generate's defaults.",
-            rich_help_panel=TRAIN_PANEL,
         ),
     ] = True,
     out: Annotated[

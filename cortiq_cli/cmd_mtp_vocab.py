@@ -10,13 +10,14 @@ import typer
 from cortiq_cli import text_options as opt
 from cortiq_cli.options import option_groups
 from cortiq_cli.common import console, handle_errors, print_json
+from cortiq_cli.mtp_options import Backbone
 from formats.errors import CortiqError
 
 
 @handle_errors
 @option_groups
 def mtp_vocab(
-    model: Annotated[Path, typer.Argument(help="The backbone CMF file.", show_default=False)],
+    model: Backbone,
     text_opts: opt.BoundedTextArgs = opt.BoundedTextArgs(),
     size: Annotated[
         Optional[int],

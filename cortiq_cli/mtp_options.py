@@ -21,6 +21,9 @@ from formats.sidecar import MAX_LOOKUP_DRAFTS
 
 MTP_PANEL = "Speculative decoding (MTP layers, n-gram lookup)"
 
+# The model argument of the commands that build a sidecar for a backbone (mtp-train, mtp-vocab).
+Backbone = Annotated[Path, typer.Argument(help="The backbone CMF file (read, never changed).", show_default=False)]
+
 MtpPath = Annotated[
     Optional[Path],
     typer.Option(

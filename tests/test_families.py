@@ -5,12 +5,14 @@ found by the file that exports it."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
 from cortiq_engine.convert import convert_checkpoint
 from cortiq_engine.models import FAMILIES, Registry, parse_config, read_arch
+from cortiq_engine.models import base, blocks, gemma3, moe_family
 from formats.cmf import CmfFile
 from formats.errors import CortiqError
 from formats.manifest import mtp_layer_indices
@@ -86,7 +88,7 @@ def test_every_family_is_covered_by_a_round_trip_case():
     assert cfg_types == set(FAMILIES.supported_model_types())
     assert {f.name for f in FAMILIES.families} == {
         "llama",
-        "moe",
+        "moe_family",
         "qwen3_next",
         "mimo_v2",
         "gemma3",
@@ -128,3 +130,19 @@ def test_a_model_type_has_one_family():
     for f in FAMILIES.families:
         assert all(FAMILIES.for_model_type(mt) is f for mt in f.model_types)
         assert all(FAMILIES.for_arch(a) is f for a in f.archs)
+
+
+def test_a_family_is_its_module():
+    """Every ``Family`` field but the name has a module name, and a module's names fill it
+    (the pre-norm pieces where it defines none)."""
+    fields = {f.name for f in dataclasses.fields(base.Family)} - {"name"}
+    assert set(base.FAMILY_NAMES) == fields
+    g = FAMILIES.for_model_type("gemma3_text")
+    assert g.name == "gemma3" and g.manifest is gemma3.manifest and g.build is gemma3.build
+    assert g.gguf == (gemma3.GGUF,) and g.computes == gemma3.COMPUTES and g.activations == blocks.GEGLU_ACTIVATIONS
+    assert g.draft_layer is blocks.dense_draft_layer and g.archs == ("gemma3",)
+    m = FAMILIES.for_model_type("mixtral")
+    assert m.name == "moe_family" and m.build is blocks.prenorm_model and m.sanitize is moe_family.SANITIZE
+    assert m.draft_layer is blocks.routed_draft_layer and m.gguf == ()
+    # The helper modules define no PARSERS, so they are no family.
+    assert not hasattr(base, "PARSERS") and not hasattr(blocks, "PARSERS")

@@ -1,8 +1,8 @@
-"""One file per architecture family, found by the ``FAMILY`` it exports.
+"""One file per architecture family: the module is the family, as in mlx_lm.
 
-Every module in this package that defines ``FAMILY`` (a ``base.Family``) is an
-architecture: adding one is adding a file (see docs/architectures.md, "How to add
-an architecture"). ``FAMILIES`` finds a family by a config.json's ``model_type`` or
+Every module in this package that defines ``PARSERS`` is an architecture, read into a
+``base.Family`` by the names of ``base.FAMILY_NAMES``: adding one is adding a file (see
+docs/architectures.md, "How to add an architecture"). ``FAMILIES`` finds a family by a config.json's ``model_type`` or
 by a CMF header's ``arch``; ``formats`` (the converter, the header check) takes it
 as an argument, since formats does not import the engine.
 """
@@ -94,9 +94,9 @@ def _show(v: Any) -> str:
 def _discover(modules: Iterable[str]) -> tuple[Family, ...]:
     found = []
     for name in sorted(modules):
-        family = getattr(importlib.import_module(f"{__name__}.{name}"), "FAMILY", None)
-        if isinstance(family, Family):
-            found.append(family)
+        module = importlib.import_module(f"{__name__}.{name}")
+        if hasattr(module, "PARSERS"):
+            found.append(Family.of_module(module))
     return tuple(found)
 
 

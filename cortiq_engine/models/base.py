@@ -1,6 +1,7 @@
 """What every family file builds on (the part of mlx_lm's ``models/base.py`` we share).
 
-- ``Family``: the one object a family file exports as ``FAMILY``. The registry
+- ``Family``: a family file read as one record (``Family.of_module``: the module is the
+  family, as in mlx_lm, and ``FAMILY_NAMES`` lists the names it may define). The registry
   (``cortiq_engine.models``) collects them; the converter and the loader ask it for
   the parser, the tensor manifest, the name rules, the trunk and the draft layers
   (by default the pre-norm ones of ``blocks``), and what a header may ask for.
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 import re
+from types import ModuleType
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
@@ -87,6 +89,15 @@ class Family:
         if unknown := set(self.computes) - SETTINGS.keys():
             raise ValueError(f"family {self.name} computes unknown settings {sorted(unknown)}")
 
+    @classmethod
+    def of_module(cls, module: ModuleType) -> "Family":
+        """The family a module declares by the names of ``FAMILY_NAMES`` (its ``PARSERS``
+        makes it one); the family's name is the module's."""
+        values = {key: getattr(module, attr) for key, attr in FAMILY_NAMES.items() if hasattr(module, attr)}
+        if isinstance(values.get("gguf"), GgufSpec):
+            values["gguf"] = (values["gguf"],)
+        return cls(name=module.__name__.rpartition(".")[2], **values)
+
     def model(self, cmf: CmfFile, arch: ArchConfig, kernels) -> Any:
         """The trunk ``Model`` of ``cmf``, once its header (untrusted) asks only for the
         layer kinds and settings the family computes."""
@@ -116,6 +127,23 @@ class Family:
                 f"family {self.name} does not parse model_type {mt!r} (it parses {', '.join(self.parsers)})"
             )
         return self.parsers[mt](dict(config))
+
+
+# A family file's names -> the ``Family`` fields they fill (lower case: functions).
+FAMILY_NAMES = {
+    "parsers": "PARSERS",
+    "archs": "ARCHS",
+    "manifest": "manifest",
+    "build": "build",
+    "draft_layer": "draft_layer",
+    "kinds": "KINDS",
+    "computes": "COMPUTES",
+    "sanitize": "SANITIZE",
+    "sanitize_for": "sanitize_for",
+    "activations": "ACTIVATIONS",
+    "mtp_style": "MTP_STYLE",
+    "gguf": "GGUF",
+}
 
 
 # ------------------------------------------------------------------ checkpoint names

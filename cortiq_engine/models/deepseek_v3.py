@@ -36,7 +36,7 @@ from cortiq_engine.layers import RoPE
 from cortiq_engine.mla import MlaAttention, MlaWeights, mla_manifest
 from cortiq_engine.model import Model
 from cortiq_engine.models import base, blocks
-from cortiq_engine.models.base import DraftLayer, Family, dense_common, draft_prefix, req
+from cortiq_engine.models.base import DraftLayer, dense_common, draft_prefix, req
 from cortiq_engine.weights import load_vector, load_weight
 
 # transformers' DeepseekV3Config defaults, for a config.json that leaves a key out.
@@ -307,15 +307,7 @@ GGUF = GgufSpec(
 )
 
 
-FAMILY = Family(
-    name="deepseek_v3",
-    parsers={"deepseek_v3": _deepseek_v3, "kimi_k2": _deepseek_v3},
-    manifest=manifest,
-    build=build,
-    draft_layer=draft_layer,
-    kinds=(LAYER_FULL,),
-    computes=COMPUTES,
-    sanitize=base.SHARED_EXPERTS_RULES,
-    mtp_style="deepseek",
-    gguf=(GGUF,),
-)
+PARSERS = {"deepseek_v3": _deepseek_v3, "kimi_k2": _deepseek_v3}
+KINDS = (LAYER_FULL,)
+SANITIZE = base.SHARED_EXPERTS_RULES
+MTP_STYLE = "deepseek"

@@ -20,7 +20,7 @@ from formats.gguf_spec import GgufContext
 from formats.manifest import Manifest
 from cortiq_engine.model import Model
 from cortiq_engine.models import base, blocks
-from cortiq_engine.models.base import Family, Geometry, dense_common
+from cortiq_engine.models.base import Geometry, dense_common
 from cortiq_engine.models.blocks import GELU_TANH
 
 
@@ -119,12 +119,5 @@ def _gguf_config(ctx: GgufContext, config: dict[str, Any]) -> None:
 GGUF = base.gemma_gguf("gemma2", "gemma2", "Gemma2ForCausalLM", _gguf_config)
 
 
-FAMILY = Family(
-    name="gemma2",
-    parsers={"gemma2": _gemma2},
-    manifest=manifest,
-    build=build,
-    computes=COMPUTES,
-    activations=blocks.GEGLU_ACTIVATIONS,
-    gguf=(GGUF,),
-)
+PARSERS = {"gemma2": _gemma2}
+ACTIVATIONS = blocks.GEGLU_ACTIVATIONS

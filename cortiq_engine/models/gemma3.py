@@ -21,7 +21,7 @@ from formats.manifest import Manifest
 from cortiq_engine.layers import RoPE
 from cortiq_engine.model import Model
 from cortiq_engine.models import base, blocks
-from cortiq_engine.models.base import Family, Geometry, dense_common
+from cortiq_engine.models.base import Geometry, dense_common
 from cortiq_engine.models.blocks import GELU_TANH
 
 
@@ -188,12 +188,5 @@ def _gguf_config(ctx: GgufContext, config: dict[str, Any]) -> None:
 GGUF = base.gemma_gguf("gemma3", "gemma3_text", "Gemma3ForCausalLM", _gguf_config, CHAT_TEMPLATE)
 
 
-FAMILY = Family(
-    name="gemma3",
-    parsers={"gemma3_text": _gemma3},
-    manifest=manifest,
-    build=build,
-    computes=COMPUTES,
-    activations=blocks.GEGLU_ACTIVATIONS,
-    gguf=(GGUF,),
-)
+PARSERS = {"gemma3_text": _gemma3}
+ACTIVATIONS = blocks.GEGLU_ACTIVATIONS

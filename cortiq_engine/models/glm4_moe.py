@@ -34,7 +34,7 @@ from formats.gguf_spec import MOE_BLOCK_NAMES, NEXTN_BLOCK_NAMES, ROUTING_BIAS, 
 from formats.manifest import Manifest
 from cortiq_engine.model import Model
 from cortiq_engine.models import base, blocks
-from cortiq_engine.models.base import DraftLayer, Family, Geometry, dense_common, draft_prefix, req
+from cortiq_engine.models.base import DraftLayer, Geometry, dense_common, draft_prefix, req
 
 ARCH = "glm4_moe"
 
@@ -223,14 +223,6 @@ GGUF = GgufSpec(
 )
 
 
-FAMILY = Family(
-    name="glm4_moe",
-    parsers={"glm4_moe": _glm4_moe},
-    manifest=manifest,
-    build=build,
-    draft_layer=draft_layer,
-    kinds=(LAYER_FULL,),
-    computes=COMPUTES,
-    sanitize=base.SHARED_EXPERTS_RULES,
-    gguf=(GGUF,),
-)
+PARSERS = {"glm4_moe": _glm4_moe}
+KINDS = (LAYER_FULL,)
+SANITIZE = base.SHARED_EXPERTS_RULES

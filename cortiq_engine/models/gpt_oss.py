@@ -26,7 +26,7 @@ from formats.manifest import Manifest
 from formats.sanitize import SanitizeRules
 from cortiq_engine.model import Model
 from cortiq_engine.models import base, blocks
-from cortiq_engine.models.base import Family, Geometry, dense_common, req
+from cortiq_engine.models.base import Geometry, dense_common, req
 
 
 # ------------------------------------------------------------------ config.json
@@ -149,16 +149,10 @@ GGUF = GgufSpec(
 )
 
 
-FAMILY = Family(
-    name="gpt_oss",
-    parsers={"gpt_oss": _gpt_oss},
-    manifest=manifest,
-    build=build,
-    draft_layer=blocks.routed_draft_layer,
-    computes=("routed experts", "attention sinks"),
-    sanitize=SanitizeRules(
-        renames=((r"\.mlp\.router\.", ".mlp.gate."),),
-        interleaved_experts=True,
-    ),
-    gguf=(GGUF,),
+PARSERS = {"gpt_oss": _gpt_oss}
+draft_layer = blocks.routed_draft_layer
+COMPUTES = ("routed experts", "attention sinks")
+SANITIZE = SanitizeRules(
+    renames=((r"\.mlp\.router\.", ".mlp.gate."),),
+    interleaved_experts=True,
 )

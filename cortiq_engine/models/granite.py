@@ -20,7 +20,7 @@ from formats.errors import CortiqError
 from formats.gguf_spec import GgufContext, GgufSpec
 from cortiq_engine.model import Model
 from cortiq_engine.models import base, blocks
-from cortiq_engine.models.base import Family, dense_common
+from cortiq_engine.models.base import dense_common
 
 
 # ------------------------------------------------------------------ config.json
@@ -91,11 +91,6 @@ def _gguf_config(ctx: GgufContext, config: dict[str, Any]) -> None:
 GGUF = (GgufSpec("granite", "granite", "GraniteForCausalLM", permute_qk=True, config=_gguf_config),)
 
 
-FAMILY = Family(
-    name="granite",
-    parsers={"granite": _granite},
-    build=build,
-    kinds=(LAYER_FULL,),
-    computes=("Granite's multipliers",),
-    gguf=GGUF,
-)
+PARSERS = {"granite": _granite}
+KINDS = (LAYER_FULL,)
+COMPUTES = ("Granite's multipliers",)

@@ -15,7 +15,7 @@ from typing import Any
 from formats.arch import ArchConfig
 from formats.gguf_spec import GgufContext, GgufSpec
 from cortiq_engine.models import base, blocks
-from cortiq_engine.models.base import Family, dense_common, sliding_layers
+from cortiq_engine.models.base import dense_common, sliding_layers
 
 
 # ------------------------------------------------------------------ config.json
@@ -70,10 +70,6 @@ GGUF = (
 )
 
 
-FAMILY = Family(
-    name="llama",
-    parsers={"llama": _llama, "mistral": _mistral, "qwen2": _qwen2, "qwen3": qwen3},
-    archs=("llama", "mistral", "qwen2", "qwen3"),
-    computes=blocks.PRENORM,
-    gguf=GGUF,
-)
+PARSERS = {"llama": _llama, "mistral": _mistral, "qwen2": _qwen2, "qwen3": qwen3}
+ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+COMPUTES = blocks.PRENORM

@@ -24,7 +24,7 @@ from formats.sanitize import SanitizeRules
 from cortiq_engine.layers import RoPE
 from cortiq_engine.model import Model
 from cortiq_engine.models import base, blocks
-from cortiq_engine.models.base import DraftLayer, Family, Geometry, dense_common, draft_prefix, req
+from cortiq_engine.models.base import DraftLayer, Geometry, dense_common, draft_prefix, req
 
 
 # ------------------------------------------------------------------ config.json
@@ -148,15 +148,9 @@ def draft_layer(cmf: CmfFile, k: int, arch: ArchConfig, kernels) -> DraftLayer:
     return blocks.prenorm_draft(cmf, k, arch, kernels, attn, blocks.gated_mlp(cmf, kernels, p + "mlp."))
 
 
-FAMILY = Family(
-    name="mimo_v2",
-    parsers={"mimo_v2_flash": _mimo_v2},
-    manifest=manifest,
-    build=build,
-    draft_layer=draft_layer,
-    computes=("routed experts", "split-geometry sliding layers", "attention sinks", "q/k norms"),
-    sanitize=SanitizeRules(
-        renames=((r"\.self_attn\.attention_sink_bias$", ".self_attn.sinks"),), split_fused_experts=True
-    ),
-    mtp_style="mimo",
+PARSERS = {"mimo_v2_flash": _mimo_v2}
+COMPUTES = ("routed experts", "split-geometry sliding layers", "attention sinks", "q/k norms")
+SANITIZE = SanitizeRules(
+    renames=((r"\.self_attn\.attention_sink_bias$", ".self_attn.sinks"),), split_fused_experts=True
 )
+MTP_STYLE = "mimo"

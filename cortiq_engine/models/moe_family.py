@@ -17,7 +17,7 @@ from formats.arch import ArchConfig, MoeConfig
 from formats.manifest import Manifest
 from formats.sanitize import SanitizeRules
 from cortiq_engine.models import base, blocks
-from cortiq_engine.models.base import Family, dense_common, req, sliding_layers
+from cortiq_engine.models.base import dense_common, req, sliding_layers
 
 
 # ------------------------------------------------------------------ config.json
@@ -57,20 +57,16 @@ def manifest(arch: ArchConfig, mtp_layers: Sequence[int] = ()) -> Manifest:
     return blocks.prenorm_manifest(arch).update(blocks.draft_manifests(arch, mtp_layers, routed=True))
 
 
-FAMILY = Family(
-    name="moe",
-    parsers={"qwen2_moe": _qwen2_moe, "qwen3_moe": _qwen3_moe, "mixtral": _mixtral},
-    archs=("qwen2_moe", "qwen3_moe", "mixtral"),
-    manifest=manifest,
-    draft_layer=blocks.routed_draft_layer,
-    computes=(*blocks.PRENORM, "routed experts"),
-    sanitize=SanitizeRules(
-        renames=(
-            (r"\.block_sparse_moe\.gate\.", ".mlp.gate."),
-            (r"\.block_sparse_moe\.experts\.(\d+)\.w1\.", r".mlp.experts.\1.gate_proj."),
-            (r"\.block_sparse_moe\.experts\.(\d+)\.w3\.", r".mlp.experts.\1.up_proj."),
-            (r"\.block_sparse_moe\.experts\.(\d+)\.w2\.", r".mlp.experts.\1.down_proj."),
-        ),
-        split_fused_experts=True,
+PARSERS = {"qwen2_moe": _qwen2_moe, "qwen3_moe": _qwen3_moe, "mixtral": _mixtral}
+ARCHS = ("qwen2_moe", "qwen3_moe", "mixtral")
+draft_layer = blocks.routed_draft_layer
+COMPUTES = (*blocks.PRENORM, "routed experts")
+SANITIZE = SanitizeRules(
+    renames=(
+        (r"\.block_sparse_moe\.gate\.", ".mlp.gate."),
+        (r"\.block_sparse_moe\.experts\.(\d+)\.w1\.", r".mlp.experts.\1.gate_proj."),
+        (r"\.block_sparse_moe\.experts\.(\d+)\.w3\.", r".mlp.experts.\1.up_proj."),
+        (r"\.block_sparse_moe\.experts\.(\d+)\.w2\.", r".mlp.experts.\1.down_proj."),
     ),
+    split_fused_experts=True,
 )

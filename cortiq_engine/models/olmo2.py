@@ -19,7 +19,7 @@ from formats.manifest import Manifest
 from cortiq_engine.layers import Attention
 from cortiq_engine.model import Model
 from cortiq_engine.models import base, blocks
-from cortiq_engine.models.base import Family, Geometry, dense_common
+from cortiq_engine.models.base import Geometry, dense_common
 from cortiq_engine.weights import load_vector
 
 # No pre-norms: each sublayer reads the residual stream itself.
@@ -103,12 +103,6 @@ GGUF = GgufSpec(
 )
 
 
-FAMILY = Family(
-    name="olmo2",
-    parsers={"olmo2": _olmo2},
-    manifest=manifest,
-    build=build,
-    # Its full-width q/k norms are implied by the arch: qk_norm, the per-head kind, is refused.
-    kinds=(LAYER_FULL,),
-    gguf=(GGUF,),
-)
+PARSERS = {"olmo2": _olmo2}
+# Its full-width q/k norms are implied by the arch: qk_norm, the per-head kind, is refused.
+KINDS = (LAYER_FULL,)

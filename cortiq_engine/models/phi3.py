@@ -24,7 +24,7 @@ from formats.gguf_spec import GgufContext, GgufSpec
 from formats.sanitize import SanitizeRules
 from cortiq_engine.model import Model
 from cortiq_engine.models import base, blocks
-from cortiq_engine.models.base import Family, dense_common, req
+from cortiq_engine.models.base import dense_common, req
 
 # transformers' Phi3Config maps the rope types of early Phi-3 releases to longrope.
 _LONGROPE_ALIASES = ("longrope", "su", "yarn")
@@ -177,10 +177,4 @@ GGUF = GgufSpec(
 )
 
 
-FAMILY = Family(
-    name="phi3",
-    parsers={"phi3": _phi3},
-    build=build,
-    sanitize_for=sanitize_for,
-    gguf=(GGUF,),
-)
+PARSERS = {"phi3": _phi3}

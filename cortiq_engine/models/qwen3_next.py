@@ -27,7 +27,7 @@ from cortiq_engine.gated_deltanet import GatedDeltaNet, LinearAttnWeights
 from cortiq_engine.layers import RoPE
 from cortiq_engine.model import Model
 from cortiq_engine.models import base, blocks
-from cortiq_engine.models.base import DraftLayer, Family, Geometry, dense_common, draft_prefix, req
+from cortiq_engine.models.base import DraftLayer, Geometry, dense_common, draft_prefix, req
 from cortiq_engine.weights import load_vector, load_weight
 
 
@@ -175,15 +175,9 @@ def draft_layer(cmf: CmfFile, k: int, arch: ArchConfig, kernels) -> DraftLayer:
     return blocks.prenorm_draft(cmf, k, arch, kernels, attn, blocks.routed_or_dense(cmf, arch, kernels, p))
 
 
-FAMILY = Family(
-    name="qwen3_next",
-    parsers={"qwen3_next": _qwen3_next, "qwen3_5_text": _qwen3_5, "qwen3_5_moe_text": _qwen3_5_moe},
-    archs=("qwen3_next", "qwen3_5", "qwen3_5_moe"),
-    manifest=manifest,
-    build=build,
-    draft_layer=draft_layer,
-    kinds=(LAYER_FULL, LAYER_LINEAR),
-    computes=("linear attention", "routed experts", "q/k norms", "an attention output gate", "(1 + w) norms"),
-    sanitize=SanitizeRules(split_fused_experts=True, squeeze_conv=True),
-    mtp_style="qwen3_next",
-)
+PARSERS = {"qwen3_next": _qwen3_next, "qwen3_5_text": _qwen3_5, "qwen3_5_moe_text": _qwen3_5_moe}
+ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+KINDS = (LAYER_FULL, LAYER_LINEAR)
+COMPUTES = ("linear attention", "routed experts", "q/k norms", "an attention output gate", "(1 + w) norms")
+SANITIZE = SanitizeRules(split_fused_experts=True, squeeze_conv=True)
+MTP_STYLE = "qwen3_next"

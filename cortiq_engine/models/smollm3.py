@@ -18,7 +18,7 @@ from formats.arch import LAYER_SLIDING, ArchConfig
 from formats.errors import CortiqError
 from formats.gguf_spec import GgufContext, GgufSpec
 from cortiq_engine.models import base
-from cortiq_engine.models.base import Family, dense_common
+from cortiq_engine.models.base import dense_common
 
 DEFAULT_THETA = 2_000_000.0  # SmolLM3Config.default_theta, when config.json names no base
 
@@ -79,9 +79,5 @@ def _gguf_config(ctx: GgufContext, config: dict[str, Any]) -> None:
 GGUF = (GgufSpec("smollm3", "smollm3", "SmolLM3ForCausalLM", permute_qk=True, config=_gguf_config),)
 
 
-FAMILY = Family(
-    name="smollm3",
-    parsers={"smollm3": _smollm3},
-    computes=("NoPE layers",),
-    gguf=GGUF,
-)
+PARSERS = {"smollm3": _smollm3}
+COMPUTES = ("NoPE layers",)
