@@ -58,6 +58,12 @@ class KVCache:
         self.check_room(n, k, v)
         self.keys[:, start : start + n] = k.transpose(1, 0, 2)
         self.values[:, start : start + n] = v.transpose(1, 0, 2)
+        return self.claim(n)
+
+    def claim(self, n: int) -> int:
+        """Count n rows as written at the end (by ``append``, or by a fused step that
+        wrote them itself after ``check_room``); returns their first row."""
+        start = self.length
         self.length += n
         self.writes += n
         return start

@@ -10,6 +10,7 @@ prefill is a chunk; the kernels pick their strategy from n.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -17,7 +18,8 @@ import numpy as np
 
 from formats.arch import ArchConfig
 from formats.errors import CortiqError
-from cortiq_engine.layers import RMSNorm, Step
+from cortiq_engine.kernels import fused as fused_kernels
+from cortiq_engine.layers import Attention, Block, GatedMLP, RMSNorm, Step
 from cortiq_engine.weights import Weight
 
 
@@ -62,6 +64,12 @@ class Model:
             np.tanh(logits, out=logits)
             logits *= cap
         return logits
+
+    @functools.cached_property
+    def fused(self) -> fused_kernels.FusedStack | None:
+        """The stack as one compiled decode/verify call, when it is a plain pre-norm one
+        on integer kernels (``kernels/fused.py``); None: layer by layer."""
+        return fused_stack(self)
 
     def new_state(self, capacity: int) -> "State":
         return State(self, [b.make_cache(capacity, self.kv_cache) for b in self.blocks], capacity)
@@ -114,8 +122,74 @@ class State:
             c.keep_last(keep)
 
 
-def forward(state: State, ids: Sequence[int] | np.ndarray) -> np.ndarray:
-    """Run new tokens through the model; returns their pre-norm hidden rows [n, hidden]."""
+def fused_stack(model: Model) -> fused_kernels.FusedStack | None:
+    """``model``'s blocks packed for ``fused_kernels.prenorm_step``, or None when a block is
+    not the plain pre-norm one it computes or a matmul is not one integer-kernel call."""
+    ks = model.kernels
+    if model.kv_cache != "f32" or not hasattr(ks, "int_plan") or not model.blocks:
+        return None
+    plans, norms, eps, windows, geo = [], [], [], [], set()
+    for b in model.blocks:
+        a, m = b.attn, b.mlp
+        plain = (
+            type(b) is Block
+            and type(a) is Attention
+            and type(m) is GatedMLP
+            and b.residual_scale == 1.0
+            and type(b.attn_norm) is RMSNorm
+            and type(b.mlp_norm) is RMSNorm
+        )
+        if not plain or m._act != ks.silu_mul:
+            return None
+        w = a.w
+        if (
+            w.qkv_bias is not None
+            or w.o_bias is not None
+            or w.q_norm is not None
+            or a.output_gate
+            or a.v_scale != 1.0
+            or a.rope is None
+            or a.call.sinks is not None
+            or a.call.softcap
+            or a.hd != a.vd
+        ):
+            return None
+        layer = [ks.int_plan(ws) for ws in (a._qkv, a._o, m._gu, m._down)]
+        if any(p is None for p in layer):
+            return None
+        plans.append(layer)
+        norms.append((b.attn_norm.weight, b.mlp_norm.weight))
+        eps.append((b.attn_norm.eps, b.mlp_norm.eps))
+        windows.append(a.call.window)
+        geo.add((a.nh, a.nkv, a.hd, a.call.scale, id(a.rope)))
+    if len(geo) != 1:
+        return None
+    nh, nkv, hd, scale, _ = geo.pop()
+    first = model.blocks[0].attn
+    return fused_kernels.FusedStack(
+        fn=np.array([[p.fn for p in layer] for layer in plans], np.int64),
+        addrs=np.ascontiguousarray([[p.addrs for p in layer] for layer in plans], np.int64),
+        rows=np.ascontiguousarray([[p.rows for p in layer] for layer in plans], np.int64),
+        count=np.array([[p.count for p in layer] for layer in plans], np.int64),
+        offs=np.ascontiguousarray([[p.offs for p in layer] for layer in plans], np.int64),
+        qmax=np.array([[p.qmax for p in layer] for layer in plans], np.int64),
+        zmm=np.array([[p.zmm for p in layer] for layer in plans], np.bool_),
+        bits=np.array([[p.bits for p in layer] for layer in plans], np.int64),
+        widths=np.array([[p.width for p in layer] for layer in plans], np.int64),
+        norms=np.ascontiguousarray(norms, np.float32),
+        eps=np.array(eps, np.float32),
+        windows=np.array(windows, np.int64),
+        heads=(nh, nkv, hd),
+        scale=scale,
+        rope=first.rope,
+        fns=ks.attention_loops(hd, hd),
+        keep=tuple(plans),
+    )
+
+
+def forward(state: State, ids: Sequence[int] | np.ndarray, layerwise: bool = False) -> np.ndarray:
+    """Run new tokens through the model; returns their pre-norm hidden rows [n, hidden].
+    ``layerwise``: block by block even where the fused step would run (the same bits)."""
     ids = np.asarray(ids, dtype=np.int64).reshape(-1)
     n = int(ids.shape[0])
     if n == 0:
@@ -129,8 +203,19 @@ def forward(state: State, ids: Sequence[int] | np.ndarray) -> np.ndarray:
         expert_usage=state.expert_usage,
         context=state.capacity,
     )
-    for block, cache in zip(model.blocks, state.caches):
-        block(x, cache, step)
+    fused = None if layerwise else model.fused
+    caches = state.caches
+    start = caches[0].length
+    # The fused step takes the rows the kernels compute one by one (decode, a verify).
+    if fused is not None and n <= model.kernels.row_exact_rows and all(c.length == start for c in caches):
+        caches[0].check_room(n)
+        cos, sin = step.rope_tables(fused.rope)
+        fused_kernels.run(fused, x, caches, start, cos, sin)
+        for c in caches:
+            c.claim(n)
+    else:
+        for block, cache in zip(model.blocks, state.caches):
+            block(x, cache, step)
     state.position += n
     state.forwarded += n
     return x

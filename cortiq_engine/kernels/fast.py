@@ -608,6 +608,17 @@ class NumbaKernels(NumpyKernels):
         )
         return o, S
 
+    # ------------------------------------------------------------ fused steps
+    def int_plan(self, ws: Sequence[Weight]) -> "_Plan | None":
+        """The one integer-kernel call a small matmul over ``ws`` makes, or None when it
+        makes several or runs on the float kernels (``kernels.fused`` takes only these)."""
+        plans, _ = self._plans_for(ws)
+        return plans[0] if len(plans) == 1 and plans[0].fn is not None else None
+
+    def attention_loops(self, d: int, dv: int) -> np.ndarray:
+        """The IR loops ``attend`` gives a decode over an f32 cache of these head sizes."""
+        return self._attn.for_dims(d, dv)
+
     # ------------------------------------------------------------ compile ahead
     def warmup(self, ws: Sequence[Weight]) -> None:
         """Compile (or load from numba's cache) the tile kernels for these dtypes."""

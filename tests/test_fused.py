@@ -1,0 +1,71 @@
+"""The fused decode/verify step (``kernels/fused.py``): every row, cache row and counter
+it leaves is the layer-by-layer path's, bit for bit, on the real SmolLM2 at q8 (int16
+activations) and q4 (int8); stacks it does not compute keep the layer-by-layer path."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cortiq_engine import Engine
+from cortiq_engine.model import forward
+
+
+def _steps(engine: Engine, layerwise: bool) -> tuple[list[np.ndarray], object]:
+    """A prefill, four decode steps, a 4-row verify rolled back to one row, a decode step
+    and an eviction's aftermath: the hidden rows of each call and the final state."""
+    state = engine.new_state(128)
+    rng = np.random.default_rng(0)
+    ids = [int(t) for t in rng.integers(10, engine.model.vocab_size, 60)]
+    outs = [forward(state, ids[:40], layerwise)]
+    for t in ids[40:44]:
+        outs.append(forward(state, [t], layerwise))
+    outs.append(forward(state, ids[44:48], layerwise))
+    state.truncate(state.length - 3)
+    outs.append(forward(state, [ids[48]], layerwise))
+    state.evict(20)
+    outs.append(forward(state, ids[49:52], layerwise))
+    return outs, state
+
+
+@pytest.mark.parametrize("quant", ["q8", "q4"])
+def test_fused_step_equals_the_layer_by_layer_path(smollm2_cmf, quant):
+    engine = Engine.load(smollm2_cmf(quant), threads=2)
+    assert engine.model.fused is not None, "SmolLM2 is a plain pre-norm stack on integer kernels"
+    fused, fs = _steps(engine, layerwise=False)
+    plain, ps = _steps(engine, layerwise=True)
+    for i, (a, b) in enumerate(zip(fused, plain)):
+        assert np.array_equal(a, b), (i, float(np.abs(a - b).max()))
+    assert fs.length == ps.length == 23 and fs.position == ps.position
+    for cf, cp in zip(fs.caches, ps.caches):
+        # every token entered each cache once, at the same rows, with the same bits
+        assert cf.writes == cp.writes == fs.forwarded == 52
+        assert np.array_equal(cf.keys[:, : cf.length], cp.keys[:, : cp.length])
+        assert np.array_equal(cf.values[:, : cf.length], cp.values[:, : cp.length])
+    # and the logits a sampler sees from them
+    m = engine.model
+    assert np.array_equal(m.lm_head(m.final_norm(fused[-1])), m.lm_head(m.final_norm(plain[-1])))
+
+
+def test_fused_greedy_text_is_the_layer_by_layer_text(smollm2_cmf):
+    engine = Engine.load(smollm2_cmf("q8"), threads=2)
+    m = engine.model
+    prompt = engine.tokenizer.encode("The capital of France is")
+
+    def greedy(layerwise: bool) -> list[int]:
+        state = engine.new_state(64)
+        h = forward(state, prompt, layerwise)
+        out = []
+        for _ in range(12):
+            out.append(int(np.argmax(m.lm_head(m.final_norm(h[-1:]))[0])))
+            h = forward(state, out[-1:], layerwise)
+        return out
+
+    assert greedy(False) == greedy(True)
+
+
+def test_stacks_the_fused_step_does_not_compute_keep_the_layers(smollm2_cmf, gemma3_cmf):
+    # Gemma 3's sandwich blocks, an f16 cache (the fused step writes f32 rows), the numpy kernels
+    assert Engine.load(gemma3_cmf("q8"), threads=2).model.fused is None
+    assert Engine.load(smollm2_cmf("q8"), threads=2, kv_cache="f16").model.fused is None
+    assert Engine.load(smollm2_cmf("q8"), threads=2, kernels="numpy").model.fused is None
