@@ -576,10 +576,23 @@ class EncodedSlice:
 def encode_slice(job: SliceJob, r0: int, x: np.ndarray, out: list[np.ndarray] | None = None) -> EncodedSlice:
     """Check, encode and measure the f32 rows ``x`` (rows ``r0``... of the tensor); with
     ``out`` (the tensor's whole parts) the encoded rows go straight into it."""
-    if not job.allow_nonfinite:
+    rows = x.shape[0]
+    # A dtype that measures as it encodes also finds a NaN or an infinity (its sum of
+    # squared values is then not finite): ``x`` is read once, and checked only then.
+    measured = job.measure and job.dt.measures_nonfinite
+    if not job.allow_nonfinite and not measured:
         check_finite(job.source, x, r0)
-    enc = job.dt.encode(x, job.importance)
-    e, ref = job.dt.error(x, enc) if job.measure else (0.0, 0.0)
+    into = None if out is None else [buf.reshape(rows_cols(buf.shape)[0], -1)[r0 : r0 + rows] for buf in out]
+    if job.measure:
+        enc, e, ref = job.dt.encode_measured(x, job.importance, into)
+        if not job.allow_nonfinite and not np.isfinite(ref):
+            check_finite(job.source, x, r0)  # names the first NaN or infinity
+    else:
+        enc = job.dt.encode(x, job.importance)
+        e, ref = 0.0, 0.0
+        if into is not None:
+            for buf, part in zip(into, enc):
+                buf[...] = part.reshape(buf.shape)
     if job.allow_nonfinite and not np.isfinite(ref):
         e = ref = 0.0  # a kept NaN or infinity has no error to measure
     if not np.isfinite(e):
@@ -587,12 +600,7 @@ def encode_slice(job: SliceJob, r0: int, x: np.ndarray, out: list[np.ndarray] | 
             f"tensor {job.source} does not fit {job.dt.name} (values up to {float(np.abs(x).max()):.4g}); "
             f"use --keep '{job.name}=bf16' or --quant bf16"
         )
-    rows = x.shape[0]
-    if out is not None:
-        for buf, part in zip(out, enc):
-            buf.reshape(rows_cols(buf.shape)[0], -1)[r0 : r0 + rows] = part.reshape(rows, -1)
-        enc = None
-    return EncodedSlice(r0, rows, x.size, enc, e, ref)
+    return EncodedSlice(r0, rows, x.size, None if out is not None else enc, e, ref)
 
 
 class SliceEncoder:

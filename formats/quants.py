@@ -345,6 +345,24 @@ class DType:
     def _decode(self, parts: dict[str, np.ndarray], shape: tuple[int, ...]) -> np.ndarray:
         raise NotImplementedError
 
+    # Whether ``encode_measured`` takes NaN and infinities (they show as a sum of squared
+    # values that is not finite), so that a caller need not check ``x`` first.
+    measures_nonfinite: ClassVar[bool] = False
+
+    def encode_measured(
+        self, x: np.ndarray, importance: np.ndarray | None = None, into: list[np.ndarray] | None = None
+    ) -> tuple[list[np.ndarray], float, float]:
+        """``encode`` and ``error`` together: (the parts, sum of squared errors, sum of
+        squared values). With ``into`` (arrays of the parts' shapes for ``x``: a row slice
+        of a tensor's parts) the parts are written there and ``into`` is returned."""
+        parts = self.encode(x, importance)
+        e, ref = self.error(x, parts)
+        if into is None:
+            return parts, e, ref
+        for buf, part in zip(into, parts):
+            buf[...] = part.reshape(buf.shape)
+        return into, e, ref
+
     def error(self, x: np.ndarray, parts: list[np.ndarray]) -> tuple[float, float]:
         """(sum of squared errors, sum of squared values), in f64, of ``x`` encoded as ``parts``.
 
@@ -554,8 +572,20 @@ class _OnePass(Blocked):
     """q8 and q4: the compiled encoder (``formats.quant_kernels.quantize_NAME``), the
     numpy reference where numba is missing."""
 
+    measures_nonfinite = True
+
     def encode_rows(self, x2, importance=None):
         return getattr(_kernels() or _reference, f"quantize_{self.name}")(x2)
+
+    def encode_measured(self, x, importance=None, into=None):
+        """The compiled encoder measures as it encodes: one pass over ``x``."""
+        kernels = _kernels()
+        shape = tuple(x.shape)
+        if kernels is None or not self.supports(shape):
+            return super().encode_measured(x, importance, into)
+        x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(rows_cols(shape))
+        with np.errstate(over="ignore"):  # a scale beyond f16's range: the converter names it
+            return getattr(kernels, f"quantize_{self.name}_measured")(x2, into)
 
 
 class Q8(_OnePass):
