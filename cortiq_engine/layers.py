@@ -351,6 +351,11 @@ class Attention:
     def weights(self) -> list[Weight]:
         return [*self._qkv, *self._o]
 
+    @property
+    def projections(self) -> tuple[tuple[Weight, ...], tuple[Weight, ...]]:
+        """The weights of its two matmuls: (q, k, v) fused, and o."""
+        return self._qkv, self._o
+
     def __call__(self, x: np.ndarray, cache: KVCache, step: Step) -> np.ndarray:
         ks, n = self.ks, x.shape[0]
         nh, nkv, hd, vd = self.nh, self.nkv, self.hd, self.vd
@@ -401,7 +406,13 @@ class GatedMLP:
         self.ks = kernels
         self._gu = (gate, up)
         self._down = (down,)
-        self._act = kernels.gelu_tanh_mul if act in GELU_TANH else kernels.silu_mul
+        self.gelu = act in GELU_TANH
+        self._act = kernels.gelu_tanh_mul if self.gelu else kernels.silu_mul
+
+    @property
+    def projections(self) -> tuple[tuple[Weight, ...], tuple[Weight, ...]]:
+        """The weights of its two matmuls: (gate, up) fused, and down."""
+        return self._gu, self._down
 
     def weights(self) -> list[Weight]:
         return [*self._gu, *self._down]

@@ -139,7 +139,7 @@ def fused_stack(model: Model) -> fused_kernels.FusedStack | None:
             and type(b.attn_norm) is RMSNorm
             and type(b.mlp_norm) is RMSNorm
         )
-        if not plain or m._act != ks.silu_mul:
+        if not plain or m.gelu:
             return None
         w = a.w
         if (
@@ -154,7 +154,7 @@ def fused_stack(model: Model) -> fused_kernels.FusedStack | None:
             or a.hd != a.vd
         ):
             return None
-        layer = [ks.int_plan(ws) for ws in (a._qkv, a._o, m._gu, m._down)]
+        layer = [ks.int_plan(ws) for ws in (*a.projections, *m.projections)]
         if any(p is None for p in layer):
             return None
         plans.append(layer)
