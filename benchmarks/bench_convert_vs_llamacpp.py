@@ -25,8 +25,9 @@ import time
 from pathlib import Path
 
 
-def _run(cmd: list[str], cpus: set[int]) -> tuple[float, int]:
-    """(wall seconds, peak RSS bytes) of a child on ``cpus``; exits on failure."""
+def _run(cmd: list[str], cpus: set[int]) -> tuple[float, int, float, float]:
+    """(wall seconds, peak RSS bytes, user seconds, system seconds) of a child on ``cpus``;
+    exits on failure."""
     with tempfile.TemporaryFile("w+") as err:
         t0 = time.perf_counter()
         p = subprocess.Popen(
@@ -37,7 +38,7 @@ def _run(cmd: list[str], cpus: set[int]) -> tuple[float, int]:
         if os.waitstatus_to_exitcode(status) != 0:
             err.seek(0)
             raise SystemExit(f"failed: {' '.join(cmd)}\n{err.read()[-2000:]}")
-        return wall, usage.ru_maxrss * 1024
+        return wall, usage.ru_maxrss * 1024, usage.ru_utime, usage.ru_stime
 
 
 def main() -> None:
@@ -64,12 +65,12 @@ def main() -> None:
             cortiq = [sys.executable, "-m", "cortiq_cli.main", "convert", str(args.src), str(out_cmf)]
             cortiq += ["--quant", quant, "--force"]
             llama = [str(args.llama_quantize), str(args.src), str(out_gguf), gtype, str(args.threads)]
-            runs: dict[str, list[tuple[float, int, float]]] = {"cortiq": [], "llama": []}
+            runs: dict[str, list[tuple[float, int, float, float, float]]] = {"cortiq": [], "llama": []}
             for _ in range(args.repeat):
                 for name, cmd in (("cortiq", cortiq), ("llama", llama)):
                     load = os.getloadavg()[0]
-                    wall, rss = _run(cmd, cpus)
-                    runs[name].append((wall, rss, load))
+                    wall, rss, user, system = _run(cmd, cpus)
+                    runs[name].append((wall, rss, load, user, system))
                     out_cmf.unlink(missing_ok=True)
                     out_gguf.unlink(missing_ok=True)
             med = {k: statistics.median_low(r[0] for r in v) for k, v in runs.items()}
@@ -83,7 +84,10 @@ def main() -> None:
                     "ratio": med["cortiq"] / med["llama"],
                     "cortiq_rss_mib": pick["cortiq"][1] / 2**20,
                     "llama_rss_mib": pick["llama"][1] / 2**20,
-                    "runs": {k: [(round(w, 2), round(ld, 2)) for w, _, ld in v] for k, v in runs.items()},
+                    # user and system CPU seconds of the median run: what the wall time cost
+                    "cortiq_cpu_s": (pick["cortiq"][3], pick["cortiq"][4]),
+                    "llama_cpu_s": (pick["llama"][3], pick["llama"][4]),
+                    "runs": {k: [(round(r[0], 2), round(r[2], 2)) for r in v] for k, v in runs.items()},
                 }
             )
     result = {"source": str(args.src), "threads": args.threads, "rows": rows, "command": " ".join(sys.argv)}
@@ -91,10 +95,12 @@ def main() -> None:
         print(json.dumps(result, indent=2))
         return
     for r in rows:
+        cu, cs = r["cortiq_cpu_s"]
+        lu, ls = r["llama_cpu_s"]
         print(
-            f"{r['cortiq']:>6} vs {r['llama_cpp']:<5} cortiq {r['cortiq_s']:6.1f} s {r['cortiq_rss_mib']:5.0f} MiB | "
-            f"llama-quantize {r['llama_s']:6.1f} s {r['llama_rss_mib']:5.0f} MiB | ratio {r['ratio']:.2f} | "
-            f"runs (s, load) {r['runs']}"
+            f"{r['cortiq']:>6} vs {r['llama_cpp']:<5} cortiq {r['cortiq_s']:6.1f} s {r['cortiq_rss_mib']:5.0f} MiB "
+            f"(cpu {cu:.1f} user + {cs:.1f} sys) | llama-quantize {r['llama_s']:6.1f} s {r['llama_rss_mib']:5.0f} MiB "
+            f"(cpu {lu:.1f} + {ls:.1f}) | ratio {r['ratio']:.2f} | runs (s, load) {r['runs']}"
         )
 
 

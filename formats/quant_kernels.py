@@ -359,7 +359,7 @@ def _affine_error(x, d, m, qs, nibbles, offset):  # pragma: no cover - compiled
 
 
 def _rows_into(x: np.ndarray, shapes: list[tuple[int, int]], dtypes: list[str], into: list[np.ndarray] | None):
-    """The part arrays a kernel fills: the caller's (C-contiguous rows of its tensor's
+    """The part arrays a kernel fills: the caller's list (C-contiguous rows of its tensor's
     parts), else new ones."""
     if into is not None:
         assert all(a.shape == s and a.flags.c_contiguous for a, s in zip(into, shapes))
@@ -376,7 +376,8 @@ def quantize_q8_measured(x: np.ndarray, into: list[np.ndarray] | None = None) ->
     x = np.ascontiguousarray(x, dtype=np.float32)
     rows, cols = x.shape
     nb = cols // QB
-    d16, qs = _rows_into(x, [(rows, nb), (rows, cols)], ["<f2", "i1"], into)
+    parts = _rows_into(x, [(rows, nb), (rows, cols)], ["<f2", "i1"], into)
+    d16, qs = parts
     d = np.empty((rows, nb), np.float32)
     sums = np.zeros(2)
     assert Q8_DIVISORS.shape == (LANES,)
@@ -384,7 +385,7 @@ def quantize_q8_measured(x: np.ndarray, into: list[np.ndarray] | None = None) ->
     cand = np.empty(nb * 2 * LANES, np.float32)
     _q8_rows_search(x, Q8_DIVISORS, d, qs, ax, cand, np.zeros(nb, np.float32), sums)
     np.copyto(d16, d, casting="same_kind")
-    return [d16, qs], float(sums[0]), float(sums[1])
+    return parts, float(sums[0]), float(sums[1])
 
 
 def quantize_q8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -408,13 +409,14 @@ def quantize_q4_measured(x: np.ndarray, into: list[np.ndarray] | None = None) ->
     x = np.ascontiguousarray(x, dtype=np.float32)
     rows, cols = x.shape
     nb = cols // QB
-    d16, m16, qs = _rows_into(x, [(rows, nb), (rows, nb), (rows, cols // 2)], ["<f2", "<f2", "u1"], into)
+    parts = _rows_into(x, [(rows, nb), (rows, nb), (rows, cols // 2)], ["<f2", "<f2", "u1"], into)
+    d16, m16, qs = parts
     d, m, fd, fm = (np.empty((rows, nb), np.float32) for _ in range(4))
     sums = np.zeros(2)
     _q4_rows(x, d, m, qs, fd, fm, sums)
     np.copyto(d16, d, casting="same_kind")
     np.copyto(m16, m, casting="same_kind")
-    return [d16, m16, qs], float(sums[0]), float(sums[1])
+    return parts, float(sums[0]), float(sums[1])
 
 
 def quantize_q4(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
