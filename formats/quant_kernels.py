@@ -150,6 +150,18 @@ def _plus(builder, index, n: int):
     return builder.add(index, ir.Constant(index.type, n))
 
 
+def _reduce(builder, acc, op: str):
+    """The lane that wins ``select(b op a, b, a)`` over a halving tree: min for "<", max
+    for ">" (one compare and blend a step, where LLVM's reductions also order NaNs)."""
+    n = LANES
+    while n > 1:
+        n //= 2
+        lo = builder.shuffle_vector(acc, acc, ir.Constant(ir.VectorType(_I32, n), list(range(n))))
+        hi = builder.shuffle_vector(acc, acc, ir.Constant(ir.VectorType(_I32, n), list(range(n, 2 * n))))
+        acc = builder.select(builder.fcmp_ordered(op, hi, lo), hi, lo)
+    return builder.extract_element(acc, ir.Constant(_I32, 0))
+
+
 @intrinsic
 def _q8_candidates(typingctx, x, at, ax, o, divs, cand, slot):
     """The block of 32 at element ``at`` of the flat ``x``: its |x| into ``ax[o:o + 32]``,
@@ -169,7 +181,7 @@ def _q8_candidates(typingctx, x, at, ax, o, divs, cand, slot):
             builder.store(a, _vec_at(builder, aa, _plus(builder, o, h)), align=4)
             # The max of the non-NaN values and 0, as the scalar ``if a > amax`` scan keeps it.
             acc = builder.select(builder.fcmp_ordered(">", a, acc), a, acc)
-        m = _llvm(builder, "llvm.vector.reduce.fmax.v16f32", _F32, acc)
+        m = _reduce(builder, acc, ">")  # no NaN in acc
         dv = builder.load(builder.bitcast(da.data, _VEC.as_pointer()), align=4)
         c = builder.fdiv(_splat(builder, m), dv)
         c = builder.fpext(builder.fptrunc(c, ir.VectorType(ir.HalfType(), LANES)), _VEC)
@@ -232,7 +244,7 @@ def _q8_pick(typingctx, ax, o, cand, slot):
         # +inf) and whose scale is nonzero: the first lane of least finite error.
         ok = builder.and_(builder.fcmp_unordered("!=", c, _vconst(0.0)), builder.fcmp_ordered("<", ek, inf))
         masked = builder.select(ok, ek, inf)
-        least = _llvm(builder, "llvm.vector.reduce.fmin.v16f32", _F32, masked)
+        least = _reduce(builder, masked, "<")  # no NaN in masked
         hits = builder.bitcast(builder.fcmp_ordered("==", masked, _splat(builder, least)), ir.IntType(LANES))
         k = _llvm(builder, f"llvm.cttz.i{LANES}", ir.IntType(LANES), hits, ir.Constant(ir.IntType(1), 0))
         best = builder.extract_element(c, k)
@@ -296,25 +308,57 @@ def _q8_rows_search(x, divs, d, qs, ax, cand, zeros, sums):  # pragma: no cover 
     sums[1] += ref
 
 
+def _block_extreme(op: str):
+    """An intrinsic (x, at) -> the min (op "<") or max (">") of the block of 32 at element
+    ``at`` of the flat ``x``, as the scalar scan from x[at] keeping v where v op the
+    extreme: lanes start at x[at], so a NaN sticks only from there. A result of zero may
+    carry the wrong sign (the scan keeps the first zero); the caller rescans then."""
+
+    @intrinsic
+    def extreme(typingctx, x, at):
+        sig = types.float32(x, types.intp)
+
+        def codegen(context, builder, signature, args):
+            xa = context.make_array(signature.args[0])(context, builder, args[0])
+            at = args[1]
+            acc = _splat(builder, builder.load(builder.gep(xa.data, [at]), align=4))
+            for h in range(0, QB, LANES):
+                v = builder.load(_vec_at(builder, xa, _plus(builder, at, h)), align=4)
+                acc = builder.select(builder.fcmp_ordered(op, v, acc), v, acc)
+            return _reduce(builder, acc, op)
+
+        return sig, codegen
+
+    return extreme
+
+
+_block_min = _block_extreme("<")
+_block_max = _block_extreme(">")
+
+
 @njit(cache=True, nogil=True)
 def _q4_rows(x, d, m, qs, fd, fm, sums):  # pragma: no cover - compiled
     """ggml's Q4_1 of ``x`` into ``d``, ``m`` (f32) and ``qs``; ``sums`` gets (sum of squared
     errors, sum of squared values) of the encoding in f64 (``fd``, ``fm``: scratch for the
     f16-rounded d and m the decoder reads)."""
     rows, cols = x.shape
+    flat = x.reshape(-1)
     err = 0.0
     ref = 0.0
     for r in range(rows):
         for b in range(cols // QB):
             o = b * QB
-            lo = x[r, o]
-            hi = x[r, o]
-            for j in range(1, QB):
-                v = x[r, o + j]
-                if v < lo:
-                    lo = v
-                if v > hi:
-                    hi = v
+            lo = _block_min(flat, r * cols + o)
+            hi = _block_max(flat, r * cols + o)
+            if lo == _F0 or hi == _F0:  # the sign of a zero: the scan's own
+                lo = x[r, o]
+                hi = x[r, o]
+                for j in range(1, QB):
+                    v = x[r, o + j]
+                    if v < lo:
+                        lo = v
+                    if v > hi:
+                        hi = v
             dd = (hi - lo) / _F15
             inv = _F1 / dd if dd != _F0 else _F0
             d[r, b] = dd
