@@ -65,6 +65,7 @@ def main() -> int:
     kern = TileKernels(cache_dir=None, unit=unit)
     rng = np.random.default_rng(0)
     bad = False
+    peaks: dict[int, float | None] = {}
     for dtype in a.dtypes.split(","):
         ops = ops_for(dtype)
         dt = get_dtype(dtype)
@@ -104,11 +105,24 @@ def main() -> int:
                     f()
                     ts.append(time.perf_counter() - t)
                 times[name] = float(np.median(ts))
+            achieved = 2.0 * rows * cols * n / times["tiles"]
+            peak = peaks.setdefault(bits, unit_peak(unit, bits))
+            gap = f"; {achieved / 1e9:.0f} G ops/s = {achieved / peak:.0%} of the unit's int{bits} peak" if peak else ""
             print(
                 f"{dtype} [{rows} x {cols}] x {n} rows, int{bits}: {unit} {1e3 * times['tiles']:.2f} ms, dequantize + sgemm "
-                f"{1e3 * times['sgemm']:.2f} ms, {times['sgemm'] / times['tiles']:.2f}x; max error {err:.1e} of max |out|"
+                f"{1e3 * times['sgemm']:.2f} ms, {times['sgemm'] / times['tiles']:.2f}x; max error {err:.1e} of max |out|{gap}"
             )
     return 1 if bad else 0
+
+
+def unit_peak(unit: str, bits: int) -> float | None:
+    """One core's raw int``bits`` ops/s on ``unit`` (benchmarks/unit_peak.py); None for AMX
+    tiles, which that benchmark does not measure."""
+    if unit == "amx":
+        return None
+    from unit_peak import peak_ops
+
+    return peak_ops(unit, bits)
 
 
 def model_prefill(path: str, text: str | None, reps: int, threads: int, unit: str, vnni_min: int | None = None) -> int:
