@@ -19,7 +19,7 @@ import numpy as np
 from formats.arch import ArchConfig
 from formats.errors import CortiqError
 from cortiq_engine.kernels import fused as fused_kernels
-from cortiq_engine.layers import Attention, Block, GatedMLP, RMSNorm, Step
+from cortiq_engine.layers import Attention, Block, GatedMLP, RMSNorm, SandwichBlock, Step
 from cortiq_engine.weights import Weight
 
 
@@ -123,29 +123,27 @@ class State:
 
 
 def fused_stack(model: Model) -> fused_kernels.FusedStack | None:
-    """``model``'s blocks packed for ``fused_kernels.prenorm_step``, or None when a block is
-    not the plain pre-norm one it computes or a matmul is not one integer-kernel call."""
+    """``model``'s blocks packed for ``fused_kernels.fused_step``, or None when a block is
+    not one it computes or a matmul is not one integer-kernel call."""
     ks = model.kernels
     if model.kv_cache != "f32" or not hasattr(ks, "int_plan") or not model.blocks:
         return None
-    plans, norms, eps, windows, geo = [], [], [], [], set()
+    plans, norms, eps, qk, qk_eps, windows, ropes, rope_of, geo = [], [], [], [], [], [], [], [], set()
     for b in model.blocks:
+        if type(b) is Block and b.residual_scale == 1.0:
+            ns = (b.attn_norm, b.mlp_norm)
+        elif type(b) is SandwichBlock and b.pre_attn is not None and b.pre_ffn is not None:
+            ns = (b.pre_attn, b.post_attn, b.pre_ffn, b.post_ffn)
+        else:
+            return None
         a, m = b.attn, b.mlp
-        plain = (
-            type(b) is Block
-            and type(a) is Attention
-            and type(m) is GatedMLP
-            and b.residual_scale == 1.0
-            and type(b.attn_norm) is RMSNorm
-            and type(b.mlp_norm) is RMSNorm
-        )
-        if not plain or m.gelu:
+        if type(a) is not Attention or type(m) is not GatedMLP or any(type(n) is not RMSNorm for n in ns):
             return None
         w = a.w
         if (
             w.qkv_bias is not None
             or w.o_bias is not None
-            or w.q_norm is not None
+            or a.qk_norm_full
             or a.output_gate
             or a.v_scale != 1.0
             or a.rope is None
@@ -158,30 +156,44 @@ def fused_stack(model: Model) -> fused_kernels.FusedStack | None:
         if any(p is None for p in layer):
             return None
         plans.append(layer)
-        norms.append((b.attn_norm.weight, b.mlp_norm.weight))
-        eps.append((b.attn_norm.eps, b.mlp_norm.eps))
+        norms.append([n.weight for n in ns])
+        eps.append([n.eps for n in ns])
+        if w.q_norm is not None:
+            qk.append((w.q_norm, w.k_norm))
+            qk_eps.append(a.eps)
         windows.append(a.call.window)
-        geo.add((a.nh, a.nkv, a.hd, a.call.scale, id(a.rope)))
-    if len(geo) != 1:
+        if all(r is not a.rope for r in ropes):
+            ropes.append(a.rope)
+        rope_of.append(next(i for i, r in enumerate(ropes) if r is a.rope))
+        geo.add((a.nh, a.nkv, a.hd, a.call.scale, len(ns), m.gelu, a.rope.rotary_dim))
+    if len(geo) != 1 or len(qk) not in (0, len(plans)):
         return None
-    nh, nkv, hd, scale, _ = geo.pop()
-    first = model.blocks[0].attn
+    nh, nkv, hd, scale, _, gelu, _ = geo.pop()
+    L = len(plans)
+
+    def table(field: str, dtype) -> np.ndarray:
+        return np.ascontiguousarray([[getattr(p, field) for p in layer] for layer in plans], dtype)
+
     return fused_kernels.FusedStack(
-        fn=np.array([[p.fn for p in layer] for layer in plans], np.int64),
-        addrs=np.ascontiguousarray([[p.addrs for p in layer] for layer in plans], np.int64),
-        rows=np.ascontiguousarray([[p.rows for p in layer] for layer in plans], np.int64),
-        count=np.array([[p.count for p in layer] for layer in plans], np.int64),
-        offs=np.ascontiguousarray([[p.offs for p in layer] for layer in plans], np.int64),
-        qmax=np.array([[p.qmax for p in layer] for layer in plans], np.int64),
-        zmm=np.array([[p.zmm for p in layer] for layer in plans], np.bool_),
-        bits=np.array([[p.bits for p in layer] for layer in plans], np.int64),
-        widths=np.array([[p.width for p in layer] for layer in plans], np.int64),
+        fn=table("fn", np.int64),
+        addrs=table("addrs", np.int64),
+        rows=table("rows", np.int64),
+        count=table("count", np.int64),
+        offs=table("offs", np.int64),
+        qmax=table("qmax", np.int64),
+        zmm=table("zmm", np.bool_),
+        bits=table("bits", np.int64),
+        widths=table("width", np.int64),
         norms=np.ascontiguousarray(norms, np.float32),
         eps=np.array(eps, np.float32),
+        qk_norms=np.ascontiguousarray(qk, np.float32) if qk else np.zeros((L, 0, 0), np.float32),
+        qk_eps=np.array(qk_eps if qk else [0.0] * L, np.float32),
+        gelu=bool(gelu),
         windows=np.array(windows, np.int64),
+        rope_of=np.array(rope_of, np.int64),
+        ropes=tuple(ropes),
         heads=(nh, nkv, hd),
         scale=scale,
-        rope=first.rope,
         fns=ks.attention_loops(hd, hd),
         keep=tuple(plans),
     )
@@ -209,8 +221,7 @@ def forward(state: State, ids: Sequence[int] | np.ndarray, layerwise: bool = Fal
     # The fused step takes the rows the kernels compute one by one (decode, a verify).
     if fused is not None and n <= model.kernels.row_exact_rows and all(c.length == start for c in caches):
         caches[0].check_room(n)
-        cos, sin = step.rope_tables(fused.rope)
-        fused_kernels.run(fused, x, caches, start, cos, sin)
+        fused_kernels.run(fused, x, caches, start, [step.rope_tables(r) for r in fused.ropes])
         for c in caches:
             c.claim(n)
     else:

@@ -342,6 +342,21 @@ def test_glu_activations_against_float64(n):
         assert (np.abs(got - want)[big] / np.abs(want)[big]).max() < 2e-6
 
 
+def test_small_glu_rows_are_row_exact():
+    """A decode's and a verify's activation (``jit.glu_small``, up to 16 rows): each row's
+    bits are its one-row result, whatever the rows beside it (speculative == greedy)."""
+    from cortiq_engine.kernels import jit
+
+    gu = (np.random.default_rng(3).standard_normal((16, 256)) * 4).astype(np.float32)
+    for gelu in (True, False):
+        rows = np.empty((16, 128), np.float32)
+        jit.glu_small(gu, rows, gelu)
+        for i in range(16):
+            one = np.empty((1, 128), np.float32)
+            jit.glu_small(gu[i : i + 1], one, gelu)
+            assert np.array_equal(one[0], rows[i])
+
+
 def test_norms_rope_silu():
     fast, ref = get_kernels("numba"), get_kernels("numpy")
     x = RNG.standard_normal((5, 40)).astype(np.float32)

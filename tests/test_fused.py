@@ -1,6 +1,7 @@
 """The fused decode/verify step (``kernels/fused.py``): every row, cache row and counter
 it leaves is the layer-by-layer path's, bit for bit, on the real SmolLM2 at q8 (int16
-activations) and q4 (int8); stacks it does not compute keep the layer-by-layer path."""
+activations) and q4 (int8) and the real Gemma 3 (sandwich blocks, q/k norms, GeGLU, two
+RoPEs, sliding layers); stacks it does not compute keep the layer-by-layer path."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import numpy as np
 import pytest
 
 from cortiq_engine import Engine
+from cortiq_engine.convert import convert_checkpoint
 from cortiq_engine.model import forward
+from tests.tiny import save_tiny
 
 
 def _steps(engine: Engine, layerwise: bool) -> tuple[list[np.ndarray], object]:
@@ -28,10 +31,11 @@ def _steps(engine: Engine, layerwise: bool) -> tuple[list[np.ndarray], object]:
     return outs, state
 
 
-@pytest.mark.parametrize("quant", ["q8", "q4"])
-def test_fused_step_equals_the_layer_by_layer_path(smollm2_cmf, quant):
-    engine = Engine.load(smollm2_cmf(quant), threads=2)
-    assert engine.model.fused is not None, "SmolLM2 is a plain pre-norm stack on integer kernels"
+@pytest.mark.parametrize("model", ["smollm2-q8", "smollm2-q4", "gemma3-q8"])
+def test_fused_step_equals_the_layer_by_layer_path(smollm2_cmf, gemma3_cmf, model):
+    family, quant = model.split("-")
+    engine = Engine.load((smollm2_cmf if family == "smollm2" else gemma3_cmf)(quant), threads=2)
+    assert engine.model.fused is not None, f"{family} {quant} is a stack the fused step computes"
     fused, fs = _steps(engine, layerwise=False)
     plain, ps = _steps(engine, layerwise=True)
     for i, (a, b) in enumerate(zip(fused, plain)):
@@ -64,8 +68,9 @@ def test_fused_greedy_text_is_the_layer_by_layer_text(smollm2_cmf):
     assert greedy(False) == greedy(True)
 
 
-def test_stacks_the_fused_step_does_not_compute_keep_the_layers(smollm2_cmf, gemma3_cmf):
-    # Gemma 3's sandwich blocks, an f16 cache (the fused step writes f32 rows), the numpy kernels
-    assert Engine.load(gemma3_cmf("q8"), threads=2).model.fused is None
+def test_stacks_the_fused_step_does_not_compute_keep_the_layers(smollm2_cmf, tmp_path):
+    # q/k/v biases (Qwen2), an f16 cache (the fused step writes f32 rows), the numpy kernels
+    convert_checkpoint(save_tiny("qwen2", tmp_path / "hf"), tmp_path / "qwen2.cmf", quant="q8")
+    assert Engine.load(tmp_path / "qwen2.cmf", threads=2).model.fused is None
     assert Engine.load(smollm2_cmf("q8"), threads=2, kv_cache="f16").model.fused is None
     assert Engine.load(smollm2_cmf("q8"), threads=2, kernels="numpy").model.fused is None

@@ -522,10 +522,11 @@ class NumbaKernels(NumpyKernels):
         return out
 
     def gelu_tanh_mul(self, gu: np.ndarray) -> np.ndarray:
-        if gu.shape[0] <= self.small_n:
-            return super().gelu_tanh_mul(gu)
         out = np.empty((gu.shape[0], gu.shape[1] // 2), np.float32)
-        jit.glu_rows(gu, out, True)
+        if gu.shape[0] <= self.small_n:
+            jit.glu_small(gu, out, True)
+        else:
+            jit.glu_rows(gu, out, True)
         return out
 
     def rope(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> None:

@@ -1,19 +1,20 @@
-"""A plain pre-norm stack's decode and verify steps as one compiled call.
+"""A dense stack's decode and verify steps as one compiled call.
 
 A decode step of SmolLM2 makes ~12 kernel calls per layer from Python (norm, the fused
 q|k|v matmul, two RoPEs, the cache write, attention, o, the residual norm, gate|up, the
 activation, down, the residual add): ~360 numba dispatches and their Python glue, about
-a quarter of the step. ``prenorm_step`` runs every layer in one call on the same
-compiled kernels (``qdot.intdot``, ``jit.rms_norm``, ``jit.rope``, ``jit.attend``, ...),
-in the same order on the same arrays, so its rows are the layer-by-layer path's rows
+a quarter of the step. ``fused_step`` runs every layer in one call on the same compiled
+kernels (``qdot.intdot``, ``jit.rms_norm``, ``jit.rope``, ``jit.attend``, ...), in the
+same order on the same arrays, so its rows are the layer-by-layer path's rows
 (``tests/test_fused.py`` holds them equal bit for bit, one row and a verify's rows).
 
-``FusedStack`` is what a stack needs for it, built once per model by the kernel set
-(``NumbaKernels.fused_stack``): every layer's four matmul plans packed into arrays, the
-norm weights stacked. A stack qualifies when every block is the plain pre-norm one
-(``layers.Block`` over ``layers.Attention`` and a SiLU ``layers.GatedMLP``, no biases,
-q/k norms, gates, soft-caps or sinks, one RoPE) and every matmul runs on the integer
-kernels; everything else, an f16 cache and more rows than the verify's take the
+``FusedStack`` is what a stack needs for it, built once per model (``model.fused_stack``):
+every layer's four matmul plans packed into arrays, the norm weights stacked. Two block
+shapes qualify: the pre-norm ``layers.Block`` (Llama, SmolLM2, Mistral) and the sandwich
+``layers.SandwichBlock`` with all four norms (Gemma 3), over ``layers.Attention`` (per-head
+q/k norms allowed; no biases, gates, soft-caps or sinks; RoPE on every layer, one table
+per distinct RoPE) and a SiLU or tanh-GELU ``layers.GatedMLP``, every matmul on the
+integer kernels. Everything else, an f16 cache and more rows than a verify's take the
 layer-by-layer path.
 """
 
@@ -32,7 +33,7 @@ QKV, O, GATE_UP, DOWN = range(4)
 
 @dataclass(frozen=True, eq=False)
 class FusedStack:
-    """One stack's arrays for ``prenorm_step`` (L layers, the four matmuls of each)."""
+    """One stack's arrays for ``fused_step`` (L layers, the four matmuls of each)."""
 
     fn: np.ndarray  # int64 [L, 4]: the integer kernel's address
     addrs: np.ndarray  # int64 [L, 4, FUSE_MAX, NPARTS]: each fused matrix's part addresses
@@ -43,12 +44,16 @@ class FusedStack:
     zmm: np.ndarray  # bool [L, 4]: the kernel reads interleaved rows
     bits: np.ndarray  # int64 [L, 4]: activation width, 8 or 16
     widths: np.ndarray  # int64 [L, 4]: output columns
-    norms: np.ndarray  # f32 [L, 2, hidden]: attention and MLP norm weights
-    eps: np.ndarray  # f32 [L, 2]
+    norms: np.ndarray  # f32 [L, 2 or 4, hidden]: a pre-norm block's two norms, a sandwich block's four
+    eps: np.ndarray  # f32 [L, 2 or 4]
+    qk_norms: np.ndarray  # f32 [L, 2, head size] per-head q and k norms, or [L, 0, 0]: none
+    qk_eps: np.ndarray  # f32 [L]
+    gelu: bool  # the MLP's activation: tanh GELU, else SiLU
     windows: np.ndarray  # int64 [L]: sliding window (0: none)
+    rope_of: np.ndarray  # int64 [L]: the layer's index in ``ropes``
+    ropes: tuple  # the distinct layers.RoPE of the stack
     heads: tuple[int, int, int]  # query heads, KV heads, head size
     scale: float
-    rope: object  # the one layers.RoPE every layer shares
     fns: np.ndarray  # int64: the attention's IR loops (attn_ir), or zeros
     keep: tuple  # the plans whose arrays ``addrs`` points into
 
@@ -65,8 +70,40 @@ def _matmul(f, layer, j, X, out):  # pragma: no cover - compiled
         qdot.intdot(a[0], a[1], a[2], a[3], a[4], X, _P16, f[5][layer, j], f[6][layer, j], out)
 
 
+@njit(inline="always")
+def _attention(
+    f, layer, h, nh, nkv, hd, qk_norms, qk_eps, cos, sin, kc, vc, start, window, scale, fns
+):  # pragma: no cover - compiled
+    """``layers.Attention`` of the normed rows ``h``: q|k|v, the per-head q/k norms where
+    ``qk_norms`` has rows, RoPE, the new rows into the cache, attention, o."""
+    n = h.shape[0]
+    nq, nk = nh * hd, nkv * hd
+    qkv = np.empty((n, f[8][layer, QKV]), np.float32)
+    _matmul(f, layer, QKV, h, qkv)
+    q = np.ascontiguousarray(qkv[:, :nq]).reshape(n, nh, hd)
+    k = np.ascontiguousarray(qkv[:, nq : nq + nk]).reshape(n, nkv, hd)
+    if qk_norms.shape[1]:
+        qn = np.empty((n * nh, hd), np.float32)
+        jit.rms_norm(q.reshape(n * nh, hd), qk_norms[layer, 0], qk_eps[layer], qn)
+        q = qn.reshape(n, nh, hd)
+        kn = np.empty((n * nkv, hd), np.float32)
+        jit.rms_norm(k.reshape(n * nkv, hd), qk_norms[layer, 1], qk_eps[layer], kn)
+        k = kn.reshape(n, nkv, hd)
+    jit.rope(q, cos, sin)
+    jit.rope(k, cos, sin)
+    for i in range(n):
+        for g in range(nkv):
+            kc[g, start + i] = k[i, g]
+            vc[g, start + i] = qkv[i, nq + nk + g * hd : nq + nk + (g + 1) * hd]
+    o = np.empty((n, nh, hd), np.float32)
+    jit.attend(q, kc, vc, start, window, scale, None, o, fns)
+    a = np.empty((n, f[8][layer, O]), np.float32)
+    _matmul(f, layer, O, o.reshape(n, nq), a)
+    return a
+
+
 @njit(cache=True)
-def prenorm_step(
+def fused_step(
     x,
     fn,
     addrs,
@@ -79,7 +116,11 @@ def prenorm_step(
     widths,
     norms,
     eps,
+    qk_norms,
+    qk_eps,
+    gelu,
     windows,
+    rope_of,
     nh,
     nkv,
     hd,
@@ -92,43 +133,65 @@ def prenorm_step(
     start,
 ):  # pragma: no cover - compiled
     """Advance the residual rows ``x`` [n, hidden] through every layer in place; the new
-    keys and values go to rows start..start+n-1 of each layer's cache (keys[l], values[l])."""
+    keys and values go to rows start..start+n-1 of each layer's cache (keys[l], values[l]).
+    ``norms`` [L, 2, hidden]: pre-norm blocks (attention and MLP norms); [L, 4, hidden]:
+    sandwich blocks (pre- and post-attention, pre- and post-MLP). ``cos``/``sin`` hold one
+    table per RoPE, ``rope_of`` picks a layer's."""
     n = x.shape[0]
-    f = (fn, addrs, rows, count, offs, qmax, zmm, bits)
-    nq, nk = nh * hd, nkv * hd
+    f = (fn, addrs, rows, count, offs, qmax, zmm, bits, widths)
+    sandwich = norms.shape[1] == 4
     h = np.empty_like(x)
     for layer in range(norms.shape[0]):
+        r = rope_of[layer]
         jit.rms_norm(x, norms[layer, 0], eps[layer, 0], h)
-        qkv = np.empty((n, widths[layer, QKV]), np.float32)
-        _matmul(f, layer, QKV, h, qkv)
-        q = np.ascontiguousarray(qkv[:, :nq]).reshape(n, nh, hd)
-        k = np.ascontiguousarray(qkv[:, nq : nq + nk]).reshape(n, nkv, hd)
-        jit.rope(q, cos, sin)
-        jit.rope(k, cos, sin)
-        kc, vc = keys[layer], values[layer]
-        for i in range(n):
-            for g in range(nkv):
-                kc[g, start + i] = k[i, g]
-                vc[g, start + i] = qkv[i, nq + nk + g * hd : nq + nk + (g + 1) * hd]
-        o = np.empty((n, nh, hd), np.float32)
-        jit.attend(q, kc, vc, start, windows[layer], scale, None, o, fns)
-        a = np.empty((n, widths[layer, O]), np.float32)
-        _matmul(f, layer, O, o.reshape(n, nq), a)
-        jit.add_rms_norm(x, a, norms[layer, 1], eps[layer, 1], h)
+        a = _attention(
+            f,
+            layer,
+            h,
+            nh,
+            nkv,
+            hd,
+            qk_norms,
+            qk_eps,
+            cos[r],
+            sin[r],
+            keys[layer],
+            values[layer],
+            start,
+            windows[layer],
+            scale,
+            fns,
+        )
+        if sandwich:
+            t = np.empty_like(a)
+            jit.rms_norm(a, norms[layer, 1], eps[layer, 1], t)
+            x += t
+            jit.rms_norm(x, norms[layer, 2], eps[layer, 2], h)
+        else:
+            jit.add_rms_norm(x, a, norms[layer, 1], eps[layer, 1], h)
         gu = np.empty((n, widths[layer, GATE_UP]), np.float32)
         _matmul(f, layer, GATE_UP, h, gu)
         act = np.empty((n, widths[layer, GATE_UP] // 2), np.float32)
-        jit.silu_mul(gu, act)
+        if gelu:
+            jit.glu_small(gu, act, True)
+        else:
+            jit.silu_mul(gu, act)
         d = np.empty((n, widths[layer, DOWN]), np.float32)
         _matmul(f, layer, DOWN, act, d)
-        x += d
+        if sandwich:
+            t = np.empty_like(d)
+            jit.rms_norm(d, norms[layer, 3], eps[layer, 3], t)
+            x += t
+        else:
+            x += d
 
 
-def run(stack: FusedStack, x: np.ndarray, caches, start: int, cos: np.ndarray, sin: np.ndarray) -> None:
-    """``prenorm_step`` over ``caches`` (one f32 ``KVCache`` per layer, each ``start`` rows long)."""
+def run(stack: FusedStack, x: np.ndarray, caches, start: int, tables) -> None:
+    """``fused_step`` over ``caches`` (one f32 ``KVCache`` per layer, each ``start`` rows
+    long); ``tables``: the (cos, sin) of each of ``stack.ropes`` at the new rows' positions."""
     s = stack
     nh, nkv, hd = s.heads
-    prenorm_step(
+    fused_step(
         x,
         s.fn,
         s.addrs,
@@ -141,13 +204,17 @@ def run(stack: FusedStack, x: np.ndarray, caches, start: int, cos: np.ndarray, s
         s.widths,
         s.norms,
         s.eps,
+        s.qk_norms,
+        s.qk_eps,
+        s.gelu,
         s.windows,
+        s.rope_of,
         nh,
         nkv,
         hd,
         np.float32(s.scale),
-        cos,
-        sin,
+        np.stack([c for c, _ in tables]),
+        np.stack([t for _, t in tables]),
         s.fns,
         tuple(c.keys for c in caches),
         tuple(c.values for c in caches),

@@ -420,20 +420,34 @@ def sigmoid(z):
     return (np.float32(1.0) if z >= 0 else e) / (np.float32(1.0) + e)
 
 
+@njit(inline="always", fastmath=True)
+def _glu_row(gu, out, i, gelu):
+    """Row i of ``glu_rows`` and ``glu_small``."""
+    k = gu.shape[1] // 2
+    c2 = np.float32(2.0 * np.sqrt(2.0 / np.pi))
+    for j in range(k):
+        g = gu[i, j]
+        z = c2 * (g + np.float32(0.044715) * g * g * g) if gelu else g
+        out[i, j] = g * sigmoid(z) * gu[i, k + j]
+
+
 @njit(parallel=True, fastmath=True, cache=True)
 def glu_rows(gu, out, gelu):
     """gu = [gate | up] per row -> act(gate) * up, rows in parallel, vectorized (a
     prefill's numpy silu spent 1.5 ms a SmolLM2 layer on libm exp): act = silu, g *
     sigmoid(g), or with ``gelu`` the tanh GELU, 0.5 g (1 + tanh(y)) = g * sigmoid(2 y),
     y = sqrt(2 / pi) (g + 0.044715 g^3)."""
-    n, two = gu.shape
-    k = two // 2
-    c2 = np.float32(2.0 * np.sqrt(2.0 / np.pi))
-    for i in prange(n):
-        for j in range(k):
-            g = gu[i, j]
-            z = c2 * (g + np.float32(0.044715) * g * g * g) if gelu else g
-            out[i, j] = g * sigmoid(z) * gu[i, k + j]
+    for i in prange(gu.shape[0]):
+        _glu_row(gu, out, i, gelu)
+
+
+@njit(fastmath=True, cache=True)
+def glu_small(gu, out, gelu):
+    """``glu_rows``' row body on one thread, for a decode's or a verify's few rows (no
+    parallel region to wake; each row on its own, so a row's bits never depend on the
+    rows beside it)."""
+    for i in range(gu.shape[0]):
+        _glu_row(gu, out, i, gelu)
 
 
 @njit(fastmath=True, cache=True)
