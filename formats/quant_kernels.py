@@ -123,6 +123,8 @@ def lanes_best(cd, s0, s1, s2, s3):
 _F32 = ir.FloatType()
 _VEC = ir.VectorType(_F32, LANES)
 _I32 = ir.IntType(32)
+_VFABS = f"llvm.fabs.v{LANES}f32"
+_VFLOOR = f"llvm.floor.v{LANES}f32"
 _F16_MIN_NORMAL = 2.0**-14
 _F16_MAX = 65504.0
 
@@ -175,9 +177,7 @@ def _q8_candidates(typingctx, x, at, ax, o, divs, cand, slot):
         zero = _vconst(0.0)
         acc = zero
         for h in range(0, QB, LANES):
-            a = _llvm(
-                builder, "llvm.fabs.v16f32", _VEC, builder.load(_vec_at(builder, xa, _plus(builder, at, h)), align=4)
-            )
+            a = _llvm(builder, _VFABS, _VEC, builder.load(_vec_at(builder, xa, _plus(builder, at, h)), align=4))
             builder.store(a, _vec_at(builder, aa, _plus(builder, o, h)), align=4)
             # The max of the non-NaN values and 0, as the scalar ``if a > amax`` scan keeps it.
             acc = builder.select(builder.fcmp_ordered(">", a, acc), a, acc)
@@ -201,7 +201,7 @@ def _scores(builder, aa, o, c, inv, clamp: bool):
     sums = [_vconst(0.0)] * NSUM
     for j in range(QB):
         a = _splat(builder, builder.load(builder.gep(aa.data, [_plus(builder, o, j)]), align=4))
-        level = _llvm(builder, "llvm.floor.v16f32", _VEC, builder.fadd(builder.fmul(a, inv), half))
+        level = _llvm(builder, _VFLOOR, _VEC, builder.fadd(builder.fmul(a, inv), half))
         if clamp:  # min(level, 127), as numba's min: 127 where 127 < level
             level = builder.select(builder.fcmp_ordered("<", top, level), top, level)
         e = builder.fsub(a, builder.fmul(level, c))
