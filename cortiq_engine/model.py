@@ -126,7 +126,7 @@ def fused_stack(model: Model) -> fused_kernels.FusedStack | None:
     """``model``'s blocks packed for ``fused_kernels.fused_step``, or None when a block is
     not one it computes or a matmul is not one integer-kernel call."""
     ks = model.kernels
-    if model.kv_cache != "f32" or not hasattr(ks, "int_plan") or not model.blocks:
+    if model.kv_cache != "f32" or not hasattr(ks, "int_plans") or not model.blocks:
         return None
     plans, norms, eps, qk, qk_eps, windows, ropes, rope_of, geo = [], [], [], [], [], [], [], [], set()
     for b in model.blocks:
@@ -152,7 +152,7 @@ def fused_stack(model: Model) -> fused_kernels.FusedStack | None:
             or a.hd != a.vd
         ):
             return None
-        layer = [ks.int_plan(ws) for ws in (*a.projections, *m.projections)]
+        layer = [ks.int_plans(ws) for ws in (*a.projections, *m.projections)]
         if any(p is None for p in layer):
             return None
         plans.append(layer)
@@ -171,8 +171,13 @@ def fused_stack(model: Model) -> fused_kernels.FusedStack | None:
     nh, nkv, hd, scale, _, gelu, _ = geo.pop()
     L = len(plans)
 
+    P = max(len(calls) for layer in plans for calls in layer)
+
     def table(field: str, dtype) -> np.ndarray:
-        return np.ascontiguousarray([[getattr(p, field) for p in layer] for layer in plans], dtype)
+        """[L, 4, P, ...] of a plan field; the calls past a matmul's own repeat its last (never run)."""
+        return np.ascontiguousarray(
+            [[[getattr(c[min(p, len(c) - 1)], field) for p in range(P)] for c in layer] for layer in plans], dtype
+        )
 
     return fused_kernels.FusedStack(
         fn=table("fn", np.int64),
@@ -183,7 +188,9 @@ def fused_stack(model: Model) -> fused_kernels.FusedStack | None:
         qmax=table("qmax", np.int64),
         zmm=table("zmm", np.bool_),
         bits=table("bits", np.int64),
-        widths=table("width", np.int64),
+        pwidths=table("width", np.int64),
+        nplans=np.array([[len(c) for c in layer] for layer in plans], np.int64),
+        widths=np.array([[sum(p.width for p in c) for c in layer] for layer in plans], np.int64),
         norms=np.ascontiguousarray(norms, np.float32),
         eps=np.array(eps, np.float32),
         qk_norms=np.ascontiguousarray(qk, np.float32) if qk else np.zeros((L, 0, 0), np.float32),

@@ -610,11 +610,12 @@ class NumbaKernels(NumpyKernels):
         return o, S
 
     # ------------------------------------------------------------ fused steps
-    def int_plan(self, ws: Sequence[Weight]) -> "_Plan | None":
-        """The one integer-kernel call a small matmul over ``ws`` makes, or None when it
-        makes several or runs on the float kernels (``kernels.fused`` takes only these)."""
+    def int_plans(self, ws: Sequence[Weight]) -> "list[_Plan] | None":
+        """The integer-kernel calls a small matmul over ``ws`` makes (one per run of one
+        dtype), or None when one runs on the float kernels (``kernels/fused.py`` takes
+        only integer calls)."""
         plans, _ = self._plans_for(ws)
-        return plans[0] if len(plans) == 1 and plans[0].fn is not None else None
+        return plans if all(p.fn is not None for p in plans) else None
 
     def attention_loops(self, d: int, dv: int) -> np.ndarray:
         """The IR loops ``attend`` gives a decode over an f32 cache of these head sizes."""

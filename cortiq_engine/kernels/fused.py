@@ -35,15 +35,19 @@ QKV, O, GATE_UP, DOWN = range(4)
 class FusedStack:
     """One stack's arrays for ``fused_step`` (L layers, the four matmuls of each)."""
 
-    fn: np.ndarray  # int64 [L, 4]: the integer kernel's address
-    addrs: np.ndarray  # int64 [L, 4, FUSE_MAX, NPARTS]: each fused matrix's part addresses
-    rows: np.ndarray  # int64 [L, 4, FUSE_MAX]
-    count: np.ndarray  # int64 [L, 4]: matrices fused in the call
-    offs: np.ndarray  # int64 [L, 4, FUSE_MAX + 1]: their first output columns
-    qmax: np.ndarray  # int64 [L, 4]: the activations' largest integer
-    zmm: np.ndarray  # bool [L, 4]: the kernel reads interleaved rows
-    bits: np.ndarray  # int64 [L, 4]: activation width, 8 or 16
-    widths: np.ndarray  # int64 [L, 4]: output columns
+    # Per kernel call p of matmul j of layer l ([L, 4, P, ...]; a matmul over matrices of
+    # two dtypes is two calls, P the most of any matmul):
+    fn: np.ndarray  # int64 [L, 4, P]: the integer kernel's address
+    addrs: np.ndarray  # int64 [L, 4, P, FUSE_MAX, NPARTS]: each fused matrix's part addresses
+    rows: np.ndarray  # int64 [L, 4, P, FUSE_MAX]
+    count: np.ndarray  # int64 [L, 4, P]: matrices fused in the call
+    offs: np.ndarray  # int64 [L, 4, P, FUSE_MAX + 1]: their first output columns
+    qmax: np.ndarray  # int64 [L, 4, P]: the activations' largest integer
+    zmm: np.ndarray  # bool [L, 4, P]: the kernel reads interleaved rows
+    bits: np.ndarray  # int64 [L, 4, P]: activation width, 8 or 16
+    pwidths: np.ndarray  # int64 [L, 4, P]: the call's output columns
+    nplans: np.ndarray  # int64 [L, 4]: the matmul's calls
+    widths: np.ndarray  # int64 [L, 4]: the matmul's output columns
     norms: np.ndarray  # f32 [L, 2 or 4, hidden]: a pre-norm block's two norms, a sandwich block's four
     eps: np.ndarray  # f32 [L, 2 or 4]
     qk_norms: np.ndarray  # f32 [L, 2, head size] per-head q and k norms, or [L, 0, 0]: none
@@ -62,12 +66,28 @@ _P8, _P16 = np.empty(0, np.int8), np.empty(0, np.int16)
 
 
 @njit(inline="always")
-def _matmul(f, layer, j, X, out):  # pragma: no cover - compiled
-    a = (f[0][layer, j], f[1][layer, j], f[2][layer, j], f[3][layer, j], f[4][layer, j])
-    if f[7][layer, j] == 8:
-        qdot.intdot(a[0], a[1], a[2], a[3], a[4], X, _P8, f[5][layer, j], f[6][layer, j], out)
+def _plan(f, layer, j, p, X, out):  # pragma: no cover - compiled
+    a = (f[0][layer, j, p], f[1][layer, j, p], f[2][layer, j, p], f[3][layer, j, p], f[4][layer, j, p])
+    if f[7][layer, j, p] == 8:
+        qdot.intdot(a[0], a[1], a[2], a[3], a[4], X, _P8, f[5][layer, j, p], f[6][layer, j, p], out)
     else:
-        qdot.intdot(a[0], a[1], a[2], a[3], a[4], X, _P16, f[5][layer, j], f[6][layer, j], out)
+        qdot.intdot(a[0], a[1], a[2], a[3], a[4], X, _P16, f[5][layer, j, p], f[6][layer, j, p], out)
+
+
+@njit(inline="always")
+def _matmul(f, layer, j, X, out):  # pragma: no cover - compiled
+    """Matmul j of the layer: its kernel calls (one per run of matrices of one dtype, as
+    ``NumbaKernels.matmul`` makes them), each into its columns of ``out``."""
+    if f[9][layer, j] == 1:
+        _plan(f, layer, j, 0, X, out)
+        return
+    c0 = 0
+    for p in range(f[9][layer, j]):
+        w = f[10][layer, j, p]
+        tgt = np.empty((X.shape[0], w), np.float32)
+        _plan(f, layer, j, p, X, tgt)
+        out[:, c0 : c0 + w] = tgt
+        c0 += w
 
 
 @njit(inline="always")
@@ -114,6 +134,8 @@ def fused_step(
     zmm,
     bits,
     widths,
+    nplans,
+    pwidths,
     norms,
     eps,
     qk_norms,
@@ -138,7 +160,7 @@ def fused_step(
     sandwich blocks (pre- and post-attention, pre- and post-MLP). ``cos``/``sin`` hold one
     table per RoPE, ``rope_of`` picks a layer's."""
     n = x.shape[0]
-    f = (fn, addrs, rows, count, offs, qmax, zmm, bits, widths)
+    f = (fn, addrs, rows, count, offs, qmax, zmm, bits, widths, nplans, pwidths)
     sandwich = norms.shape[1] == 4
     h = np.empty_like(x)
     for layer in range(norms.shape[0]):
@@ -202,6 +224,8 @@ def run(stack: FusedStack, x: np.ndarray, caches, start: int, tables) -> None:
         s.zmm,
         s.bits,
         s.widths,
+        s.nplans,
+        s.pwidths,
         s.norms,
         s.eps,
         s.qk_norms,
