@@ -26,6 +26,7 @@ import json
 import os
 import re
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -673,18 +674,21 @@ class SliceEncoder:
 
 class WriteBehind:
     """Appends encoded tensors to their files on a thread of its own, so that tensor N is
-    written (and its CRC summed) while tensor N+1 is encoded.
+    written (and its CRC summed) while the tensors after it are encoded.
 
-    At most one tensor waits: ``add`` first collects the one before it, so memory holds
-    two encoded tensors at most (the one being written, the one being encoded). The
-    writes run one after another in the order given, so the bytes are those of writing
-    in turn; each ``then`` runs on the caller's thread, in order, with the tensor's
-    directory entry, and a failed write raises from the next ``add`` or ``sync``.
+    ``add`` lets a tensor wait behind the one being written only while the waiting ones
+    come to ``GATHER_BYTES`` at most; else it first collects the oldest. Memory so holds
+    the tensor being encoded and either one encoded tensor or a few small ones: a write
+    slower than the next encoding (a large tensor after small ones) does not stop the
+    encoders. The writes run one after another in the order given, so the bytes are
+    those of writing in turn; each ``then`` runs on the caller's thread, in order, with
+    the tensor's directory entry, and a failed write raises from a later ``add`` or
+    ``sync``.
     """
 
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(1, "cortiq-write")
-        self._pending: tuple[Future, Callable[[TensorInfo], None]] | None = None
+        self._pending: deque[tuple[Future, Callable[[TensorInfo], None], int]] = deque()
 
     def add(
         self,
@@ -695,24 +699,27 @@ class WriteBehind:
         parts: list[np.ndarray],
         then: Callable[[TensorInfo], None],
     ) -> None:
-        self.sync()
-        self._pending = (self._pool.submit(w.add_encoded, name, dtype, shape, parts), then)
+        nbytes = sum(int(p.nbytes) for p in parts)
+        while self._pending and sum(p[2] for p in self._pending) + nbytes > GATHER_BYTES:
+            self._collect()
+        self._pending.append((self._pool.submit(w.add_encoded, name, dtype, shape, parts), then, nbytes))
+
+    def _collect(self) -> None:
+        fut, then, _ = self._pending.popleft()
+        then(fut.result())
 
     def sync(self) -> None:
-        """Wait for the tensor being written; every file is then whole up to its last ``add``."""
-        if self._pending is not None:
-            fut, then = self._pending
-            self._pending = None
-            then(fut.result())
+        """Wait for every tensor added; each file is then whole up to its last ``add``."""
+        while self._pending:
+            self._collect()
 
     def __enter__(self) -> "WriteBehind":
         return self
 
     def __exit__(self, *exc) -> None:
-        # On an error too, the write in flight ends before anyone closes its file.
-        if self._pending is not None:
-            wait([self._pending[0]])
-            self._pending = None
+        # On an error too, the writes in flight end before anyone closes their files.
+        wait([p[0] for p in self._pending])
+        self._pending.clear()
         self._pool.shutdown(wait=True)
 
 
