@@ -38,6 +38,10 @@ class ImatrixPartial:
 class RecordingKernels:
     """A kernel set that records per-weight input-column energy and delegates everything."""
 
+    # Every matmul must pass through ``matmul`` to be recorded, so a model on this set runs
+    # layer by layer: no fused steps (``model.fused_stack`` asks for ``int_plans``).
+    int_plans = None
+
     def __init__(self, inner):
         self.inner = inner
         self.sums: dict[str, np.ndarray] = {}

@@ -126,7 +126,7 @@ def fused_stack(model: Model) -> fused_kernels.FusedStack | None:
     """``model``'s blocks packed for ``fused_kernels.fused_step``, or None when a block is
     not one it computes or a matmul is not one integer-kernel call."""
     ks = model.kernels
-    if model.kv_cache != "f32" or not hasattr(ks, "int_plans") or not model.blocks:
+    if model.kv_cache != "f32" or getattr(ks, "int_plans", None) is None or not model.blocks:
         return None
     plans, norms, eps, qk, qk_eps, windows, ropes, rope_of, geo = [], [], [], [], [], [], [], [], set()
     for b in model.blocks:

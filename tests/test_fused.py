@@ -10,6 +10,8 @@ import pytest
 
 from cortiq_engine import Engine
 from cortiq_engine.convert import convert_checkpoint
+from cortiq_engine.imatrix import RecordingKernels
+from cortiq_engine.kernels import get_kernels
 from cortiq_engine.model import forward
 from tests.tiny import save_tiny
 
@@ -77,3 +79,10 @@ def test_stacks_the_fused_step_does_not_compute_keep_the_layers(smollm2_cmf, tmp
     assert Engine.load(tmp_path / "qwen2.cmf", threads=2).model.fused is None
     assert Engine.load(smollm2_cmf("q8"), threads=2, kv_cache="f16").model.fused is None
     assert Engine.load(smollm2_cmf("q8"), threads=2, kernels="numpy").model.fused is None
+    # imatrix's recorder sees every matmul: a chunk of <= 16 tokens must not bypass it
+    recorder = RecordingKernels(get_kernels("numba"))
+    assert Engine.load(smollm2_cmf("q8"), threads=2, kernels=recorder).model.fused is None
+    state = Engine.load(smollm2_cmf("q8"), threads=2, kernels=recorder).new_state(16)
+    recorder.take(0)  # what the loads' warm-ups recorded
+    forward(state, [1, 2, 3])
+    assert recorder.rows["model.layers.0.self_attn.q_proj.weight"] == 3
