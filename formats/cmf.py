@@ -61,6 +61,10 @@ _PREAMBLE_FMT = "<8sHHIQQQQQQ"
 assert struct.calcsize(_PREAMBLE_FMT) == PREAMBLE
 # Room left after the header JSON for later in-place edits (a calibration temperature).
 HEADER_SLACK = 4096
+# The writer starts the disk writes of every WRITEBACK_STEP new bytes and drops pages
+# written WRITEBACK_LAG bytes ago from the page cache (``CmfWriter._write_back``).
+WRITEBACK_STEP = 8 << 20
+WRITEBACK_LAG = 32 << 20
 _ZEROS = bytes(ALIGN)
 
 
@@ -160,6 +164,7 @@ class CmfWriter(Staged):
             self.abort()
             raise
         self._pos = self._data_off
+        self._flushed = self._dropped = 0  # _write_back's marks
 
     @property
     def tensors(self) -> list[TensorInfo]:
@@ -212,7 +217,28 @@ class CmfWriter(Staged):
         info = TensorInfo(name, dtype, shape, start, nbytes, crc)
         self._dir.append(info)
         self._names.add(name)
+        self._write_back()
         return info
+
+    def _write_back(self) -> None:
+        """Start the disk writes of what the last tensors added, and drop from the page
+        cache what was written WRITEBACK_LAG bytes ago: a converter's output is not read
+        again, and on a VM whose new page-cache pages are slow, letting a gigabyte of dirty
+        pages pile up until ``seal``'s fsync cost a 1.1B q8 convert about a second."""
+        if not hasattr(os, "posix_fadvise") or self._pos - self._flushed < WRITEBACK_STEP:
+            return
+        self._f.flush()
+        fd = self._f.fileno()
+        try:
+            # DONTNEED starts writeback of dirty pages and drops the clean ones
+            os.posix_fadvise(fd, self._flushed, self._pos - self._flushed, os.POSIX_FADV_DONTNEED)
+            old = self._pos - WRITEBACK_LAG
+            if old > self._dropped:
+                os.posix_fadvise(fd, self._dropped, old - self._dropped, os.POSIX_FADV_DONTNEED)
+                self._dropped = old
+        except OSError:
+            pass  # advice only: a filesystem that refuses it loses nothing
+        self._flushed = self._pos
 
     def add_bytes(self, name: str, data: bytes) -> TensorInfo:
         return self.add(name, "u8", np.frombuffer(data, dtype=np.uint8))
