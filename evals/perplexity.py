@@ -29,6 +29,23 @@ def _exp(x: float) -> float:
     return math.exp(x) if x < 709.0 else float("inf")
 
 
+def _exp_estimate(field: str) -> tuple[property, property, property]:
+    """Properties of exp(mean) of the ``MeanEstimate`` named ``field``: the value, its
+    delta-method SE (exp(mean) * se) and the exp of the mean's 95% interval."""
+
+    def value(self) -> float:
+        return _exp(getattr(self, field).mean)
+
+    def se(self) -> float:
+        return value(self) * getattr(self, field).se
+
+    def ci95(self) -> tuple[float, float]:
+        lo, hi = getattr(self, field).ci95
+        return (_exp(lo), _exp(hi))
+
+    return property(value), property(se), property(ci95)
+
+
 def log_softmax_rows(z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(z - max, logsumexp(z - max)) per row: float32 shifted logits, float64 lse."""
     shifted = z - z.max(axis=1, keepdims=True)
@@ -166,19 +183,8 @@ class PerplexityReport:
     tokens_scored: int
     bytes_scored: int
 
-    @property
-    def ppl(self) -> float:
-        return _exp(self.nll.mean)
-
-    @property
-    def ppl_se(self) -> float:
-        """Delta-method SE of the perplexity (what llama.cpp prints after +/-)."""
-        return self.ppl * self.nll.se
-
-    @property
-    def ppl_ci95(self) -> tuple[float, float]:
-        lo, hi = self.nll.ci95
-        return (_exp(lo), _exp(hi))
+    # the perplexity, its delta-method SE (what llama.cpp prints after +/-) and 95% interval
+    ppl, ppl_se, ppl_ci95 = _exp_estimate("nll")
 
     @property
     def bits_per_byte(self) -> float:
@@ -277,19 +283,8 @@ class Comparison:
     nll_correlation: float  # Pearson correlation of the per-token NLLs (llama.cpp's Cor(ln PPL(Q), ln PPL(base)))
     reference_form: str = "full"  # "full", or "top-K" for a compact saved reference
 
-    @property
-    def ppl_ratio(self) -> float:
-        return _exp(self.log_ratio.mean)
-
-    @property
-    def ppl_ratio_se(self) -> float:
-        """Delta method, as llama.cpp's ``Mean PPL(Q)/PPL(base)`` +/-."""
-        return self.ppl_ratio * self.log_ratio.se
-
-    @property
-    def ppl_ratio_ci95(self) -> tuple[float, float]:
-        lo, hi = self.log_ratio.ci95
-        return (_exp(lo), _exp(hi))
+    # ppl_m / ppl_0, its delta-method SE (llama.cpp's ``Mean PPL(Q)/PPL(base)`` +/-) and 95% interval
+    ppl_ratio, ppl_ratio_se, ppl_ratio_ci95 = _exp_estimate("log_ratio")
 
     @classmethod
     def of(cls, model: str, reference: str, nll_ref: np.ndarray, st: RowStats, form: str = "full") -> "Comparison":

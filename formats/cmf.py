@@ -43,6 +43,7 @@ import numpy as np
 from formats.errors import CortiqError
 from formats.quants import ALIGN, DTYPES, align_up, get_dtype
 from formats.staging import Staged, hold, new_temp, place, refuse_special, remove_stale, staged_file
+from formats.tensor_span import TensorSpan
 from formats.untrusted_json import close_map, is_int, loads as untrusted_loads, map_regular, open_regular
 
 MAGIC = b"CORTIQMF"
@@ -69,12 +70,7 @@ _ZEROS = bytes(ALIGN)
 
 
 @dataclass(frozen=True)
-class TensorInfo:
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    offset: int
-    nbytes: int
+class TensorInfo(TensorSpan):
     crc32: int
 
     def to_json(self) -> dict[str, Any]:

@@ -10,7 +10,6 @@ import math
 import mmap
 import os
 import struct
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -18,6 +17,7 @@ import numpy as np
 
 from formats.errors import CortiqError
 from formats.quants import bf16_to_f32, rows_cols
+from formats.tensor_span import TensorSpan
 from formats.untrusted_json import close_map, load_object, map_regular, open_regular
 
 _ST_DTYPES = {
@@ -43,20 +43,6 @@ def _uint(v: object) -> int:
     return v
 
 
-@dataclass(frozen=True)
-class StEntry:
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    begin: int
-    end: int
-
-    @property
-    def itemsize(self) -> int:
-        dt = _ST_DTYPES.get(self.dtype)
-        return dt.itemsize if dt is not None else 0
-
-
 class SafetensorsFile:
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -74,14 +60,16 @@ class SafetensorsFile:
         self._base = 8 + n
         md = meta.pop("__metadata__", {}) or {}
         self.metadata = md if isinstance(md, dict) else {}
-        self.entries: dict[str, StEntry] = {}
+        self.entries: dict[str, TensorSpan] = {}
         for name, e in meta.items():
             try:
                 b, en = (_uint(v) for v in e["data_offsets"])
                 shape = tuple(_uint(s) for s in e["shape"])
                 if len(shape) > 8 or math.prod(shape) > 1 << 48:
                     raise ValueError
-                entry = StEntry(name, str(e["dtype"]), shape, b, en)
+                if en < b:
+                    raise ValueError
+                entry = TensorSpan(name, str(e["dtype"]), shape, b, en - b)
             except (KeyError, TypeError, ValueError):
                 raise CortiqError(f"{self.path}: corrupt safetensors entry for {name}") from None
             if not 0 <= b <= en or self._base + en > size:
@@ -103,7 +91,7 @@ class SafetensorsFile:
         if dt is None:
             raise CortiqError(f"{self.path}: tensor {name} has unsupported dtype {e.dtype}")
         count = int(np.prod(e.shape)) if e.shape else 1
-        return np.frombuffer(self._buf, dtype=dt, count=count, offset=self._base + e.begin).reshape(e.shape)
+        return np.frombuffer(self._buf, dtype=dt, count=count, offset=self._base + e.offset).reshape(e.shape)
 
     def f32(self, name: str) -> np.ndarray:
         """The tensor as float32 (a copy unless it is stored as f32)."""
@@ -129,12 +117,12 @@ class SafetensorsFile:
             r1 = min(rows, r0 + step)
             chunk = a2[r0:r1]
             yield bf16_to_f32(chunk) if e.dtype == "BF16" else chunk.astype(np.float32, copy=False)
-            self._release(self._base + e.begin + r0 * row_bytes, self._base + e.begin + r1 * row_bytes)
+            self._release(self._base + e.offset + r0 * row_bytes, self._base + e.offset + r1 * row_bytes)
 
     def release(self, name: str) -> None:
         """Hand the pages of one tensor back to the OS."""
         e = self.entries[name]
-        self._release(self._base + e.begin, self._base + e.end)
+        self._release(self._base + e.offset, self._base + e.end)
 
     def release_all(self) -> None:
         """Hand every mapped page back to the OS (reads fault them in again)."""
