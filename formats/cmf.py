@@ -270,9 +270,15 @@ class CmfWriter(Staged):
         self.publish()
 
     def abort(self) -> None:
-        if not self._f.closed:
-            self._f.close()
-        self._tmp.unlink(missing_ok=True)
+        """Remove the staging file. Closing flushes what the writer still buffers, which
+        fails again on the full disk that brought us here: the file goes regardless."""
+        try:
+            if not self._f.closed:
+                self._f.close()
+        except OSError:
+            pass
+        finally:
+            self._tmp.unlink(missing_ok=True)
 
 
 def read_preamble(path: Path, f, size: int) -> Preamble:
