@@ -67,8 +67,8 @@ class Model:
 
     @functools.cached_property
     def fused(self) -> fused_kernels.FusedStack | None:
-        """The stack as one compiled decode/verify call, when it is a plain pre-norm one
-        on integer kernels (``kernels/fused.py``); None: layer by layer."""
+        """The stack as one compiled decode/verify call, when its blocks and kernels are
+        ones ``kernels/fused.py`` computes (``fused_stack``); None: layer by layer."""
         return fused_stack(self)
 
     def new_state(self, capacity: int) -> "State":
@@ -170,7 +170,6 @@ def fused_stack(model: Model) -> fused_kernels.FusedStack | None:
         return None
     nh, nkv, hd, scale, _, gelu, _ = geo.pop()
     L = len(plans)
-
     P = max(len(calls) for layer in plans for calls in layer)
 
     def table(field: str, dtype) -> np.ndarray:
@@ -222,17 +221,18 @@ def forward(state: State, ids: Sequence[int] | np.ndarray, layerwise: bool = Fal
         expert_usage=state.expert_usage,
         context=state.capacity,
     )
+    # The fused step takes the rows the kernels compute one by one (decode, a verify), over
+    # KV caches of one length (a forward cut short leaves them apart: block by block then).
     fused = None if layerwise else model.fused
     caches = state.caches
-    start = caches[0].length
-    # The fused step takes the rows the kernels compute one by one (decode, a verify).
-    if fused is not None and n <= model.kernels.row_exact_rows and all(c.length == start for c in caches):
+    if fused is not None and n <= model.kernels.row_exact_rows and all(c.length == caches[0].length for c in caches):
+        start = caches[0].length
         caches[0].check_room(n)
         fused_kernels.run(fused, x, caches, start, [step.rope_tables(r) for r in fused.ropes])
         for c in caches:
             c.claim(n)
     else:
-        for block, cache in zip(model.blocks, state.caches):
+        for block, cache in zip(model.blocks, caches):
             block(x, cache, step)
     state.position += n
     state.forwarded += n
