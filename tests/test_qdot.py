@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cortiq_engine.kernels import get_kernels, qdot
+from cortiq_engine.kernels import fast, get_kernels, qdot
 from cortiq_engine.kernels.fast import NumbaKernels
 from cortiq_engine.weights import Weight
 from tests.test_engine_kernels import _weight
@@ -108,17 +108,19 @@ def test_vnni_and_avx2_forms_give_the_same_bits(dtype, bits, cols):
 @pytest.mark.parametrize("dtype,bits", qdot.ZBODIES + qdot.WROWS_KINDS)
 @pytest.mark.parametrize("cols", [32, 160, 256, 608, 2048])
 def test_zmm_bodies_give_the_per_row_bodies_bits(dtype, bits, cols):
-    """3- and 4-row calls on the zmm bodies (q4: input rows side by side in 128-bit lanes;
-    q8: four weight rows side by side, 37 / 16 / 5 rows leaving 1 / 0 / 1 to the per-row
-    body) give exactly what the per-row bodies give, for whole groups, leftover blocks
-    and both, with every split of 3..9 rows into calls of at most 4."""
+    """Calls on the zmm bodies (q4: 1 and 2 rows two blocks a vpdpbusd, 3 and 4 input rows
+    side by side in 128-bit lanes; q8: four weight rows side by side, 37 / 16 / 5 rows
+    leaving 1 / 0 / 1 to the per-row body) give exactly what the per-row bodies give, for
+    whole groups, leftover blocks and both, with every split of 1..9 rows into calls of
+    at most 4."""
     ws = [_weight(dtype, r, cols, seed=i + cols)[0] for i, r in enumerate((37, 16, 5))]
     zk, rk = NumbaKernels(act_bits=bits, zmm=True, zmm_min_weights=0), NumbaKernels(act_bits=bits, zmm=False)
-    assert not NumbaKernels(act_bits=bits, zmm=True)._plans_for(ws)[0][0].zmm  # small: per-row bodies by default
+    small = NumbaKernels(act_bits=bits, zmm=True, zmm_min_weights=fast.ZMM_MIN_WEIGHTS)
+    assert not small._plans_for(ws)[0][0].zmm  # small, where 512-bit code slows the clock: per-row bodies
     assert zk._plans_for(ws)[0][0].zmm == ((dtype, bits) in qdot.ZBODIES) and not rk._plans_for(ws)[0][0].zmm
     X = RNG.standard_normal((9, cols)).astype(np.float32) * np.float32(3)
     X[2, : min(cols, 64)] = 0  # an all-zero block: scale 0
-    for n in (3, 4, 5, 7, 8, 9):
+    for n in (1, 2, 3, 4, 5, 6, 7, 8, 9):
         z = zk.matmul(ws, X[:n])
         assert np.array_equal(z, rk.matmul(ws, X[:n]))
         assert np.array_equal(z[n - 1], zk.matmul(ws, X[n - 1 : n])[0])
@@ -143,10 +145,12 @@ def test_interleave_rows_layout():
 
 
 def test_module_ir_zmm_entries():
-    """With zmm, q4's 3- and 4-row cases call the zmm bodies (512-bit vpdpbusd), q8's the
-    4-weight-row ones (vpdpwssd); 1 and 2 rows keep the per-row bodies."""
+    """With zmm, q4's calls take the zmm bodies (512-bit vpdpbusd: 1 and 2 rows two blocks
+    a product, 3 and 4 rows side by side), q8's 3 and 4 rows the 4-weight-row ones
+    (vpdpwssd) and its 1 and 2 rows the per-row bodies."""
     ir = qdot.module_ir("q4", 8, vnni=True, zmm=True)
-    assert "call void @q4_rows4z(" in ir and "call void @q4_rows3z(" in ir and "call void @q4_rows2(" in ir
+    assert "call void @q4_rows4z(" in ir and "call void @q4_rows3z(" in ir
+    assert "call void @q4_rows2p(" in ir and "call void @q4_rows1p(" in ir
     assert "@llvm.x86.avx512.vpdpbusd.512(" in ir
     ir8 = qdot.module_ir("q8", 16, vnni=True, zmm=True)
     assert "call void @q8a16_rows4w(" in ir8 and "call void @q8a16_rows2(" in ir8 and '"vpdpwssd $2, $1, $0"' in ir8
@@ -223,3 +227,13 @@ def test_q6k_int16_worst_case_group_fits_an_i32():
     got = NumbaKernels(act_bits=16).matmul([Weight("w", "q6k", rows, cols, parts)], X)
     assert qdot.qmax("q6k", 16) == 16383 and 32 * 32 * 128 * 16383 < 2**31
     np.testing.assert_array_equal(got, np.full((1, rows), 32 * 128 * cols, np.float32))
+
+
+def test_zmm_threshold_follows_the_cpu():
+    """Every matrix takes the zmm bodies on CPUs that run 512-bit code at full clock, only
+    large ones elsewhere; an explicit threshold wins."""
+    import llvmlite.binding as llvm
+
+    full = llvm.get_host_cpu_name() in fast.FULL_CLOCK_ZMM_CPUS
+    assert fast.default_zmm_min_weights() == (0 if full else fast.ZMM_MIN_WEIGHTS)
+    assert NumbaKernels(zmm_min_weights=7).zmm_min_weights == 7

@@ -69,8 +69,23 @@ _ACT_PROTO = {8: np.empty(0, np.int8), 16: np.empty(0, np.int16)}
 # loops 3.9, BLAS 6.0), 9.9 on TinyLlama's (18.1, 18.0), 4.5 on Gemma 3 270M's (14.5,
 # 6.4); 41 ms at 2,048 tokens on SmolLM2's (86, 64).
 SMALL_ATTN = 16
-# Weights of a fused matmul from which 3- and 4-row calls take the zmm bodies (qdot.py).
+# Weights of a fused matmul from which calls take the zmm bodies (qdot.py) on CPUs whose
+# 512-bit instructions slow the clock (Intel): on SmolLM2's small matrices a 4-row verify
+# step measured slower with them on Sapphire Rapids (16.1-18.0 vs 14.7-15.5 ms), on its
+# 28M-weight lm_head and on every matrix of a 1.1B model faster. AMD Zen 4/5 run them at
+# full clock, and every size gains (Zen 5, 2 threads, q4 3072 x 576: 1 row 23.2 -> 18.9 us,
+# 4 rows 62.2 -> 36.1; q8 4 rows 60.3 -> 45.9): there the zmm bodies take every matrix.
 ZMM_MIN_WEIGHTS = 4 << 20
+FULL_CLOCK_ZMM_CPUS = ("znver4", "znver5")
+
+
+def default_zmm_min_weights() -> int:
+    """``ZMM_MIN_WEIGHTS``, or 0 on a CPU that runs 512-bit instructions at full clock."""
+    import llvmlite.binding as llvm
+
+    return 0 if llvm.get_host_cpu_name() in FULL_CLOCK_ZMM_CPUS else ZMM_MIN_WEIGHTS
+
+
 # Matrices one small-batch kernel call can fuse (q|k|v).
 FUSE_MAX = 3
 # f32 elements of the reused dequantization tile (8 MB): a fused q|k|v or gate|up
@@ -201,7 +216,7 @@ class NumbaKernels(NumpyKernels):
         act_bits: int | Mapping[str, int] | None = None,
         vnni: bool | None = None,
         zmm: bool | None = None,
-        zmm_min_weights: int = ZMM_MIN_WEIGHTS,
+        zmm_min_weights: int | None = None,
         attn_loops: bool | None = None,
         kernel_cache: Path | None | str = "default",
         amx_tiles: bool | None = None,
@@ -226,12 +241,13 @@ class NumbaKernels(NumpyKernels):
             else {k: int(act_bits) for k in ACT_BITS}
         )
         # ``vnni``: the integer kernels' VNNI form (default where the CPU has it; same results).
-        # ``zmm``: 3- and 4-row calls on AVX-512 VNNI bodies (default where the CPU has it; same results).
-        # ``zmm_min_weights``: the smallest fused matmul that takes them.
+        # ``zmm``: calls on AVX-512 VNNI bodies (default where the CPU has it; same results).
+        # ``zmm_min_weights``: the smallest fused matmul that takes them (default
+        # ``default_zmm_min_weights()``).
         # ``kernel_cache``: the compiled IR's object cache (llvm_jit.py; default
         # $CORTIQ_KERNEL_CACHE or ~/.cache/cortiq/kernels, None: compile every time).
         self._intdot = qdot.compile_intdot(vnni, zmm, kernel_cache) if any(widths.values()) else None
-        self.zmm_min_weights = zmm_min_weights
+        self.zmm_min_weights = default_zmm_min_weights() if zmm_min_weights is None else zmm_min_weights
         self.act_bits = {k: v for k, v in widths.items() if v} if self._intdot is not None else {}
         # Prefill on integer tile products (amx.py; default where the CPU offers AMX-INT8
         # tiles or AVX-512 VNNI) for the dtypes that decode on integer activations; False:
@@ -312,10 +328,7 @@ class NumbaKernels(NumpyKernels):
         # The integer kernels (qdot.WIDTHS names the dtypes and widths they exist for)
         # take the dtype's kernel parts in ``DType.kernel_parts`` order.
         int_parts = tuple(parts) if bits else None
-        # The 4-row zmm bodies only for large matrices: on SmolLM2's small ones (under 2M
-        # weights a fused call) a 4-row verify step measured slower with them (16.1-18.0 vs
-        # 14.7-15.5 ms: AVX-512 clock and transition costs outweigh the saved shuffles), on
-        # its 28M-weight lm_head and on every matrix of a 1.1B model faster.
+        # The zmm bodies from zmm_min_weights (see ZMM_MIN_WEIGHTS).
         zmm = sum(w.rows * w.cols for w in run) >= self.zmm_min_weights
         fn = self._intdot.fn(ops.dtype, bits, zmm) if bits else None
         addrs = rows = None
