@@ -237,3 +237,68 @@ def test_zmm_threshold_follows_the_cpu():
     full = llvm.get_host_cpu_name() in fast.FULL_CLOCK_ZMM_CPUS
     assert fast.default_zmm_min_weights() == (0 if full else fast.ZMM_MIN_WEIGHTS)
     assert NumbaKernels(zmm_min_weights=7).zmm_min_weights == 7
+
+
+def _random_kquant(w: Weight, rng: np.random.Generator) -> Weight:
+    """``w`` with random bytes in every field but the f16 scales: every 6-bit scale and
+    min bit, q6k's negative 8-bit scales, quants from 0 to their top."""
+    parts = {k: np.ascontiguousarray(v).copy() for k, v in w.parts.items()}
+    for k, v in parts.items():
+        if k not in ("d", "dmin"):
+            parts[k] = rng.integers(0, 256, v.shape, dtype=np.uint8).view(v.dtype)
+    return Weight("w", w.dtype, w.rows, w.cols, parts)
+
+
+@pytest.mark.skipif(not qdot.host_zmm(), reason="this CPU has no AVX-512 VNNI: the zmm bodies cannot run")
+@pytest.mark.parametrize("dtype,bits", qdot.KPBODIES)
+@pytest.mark.parametrize("cols", [256, 512, 2048])
+def test_kquant_zmm_bodies_give_the_per_row_bodies_bits(dtype, bits, cols):
+    """q4k's and q6k's 1- and 2-row zmm bodies (two groups a 512-bit product) give exactly
+    what the per-row bodies give, for one and several super-blocks, random and extreme
+    scale bytes, an all-zero activation block, activations spanning 2^40, and every split of
+    1..9 rows into calls of at most 4 (3- and 4-row calls keep the per-row bodies)."""
+    rng = np.random.default_rng(cols)
+    ws = [_weight(dtype, r, cols, seed=i + cols)[0] for i, r in enumerate((37, 16, 5))]
+    ws[1] = _random_kquant(ws[1], rng)
+    zk, rk = NumbaKernels(act_bits=bits, zmm=True, zmm_min_weights=0), NumbaKernels(act_bits=bits, zmm=False)
+    assert zk._plans_for(ws)[0][0].fn != rk._plans_for(ws)[0][0].fn  # the zmm entry is the one under test
+    X = rng.standard_normal((9, cols)).astype(np.float32) * np.float32(3)
+    X[2, :64] = 0  # an all-zero block: scale 0
+    X[4] *= np.float32(2.0**20)
+    X[5] *= np.float32(2.0**-20)
+    for n in (1, 2, 3, 4, 5, 6, 7, 8, 9):
+        z = zk.matmul(ws, X[:n])
+        assert np.array_equal(z, rk.matmul(ws, X[:n]))
+        assert np.array_equal(z[n - 1], zk.matmul(ws, X[n - 1 : n])[0])
+    got = zk.matmul(ws, X)
+    twin = np.concatenate([qdot.qdot_ref(dtype, w.parts, X, bits) for w in ws], axis=1)
+    scale = np.abs(twin).max(axis=1, keepdims=True)
+    assert np.all(np.abs(got - twin) / scale < 2e-6)
+
+
+@pytest.mark.skipif(not qdot.host_zmm(), reason="this CPU has no AVX-512 VNNI: the zmm bodies cannot run")
+def test_kquant_zmm_q6k_worst_case_group_fits_an_i32():
+    """The zmm q6k body on ``test_q6k_int16_worst_case_group_fits_an_i32``'s weights: its
+    half sums meet the scales after the products and still give the exact sum."""
+    cols, rows = 512, 16
+    w, _ = _weight("q6k", rows, cols, seed=2)
+    parts = {k: np.ascontiguousarray(v).copy() for k, v in w.parts.items()}
+    parts["ql"][:] = 0
+    parts["qh"][:] = 0
+    parts["scales"][:] = -128
+    parts["d"][:] = np.float16(1.0).view(np.uint16)
+    X = np.ones((2, cols), np.float32)
+    got = NumbaKernels(act_bits=16, zmm=True, zmm_min_weights=0).matmul([Weight("w", "q6k", rows, cols, parts)], X)
+    np.testing.assert_array_equal(got, np.full((2, rows), 32 * 128 * cols, np.float32))
+
+
+def test_module_ir_kquant_zmm_entries():
+    """With zmm, q4k's and q6k's 1- and 2-row calls take the K-quant zmm bodies, their 3-
+    and 4-row calls the per-row bodies; without zmm every call takes the per-row bodies."""
+    for dtype, bits in qdot.KPBODIES:
+        name = qdot._entry(dtype, bits)
+        ir = qdot.module_ir(dtype, bits, vnni=True, zmm=True)
+        assert f"call void @{name}_rows1k(" in ir and f"call void @{name}_rows2k(" in ir
+        assert f"call void @{name}_rows3(" in ir and f"call void @{name}_rows4(" in ir
+        assert ".512(<16 x i32>" in ir
+        assert "_rows1k" not in qdot.module_ir(dtype, bits, vnni=True, zmm=False)

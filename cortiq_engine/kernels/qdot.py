@@ -45,8 +45,9 @@ speculative verify relies on this).
 
 Where the CPU has AVX-512 VNNI, calls take 512-bit bodies (on Intel only for large
 matrices: ``fast.ZMM_MIN_WEIGHTS``): q4/q4_0 1- and 2-row calls two blocks a product
-(``_pbody``), 3- and 4-row calls sharing each dot product between rows (q4/q4_0:
-``_zbody``, input rows side by side; q8: ``_wbody``, weight rows side by side); all
+(``_pbody``), q4k/q6k ones two groups a product (``_kpbody``), 3- and 4-row calls
+sharing each dot product between rows (q4/q4_0: ``_zbody``, input rows side by side;
+q8: ``_wbody``, weight rows side by side); all
 replay the per-row bodies' float operations lane for lane: the same bits, so the
 verify stays row-exact.
 """
@@ -1180,6 +1181,186 @@ def _pbody(kind: str, act: int, nx: int) -> str:
     return _close_rows(f)
 
 
+# ------------------------------------------------------------ K-quant 1- and 2-row zmm bodies
+# A decode step and a 2-row verify of q4k (int8 activations) and q6k (int16) on AVX-512
+# VNNI, which ``_kbody`` leaves compute-bound. q4k: a super-block's 32-byte chunk k holds
+# group 2k in its low nibbles and 2k + 1 in its high ones, the order of the 64 contiguous
+# activation bytes of those groups: the chunk broadcast to both halves of a zmm, the upper
+# half shifted by 4 (one vpsrlvq) and masked, meets them in one vpdpbusd, and
+# ``_preduce8`` gives the eight group sums. Its 6-bit scales and mins unpack as ggml's
+# four words (scalar i32 operations), converted and scaled eight lanes at a time: the
+# per-row body's scalar products, lane for lane. q6k: 64 bytes of low bits are two
+# groups' (one zmm, both nibble halves), the high bits broadcast likewise; each group's
+# 32 int16 products are one vpdpwssd (where ``_kbody`` spends two 256-bit ones and a
+# vpmullw per half for its 8-bit scales), whose lanes 0-7 and 8-15 are the group's two
+# 16-value halves: ``_preduce8`` twice gives the sixteen half sums, one vpmulld their
+# scales, and a pair add the eight group sums. The integer group sums are exactly
+# ``_kbody``'s; they meet the scales through ``_meet8`` and the rows end as ``_kbody``'s
+# do: the same bits. Zen 5, alternating with the per-row bodies in one process (medians
+# of 9 rounds): a 49152 x 2048 q6k matrix, 2 threads, 1 row 2.15 -> 1.48 ms (39 -> 56
+# GB/s), 2 rows 1.25x; one thread 1.46x / 1.24x. 22 layers of TinyLlama's matrices in
+# q4k streamed from memory, 2 threads: 1 row 19.3 -> 10.3 ms (28 -> 53 GB/s), 2 rows
+# 1.81x; one thread 2.05x / 1.84x.
+KPBODIES = (("q4k", 8), ("q6k", 16))
+
+
+def _kpbody(kind: str, act: int, nx: int) -> str:
+    """``kind``'s K-quant zmm body for ``nx`` (1 or 2) input rows (see above): ``_kbody``'s
+    super-block loop and float steps, the integer group sums two groups a 512-bit product."""
+    assert (kind, act) in KPBODIES and 1 <= nx <= PROWS
+    six = ops_for(kind).ksigned
+    f = _Fn(True)
+    f(
+        f"define internal void @{_entry(kind, act)}_rows{nx}k({_ARGS}) nounwind alwaysinline"
+        ' "min-legal-vector-width"="512" {'
+    )
+    f("entry:")
+    f("  %xq16 = bitcast i8* %xq to i16*")
+    f("  %nsb = udiv i64 %nb, 8")
+    f("  %cols = mul i64 %nb, 32")
+    d_part, f16_part, row_bytes, second_stream = _KLAYOUTS["six" if six else "k4"]
+    f(f"  %kd = bitcast i8* %p{d_part} to i16*")
+    if f16_part is not None:
+        f(f"  %{f16_part[0]} = bitcast i8* %p{f16_part[1]} to i16*")
+    for name, nbytes in row_bytes.items():
+        f(f"  %{name}_row = mul i64 %nsb, {nbytes}")
+    f(f"  %pf_ahead = add i64 0, {PREFETCH_BYTES}")
+    if second_stream:
+        f(f"  %pf_ahead_h = add i64 0, {PREFETCH_BYTES // second_stream}")
+    f("  %empty = icmp sge i64 %r0, %r1")
+    f("  br i1 %empty, label %exit, label %rowloop")
+    f("rowloop:")
+    f("  %row = phi i64 [%r0, %entry], [%rownext, %rowend]")
+    f("  %drow = mul i64 %row, %nsb")
+    f("  br label %blk")
+    f("blk:")
+    f("  %s = phi i64 [0, %rowloop], [%snext, %blk]")
+    acc = [f"%acc{r}" for r in range(nx)]
+    macc = [f"%macc{r}" for r in range(nx)]
+    phi_at = len(f.lines)
+    cur_a, cur_m = acc[:], macc[:]
+    di = f.v("add i64 %drow, %s")
+    dd = _half(f, "%kd", di)
+    xg0 = f.v("mul i64 %s, 8")
+
+    def prefetch(base: str, off: str, ahead: str) -> None:
+        pp = f.v(f"getelementptr i8, i8* {base}, i64 {f.v(f'add i64 {off}, {ahead}')}")
+        f(f"  call void @llvm.prefetch.p0i8(i8* {pp}, i32 0, i32 3, i32 1)")
+
+    def load(ty: str, base: str, off: str) -> str:
+        p = f.v(f"getelementptr i8, i8* {base}, i64 {off}")
+        return f.v(f"load {ty}, {ty}* {f.v(f'bitcast i8* {p} to {ty}*')}, align 1")
+
+    def both_halves(v32: str, shift: int) -> str:
+        """<64 x i8>: the 32 bytes ``v32``, then the same shifted right by ``shift`` bits
+        (whole qwords: the caller masks what crosses a byte)."""
+        rep = f.v(f"bitcast <64 x i8> {_concat(f, 'i8', 32, v32, v32)} to <8 x i64>")
+        sh = "<" + ", ".join(["i64 0"] * 4 + [f"i64 {shift}"] * 4) + ">"
+        return f.v(f"bitcast <8 x i64> {f.v(f'lshr <8 x i64> {rep}, {sh}')} to <64 x i8>")
+
+    def xrow(r: int, g: int) -> str:
+        """Input row r's activations from group g of the super-block, 64 bytes."""
+        xo = f.v(f"add i64 {f.v(f'mul i64 %cols, {r}')}, {f.v(f'mul i64 {xg0}, 32')}")
+        if act == 8:
+            return load("<16 x i32>", "%xq", f.v(f"add i64 {xo}, {32 * g}"))
+        xp = f.v(f"getelementptr i16, i16* %xq16, i64 {f.v(f'add i64 {xo}, {32 * g}')}")
+        return f.v(f"load <16 x i32>, <16 x i32>* {f.v(f'bitcast i16* {xp} to <16 x i32>*')}, align 2")
+
+    def dot(kind_: str, w: str, x: str) -> str:
+        return f.v(
+            f"call <16 x i32> @llvm.x86.avx512.{kind_}.512(<16 x i32> zeroinitializer, <16 x i32> {w}, <16 x i32> {x})"
+        )
+
+    if six:
+        qlo = f.v(f"add i64 {f.v('mul i64 %row, %ql_row')}, {f.v('mul i64 %s, 128')}")
+        qho = f.v(f"add i64 {f.v('mul i64 %row, %qh_row')}, {f.v('mul i64 %s, 64')}")
+        sco = f.v(f"add i64 {f.v('mul i64 %row, %sc_row')}, {f.v('mul i64 %s, 16')}")
+        prefetch("%p0", qlo, "%pf_ahead")
+        prefetch("%p0", f.v(f"add i64 {qlo}, 64"), "%pf_ahead")
+        prefetch("%p1", qho, "%pf_ahead_h")
+        # group g = 4h + t: t 0 / 1 the low nibbles of ql bytes 64h.. / 64h + 32.., t 2 / 3
+        # their high nibbles; the high bits 2t of qh bytes 32h..
+        wgroups = []  # <32 x i16> per group: (q - 32), sign-extended
+        for h in range(2):
+            ql = load("<64 x i8>", "%p0", f.v(f"add i64 {qlo}, {64 * h}"))
+            qh = both_halves(load("<32 x i8>", "%p1", f.v(f"add i64 {qho}, {32 * h}")), 2)
+            lo = f.v(f"and <64 x i8> {ql}, {_const('i8', 64, 15)}")
+            hb = f.v(f"shl <64 x i8> {qh}, {_const('i8', 64, 4)}")
+            hb = f.v(f"and <64 x i8> {hb}, {_const('i8', 64, 48)}")
+            w01 = f.v(f"sub <64 x i8> {f.v(f'or <64 x i8> {lo}, {hb}')}, {_const('i8', 64, 32)}")
+            hi = f.v(f"lshr <64 x i8> {ql}, {_const('i8', 64, 4)}")
+            hb2 = f.v(f"and <64 x i8> {qh}, {_const('i8', 64, 48)}")
+            w23 = f.v(f"sub <64 x i8> {f.v(f'or <64 x i8> {hi}, {hb2}')}, {_const('i8', 64, 32)}")
+            for w in (w01, w23):
+                for k in range(2):
+                    wgroups.append(
+                        f.v(f"sext <32 x i8> {_slice(f, 'i8', 64, w, range(32 * k, 32 * k + 32))} to <32 x i16>")
+                    )
+        sc16 = f.v(f"sext <16 x i8> {load('<16 x i8>', '%p2', sco)} to <16 x i32>")
+        sc_lo, sc_hi = _slice(f, "i32", 16, sc16, range(8)), _slice(f, "i32", 16, sc16, range(8, 16))
+        sc8 = _splat(f, "float", 8, dd)
+        for r in range(nx):
+            ps = [
+                dot("vpdpwssd", f.v(f"bitcast <32 x i16> {w} to <16 x i32>"), xrow(r, g)) for g, w in enumerate(wgroups)
+            ]
+            halves = (
+                f.v(f"mul <8 x i32> {_preduce8(f, ps[:4])}, {sc_lo}"),
+                f.v(f"mul <8 x i32> {_preduce8(f, ps[4:])}, {sc_hi}"),
+            )
+            ev = f.v(f"shufflevector <8 x i32> {halves[0]}, <8 x i32> {halves[1]}, {_mask(range(0, 16, 2))}")
+            od = f.v(f"shufflevector <8 x i32> {halves[0]}, <8 x i32> {halves[1]}, {_mask(range(1, 16, 2))}")
+            u = f.v(f"add <8 x i32> {ev}, {od}")
+            cur_a[r], _ = _meet8(f, r, xg0, u, sc8, cur_a[r], None, None)
+    else:
+        qso = f.v(f"add i64 {f.v('mul i64 %row, %qs_row')}, {f.v('mul i64 %s, 128')}")
+        sco = f.v(f"add i64 {f.v('mul i64 %row, %sc_row')}, {f.v('mul i64 %s, 12')}")
+        prefetch("%p3", qso, "%pf_ahead")
+        prefetch("%p3", f.v(f"add i64 {qso}, 64"), "%pf_ahead")
+        dm = _half(f, "%kdm", di)
+        # ggml's unpacking of the twelve scale bytes as words a, b, c: scales 0-3 and 4-7,
+        # then mins 0-3 and 4-7, one byte each (_k4_scales, four lanes at a time)
+        a, b, c = (load("i32", "%p2", f.v(f"add i64 {sco}, {4 * k}")) for k in range(3))
+        m6, m4, m2 = 0x3F3F3F3F, 0x0F0F0F0F, 0x03030303
+
+        def top2(v: str) -> str:
+            t = f.v(f"lshr i32 {v}, 6")
+            return f.v(f"shl i32 {f.v(f'and i32 {t}, {m2}')}, 4")
+
+        c4 = f.v(f"lshr i32 {c}, 4")
+        words = [
+            f.v(f"and i32 {a}, {m6}"),
+            f.v(f"or i32 {f.v(f'and i32 {c}, {m4}')}, {top2(a)}"),
+            f.v(f"and i32 {b}, {m6}"),
+            f.v(f"or i32 {f.v(f'and i32 {c4}, {m4}')}, {top2(b)}"),
+        ]
+        v4 = "undef"
+        for k, wd in enumerate(words):
+            v4 = f.v(f"insertelement <4 x i32> {v4}, i32 {wd}, i32 {k}")
+        sm = f.v(f"uitofp <16 x i8> {f.v(f'bitcast <4 x i32> {v4} to <16 x i8>')} to <16 x float>")
+        dd8, dm8 = _splat(f, "float", 8, dd), _splat(f, "float", 8, dm)
+        sc8 = f.v(f"fmul <8 x float> {dd8}, {_slice(f, 'float', 16, sm, range(8))}")
+        mn8 = f.v(f"fmul <8 x float> {dm8}, {_slice(f, 'float', 16, sm, range(8, 16))}")
+        ws = []
+        for k in range(4):
+            w = both_halves(load("<32 x i8>", "%p3", f.v(f"add i64 {qso}, {32 * k}")), 4)
+            w = f.v(f"and <64 x i8> {w}, {_const('i8', 64, 15)}")
+            ws.append(f.v(f"bitcast <64 x i8> {w} to <16 x i32>"))
+        for r in range(nx):
+            u = _preduce8(f, [dot("vpdpbusd", w, xrow(r, 2 * k)) for k, w in enumerate(ws)])
+            cur_a[r], cur_m[r] = _meet8(f, r, xg0, u, sc8, cur_a[r], mn8, cur_m[r])
+    mins = not six
+    carried = _carried8(acc, cur_a, (macc, cur_m) if mins else None)
+    _loop_back(f, "%s", "%snext", "%nsb", "blk", "rowloop", "rowdone", phi_at, carried)
+    f("rowdone:")
+    for r in range(nx):
+        h = _hsum(f, cur_a[r])
+        if mins:
+            h = f.v(f"fsub float {h}, {_hsum(f, cur_m[r])}")
+        oo = f.v(f"add i64 {f.v(f'mul i64 %ostride, {r}')}, %row")
+        f(f"  store float {h}, float* {f.v(f'getelementptr float, float* %out, i64 {oo}')}, align 4")
+    return _close_rows(f)
+
+
 # ------------------------------------------------------------ q8: 4 weight rows at a time
 # q8's int16 quants cannot be repeated across lanes cheaply (``ZBODIES``), so its zmm
 # body turns the layout around: lane (w, k) holds weight row w's k-th pair sums, four
@@ -1382,7 +1563,8 @@ def _wbody(kind: str, act: int, nx: int) -> str:
 
 def _dispatch(kind: str, act: int = 8, zmm: bool = False) -> str:
     """The exported entry: a switch on the number of input rows (``zmm``: 3 and 4 rows
-    take ``_zbody`` for the ``ZBODIES``, ``_wbody`` for the ``WROWS_KINDS``)."""
+    take ``_zbody`` for the ``ZBODIES``, ``_wbody`` for the ``WROWS_KINDS``; 1 and 2
+    rows ``_pbody`` for the ``ZBODIES``, ``_kpbody`` for the ``KPBODIES``)."""
     name = _entry(kind, act)
     attrs = ' "min-legal-vector-width"="512"' if zmm else ""
     L = [f"define void @{name}_rows(i64 %nx, {_ARGS}) nounwind{attrs} {{", "entry:"]
@@ -1392,6 +1574,8 @@ def _dispatch(kind: str, act: int = 8, zmm: bool = False) -> str:
         suffix = ("z" if (kind, act) in ZBODIES else "w") if zmm and n >= ZROWS_FROM else ""
         if zmm and n <= PROWS and (kind, act) in ZBODIES:
             suffix = "p"
+        if (kind, act) in KPBODIES:  # 3 and 4 rows keep the per-row bodies
+            suffix = "k" if zmm and n <= PROWS else ""
         body = f"{name}_rows{n}{suffix}"
         L += [f"n{n}:", f"  call void @{body}({_CALL_ARGS})", "  br label %done"]
     L += ["done:", "  ret void", "}"]
@@ -1401,8 +1585,8 @@ def _dispatch(kind: str, act: int = 8, zmm: bool = False) -> str:
 def module_ir(kind: str | None = None, act: int | None = None, vnni: bool = False, zmm: bool = False) -> str:
     """LLVM IR of the entries for ``kind`` (a ``WIDTHS`` key) and ``act`` (8|16), default
     all; ``vnni``: the dot products as VNNI instructions (the host must have them);
-    ``zmm``: 3- and 4-row calls of the ``ZBODIES`` and ``WROWS_KINDS`` take the AVX-512
-    bodies."""
+    ``zmm``: 3- and 4-row calls of the ``ZBODIES`` and ``WROWS_KINDS``, 1- and 2-row
+    calls of the ``ZBODIES`` and ``KPBODIES`` take the AVX-512 bodies."""
     kinds = (kind,) if kind else tuple(WIDTHS)
     parts = [_DECLS, _DECLS_Z if zmm else ""]
     if any(ops_for(k).kgrid for k in kinds):
@@ -1413,8 +1597,10 @@ def module_ir(kind: str | None = None, act: int | None = None, vnni: bool = Fals
                 raise ValueError(f"no {bits}-bit activation kernel for {k}")
             body = _kbody if ops_for(k).kbody else _gbody
             parts += [body(k, n, bits, vnni) for n in range(1, MAX_ROWS + 1)]
-            z = zmm and ((k, bits) in ZBODIES or (k, bits) in WROWS_KINDS)
-            if z:
+            z = zmm and ((k, bits) in ZBODIES or (k, bits) in WROWS_KINDS or (k, bits) in KPBODIES)
+            if zmm and (k, bits) in KPBODIES:
+                parts += [_kpbody(k, bits, n) for n in range(1, PROWS + 1)]
+            elif z:
                 body4 = _zbody if (k, bits) in ZBODIES else _wbody
                 parts += [body4(k, bits, n) for n in range(ZROWS_FROM, ZROWS + 1)]
                 if (k, bits) in ZBODIES:
