@@ -1204,6 +1204,41 @@ def _pbody(kind: str, act: int, nx: int) -> str:
 KPBODIES = (("q4k", 8), ("q6k", 16))
 
 
+# Lane 4L + i of ``_half_reduce8``'s sixteen half sums: half 2i + (L % 2) + 8 (L // 2).
+HALF_ORDER = tuple(2 * i + L % 2 + 8 * (L // 2) for L in range(4) for i in range(4))
+
+
+def _half_reduce8(f: _Fn, ps: list[str], scales: str) -> str:
+    """Eight <16 x i32> vectors, ps[g] lanes 0-7 = partial sums of half 2g of group g's 32
+    values and 8-15 of half 2g + 1 -> <8 x i32> whose lane g is sc[2g] * half 2g's total +
+    sc[2g + 1] * half 2g + 1's (exact integer adds; ``scales``: <16 x i32> in
+    ``HALF_ORDER``, one vpmulld). 24 shuffles and adds, no cross-lane permute but the last."""
+
+    def two(a: str, b: str, idx) -> str:
+        return f.v(f"shufflevector <16 x i32> {a}, <16 x i32> {b}, {_mask(idx)}")
+
+    def fold(a: str, b: str) -> str:  # 128-bit lanes: [a.0 + a.1, a.2 + a.3, b.0 + b.1, b.2 + b.3]
+        even = [x for L in (0, 2, 4, 6) for x in range(4 * L, 4 * L + 4)]
+        odd = [x for L in (1, 3, 5, 7) for x in range(4 * L, 4 * L + 4)]
+        return f.v(f"add <16 x i32> {two(a, b, even)}, {two(a, b, odd)}")
+
+    def pairs(a: str, b: str, lo: tuple[int, int], hi: tuple[int, int]) -> str:
+        """Within each 128-bit lane L: [a.lo0 + a.hi0, a.lo1 + a.hi1, b.lo0 + b.hi0, b.lo1 + b.hi1]."""
+        x = [e for L in range(4) for e in (4 * L + lo[0], 4 * L + lo[1], 16 + 4 * L + lo[0], 16 + 4 * L + lo[1])]
+        y = [e for L in range(4) for e in (4 * L + hi[0], 4 * L + hi[1], 16 + 4 * L + hi[0], 16 + 4 * L + hi[1])]
+        return f.v(f"add <16 x i32> {two(a, b, x)}, {two(a, b, y)}")
+
+    # 128-bit lanes of the folds: halves [0, 1, 8, 9], [2, 3, 10, 11], [4, 5, 12, 13], [6, 7, 14, 15]
+    s = [fold(ps[k], ps[k + 4]) for k in range(4)]
+    # two partials each: lane L of r0 halves (0, 2), (1, 3), (8, 10), (9, 11); r1 the same + 4
+    r0, r1 = pairs(s[0], s[1], (0, 1), (2, 3)), pairs(s[2], s[3], (0, 1), (2, 3))
+    t = pairs(r0, r1, (0, 2), (1, 3))  # lane 4L + i: the total of half HALF_ORDER[4L + i]
+    t = f.v(f"mul <16 x i32> {t}, {scales}")
+    lo = _slice(f, "i32", 16, t, [0, 1, 2, 3, 8, 9, 10, 11])
+    hi = _slice(f, "i32", 16, t, [4, 5, 6, 7, 12, 13, 14, 15])
+    return f.v(f"add <8 x i32> {lo}, {hi}")
+
+
 def _kpbody(kind: str, act: int, nx: int) -> str:
     """``kind``'s K-quant zmm body for ``nx`` (1 or 2) input rows (see above): ``_kbody``'s
     super-block loop and float steps, the integer group sums two groups a 512-bit product."""
@@ -1296,21 +1331,15 @@ def _kpbody(kind: str, act: int, nx: int) -> str:
                     wgroups.append(
                         f.v(f"sext <32 x i8> {_slice(f, 'i8', 64, w, range(32 * k, 32 * k + 32))} to <32 x i16>")
                     )
-        sc16 = f.v(f"sext <16 x i8> {load('<16 x i8>', '%p2', sco)} to <16 x i32>")
-        sc_lo, sc_hi = _slice(f, "i32", 16, sc16, range(8)), _slice(f, "i32", 16, sc16, range(8, 16))
+        # the sixteen 8-bit scales in the half sums' lane order (_half_reduce8)
+        sc16 = _slice(f, "i8", 16, load("<16 x i8>", "%p2", sco), HALF_ORDER)
+        sc16 = f.v(f"sext <16 x i8> {sc16} to <16 x i32>")
         sc8 = _splat(f, "float", 8, dd)
         for r in range(nx):
             ps = [
                 dot("vpdpwssd", f.v(f"bitcast <32 x i16> {w} to <16 x i32>"), xrow(r, g)) for g, w in enumerate(wgroups)
             ]
-            halves = (
-                f.v(f"mul <8 x i32> {_preduce8(f, ps[:4])}, {sc_lo}"),
-                f.v(f"mul <8 x i32> {_preduce8(f, ps[4:])}, {sc_hi}"),
-            )
-            ev = f.v(f"shufflevector <8 x i32> {halves[0]}, <8 x i32> {halves[1]}, {_mask(range(0, 16, 2))}")
-            od = f.v(f"shufflevector <8 x i32> {halves[0]}, <8 x i32> {halves[1]}, {_mask(range(1, 16, 2))}")
-            u = f.v(f"add <8 x i32> {ev}, {od}")
-            cur_a[r], _ = _meet8(f, r, xg0, u, sc8, cur_a[r], None, None)
+            cur_a[r], _ = _meet8(f, r, xg0, _half_reduce8(f, ps, sc16), sc8, cur_a[r], None, None)
     else:
         qso = f.v(f"add i64 {f.v('mul i64 %row, %qs_row')}, {f.v('mul i64 %s, 128')}")
         sco = f.v(f"add i64 {f.v('mul i64 %row, %sc_row')}, {f.v('mul i64 %s, 12')}")
