@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Decode steps through the fused call against the same steps layer by layer, in one process.
 
-    python benchmarks/bench_fused.py MODEL.cmf [--threads 2] [--rounds 5] [--tokens 64] [--rows 1]
+    python benchmarks/bench_fused.py MODEL.cmf [--threads 2] [--rounds 5] [--tokens 64] [--rows 1] [--kv-cache f16]
 
 Each round times ``--tokens`` steps of ``--rows`` rows (1: decode; 2-16: a verify's rows)
 after a 64-token prompt, once fused and once with ``forward(..., layerwise=True)``,
@@ -29,8 +29,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rows", type=int, default=1)
+    ap.add_argument("--kv-cache", default="f32", help="the KV cache's element type (f32 | f16)")
     a = ap.parse_args()
-    engine = Engine.load(a.model, threads=a.threads)
+    engine = Engine.load(a.model, threads=a.threads, kv_cache=a.kv_cache)
     model = engine.model
     if model.fused is None:
         print(f"{a.model}: its stack takes the layer-by-layer path only (see kernels/fused.py)")
@@ -53,7 +54,10 @@ def main() -> int:
         fused.append(ms_per_step(False))
         layers.append(ms_per_step(True))
     f, lw = statistics.median(fused), statistics.median(layers)
-    print(f"{a.model}: {a.rows} row(s) a step, {a.threads} threads, median of {a.rounds} rounds of {a.tokens}")
+    print(
+        f"{a.model}: {a.rows} row(s) a step, {a.threads} threads, {a.kv_cache} cache, "
+        f"median of {a.rounds} rounds of {a.tokens}"
+    )
     print(f"  fused       {f:7.3f} ms/step   {np.round(fused, 2).tolist()}")
     print(f"  layerwise   {lw:7.3f} ms/step   {np.round(layers, 2).tolist()}")
     print(f"  layerwise / fused {lw / f:.2f}x; load average {load0:.2f} -> {os.getloadavg()[0]:.2f}")

@@ -29,6 +29,12 @@ def kv_dtype(name: str) -> type:
     return KV_DTYPES[name]
 
 
+def check_f16_peak(peak: float) -> None:
+    """Refuse rows whose largest |value| an f16 cache would store as inf."""
+    if peak > F16_MAX:
+        raise CortiqError(f"a key or value of {peak:.3g} exceeds f16's range ({F16_MAX:g}); use --kv-cache f32")
+
+
 class KVCache:
     def __init__(self, kv_heads: int, head_dim: int, v_head_dim: int, capacity: int, dtype: type = np.float32):
         self.capacity = int(capacity)
@@ -47,10 +53,8 @@ class KVCache:
         f16 cache would store as inf: refused rather than silently wrong."""
         if self.length + n > self.capacity:
             raise CortiqError(f"context full: {self.length} + {n} tokens exceed the KV cache of {self.capacity}")
-        if self.keys.dtype == np.float16 and n:
-            peak = max(np.abs(r).max() for r in rows)
-            if peak > F16_MAX:
-                raise CortiqError(f"a key or value of {peak:.3g} exceeds f16's range ({F16_MAX:g}); use --kv-cache f32")
+        if self.keys.dtype == np.float16 and n and rows:
+            check_f16_peak(max(np.abs(r).max() for r in rows))
 
     def append(self, k: np.ndarray, v: np.ndarray) -> int:
         """Store n new rows (k [n, kv_heads, d], v [n, kv_heads, dv]); returns their first row."""

@@ -18,6 +18,7 @@ import numpy as np
 
 from formats.arch import ArchConfig
 from formats.errors import CortiqError
+from cortiq_engine.cache import check_f16_peak
 from cortiq_engine.kernels import fused as fused_kernels
 from cortiq_engine.layers import Attention, Block, GatedMLP, RMSNorm, SandwichBlock, Step
 from cortiq_engine.weights import Weight
@@ -126,7 +127,7 @@ def fused_stack(model: Model) -> fused_kernels.FusedStack | None:
     """``model``'s blocks packed for ``fused_kernels.fused_step``, or None when a block is
     not one it computes or a matmul is not one integer-kernel call."""
     ks = model.kernels
-    if model.kv_cache != "f32" or getattr(ks, "int_plans", None) is None or not model.blocks:
+    if model.kv_cache not in ("f32", "f16") or getattr(ks, "int_plans", None) is None or not model.blocks:
         return None
     plans, norms, eps, qk, qk_eps, windows, ropes, rope_of, geo = [], [], [], [], [], [], [], [], set()
     for b in model.blocks:
@@ -169,6 +170,9 @@ def fused_stack(model: Model) -> fused_kernels.FusedStack | None:
     if len(geo) != 1 or len(qk) not in (0, len(plans)):
         return None
     nh, nkv, hd, scale, _, gelu, _ = geo.pop()
+    fns = ks.attention_loops(hd, hd, model.kv_cache)
+    if model.kv_cache == "f16" and not fns[0]:
+        return None  # only the IR loops read an f16 cache
     L = len(plans)
     P = max(len(calls) for layer in plans for calls in layer)
 
@@ -200,7 +204,7 @@ def fused_stack(model: Model) -> fused_kernels.FusedStack | None:
         ropes=tuple(ropes),
         heads=(nh, nkv, hd),
         scale=scale,
-        fns=ks.attention_loops(hd, hd),
+        fns=fns,
         keep=tuple(plans),
     )
 
@@ -228,7 +232,8 @@ def forward(state: State, ids: Sequence[int] | np.ndarray, layerwise: bool = Fal
     if fused is not None and n <= model.kernels.row_exact_rows and all(c.length == caches[0].length for c in caches):
         start = caches[0].length
         caches[0].check_room(n)
-        fused_kernels.run(fused, x, caches, start, [step.rope_tables(r) for r in fused.ropes])
+        peak = fused_kernels.run(fused, x, caches, start, [step.rope_tables(r) for r in fused.ropes])
+        check_f16_peak(peak)  # rows past f16's range: refused before any cache counts them
         for c in caches:
             c.claim(n)
     else:

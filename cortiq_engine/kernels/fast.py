@@ -32,6 +32,7 @@ from typing import Mapping, Sequence
 import numba
 import numpy as np
 
+from cortiq_engine.cache import KV_DTYPES
 from cortiq_engine.kernels import amx, attn_ir, jit, qdot
 from cortiq_engine.kernels.dtype_ops import OPS, DtypeOps, ops_for
 from cortiq_engine.kernels.reference import (
@@ -630,9 +631,10 @@ class NumbaKernels(NumpyKernels):
         plans, _ = self._plans_for(ws)
         return plans if all(p.fn is not None for p in plans) else None
 
-    def attention_loops(self, d: int, dv: int) -> np.ndarray:
-        """The IR loops ``attend`` gives a decode over an f32 cache of these head sizes."""
-        return self._attn.for_dims(d, dv)
+    def attention_loops(self, d: int, dv: int, kv: str = "f32") -> np.ndarray:
+        """The IR loops ``attend`` gives a decode over a ``kv`` (f32 | f16) cache of these
+        head sizes (zeros: none)."""
+        return self._loops(np.empty(0, KV_DTYPES[kv])).for_dims(d, dv)
 
     # ------------------------------------------------------------ compile ahead
     def warmup(self, ws: Sequence[Weight]) -> None:

@@ -14,8 +14,9 @@ shapes qualify: the pre-norm ``layers.Block`` (Llama, SmolLM2, Mistral) and the 
 ``layers.SandwichBlock`` with all four norms (Gemma 3), over ``layers.Attention`` (per-head
 q/k norms allowed; no biases, gates, soft-caps or sinks; RoPE on every layer, one table
 per distinct RoPE) and a SiLU or tanh-GELU ``layers.GatedMLP``, every matmul on the
-integer kernels. Everything else, an f16 cache and more rows than a verify's take the
-layer-by-layer path.
+integer kernels, over an f32 or an f16 KV cache (a row is rounded to f16 as it enters
+the cache, to nearest with ties to even as numpy rounds it). Everything else and more
+rows than a verify's take the layer-by-layer path.
 """
 
 from __future__ import annotations
@@ -23,8 +24,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic, overload
 
+from cortiq_engine.cache import F16_MAX
 from cortiq_engine.kernels import jit, qdot
 
 # The four matmuls of a layer, in plan order.
@@ -63,6 +67,48 @@ class FusedStack:
 
 
 _P8, _P16 = np.empty(0, np.int8), np.empty(0, np.int16)
+_F16_MAX = np.float32(F16_MAX)
+
+
+@intrinsic
+def _f16_bits(typingctx, x):
+    """An f32 rounded to f16 (to nearest, ties to even: F16C's vcvtps2ph, numpy's
+    ``astype(np.float16)``), as its 16 bits."""
+    sig = types.uint16(types.float32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+
+    return sig, codegen
+
+
+def _put_row(dst, src):  # pragma: no cover - typed by the overload below
+    """dst[:] = src into a cache row; returns the largest |value| an f16 row receives."""
+    raise NotImplementedError
+
+
+@overload(_put_row)
+def _put_row_typed(dst, src):
+    """An f32 row takes the values as they are (0.0 returned: f32 holds any value); an
+    f16 cache's row (its uint16 bits: numba has no f16 arrays) takes them rounded, and
+    the largest magnitude comes back for the range check ``KVCache.check_room`` makes."""
+    if dst.dtype == types.uint16:
+
+        def put_f16(dst, src):
+            peak = np.float32(0.0)
+            for e in range(src.shape[0]):
+                v = src[e]
+                peak = max(peak, abs(v))
+                dst[e] = _f16_bits(v)
+            return peak
+
+        return put_f16
+
+    def put_f32(dst, src):
+        dst[:] = src
+        return np.float32(0.0)
+
+    return put_f32
 
 
 @njit(inline="always")
@@ -95,7 +141,8 @@ def _attention(
     f, layer, h, nh, nkv, hd, qk_norms, qk_eps, cos, sin, kc, vc, start, window, scale, fns
 ):  # pragma: no cover - compiled
     """``layers.Attention`` of the normed rows ``h``: q|k|v, the per-head q/k norms where
-    ``qk_norms`` has rows, RoPE, the new rows into the cache, attention, o."""
+    ``qk_norms`` has rows, RoPE, the new rows into the cache, attention, o; and the
+    largest |key or value| an f16 cache received (0 for an f32 one)."""
     n = h.shape[0]
     nq, nk = nh * hd, nkv * hd
     qkv = np.empty((n, f[8][layer, QKV]), np.float32)
@@ -111,15 +158,16 @@ def _attention(
         k = kn.reshape(n, nkv, hd)
     jit.rope(q, cos, sin)
     jit.rope(k, cos, sin)
+    peak = np.float32(0.0)
     for i in range(n):
         for g in range(nkv):
-            kc[g, start + i] = k[i, g]
-            vc[g, start + i] = qkv[i, nq + nk + g * hd : nq + nk + (g + 1) * hd]
+            peak = max(peak, _put_row(kc[g, start + i], k[i, g]))
+            peak = max(peak, _put_row(vc[g, start + i], qkv[i, nq + nk + g * hd : nq + nk + (g + 1) * hd]))
     o = np.empty((n, nh, hd), np.float32)
     jit.attend(q, kc, vc, start, window, scale, None, o, fns)
     a = np.empty((n, f[8][layer, O]), np.float32)
     _matmul(f, layer, O, o.reshape(n, nq), a)
-    return a
+    return a, peak
 
 
 @njit(cache=True)
@@ -158,15 +206,18 @@ def fused_step(
     keys and values go to rows start..start+n-1 of each layer's cache (keys[l], values[l]).
     ``norms`` [L, 2, hidden]: pre-norm blocks (attention and MLP norms); [L, 4, hidden]:
     sandwich blocks (pre- and post-attention, pre- and post-MLP). ``cos``/``sin`` hold one
-    table per RoPE, ``rope_of`` picks a layer's."""
+    table per RoPE, ``rope_of`` picks a layer's. An f16 cache comes as its uint16 bits;
+    returns the largest |key or value| it received (0 for f32 caches): above f16's range
+    the step is refused, its rows unclaimed (``run``)."""
     n = x.shape[0]
+    peak = np.float32(0.0)
     f = (fn, addrs, rows, count, offs, qmax, zmm, bits, widths, nplans, pwidths)
     sandwich = norms.shape[1] == 4
     h = np.empty_like(x)
     for layer in range(norms.shape[0]):
         r = rope_of[layer]
         jit.rms_norm(x, norms[layer, 0], eps[layer, 0], h)
-        a = _attention(
+        a, p = _attention(
             f,
             layer,
             h,
@@ -184,6 +235,7 @@ def fused_step(
             scale,
             fns,
         )
+        peak = max(peak, p)
         if sandwich:
             t = np.empty_like(a)
             jit.rms_norm(a, norms[layer, 1], eps[layer, 1], t)
@@ -206,14 +258,21 @@ def fused_step(
             x += t
         else:
             x += d
+    return peak
 
 
-def run(stack: FusedStack, x: np.ndarray, caches, start: int, tables) -> None:
-    """``fused_step`` over ``caches`` (one f32 ``KVCache`` per layer, each ``start`` rows
-    long); ``tables``: the (cos, sin) of each of ``stack.ropes`` at the new rows' positions."""
+def _bits(a: np.ndarray) -> np.ndarray:
+    """A cache array as ``fused_step`` reads it: f16 as its uint16 bits."""
+    return a.view(np.uint16) if a.dtype == np.float16 else a
+
+
+def run(stack: FusedStack, x: np.ndarray, caches, start: int, tables) -> float:
+    """``fused_step`` over ``caches`` (one ``KVCache`` per layer, f32 or f16, each ``start``
+    rows long); ``tables``: the (cos, sin) of each of ``stack.ropes`` at the new rows'
+    positions. Returns the largest |key or value| an f16 cache received (0 for f32)."""
     s = stack
     nh, nkv, hd = s.heads
-    fused_step(
+    return fused_step(
         x,
         s.fn,
         s.addrs,
@@ -240,7 +299,7 @@ def run(stack: FusedStack, x: np.ndarray, caches, start: int, tables) -> None:
         np.stack([c for c, _ in tables]),
         np.stack([t for _, t in tables]),
         s.fns,
-        tuple(c.keys for c in caches),
-        tuple(c.values for c in caches),
+        tuple(_bits(c.keys) for c in caches),
+        tuple(_bits(c.values) for c in caches),
         start,
     )
