@@ -28,7 +28,6 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic, overload
 
-from cortiq_engine.cache import F16_MAX
 from cortiq_engine.kernels import jit, qdot
 
 # The four matmuls of a layer, in plan order.
@@ -67,7 +66,6 @@ class FusedStack:
 
 
 _P8, _P16 = np.empty(0, np.int8), np.empty(0, np.int16)
-_F16_MAX = np.float32(F16_MAX)
 
 
 @intrinsic
