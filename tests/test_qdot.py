@@ -277,9 +277,12 @@ def test_kquant_zmm_bodies_give_the_per_row_bodies_bits(dtype, bits, cols):
 
 
 @pytest.mark.skipif(not qdot.host_zmm(), reason="this CPU has no AVX-512 VNNI: the zmm bodies cannot run")
-def test_kquant_zmm_q6k_worst_case_group_fits_an_i32():
-    """The zmm q6k body on ``test_q6k_int16_worst_case_group_fits_an_i32``'s weights: its
-    half sums meet the scales after the products and still give the exact sum."""
+@pytest.mark.parametrize("bits", [8, 16])
+def test_kquant_zmm_q6k_worst_case_group_fits_an_i32(bits):
+    """The zmm q6k bodies on ``test_q6k_int16_worst_case_group_fits_an_i32``'s weights:
+    their half sums meet the scales after the products (int8: x + 128 times the weights,
+    less 128 times the weights' sums) and still give the per-row bodies' sums, exact on
+    int16."""
     cols, rows = 512, 16
     w, _ = _weight("q6k", rows, cols, seed=2)
     parts = {k: np.ascontiguousarray(v).copy() for k, v in w.parts.items()}
@@ -288,8 +291,14 @@ def test_kquant_zmm_q6k_worst_case_group_fits_an_i32():
     parts["scales"][:] = -128
     parts["d"][:] = np.float16(1.0).view(np.uint16)
     X = np.ones((2, cols), np.float32)
-    got = NumbaKernels(act_bits=16, zmm=True, zmm_min_weights=0).matmul([Weight("w", "q6k", rows, cols, parts)], X)
-    np.testing.assert_array_equal(got, np.full((2, rows), 32 * 128 * cols, np.float32))
+    w = Weight("w", "q6k", rows, cols, parts)
+    got = NumbaKernels(act_bits=bits, zmm=True, zmm_min_weights=0).matmul([w], X)
+    assert np.array_equal(got, NumbaKernels(act_bits=bits, zmm=False).matmul([w], X))
+    if bits == 16:
+        np.testing.assert_array_equal(got, np.full((2, rows), 32 * 128 * cols, np.float32))
+    X[:, ::3] = -1  # the activations' low end
+    got = NumbaKernels(act_bits=bits, zmm=True, zmm_min_weights=0).matmul([w], X)
+    assert np.array_equal(got, NumbaKernels(act_bits=bits, zmm=False).matmul([w], X))
 
 
 def test_module_ir_kquant_zmm_entries():

@@ -1182,26 +1182,23 @@ def _pbody(kind: str, act: int, nx: int) -> str:
 
 
 # ------------------------------------------------------------ K-quant 1- and 2-row zmm bodies
-# A decode step and a 2-row verify of q4k (int8 activations) and q6k (int16) on AVX-512
-# VNNI, which ``_kbody`` leaves compute-bound. q4k: a super-block's 32-byte chunk k holds
-# group 2k in its low nibbles and 2k + 1 in its high ones, the order of the 64 contiguous
-# activation bytes of those groups: the chunk broadcast to both halves of a zmm, the upper
-# half shifted by 4 (one vpsrlvq) and masked, meets them in one vpdpbusd, and
-# ``_preduce8`` gives the eight group sums. Its 6-bit scales and mins unpack as ggml's
-# four words (scalar i32 operations), converted and scaled eight lanes at a time: the
-# per-row body's scalar products, lane for lane. q6k: 64 bytes of low bits are two
-# groups' (one zmm, both nibble halves), the high bits broadcast likewise; each group's
-# 32 int16 products are one vpdpwssd (where ``_kbody`` spends two 256-bit ones and a
-# vpmullw per half for its 8-bit scales), whose lanes 0-7 and 8-15 are the group's two
-# 16-value halves: ``_preduce8`` twice gives the sixteen half sums, one vpmulld their
-# scales, and a pair add the eight group sums. The integer group sums are exactly
-# ``_kbody``'s; they meet the scales through ``_meet8`` and the rows end as ``_kbody``'s
-# do: the same bits. Zen 5, alternating with the per-row bodies in one process (medians
-# of 9 rounds): a 49152 x 2048 q6k matrix, 2 threads, 1 row 2.15 -> 1.48 ms (39 -> 56
-# GB/s), 2 rows 1.25x; one thread 1.46x / 1.24x. 22 layers of TinyLlama's matrices in
-# q4k streamed from memory, 2 threads: 1 row 19.3 -> 10.3 ms (28 -> 53 GB/s), 2 rows
-# 1.81x; one thread 2.05x / 1.84x.
-KPBODIES = (("q4k", 8), ("q6k", 16))
+# A decode step and a 2-row verify of q4k (int8 activations) and q6k (int16, and int8) on
+# AVX-512 VNNI, which ``_kbody`` leaves compute-bound. q4k: a super-block's 32-byte chunk
+# k holds group 2k in its low nibbles and 2k + 1 in its high ones, the order of the 64
+# contiguous activation bytes of those groups: the chunk broadcast to both halves of a
+# zmm, the upper half shifted by 4 (one vpsrlvq) and masked, meets them in one vpdpbusd,
+# and ``_preduce8`` gives the eight group sums. Its 6-bit scales and mins unpack as
+# ggml's four words (scalar i32 operations), converted and scaled eight lanes at a time:
+# the per-row body's scalar products, lane for lane. q6k: 64 bytes of low bits are two
+# groups' (one zmm, both nibble halves), the high bits broadcast likewise. On int16 each
+# group's 32 products are one vpdpwssd (where ``_kbody`` spends two 256-bit ones and a
+# vpmullw per half for its 8-bit scales); on int8 two groups' are one vpdpbusd (no
+# 512-bit vpsignb: x + 128 times the signed weights, from -128 times the weights' sums).
+# One reduction tree then gives the sixteen 16-value sums in an order the scales are
+# shuffled to once, one vpmulld meets them, and a pair add gives the eight group sums.
+# The integer group sums are exactly ``_kbody``'s; they meet the scales through
+# ``_meet8`` and the rows end as ``_kbody``'s do: the same bits.
+KPBODIES = (("q4k", 8), ("q6k", 16), ("q6k", 8))
 
 
 # Lane 4L + i of ``_half_reduce8``'s sixteen half sums: half 2i + (L % 2) + 8 (L // 2).
@@ -1237,6 +1234,31 @@ def _half_reduce8(f: _Fn, ps: list[str], scales: str) -> str:
     lo = _slice(f, "i32", 16, t, [0, 1, 2, 3, 8, 9, 10, 11])
     hi = _slice(f, "i32", 16, t, [4, 5, 6, 7, 12, 13, 14, 15])
     return f.v(f"add <8 x i32> {lo}, {hi}")
+
+
+# Lane 4c + i of ``_quarter_reduce8``'s sixteen 16-value sums: half 4i + c.
+QUARTER_ORDER = tuple(4 * i + c for c in range(4) for i in range(4))
+
+
+def _quarter_reduce8(f: _Fn, ps: list[str], scales: str) -> str:
+    """Four <16 x i32> vectors, 128-bit lane c of ps[k] = partial sums of half 4k + c
+    (16 values of group 2k + c // 2) -> <8 x i32> whose lane g is sc[2g] * half 2g's total
+    + sc[2g + 1] * half 2g + 1's (exact integer adds; ``scales`` <16 x i32> in
+    ``QUARTER_ORDER``, one vpmulld)."""
+
+    def pairs(a: str, b: str, lo: tuple[int, int], hi: tuple[int, int]) -> str:
+        x = [e for L in range(4) for e in (4 * L + lo[0], 4 * L + lo[1], 16 + 4 * L + lo[0], 16 + 4 * L + lo[1])]
+        y = [e for L in range(4) for e in (4 * L + hi[0], 4 * L + hi[1], 16 + 4 * L + hi[0], 16 + 4 * L + hi[1])]
+        sx = f.v(f"shufflevector <16 x i32> {a}, <16 x i32> {b}, {_mask(x)}")
+        return f.v(f"add <16 x i32> {sx}, {f.v(f'shufflevector <16 x i32> {a}, <16 x i32> {b}, {_mask(y)}')}")
+
+    # lane c: two partials each of halves c and 4 + c (a), 8 + c and 12 + c (b)
+    a, b = pairs(ps[0], ps[1], (0, 1), (2, 3)), pairs(ps[2], ps[3], (0, 1), (2, 3))
+    t = f.v(f"mul <16 x i32> {pairs(a, b, (0, 2), (1, 3))}, {scales}")  # lane 4c + i: half 4i + c
+    # group 2i: lanes i and 4 + i; group 2i + 1: lanes 8 + i and 12 + i
+    e = f.v(f"shufflevector <16 x i32> {t}, <16 x i32> undef, {_mask([0, 8, 1, 9, 2, 10, 3, 11])}")
+    o = f.v(f"shufflevector <16 x i32> {t}, <16 x i32> undef, {_mask([4, 12, 5, 13, 6, 14, 7, 15])}")
+    return f.v(f"add <8 x i32> {e}, {o}")
 
 
 def _kpbody(kind: str, act: int, nx: int) -> str:
@@ -1301,10 +1323,8 @@ def _kpbody(kind: str, act: int, nx: int) -> str:
         xp = f.v(f"getelementptr i16, i16* %xq16, i64 {f.v(f'add i64 {xo}, {32 * g}')}")
         return f.v(f"load <16 x i32>, <16 x i32>* {f.v(f'bitcast i16* {xp} to <16 x i32>*')}, align 2")
 
-    def dot(kind_: str, w: str, x: str) -> str:
-        return f.v(
-            f"call <16 x i32> @llvm.x86.avx512.{kind_}.512(<16 x i32> zeroinitializer, <16 x i32> {w}, <16 x i32> {x})"
-        )
+    def dot(kind_: str, w: str, x: str, acc: str = "zeroinitializer") -> str:
+        return f.v(f"call <16 x i32> @llvm.x86.avx512.{kind_}.512(<16 x i32> {acc}, <16 x i32> {w}, <16 x i32> {x})")
 
     if six:
         qlo = f.v(f"add i64 {f.v('mul i64 %row, %ql_row')}, {f.v('mul i64 %s, 128')}")
@@ -1315,7 +1335,7 @@ def _kpbody(kind: str, act: int, nx: int) -> str:
         prefetch("%p1", qho, "%pf_ahead_h")
         # group g = 4h + t: t 0 / 1 the low nibbles of ql bytes 64h.. / 64h + 32.., t 2 / 3
         # their high nibbles; the high bits 2t of qh bytes 32h..
-        wgroups = []  # <32 x i16> per group: (q - 32), sign-extended
+        wpairs = []  # <64 x i8> (q - 32) of groups 2k, 2k + 1
         for h in range(2):
             ql = load("<64 x i8>", "%p0", f.v(f"add i64 {qlo}, {64 * h}"))
             qh = both_halves(load("<32 x i8>", "%p1", f.v(f"add i64 {qho}, {32 * h}")), 2)
@@ -1326,15 +1346,32 @@ def _kpbody(kind: str, act: int, nx: int) -> str:
             hi = f.v(f"lshr <64 x i8> {ql}, {_const('i8', 64, 4)}")
             hb2 = f.v(f"and <64 x i8> {qh}, {_const('i8', 64, 48)}")
             w23 = f.v(f"sub <64 x i8> {f.v(f'or <64 x i8> {hi}, {hb2}')}, {_const('i8', 64, 32)}")
-            for w in (w01, w23):
-                for k in range(2):
-                    wgroups.append(
-                        f.v(f"sext <32 x i8> {_slice(f, 'i8', 64, w, range(32 * k, 32 * k + 32))} to <32 x i16>")
-                    )
+            wpairs += [w01, w23]
+        sc8 = _splat(f, "float", 8, dd)
+    if six and act == 8:
+        # vpdpbusd multiplies unsigned by signed bytes: x + 128 (x xor 0x80) by the signed
+        # weights, from an accumulator of -128 times the weights' four-byte sums (the
+        # weights' share, once for both rows): exactly x . w, lane for lane
+        sc16 = _slice(f, "i8", 16, load("<16 x i8>", "%p2", sco), QUARTER_ORDER)
+        sc16 = f.v(f"sext <16 x i8> {sc16} to <16 x i32>")
+        wv = [f.v(f"bitcast <64 x i8> {w} to <16 x i32>") for w in wpairs]
+        flip = _const("i32", 16, -0x7F7F7F80)  # 0x80808080
+        base = [f.v(f"sub <16 x i32> zeroinitializer, {dot('vpdpbusd', flip, w)}") for w in wv]
+        for r in range(nx):
+            ps = []
+            for k, w in enumerate(wv):
+                xu = f.v(f"xor <16 x i32> {xrow(r, 2 * k)}, {flip}")
+                ps.append(dot("vpdpbusd", xu, w, base[k]))
+            cur_a[r], _ = _meet8(f, r, xg0, _quarter_reduce8(f, ps, sc16), sc8, cur_a[r], None, None)
+    elif six:
+        wgroups = [  # <32 x i16> per group
+            f.v(f"sext <32 x i8> {_slice(f, 'i8', 64, w, range(32 * k, 32 * k + 32))} to <32 x i16>")
+            for w in wpairs
+            for k in range(2)
+        ]
         # the sixteen 8-bit scales in the half sums' lane order (_half_reduce8)
         sc16 = _slice(f, "i8", 16, load("<16 x i8>", "%p2", sco), HALF_ORDER)
         sc16 = f.v(f"sext <16 x i8> {sc16} to <16 x i32>")
-        sc8 = _splat(f, "float", 8, dd)
         for r in range(nx):
             ps = [
                 dot("vpdpwssd", f.v(f"bitcast <32 x i16> {w} to <16 x i32>"), xrow(r, g)) for g, w in enumerate(wgroups)
