@@ -1201,15 +1201,14 @@ def _pbody(kind: str, act: int, nx: int) -> str:
 KPBODIES = (("q4k", 8), ("q6k", 16), ("q6k", 8))
 
 
-# Lane 4L + i of ``_half_reduce8``'s sixteen half sums: half 2i + (L % 2) + 8 (L // 2).
+# Lane 4L + i of ``_half_tree``'s sixteen sums: half 2i + (L % 2) + 8 (L // 2).
 HALF_ORDER = tuple(2 * i + L % 2 + 8 * (L // 2) for L in range(4) for i in range(4))
 
 
-def _half_reduce8(f: _Fn, ps: list[str], scales: str) -> str:
-    """Eight <16 x i32> vectors, ps[g] lanes 0-7 = partial sums of half 2g of group g's 32
-    values and 8-15 of half 2g + 1 -> <8 x i32> whose lane g is sc[2g] * half 2g's total +
-    sc[2g + 1] * half 2g + 1's (exact integer adds; ``scales``: <16 x i32> in
-    ``HALF_ORDER``, one vpmulld). 24 shuffles and adds, no cross-lane permute but the last."""
+def _half_tree(f: _Fn, ps: list[str]) -> str:
+    """Eight <16 x i32> vectors, ps[g] lanes 0-7 = partial sums of item 2g and 8-15 of item
+    2g + 1 -> <16 x i32> whose lane 4L + i is the total of item HALF_ORDER[4L + i] (exact
+    integer adds: 21 shuffles and adds within 128-bit lanes or of whole ones)."""
 
     def two(a: str, b: str, idx) -> str:
         return f.v(f"shufflevector <16 x i32> {a}, <16 x i32> {b}, {_mask(idx)}")
@@ -1229,22 +1228,17 @@ def _half_reduce8(f: _Fn, ps: list[str], scales: str) -> str:
     s = [fold(ps[k], ps[k + 4]) for k in range(4)]
     # two partials each: lane L of r0 halves (0, 2), (1, 3), (8, 10), (9, 11); r1 the same + 4
     r0, r1 = pairs(s[0], s[1], (0, 1), (2, 3)), pairs(s[2], s[3], (0, 1), (2, 3))
-    t = pairs(r0, r1, (0, 2), (1, 3))  # lane 4L + i: the total of half HALF_ORDER[4L + i]
-    t = f.v(f"mul <16 x i32> {t}, {scales}")
-    lo = _slice(f, "i32", 16, t, [0, 1, 2, 3, 8, 9, 10, 11])
-    hi = _slice(f, "i32", 16, t, [4, 5, 6, 7, 12, 13, 14, 15])
-    return f.v(f"add <8 x i32> {lo}, {hi}")
+    return pairs(r0, r1, (0, 2), (1, 3))
 
 
-# Lane 4c + i of ``_quarter_reduce8``'s sixteen 16-value sums: half 4i + c.
+# Lane 4c + i of ``_quarter_tree``'s sixteen 16-value sums: half 4i + c.
 QUARTER_ORDER = tuple(4 * i + c for c in range(4) for i in range(4))
 
 
-def _quarter_reduce8(f: _Fn, ps: list[str], scales: str) -> str:
+def _quarter_tree(f: _Fn, ps: list[str]) -> str:
     """Four <16 x i32> vectors, 128-bit lane c of ps[k] = partial sums of half 4k + c
-    (16 values of group 2k + c // 2) -> <8 x i32> whose lane g is sc[2g] * half 2g's total
-    + sc[2g + 1] * half 2g + 1's (exact integer adds; ``scales`` <16 x i32> in
-    ``QUARTER_ORDER``, one vpmulld)."""
+    (16 values of group 2k + c // 2) -> <16 x i32> whose lane 4c + i is the total of half
+    QUARTER_ORDER[4c + i] (exact integer adds within 128-bit lanes)."""
 
     def pairs(a: str, b: str, lo: tuple[int, int], hi: tuple[int, int]) -> str:
         x = [e for L in range(4) for e in (4 * L + lo[0], 4 * L + lo[1], 16 + 4 * L + lo[0], 16 + 4 * L + lo[1])]
@@ -1254,11 +1248,22 @@ def _quarter_reduce8(f: _Fn, ps: list[str], scales: str) -> str:
 
     # lane c: two partials each of halves c and 4 + c (a), 8 + c and 12 + c (b)
     a, b = pairs(ps[0], ps[1], (0, 1), (2, 3)), pairs(ps[2], ps[3], (0, 1), (2, 3))
-    t = f.v(f"mul <16 x i32> {pairs(a, b, (0, 2), (1, 3))}, {scales}")  # lane 4c + i: half 4i + c
-    # group 2i: lanes i and 4 + i; group 2i + 1: lanes 8 + i and 12 + i
-    e = f.v(f"shufflevector <16 x i32> {t}, <16 x i32> undef, {_mask([0, 8, 1, 9, 2, 10, 3, 11])}")
-    o = f.v(f"shufflevector <16 x i32> {t}, <16 x i32> undef, {_mask([4, 12, 5, 13, 6, 14, 7, 15])}")
-    return f.v(f"add <8 x i32> {e}, {o}")
+    return pairs(a, b, (0, 2), (1, 3))
+
+
+def _group_pairs(f: _Fn, ts: list[str], order: tuple[int, ...]) -> str:
+    """<16 x i32> vectors ts[r], lane j = input row r's (scaled) half order[j] -> one
+    vector whose lane 8r + g is row r's halves 2g + 2g + 1: group g's sum (<8 x i32> for
+    one row, <16 x i32> for two)."""
+    a = [order.index(2 * g) for g in range(8)]
+    b = [order.index(2 * g + 1) for g in range(8)]
+    other = ts[1] if len(ts) == 2 else "undef"
+    if len(ts) == 2:
+        a, b = a + [16 + i for i in a], b + [16 + i for i in b]
+    n = 8 * len(ts)
+    x = f.v(f"shufflevector <16 x i32> {ts[0]}, <16 x i32> {other}, {_mask(a)}")
+    y = f.v(f"shufflevector <16 x i32> {ts[0]}, <16 x i32> {other}, {_mask(b)}")
+    return f.v(f"add <{n} x i32> {x}, {y}")
 
 
 def _kpbody(kind: str, act: int, nx: int) -> str:
@@ -1357,26 +1362,30 @@ def _kpbody(kind: str, act: int, nx: int) -> str:
         wv = [f.v(f"bitcast <64 x i8> {w} to <16 x i32>") for w in wpairs]
         flip = _const("i32", 16, -0x7F7F7F80)  # 0x80808080
         base = [f.v(f"sub <16 x i32> zeroinitializer, {dot('vpdpbusd', flip, w)}") for w in wv]
+        ts = []
         for r in range(nx):
             ps = []
             for k, w in enumerate(wv):
                 xu = f.v(f"xor <16 x i32> {xrow(r, 2 * k)}, {flip}")
                 ps.append(dot("vpdpbusd", xu, w, base[k]))
-            cur_a[r], _ = _meet8(f, r, xg0, _quarter_reduce8(f, ps, sc16), sc8, cur_a[r], None, None)
+            ts.append(f.v(f"mul <16 x i32> {_quarter_tree(f, ps)}, {sc16}"))
+        u = _group_pairs(f, ts, QUARTER_ORDER)
     elif six:
         wgroups = [  # <32 x i16> per group
             f.v(f"sext <32 x i8> {_slice(f, 'i8', 64, w, range(32 * k, 32 * k + 32))} to <32 x i16>")
             for w in wpairs
             for k in range(2)
         ]
-        # the sixteen 8-bit scales in the half sums' lane order (_half_reduce8)
+        # the sixteen 8-bit scales in the half sums' lane order (_half_tree)
         sc16 = _slice(f, "i8", 16, load("<16 x i8>", "%p2", sco), HALF_ORDER)
         sc16 = f.v(f"sext <16 x i8> {sc16} to <16 x i32>")
+        ts = []
         for r in range(nx):
             ps = [
                 dot("vpdpwssd", f.v(f"bitcast <32 x i16> {w} to <16 x i32>"), xrow(r, g)) for g, w in enumerate(wgroups)
             ]
-            cur_a[r], _ = _meet8(f, r, xg0, _half_reduce8(f, ps, sc16), sc8, cur_a[r], None, None)
+            ts.append(f.v(f"mul <16 x i32> {_half_tree(f, ps)}, {sc16}"))
+        u = _group_pairs(f, ts, HALF_ORDER)
     else:
         qso = f.v(f"add i64 {f.v('mul i64 %row, %qs_row')}, {f.v('mul i64 %s, 128')}")
         sco = f.v(f"add i64 {f.v('mul i64 %row, %sc_row')}, {f.v('mul i64 %s, 12')}")
@@ -1411,13 +1420,41 @@ def _kpbody(kind: str, act: int, nx: int) -> str:
             w = both_halves(load("<32 x i8>", "%p3", f.v(f"add i64 {qso}, {32 * k}")), 4)
             w = f.v(f"and <64 x i8> {w}, {_const('i8', 64, 15)}")
             ws.append(f.v(f"bitcast <64 x i8> {w} to <16 x i32>"))
-        for r in range(nx):
-            u = _preduce8(f, [dot("vpdpbusd", w, xrow(r, 2 * k)) for k, w in enumerate(ws)])
-            cur_a[r], cur_m[r] = _meet8(f, r, xg0, u, sc8, cur_a[r], mn8, cur_m[r])
+        if nx == 2:  # both rows' sixteen group sums in one tree (lane 8r + g)
+            ps = [dot("vpdpbusd", w, xrow(r, 2 * k)) for r in range(2) for k, w in enumerate(ws)]
+            u = _slice(f, "i32", 16, _half_tree(f, ps), [HALF_ORDER.index(j) for j in range(16)])
+        else:
+            u = _preduce8(f, [dot("vpdpbusd", w, xrow(0, 2 * k)) for k, w in enumerate(ws)])
     mins = not six
-    carried = _carried8(acc, cur_a, (macc, cur_m) if mins else None)
+    if nx == 1:
+        cur_a[0], cur_m[0] = _meet8(f, 0, xg0, u, sc8, acc[0], mn8 if mins else None, macc[0] if mins else None)
+        carried = _carried8(acc, cur_a, (macc, cur_m) if mins else None)
+    else:
+        # two rows' float steps sixteen lanes at a time (lane 8r + g): _meet8's operations
+        # on the same values, lane for lane
+        def rows16(base: str) -> str:
+            h = []
+            for r in range(2):
+                xo = f.v(f"add i64 {f.v(f'mul i64 %nb, {r}')}, {xg0}")
+                p = f.v(f"getelementptr float, float* {base}, i64 {xo}")
+                h.append(f.v(f"load <8 x float>, <8 x float>* {f.v(f'bitcast float* {p} to <8 x float>*')}, align 4"))
+            return _concat(f, "float", 8, h[0], h[1])
+
+        def fma16(a: str, b: str, c: str) -> str:
+            return f.v(f"call <16 x float> @llvm.fma.v16f32(<16 x float> {a}, <16 x float> {b}, <16 x float> {c})")
+
+        s16 = f.v(f"fmul <16 x float> {_concat(f, 'float', 8, sc8, sc8)}, {rows16('%xd')}")
+        a16 = fma16(f.v(f"sitofp <16 x i32> {u} to <16 x float>"), s16, "%acc16")
+        carried = [("%acc16", "<16 x float>", "zeroinitializer", a16)]
+        if mins:
+            m16 = fma16(_concat(f, "float", 8, mn8, mn8), rows16("%xs"), "%macc16")
+            carried.append(("%macc16", "<16 x float>", "zeroinitializer", m16))
     _loop_back(f, "%s", "%snext", "%nsb", "blk", "rowloop", "rowdone", phi_at, carried)
     f("rowdone:")
+    if nx == 2:
+        cur_a = [_slice(f, "float", 16, a16, range(8 * r, 8 * r + 8)) for r in range(2)]
+        if mins:
+            cur_m = [_slice(f, "float", 16, m16, range(8 * r, 8 * r + 8)) for r in range(2)]
     for r in range(nx):
         h = _hsum(f, cur_a[r])
         if mins:
