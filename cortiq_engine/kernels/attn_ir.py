@@ -51,22 +51,23 @@ class Layout:
     """How many 16-lane accumulators a pass keeps in registers. ``heads``: heads per
     pass (``attn_scores``/``attn_values`` split a larger group into passes of this many);
     ``chains``: accumulators per pass, keys per pass = max(1, chains // heads), so a small
-    group still covers the multiply-add latency on two FMA ports. With 32 vector registers
-    (AVX-512) 16 fit: a group of 8 takes two keys a pass, which halves its reloads of the
-    query rows (TinyLlama's shape at 2,048 keys, 22 layers' caches from memory, Zen 5:
-    1.09x with 8 chains' one key a pass as the base); with AVX2's 16 ymm a 16-lane accumulator takes two, and 8 of them
+    group still covers the multiply-add latency on two FMA ports; ``min_keys``: keys per pass
+    at least. With 32 vector registers (AVX-512) 8 x 8 fit, and a group of 5-8 takes two keys
+    a pass (16 accumulators), which halves its reloads of the query rows (TinyLlama's shape at
+    2,048 keys, 22 layers' caches from memory, Zen 5: 1.09x); with AVX2's 16 ymm a 16-lane accumulator takes two, and 8 of them
     filled the register file: LLVM shuffled and spilled them every pass (30 moves per 16
     multiply-adds in attn_scores8), and a decode's attention at 2,048 tokens of context
     on TinyLlama's shape (group 8) ran at 12 GMAC/s on one core."""
 
     heads: int
     chains: int
+    min_keys: int = 1
 
     def keys_per_pass(self, g: int) -> int:
-        return max(1, self.chains // g)
+        return max(self.min_keys, self.chains // g)
 
 
-WIDE = Layout(heads=8, chains=16)  # 32 vector registers
+WIDE = Layout(heads=8, chains=8, min_keys=2)  # 32 vector registers
 NARROW = Layout(heads=4, chains=4)  # AVX2: 16 ymm
 
 # Software prefetch distance: key rows a fixed 4 KB ahead (the hardware's streams
@@ -77,8 +78,8 @@ PREFETCH_ROWS = 16
 # of every row, so one line a row left each later pass to miss its own line again (a
 # decode at 2,048 keys from memory moved ~10 GB/s a thread). Two lines a pass, with two
 # keys a pass (``WIDE``): TinyLlama's shape at 2,048 keys, 22 layers' caches from memory,
-# 2 threads (Zen 5): f32 4.20 -> 3.42 ms a step, f16 3.14 -> 2.80; four lines measured
-# the same, and hot caches pay ~2 % for the extra prefetches.
+# 2 threads, alternating in one process (Zen 5, two runs): f32 1.21-1.55x (4.20 -> 3.42 ms
+# a step), f16 1.13-1.28x (3.14 -> 2.80); four lines measured the same.
 VALUE_LINES = 2
 
 # The KV cache's element types (``cache.KV_DTYPES``) as LLVM types, and their sizes.
