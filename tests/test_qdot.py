@@ -212,19 +212,24 @@ def test_default_widths_are_int16_for_q8_and_int8_for_q4():
         assert not np.array_equal(got, other.matmul([w], X))
 
 
-@needs_simd
-def test_q6k_int16_worst_case_group_fits_an_i32():
-    """Every |q - 32| = 32, every scale -128, every activation at its top (16383 for q6k):
-    each group's integer sum is 2,147,352,576, just under 2^31; the result is exact."""
-    cols, rows = 512, 16
+def _q6k_worst(rows: int, cols: int) -> Weight:
+    """q6k weights at the integer sums' extreme: every |q - 32| = 32 and every scale -128, d = 1."""
     w, _ = _weight("q6k", rows, cols, seed=2)
     parts = {k: np.ascontiguousarray(v).copy() for k, v in w.parts.items()}
     parts["ql"][:] = 0
     parts["qh"][:] = 0
     parts["scales"][:] = -128
     parts["d"][:] = np.float16(1.0).view(np.uint16)
+    return Weight("w", "q6k", rows, cols, parts)
+
+
+@needs_simd
+def test_q6k_int16_worst_case_group_fits_an_i32():
+    """Every |q - 32| = 32, every scale -128, every activation at its top (16383 for q6k):
+    each group's integer sum is 2,147,352,576, just under 2^31; the result is exact."""
+    cols, rows = 512, 16
     X = np.ones((1, cols), np.float32)
-    got = NumbaKernels(act_bits=16).matmul([Weight("w", "q6k", rows, cols, parts)], X)
+    got = NumbaKernels(act_bits=16).matmul([_q6k_worst(rows, cols)], X)
     assert qdot.qmax("q6k", 16) == 16383 and 32 * 32 * 128 * 16383 < 2**31
     np.testing.assert_array_equal(got, np.full((1, rows), 32 * 128 * cols, np.float32))
 
@@ -284,14 +289,8 @@ def test_kquant_zmm_q6k_worst_case_group_fits_an_i32(bits):
     less 128 times the weights' sums) and still give the per-row bodies' sums, exact on
     int16."""
     cols, rows = 512, 16
-    w, _ = _weight("q6k", rows, cols, seed=2)
-    parts = {k: np.ascontiguousarray(v).copy() for k, v in w.parts.items()}
-    parts["ql"][:] = 0
-    parts["qh"][:] = 0
-    parts["scales"][:] = -128
-    parts["d"][:] = np.float16(1.0).view(np.uint16)
     X = np.ones((2, cols), np.float32)
-    w = Weight("w", "q6k", rows, cols, parts)
+    w = _q6k_worst(rows, cols)
     got = NumbaKernels(act_bits=bits, zmm=True, zmm_min_weights=0).matmul([w], X)
     assert np.array_equal(got, NumbaKernels(act_bits=bits, zmm=False).matmul([w], X))
     if bits == 16:

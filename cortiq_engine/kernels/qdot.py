@@ -495,7 +495,7 @@ def _prefetch_group(f: _Fn, wqrow: str, b0: str, wbytes: int) -> None:
         f(f"  call void @llvm.prefetch.p0i8(i8* {pp}, i32 0, i32 3, i32 1)")
 
 
-def _gbody(kind: str, nx: int, act: int = 8, vnni: bool = False) -> str:
+def _gbody(kind: str, nx: int, act: int = 8, vnni: bool = False, pairs: bool = False) -> str:
     """The 32-block dtypes (q8, q4, q4_0, q5, q5_1, iq4_nl) for ``nx`` input rows, eight blocks per
     step: the eight exact block sums of an input row reduce into one vector (lane k =
     block k), which meets the eight weight scales (one f16 load and convert) times
@@ -504,12 +504,18 @@ def _gbody(kind: str, nx: int, act: int = 8, vnni: bool = False) -> str:
     share of the reduction, where the one-block body (``_body``) spends a convert, a
     scalar scale product, a broadcast and an FMA: the part a verify pays per row.
     The nb % 8 leftover blocks take ``_block``. Every input row sums in an order
-    fixed by nb alone: row-exact."""
+    fixed by nb alone: row-exact. ``pairs``: ``_pbody``'s eight block sums instead, two
+    blocks a 512-bit product (the same integers, so the same bits)."""
     q4 = _min_term(kind)
     wbytes = 16 if _nibbles(kind) else 32
     name = _entry(kind, act)
-    f = _Fn(vnni)
-    f(f"define internal void @{name}_rows{nx}({_ARGS}) nounwind alwaysinline {{")
+    f = _Fn(vnni or pairs)
+    head = (
+        f"@{name}_rows{nx}p({_ARGS}) nounwind alwaysinline" + _ZMM_ATTR
+        if pairs
+        else f"@{name}_rows{nx}({_ARGS}) nounwind alwaysinline"
+    )
+    f(f"define internal void {head} {{")
     f("entry:")
     _grouped_prologue(f, kind)
     facc = [f"%facc{r}" for r in range(nx)]
@@ -517,8 +523,19 @@ def _gbody(kind: str, nx: int, act: int = 8, vnni: bool = False) -> str:
     phi_at = len(f.lines)
     b0 = f.v(f"mul i64 %g, {GROUP}")
     _prefetch_group(f, "%wqrow", b0, wbytes)
-    wvs = [_wunpack(f, kind, act, f.v(f"add i64 {b0}, {k}"), prefetch=False) for k in range(GROUP)]
-    bks = [f.v(f"add i64 {b0}, {k}") for k in range(GROUP)]
+    if pairs:
+        wpairs = _wpairs(f, b0, wbytes)
+
+        def block_sums(r: int) -> str:
+            return _preduce8(f, [_pair_dot(f, r, b, wv) for b, wv in wpairs])
+
+    else:
+        wvs = [_wunpack(f, kind, act, f.v(f"add i64 {b0}, {k}"), prefetch=False) for k in range(GROUP)]
+        bks = [f.v(f"add i64 {b0}, {k}") for k in range(GROUP)]
+
+        def block_sums(r: int) -> str:
+            return _reduce8(f, [_isum(f, kind, act, wvs[k], r, bks[k]) for k in range(GROUP)])
+
     wdo = f.v(f"add i64 %wdrow, {b0}")
 
     def half8(base: str) -> str:
@@ -534,8 +551,7 @@ def _gbody(kind: str, nx: int, act: int = 8, vnni: bool = False) -> str:
         mw8 = f.v(f"fmul <8 x float> {dw8}, {_splat(f, 'float', 8, f'-{ops_for(kind).zero}.0')}")
     new_f, new_m = [], []
     for r in range(nx):
-        u = _reduce8(f, [_isum(f, kind, act, wvs[k], r, bks[k]) for k in range(GROUP)])
-        a, m = _meet8(f, r, b0, u, dw8, facc[r], mw8, macc[r] if q4 else None)
+        a, m = _meet8(f, r, b0, block_sums(r), dw8, facc[r], mw8, macc[r] if q4 else None)
         new_f.append(a)
         if q4:
             new_m.append(m)
@@ -610,6 +626,50 @@ _KLAYOUTS = {
 }
 
 
+def _ksuper_prologue(f: _Fn, layout: str, nx: int) -> tuple[list[str], list[str], int, str, str]:
+    """The entry and super-block loop head every K-quant body shares: part pointers and row
+    strides of ``layout`` (``_KLAYOUTS``), prefetch distances, the row loop, the block loop's
+    first line (``%s``, its phis go at the returned line); (accumulator names, min
+    accumulator names, that line, the super-block's index, its f16 ``d`` as float)."""
+    f("  %xq16 = bitcast i8* %xq to i16*")
+    f("  %nsb = udiv i64 %nb, 8")
+    f("  %cols = mul i64 %nb, 32")
+    d_part, f16_part, row_bytes, second_stream = _KLAYOUTS[layout]
+    f(f"  %kd = bitcast i8* %p{d_part} to i16*")
+    if f16_part is not None:
+        f(f"  %{f16_part[0]} = bitcast i8* %p{f16_part[1]} to i16*")
+    for name, nbytes in row_bytes.items():
+        f(f"  %{name}_row = mul i64 %nsb, {nbytes}")
+    f(f"  %pf_ahead = add i64 0, {PREFETCH_BYTES}")
+    if second_stream:
+        f(f"  %pf_ahead_h = add i64 0, {PREFETCH_BYTES // second_stream}")
+    f("  %empty = icmp sge i64 %r0, %r1")
+    f("  br i1 %empty, label %exit, label %rowloop")
+    f("rowloop:")
+    f("  %row = phi i64 [%r0, %entry], [%rownext, %rowend]")
+    f("  %drow = mul i64 %row, %nsb")
+    f("  br label %blk")
+    f("blk:")
+    f("  %s = phi i64 [0, %rowloop], [%snext, %blk]")
+    acc = [f"%acc{r}" for r in range(nx)]
+    macc = [f"%macc{r}" for r in range(nx)]
+    phi_at = len(f.lines)
+    di = f.v("add i64 %drow, %s")
+    return acc, macc, phi_at, di, _half(f, "%kd", di)
+
+
+def _kstore_rows(f: _Fn, accs: list[str], maccs: list[str] | None) -> str:
+    """The end of a K-quant body's row: out[r, row] = the lanes' sum (less the mins' sum)
+    for each input row, then the next row; the function's text."""
+    for r, a in enumerate(accs):
+        h = _hsum(f, a)
+        if maccs is not None:
+            h = f.v(f"fsub float {h}, {_hsum(f, maccs[r])}")
+        oo = f.v(f"add i64 {f.v(f'mul i64 %ostride, {r}')}, %row")
+        f(f"  store float {h}, float* {f.v(f'getelementptr float, float* %out, i64 {oo}')}, align 4")
+    return _close_rows(f)
+
+
 def _kbody(kind: str, nx: int, act: int = 8, vnni: bool = False) -> str:
     """One K-quant super-block body (q4k, q5k, q6k) for ``nx`` input rows on int8
     activations. A super-block holds 8 groups of 32 values, each aligned with one
@@ -632,33 +692,9 @@ def _kbody(kind: str, nx: int, act: int = 8, vnni: bool = False) -> str:
     mins = not six and not grid and not three
     f(f"define internal void @{_entry(kind, act)}_rows{nx}({_ARGS}) nounwind alwaysinline {{")
     f("entry:")
-    f("  %xq16 = bitcast i8* %xq to i16*")
-    f("  %nsb = udiv i64 %nb, 8")
-    f("  %cols = mul i64 %nb, 32")
     layout = "six" if six else "three" if three else "grid" if grid else "k5" if fifth else "k4"
-    d_part, f16_part, row_bytes, second_stream = _KLAYOUTS[layout]
-    f(f"  %kd = bitcast i8* %p{d_part} to i16*")
-    if f16_part is not None:
-        f(f"  %{f16_part[0]} = bitcast i8* %p{f16_part[1]} to i16*")
-    for name, nbytes in row_bytes.items():
-        f(f"  %{name}_row = mul i64 %nsb, {nbytes}")
-    f(f"  %pf_ahead = add i64 0, {PREFETCH_BYTES}")
-    if second_stream:
-        f(f"  %pf_ahead_h = add i64 0, {PREFETCH_BYTES // second_stream}")
-    f("  %empty = icmp sge i64 %r0, %r1")
-    f("  br i1 %empty, label %exit, label %rowloop")
-    f("rowloop:")
-    f("  %row = phi i64 [%r0, %entry], [%rownext, %rowend]")
-    f("  %drow = mul i64 %row, %nsb")
-    f("  br label %blk")
-    f("blk:")
-    f("  %s = phi i64 [0, %rowloop], [%snext, %blk]")
-    acc = [f"%acc{r}" for r in range(nx)]
-    macc = [f"%macc{r}" for r in range(nx)]
-    phi_at = len(f.lines)
+    acc, macc, phi_at, di, dd = _ksuper_prologue(f, layout, nx)
     cur_a, cur_m = acc[:], macc[:]
-    di = f.v("add i64 %drow, %s")
-    dd = _half(f, "%kd", di)
     groups: list[tuple[str, str, str | None]] = []  # (weights <32 x i8>, float scale, float min)
     sub_scales = None  # q3k on int8 activations: its 16-value scales (_reduce8)
     if six:
@@ -857,13 +893,7 @@ def _kbody(kind: str, nx: int, act: int = 8, vnni: bool = False) -> str:
     carried = _carried8(acc, cur_a, (macc, cur_m) if mins else None)
     _loop_back(f, "%s", "%snext", "%nsb", "blk", "rowloop", "rowdone", phi_at, carried)
     f("rowdone:")
-    for r in range(nx):
-        h = _hsum(f, cur_a[r])
-        if mins:
-            h = f.v(f"fsub float {h}, {_hsum(f, cur_m[r])}")
-        oo = f.v(f"add i64 {f.v(f'mul i64 %ostride, {r}')}, %row")
-        f(f"  store float {h}, float* {f.v(f'getelementptr float, float* %out, i64 {oo}')}, align 4")
-    return _close_rows(f)
+    return _kstore_rows(f, cur_a, cur_m if mins else None)
 
 
 # ------------------------------------------------------------ 4-row zmm bodies
@@ -1091,6 +1121,7 @@ def _zbody(kind: str, act: int, nx: int) -> str:
 # the per-row bodies (a shared host's bandwidth moved 38-70 GB/s between runs): 1 row
 # 1.09x, 2 rows 1.16x faster, the 1-row call then bound by memory.
 PROWS = 2
+_ZMM_ATTR = ' "min-legal-vector-width"="512"'
 
 
 def _preduce8(f: _Fn, vs: list[str]) -> str:
@@ -1116,22 +1147,9 @@ def _preduce8(f: _Fn, vs: list[str]) -> str:
     return f.v(f"add <8 x i32> {e}, {o}")
 
 
-def _pbody(kind: str, act: int, nx: int) -> str:
-    """``kind``'s zmm body for ``nx`` (1 or 2) input rows (see above): ``_gbody``'s loop
-    with the eight block sums of a group computed two blocks a vpdpbusd."""
-    assert (kind, act) in ZBODIES and 1 <= nx <= PROWS
-    q4 = _min_term(kind)
-    wbytes = 16
-    name = _entry(kind, act)
-    f = _Fn(True)
-    f(f'define internal void @{name}_rows{nx}p({_ARGS}) nounwind alwaysinline "min-legal-vector-width"="512" {{')
-    f("entry:")
-    _grouped_prologue(f, kind)
-    facc = [f"%facc{r}" for r in range(nx)]
-    macc = [f"%macc{r}" for r in range(nx)]
-    phi_at = len(f.lines)
-    b0 = f.v(f"mul i64 %g, {GROUP}")
-    _prefetch_group(f, "%wqrow", b0, wbytes)
+def _wpairs(f: _Fn, b0: str, wbytes: int) -> list[tuple[str, str]]:
+    """The group from block ``b0`` of the current row, two nibble blocks a 512-bit operand
+    in the order of their 64 activation bytes: (first block, <16 x i32>) per pair."""
     pairs = []
     for j in range(GROUP // 2):
         b = f.v(f"add i64 {b0}, {2 * j}")
@@ -1141,44 +1159,23 @@ def _pbody(kind: str, act: int, nx: int) -> str:
         order = list(range(16)) + list(range(32, 48)) + list(range(16, 32)) + list(range(48, 64))
         w = f.v(f"shufflevector <32 x i8> {lo}, <32 x i8> {hi}, {_mask(order)}")
         pairs.append((b, f.v(f"bitcast <64 x i8> {w} to <16 x i32>")))
-    wdo = f.v(f"add i64 %wdrow, {b0}")
+    return pairs
 
-    def half8(base: str) -> str:
-        p = f.v(f"getelementptr i16, i16* {base}, i64 {wdo}")
-        h = f.v(f"load <8 x half>, <8 x half>* {f.v(f'bitcast i16* {p} to <8 x half>*')}, align 2")
-        return f.v(f"fpext <8 x half> {h} to <8 x float>")
 
-    dw8 = half8("%wd")
-    if _stored_min(kind):
-        mw8 = half8("%wm")
-    else:
-        mw8 = f.v(f"fmul <8 x float> {dw8}, {_splat(f, 'float', 8, f'-{ops_for(kind).zero}.0')}")
-    new_f, new_m = [], []
-    for r in range(nx):
-        sums = []
-        for b, wv in pairs:
-            xo = f.v(f"add i64 {f.v(f'mul i64 %cols, {r}')}, {f.v(f'mul i64 {b}, 32')}")
-            xv = _load_at(f, "<16 x i32>", "i8", "%xq", xo)
-            sums.append(
-                f.v(
-                    f"call <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32> zeroinitializer, <16 x i32> {wv}, <16 x i32> {xv})"
-                )
-            )
-        a, m = _meet8(f, r, b0, _preduce8(f, sums), dw8, facc[r], mw8, macc[r])
-        new_f.append(a)
-        new_m.append(m)
-    carried = _carried8(facc, new_f, (macc, new_m))
-    _loop_back(f, "%g", "%gnext", "%ngroups", "grp", "rowloop", "gdone", phi_at, carried)
-    f("gdone:")
-    for r in range(nx):
-        f(f"  %gf{r} = phi <8 x float> [zeroinitializer, %rowloop], [{new_f[r]}, %grp]")
-        f(f"  %gm{r} = phi <8 x float> [zeroinitializer, %rowloop], [{new_m[r]}, %grp]")
-    f("  br i1 %hastail, label %tloop, label %fin")
-    tas, tms = _tail_rows(f, kind, act, nx)
-    assert q4
-    for r in range(nx):
-        _store_row(f, r, _hsum(f, f"%gf{r}"), _hsum(f, f"%gm{r}"), tas[r], tms[r])
-    return _close_rows(f)
+def _pair_dot(f: _Fn, r: int, b: str, wv: str) -> str:
+    """Blocks b and b + 1 of input row ``r`` times the weight pair ``wv``: one vpdpbusd."""
+    xo = f.v(f"add i64 {f.v(f'mul i64 %cols, {r}')}, {f.v(f'mul i64 {b}, 32')}")
+    xv = _load_at(f, "<16 x i32>", "i8", "%xq", xo)
+    return f.v(
+        f"call <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32> zeroinitializer, <16 x i32> {wv}, <16 x i32> {xv})"
+    )
+
+
+def _pbody(kind: str, act: int, nx: int) -> str:
+    """``kind``'s zmm body for ``nx`` (1 or 2) input rows (see above): ``_gbody``'s loop
+    with the eight block sums of a group computed two blocks a vpdpbusd."""
+    assert (kind, act) in ZBODIES and 1 <= nx <= PROWS and _min_term(kind)
+    return _gbody(kind, nx, act, True, pairs=True)
 
 
 # ------------------------------------------------------------ K-quant 1- and 2-row zmm bodies
@@ -1285,32 +1282,8 @@ def _kpbody(kind: str, act: int, nx: int) -> str:
         ' "min-legal-vector-width"="512" {'
     )
     f("entry:")
-    f("  %xq16 = bitcast i8* %xq to i16*")
-    f("  %nsb = udiv i64 %nb, 8")
-    f("  %cols = mul i64 %nb, 32")
-    d_part, f16_part, row_bytes, second_stream = _KLAYOUTS["six" if six else "k4"]
-    f(f"  %kd = bitcast i8* %p{d_part} to i16*")
-    if f16_part is not None:
-        f(f"  %{f16_part[0]} = bitcast i8* %p{f16_part[1]} to i16*")
-    for name, nbytes in row_bytes.items():
-        f(f"  %{name}_row = mul i64 %nsb, {nbytes}")
-    f(f"  %pf_ahead = add i64 0, {PREFETCH_BYTES}")
-    if second_stream:
-        f(f"  %pf_ahead_h = add i64 0, {PREFETCH_BYTES // second_stream}")
-    f("  %empty = icmp sge i64 %r0, %r1")
-    f("  br i1 %empty, label %exit, label %rowloop")
-    f("rowloop:")
-    f("  %row = phi i64 [%r0, %entry], [%rownext, %rowend]")
-    f("  %drow = mul i64 %row, %nsb")
-    f("  br label %blk")
-    f("blk:")
-    f("  %s = phi i64 [0, %rowloop], [%snext, %blk]")
-    acc = [f"%acc{r}" for r in range(nx)]
-    macc = [f"%macc{r}" for r in range(nx)]
-    phi_at = len(f.lines)
+    acc, macc, phi_at, di, dd = _ksuper_prologue(f, "six" if six else "k4", nx)
     cur_a, cur_m = acc[:], macc[:]
-    di = f.v("add i64 %drow, %s")
-    dd = _half(f, "%kd", di)
     xg0 = f.v("mul i64 %s, 8")
 
     def prefetch(base: str, off: str, ahead: str) -> None:
@@ -1463,13 +1436,7 @@ def _kpbody(kind: str, act: int, nx: int) -> str:
         cur_a = [_slice(f, "float", 16, a16, range(8 * r, 8 * r + 8)) for r in range(2)]
         if mins:
             cur_m = [_slice(f, "float", 16, m16, range(8 * r, 8 * r + 8)) for r in range(2)]
-    for r in range(nx):
-        h = _hsum(f, cur_a[r])
-        if mins:
-            h = f.v(f"fsub float {h}, {_hsum(f, cur_m[r])}")
-        oo = f.v(f"add i64 {f.v(f'mul i64 %ostride, {r}')}, %row")
-        f(f"  store float {h}, float* {f.v(f'getelementptr float, float* %out, i64 {oo}')}, align 4")
-    return _close_rows(f)
+    return _kstore_rows(f, cur_a, cur_m if mins else None)
 
 
 # ------------------------------------------------------------ q8: 4 weight rows at a time
