@@ -52,9 +52,10 @@ class Layout:
     pass (``attn_scores``/``attn_values`` split a larger group into passes of this many);
     ``chains``: accumulators per pass, keys per pass = max(1, chains // heads), so a small
     group still covers the multiply-add latency on two FMA ports; ``min_keys``: keys per pass
-    at least. With 32 vector registers (AVX-512) 8 x 8 fit, and a group of 5-8 takes two keys
-    a pass (16 accumulators), which halves its reloads of the query rows (TinyLlama's shape at
-    2,048 keys, 22 layers' caches from memory, Zen 5: 1.09x); with AVX2's 16 ymm a 16-lane accumulator takes two, and 8 of them
+    at least. With 32 vector registers (AVX-512) 8 x 8 fit, and a group of 5-8 takes two
+    keys a pass (16 accumulators), which halves its reloads of the query rows (TinyLlama's
+    shape at 2,048 keys, 22 layers' caches from memory, Zen 5: 1.09x); with AVX2's 16 ymm a
+    16-lane accumulator takes two, and 8 of them
     filled the register file: LLVM shuffled and spilled them every pass (30 moves per 16
     multiply-adds in attn_scores8), and a decode's attention at 2,048 tokens of context
     on TinyLlama's shape (group 8) ran at 12 GMAC/s on one core."""

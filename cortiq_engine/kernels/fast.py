@@ -546,8 +546,9 @@ class NumbaKernels(NumpyKernels):
     def rope(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> None:
         jit.rope(x, cos, sin)
 
-    def _loops(self, kc: np.ndarray) -> attn_ir.AttentionLoops:
-        if kc.dtype == np.float32:
+    def _loops(self, dtype) -> attn_ir.AttentionLoops:
+        """The attention loops that read a cache of this element type (f32 or f16)."""
+        if dtype == np.float32:
             return self._attn
         if self._attn_f16 is None:
             self._attn_f16 = attn_ir.AttentionLoops(*self._attn_args, kv="f16")
@@ -559,7 +560,7 @@ class NumbaKernels(NumpyKernels):
             return attend(q, kc, vc, start, call, ROW_EXACT_ROWS)
         out = np.empty((q.shape[0], q.shape[1], vc.shape[2]), np.float32)
         n, d, dv = q.shape[0], q.shape[2], vc.shape[2]
-        fns = self._loops(kc).for_dims(d, dv)
+        fns = self._loops(kc.dtype).for_dims(d, dv)
         if not (kc.flags.c_contiguous and vc.flags.c_contiguous):
             fns = np.zeros_like(fns)  # the IR loops address rows by a C layout
         if n > SMALL_ATTN and fns[3]:
@@ -634,7 +635,7 @@ class NumbaKernels(NumpyKernels):
     def attention_loops(self, d: int, dv: int, kv: str = "f32") -> np.ndarray:
         """The IR loops ``attend`` gives a decode over a ``kv`` (f32 | f16) cache of these
         head sizes (zeros: none)."""
-        return self._loops(np.empty(0, KV_DTYPES[kv])).for_dims(d, dv)
+        return self._loops(KV_DTYPES[kv]).for_dims(d, dv)
 
     # ------------------------------------------------------------ compile ahead
     def warmup(self, ws: Sequence[Weight]) -> None:

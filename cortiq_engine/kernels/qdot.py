@@ -1124,24 +1124,30 @@ PROWS = 2
 _ZMM_ATTR = ' "min-legal-vector-width"="512"'
 
 
+def _fold128(f: _Fn, a: str, b: str) -> str:
+    """Two <16 x i32> vectors -> their 128-bit lanes added in pairs:
+    [a.0 + a.1, a.2 + a.3, b.0 + b.1, b.2 + b.3] (exact integer adds)."""
+    even = [x for L in (0, 2, 4, 6) for x in range(4 * L, 4 * L + 4)]
+    odd = [x for L in (1, 3, 5, 7) for x in range(4 * L, 4 * L + 4)]
+    x = f.v(f"shufflevector <16 x i32> {a}, <16 x i32> {b}, {_mask(even)}")
+    y = f.v(f"shufflevector <16 x i32> {a}, <16 x i32> {b}, {_mask(odd)}")
+    return f.v(f"add <16 x i32> {x}, {y}")
+
+
+def _lane_pairs(f: _Fn, a: str, b: str, lo: tuple[int, int], hi: tuple[int, int]) -> str:
+    """Within each 128-bit lane L of two <16 x i32> vectors:
+    [a.lo0 + a.hi0, a.lo1 + a.hi1, b.lo0 + b.hi0, b.lo1 + b.hi1] (exact integer adds)."""
+    x = [e for L in range(4) for e in (4 * L + lo[0], 4 * L + lo[1], 16 + 4 * L + lo[0], 16 + 4 * L + lo[1])]
+    y = [e for L in range(4) for e in (4 * L + hi[0], 4 * L + hi[1], 16 + 4 * L + hi[0], 16 + 4 * L + hi[1])]
+    sx = f.v(f"shufflevector <16 x i32> {a}, <16 x i32> {b}, {_mask(x)}")
+    return f.v(f"add <16 x i32> {sx}, {f.v(f'shufflevector <16 x i32> {a}, <16 x i32> {b}, {_mask(y)}')}")
+
+
 def _preduce8(f: _Fn, vs: list[str]) -> str:
     """Four <16 x i32> vectors, vs[j] lanes 0-7 = partial sums of block 2j and 8-15 of
     block 2j + 1 -> <8 x i32> whose lane k is block k's total (exact integer adds)."""
-
-    def fold(a: str, b: str) -> str:  # 128-bit lanes: [a.0 + a.1, a.2 + a.3, b.0 + b.1, b.2 + b.3]
-        even = [x for L in (0, 2, 4, 6) for x in range(4 * L, 4 * L + 4)]
-        odd = [x for L in (1, 3, 5, 7) for x in range(4 * L, 4 * L + 4)]
-        x = f.v(f"shufflevector <16 x i32> {a}, <16 x i32> {b}, {_mask(even)}")
-        y = f.v(f"shufflevector <16 x i32> {a}, <16 x i32> {b}, {_mask(odd)}")
-        return f.v(f"add <16 x i32> {x}, {y}")
-
-    s0, s1 = fold(vs[0], vs[1]), fold(vs[2], vs[3])  # 128-bit lane L: block L / block 4 + L
-    lo = [x for L in range(4) for x in (4 * L, 4 * L + 1, 16 + 4 * L, 16 + 4 * L + 1)]
-    hi = [x for L in range(4) for x in (4 * L + 2, 4 * L + 3, 16 + 4 * L + 2, 16 + 4 * L + 3)]
-    r = f.v(
-        f"add <16 x i32> {f.v(f'shufflevector <16 x i32> {s0}, <16 x i32> {s1}, {_mask(lo)}')}, "
-        f"{f.v(f'shufflevector <16 x i32> {s0}, <16 x i32> {s1}, {_mask(hi)}')}"
-    )  # lane L: two partials of block L, two of block 4 + L
+    s0, s1 = _fold128(f, vs[0], vs[1]), _fold128(f, vs[2], vs[3])  # 128-bit lane L: block L / block 4 + L
+    r = _lane_pairs(f, s0, s1, (0, 1), (2, 3))  # lane L: two partials of block L, two of block 4 + L
     e = f.v(f"shufflevector <16 x i32> {r}, <16 x i32> undef, {_mask([0, 4, 8, 12, 2, 6, 10, 14])}")
     o = f.v(f"shufflevector <16 x i32> {r}, <16 x i32> undef, {_mask([1, 5, 9, 13, 3, 7, 11, 15])}")
     return f.v(f"add <8 x i32> {e}, {o}")
@@ -1214,26 +1220,11 @@ def _half_tree(f: _Fn, ps: list[str]) -> str:
     """Eight <16 x i32> vectors, ps[g] lanes 0-7 = partial sums of item 2g and 8-15 of item
     2g + 1 -> <16 x i32> whose lane 4L + i is the total of item HALF_ORDER[4L + i] (exact
     integer adds: 21 shuffles and adds within 128-bit lanes or of whole ones)."""
-
-    def two(a: str, b: str, idx) -> str:
-        return f.v(f"shufflevector <16 x i32> {a}, <16 x i32> {b}, {_mask(idx)}")
-
-    def fold(a: str, b: str) -> str:  # 128-bit lanes: [a.0 + a.1, a.2 + a.3, b.0 + b.1, b.2 + b.3]
-        even = [x for L in (0, 2, 4, 6) for x in range(4 * L, 4 * L + 4)]
-        odd = [x for L in (1, 3, 5, 7) for x in range(4 * L, 4 * L + 4)]
-        return f.v(f"add <16 x i32> {two(a, b, even)}, {two(a, b, odd)}")
-
-    def pairs(a: str, b: str, lo: tuple[int, int], hi: tuple[int, int]) -> str:
-        """Within each 128-bit lane L: [a.lo0 + a.hi0, a.lo1 + a.hi1, b.lo0 + b.hi0, b.lo1 + b.hi1]."""
-        x = [e for L in range(4) for e in (4 * L + lo[0], 4 * L + lo[1], 16 + 4 * L + lo[0], 16 + 4 * L + lo[1])]
-        y = [e for L in range(4) for e in (4 * L + hi[0], 4 * L + hi[1], 16 + 4 * L + hi[0], 16 + 4 * L + hi[1])]
-        return f.v(f"add <16 x i32> {two(a, b, x)}, {two(a, b, y)}")
-
     # 128-bit lanes of the folds: halves [0, 1, 8, 9], [2, 3, 10, 11], [4, 5, 12, 13], [6, 7, 14, 15]
-    s = [fold(ps[k], ps[k + 4]) for k in range(4)]
+    s = [_fold128(f, ps[k], ps[k + 4]) for k in range(4)]
     # two partials each: lane L of r0 halves (0, 2), (1, 3), (8, 10), (9, 11); r1 the same + 4
-    r0, r1 = pairs(s[0], s[1], (0, 1), (2, 3)), pairs(s[2], s[3], (0, 1), (2, 3))
-    return pairs(r0, r1, (0, 2), (1, 3))
+    r0, r1 = _lane_pairs(f, s[0], s[1], (0, 1), (2, 3)), _lane_pairs(f, s[2], s[3], (0, 1), (2, 3))
+    return _lane_pairs(f, r0, r1, (0, 2), (1, 3))
 
 
 # Lane 4c + i of ``_quarter_tree``'s sixteen 16-value sums: half 4i + c.
@@ -1244,16 +1235,9 @@ def _quarter_tree(f: _Fn, ps: list[str]) -> str:
     """Four <16 x i32> vectors, 128-bit lane c of ps[k] = partial sums of half 4k + c
     (16 values of group 2k + c // 2) -> <16 x i32> whose lane 4c + i is the total of half
     QUARTER_ORDER[4c + i] (exact integer adds within 128-bit lanes)."""
-
-    def pairs(a: str, b: str, lo: tuple[int, int], hi: tuple[int, int]) -> str:
-        x = [e for L in range(4) for e in (4 * L + lo[0], 4 * L + lo[1], 16 + 4 * L + lo[0], 16 + 4 * L + lo[1])]
-        y = [e for L in range(4) for e in (4 * L + hi[0], 4 * L + hi[1], 16 + 4 * L + hi[0], 16 + 4 * L + hi[1])]
-        sx = f.v(f"shufflevector <16 x i32> {a}, <16 x i32> {b}, {_mask(x)}")
-        return f.v(f"add <16 x i32> {sx}, {f.v(f'shufflevector <16 x i32> {a}, <16 x i32> {b}, {_mask(y)}')}")
-
     # lane c: two partials each of halves c and 4 + c (a), 8 + c and 12 + c (b)
-    a, b = pairs(ps[0], ps[1], (0, 1), (2, 3)), pairs(ps[2], ps[3], (0, 1), (2, 3))
-    return pairs(a, b, (0, 2), (1, 3))
+    a, b = _lane_pairs(f, ps[0], ps[1], (0, 1), (2, 3)), _lane_pairs(f, ps[2], ps[3], (0, 1), (2, 3))
+    return _lane_pairs(f, a, b, (0, 2), (1, 3))
 
 
 def _group_pairs(f: _Fn, ts: list[str], order: tuple[int, ...]) -> str:
@@ -1277,10 +1261,7 @@ def _kpbody(kind: str, act: int, nx: int) -> str:
     assert (kind, act) in KPBODIES and 1 <= nx <= PROWS
     six = ops_for(kind).ksigned
     f = _Fn(True)
-    f(
-        f"define internal void @{_entry(kind, act)}_rows{nx}k({_ARGS}) nounwind alwaysinline"
-        ' "min-legal-vector-width"="512" {'
-    )
+    f(f"define internal void @{_entry(kind, act)}_rows{nx}k({_ARGS}) nounwind alwaysinline{_ZMM_ATTR} {{")
     f("entry:")
     acc, macc, phi_at, di, dd = _ksuper_prologue(f, "six" if six else "k4", nx)
     cur_a, cur_m = acc[:], macc[:]
@@ -1639,21 +1620,34 @@ def _wbody(kind: str, act: int, nx: int) -> str:
     return "\n".join(f.lines)
 
 
+def _zmm_bodies(kind: str, act: int) -> dict[int, tuple[str, object]]:
+    """``kind``'s 512-bit bodies on ``act``-bit activations by the input rows they take:
+    (name suffix, builder of (kind, act, rows)); the other row counts keep the per-row
+    bodies. 3 and 4 rows: ``_zbody`` (``ZBODIES``), ``_wbody`` (``WROWS_KINDS``); 1 and
+    2 rows: ``_pbody`` (``ZBODIES``), ``_kpbody`` (``KPBODIES``)."""
+    key = (kind, act)
+    big = range(ZROWS_FROM, ZROWS + 1)
+    small = range(1, PROWS + 1)
+    if key in ZBODIES:
+        return {**{n: ("z", _zbody) for n in big}, **{n: ("p", _pbody) for n in small}}
+    if key in WROWS_KINDS:
+        return {n: ("w", _wbody) for n in big}
+    if key in KPBODIES:
+        return {n: ("k", _kpbody) for n in small}
+    return {}
+
+
 def _dispatch(kind: str, act: int = 8, zmm: bool = False) -> str:
-    """The exported entry: a switch on the number of input rows (``zmm``: 3 and 4 rows
-    take ``_zbody`` for the ``ZBODIES``, ``_wbody`` for the ``WROWS_KINDS``; 1 and 2
-    rows ``_pbody`` for the ``ZBODIES``, ``_kpbody`` for the ``KPBODIES``)."""
+    """The exported entry: a switch on the number of input rows (``zmm``: the
+    ``_zmm_bodies`` where ``kind`` has them)."""
     name = _entry(kind, act)
-    attrs = ' "min-legal-vector-width"="512"' if zmm else ""
+    bodies = _zmm_bodies(kind, act) if zmm else {}
+    attrs = _ZMM_ATTR if bodies else ""
     L = [f"define void @{name}_rows(i64 %nx, {_ARGS}) nounwind{attrs} {{", "entry:"]
     cases = " ".join(f"i64 {n}, label %n{n}" for n in range(1, MAX_ROWS + 1))
     L.append(f"  switch i64 %nx, label %done [{cases}]")
     for n in range(1, MAX_ROWS + 1):
-        suffix = ("z" if (kind, act) in ZBODIES else "w") if zmm and n >= ZROWS_FROM else ""
-        if zmm and n <= PROWS and (kind, act) in ZBODIES:
-            suffix = "p"
-        if (kind, act) in KPBODIES:  # 3 and 4 rows keep the per-row bodies
-            suffix = "k" if zmm and n <= PROWS else ""
+        suffix = bodies[n][0] if n in bodies else ""
         body = f"{name}_rows{n}{suffix}"
         L += [f"n{n}:", f"  call void @{body}({_CALL_ARGS})", "  br label %done"]
     L += ["done:", "  ret void", "}"]
@@ -1675,15 +1669,9 @@ def module_ir(kind: str | None = None, act: int | None = None, vnni: bool = Fals
                 raise ValueError(f"no {bits}-bit activation kernel for {k}")
             body = _kbody if ops_for(k).kbody else _gbody
             parts += [body(k, n, bits, vnni) for n in range(1, MAX_ROWS + 1)]
-            z = zmm and ((k, bits) in ZBODIES or (k, bits) in WROWS_KINDS or (k, bits) in KPBODIES)
-            if zmm and (k, bits) in KPBODIES:
-                parts += [_kpbody(k, bits, n) for n in range(1, PROWS + 1)]
-            elif z:
-                body4 = _zbody if (k, bits) in ZBODIES else _wbody
-                parts += [body4(k, bits, n) for n in range(ZROWS_FROM, ZROWS + 1)]
-                if (k, bits) in ZBODIES:
-                    parts += [_pbody(k, bits, n) for n in range(1, PROWS + 1)]
-            parts.append(_dispatch(k, bits, z))
+            if zmm:
+                parts += [build(k, bits, n) for n, (_, build) in _zmm_bodies(k, bits).items()]
+            parts.append(_dispatch(k, bits, zmm))
     return "\n".join(parts)
 
 
